@@ -1,0 +1,3 @@
+from forge_engine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,749 @@
+# %% [markdown]
+# # Reading GGUF files
+#
+# > Parse a GGUF file's header and metadata, and dequantize its tensors to PyTorch one at a time, under Hugging Face names.
+#
+# GGUF is llama.cpp's single-file model format: the tokenizer, the model's shape and every
+# weight in one file, the weights usually *quantized* (stored in 4 to 8 bits in small blocks
+# that share a scale). Our small real test model, SmolLM2-135M-Instruct, ships as a GGUF of
+# 98 MB. This chapter reads such a file by hand, turns its metadata into plain Python (for
+# `ModelConfig` and the tokenizer) and turns each quantized block back into float32 with a
+# few PyTorch tensor operations, so the loader of chapter 01 can consume `(hf_name, tensor)`
+# pairs exactly as it does for safetensors.
+#
+# ## The file layout
+#
+# Everything is little-endian. A *string* is a u64 byte length followed by UTF-8 bytes.
+#
+# | part | contents |
+# |---|---|
+# | header | magic `b"GGUF"`, version u32 (2 or 3), tensor count u64, metadata count u64 |
+# | metadata | per entry: key (string), value type (u32), value. Types: u8/i8/u16/i16/u32/i32/u64/i64, f32/f64, bool, string, array (item type u32, count u64, items) |
+# | tensor infos | per tensor: name (string), number of dims u32, dims u64 each (*fastest-varying first*, the reverse of PyTorch), type u32 (`GGMLQuantizationType`), data offset u64 (from the start of the data section) |
+# | padding | zeros up to a multiple of `general.alignment` (32 when absent) |
+# | data | each tensor's bytes at its (aligned) offset |
+#
+# The `gguf` package from llama.cpp has a reader (`gguf.GGUFReader`), and we use it in the
+# tests as the reference. We don't open files with it: it builds a numpy view per metadata
+# item and takes about 4 s to open SmolLM2 on a 2-core laptop (its 49,152 tokens and 48,900
+# merges), three times that for Qwen3's vocabulary. The format is simple enough that reading
+# it ourselves takes 60 lines and a tenth of a second. From `gguf` we take only constants: the
+# type numbers (`QType`, our short name for `gguf.GGMLQuantizationType`) and each type's block size.
+
+# %%
+#| default_exp gguf_file
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf import GGMLQuantizationType as QType
+
+from forge_engine.config import ModelConfig, model_config_from_gguf
+
+# %%
+#| hide
+import tempfile
+
+import gguf
+import pytest
+
+tmp = Path(tempfile.mkdtemp())  # small GGUF files written by this notebook
+
+# %% [markdown]
+# ## Reading the header
+#
+# A `_ByteReader` walks the memory-mapped bytes with a position and refuses to read past the
+# end: a truncated or corrupt file then fails with the byte range it needed instead of
+# garbage. Metadata arrays of numbers are read in one `np.frombuffer`; arrays of strings (the
+# tokenizer's tokens and merges) need one small step per string.
+
+# %%
+#| export
+_VALUE_FORMATS = {  # metadata value type -> little-endian struct / numpy format
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.FLOAT64: "<d", GGUFValueType.BOOL: "<?",
+}
+
+
+class _ByteReader:
+    "A position in a GGUF file's bytes, with bounds-checked reads of GGUF values."
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def take(self, n: int, what: str) -> int:
+        "Advance over `n` bytes; return where they start."
+        start, end = self.pos, self.pos + n
+        if end > len(self.buf):
+            raise ValueError(f"{self.path} is truncated: {what} needs bytes {start}..{end}, "
+                             f"but the file has {len(self.buf)} bytes")
+        self.pos = end
+        return start
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        start = self.take(n, what)
+        return str(self.buf[start:start + n], "utf-8")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _VALUE_FORMATS: return self.scalar(_VALUE_FORMATS[vtype], what)
+        if vtype == GGUFValueType.STRING: return self.string(what)
+        if vtype == GGUFValueType.ARRAY:
+            item_type, count = self.scalar("<I", what), self.scalar("<Q", what)
+            if item_type in _VALUE_FORMATS:  # numbers: one read, no Python loop
+                dtype = np.dtype(_VALUE_FORMATS[item_type])
+                start = self.take(count * dtype.itemsize, what)
+                return np.frombuffer(self.buf, dtype, count, start).tolist()
+            return [self.value(item_type, what) for _ in range(count)]
+        raise ValueError(f"{self.path}: unknown GGUF value type {vtype} in {what}")
+
+
+# %% [markdown]
+# A tensor info says where a tensor's bytes are and how to read them. We store the shape in
+# PyTorch order (GGUF lists dims fastest-first, so `token_embd.weight` of SmolLM2 is
+# `[576, 49152]` in the file and `(49152, 576)` here) and check, before anything is read, that
+# every tensor's bytes lie inside the file.
+
+# %%
+#| export
+@dataclass(frozen=True)
+class TensorInfo:
+    "Where one tensor lives in a GGUF file and how it is encoded."
+    name: str  # the GGUF name, e.g. "blk.0.attn_q.weight"
+    qtype: QType
+    shape: tuple[int, ...]  # PyTorch order: [out_features, in_features] for a weight
+    offset: int  # absolute file offset of the first byte
+    nbytes: int
+
+
+def tensor_nbytes(qtype: QType, shape) -> int:
+    "Bytes a tensor of this type and shape takes; its rows must be whole blocks."
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if shape and shape[-1] % block_size:
+        raise ValueError(f"{qtype.name} stores rows in blocks of {block_size}, but the row length is {shape[-1]}")
+    return math.prod(shape) // block_size * type_size
+
+
+def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorInfo]]:
+    "Parse the header of GGUF bytes `buf`: (version, metadata, tensor infos)."
+    r = _ByteReader(buf, path)
+    magic = bytes(buf[r.take(4, "the magic number"):4])
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    version = r.scalar("<I", "the version")
+    if version & 0xFFFF == 0:
+        raise ValueError(f"{path} is a big-endian GGUF file; only little-endian files are supported")
+    if version not in (2, 3):
+        raise ValueError(f"{path} has GGUF version {version}; supported: 2, 3")
+    n_tensors, n_kv = r.scalar("<Q", "the tensor count"), r.scalar("<Q", "the metadata count")
+    metadata = {}
+    for i in range(n_kv):
+        key = r.string(f"metadata key #{i}")
+        metadata[key] = r.value(r.scalar("<I", key), key)
+    raw_infos = []
+    for i in range(n_tensors):
+        name = r.string(f"tensor info #{i}")
+        dims = [r.scalar("<Q", name) for _ in range(r.scalar("<I", name))]
+        raw_infos.append((name, dims, r.scalar("<I", name), r.scalar("<Q", name)))
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: general.alignment must be a power of two, got {alignment!r}")
+    data_start = -(-r.pos // alignment) * alignment  # round up
+    infos = []
+    for name, dims, type_id, offset in raw_infos:
+        try:
+            qtype = QType(type_id)
+            shape = tuple(int(d) for d in reversed(dims))
+            nbytes = tensor_nbytes(qtype, shape)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{path}: tensor {name!r} (type {type_id}, dims {dims}): {e}") from None
+        if offset % alignment:
+            raise ValueError(f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple of {alignment}")
+        begin = data_start + offset
+        if begin + nbytes > len(buf):
+            raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
+                             f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)")
+        infos.append(TensorInfo(name, qtype, shape, begin, nbytes))
+    return version, metadata, infos
+
+
+# %% [markdown]
+# ## Dequantizing, block by block
+#
+# A quantized row is cut into blocks of 32 (or 256) weights; each block stores small integers
+# `q` and one or two float16 numbers that map them back: a scale `d` and, for the `_1` and `_K`
+# types, an offset `m`. All types, with their bytes per block:
+#
+# | type | weights / block | bytes | bits / weight | block layout | weight |
+# |---|---|---|---|---|---|
+# | F32, F16, BF16 | 1 | 4, 2, 2 | 32, 16, 16 | the number itself | as is |
+# | Q8_0 | 32 | 34 | 8.5 | `d`, 32 × int8 | `d·q` |
+# | Q4_0 | 32 | 18 | 4.5 | `d`, 16 bytes of 4-bit `q` | `d·(q−8)` |
+# | Q4_1 | 32 | 20 | 5.0 | `d`, `m`, 16 bytes of 4-bit `q` | `d·q + m` |
+# | Q5_0 | 32 | 22 | 5.5 | `d`, 4 bytes of 5th bits, 16 bytes of low 4 bits | `d·(q−16)` |
+# | Q5_1 | 32 | 24 | 6.0 | `d`, `m`, 5th bits, low 4 bits | `d·q + m` |
+# | Q4_K | 256 | 144 | 4.5 | `d`, `dmin`, 8 × (6-bit scale, 6-bit min) in 12 bytes, 128 bytes of 4-bit `q` | `d·sc·q − dmin·mn` per 32 |
+# | Q5_K | 256 | 176 | 5.5 | like Q4_K plus 32 bytes of 5th bits | `d·sc·q − dmin·mn` per 32 |
+# | Q6_K | 256 | 210 | 6.5625 | 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 × int8 scale, `d` | `d·sc·(q−32)` per 16 |
+#
+# The `_K` types quantize the scales too: a 256-weight *super-block* has one float16 `d`, and
+# each 32-weight (16 for Q6_K) sub-block has a small integer scale `sc` relative to it.
+#
+# Every dequantizer below takes the bytes as a `[n_blocks, bytes_per_block]` uint8 tensor and
+# returns `[n_blocks, weights_per_block]` float32: slicing the columns picks a field in every
+# block at once, so there is no Python loop over blocks. Where two 4-bit numbers share a byte,
+# the low nibble comes first: in Q4_0, byte `j` holds weight `j` (low) and weight `j + 16` (high).
+
+# %%
+#| export
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    "The float16 stored at byte `at` of every block, as a float32 column `[n, 1]`."
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    "Bytes `[n, k]` -> 4-bit numbers `[n, 2k]`: all low nibbles, then all high nibbles."
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    "Bytes `[n, k]` -> bits `[n, 8k]`, least significant bit of the first byte first."
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return ((b.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def dequantize_f32(blocks):
+    "F32: 4 bytes per weight."
+    return blocks.view(torch.float32).clone()
+
+
+def dequantize_f16(blocks):
+    "F16: 2 bytes per weight, IEEE half precision."
+    return blocks.view(torch.float16).float()
+
+
+def dequantize_bf16(blocks):
+    "BF16: 2 bytes per weight, the top half of a float32."
+    return blocks.view(torch.bfloat16).float()
+
+
+def dequantize_q8_0(blocks):
+    "Q8_0, 34 bytes per 32 weights: d (f16) | 32 × int8 q. Weight = d·q."
+    return _f16(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
+
+
+def dequantize_q4_0(blocks):
+    "Q4_0, 18 bytes per 32 weights: d (f16) | 16 bytes of 4-bit q. Weight = d·(q − 8)."
+    return _f16(blocks, 0) * (_low_high_nibbles(blocks[:, 2:]).float() - 8)
+
+
+def dequantize_q4_1(blocks):
+    "Q4_1, 20 bytes per 32 weights: d (f16) | m (f16) | 16 bytes of 4-bit q. Weight = d·q + m."
+    return _f16(blocks, 0) * _low_high_nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+
+
+def dequantize_q5_0(blocks):
+    "Q5_0, 22 bytes per 32 weights: d (f16) | 32 fifth bits (4 bytes) | 16 bytes of low 4 bits. Weight = d·(q − 16)."
+    q = _low_high_nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+    return _f16(blocks, 0) * (q.float() - 16)
+
+
+def dequantize_q5_1(blocks):
+    "Q5_1, 24 bytes per 32 weights: d (f16) | m (f16) | 32 fifth bits | 16 bytes of low 4 bits. Weight = d·q + m."
+    q = _low_high_nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
+# %% [markdown]
+# The K types. Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins into 12 bytes:
+# bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales and mins 4-7 take
+# their low 4 bits from bytes 8-11 (scale low nibble, min high nibble) and their top 2 bits
+# from the spare top bits of bytes 0-3 and 4-7. The 4-bit numbers come in 32-byte runs: run `i`
+# holds sub-block `2i` in its low nibbles and sub-block `2i + 1` in its high nibbles.
+
+# %%
+#| export
+def _k_scales_and_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "The 12 packed scale bytes of Q4_K / Q5_K `[n, 12]` -> (scales, mins), each `[n, 8]` float32."
+    scales = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=1)
+    mins = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
+    return scales.float(), mins.float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    "128 bytes `[n, 128]` -> 4-bit numbers `[n, 8, 32]` of the 8 sub-blocks."
+    runs = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(-1, 8, 32)
+
+
+def _k_combine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    "Weight = d·sc·q − dmin·mn for the 8 sub-blocks of Q4_K / Q5_K; q is `[n, 8, 32]`."
+    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
+    d, dmin = _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
+    return (d.unsqueeze(-1) * q.float() - dmin.unsqueeze(-1)).reshape(-1, 256)
+
+
+def dequantize_q4_k(blocks):
+    "Q4_K, 144 bytes per 256 weights: d | dmin (f16) | 12 bytes of 6-bit scales and mins | 128 bytes of 4-bit q."
+    return _k_combine(blocks, _k_nibbles(blocks[:, 16:144]))
+
+
+def dequantize_q5_k(blocks):
+    "Q5_K, 176 bytes per 256 weights: d | dmin | 12 scale bytes | 32 bytes of fifth bits | 128 bytes of low 4 bits."
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
+    fifth = (blocks[:, None, 16:48] >> shifts) & 1  # bit i of byte l: sub-block i, weight l
+    return _k_combine(blocks, _k_nibbles(blocks[:, 48:176]) | (fifth << 4))
+
+
+def dequantize_q6_k(blocks):
+    """Q6_K, 210 bytes per 256 weights: 128 bytes of low 4 bits | 64 bytes of high 2 bits |
+    16 × int8 scales (one per 16 weights) | d (f16). Weight = d·sc·(q − 32).
+    Each half of 128 weights uses 64 low bytes (weights 0-63 in low nibbles, 64-127 in high
+    nibbles) and 32 high bytes (bit pairs 0-1, 2-3, 4-5, 6-7 for the four runs of 32)."""
+    low = blocks[:, :128].reshape(-1, 2, 1, 64)
+    low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(-1, 2, 4, 32)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    q = (low | (high << 4)).float() - 32
+    d = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()
+    return (d.unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
+
+
+# %% [markdown]
+# One table maps each type to its function; `dequantize` checks the byte count against the
+# type and shape, cuts the bytes into blocks and reshapes the result.
+
+# %%
+#| export
+DEQUANTIZERS = {
+    QType.F32: dequantize_f32, QType.F16: dequantize_f16, QType.BF16: dequantize_bf16,
+    QType.Q8_0: dequantize_q8_0, QType.Q4_0: dequantize_q4_0, QType.Q4_1: dequantize_q4_1,
+    QType.Q5_0: dequantize_q5_0, QType.Q5_1: dequantize_q5_1,
+    QType.Q4_K: dequantize_q4_k, QType.Q5_K: dequantize_q5_k, QType.Q6_K: dequantize_q6_k,
+}
+
+
+def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
+    "Any tensor or array -> its bytes as a flat uint8 tensor (numpy data is copied only if read-only)."
+    if isinstance(raw, np.ndarray):
+        raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        return torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+    return raw.contiguous().reshape(-1).view(torch.uint8)
+
+
+def dequantize(raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = "tensor") -> torch.Tensor:
+    "Decode the bytes of a GGUF tensor of type `qtype` into a float32 tensor of `shape` (PyTorch order)."
+    qtype = QType(qtype)
+    if qtype not in DEQUANTIZERS:
+        raise ValueError(f"{name}: GGUF type {qtype.name} is not supported; supported: {', '.join(q.name for q in DEQUANTIZERS)}")
+    shape = tuple(shape)
+    try:
+        expected = tensor_nbytes(qtype, shape)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    raw = _as_bytes(raw)
+    if raw.numel() != expected:
+        raise ValueError(f"{name}: {qtype.name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return DEQUANTIZERS[qtype](raw.reshape(-1, type_size)).reshape(shape)
+
+
+# %% [markdown]
+# ### Checking against the reference
+#
+# `gguf.quants` has numpy (de)quantizers written by the llama.cpp authors. Where it can
+# quantize a type we feed it real quantized data; the K types it can only dequantize, so they
+# get random bytes with sane float16 scales (random bytes there could be NaN or infinity).
+
+# %%
+#| hide
+def random_quantized(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    "Valid GGUF bytes of `qtype` for a `[rows, cols]` tensor (numpy, the reference's byte shape)."
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((rows, cols)).astype(np.float32)
+    try:
+        return gguf.quants.quantize(weights, qtype).view(np.uint8)
+    except NotImplementedError:  # the K types: random bytes, then real float16 scales
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+        scale_at = {QType.Q6_K: [208]}.get(qtype, [0, 2])
+        for at in scale_at:
+            data[..., at:at + 2] = rng.uniform(-1, 1, data.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+        return data.reshape(rows, -1)
+
+for qtype in DEQUANTIZERS:
+    data = random_quantized(qtype, 4, 512, seed=int(qtype))
+    ours = dequantize(torch.from_numpy(data), qtype, (4, 512))
+    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0, msg=lambda m: f"{qtype.name}: {m}")
+    assert ours.dtype == torch.float32 and ours.isfinite().all(), qtype.name
+
+# %% [markdown]
+# Wrong sizes and types fail with the numbers:
+
+# %%
+q8 = random_quantized(QType.Q8_0, 2, 64)
+with pytest.raises(ValueError, match=r"w: Q8_0 data of shape \[2, 64\] needs 136 bytes, got 134"):
+    dequantize(q8.reshape(-1)[:-2], QType.Q8_0, (2, 64), name="w")
+with pytest.raises(ValueError, match="blocks of 32, but the row length is 48"):
+    dequantize(q8, QType.Q8_0, (2, 48))
+with pytest.raises(ValueError, match="type Q2_K is not supported; supported: F32, F16, BF16, Q8_0"):
+    dequantize(q8, QType.Q2_K, (2, 64))
+
+# %% [markdown]
+# ## What quantization does to a weight row
+#
+# A row of 4,096 Gaussian weights (real weight rows look much like this, plus a few outliers),
+# through each type `gguf` can quantize. Q8_0 is nearly lossless; Q4_1, the type of most of
+# SmolLM2's file, spends 5 bits per weight and errs about 15 times more:
+
+# %%
+import matplotlib.pyplot as plt
+
+row = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
+errors = {}
+for qtype in (QType.Q8_0, QType.Q5_1, QType.Q5_0, QType.Q4_1, QType.Q4_0):
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    back = dequantize(gguf.quants.quantize(row.numpy(), qtype), qtype, row.shape)
+    errors[qtype.name] = (back - row).flatten()
+    rel = errors[qtype.name].norm() / row.norm()
+    print(f"{qtype.name}: {8 * type_size / block_size:5.2f} bits/weight, relative error {rel:.4f}")
+
+fig, ax = plt.subplots(figsize=(7, 2.5))
+for name in ("Q4_1", "Q8_0"):
+    ax.hist(errors[name].numpy(), bins=80, alpha=0.6, label=name)
+ax.set_xlabel("dequantized − original"); ax.set_yscale("log"); ax.legend()
+plt.show()
+
+# %%
+assert errors["Q8_0"].abs().max() < errors["Q4_1"].abs().max() / 8
+
+# %% [markdown]
+# ## From GGUF names to Hugging Face names
+#
+# llama.cpp has its own tensor names; the rest of the engine speaks Hugging Face names.
+#
+# One more twist for the `llama` architecture only. Hugging Face Llama applies rotary
+# embeddings to the two *halves* of each head (dimension `i` pairs with `i + head_dim/2`);
+# llama.cpp's original Llama rotated *adjacent* pairs (`2i` with `2i + 1`). So its converter
+# reorders the rows of `q_proj` and `k_proj` inside each head (an exact permutation, no
+# change in values) to make the halves adjacent. We undo it, so one RoPE serves every file.
+# Qwen2/Qwen3 GGUFs use the half-split layout and are stored as they are.
+
+# %%
+#| export
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf>
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+SKIPPED_TENSORS = {  # present in some GGUFs, not used by our decoder
+    "rope_freqs.weight": "per-frequency rotary factors (Llama 3 rope scaling) are not implemented; "
+                         "the model uses plain RoPE from rope_theta",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    "The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."
+    if gguf_name in _GLOBAL_NAMES: return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m is None or m[2] not in _LAYER_PARTS:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}; known: {', '.join(_GLOBAL_NAMES)}, "
+                         f"blk.N.{{{','.join(_LAYER_PARTS)}}}.weight|bias")
+    return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
+
+
+def gguf_name(hf: str) -> str:
+    "The inverse of `hf_name`."
+    inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
+    if hf in inverse: return inverse[hf]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    parts = {v: k for k, v in _LAYER_PARTS.items()}
+    if m is None or m[2] not in parts: raise ValueError(f"no GGUF name for tensor {hf!r}")
+    return f"blk.{m[1]}.{parts[m[2]]}.{m[3]}"
+
+
+def _head_pairs(w: torch.Tensor, n_head: int) -> int:
+    if w.shape[0] % (2 * n_head):
+        raise ValueError(f"{w.shape[0]} rows do not split into {n_head} heads of even size")
+    return w.shape[0] // n_head // 2
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    "What llama.cpp's converter does to Llama q/k rows: in each head, interleave the two halves."
+    half = _head_pairs(w, n_head)
+    return w.reshape(n_head, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def llama_cpp_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    "The inverse of `llama_cpp_permute`: back to Hugging Face's half-split rows."
+    half = _head_pairs(w, n_head)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# %%
+assert hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
+assert hf_name("output.weight") == "lm_head.weight"
+for name in ("blk.7.attn_v.bias", "token_embd.weight", "blk.2.ffn_norm.weight"):
+    assert hf_name(gguf_name(hf_name(name))) == hf_name(name) and gguf_name(hf_name(name)) == name
+with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
+    hf_name("blk.0.ffn_gate_exps.weight")
+
+# one head of 4 dims: HF pairs (0, 2), (1, 3); llama.cpp stores the pairs next to each other
+w = torch.arange(4.0)[:, None]
+assert llama_cpp_permute(w, 1).flatten().tolist() == [0, 2, 1, 3]
+for rows, cols, heads in [(8, 3, 2), (64, 5, 4), (24, 1, 3)]:
+    w = torch.randn(rows, cols)
+    assert torch.equal(llama_cpp_unpermute(llama_cpp_permute(w, heads), heads), w)
+    assert not torch.equal(llama_cpp_permute(w, heads), w)
+with pytest.raises(ValueError, match="6 rows do not split into 2 heads"):
+    llama_cpp_permute(torch.zeros(6, 2), 2)
+
+
+# %% [markdown]
+# ## `GGUFFile`
+#
+# Opening a file maps it into memory (nothing is read until it is touched), parses the header
+# and checks every tensor's extent. `tensors()` then yields `(hf_name, tensor)` one at a time:
+# only one tensor is ever dequantized at once, and the quantized bytes go to the target device
+# *before* dequantizing, so a GPU moves 4-bit data over PCIe instead of float32.
+
+# %%
+#| export
+class GGUFFile:
+    "A memory-mapped GGUF file: decoded metadata, tensor infos, and tensors dequantized on demand."
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            if self.path.stat().st_size == 0: raise ValueError(f"{self.path} is empty, not a GGUF file")
+            # ACCESS_COPY: private copy-on-write pages, so torch may view them as writable memory
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.version, self.metadata, self.tensor_infos = read_gguf_header(self._buf, self.path)
+        self._infos = {t.name: t for t in self.tensor_infos}
+
+    @property
+    def architecture(self) -> str: return self.metadata.get("general.architecture", "")
+
+    @property
+    def tensor_names(self) -> list[str]: return [t.name for t in self.tensor_infos]
+
+    def model_config(self) -> ModelConfig:
+        return model_config_from_gguf(self.metadata, self.tensor_names)
+
+    def raw(self, name: str) -> torch.Tensor:
+        "The stored bytes of tensor `name` (a GGUF name) as a uint8 view of the mapped file."
+        info = self._infos[name]
+        return torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+
+    def load(self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu") -> torch.Tensor:
+        "One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`."
+        w = dequantize(self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}")
+        if config.architecture == "llama" and re.match(r"blk\.\d+\.attn_[qk]\.", info.name):
+            w = llama_cpp_unpermute(w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
+        return w.to(dtype)
+
+    def tensors(self, dtype=torch.float32, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        "Yield `(hf_name, tensor)` in file order, one dequantized tensor at a time."
+        config = self.model_config()  # fails here, before any tensor, on an unsupported architecture
+        for name in self.tensor_names:
+            if name in SKIPPED_TENSORS: warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
+        plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
+        return ((name, self.load(info, config, dtype, device)) for name, info in plan)
+
+    def describe(self) -> dict[str, Any]:
+        "A small summary: architecture, tensor and parameter counts, quant types, file size."
+        return {"path": str(self.path), "architecture": self.architecture, "gguf_version": self.version,
+                "tensors": len(self.tensor_infos),
+                "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
+                "quant_types": dict(Counter(t.qtype.name for t in self.tensor_infos).most_common()),
+                "file_bytes": len(self._buf)}
+
+    def __repr__(self): return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
+
+
+# %% [markdown]
+# ## Writing a small GGUF
+#
+# To test the reader (and, later, the loader) without downloading anything we need GGUF files
+# of tiny models. `write_gguf` is the reader run backwards: Hugging Face names to GGUF names,
+# the llama.cpp permutation for Llama q/k, the `ModelConfig` as the metadata keys llama.cpp
+# writes, and `gguf.GGUFWriter` for the bytes. Norms and biases stay F32, as llama.cpp keeps them.
+
+# %%
+#| export
+def write_gguf(path: str | Path, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+               qtypes: Mapping[str, QType] | None = None,
+               metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write Hugging Face-named `tensors` of a model shaped like `config` as a GGUF file.
+    `qtypes` picks a type per tensor name (default F32); `metadata` adds keys (str, int, float, bool, lists).
+    An untied model must include `lm_head.weight`: GGUF marks a tied model by its absence."""
+    import gguf
+    arch, c = config.architecture, config
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in [("block_count", c.num_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_heads), ("attention.head_count_kv", c.num_kv_heads),
+                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
+                       ("vocab_size", c.vocab_size)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    if c.bos_token_id is not None: writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
+    if c.eos_token_ids: writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, w in tensors.items():
+        w = w.detach().float().cpu()
+        if arch == "llama" and re.search(r"self_attn\.[qk]_proj\.", name):
+            w = llama_cpp_permute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)
+        qtype = QType.F32 if w.dim() == 1 else (qtypes or {}).get(name, QType.F32)
+        try:
+            data = gguf.quants.quantize(w.numpy(), qtype)
+        except (NotImplementedError, gguf.quants.QuantError) as e:
+            raise ValueError(f"cannot write {name} as {qtype.name}: {e}") from None
+        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+# %% [markdown]
+# A tiny Llama (so the q/k permutation is exercised) with weights in F32, Q8_0 and Q4_0,
+# written and read back. F32 comes back exactly; quantized tensors come back as exactly what
+# the reference dequantizer makes of the same bytes.
+
+# %%
+from forge_engine.config import preset
+
+def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    "Random Hugging Face-named weights of a model shaped like `config`."
+    g = torch.Generator().manual_seed(seed)
+    c, h = config, config.hidden_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings: shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (c.q_size, h), p + "self_attn.k_proj.weight": (c.kv_size, h),
+                   p + "self_attn.v_proj.weight": (c.kv_size, h), p + "self_attn.o_proj.weight": (h, c.q_size),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.down_proj.weight": (h, c.intermediate_size),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if c.qk_norm: shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.attention_bias:
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))}
+    return {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
+
+llama = preset("llama-tiny").replace(vocab_size=64, num_layers=2, hidden_size=64, head_dim=16, num_heads=4,
+                                     bos_token_id=1, eos_token_ids=(2,))
+state = random_state(llama)
+qtypes = {"model.embed_tokens.weight": QType.Q8_0, "model.layers.0.self_attn.q_proj.weight": QType.Q4_0,
+          "model.layers.0.self_attn.k_proj.weight": QType.Q8_0, "model.layers.1.mlp.up_proj.weight": QType.Q4_0}
+tokens = [f"tok{i}" for i in range(64)]
+path = write_gguf(tmp / "llama.gguf", llama, state, qtypes,
+                  metadata={"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                            "tokenizer.ggml.token_type": [1] * 63 + [3], "tokenizer.ggml.merges": ["t o", "to k"],
+                            "tokenizer.ggml.add_bos_token": False, "general.name": "tiny llama"})
+f = GGUFFile(path)
+f, f.describe()
+
+# %%
+assert f.architecture == "llama" and f.version == 3
+assert f.metadata["tokenizer.ggml.tokens"] == tokens and f.metadata["tokenizer.ggml.merges"] == ["t o", "to k"]
+assert f.metadata["tokenizer.ggml.token_type"][-2:] == [1, 3] and f.metadata["tokenizer.ggml.add_bos_token"] is False
+assert f.metadata["llama.attention.head_count_kv"] == 2 and f.metadata["general.name"] == "tiny llama"
+assert f.model_config() == llama.replace(rms_norm_eps=f.model_config().rms_norm_eps)  # eps went through float32
+assert f.describe()["quant_types"] == {"F32": 17, "Q8_0": 2, "Q4_0": 2}
+assert f._infos["token_embd.weight"].shape == (64, 64)
+
+loaded = dict(f.tensors())
+assert list(loaded) == list(state)  # every tensor, in order, under its HF name
+for name, w in loaded.items():
+    assert w.shape == state[name].shape and w.dtype == torch.float32, name
+    if name not in qtypes: assert torch.equal(w, state[name]), name
+# quantized tensors: exactly the reference's reading of the stored bytes, un-permuted
+q_ref = gguf.quants.dequantize(f.raw("blk.0.attn_q.weight").numpy(), QType.Q4_0).reshape(64, 64)
+assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], llama_cpp_unpermute(torch.from_numpy(q_ref), 4))
+for name, qtype in qtypes.items():
+    err = (loaded[name] - state[name]).abs().max()
+    assert 0 < err < {QType.Q8_0: 5e-4, QType.Q4_0: 1e-2}[qtype], (name, err)
+# the metadata and bytes agree with the gguf package's own reader
+reader = gguf.GGUFReader(path)
+assert {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")} == f.metadata
+for t in reader.tensors:
+    assert torch.equal(f.raw(t.name), torch.from_numpy(t.data.reshape(-1).view(np.uint8).copy())), t.name
+
+# %% [markdown]
+# `tensors(dtype, device)` casts after dequantizing; the generator holds one tensor at a time:
+
+# %%
+it = f.tensors(dtype=torch.bfloat16)
+name, first = next(it)
+assert name == "model.embed_tokens.weight" and first.dtype == torch.bfloat16
+torch.testing.assert_close(first, loaded[name].bfloat16())
+
+# %% [markdown]
+# Bad files fail with the file, the tensor and the sizes:
+
+# %%
+data = path.read_bytes()
+(tmp / "truncated.gguf").write_bytes(data[:-100])
+with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_norm.weight' \(F32, shape \[64\]\) needs bytes .* but the file has"):
+    GGUFFile(tmp / "truncated.gguf")
+(tmp / "header_only.gguf").write_bytes(data[:300])
+with pytest.raises(ValueError, match="header_only.gguf is truncated: .* needs bytes"):
+    GGUFFile(tmp / "header_only.gguf")
+(tmp / "notes.txt").write_text("not a model")
+with pytest.raises(ValueError, match=r"notes.txt is not a GGUF file: it starts with b'not '"):
+    GGUFFile(tmp / "notes.txt")
+
+def write_named(path, arch: str, metadata: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    "A GGUF file with these metadata keys and these GGUF-named F32 tensors, for files `write_gguf` won't make."
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in metadata.items():
+        if key != "general.architecture": w.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, t in tensors.items(): w.add_tensor(name, t.numpy())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return Path(path)
+
+gemma_meta = {k.replace("llama.", "gemma."): v for k, v in f.metadata.items()}
+gemma = GGUFFile(write_named(tmp / "gemma.gguf", "gemma", gemma_meta, {"output_norm.weight": torch.ones(64)}))
+with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
+    gemma.tensors()
+
+# %% [markdown]
+# Unused tensors are skipped with a warning; unknown ones stop the load before any tensor is read:
+
+# %%
+norm, freqs = torch.rand(64), torch.rand(8)
+extra = GGUFFile(write_named(tmp / "extra.gguf", "llama", f.metadata, {"rope_freqs.weight": freqs, "output_norm.weight": norm}))
+with pytest.warns(UserWarning, match="skipping rope_freqs.weight: per-frequency rotary factors"):
+    got = list(extra.tensors())
+assert len(got) == 1 and got[0][0] == "model.norm.weight" and torch.equal(got[0][1], norm)
+
+unknown = GGUFFile(write_named(tmp / "moe.gguf", "llama", f.metadata, {"blk.0.ffn_gate_exps.weight": torch.rand(4, 64)}))
+with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
+    unknown.tensors()

@@ -1,0 +1,420 @@
+# %% [markdown]
+# # The model
+#
+# > One decoder for Qwen3, Qwen2 and Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+#
+# In: token ids and their positions, flattened into one vector of `T` tokens. Out: a hidden
+# state per token, and from it the logits over the vocabulary. The model holds no cache: each
+# attention layer hands its `q`, `k`, `v` to an *attention backend* passed in by the caller.
+# Here that backend is plain causal attention over one sequence; chapter 04 passes a
+# contiguous KV cache, chapter 05 a paged one. The model never changes.
+#
+# We check ourselves against Hugging Face `transformers` (the reference implementation) built
+# at random init from tiny configs: same logits to fp32 rounding, same greedy tokens.
+
+# %%
+#| default_exp model
+
+# %%
+#| export
+from __future__ import annotations
+
+import re
+from typing import Iterable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge_engine.config import ModelConfig
+
+# %%
+#| hide
+import pytest
+from forge_engine.config import preset
+
+
+# %% [markdown]
+# ## RMSNorm
+#
+# Scale each vector to unit root-mean-square, then by a learned weight. Computed in fp32 even
+# when the model runs in bf16: the mean of squares is where low precision hurts.
+
+# %%
+#| export
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# %%
+norm = RMSNorm(8, 1e-6)
+y = norm(torch.randn(3, 8) * 5)
+assert torch.allclose(y.pow(2).mean(-1), torch.ones(3), atol=1e-4)
+
+
+# %% [markdown]
+# ## Rotary position embeddings (RoPE)
+#
+# Each head vector is split into two halves, `(x1, x2)`; pair `i` is rotated by the angle
+# `position * theta^(-2i/d)`. Low `i` spin fast (fine position), high `i` spin slowly (coarse
+# position). Attention scores then depend only on the *distance* between query and key.
+# We compute the angles from the positions on the fly: no table of 262,144 positions to keep.
+
+# %%
+#| export
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    "The rotation speed of each of the head_dim/2 pairs, in fp32."
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    "cos and sin of every (position, pair) angle: two [T, head_dim/2] fp32 tensors."
+    angles = positions.float()[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    "Rotate each (first half, second half) pair of x [T, heads, head_dim] by its angle."
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# %% [markdown]
+# A rotation keeps lengths, and the dot product of a rotated query and key depends only on how
+# far apart they are:
+
+# %%
+q, k = torch.randn(1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 16, dtype=torch.float64)
+def rotated(x, pos):
+    cos, sin = rope_cos_sin(torch.tensor([pos]), 16, 10000.0)
+    return apply_rope(x, cos.double(), sin.double())
+assert torch.allclose(rotated(q, 7).norm(), q.norm())
+assert torch.allclose((rotated(q, 10) * rotated(k, 3)).sum(), (rotated(q, 107) * rotated(k, 100)).sum())
+
+# %%
+import matplotlib.pyplot as plt
+cos, _ = rope_cos_sin(torch.arange(256), 128, 5_000_000.0)
+fig, ax = plt.subplots(figsize=(8, 2.5))
+ax.imshow(cos.T, aspect="auto", cmap="RdBu", interpolation="nearest")
+ax.set(xlabel="position", ylabel="pair i (fast -> slow)", title="RoPE: cos(angle) for Qwen3-4B's 64 pairs")
+plt.show()
+
+
+# %% [markdown]
+# ## Attention, and the backend that owns the cache
+#
+# Grouped-query attention: 32 query heads share 8 key/value heads in Qwen3-4B, so each K/V
+# head serves a *group* of 4 query heads. `causal_attention` is the reference every faster
+# path is tested against. Query `i` sits at absolute position `q_offset + i` and may look at
+# keys `0 .. q_offset + i`: with `q_offset = 0` it is plain causal attention over a prompt;
+# with a cached prefix, `q_offset` is the prefix length.
+
+# %%
+#| export
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    "q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]; query i attends to keys 0..q_offset+i."
+    tq, tk = q.shape[0], k.shape[0]
+    query_pos = torch.arange(tq, device=q.device)[:, None] + q_offset
+    allowed = torch.arange(tk, device=q.device)[None, :] <= query_pos
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+class AttentionBackend(Protocol):
+    "Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache."
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
+    "The backend for one sequence without a cache: all its tokens are in this forward."
+    return causal_attention(q, k, v)
+
+
+# %% [markdown]
+# The mask in a picture: with 4 cached tokens and 3 new ones, each new query sees the whole
+# prefix and the new tokens up to itself.
+
+# %%
+q, k = torch.zeros(3, 1, 4), torch.zeros(7, 1, 4)
+mask = torch.arange(7)[None, :] <= (torch.arange(3)[:, None] + 4)
+assert mask.sum().item() == 5 + 6 + 7
+v = torch.eye(7)[:, None, :4].repeat(1, 1, 1)  # value j is a one-hot of j (first 4 dims)
+out = causal_attention(q, k, torch.arange(7.0)[:, None, None].expand(7, 1, 4), q_offset=4)
+assert torch.allclose(out[:, 0, 0], torch.tensor([2.0, 2.5, 3.0]))  # mean of visible positions
+fig, ax = plt.subplots(figsize=(3, 1.6)); ax.imshow(mask, cmap="Greens")
+ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"); plt.show()
+
+
+# %% [markdown]
+# ## The layers
+#
+# Q, K and V come from one merged matrix (`qkv`), gate and up from another (`gate_up`): one
+# big matmul reads the input once instead of three times. The loader below fills the slices
+# of these merged weights from the separate tensors of a checkpoint.
+
+# %%
+#| export
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.config = layer, config
+        c = config
+        self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+        c, t = self.config, x.shape[0]
+        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o(attention(self.layer, q, k, v).reshape(t, c.q_size))
+
+
+class MLP(nn.Module):
+    "SwiGLU: down(silu(gate(x)) * up(x))."
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    "Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attention):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attention)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# %% [markdown]
+# ## The decoder
+#
+# Tokens are flattened: `input_ids` and `positions` are 1-D of length `T`. A batch of several
+# sequences is just their tokens one after the other; the attention backend knows where each
+# sequence starts. Logits come out in fp32 for the sampler.
+
+# %%
+#| export
+class Transformer(nn.Module):
+    "A decoder-only transformer of the Qwen3 / Qwen2 / Llama family."
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
+        "input_ids, positions [T] -> final hidden states [T, hidden]."
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        "hidden [N, hidden] -> logits [N, vocab] in fp32."
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+# %% [markdown]
+# ## Weights: from checkpoint names to our parameters
+#
+# Checkpoints (safetensors from the hub, or GGUF after chapter 01a renames its tensors) use
+# Hugging Face names. Each maps to one of our parameters, or to a row slice of a merged one.
+# Loading is staged: the caller yields one tensor at a time, we copy it into place (converting
+# dtype and device in that one copy) and let it go.
+
+# %%
+#| export
+_LAYER_NAMES = {  # HF name inside model.layers.{i} -> (our name inside layers.{i}, slice)
+    "self_attn.q_proj": ("attn.qkv", "q"), "self_attn.k_proj": ("attn.qkv", "k"),
+    "self_attn.v_proj": ("attn.qkv", "v"), "self_attn.o_proj": ("attn.o", None),
+    "self_attn.q_norm": ("attn.q_norm", None), "self_attn.k_norm": ("attn.k_norm", None),
+    "mlp.gate_proj": ("mlp.gate_up", "gate"), "mlp.up_proj": ("mlp.gate_up", "up"),
+    "mlp.down_proj": ("mlp.down", None),
+    "input_layernorm": ("attn_norm", None), "post_attention_layernorm": ("mlp_norm", None),
+}
+_TOP_NAMES = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _row_slice(config: ModelConfig, part: str | None) -> slice:
+    "Rows of a merged weight that one checkpoint tensor fills."
+    q, kv, i = config.q_size, config.kv_size, config.intermediate_size
+    return {None: slice(None), "q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+            "gate": slice(0, i), "up": slice(i, 2 * i)}[part]
+
+
+def checkpoint_target(config: ModelConfig, hf_name: str) -> tuple[str, slice] | None:
+    "Our parameter name and row slice for a checkpoint tensor; None for tensors we don't use."
+    if hf_name.endswith("rotary_emb.inv_freq"): return None  # recomputed, never loaded
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings: return None  # same as embed
+    if m := _LAYER_RE.match(hf_name):
+        layer, inner, kind = m.groups()
+        if inner in _LAYER_NAMES:
+            ours, part = _LAYER_NAMES[inner]
+            return f"layers.{layer}.{ours}.{kind}", _row_slice(config, part)
+    base, _, kind = hf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}", slice(None)
+    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in a {config.architecture} model")
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    "Copy each (hf_name, tensor) into its place in `model`; fail if anything is missing or misshapen."
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    for hf_name, tensor in named_tensors:
+        target = checkpoint_target(model.config, hf_name)
+        if target is None: continue
+        name, rows = target
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} maps to {name!r}, which this model does not have")
+        dest = params[name].data[rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)  # converts dtype and moves device in one step
+        filled[name] += dest.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+# %% [markdown]
+# ## Building a model without paying for initialisation
+#
+# A 4B-parameter model is built on the `meta` device (shapes only, no memory), given its real
+# storage on the target device in the target dtype, then filled by `load_weights` or with
+# seeded random values for `random:<preset>` models.
+
+# %%
+#| export
+def empty_model(config: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
+    "A model with allocated but uninitialised weights on `device` in `dtype`."
+    with torch.device("meta"):
+        model = Transformer(config)
+    return model.to(dtype=dtype).to_empty(device=device).eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    "Seeded random weights: N(0, std) matrices and biases, norms near 1. Same seed, same model."
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+        else:
+            p.normal_(0.0, std, generator=gen)
+    return model
+
+
+# %%
+tiny = init_random_weights(empty_model(preset("qwen3-tiny")), seed=1)
+ids = torch.tensor([1, 2, 3, 4, 5])
+h = tiny(ids, torch.arange(5))
+assert h.shape == (5, 64) and torch.isfinite(h).all()
+assert tiny.compute_logits(h).shape == (5, 151936)
+assert torch.equal(init_random_weights(empty_model(preset("qwen3-tiny")), seed=1).embed.weight, tiny.embed.weight)
+with pytest.raises(ValueError, match="has shape"):
+    load_weights(tiny, [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))])
+with pytest.raises(ValueError, match="no place"):
+    load_weights(tiny, [("model.layers.0.self_attn.rotary_pos.weight", torch.zeros(3))])
+with pytest.raises(ValueError, match="missing weights"):
+    load_weights(tiny, [("model.norm.weight", torch.ones(64))])
+
+
+# %% [markdown]
+# ## Parity with the reference
+#
+# We build `Qwen3ForCausalLM`, `Qwen2ForCausalLM` and `LlamaForCausalLM` at random init from
+# tiny configs, including odd corners (head_dim unrelated to hidden/heads, untied embeddings,
+# a single KV head), hand their state dict to `load_weights`, and compare fp32 logits and
+# greedy continuations. `transformers` is only needed here, in the test.
+
+# %%
+#| export
+def hf_config_dict(config: ModelConfig) -> dict:
+    "The `config.json` fields a Hugging Face model of this shape has (used for tests and for saving)."
+    return {"model_type": config.architecture, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim, "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings,
+            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+            "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids) or None}
+
+
+# %%
+def hf_reference(config: ModelConfig, seed=0):
+    "A transformers model of this shape at random init, and ours with its weights."
+    import transformers
+    cls = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.architecture]
+    hf_cfg = getattr(transformers, f"{cls}Config")(**hf_config_dict(config))
+    torch.manual_seed(seed)
+    hf = getattr(transformers, f"{cls}ForCausalLM")(hf_cfg).eval()
+    with torch.no_grad():  # HF's init (std 0.02) makes tied models just repeat the last token
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    ours = empty_model(config)
+    load_weights(ours, hf.state_dict().items())
+    return hf, ours
+
+def greedy_tokens(step, prompt, n):
+    "Greedy continuation by re-running the full sequence each step (no cache: the plainest reference)."
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(step(torch.tensor(ids)).argmax()))
+    return ids[len(prompt):]
+
+odd_configs = {
+    "qwen3": preset("qwen3-tiny").replace(vocab_size=512),
+    "qwen3 head_dim!=hidden/heads, untied, 1 kv head": preset("qwen3-tiny").replace(
+        vocab_size=512, head_dim=24, num_kv_heads=1, tie_word_embeddings=False),
+    "qwen2 (qkv bias, 1 kv head)": preset("qwen2-tiny").replace(vocab_size=512),
+    "llama (tied)": preset("llama-tiny").replace(vocab_size=512, tie_word_embeddings=True),
+    "llama": preset("llama-tiny").replace(vocab_size=512),
+}
+prompt = [5, 17, 300, 42, 7, 99, 100, 1]
+with torch.no_grad():
+    for label, cfg in odd_configs.items():
+        hf, ours = hf_reference(cfg)
+        hf_logits = hf(torch.tensor([prompt])).logits[0]
+        our_logits = ours.compute_logits(ours(torch.tensor(prompt), torch.arange(len(prompt))))
+        torch.testing.assert_close(our_logits, hf_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}")
+        hf_greedy = greedy_tokens(lambda x: hf(x[None]).logits[0, -1], prompt, 12)
+        our_greedy = greedy_tokens(lambda x: ours.compute_logits(ours(x, torch.arange(len(x)))[-1:])[0], prompt, 12)
+        assert hf_greedy == our_greedy, (label, hf_greedy, our_greedy)
+        print(f"{label:50s} max |logit diff| {(our_logits - hf_logits).abs().max():.2e}  greedy {our_greedy[:6]}...")

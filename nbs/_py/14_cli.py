@@ -1,0 +1,252 @@
+# %% [markdown]
+# # The command line
+#
+# > `forge-engine doctor | generate | chat | models`: the engine from a terminal.
+
+# %% [markdown]
+# Every command is a thin layer over the Python API of the earlier chapters. Flags shared by
+# the commands that run a model: `--model` (default `auto`: Qwen3-4B on a CUDA GPU with enough
+# free memory, else SmolLM2-135M on the CPU; it says which and why), `--device`, `--dtype`,
+# `--max-tokens`, `--temperature`, `--top-p`, `--top-k`, `--seed`.
+#
+# Streamed text goes to stdout; progress, choices and timings go to stderr, so
+# `forge-engine generate ... > answer.txt` captures only the answer.
+
+# %%
+#| default_exp cli
+
+# %%
+#| export
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+from forge_engine.generate import SamplingParams
+
+# %%
+#| hide
+import os
+import subprocess
+import pytest
+
+
+# %% [markdown]
+# ## doctor: what this machine can run
+
+# %%
+#| export
+def doctor_report() -> list[tuple[str, str]]:
+    "Facts about this machine that decide how the engine runs, as (label, value) rows."
+    from forge_engine.registry import forge_home
+    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            rows.append((f"cuda:{i}", f"{props.name}, compute capability {props.major}.{props.minor}, "
+                                      f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"))
+        rows.append(("cuda runtime", str(torch.version.cuda)))
+    else:
+        rows.append(("cuda", "no CUDA GPU visible to torch: the engine runs on the CPU"))
+    try:
+        import triton
+        triton_state = f"{triton.__version__} ({'GPU kernels' if torch.cuda.is_available() else 'CPU: kernels only under TRITON_INTERPRET=1, for tests'})"
+    except ImportError:
+        triton_state = "not installed: PyTorch paths only"
+    rows.append(("triton", triton_state))
+    rows.append(("attention", "PyTorch reference (scaled_dot_product_attention)"))
+    rows.append(("cpu threads", str(torch.get_num_threads())))
+    rows.append(("model cache", str(forge_home())))
+    from forge_engine.llm import choose_auto_model
+    name, device, why = choose_auto_model()
+    rows.append(("--model auto", f"{name} on {device}: {why}"))
+    return rows
+
+
+# %%
+rows = dict(doctor_report())
+assert rows["torch"] == torch.__version__ and "model cache" in rows and "--model auto" in rows
+
+
+# %% [markdown]
+# ## Choosing the model
+
+# %%
+#| export
+def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tuple[str, str | None]:
+    "Resolve `--model auto` (saying what was chosen and why); other names pass through."
+    if model != "auto":
+        return model, device
+    from forge_engine.llm import AUTO_CPU_MODEL, choose_auto_model
+    if device == "cpu":
+        log(f"model auto -> {AUTO_CPU_MODEL} (--device cpu)")
+        return AUTO_CPU_MODEL, device
+    name, auto_device, why = choose_auto_model()
+    log(f"model auto -> {name} on {auto_device}: {why}")
+    return name, device or auto_device
+
+
+# %%
+picked, dev = pick_model("auto", "cpu", log=print)
+assert (picked, dev) == ("smollm2-135m-instruct", "cpu")
+assert pick_model("random:qwen3-tiny", None, log=print) == ("random:qwen3-tiny", None)
+
+
+# %% [markdown]
+# ## The terminal chat loop
+#
+# Reads a line, streams the reply, keeps the conversation. Ctrl+D (end of input) leaves;
+# so does a closed stdin, so `forge-engine chat < /dev/null` exits cleanly. `/reset` starts a
+# new conversation.
+
+# %%
+#| export
+def chat_loop(llm, params: SamplingParams, system: str | None = None,
+              read: Callable[[str], str] = input, write: Callable[[str], None] = None) -> int:
+    "Interactive chat over `llm` until end of input; returns the number of replies."
+    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    history = [{"role": "system", "content": system}] if system else []
+    replies = 0
+    while True:
+        try:
+            line = read(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            write("\n")
+            return replies
+        if not line.strip(): continue
+        if line.strip() in ("/exit", "/quit"): return replies
+        if line.strip() == "/reset":
+            del history[int(bool(system)):]
+            write("(new conversation)\n")
+            continue
+        history.append({"role": "user", "content": line})
+        [out] = llm.chat(history, params, on_text=lambda _, delta: write(delta))
+        history.append({"role": "assistant", "content": out.text})
+        write("\n")
+        print(f"[{len(out.token_ids)} tokens, {out.metrics['decode_tok_s']:.1f} tok/s, "
+              f"first token {out.metrics['ttft_s'] * 1000:.0f} ms, {out.finish_reason}]", file=sys.stderr)
+        replies += 1
+
+
+# %% [markdown]
+# ## The commands
+
+# %%
+#| export
+def _add_model_flags(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="auto", help="registry name, local path, random:<preset>, or auto")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forge-engine", description="A small, readable inference engine for Qwen3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="what this machine can run")
+    gen = sub.add_parser("generate", help="answer one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_model_flags(gen)
+    chat = sub.add_parser("chat", help="chat in the terminal")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_model_flags(chat)
+    models = sub.add_parser("models", help="the model registry")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    models_sub.add_parser("list", help="known models and whether they are in the cache")
+    for action in ("pull", "verify"):
+        models_sub.add_parser(action, help=f"{action} a model").add_argument("name")
+    return parser
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+
+
+def _load_llm(args):
+    from forge_engine.llm import LLM
+    log = lambda msg: print(msg, file=sys.stderr)
+    model, device = pick_model(args.model, args.device, log)
+    llm = LLM(model, device=device, dtype=args.dtype)
+    param = next(llm.loaded.model.parameters())
+    log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
+    return llm
+
+
+def run_models(args) -> int:
+    from forge_engine import registry
+    if args.action == "list":
+        for row in registry.list_models():
+            print("  ".join(str(v) for v in row))
+    elif args.action == "pull":
+        print(registry.pull(args.name))
+    elif args.action == "verify":
+        ok = registry.verify(args.name)
+        print(f"{args.name}: {'ok' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "doctor":
+            for label, value in doctor_report():
+                print(f"{label:>14}: {value}")
+        elif args.command == "models":
+            return run_models(args)
+        else:
+            params = sampling_from_args(args)
+            llm = _load_llm(args)
+            if args.command == "chat":
+                chat_loop(llm, params, system=args.system)
+            else:
+                write = lambda _, delta: (sys.stdout.write(delta), sys.stdout.flush())
+                if args.raw or llm.tokenizer is None:
+                    [out] = llm.generate(args.prompt, params, on_text=write)
+                else:
+                    [out] = llm.chat([{"role": "user", "content": args.prompt}], params, on_text=write)
+                print()
+                print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} new, "
+                      f"{out.metrics['decode_tok_s']:.1f} tok/s decode, first token {out.metrics['ttft_s'] * 1000:.0f} ms, "
+                      f"finish: {out.finish_reason}]", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"forge-engine: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# %% [markdown]
+# ## Running the real commands
+#
+# These start the installed command in a fresh process, as a user would.
+
+# %%
+def forge(*args, stdin=subprocess.DEVNULL, timeout=600):
+    return subprocess.run([sys.executable, "-m", "forge_engine", *args], stdin=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+r = forge("generate", "--model", "smollm2-135m-instruct", "--device", "cpu", "--temperature", "0",
+          "--max-tokens", "24", "What is the capital of France?")
+print(r.stdout, r.stderr[-400:])
+assert r.returncode == 0 and "Paris" in r.stdout
+
+# %%
+p = subprocess.run([sys.executable, "-m", "forge_engine", "chat", "--model", "smollm2-135m-instruct", "--device", "cpu",
+                    "--temperature", "0", "--max-tokens", "16"], input="What is the capital of France?\n",
+                   capture_output=True, text=True, timeout=600)
+assert p.returncode == 0 and "Paris" in p.stdout, p.stderr[-500:]
+r = forge("chat", "--model", "smollm2-135m-instruct", "--device", "cpu")  # stdin is /dev/null: leaves at once
+assert r.returncode == 0, r.stderr[-500:]
+r = forge("generate", "--model", "no-such-model", "hi")
+assert r.returncode == 2 and "no-such-model" in r.stderr and "smollm2-135m-instruct" in r.stderr

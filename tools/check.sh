@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every check of `make test`, in order; exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT
+
+echo "== 1. the package is what the notebooks export"
+cp -r forge_engine "$scratch/lib_before"
+nbdev_export
+if ! diff -r -x __pycache__ "$scratch/lib_before" forge_engine; then
+  echo "FAIL: forge_engine/ differs from the notebooks' export: edit nbs/_py, run make sync, commit all three"; exit 1
+fi
+
+echo "== 2. notebooks are clean"
+cp -r nbs "$scratch/nbs_before"
+nbdev_clean
+if ! diff -r "$scratch/nbs_before" nbs; then
+  echo "FAIL: nbdev_clean changed notebooks: run make sync and commit"; exit 1
+fi
+
+echo "== 3. every notebook has its jupytext twin, in sync"
+for nb in nbs/*.ipynb; do
+  name=$(basename "$nb" .ipynb)
+  twin="nbs/_py/$name.py"
+  [ -f "$twin" ] || { echo "FAIL: $nb has no twin $twin"; exit 1; }
+  jupytext --quiet --to py:percent -o "$scratch/$name.py" "$nb"
+  diff -u "$twin" "$scratch/$name.py" || { echo "FAIL: $twin and $nb differ: run tools/sync_notebooks.sh $name"; exit 1; }
+done
+for twin in nbs/_py/*.py; do
+  [ -f "nbs/$(basename "$twin" .py).ipynb" ] || { echo "FAIL: $twin has no notebook"; exit 1; }
+done
+
+echo "== 4. every notebook runs (cells flagged gpu are skipped on CPU)"
+nbdev_test --do_print --timing
+
+echo "== 5. pytest"
+python -m pytest -q -p no:cacheprovider
