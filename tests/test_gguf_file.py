@@ -137,7 +137,7 @@ def test_bad_files_name_the_problem(tmp_path):
 
 @pytest.mark.gpu
 def test_tensors_dequantize_on_the_gpu(tmp_path):
-    config = preset("llama-tiny").replace(vocab_size=256)
+    config = preset("llama-tiny").replace(vocab_size=256, hidden_size=64, num_heads=4, head_dim=16)
     state = random_state(config)
     qtypes = {n: QType.Q4_1 for n in state if n.endswith("proj.weight")}
     f = GGUFFile(write_gguf(tmp_path / "m.gguf", config, state, qtypes))

@@ -61,7 +61,8 @@ import tempfile
 import gguf
 import pytest
 
-tmp = Path(tempfile.mkdtemp())  # small GGUF files written by this notebook
+tmp_dir = tempfile.TemporaryDirectory()  # small GGUF files written by this notebook; removed at exit
+tmp = Path(tmp_dir.name)
 
 # %% [markdown]
 # ## Reading the header

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tokenizer
 #
-# > Text to token ids and back: byte-level BPE, special tokens, chat templates, and an incremental detokenizer for streaming.
+# > Text to token ids and back: byte-level BPE, special tokens, chat templates, streaming detokenization.
 #
 # This chapter owns both ends of a request's journey:
 #
@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,14 +35,15 @@ from tokenizers import Tokenizer as HFTokenizer
 #
 # 1. **Bytes, not characters.** Text is UTF-8 encoded, and each of the 256 byte values is drawn as one
 #    printable character (a space byte is drawn `Ġ`, a newline `Ċ`). So any string can be tokenized:
-#    in the worst case every byte is its own token. Nothing is ever "unknown".
+#    in the worst case every byte is its own token, and no "unknown" token is needed (as long as the
+#    vocabulary has all 256 byte pieces; SmolLM2's, we will see, lacks a few).
 # 2. **Pre-tokenization.** A regex first cuts the text into "words" (a letter run with its leading
 #    space, a number, a punctuation run, ...). Merges never cross these cuts.
 # 3. **Merges.** Training produced an ordered list of merges (`Ġ t`, `Ġ a`, `i n`, `h e`, `Ġt he`, ...).
 #    Inside each word, the adjacent pair with the *earliest* merge is fused, again and again, until no
 #    listed pair is left. The surviving pieces are tokens, and the vocabulary gives their ids.
 # 4. **Special tokens** such as `<|im_start|>` are matched whole *before* any of this, so the string
-#    `<|im_start|>` in the text becomes one id, never seven pieces of punctuation.
+#    `<|im_start|>` in the text becomes one id, never a handful of ordinary pieces.
 #
 # Decoding runs backwards: ids → pieces → bytes → UTF-8. One consequence shapes the last section of this
 # chapter: a token holds *bytes*, and a character of 2–4 bytes (CJK, emoji) can be cut across tokens.
@@ -60,7 +62,9 @@ from tokenizers import Tokenizer as HFTokenizer
 # | `llama-bpe` | like `qwen2` but numbers in groups of up to three; a word already in the vocabulary is one token | Llama 3 |
 #
 # The regexes below are the published ones of each family (`\p{L}` letter, `\p{N}` number); the
-# `tokenizers` library runs them with the same Oniguruma engine it uses for `tokenizer.json` files.
+# `tokenizers` library runs them with the regex engine it uses for `tokenizer.json` files. The NFC step
+# of `qwen2` is what Qwen's own `tokenizer.json` does (llama.cpp skips it); we follow the model's
+# original tokenizer.
 
 # %%
 #| export
@@ -132,6 +136,16 @@ def _gguf_key(metadata: dict[str, Any], key: str):
     return metadata[key]
 
 
+def _gguf_token_id(metadata: dict[str, Any], key: str) -> int | None:
+    "An optional id such as `tokenizer.ggml.bos_token_id`, checked against the token list."
+    if metadata.get(key) is None:
+        return None
+    token_id, n = int(metadata[key]), len(metadata.get("tokenizer.ggml.tokens", ()))
+    if not 0 <= token_id < n:
+        raise ValueError(f"{key} = {token_id} is outside the {n} tokens")
+    return token_id
+
+
 def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
     pairs = []
     for i, merge in enumerate(merges):
@@ -171,10 +185,10 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
                                 for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
-    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    bos = _gguf_token_id(metadata, "tokenizer.ggml.bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], int(bos))])
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
     return backend
 
 
@@ -295,7 +309,7 @@ def recognise_chat_template(jinja: str | None) -> str | None:
 
 
 # %% [markdown]
-# A two-turn conversation in both templates:
+# A conversation with some history, in both templates:
 
 # %%
 convo = [{"role": "user", "content": "Hi!"},
@@ -357,6 +371,22 @@ with pytest.raises(ValueError, match="messages is empty"):
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # end of a chat turn, end of a document
 
 
+def end_token_ids(backend: HFTokenizer) -> list[int]:
+    "Ids of the `END_TOKENS` this vocabulary has."
+    return [i for i in map(backend.token_to_id, END_TOKENS) if i is not None]
+
+
+def as_token_id(x: Any) -> int:
+    "`x` as a token id: an integer (Python, NumPy or a 0-d integer tensor) that is not negative."
+    try:
+        token_id = operator.index(x) if not isinstance(x, bool) else None
+    except TypeError:
+        token_id = None
+    if token_id is None or token_id < 0:
+        raise ValueError(f"a token id must be a non-negative int, got {x!r}")
+    return token_id
+
+
 class Tokenizer:
     "Text <-> token ids, stop ids and a chat template, around a `tokenizers.Tokenizer` backend."
 
@@ -368,7 +398,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         if eos_token_ids is None:
-            eos_token_ids = [i for i in map(backend.token_to_id, END_TOKENS) if i is not None]
+            eos_token_ids = end_token_ids(backend)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
 
     @classmethod
@@ -385,12 +415,10 @@ class Tokenizer:
         backend = bpe_from_gguf_metadata(metadata)
         if chat_template is None:
             chat_template = recognise_chat_template(metadata.get("tokenizer.chat_template"))
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        declared = [] if eos is None else [int(eos)]
-        ends = [i for i in map(backend.token_to_id, END_TOKENS) if i is not None]
-        bos = metadata.get("tokenizer.ggml.bos_token_id")
-        return cls(backend, chat_template=chat_template, eos_token_ids=declared + ends,
-                   bos_token_id=None if bos is None else int(bos))
+        eos = _gguf_token_id(metadata, "tokenizer.ggml.eos_token_id")
+        declared_eos = [] if eos is None else [eos]
+        return cls(backend, chat_template=chat_template, eos_token_ids=declared_eos + end_token_ids(backend),
+                   bos_token_id=_gguf_token_id(metadata, "tokenizer.ggml.bos_token_id"))
 
     @property
     def vocab_size(self) -> int:
@@ -405,11 +433,17 @@ class Tokenizer:
         "Token ids of `text`; `add_special_tokens` adds what the tokenizer wraps text in (e.g. a BOS)."
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # raised for a lone surrogate, which has no UTF-8 form
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if at is None:
+                raise
+            raise ValueError(f"text has a lone surrogate {text[at]!r} at index {at}; it is not valid Unicode") from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         "Text of `ids`; every id must be in the vocabulary."
-        return self.backend.decode(self._checked(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(self.checked_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -418,7 +452,7 @@ class Tokenizer:
         return token_id
 
     def id_to_token(self, token_id: int) -> str:
-        return self.backend.id_to_token(self._checked([token_id])[0])
+        return self.backend.id_to_token(self.checked_ids([token_id])[0])
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         "The conversation as the text the model was trained on."
@@ -431,12 +465,12 @@ class Tokenizer:
         "Token ids of the templated conversation: the prompt a request starts from."
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
-    def _checked(self, ids: Sequence[int]) -> list[int]:
-        size, checked = self.vocab_size, []
-        for pos, token_id in enumerate(ids):
-            if isinstance(token_id, (bool, float, str)) or not 0 <= int(token_id) < size:
-                raise ValueError(f"token id {token_id!r} at position {pos} is not in the vocabulary [0, {size})")
-            checked.append(int(token_id))
+    def checked_ids(self, ids: Sequence[int]) -> list[int]:
+        "`ids` as a list of ints, each checked to be in the vocabulary."
+        size, checked = self.vocab_size, [as_token_id(i) for i in ids]
+        for pos, token_id in enumerate(checked):
+            if token_id >= size:
+                raise ValueError(f"token id {token_id} at position {pos} is not in the vocabulary [0, {size})")
         return checked
 
 
@@ -482,12 +516,16 @@ assert qwen.decode(ids) == qwen.apply_chat_template(convo)
 # %%
 with pytest.raises(ValueError, match=r"token id 151669 at position 1 is not in the vocabulary \[0, 151669\)"):
     qwen.decode([0, 151669])  # an embedding padding row, not a token
-with pytest.raises(ValueError, match="token id -1"):
+with pytest.raises(ValueError, match="a token id must be a non-negative int, got -1"):
     qwen.id_to_token(-1)
+with pytest.raises(ValueError, match="got 2.0"):
+    qwen.decode([1, 2.0])
 with pytest.raises(ValueError, match="'<\\|im_middle\\|>' is not a token"):
     qwen.token_to_id("<|im_middle|>")
 with pytest.raises(TypeError, match="encode expects a str, got list"):
     qwen.encode(["Hello"])
+with pytest.raises(ValueError, match="lone surrogate '\\\\udc00' at index 2"):
+    qwen.encode("ab\udc00")
 with pytest.raises(ValueError, match="unknown chat template 'chatml'; known: qwen3-instruct, smollm2-chatml"):
     Tokenizer(qwen.backend, chat_template="chatml")
 with pytest.raises(ValueError, match="no chat template"):
@@ -512,9 +550,10 @@ print(smol)
 print(smol_meta["tokenizer.chat_template"])
 assert (smol.token_to_id("<|im_start|>"), smol.token_to_id("<|im_end|>")) == (1, 2)
 assert smol.eos_token_ids == (2, 0) and smol.bos_token_id == 1 and smol.chat_template == "smollm2-chatml"
-for text in ["Hello, world!", "3.14159 and 2,718", "東京は日本の首都です", "party 🎉🦜!", "def f(x):\n\treturn x**2  # ok\n"]:
+for text in ["Hello, world!", "3.14159 and 2,718", "東京は日本の首都です", "party 🎉🦜!", "def f(x):\n\treturn x**2\n"]:
     assert smol.decode(smol.encode(text)) == text, text
 assert smol.encode_chat([{"role": "user", "content": "Hi"}])[:3] == [1, *smol.encode("system\n")]
+assert smol.encode("\x06") == [] and smol.encode("\x07") != []  # SmolLM2 has no piece for byte 0x06: dropped
 
 
 # %% [markdown]
@@ -621,7 +660,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._vocab_size = tokenizer.vocab_size
-        self._window = tokenizer._checked(list(prompt_ids)[-self.CONTEXT_IDS:])
+        self._window = tokenizer.checked_ids(list(prompt_ids)[-self.CONTEXT_IDS:])
         self._read = len(self._window)  # window[:read] is context already out as text
         self._parts: list[str] = []
         self.num_tokens = 0
@@ -633,12 +672,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         "Take one generated id; return the text it completes (often '', e.g. mid-character)."
-        if isinstance(token_id, (bool, float, str)) or int(token_id) < 0:
-            raise ValueError(f"token id must be a non-negative int, got {token_id!r}")
+        token_id = as_token_id(token_id)
         self.num_tokens += 1
-        if int(token_id) >= self._vocab_size:
+        if token_id >= self._vocab_size:
             return ""  # an embedding padding row: no text
-        self._window.append(int(token_id))
+        self._window.append(token_id)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -681,7 +719,7 @@ assert [detok.add(i) for i in [*qwen.encode("Paris."), 151645, 151700]] == ["Par
 assert detok.text == "Paris." and detok.num_tokens == 4
 shown = IncrementalDetokenizer(qwen, skip_special_tokens=False)
 assert "".join(shown.add(i) for i in [*qwen.encode("ok"), 151645]) == "ok<|im_end|>"
-with pytest.raises(ValueError, match="non-negative int, got -3"):
+with pytest.raises(ValueError, match="a token id must be a non-negative int, got -3"):
     detok.add(-3)
 held = IncrementalDetokenizer(qwen)
 assert held.add(qwen.encode("🫠")[0]) == "" and held.flush() == "\ufffd"  # flush sends even a broken tail
