@@ -39,7 +39,7 @@ def doctor_report() -> list[tuple[str, str]]:
     rows.append(("attention", "PyTorch reference (scaled_dot_product_attention)"))
     rows.append(("cpu threads", str(torch.get_num_threads())))
     rows.append(("model cache", str(forge_home())))
-    from forge_engine.llm import choose_auto_model
+    from forge_engine.loader import choose_auto_model
     name, device, why = choose_auto_model()
     rows.append(("--model auto", f"{name} on {device}: {why}"))
     return rows
@@ -49,7 +49,7 @@ def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tu
     "Resolve `--model auto` (saying what was chosen and why); other names pass through."
     if model != "auto":
         return model, device
-    from forge_engine.llm import AUTO_CPU_MODEL, choose_auto_model
+    from forge_engine.loader import AUTO_CPU_MODEL, choose_auto_model
     if device == "cpu":
         log(f"model auto -> {AUTO_CPU_MODEL} (--device cpu)")
         return AUTO_CPU_MODEL, device
@@ -122,7 +122,7 @@ def sampling_from_args(args) -> SamplingParams:
 
 
 def _load_llm(args):
-    from forge_engine.llm import LLM
+    from forge_engine.engine import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
     llm = LLM(model, device=device, dtype=args.dtype)

@@ -14,10 +14,11 @@ import torch
 
 from .config import ModelConfig
 from .model import Transformer, causal_attention
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% auto #0
 __all__ = ['ContiguousKVCache', 'prefill', 'decode_step', 'SamplingParams', 'apply_penalties', 'filter_probs', 'sample_token',
-           'StopStringMatcher', 'Completion', 'finish_reason_for', 'token_logprobs', 'generate_tokens']
+           'StopStringMatcher', 'TextStream', 'Completion', 'finish_reason_for', 'token_logprobs', 'generate_tokens']
 
 # %% ../nbs/04_prefill_decode.ipynb #9dc0ec90
 class ContiguousKVCache:
@@ -164,6 +165,28 @@ class StopStringMatcher:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
 
+# %% ../nbs/04_prefill_decode.ipynb #614f336b
+class TextStream:
+    "Token ids in, displayable text deltas out; notices stop strings."
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool: return self.stops.stopped
+
+    def add(self, token_id: int) -> str:
+        delta = self.stops.feed(self.detokenizer.add(token_id))
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        "The held-back rest, once generation is over."
+        delta = self.stops.feed(self.detokenizer.flush()) + self.stops.flush()
+        self.text += delta
+        return delta
+
 # %% ../nbs/04_prefill_decode.ipynb #c67539c1
 @dataclass
 class Completion:
@@ -176,10 +199,10 @@ class Completion:
     seconds: float | None = None
 
 
-def finish_reason_for(token: int, completion: Completion, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
-    "Token-level stop rules, applied after `token` was appended (stop tokens are masked before `min_tokens`)."
+def finish_reason_for(token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
+    "Token-level stop rules, applied after `token` became the `num_generated`-th output (stop tokens are masked before `min_tokens`)."
     if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos): return "stop"
-    if len(completion.token_ids) >= params.max_tokens: return "length"
+    if num_generated >= params.max_tokens: return "length"
     return None
 
 
@@ -218,7 +241,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         out.token_ids.append(token)
         if out.ttft_seconds is None: out.ttft_seconds = time.perf_counter() - start
         if out.logprobs is not None: out.logprobs.append(token_logprobs(logits, token, params.logprobs))
-        out.finish_reason = finish_reason_for(token, out, params, eos_ids)
+        out.finish_reason = finish_reason_for(token, len(out.token_ids), params, eos_ids)
         if on_token is not None and on_token(token): out.finish_reason = "stop"
         if out.finish_reason is None and cache.length >= cache.max_len: out.finish_reason = "length"
         if out.finish_reason: break

@@ -129,6 +129,12 @@ class BlockAllocator:
         self.hit_tokens += len(matched) * self.block_size
         return matched
 
+    def cancel_match(self, block_ids: Sequence[int], num_query_tokens: int) -> None:
+        "Undo a `match_prefix` whose sequence could not be admitted after all: references and hit counts."
+        self.free(block_ids)
+        self.query_tokens -= num_query_tokens
+        self.hit_tokens -= len(block_ids) * self.block_size
+
     def register_full_block(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
         "Offer a full block, whose K/V is written, to the prefix cache; returns its hash (None when caching is off)."
         block = self._checked(block_id)

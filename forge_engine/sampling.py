@@ -95,8 +95,9 @@ class SamplingBatch:
                        if (p.presence_penalty or p.frequency_penalty) and len(r.output_ids)]:
             index, count = torch.unique(torch.cat([_positions(i, V, "output_ids", rows[i].output_ids) for i in counted]),
                                         return_counts=True)
-            row = index // V
-            output_penalty = sparse(index, per_row("frequency_penalty")[row] * count.float() + per_row("presence_penalty")[row])
+            row = index // V  # the reference's frequency x count + presence x (count > 0), per (row, token)
+            amount = per_row("frequency_penalty")[row] * count.float() + per_row("presence_penalty")[row]
+            output_penalty = sparse(index, amount)
         if early := [i for i, (p, r) in enumerate(zip(params, rows)) if len(r.output_ids) < p.min_tokens]:
             forbidden = torch.cat([_positions(i, V, "eos/stop_token_ids", eos_ids, params[i].stop_token_ids)
                                    for i in early]).to(device)

@@ -170,7 +170,8 @@ class Scheduler:
         num_new = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq, num_new)
         if not self.allocator.can_allocate(need):
-            self._release(seq)
+            self.allocator.cancel_match(cached, seq.num_tokens)  # it will be looked up again when it fits
+            seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             return False
         seq.block_table += self.allocator.allocate(need)
         seq.num_cached_prompt_tokens = seq.num_computed

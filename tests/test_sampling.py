@@ -200,3 +200,8 @@ def test_matches_reference_on_gpu():
     expected = [sample_token(reference_adjust(logits[i], row), row.params, row.generator)
                 for i, row in enumerate(rows_of(specs, "cuda"))]
     assert result.token_ids.tolist() == expected
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        sample(logits, SamplingBatch.build(rows_of(specs, "cuda"), vocab, EOS_IDS, device="cuda")).token_ids.tolist()
+    print(f"\n64 x {vocab} on {torch.cuda.get_device_name()}: build + sample {1e2 * (time.perf_counter() - start):.1f} ms")

@@ -33,6 +33,7 @@ import torch
 
 from forge_engine.config import ModelConfig
 from forge_engine.model import Transformer, causal_attention
+from forge_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %%
 #| hide
@@ -291,6 +292,45 @@ assert m.feed("a#") == "a" and m.flush() == "#"
 
 
 # %% [markdown]
+# Text for a user comes out of two filters in a row: the incremental detokenizer (chapter 02:
+# never half a UTF-8 character) and the stop-string matcher (never a piece of a stop string).
+# `TextStream` chains them; what it returns is safe to show at once.
+
+# %%
+#| export
+class TextStream:
+    "Token ids in, displayable text deltas out; notices stop strings."
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool: return self.stops.stopped
+
+    def add(self, token_id: int) -> str:
+        delta = self.stops.feed(self.detokenizer.add(token_id))
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        "The held-back rest, once generation is over."
+        delta = self.stops.feed(self.detokenizer.flush()) + self.stops.flush()
+        self.text += delta
+        return delta
+
+
+# %%
+from forge_engine.registry import fetch
+qwen_tok = Tokenizer.from_file(fetch("qwen3-tokenizer"))
+ids = qwen_tok.encode("Stars 🌟 are far. ### The end")
+stream = TextStream(qwen_tok, SamplingParams(stop=["###"]))
+deltas = [stream.add(t) for t in ids]
+assert stream.stopped and stream.text == "Stars 🌟 are far. " and "".join(deltas) == stream.text
+assert all("\ufffd" not in d and "#" not in d for d in deltas)
+
+
+# %% [markdown]
 # ## The generation loop
 #
 # Prefill, then: sample, check the stop rules, decode the new token, repeat. `on_token` is
@@ -309,10 +349,10 @@ class Completion:
     seconds: float | None = None
 
 
-def finish_reason_for(token: int, completion: Completion, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
-    "Token-level stop rules, applied after `token` was appended (stop tokens are masked before `min_tokens`)."
+def finish_reason_for(token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
+    "Token-level stop rules, applied after `token` became the `num_generated`-th output (stop tokens are masked before `min_tokens`)."
     if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos): return "stop"
-    if len(completion.token_ids) >= params.max_tokens: return "length"
+    if num_generated >= params.max_tokens: return "length"
     return None
 
 
@@ -351,7 +391,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         out.token_ids.append(token)
         if out.ttft_seconds is None: out.ttft_seconds = time.perf_counter() - start
         if out.logprobs is not None: out.logprobs.append(token_logprobs(logits, token, params.logprobs))
-        out.finish_reason = finish_reason_for(token, out, params, eos_ids)
+        out.finish_reason = finish_reason_for(token, len(out.token_ids), params, eos_ids)
         if on_token is not None and on_token(token): out.finish_reason = "stop"
         if out.finish_reason is None and cache.length >= cache.max_len: out.finish_reason = "length"
         if out.finish_reason: break

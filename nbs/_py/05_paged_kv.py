@@ -207,6 +207,12 @@ class BlockAllocator:
         self.hit_tokens += len(matched) * self.block_size
         return matched
 
+    def cancel_match(self, block_ids: Sequence[int], num_query_tokens: int) -> None:
+        "Undo a `match_prefix` whose sequence could not be admitted after all: references and hit counts."
+        self.free(block_ids)
+        self.query_tokens -= num_query_tokens
+        self.hit_tokens -= len(block_ids) * self.block_size
+
     def register_full_block(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
         "Offer a full block, whose K/V is written, to the prefix cache; returns its hash (None when caching is off)."
         block = self._checked(block_id)
@@ -298,6 +304,9 @@ assert alloc.match_prefix(prompt_a[:8]) == table_a[:1]  # never the whole prompt
 assert alloc.match_prefix([11, 12, 13, 99, 15, 16, 17, 18, 19]) == []
 s = alloc.stats()
 assert (s.hit_tokens, s.query_tokens) == (8 + 4, 10 + 11 + 8 + 9) and s.used_blocks == 3
+again = alloc.match_prefix(prompt_a[:8] + [5, 5])  # a sequence that then cannot be admitted...
+alloc.cancel_match(again, 10)  # ...gives its references back and is not counted as a lookup
+assert alloc.stats() == s and alloc.ref_count(table_a[0]) == 3
 alloc.free(hit); alloc.free(table_a[:1]); alloc.free(table_a)
 s = alloc.stats()
 assert (s.used_blocks, s.cached_blocks, s.free_blocks) == (0, 2, 6)

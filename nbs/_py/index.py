@@ -24,7 +24,11 @@
 # | 02_tokenizer | `tokenizer` | BPE, chat templates, streaming text without broken characters |
 # | 03_model | `model` | RMSNorm, RoPE, grouped-query attention, SwiGLU; parity with `transformers` |
 # | 04_prefill_decode | `generate` | the KV cache, prefill vs decode, sampling, stop rules |
-# | 04a_llm | `llm` | `LLM`: a name in, text out |
+# | 04a_loader | `loader` | a registry name in, a model on a device and its tokenizer out |
+# | 05_paged_kv | `kv_cache` | blocks, block tables, slot mapping, prefix caching, paged attention |
+# | 06_sampling | `sampling` | batched sampling with per-request parameters and seeds |
+# | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
+# | 08_engine | `engine` | one step: schedule, run, sample, stop; `LLM` |
 # | 14_cli | `cli` | `forge-engine doctor / generate / chat / models` |
 #
 # ## Quickstart

