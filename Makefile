@@ -17,7 +17,7 @@ chat: $(STAMP)  ## chat in the terminal (SmolLM2 on CPU, Qwen3-4B on a big enoug
 	$(BIN)/forge-engine chat
 
 test: $(STAMP)  ## every check CI runs: notebooks in sync and clean, notebook tests, pytest
-	PATH="$(CURDIR)/$(BIN):$$PATH" bash tools/check.sh
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash .dev/check.sh
 
 sync: $(STAMP)  ## after editing nbs/_py/*.py: write the notebooks and export the package
-	PATH="$(CURDIR)/$(BIN):$$PATH" bash tools/sync_notebooks.sh
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash .dev/sync_notebooks.sh

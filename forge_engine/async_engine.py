@@ -50,14 +50,7 @@ class AsyncEngine:
         "Queue a request whose outputs go to `sink` (called on the engine thread). Refuses bad requests at once."
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        ids = [int(t) for t in prompt_token_ids]
-        limit, vocab = self.engine.max_model_len, self.engine.loaded.config.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) + 1 > limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        ids = self.engine.check_prompt(prompt_token_ids)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._live:

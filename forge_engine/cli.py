@@ -14,7 +14,7 @@ import torch
 from .generate import SamplingParams
 
 # %% auto #0
-__all__ = ['doctor_report', 'pick_model', 'chat_loop', 'build_parser', 'sampling_from_args', 'run_models', 'main']
+__all__ = ['doctor_report', 'pick_model', 'chat_loop', 'build_parser', 'sampling_from_args', 'run_models', 'run_bench', 'main']
 
 # %% ../nbs/14_cli.ipynb #64842eed
 def doctor_report() -> list[tuple[str, str]]:
@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal")
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_model_flags(chat)
+    bench = sub.add_parser("bench", help="run a benchmark workload (w1, w2, w4) and print its figures as JSON")
+    bench.add_argument("workload", choices=["w1", "w2", "w4"])
+    bench.add_argument("--model", default="auto")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
+    bench.add_argument("--json", default=None, help="also write the result to this file")
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
@@ -145,6 +152,23 @@ def run_models(args) -> int:
     return 0
 
 
+def run_bench(args) -> int:
+    import json
+    from forge_engine.bench import WORKLOADS, environment
+    from forge_engine.config import EngineConfig
+    from forge_engine.loader import load_model
+    model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
+    loaded = load_model(model, device, args.dtype)
+    config = EngineConfig(batch_invariant=args.batch_invariant)
+    result = {**WORKLOADS[args.workload](loaded, config), "model": model, "batch_invariant": args.batch_invariant,
+              "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f: f.write(text + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -153,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label:>14}: {value}")
         elif args.command == "models":
             return run_models(args)
+        elif args.command == "bench":
+            return run_bench(args)
         else:
             params = sampling_from_args(args)
             llm = _load_llm(args)

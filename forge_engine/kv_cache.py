@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .config import ModelConfig
 from .model import causal_attention
@@ -268,21 +269,45 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
 
 # %% ../nbs/05_paged_kv.ipynb #2688634d
 class PagedAttention:
-    "Attention backend for one step over the paged pool: write through `slot_mapping`, read through block tables."
-    def __init__(self, cache: PagedKVCache, layout: StepLayout):
+    """Attention backend for one step over the paged pool: write through `slot_mapping`, read through block tables.
+
+    Sequences with several new tokens (prefill chunks) are attended one by one. Sequences with one
+    new token (decodes) are attended together in one call, their contexts padded to the longest and
+    masked, unless `batch_decodes=False`: then each is attended alone, so its result never depends
+    on the others (the batch-invariant mode of the engine needs that)."""
+    def __init__(self, cache: PagedKVCache, layout: StepLayout, batch_decodes: bool = True):
         if int(layout.block_tables.max()) >= cache.num_blocks:
             raise ValueError(f"block tables name block {int(layout.block_tables.max())}; "
                              f"the pool has {cache.num_blocks}")
         self.cache, self.layout = cache, layout
+        starts = layout.query_start.tolist()
+        single = [i for i, new in enumerate(layout.num_new) if new == 1]
+        self.batched = single if batch_decodes and len(single) > 1 else []
+        self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
+        self.starts = starts
+        if self.batched:  # the padded-context view of the decoding sequences, built once per step
+            index = torch.tensor(self.batched, device=layout.block_tables.device)
+            self.batched_rows = layout.query_start[index]
+            self.batched_tables = layout.block_tables[index].clamp(min=0)  # padding reads block 0, masked below
+            width = self.batched_tables.shape[1] * cache.block_size
+            positions = torch.arange(width, device=index.device)
+            self.batched_mask = (positions[None, :] < layout.context_lens[index, None])[:, None, None, :]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         if q.shape[0] != layout.num_tokens:
             raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
         self.cache.write(layer, layout.slot_mapping, k, v)
-        out, start = torch.empty_like(q), 0
-        for i, (computed, new) in enumerate(zip(layout.num_computed, layout.num_new)):
+        out = torch.empty_like(q)
+        for i in self.one_by_one:
+            start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
             k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
             out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
-            start += new
+        if self.batched:
+            k_ctx = self.cache.k_cache[layer][self.batched_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+            v_ctx = self.cache.v_cache[layer][self.batched_tables].flatten(1, 2).transpose(1, 2)
+            q_rows = q[self.batched_rows][:, :, None, :]  # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(q_rows, k_ctx, v_ctx, attn_mask=self.batched_mask,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+            out[self.batched_rows] = o[:, :, 0, :]
         return out

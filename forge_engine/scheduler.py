@@ -94,9 +94,8 @@ class Scheduler:
         self._arrivals = itertools.count()
 
     # -- requests in and out --
-    def add(self, seq: Sequence) -> None:
-        "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
-        n = len(seq.prompt_ids)
+    def check_prompt_len(self, n: int) -> None:
+        "Refuse (with both numbers) a prompt that could never run: longer than the context or than the whole KV pool."
         if n == 0:
             raise ValueError("prompt is empty")
         if n + 1 > self.max_model_len:
@@ -105,6 +104,10 @@ class Scheduler:
         if n + 1 > pool_tokens:
             raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
                              f"so it can never run (give the cache more memory)")
+
+    def add(self, seq: Sequence) -> None:
+        "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
+        self.check_prompt_len(len(seq.prompt_ids))
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
                                  f"try again later")
@@ -144,6 +147,7 @@ class Scheduler:
         prefilling = [s for s in self.running if not s.is_decoding]
         for seq in decoding + prefilling:  # oldest first within each group
             if seq.status is not Status.RUNNING: continue  # preempted earlier in this loop
+            if self._outgrew_pool(seq, plan): continue
             num_new = min(seq.num_uncomputed, budget)
             if num_new == 0: continue
             while not self.allocator.can_allocate(self._blocks_for(seq, num_new)):
@@ -154,14 +158,17 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._admit(seq, budget, plan):
-                budget -= plan.scheduled[-1].num_new
-            elif not self.running:  # the whole pool is free and it still does not fit: it never will
-                self.finish(seq, "length")
-                plan.finished.append(seq)
-            else:
-                break  # FCFS: nobody jumps the queue
+            if self._outgrew_pool(seq, plan): continue
+            if not self._admit(seq, budget, plan): break  # FCFS: nobody jumps the queue
+            budget -= plan.scheduled[-1].num_new
         return plan
+
+    def _outgrew_pool(self, seq: Sequence, plan: StepPlan) -> bool:
+        "End (reason `length`) a sequence whose tokens no longer fit the whole pool: it could never run again."
+        if self.allocator.blocks_needed(seq.num_tokens) <= self.allocator.num_blocks: return False
+        self.finish(seq, "length")
+        plan.finished.append(seq)
+        return True
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
         cached = self.allocator.match_prefix(seq.token_ids)

@@ -302,6 +302,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV pool size; None: from gpu_memory_utilization or a CPU default
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    batch_invariant: bool = False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
     seed: int = 0
 
     def __post_init__(self):

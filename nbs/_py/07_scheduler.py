@@ -144,9 +144,8 @@ class Scheduler:
         self._arrivals = itertools.count()
 
     # -- requests in and out --
-    def add(self, seq: Sequence) -> None:
-        "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
-        n = len(seq.prompt_ids)
+    def check_prompt_len(self, n: int) -> None:
+        "Refuse (with both numbers) a prompt that could never run: longer than the context or than the whole KV pool."
         if n == 0:
             raise ValueError("prompt is empty")
         if n + 1 > self.max_model_len:
@@ -155,6 +154,10 @@ class Scheduler:
         if n + 1 > pool_tokens:
             raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
                              f"so it can never run (give the cache more memory)")
+
+    def add(self, seq: Sequence) -> None:
+        "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
+        self.check_prompt_len(len(seq.prompt_ids))
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
                                  f"try again later")
@@ -194,6 +197,7 @@ class Scheduler:
         prefilling = [s for s in self.running if not s.is_decoding]
         for seq in decoding + prefilling:  # oldest first within each group
             if seq.status is not Status.RUNNING: continue  # preempted earlier in this loop
+            if self._outgrew_pool(seq, plan): continue
             num_new = min(seq.num_uncomputed, budget)
             if num_new == 0: continue
             while not self.allocator.can_allocate(self._blocks_for(seq, num_new)):
@@ -204,14 +208,17 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._admit(seq, budget, plan):
-                budget -= plan.scheduled[-1].num_new
-            elif not self.running:  # the whole pool is free and it still does not fit: it never will
-                self.finish(seq, "length")
-                plan.finished.append(seq)
-            else:
-                break  # FCFS: nobody jumps the queue
+            if self._outgrew_pool(seq, plan): continue
+            if not self._admit(seq, budget, plan): break  # FCFS: nobody jumps the queue
+            budget -= plan.scheduled[-1].num_new
         return plan
+
+    def _outgrew_pool(self, seq: Sequence, plan: StepPlan) -> bool:
+        "End (reason `length`) a sequence whose tokens no longer fit the whole pool: it could never run again."
+        if self.allocator.blocks_needed(seq.num_tokens) <= self.allocator.num_blocks: return False
+        self.finish(seq, "length")
+        plan.finished.append(seq)
+        return True
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
         cached = self.allocator.match_prefix(seq.token_ids)
@@ -398,7 +405,8 @@ def random_workload(seed):
 for seed in range(30): random_workload(seed)
 
 # %% [markdown]
-# A sequence that outgrows the whole pool ends with `length` instead of preempting itself forever:
+# A sequence that outgrows the whole pool ends with `length` instead of preempting others, or
+# itself, forever:
 
 # %%
 alloc = BlockAllocator(num_blocks=3, block_size=4, enable_prefix_caching=False)
@@ -406,4 +414,12 @@ sched = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16), alloc
 lone = make_seq("lone", 8, 20)
 timeline = simulate(sched, {0: [lone]})
 assert lone.finish_reason == "length" and len(lone.output_ids) == 4 + 1  # 12 slots: 8 prompt + 4 computed outputs, +1 sampled
+alloc.check_idle()
+
+# a preempted sequence whose recompute no longer fits must not come back in chunks forever
+alloc = BlockAllocator(num_blocks=8, block_size=2, enable_prefix_caching=False)
+sched = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=11), alloc, max_model_len=4096)
+pair = [make_seq("u", 1, 7), make_seq("vv", 7, 12)]
+timeline = simulate(sched, {0: pair}, max_steps=200)
+assert all(s.finished for s in pair) and pair[1].finish_reason == "length"
 alloc.check_idle()

@@ -88,25 +88,59 @@ def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
 # One flattened batch per step: the new tokens of every scheduled sequence back to back, their
 # positions, and the paged attention backend that knows where each sequence's K/V lives.
 # Only the last token of a sequence that is due a new token needs logits.
+#
+# **Batch invariance.** A CPU matmul does not compute row `i` of `X @ W` the same way for
+# every number of rows: the kernel, and so the order of the additions, depends on the shape.
+# So a request's logits can differ in the last bits depending on what else is in its batch,
+# and once in a while a greedy choice flips. With `batch_invariant=True` the runner removes
+# every shape that depends on the batch: it feeds the model tiles of exactly `ROW_TILE`
+# tokens (the last one padded by repeating its last token, which rewrites the same K/V), and
+# treats each token as its own query of length one, so attention for a token at position `p`
+# is always one query against keys `0..p`. Every operation then sees the same shapes whatever
+# the batch, and a request's greedy tokens are the same alone or batched. The price: each
+# tile reads all the weights, so a long prefill is slower.
 
 # %%
 #| export
+ROW_TILE = 8
+
+
 class ModelRunner:
     "Runs one scheduled step of the model over the paged KV cache."
-    def __init__(self, model: Transformer, cache: PagedKVCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: PagedKVCache, batch_invariant: bool = False):
+        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> torch.Tensor:
         "Logits [number of sampling sequences, vocab] in plan order."
         items = plan.scheduled
+        ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
+        last_rows = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
+        due = [k for k, i in enumerate(items) if i.samples]
+        if self.batch_invariant:
+            return self._run_invariant(items, ids, last_rows[due].tolist())
         layout = build_step_layout([(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
                                    self.cache.block_size, self.device)
-        ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
         hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, PagedAttention(self.cache, layout))
-        due = [k for k, i in enumerate(items) if i.samples]
-        return self.model.compute_logits(hidden[layout.last_token_index[due]])
+        return self.model.compute_logits(hidden[last_rows[due].to(self.device)])
+
+    def _run_invariant(self, items, ids: list[int], due_rows: list[int]) -> torch.Tensor:
+        # every token as its own query: (its sequence's block table, its position, 1 new token)
+        queries = [(i.seq.block_table, i.seq.num_computed + j, 1) for i in items for j in range(i.num_new)]
+        hidden = []
+        for start in range(0, len(ids), ROW_TILE):
+            tile_ids, tile_queries = ids[start:start + ROW_TILE], queries[start:start + ROW_TILE]
+            pad = ROW_TILE - len(tile_ids)
+            tile_ids, tile_queries = tile_ids + tile_ids[-1:] * pad, tile_queries + tile_queries[-1:] * pad
+            layout = build_step_layout(tile_queries, self.cache.block_size, self.device)
+            out = self.model(torch.tensor(tile_ids, device=self.device), layout.positions,
+                             PagedAttention(self.cache, layout, batch_decodes=False))
+            hidden.append(out[:ROW_TILE - pad])
+        rows = torch.cat(hidden)[torch.tensor(due_rows, device=self.device, dtype=torch.long)]
+        padded = torch.cat([rows, rows[-1:].expand(-len(rows) % ROW_TILE, -1)]) if len(rows) else rows
+        logits = [self.model.compute_logits(tile) for tile in padded.split(ROW_TILE)]
+        return torch.cat(logits)[:len(rows)] if logits else padded.new_empty(0, self.model.config.vocab_size)
 
 
 # %% [markdown]
@@ -192,26 +226,31 @@ class LLMEngine:
         num_blocks = PagedKVCache.num_blocks_for(model.config, budget, self.config.block_size, param.dtype)
         self.cache = PagedKVCache(model.config, num_blocks, self.config.block_size, self.device, param.dtype)
         self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.max_model_len = min(self.config.max_model_len or model.config.max_position_embeddings,
-                                 num_blocks * self.config.block_size)
+        self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, self.config.batch_invariant)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
 
     # -- requests --
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        "The prompt as a list of ints, or a ValueError naming what is wrong. Reads only constants: any thread may call it."
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.loaded.config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.scheduler.check_prompt_len(len(ids))
+        return ids
+
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None) -> str:
         "Queue a request; refused with a clear error (nothing queued) when it cannot run."
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = [int(t) for t in prompt_token_ids]
-        vocab = self.loaded.config.vocab_size
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        ids = self.check_prompt(prompt_token_ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -374,8 +413,8 @@ with pytest.raises(ValueError, match="unknown request id 'gone'"):
     engine.abort("gone")
 with pytest.raises(ValueError, match="outside the vocabulary"):
     engine.add_request([10**7])
-pool_tokens = engine.allocator.num_blocks * 4  # the context is capped by what the pool holds
-with pytest.raises(ValueError, match=f"prompt has {pool_tokens} tokens; the context holds {pool_tokens}"):
+pool_tokens = engine.allocator.num_blocks * 4
+with pytest.raises(ValueError, match=f"prompt has {pool_tokens} tokens; the KV pool holds {pool_tokens} tokens"):
     engine.add_request([1] * pool_tokens)
 assert not engine.has_unfinished()
 
@@ -432,9 +471,10 @@ class LLM:
         if len(params) != len(ids):
             raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
         for i, p in enumerate(ids):  # refuse bad prompts before queueing any
-            if len(p) + 1 > self.engine.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.engine.max_model_len} "
-                                 f"(prompt + at least 1 new token)")
+            try:
+                self.engine.check_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         pending = deque(range(len(ids)))
         index_of, results = {}, [None] * len(ids)
         while pending or self.engine.has_unfinished():

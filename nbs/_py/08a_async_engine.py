@@ -79,14 +79,7 @@ class AsyncEngine:
         "Queue a request whose outputs go to `sink` (called on the engine thread). Refuses bad requests at once."
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        ids = [int(t) for t in prompt_token_ids]
-        limit, vocab = self.engine.max_model_len, self.engine.loaded.config.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) + 1 > limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        ids = self.engine.check_prompt(prompt_token_ids)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._live:
@@ -247,8 +240,10 @@ assert outs[0].token_ids == alone.token_ids and all(o.finish_reason == "length" 
 # Bad input is refused in the caller's thread; an unknown id cannot be aborted:
 
 # %%
-with pytest.raises(ValueError, match="context holds"):
-    engine.submit([1] * (engine.engine.max_model_len + 5), params, print)
+with pytest.raises(ValueError, match="KV pool holds"):
+    engine.submit([1] * (engine.engine.allocator.num_blocks * 4 + 5), params, print)
+with pytest.raises(ValueError, match="context holds 4096"):
+    engine.submit([1] * 5000, params, print)
 with pytest.raises(ValueError, match="unknown request id 'nope'"):
     engine.abort("nope")
 

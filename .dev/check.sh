@@ -24,7 +24,7 @@ for nb in nbs/*.ipynb; do
   twin="nbs/_py/$name.py"
   [ -f "$twin" ] || { echo "FAIL: $nb has no twin $twin"; exit 1; }
   jupytext --quiet --to py:percent -o "$scratch/$name.py" "$nb"
-  diff -u "$twin" "$scratch/$name.py" || { echo "FAIL: $twin and $nb differ: run tools/sync_notebooks.sh $name"; exit 1; }
+  diff -u "$twin" "$scratch/$name.py" || { echo "FAIL: $twin and $nb differ: run .dev/sync_notebooks.sh $name"; exit 1; }
 done
 for twin in nbs/_py/*.py; do
   [ -f "nbs/$(basename "$twin" .py).ipynb" ] || { echo "FAIL: $twin has no notebook"; exit 1; }

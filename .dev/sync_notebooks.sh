@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Twin (nbs/_py/X.py, what you edit) -> notebook (nbs/X.ipynb) -> module (forge_engine/).
-# Usage: tools/sync_notebooks.sh [NAME ...]   (names like 00_config; default: every twin)
+# Usage: .dev/sync_notebooks.sh [NAME ...]   (names like 00_config; default: every twin)
 # The direction is always twin -> notebook: jupytext --update keeps cell ids and outputs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,167 @@
+# %% [markdown]
+# # Benchmarks
+#
+# > The workloads of `performance.md`, run through the real engine: W1 single stream, W2 offline throughput, W4 CPU classroom.
+
+# %% [markdown]
+# A benchmark here is a function that builds an engine, warms it up, runs a named workload and
+# returns a dictionary of figures together with the environment it ran in. Nothing here
+# asserts a speed: figures are reported, never tested. From a terminal:
+#
+# ```
+# forge-engine bench w4 --model smollm2-135m-instruct --device cpu
+# forge-engine bench w1 --model random:qwen3-4b          # on a GPU
+# forge-engine bench w2 --model random:qwen3-4b --json w2.json
+# ```
+
+# %%
+#| default_exp bench
+
+# %%
+#| export
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+import time
+
+import torch
+
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import LoadedModel
+
+
+# %% [markdown]
+# ## The environment a figure belongs to
+
+# %%
+#| export
+def environment() -> dict:
+    "What a benchmark figure depends on: hardware, versions, commit."
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+           "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env
+
+
+# %% [markdown]
+# ## Running a batch of requests offline
+#
+# All requests are queued at once and the engine steps until every one is done; the clock
+# runs from the first step to the last output, prompts included.
+
+# %%
+#| export
+def random_prompts(count: int, min_len: int, max_len: int, vocab_limit: int = 10000, seed: int = 0) -> list[list[int]]:
+    "Prompts of random token ids (the nano-vllm workload): lengths uniform in [min_len, max_len]."
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_limit) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def _sync(engine: LLMEngine):
+    if engine.device.type == "cuda": torch.cuda.synchronize(engine.device)
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    "Run every prompt to the end; wall time, tokens and per-request first-token latency."
+    ids = [engine.add_request(p, params) for p in prompts]
+    _sync(engine)
+    start, first, finals = time.perf_counter(), {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+            if out.finished: finals[out.request_id] = out
+    _sync(engine)
+    wall = time.perf_counter() - start
+    output_tokens = sum(len(finals[i].token_ids) for i in ids)
+    ttfts = sorted(first[i] for i in ids)
+    return {"requests": len(ids), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
+            "wall_s": wall, "output_tok_s": output_tokens / wall, "ttft_median_s": ttfts[len(ttfts) // 2]}
+
+
+# %% [markdown]
+# ## The workloads
+
+# %%
+#| export
+def weight_bytes(loaded: LoadedModel) -> int:
+    return sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+
+def w1_single_stream(loaded: LoadedModel, config: EngineConfig, prompt_len: int = 128, new_tokens: int = 256,
+                     repeats: int = 3) -> dict:
+    "W1: one request, 128-token prompt, 256 greedy tokens. Decode tok/s, TTFT and bytes read per second."
+    engine = LLMEngine(loaded, config)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompt = random_prompts(1, prompt_len, prompt_len, seed=1)[0]
+    run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    runs = []
+    for _ in range(repeats):
+        r = run_batch(engine, [prompt], params)
+        decode_s = r["wall_s"] - r["ttft_median_s"]
+        runs.append({"ttft_s": r["ttft_median_s"], "decode_tok_s": (new_tokens - 1) / decode_s})
+    best = sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2]  # the median run
+    step_bytes = weight_bytes(loaded)  # every decode step reads all weights (plus a little KV cache)
+    return {"workload": "W1", **best, "runs": runs, "weight_bytes": step_bytes,
+            "achieved_bytes_per_s": step_bytes * best["decode_tok_s"]}
+
+
+def w2_offline_throughput(loaded: LoadedModel, config: EngineConfig, count: int = 256, min_len: int = 100,
+                          max_len: int = 1024, new_tokens: int = 512) -> dict:
+    "W2: 256 requests, prompts of 100-1024 random ids (seed 0), 512 tokens each ignoring EOS."
+    engine = LLMEngine(loaded, config)
+    run_batch(engine, random_prompts(2, 16, 16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    result = run_batch(engine, random_prompts(count, min_len, max_len, seed=0),
+                       SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    return {"workload": "W2", **result}
+
+
+def w4_cpu_classroom(loaded: LoadedModel, config: EngineConfig, concurrency=(1, 8), new_tokens: int = 128) -> dict:
+    "W4: a short chat prompt; output tok/s with 1 and with 8 concurrent requests."
+    engine = LLMEngine(loaded, config)
+    prompt = (loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story about a lighthouse."}])
+              if loaded.tokenizer else random_prompts(1, 24, 24)[0])
+    run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    results = {}
+    for n in concurrency:
+        r = run_batch(engine, [prompt] * n, params)
+        results[f"concurrency_{n}"] = {"output_tok_s": r["output_tok_s"], "wall_s": r["wall_s"],
+                                       "ttft_median_s": r["ttft_median_s"], "output_tokens": r["output_tokens"]}
+    return {"workload": "W4", "new_tokens": new_tokens, **results}
+
+
+WORKLOADS = {"w1": w1_single_stream, "w2": w2_offline_throughput, "w4": w4_cpu_classroom}
+
+# %% [markdown]
+# ## A small run
+#
+# The notebook runs scaled-down versions on a tiny random model, to show the shape of the
+# results (the figures of a tiny model say nothing about a real one).
+
+# %%
+from forge_engine.config import preset
+from forge_engine.model import empty_model, init_random_weights
+tiny = LoadedModel("random:qwen3-tiny", init_random_weights(empty_model(preset("qwen3-tiny")), seed=0), None, None)
+config = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_seqs=8, max_num_batched_tokens=256)
+w1 = w1_single_stream(tiny, config, prompt_len=16, new_tokens=16, repeats=1)
+w2 = w2_offline_throughput(tiny, config, count=8, min_len=4, max_len=32, new_tokens=8)
+w4 = w4_cpu_classroom(tiny, config, new_tokens=8)
+print(w1, w2, w4, sep="\n")
+assert w2["output_tokens"] == 8 * 8 and w4["concurrency_8"]["output_tokens"] == 8 * 8
+assert set(environment()) >= {"torch", "python", "commit"}
