@@ -19,7 +19,7 @@ import torch
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'TensorEntry', 'read_safetensors_header', 'read_tensor', 'checkpoint_shards', 'peak_rss_bytes',
-           'LoadStats', 'iter_checkpoint']
+           'rss_bytes', 'LoadStats', 'iter_checkpoint']
 
 # %% ../nbs/01_loading.ipynb #fa731b87
 SAFETENSORS_DTYPES = {
@@ -102,17 +102,28 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def rss_bytes() -> int:
+    "Resident memory of this process now (Linux; elsewhere the peak so far)."
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
 @dataclass
 class LoadStats:
     seconds: float = 0.0
     bytes_read: int = 0
     tensors: int = 0
     peak_rss_bytes: int = 0
+    rss_before_bytes: int = 0  # resident memory when loading started (Python, torch, ...)
 
     def __str__(self):
         gb = self.bytes_read / 1e9
         return (f"loaded {self.tensors} tensors, {gb:.2f} GB in {self.seconds:.2f} s "
-                f"({gb / max(self.seconds, 1e-9):.2f} GB/s); peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB")
+                f"({gb / max(self.seconds, 1e-9):.2f} GB/s); peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB "
+                f"({self.rss_before_bytes / 2**30:.2f} GiB before loading)")
 
 
 def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from forge_engine.config import ModelConfig, model_config_from_hf, preset
-from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes
+from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from forge_engine.model import Transformer, empty_model, init_random_weights, load_weights
 from forge_engine.registry import ResolvedModel, resolve
 from forge_engine.tokenizer import Tokenizer
@@ -108,7 +108,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
-    stats, start = LoadStats(), time.perf_counter()
+    stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random":
         model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
