@@ -13,6 +13,7 @@ import time
 
 import torch
 
+import forge_engine
 from .config import EngineConfig
 from .engine import LLMEngine
 from .generate import SamplingParams
@@ -35,8 +36,9 @@ def environment() -> dict:
     except ImportError:
         pass
     try:
+        package_dir = os.path.dirname(os.path.abspath(forge_engine.__file__))
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+                                       cwd=package_dir, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
     return env

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
+    bench.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
+    bench.add_argument("--output-len", type=int, default=None, help="w1/w2/w4: new tokens per request")
     bench.add_argument("--json", default=None, help="also write the result to this file")
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
@@ -160,7 +162,8 @@ def run_bench(args) -> int:
     model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
     loaded = load_model(model, device, args.dtype)
     config = EngineConfig(batch_invariant=args.batch_invariant)
-    result = {**WORKLOADS[args.workload](loaded, config), "model": model, "batch_invariant": args.batch_invariant,
+    sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
+    result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
               "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
     text = json.dumps(result, indent=2)
     print(text)

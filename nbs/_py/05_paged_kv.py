@@ -511,6 +511,22 @@ with pytest.raises(ValueError, match="num_new >= 1"):
 
 # %%
 #| export
+def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One query per sequence against its paged context: q [B, Hq, D], k/v_layer [num_blocks, block_size, Hkv, D],
+    block_tables [B, W] (padding may be any valid block id or -1), context_lens [B] -> [B, Hq, D].
+    Reads all W blocks of every row and masks what lies past the context: fixed shapes, so it can
+    be captured in a CUDA graph; the Triton kernel of chapter 09 is the fast version."""
+    tables = block_tables.clamp(min=0).long()
+    k_ctx = k_layer[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, W * block_size, D]
+    v_ctx = v_layer[tables].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(k_ctx.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k_ctx, v_ctx, attn_mask=mask,
+                                         enable_gqa=q.shape[1] != k_layer.shape[2])
+    return out[:, :, 0, :]
+
+
 class PagedAttention:
     """Attention backend for one step over the paged pool: write through `slot_mapping`, read through block tables.
 
@@ -528,13 +544,10 @@ class PagedAttention:
         self.batched = single if batch_decodes and len(single) > 1 else []
         self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
         self.starts = starts
-        if self.batched:  # the padded-context view of the decoding sequences, built once per step
+        if self.batched:  # the decoding sequences' rows, block tables and context lengths
             index = torch.tensor(self.batched, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
-            self.batched_tables = layout.block_tables[index].clamp(min=0)  # padding reads block 0, masked below
-            width = self.batched_tables.shape[1] * cache.block_size
-            positions = torch.arange(width, device=index.device)
-            self.batched_mask = (positions[None, :] < layout.context_lens[index, None])[:, None, None, :]
+            self.batched_tables, self.batched_lens = layout.block_tables[index], layout.context_lens[index]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
@@ -547,12 +560,9 @@ class PagedAttention:
             k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
             out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
         if self.batched:
-            k_ctx = self.cache.k_cache[layer][self.batched_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-            v_ctx = self.cache.v_cache[layer][self.batched_tables].flatten(1, 2).transpose(1, 2)
-            q_rows = q[self.batched_rows][:, :, None, :]  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(q_rows, k_ctx, v_ctx, attn_mask=self.batched_mask,
-                                               enable_gqa=q.shape[1] != k.shape[1])
-            out[self.batched_rows] = o[:, :, 0, :]
+            out[self.batched_rows] = paged_decode_attention_torch(
+                q[self.batched_rows], self.cache.k_cache[layer], self.cache.v_cache[layer],
+                self.batched_tables, self.batched_lens)
         return out
 
 
