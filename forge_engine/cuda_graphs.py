@@ -13,7 +13,7 @@ from .kv_cache import PagedKVCache, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['DecodeAttentionFn', 'decode_buckets', 'StaticDecodeAttention', 'DecodeRunner']
+__all__ = ['DecodeAttentionFn', 'decode_buckets', 'decode_attention_for', 'StaticDecodeAttention', 'DecodeRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,6 +26,17 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
         sizes.append(b)
         b = b * 2 if b < 8 else b + (8 if b < 64 else 32)
     return sizes + [max_num_seqs]
+
+
+def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
+    "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
+    if torch.device(device).type == "cuda":
+        try:
+            from forge_engine.kernels import paged_decode_attention
+            return paged_decode_attention
+        except ImportError:
+            pass
+    return paged_decode_attention_torch
 
 
 class StaticDecodeAttention:

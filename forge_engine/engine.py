@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .config import EngineConfig
+from .cuda_graphs import DecodeRunner, decode_attention_for
 from .generate import SamplingParams, TextStream, finish_reason_for
 from .kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout
 from .loader import LoadedModel, load_model
@@ -54,14 +55,18 @@ ROW_TILE = 8
 
 class ModelRunner:
     "Runs one scheduled step of the model over the paged KV cache."
-    def __init__(self, model: Transformer, cache: PagedKVCache, batch_invariant: bool = False):
-        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+    def __init__(self, model: Transformer, cache: PagedKVCache, batch_invariant: bool = False,
+                 decode: DecodeRunner | None = None):
+        self.model, self.cache, self.batch_invariant, self.decode = model, cache, batch_invariant, decode
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> torch.Tensor:
         "Logits [number of sampling sequences, vocab] in plan order."
         items = plan.scheduled
+        if self.decode is not None and all(i.num_new == 1 and i.samples for i in items) \
+                and len(items) <= self.decode.buckets[-1]:  # a pure decode step: replay a CUDA graph
+            return self._run_decode(items)
         ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
         last_rows = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
         due = [k for k, i in enumerate(items) if i.samples]
@@ -71,6 +76,13 @@ class ModelRunner:
                                    self.cache.block_size, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, PagedAttention(self.cache, layout))
         return self.model.compute_logits(hidden[last_rows[due].to(self.device)])
+
+    def _run_decode(self, items) -> torch.Tensor:
+        size = self.cache.block_size
+        positions = [i.seq.num_computed for i in items]
+        slots = [i.seq.block_table[p // size] * size + p % size for i, p in zip(items, positions)]
+        return self.decode.run([i.seq.token_ids[-1] for i in items], positions, slots,
+                               [i.seq.block_table for i in items], [p + 1 for p in positions])
 
     def _run_invariant(self, items, ids: list[int], due_rows: list[int]) -> torch.Tensor:
         # every token as its own query: (its sequence's block table, its position, 1 new token)
@@ -153,11 +165,16 @@ class LLMEngine:
         self.device = param.device
         budget = kv_cache_budget(model, self.config)
         num_blocks = PagedKVCache.num_blocks_for(model.config, budget, self.config.block_size, param.dtype)
-        self.cache = PagedKVCache(model.config, num_blocks, self.config.block_size, self.device, param.dtype)
+        # one block more than the allocator hands out: padded rows of a graphed decode write there
+        self.cache = PagedKVCache(model.config, num_blocks + 1, self.config.block_size, self.device, param.dtype)
         self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
-        self.runner = ModelRunner(model, self.cache, self.config.batch_invariant)
+        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else self.device.type == "cuda"
+        decode = DecodeRunner(model, self.cache, self.config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
+                              attention=decode_attention_for(self.device), use_graphs=self.device.type == "cuda") \
+            if graphs and not self.config.batch_invariant else None
+        self.runner = ModelRunner(model, self.cache, self.config.batch_invariant, decode)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)

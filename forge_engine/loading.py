@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'TensorEntry', 'read_safetensors_header', 'read_tensor', 'checkpoint_shards', 'peak_rss_bytes',
@@ -71,9 +72,9 @@ def read_safetensors_header(path: str | Path) -> list[TensorEntry]:
     return sorted(entries, key=lambda e: e.begin)
 
 # %% ../nbs/01_loading.ipynb #55f7a4d2
-def read_tensor(f, entry: TensorEntry) -> torch.Tensor:
-    "Read one tensor's bytes from an open file into a new CPU tensor."
-    buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+def read_tensor(f, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    "Read one tensor's bytes from an open file into `buffer` (uint8, large enough) or a new CPU tensor."
+    buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if buffer is None else buffer[:entry.nbytes]
     f.seek(entry.begin)
     if entry.nbytes and f.readinto(memoryview(buffer.numpy())) != entry.nbytes:
         raise ValueError(f"{getattr(f, 'name', 'file')}: short read for tensor {entry.name!r}")
@@ -128,18 +129,22 @@ class LoadStats:
 
 def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,
                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    "Yield (name, CPU tensor) for every tensor of every shard, one at a time."
-    from tqdm.auto import tqdm
+    """Yield (name, CPU tensor) for every tensor of every shard, one at a time.
+
+    Every tensor is read into the same staging buffer (the size of the largest one), so a
+    yielded tensor is only valid until the next is read: copy it, don't keep it. One buffer
+    reused means host memory never holds more than one tensor beyond the model."""
     shards = checkpoint_shards(directory)
     plan = [(shard, read_safetensors_header(shard)) for shard in shards]
     total = sum(e.nbytes for _, entries in plan for e in entries)
+    staging = torch.empty(max((e.nbytes for _, entries in plan for e in entries), default=0), dtype=torch.uint8)
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, file=sys.stderr) as bar:
         for shard, entries in plan:
             with open(shard, "rb") as f:
                 for entry in entries:
-                    yield entry.name, read_tensor(f, entry)
+                    yield entry.name, read_tensor(f, entry, staging)
                     stats.bytes_read += entry.nbytes
                     stats.tensors += 1
                     bar.update(entry.nbytes)

@@ -125,6 +125,21 @@ def test_seeded_sampling_is_reproducible_in_any_batch():
     assert results[0] == results[1]
 
 
+def test_static_decode_path_gives_the_same_tokens():
+    "The CUDA-graph decode path (run eagerly on the CPU) against the default path, with padding to buckets."
+    loaded = TINY["qwen3-tiny"]
+    arrivals = {0: [(f"r{i}", list(range(3 + i, 9 + 2 * i)), SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))
+                    for i in range(5)]}
+    results = []
+    for graphs in (False, True):
+        engine = engine_with_blocks(loaded, 64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                                    max_model_len=256, cuda_graphs=graphs)
+        assert (engine.runner.decode is not None) == graphs
+        results.append({o.request_id: o.token_ids for o in run_to_end(engine, arrivals) if o.finished})
+        engine.allocator.check_idle()
+    assert results[0] == results[1] and len(results[0]) == 5
+
+
 # -- the real model --
 
 @pytest.fixture(scope="module")

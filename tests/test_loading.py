@@ -69,7 +69,7 @@ def test_a_missing_shard_is_named(tmp_path):
 
 
 def test_peak_host_memory_stays_near_one_model(tmp_path):
-    "A ~400 MB fp32 model loads with a peak of about the model plus a tensor, measured in a fresh process."
+    "A 594 MiB fp32 model loads with a peak of about the model plus a tensor, measured in a fresh process."
     config = preset("llama-tiny").replace(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                                           num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64)
     save_checkpoint(init_random_weights(empty_model(config)), tmp_path, shards=4, dtype=torch.float32)
@@ -88,4 +88,5 @@ def test_peak_host_memory_stays_near_one_model(tmp_path):
     growth = stats["peak"] - stats["before"]
     print(f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB")
     assert stats["bytes"] == model_bytes
-    assert growth < model_bytes + 2 * largest + 64 * 2**20, (growth, model_bytes)  # a naive load holds 2x the model
+    # the model, one staging buffer (the largest tensor) and a fixed allowance; a naive load holds 2x the model
+    assert growth < model_bytes + largest + 256 * 2**20 < 2 * model_bytes, (growth, model_bytes)

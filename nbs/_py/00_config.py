@@ -303,6 +303,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     batch_invariant: bool = False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
+    cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
     seed: int = 0
 
     def __post_init__(self):

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 # %%
 #| hide
@@ -115,9 +116,9 @@ assert [(e.name, e.dtype, e.shape, e.nbytes) for e in entries] == [
 
 # %%
 #| export
-def read_tensor(f, entry: TensorEntry) -> torch.Tensor:
-    "Read one tensor's bytes from an open file into a new CPU tensor."
-    buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+def read_tensor(f, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    "Read one tensor's bytes from an open file into `buffer` (uint8, large enough) or a new CPU tensor."
+    buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if buffer is None else buffer[:entry.nbytes]
     f.seek(entry.begin)
     if entry.nbytes and f.readinto(memoryview(buffer.numpy())) != entry.nbytes:
         raise ValueError(f"{getattr(f, 'name', 'file')}: short read for tensor {entry.name!r}")
@@ -188,18 +189,22 @@ class LoadStats:
 
 def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,
                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    "Yield (name, CPU tensor) for every tensor of every shard, one at a time."
-    from tqdm.auto import tqdm
+    """Yield (name, CPU tensor) for every tensor of every shard, one at a time.
+
+    Every tensor is read into the same staging buffer (the size of the largest one), so a
+    yielded tensor is only valid until the next is read: copy it, don't keep it. One buffer
+    reused means host memory never holds more than one tensor beyond the model."""
     shards = checkpoint_shards(directory)
     plan = [(shard, read_safetensors_header(shard)) for shard in shards]
     total = sum(e.nbytes for _, entries in plan for e in entries)
+    staging = torch.empty(max((e.nbytes for _, entries in plan for e in entries), default=0), dtype=torch.uint8)
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, file=sys.stderr) as bar:
         for shard, entries in plan:
             with open(shard, "rb") as f:
                 for entry in entries:
-                    yield entry.name, read_tensor(f, entry)
+                    yield entry.name, read_tensor(f, entry, staging)
                     stats.bytes_read += entry.nbytes
                     stats.tensors += 1
                     bar.update(entry.nbytes)
@@ -214,8 +219,9 @@ save_file({"w": torch.ones(2, 2)}, shard_dir / "model-00001-of-00002.safetensors
 (shard_dir / "model.safetensors.index.json").write_text(json.dumps(
     {"weight_map": {"w": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"}}))
 stats = LoadStats()
-got = dict(iter_checkpoint(shard_dir, stats, progress=False))
+got = {name: t.clone() for name, t in iter_checkpoint(shard_dir, stats, progress=False)}  # clone: the buffer is reused
 assert list(got) == ["w", "x"] and stats.tensors == 2 and stats.bytes_read == 28
+assert torch.equal(got["w"], torch.ones(2, 2)) and torch.equal(got["x"], torch.zeros(3))
 
 # %% [markdown]
 # Damaged files give errors that name the file and the problem:

@@ -64,6 +64,17 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
+    "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
+    if torch.device(device).type == "cuda":
+        try:
+            from forge_engine.kernels import paged_decode_attention
+            return paged_decode_attention
+        except ImportError:
+            pass
+    return paged_decode_attention_torch
+
+
 class StaticDecodeAttention:
     "Attention backend over static buffers: write K/V through the slots, attend through the block tables."
     def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
