@@ -8,7 +8,8 @@ if [ ! -x /usr/bin/chromium ]; then
   $sudo_ apt-get update -qq
   $sudo_ apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
 fi
-if ! python -c "import playwright.sync_api" 2>/dev/null; then
-  python -m pip install --quiet playwright
+python=${PYTHON:-python}  # the project's venv python: activate the venv first, or set PYTHON
+if ! "$python" -c "import playwright.sync_api" 2>/dev/null; then
+  "$python" -m pip install --quiet playwright
 fi
-/usr/bin/chromium --version
+/usr/bin/chromium --version 2>/dev/null

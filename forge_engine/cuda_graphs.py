@@ -31,11 +31,9 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
-        try:
-            from forge_engine.kernels import paged_decode_attention
-            return paged_decode_attention
-        except ImportError:
-            pass
+        from forge_engine.kernels import kernels_available, paged_decode_attention
+        if kernels_available(device):
+            return lambda q, k, v, tables, lens: paged_decode_attention(q, k, v, tables, lens, q.shape[-1] ** -0.5)
     return paged_decode_attention_torch
 
 

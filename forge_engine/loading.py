@@ -99,8 +99,12 @@ def checkpoint_shards(directory: str | Path) -> list[Path]:
 
 def peak_rss_bytes() -> int:
     "Peak resident memory of this process so far."
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    try:  # Linux: the high-water mark of this program's memory (ru_maxrss would include a parent's, from before exec)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
 def rss_bytes() -> int:

@@ -16,8 +16,8 @@ from .config import ModelConfig
 
 # %% auto #0
 __all__ = ['RMSNorm', 'rope_inv_freq', 'rope_cos_sin', 'apply_rope', 'causal_attention', 'AttentionBackend', 'no_cache_attention',
-           'Attention', 'MLP', 'DecoderLayer', 'Transformer', 'checkpoint_target', 'load_weights', 'empty_model',
-           'init_random_weights', 'hf_config_dict']
+           'Attention', 'MLP', 'DecoderLayer', 'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict',
+           'empty_model', 'init_random_weights', 'hf_config_dict']
 
 # %% ../nbs/03_model.ipynb #55c788c0
 class RMSNorm(nn.Module):
@@ -198,6 +198,20 @@ def load_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {len(missing)} parameters, e.g. {missing[:5]}")
+
+# %% ../nbs/03_model.ipynb #33d3498b
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    "The Hugging Face-named checkpoint tensors of `model` (views of its weights): the inverse of `load_weights`."
+    c, params = model.config, dict(model.named_parameters())
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    names += [f"model.layers.{i}.{inner}.{kind}" for i in range(c.num_layers) for inner in _LAYER_NAMES
+              for kind in ("weight", "bias")]
+    out = {}
+    for hf_name in names:
+        target = checkpoint_target(c, hf_name)
+        if target is not None and target[0] in params:
+            out[hf_name] = params[target[0]].detach()[target[1]]
+    return out
 
 # %% ../nbs/03_model.ipynb #74002f4f
 def empty_model(config: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:

@@ -6,6 +6,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
+from forge_engine.model import empty_model, hf_state_dict, init_random_weights
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from hypothesis import given, settings
@@ -69,21 +71,7 @@ def test_unpermute_is_the_inverse_of_llama_cpp_permute(n_head, half, cols, seed)
 
 def random_state(config, seed=0):
     "Random weights under every Hugging Face name a model of `config` has."
-    g = torch.Generator().manual_seed(seed)
-    c, h = config, config.hidden_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings: shapes["lm_head.weight"] = (c.vocab_size, h)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (c.q_size, h), p + "self_attn.k_proj.weight": (c.kv_size, h),
-                   p + "self_attn.v_proj.weight": (c.kv_size, h), p + "self_attn.o_proj.weight": (h, c.q_size),
-                   p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
-                   p + "mlp.down_proj.weight": (h, c.intermediate_size),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if c.qk_norm: shapes |= {p + f"self_attn.{x}_norm.weight": (c.head_dim,) for x in "qk"}
-        if c.attention_bias:
-            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))}
-    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    return {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(config), seed, std=1.0)).items()}
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])

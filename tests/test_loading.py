@@ -11,35 +11,12 @@ from safetensors.torch import save_file
 
 from forge_engine.config import preset
 from forge_engine.loader import load_model
-from forge_engine.model import empty_model, hf_config_dict, init_random_weights
-
-
-def hf_state_dict(model):
-    "Our merged weights split back into Hugging Face checkpoint names."
-    c, out = model.config, {}
-    out["model.embed_tokens.weight"] = model.embed.weight
-    out["model.norm.weight"] = model.norm.weight
-    if model.lm_head is not None: out["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.attn.qkv.weight.split([c.q_size, c.kv_size, c.kv_size])
-        out |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-                p + "self_attn.o_proj.weight": layer.attn.o.weight,
-                p + "input_layernorm.weight": layer.attn_norm.weight, p + "post_attention_layernorm.weight": layer.mlp_norm.weight,
-                p + "mlp.down_proj.weight": layer.mlp.down.weight}
-        gate, up = layer.mlp.gate_up.weight.chunk(2)
-        out |= {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
-        if layer.attn.qkv.bias is not None:
-            qb, kb, vb = layer.attn.qkv.bias.split([c.q_size, c.kv_size, c.kv_size])
-            out |= {p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb}
-        if layer.attn.q_norm is not None:
-            out |= {p + "self_attn.q_norm.weight": layer.attn.q_norm.weight, p + "self_attn.k_norm.weight": layer.attn.k_norm.weight}
-    return {k: v.detach().contiguous() for k, v in out.items()}
+from forge_engine.model import empty_model, hf_config_dict, hf_state_dict, init_random_weights
 
 
 def save_checkpoint(model, directory, shards=3, dtype=torch.bfloat16):
     "A sharded HF-style checkpoint with an index, as the model hub ships them."
-    tensors = {k: v.to(dtype) for k, v in hf_state_dict(model).items()}
+    tensors = {k: v.to(dtype).contiguous() for k, v in hf_state_dict(model).items()}
     names = sorted(tensors)
     weight_map = {}
     for s in range(shards):
@@ -78,15 +55,17 @@ def test_peak_host_memory_stays_near_one_model(tmp_path):
     script = textwrap.dedent(f"""
         import json, torch
         from forge_engine.loader import load_model
+        from forge_engine.loading import rss_bytes
         loaded = load_model({str(tmp_path)!r}, device="cpu", dtype="float32", progress=False)
         s = loaded.stats
-        print(json.dumps({{"before": s.rss_before_bytes, "peak": s.peak_rss_bytes, "bytes": s.bytes_read}}))
+        print(json.dumps({{"before": s.rss_before_bytes, "peak": s.peak_rss_bytes, "after": rss_bytes(), "bytes": s.bytes_read}}))
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     growth = stats["peak"] - stats["before"]
-    print(f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB")
+    print(f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB, "
+          f"after {(stats['after'] - stats['before']) / 2**20:.0f} MiB")
     assert stats["bytes"] == model_bytes
     # the model, one staging buffer (the largest tensor) and a fixed allowance; a naive load holds 2x the model
     assert growth < model_bytes + largest + 256 * 2**20 < 2 * model_bytes, (growth, model_bytes)

@@ -639,24 +639,11 @@ def write_gguf(path: str | Path, config: ModelConfig, tensors: Mapping[str, torc
 
 # %%
 from forge_engine.config import preset
+from forge_engine.model import empty_model, hf_state_dict, init_random_weights
 
 def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     "Random Hugging Face-named weights of a model shaped like `config`."
-    g = torch.Generator().manual_seed(seed)
-    c, h = config, config.hidden_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings: shapes["lm_head.weight"] = (c.vocab_size, h)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (c.q_size, h), p + "self_attn.k_proj.weight": (c.kv_size, h),
-                   p + "self_attn.v_proj.weight": (c.kv_size, h), p + "self_attn.o_proj.weight": (h, c.q_size),
-                   p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
-                   p + "mlp.down_proj.weight": (h, c.intermediate_size),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if c.qk_norm: shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
-        if c.attention_bias:
-            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))}
-    return {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
+    return {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(config), seed, std=0.02)).items()}
 
 llama = preset("llama-tiny").replace(vocab_size=64, num_layers=2, hidden_size=64, head_dim=16, num_heads=4,
                                      bos_token_id=1, eos_token_ids=(2,))

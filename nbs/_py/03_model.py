@@ -314,6 +314,26 @@ def load_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
 
 
 # %% [markdown]
+# The inverse, from the same table: the checkpoint tensors our weights split back into. It
+# is how we save a model in Hugging Face layout, and how tests build real checkpoint files.
+
+# %%
+#| export
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    "The Hugging Face-named checkpoint tensors of `model` (views of its weights): the inverse of `load_weights`."
+    c, params = model.config, dict(model.named_parameters())
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    names += [f"model.layers.{i}.{inner}.{kind}" for i in range(c.num_layers) for inner in _LAYER_NAMES
+              for kind in ("weight", "bias")]
+    out = {}
+    for hf_name in names:
+        target = checkpoint_target(c, hf_name)
+        if target is not None and target[0] in params:
+            out[hf_name] = params[target[0]].detach()[target[1]]
+    return out
+
+
+# %% [markdown]
 # ## Building a model without paying for initialisation
 #
 # A 4B-parameter model is built on the `meta` device (shapes only, no memory), given its real
@@ -354,6 +374,12 @@ with pytest.raises(ValueError, match="no place"):
     load_weights(tiny, [("model.layers.0.self_attn.rotary_pos.weight", torch.zeros(3))])
 with pytest.raises(ValueError, match="missing weights"):
     load_weights(tiny, [("model.norm.weight", torch.ones(64))])
+for name in ["qwen3-tiny", "qwen2-tiny", "llama-tiny"]:  # hf_state_dict is load_weights' exact inverse
+    original = init_random_weights(empty_model(preset(name)), seed=4)
+    copy = empty_model(preset(name))
+    load_weights(copy, hf_state_dict(original).items())
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), original.parameters()))
+assert len(hf_state_dict(tiny)) == 2 + 11 * 2  # embed, norm (tied), and per layer q,k,v,o,q_norm,k_norm,gate,up,down, 2 norms
 
 
 # %% [markdown]

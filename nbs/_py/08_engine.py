@@ -112,6 +112,10 @@ class ModelRunner:
                  decode: DecodeRunner | None = None):
         self.model, self.cache, self.batch_invariant, self.decode = model, cache, batch_invariant, decode
         self.device = next(model.parameters()).device
+        self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
+        if self.device.type == "cuda" and not batch_invariant:
+            from forge_engine.kernels import KernelPagedAttention, kernels_available
+            if kernels_available(self.device): self.attention = KernelPagedAttention
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -127,7 +131,7 @@ class ModelRunner:
             return self._run_invariant(items, ids, last_rows[due].tolist())
         layout = build_step_layout([(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
                                    self.cache.block_size, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, PagedAttention(self.cache, layout))
+        hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[last_rows[due].to(self.device)])
 
     def _run_decode(self, items) -> torch.Tensor:

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from forge_engine import load_client
+from forge_engine.chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
 from forge_engine.generate import SamplingParams
 
 # %%
@@ -52,13 +54,9 @@ def doctor_report() -> list[tuple[str, str]]:
         rows.append(("cuda runtime", str(torch.version.cuda)))
     else:
         rows.append(("cuda", "no CUDA GPU visible to torch: the engine runs on the CPU"))
-    try:
-        import triton
-        triton_state = f"{triton.__version__} ({'GPU kernels' if torch.cuda.is_available() else 'CPU: kernels only under TRITON_INTERPRET=1, for tests'})"
-    except ImportError:
-        triton_state = "not installed: PyTorch paths only"
-    rows.append(("triton", triton_state))
-    rows.append(("attention", "PyTorch reference (scaled_dot_product_attention)"))
+    from forge_engine.kernels import kernels_report  # first: it decides how Triton is imported on a CPU
+    rows.append(("kernels", kernels_report()))
+    rows.append(("decode", "CUDA graphs per batch bucket" if torch.cuda.is_available() else "eager (CPU)"))
     rows.append(("cpu threads", str(torch.get_num_threads())))
     rows.append(("model cache", str(forge_home())))
     from forge_engine.loader import choose_auto_model
@@ -97,40 +95,12 @@ assert pick_model("random:qwen3-tiny", None, log=print) == ("random:qwen3-tiny",
 
 
 # %% [markdown]
-# ## The terminal chat loop
+# ## The terminal chat
 #
-# Reads a line, streams the reply, keeps the conversation. Ctrl+D (end of input) leaves;
-# so does a closed stdin, so `forge-engine chat < /dev/null` exits cleanly. `/reset` starts a
-# new conversation.
-
-# %%
-#| export
-def chat_loop(llm, params: SamplingParams, system: str | None = None,
-              read: Callable[[str], str] = input, write: Callable[[str], None] = None) -> int:
-    "Interactive chat over `llm` until end of input; returns the number of replies."
-    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    history = [{"role": "system", "content": system}] if system else []
-    replies = 0
-    while True:
-        try:
-            line = read(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            write("\n")
-            return replies
-        if not line.strip(): continue
-        if line.strip() in ("/exit", "/quit"): return replies
-        if line.strip() == "/reset":
-            del history[int(bool(system)):]
-            write("(new conversation)\n")
-            continue
-        history.append({"role": "user", "content": line})
-        [out] = llm.chat(history, params, on_text=lambda _, delta: write(delta))
-        history.append({"role": "assistant", "content": out.text})
-        write("\n")
-        print(f"[{len(out.token_ids)} tokens, {out.metrics['decode_tok_s']:.1f} tok/s, "
-              f"first token {out.metrics['ttft_s'] * 1000:.0f} ms, {out.finish_reason}]", file=sys.stderr)
-        replies += 1
-
+# The loop itself lives in chapter 12 (`forge_engine.chat.chat_loop`): it reads a line, streams
+# the reply, keeps the conversation, and stops a reply on Ctrl+C. Here it is given either the
+# model loaded in this process (`LocalChat`) or a server (`--url`, `RemoteChat`). Ctrl+D, or
+# a closed stdin, leaves.
 
 # %% [markdown]
 # ## The commands
@@ -149,7 +119,8 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=None)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    "The parser; `serve`'s flags are added only when `serve` is the command (it imports the web stack)."
     parser = argparse.ArgumentParser(prog="forge-engine", description="A small, readable inference engine for Qwen3.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine can run")
@@ -157,18 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_model_flags(gen)
-    chat = sub.add_parser("chat", help="chat in the terminal")
+    chat = sub.add_parser("chat", help="chat in the terminal (in this process, or with a server: --url)")
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_model_flags(chat)
-    bench = sub.add_parser("bench", help="run a benchmark workload (w1, w2, w4) and print its figures as JSON")
-    bench.add_argument("workload", choices=["w1", "w2", "w4"])
-    bench.add_argument("--model", default="auto")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    bench.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
-    bench.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
-    bench.add_argument("--output-len", type=int, default=None, help="w1/w2/w4: new tokens per request")
-    bench.add_argument("--json", default=None, help="also write the result to this file")
+    add_chat_url_arguments(chat)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server, with a browser chat at /")
+    if argv and argv[0] == "serve":
+        from forge_engine import server
+        server.add_arguments(serve)
+    bench = sub.add_parser("bench", help="benchmark workloads: w1, w2, w4 through the engine; serve (W3) against a server")
+    workloads = bench.add_subparsers(dest="workload", required=True)
+    for name, what in [("w1", "single stream"), ("w2", "offline throughput"), ("w4", "CPU classroom: 1 and 8 requests")]:
+        w = workloads.add_parser(name, help=what)
+        w.add_argument("--model", default="auto")
+        w.add_argument("--device", default=None)
+        w.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        w.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
+        w.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU")
+        w.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step at most (EngineConfig)")
+        w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
+        w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
+        w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
+        w.add_argument("--json", default=None, help="also write the result to this file")
+    load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against an OpenAI-compatible server"))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
@@ -213,7 +195,9 @@ def run_bench(args) -> int:
     from forge_engine.loader import load_model
     model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
     loaded = load_model(model, device, args.dtype)
-    config = EngineConfig(batch_invariant=args.batch_invariant)
+    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    config = EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
+                          **{k: v for k, v in limits.items() if v is not None})
     sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
     result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
               "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
@@ -225,7 +209,8 @@ def run_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "doctor":
             for label, value in doctor_report():
@@ -233,12 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "models":
             return run_models(args)
         elif args.command == "bench":
-            return run_bench(args)
+            return load_client.run(args) if args.workload == "serve" else run_bench(args)
+        elif args.command == "serve":
+            from forge_engine import server
+            return server.run(args)
+        elif args.command == "chat" and args.url:
+            return run_remote_chat(args, sampling_from_args(args))
         else:
             params = sampling_from_args(args)
             llm = _load_llm(args)
             if args.command == "chat":
-                chat_loop(llm, params, system=args.system)
+                chat_loop(LocalChat(llm), params, system=args.system)
             else:
                 write = lambda _, delta: (sys.stdout.write(delta), sys.stdout.flush())
                 if args.raw or llm.tokenizer is None:

@@ -29,6 +29,13 @@
 # | 06_sampling | `sampling` | batched sampling with per-request parameters and seeds |
 # | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
 # | 08_engine | `engine` | one step: schedule, run, sample, stop; `LLM` |
+# | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
+# | 09_kernels | `kernels` | Triton: fused add+RMSNorm, paged decode and prefill attention |
+# | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
+# | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
+# | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
+# | 13_benchmarks | `bench` | workloads W1, W2, W4 |
+# | 13a_load_client | `load_client` | W3: Poisson load against a server |
 # | 14_cli | `cli` | `forge-engine doctor / generate / chat / models` |
 #
 # ## Quickstart

@@ -1,0 +1,235 @@
+"""The Triton kernels of chapter 09 against their PyTorch references.
+
+On a CPU the kernels run under Triton's interpreter (`impl="triton"` forces it), so sizes stay
+small; the `gpu` tests run at Qwen3-4B's shapes on a CUDA device (`pytest -m gpu`)."""
+import pytest
+import torch
+
+from forge_engine.kernels import (DECODE_BLOCK_N, add_rmsnorm, add_rmsnorm_reference, decode_split_len, kernel_backend,
+                                  paged_attention_reference, paged_decode_attention, paged_prefill_attention,
+                                  random_paged_kv, rmsnorm)
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=1e-2)}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+# ---- RMSNorm fused with the residual add
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 3, 256)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_matches_reference(dtype, shape, with_residual):
+    x, w = randn(*shape, dtype=dtype, seed=1), 1 + 0.1 * randn(shape[-1], dtype=dtype, seed=2)
+    residual = randn(*shape, dtype=dtype, seed=3) if with_residual else None
+    out, new_residual = add_rmsnorm(x, residual, w, 1e-6, impl="triton")
+    want, want_residual = add_rmsnorm_reference(x, residual, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(new_residual, want_residual)  # one rounded add: exact
+    else:  # Triton's interpreter rounds fp32 -> bf16 by truncation, not to nearest
+        torch.testing.assert_close(new_residual, want_residual, **TOL[dtype])
+
+
+def test_rmsnorm_rows_of_heads_and_strided_input():
+    heads = randn(5, 4, 32)  # q/k-norm: each head's vector is a row
+    w = randn(32, seed=4)
+    torch.testing.assert_close(rmsnorm(heads, w, 1e-6, impl="triton"), add_rmsnorm_reference(heads, None, w, 1e-6)[0])
+    wide = randn(6, 64)
+    with pytest.raises(ValueError, match="unit stride"):
+        rmsnorm(wide[:, ::2], w, 1e-6, impl="triton")
+
+
+def test_torch_path_is_the_reference_and_impl_is_checked():
+    x, r, w = randn(3, 16), randn(3, 16, seed=1), randn(16, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(add_rmsnorm(x, r, w, 1e-6, impl="torch"),
+                                                 add_rmsnorm_reference(x, r, w, 1e-6)))
+    with pytest.raises(ValueError, match="unknown kernel implementation 'fast'"):
+        add_rmsnorm(x, r, w, 1e-6, impl="fast")
+    assert kernel_backend("cpu") == "torch"
+
+
+# ---- paged decode attention
+
+DECODE_CASES = [  # (q_heads, kv_heads, head_dim, block_size, context lengths, dtype)
+    (2, 2, 64, 16, [1, 17, 300], torch.float32),  # GQA ratio 1
+    (8, 2, 64, 16, [5, 2000], torch.float32),  # ratio 4, a long context: several splits
+    (8, 1, 128, 8, [1, 129, 700], torch.float32),  # ratio 8, head_dim 128, block 8
+    (4, 1, 128, 32, [33, 1024], torch.float32),  # ratio 4, block 32
+    (8, 2, 128, 16, [3, 511, 1500], torch.bfloat16),
+    (6, 2, 64, 16, [40, 90], torch.float32),  # ratio 3: a group that is not a power of two
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,lens,dtype", DECODE_CASES)
+def test_decode_matches_reference(q_heads, kv_heads, head_dim, block_size, lens, dtype):
+    k_cache, v_cache, tables = random_paged_kv(lens, kv_heads, head_dim, block_size, dtype=dtype, device=DEVICE)
+    q = randn(len(lens), q_heads, head_dim, dtype=dtype, seed=5)
+    ctx = torch.tensor(lens, device=DEVICE)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device=DEVICE),
+                                     ctx, head_dim**-0.5)
+    for split_tokens in (256, 100_000):  # several splits and a merge; one split written directly
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, head_dim**-0.5, impl="triton",
+                                     split_tokens=split_tokens)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_decode_is_batch_invariant_and_takes_int64_and_strided_q():
+    lens = [70, 1200]
+    k_cache, v_cache, tables = random_paged_kv(lens, 2, 64, 16, device=DEVICE, pad_columns=5)
+    qkv = randn(2, 8 * 64 + 2 * 2 * 64, seed=6)  # q as a view of a merged qkv projection
+    q = qkv[:, :8 * 64].view(2, 8, 64)
+    ctx = torch.tensor(lens, device=DEVICE)
+    batched = paged_decode_attention(q, k_cache, v_cache, tables.long(), ctx.long(), 0.125, impl="triton",
+                                     split_tokens=256)
+    assert decode_split_len(tables.shape[1], 16, 256)[1] > decode_split_len(5 + 1, 16, 256)[1]
+    alone = paged_decode_attention(q[:1], k_cache, v_cache, tables[:1, :10], ctx[:1], 0.125, impl="triton",
+                                   split_tokens=256)
+    assert torch.equal(alone, batched[:1])  # same bits alone as next to a long sequence
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(3, device=DEVICE), ctx, 0.125)
+    torch.testing.assert_close(batched, want, **TOL[torch.float32])
+
+
+def test_decode_split_len_caps_the_number_of_splits():
+    assert decode_split_len(4, 16) == (512, 1)
+    assert decode_split_len(100, 16) == (512, 4)
+    split_len, splits = decode_split_len(100_000, 16)  # 1.6M tokens: splits grow instead
+    assert splits <= 64 and split_len * splits >= 1_600_000 and split_len % DECODE_BLOCK_N == 0
+
+
+def test_decode_rejects_bad_shapes():
+    k_cache, v_cache, tables = random_paged_kv([4], 2, 16, 4)
+    ctx = torch.tensor([4])
+    with pytest.raises(ValueError, match="same shape and strides"):
+        paged_decode_attention(randn(1, 4, 16, device="cpu"), k_cache, v_cache[:-1], tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="head_dim must match"):
+        paged_decode_attention(randn(1, 4, 8, device="cpu"), k_cache, v_cache, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention(randn(1, 4, 16, dtype=torch.bfloat16, device="cpu"), k_cache, v_cache, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match=r"context_lens \[B\]"):
+        paged_decode_attention(randn(1, 4, 16, device="cpu"), k_cache, v_cache, tables, torch.tensor([4, 4]), 1.0)
+
+
+# ---- prefill attention over the varlen batch
+
+PREFILL_CASES = [  # (q_heads, kv_heads, head_dim, block_size, [(num_computed, num_new)], dtype)
+    (2, 2, 64, 16, [(0, 40), (0, 1), (25, 9)], torch.float32),  # ratio 1: prompt, one-token prompt, chunk
+    (8, 2, 64, 16, [(0, 70), (48, 20), (130, 1)], torch.float32),  # ratio 4: prompt, prefix hit, a decode
+    (8, 1, 128, 8, [(16, 33), (0, 5)], torch.float32),  # ratio 8, head_dim 128, block 8
+    (4, 2, 128, 32, [(64, 64), (3, 17)], torch.bfloat16),  # block 32, bf16
+    (6, 2, 64, 16, [(0, 19), (10, 4)], torch.float32),  # ratio 3
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,chunks,dtype", PREFILL_CASES)
+def test_prefill_matches_reference(q_heads, kv_heads, head_dim, block_size, chunks, dtype):
+    lens = [computed + new for computed, new in chunks]
+    k_cache, v_cache, tables = random_paged_kv(lens, kv_heads, head_dim, block_size, dtype=dtype, device=DEVICE)
+    num_new = [new for _, new in chunks]
+    q = randn(sum(num_new), q_heads, head_dim, dtype=dtype, seed=7)
+    query_start = torch.tensor([0, *num_new], device=DEVICE).cumsum(0)
+    ctx = torch.tensor(lens, device=DEVICE)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, query_start, ctx, head_dim**-0.5)
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, max(num_new), head_dim**-0.5,
+                                  impl="triton")
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_prefill_of_decodes_equals_decode_kernel():
+    lens = [9, 300, 64]
+    k_cache, v_cache, tables = random_paged_kv(lens, 2, 64, 16, device=DEVICE)
+    q, ctx = randn(3, 4, 64, seed=8), torch.tensor(lens, device=DEVICE)
+    prefill = paged_prefill_attention(q, k_cache, v_cache, tables, torch.arange(4, device=DEVICE), ctx, 1, 0.125,
+                                      impl="triton")
+    decode = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, impl="triton")
+    torch.testing.assert_close(prefill, decode, **TOL[torch.float32])
+
+
+def test_reference_agrees_with_the_models_causal_attention():
+    from forge_engine.model import causal_attention
+    k_cache, v_cache, tables = random_paged_kv([23], 2, 32, 4)
+    q = randn(6, 4, 32, device="cpu")
+    got = paged_attention_reference(q, k_cache, v_cache, tables, torch.tensor([0, 6]), torch.tensor([23]), 32**-0.5)
+    blocks = tables[0, :6].long()
+    want = causal_attention(q, k_cache[blocks].flatten(0, 1)[:23], v_cache[blocks].flatten(0, 1)[:23], q_offset=17)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_rejects_bad_arguments():
+    k_cache, v_cache, tables = random_paged_kv([4, 4], 2, 16, 4)
+    q, ctx = randn(8, 4, 16, device="cpu"), torch.tensor([4, 4])
+    with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[3\]"):
+        paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 8]), ctx, 4, 1.0)
+    with pytest.raises(ValueError, match="max_query_len must be >= 1"):
+        paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 4, 8]), ctx, 0, 1.0)
+
+
+# ---- on a GPU, at Qwen3-4B's shapes (32 query heads, 8 KV heads, head_dim 128, block 16, bf16)
+
+@pytest.mark.gpu
+def test_gpu_qwen3_4b_shapes():
+    bf16 = torch.bfloat16
+    x, r, w = randn(256, 2560, dtype=bf16), randn(256, 2560, dtype=bf16, seed=1), randn(2560, dtype=bf16, seed=2)
+    out, res = add_rmsnorm(x, r, w, 1e-6)
+    want, want_res = add_rmsnorm_reference(x, r, w, 1e-6)
+    torch.testing.assert_close(out, want, **TOL[bf16])
+    assert torch.equal(res, want_res)
+
+    lens = [1, 15, 16, 17, 1000, 4096, 333, 2048]
+    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda", pad_columns=7)
+    q, ctx = randn(len(lens), 32, 128, dtype=bf16, seed=3), torch.tensor(lens, device="cuda", dtype=torch.int32)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"),
+                                     ctx, 128**-0.5)
+    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5), want, **TOL[bf16])
+
+    chunks = [(0, 512), (1024, 256), (37, 1), (0, 3), (500, 77)]
+    lens = [c + n for c, n in chunks]
+    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda")
+    num_new = [n for _, n in chunks]
+    q = randn(sum(num_new), 32, 128, dtype=bf16, seed=4)
+    query_start = torch.tensor([0, *num_new], device="cuda").cumsum(0)
+    ctx = torch.tensor(lens, device="cuda")
+    want = paged_attention_reference(q, k_cache, v_cache, tables, query_start, ctx, 128**-0.5)
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 128**-0.5)
+    torch.testing.assert_close(got, want, **TOL[bf16])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    "The decode launch reads nothing back to the host: capture once, change the inputs in place, replay."
+    bf16 = torch.bfloat16
+    k_cache, v_cache, tables = random_paged_kv([600, 2000, 50, 1], 8, 128, 16, dtype=bf16, device="cuda")
+    q, ctx = randn(4, 32, 128, dtype=bf16), torch.tensor([600, 2000, 50, 1], device="cuda")
+    paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5)
+    q.copy_(randn(4, 32, 128, dtype=bf16, seed=9))
+    ctx.copy_(torch.tensor([601, 1999, 51, 2], device="cuda"))
+    graph.replay()
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(5, device="cuda"), ctx, 128**-0.5)
+    torch.testing.assert_close(out, want, **TOL[bf16])
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_model_through_the_kernel_backend():
+    from forge_engine.config import preset
+    from forge_engine.kernels import KernelPagedAttention
+    from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
+    from forge_engine.model import empty_model, init_random_weights
+    model = init_random_weights(empty_model(preset("qwen3-tiny"), device="cuda"), seed=0, std=0.1)
+    caches = [PagedKVCache(model.config, num_blocks=16, block_size=4, device="cuda") for _ in range(2)]
+    steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
+             ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
+             ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26])]
+    with torch.no_grad():
+        for seqs, ids in steps:
+            layout = build_step_layout(seqs, 4, device="cuda")
+            ids = torch.tensor(ids, device="cuda")
+            want = model.compute_logits(model(ids, layout.positions, PagedAttention(caches[0], layout)))
+            got = model.compute_logits(model(ids, layout.positions, KernelPagedAttention(caches[1], layout)))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

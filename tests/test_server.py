@@ -1,0 +1,278 @@
+"""The real server process on loopback, driven by the official `openai` client: streaming and whole
+replies, errors as the client's exception types, backpressure, and 32 streams half of which hang up."""
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "test-key-123"
+TINY = "random:qwen3-tiny"
+ENTRY = "import sys; from forge_engine.server import main; sys.exit(main(sys.argv[1:]))"
+HELLO = [{"role": "user", "content": "Tell me about the forge, the anvil and the hammer."}]
+HAMMER = 23457  # " hammer" in the Qwen3 vocabulary: a logit bias of +100 pins greedy decoding to it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    "`forge-engine serve` in a child process on a free loopback port; its output goes to a log file."
+    def __init__(self, log_path, *args, env=None):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the server
+            self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, "--port", self.url.rsplit(":", 1)[1], *args],
+                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.health_seen: list[tuple[int, str]] = []  # (status, body["status"]) of each /health poll
+        self.ready = threading.Event()
+        threading.Thread(target=self._poll_health, daemon=True).start()
+
+    def _poll_health(self, timeout: float = 150) -> None:
+        "From the start on, until it says ok (or exits, or the time is up)."
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+                self.health_seen.append((r.status_code, r.json()["status"]))
+                if r.status_code == 200: return self.ready.set()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    def wait_ready(self, timeout: float = 160) -> "ServerProcess":
+        if not self.ready.wait(timeout):
+            raise AssertionError(f"server not ready (exit code {self.proc.poll()}):\n{self.log_path.read_text()}")
+        return self
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends: uvicorn shuts down gracefully
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def metric(self, name: str) -> float:
+        "One sample of /metrics by its full name, labels included."
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.split(" ")[0] == name: return float(line.split(" ")[1])
+        raise KeyError(name)
+
+    def wait_metric(self, condition, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition(self):
+            assert time.monotonic() < deadline, httpx.get(self.url + "/metrics").text
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    "Started together (they load in parallel), each waited for on first use."
+    logs = tmp_path_factory.mktemp("servers")
+    started = {
+        "tiny": ServerProcess(logs / "tiny.log", "--model", TINY, "--kv-cache-bytes", str(2**24),
+                              env={"FORGE_API_KEY": KEY}),
+        "small": ServerProcess(logs / "small.log", "--model", TINY, "--served-model-name", "small", "--max-num-seqs", "1",
+                               "--max-waiting", "1", "--kv-cache-bytes", str(2**21), "--cors-origin", "http://localhost:5173"),
+        "smol": ServerProcess(logs / "smol.log", "--model", "smollm2-135m-instruct", "--max-num-seqs", "4"),
+    }
+    yield started
+    codes = {name: server.stop() for name, server in started.items()}
+    assert codes["tiny"] == 0, started["tiny"].log_path.read_text()  # a clean shutdown on Ctrl-C
+
+
+@pytest.fixture
+def tiny(servers): return servers["tiny"].wait_ready()
+
+
+@pytest.fixture
+def small(servers): return servers["small"].wait_ready()
+
+
+def client(server, api_key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def test_chat_whole_and_streamed(tiny):
+    c = client(tiny)
+    pinned = dict(model=TINY, messages=HELLO, max_tokens=8, temperature=0, logit_bias={str(HAMMER): 100})
+    whole = c.chat.completions.create(**pinned)
+    assert whole.object == "chat.completion" and whole.model == TINY and whole.id.startswith("chatcmpl-")
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == " hammer" * 8
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8 and whole.usage.total_tokens == whole.usage.prompt_tokens + 8 > 8
+
+    chunks = list(c.chat.completions.create(**pinned, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " hammer" * 8
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(ch.usage is None for ch in chunks[:-1]) and len({ch.id for ch in chunks}) == 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: prefix cache hit
+
+    plain = list(c.chat.completions.create(**pinned, stream=True))  # without include_usage: no usage chunk
+    assert plain[-1].choices[0].finish_reason == "length" and all(ch.usage is None for ch in plain)
+
+
+def test_chat_logprobs_and_stop(tiny):
+    c = client(tiny)
+    r = c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for entry in content:
+        alternatives = [a.logprob for a in entry.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob <= 0 and entry.logprob == pytest.approx(alternatives[0])  # greedy took the top one
+    r = c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=8, temperature=0, stop=["hammer hammer"],
+                                  logit_bias={str(HAMMER): 100})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == " "  # text before the stop string
+
+
+def test_text_completions(tiny):
+    c = client(tiny)
+    pinned = dict(model=TINY, prompt="The forge", max_tokens=4, temperature=0, logit_bias={str(HAMMER): 100})
+    r = c.completions.create(**pinned, logprobs=2)
+    assert r.object == "text_completion" and r.choices[0].text == " hammer" * 4 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 4
+    assert r.choices[0].logprobs.tokens == [" hammer"] * 4 and all(lp <= 0 for lp in r.choices[0].logprobs.token_logprobs)
+    chunks = list(c.completions.create(**pinned, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " hammer" * 4
+    assert chunks[-1].usage.completion_tokens == 4
+    ids = c.completions.create(model=TINY, prompt=[785, 56628], max_tokens=3, temperature=0)  # token ids
+    assert ids.usage.prompt_tokens == 2 and ids.usage.completion_tokens <= 3
+    assert c.completions.create(model=TINY, prompt="Hi", temperature=0, extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+
+
+def test_models(tiny):
+    c = client(tiny)
+    assert [m.id for m in c.models.list()] == [TINY]
+    assert c.models.retrieve(TINY).owned_by == "forge-engine"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+
+
+def test_errors_are_the_openai_clients_exceptions(tiny):
+    c = client(tiny)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=TINY, messages=HELLO, n=2)
+    assert e.value.param == "n" and "n=1" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(tiny, api_key="wrong").chat.completions.create(model=TINY, messages=HELLO)
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi " * 5000}])
+    assert re.search(r"prompt has \d{4} tokens; the context holds 4096", e.value.message)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=TINY, messages=HELLO, extra_body={"temperature": "hot"})
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=TINY, messages=[{"role": "tool", "content": "x"}])
+    assert e.value.param == "messages"
+
+
+def test_raw_http_errors_keep_the_openai_shape(tiny):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = (b"x" * 65536 for _ in range(80))  # 5 MiB, chunked: no Content-Length to refuse it by
+    r = httpx.post(tiny.url + "/v1/chat/completions", content=big, headers=auth, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(tiny.url + "/v1/chat/completions", content=b"{oops", headers=auth)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(tiny.url + "/v2/whatever", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /v2/whatever"
+    assert httpx.get(tiny.url + "/v1/models").status_code == 401  # no key at all
+    assert "access-control-allow-origin" not in httpx.get(tiny.url + "/health", headers={"Origin": "http://x.test"}).headers
+
+
+def test_health_and_metrics_format(tiny):
+    assert httpx.get(tiny.url + "/health").json() == {"status": "ok", "model": TINY}
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(tiny.url + "/metrics").text)}
+    kinds = {"forge_time_to_first_token_seconds": "histogram", "forge_inter_token_latency_seconds": "histogram",
+             "forge_e2e_request_latency_seconds": "histogram", "forge_request_queue_time_seconds": "histogram",
+             "forge_prompt_tokens": "counter", "forge_generation_tokens": "counter", "forge_requests": "counter",
+             "forge_requests_running": "gauge", "forge_requests_waiting": "gauge", "forge_kv_cache_usage_ratio": "gauge",
+             "forge_kv_cache_used_blocks": "gauge", "forge_prefix_cache_hit_rate": "gauge"}
+    assert {name: families[name].type for name in kinds} == kinds
+    ttft_count = next(s.value for s in families["forge_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    assert ttft_count >= 1 and tiny.metric("forge_generation_tokens_total") >= 8
+
+
+def test_32_streams_half_of_them_hang_up(tiny):
+    tokens = 48
+    aborted_before = tiny.metric('forge_requests_total{finish_reason="abort"}')
+
+    async def one(c: openai.AsyncOpenAI, i: int):
+        stream = await c.chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": f"Story number {i}, please."}], max_tokens=tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if i % 2 and len(chunks) == 2:  # the role chunk and the first token: then hang up
+                await stream.close()
+                return None
+        return chunks
+
+    async def all_streams():
+        c = openai.AsyncOpenAI(base_url=tiny.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(32))), 150)
+
+    results = asyncio.run(all_streams())
+    for chunks in results[0::2]:
+        assert chunks[-1].usage.completion_tokens == tokens
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert all(r is None for r in results[1::2])
+    tiny.wait_metric(lambda s: s.metric("forge_requests_running") == 0 and s.metric("forge_requests_waiting") == 0
+                     and s.metric("forge_kv_cache_used_blocks") == 0)
+    assert tiny.metric('forge_requests_total{finish_reason="abort"}') == aborted_before + 16
+
+
+def test_backpressure_429_then_recovery_and_cors(small):
+    c = client(small, api_key="no key needed")
+    short = dict(model="small", messages=HELLO, max_tokens=4, temperature=0)
+    with httpx.Client(base_url=small.url, timeout=60) as http:
+        running = http.send(http.build_request("POST", "/v1/chat/completions", json={
+            **short, "max_tokens": 2000, "ignore_eos": True, "stream": True}), stream=True)
+        lines = running.iter_lines()  # keep it: dropping the iterator closes the connection
+        assert next(lines).startswith("data: ")  # its first chunk: it holds the only running slot
+        queued = {}
+        waiter = threading.Thread(target=lambda: queued.update(reply=c.chat.completions.create(**short)))
+        waiter.start()
+        small.wait_metric(lambda s: s.metric("forge_requests_waiting") == 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.chat.completions.create(**short)
+        assert e.value.response.headers["retry-after"] == "1" and e.value.code == "rate_limit_exceeded"
+        running.close()  # hang up: the slot frees, the queued request runs
+        waiter.join(timeout=60)
+    assert queued["reply"].choices[0].finish_reason in ("stop", "length")
+    small.wait_metric(lambda s: s.metric("forge_requests_running") == 0 and s.metric("forge_kv_cache_used_blocks") == 0)
+    preflight = httpx.options(small.url + "/v1/chat/completions", headers={
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:5173"
+
+
+@pytest.mark.slow
+def test_real_model_answers_paris_and_health_said_loading_first(servers):
+    smol = servers["smol"].wait_ready()
+    assert smol.health_seen[0] == (503, "loading") and smol.health_seen[-1] == (200, "ok")
+    r = client(smol, api_key="unused").chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in r.choices[0].message.content
