@@ -13,7 +13,8 @@ from .kv_cache import PagedKVCache, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['DecodeAttentionFn', 'decode_buckets', 'decode_attention_for', 'StaticDecodeAttention', 'DecodeRunner']
+__all__ = ['DecodeAttentionFn', 'decode_buckets', 'context_buckets', 'decode_attention_for', 'StaticDecodeAttention',
+           'DecodeRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,6 +27,14 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
         sizes.append(b)
         b = b * 2 if b < 8 else b + (8 if b < 64 else 32)
     return sizes + [max_num_seqs]
+
+
+def context_buckets(max_model_len: int, block_size: int) -> list[int]:
+    """Block-table widths (in blocks) that get a graph: 2K, 8K and 32K tokens, then the whole context.
+    The decode kernel sizes its work from the table's width, so a batch of short sequences must not
+    run the graph recorded for 262,144-token tables."""
+    tokens = [t for t in (2048, 8192, 32768) if t < max_model_len] + [max_model_len]
+    return [-(-t // block_size) for t in tokens]
 
 
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
@@ -55,38 +64,39 @@ class DecodeRunner:
         self.model, self.cache, self.attention = model, cache, attention
         self.device = next(model.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.buckets = decode_buckets(max_num_seqs)
-        b, width = self.buckets[-1], -(-max_model_len // cache.block_size)
+        self.buckets, self.widths = decode_buckets(max_num_seqs), context_buckets(max_model_len, cache.block_size)
+        b, width = self.buckets[-1], self.widths[-1]
         make = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=self.device)
         self.ids, self.positions, self.slots = make(b), make(b), make(b)
         self.tables, self.lens = make(b, width, dtype=torch.int32), make(b, dtype=torch.int32)
         self.scratch_slot = scratch_block * cache.block_size
         self.tables.fill_(scratch_block)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         if self.use_graphs: self.capture()
 
     @torch.no_grad()
-    def _forward(self, b: int) -> torch.Tensor:
-        attention = StaticDecodeAttention(self.cache, self.slots[:b], self.tables[:b], self.lens[:b], self.attention)
+    def _forward(self, b: int, w: int) -> torch.Tensor:
+        attention = StaticDecodeAttention(self.cache, self.slots[:b], self.tables[:b, :w], self.lens[:b], self.attention)
         return self.model.compute_logits(self.model(self.ids[:b], self.positions[:b], attention))
 
     def capture(self) -> None:
-        "Record one graph per bucket, largest first, sharing one memory pool."
+        "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
         self.lens.fill_(1)
         self.slots.fill_(self.scratch_slot)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
-            for _ in range(2): self._forward(self.buckets[-1])
+            for w in self.widths: self._forward(self.buckets[-1], w)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
+            for w in reversed(self.widths):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[b, w] = self._forward(b, w)
+                pool = graph.pool()
+                self.graphs[b, w] = graph
         torch.cuda.synchronize(self.device)
 
     def bucket_for(self, n: int) -> int:
@@ -99,6 +109,7 @@ class DecodeRunner:
         n = len(token_ids)
         b = self.bucket_for(n)
         width = max(len(t) for t in block_tables)
+        w = next(x for x in self.widths if x >= width)
         host = torch.tensor  # small host tensors; copying them is cheaper than any bookkeeping to avoid it
         self.ids[:n].copy_(host(token_ids))
         self.positions[:n].copy_(host(positions))
@@ -110,6 +121,6 @@ class DecodeRunner:
             self.ids[n:b].zero_(); self.positions[n:b].zero_(); self.slots[n:b].fill_(self.scratch_slot)
             self.lens[n:b].fill_(1); self.tables[n:b, 0].fill_(self.scratch_slot // self.cache.block_size)
         if self.use_graphs:
-            self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b)[:n]
+            self.graphs[b, w].replay()
+            return self.logits[b, w][:n]
+        return self._forward(b, w)[:n]
