@@ -21,7 +21,7 @@ from .loader import LoadedModel
 
 # %% auto #0
 __all__ = ['WORKLOADS', 'environment', 'random_prompts', 'run_batch', 'weight_bytes', 'w1_single_stream', 'w2_offline_throughput',
-           'w4_cpu_classroom']
+           'w4_cpu_classroom', 'read_bandwidth', 'hf_generate_w1']
 
 # %% ../nbs/13_benchmarks.ipynb #0ee24e09
 def environment() -> dict:
@@ -119,3 +119,45 @@ def w4_cpu_classroom(loaded: LoadedModel, config: EngineConfig, concurrency=(1, 
 
 
 WORKLOADS = {"w1": w1_single_stream, "w2": w2_offline_throughput, "w4": w4_cpu_classroom}
+
+# %% ../nbs/13_benchmarks.ipynb #ca6b34ed
+def read_bandwidth(device, gib: float = 4.0, repeats: int = 10) -> float:
+    "Bytes per second a reduction over a large buffer reads on `device` (the decode ceiling)."
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    _sync_device(device)
+    start = time.perf_counter()
+    for _ in range(repeats): x.sum()
+    _sync_device(device)
+    return x.nbytes * repeats / (time.perf_counter() - start)
+
+
+def _sync_device(device):
+    if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
+
+
+def hf_generate_w1(loaded: LoadedModel, prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    "The W1 request through `transformers` `generate` (dynamic cache, eager) on the same weights: the peer."
+    import transformers
+    from forge_engine.model import hf_config_dict, hf_state_dict
+    config, model = loaded.config, loaded.model
+    param = next(model.parameters())
+    cls = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.architecture]
+    hf_config = getattr(transformers, f"{cls}Config")(**hf_config_dict(config))
+    with torch.device(param.device):
+        hf = getattr(transformers, f"{cls}ForCausalLM")(hf_config).to(param.dtype).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=False)  # lm_head is absent when tied
+    ids = torch.tensor([random_prompts(1, prompt_len, prompt_len, seed=1)[0]], device=param.device)
+    def timed(n):
+        _sync_device(param.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync_device(param.device)
+        assert out.shape[1] == prompt_len + n
+        return time.perf_counter() - start
+    timed(4)  # warm-up
+    first, total = timed(1), timed(new_tokens)
+    del hf
+    return {"peer": "transformers generate (dynamic cache, eager)", "transformers": transformers.__version__,
+            "ttft_s": first, "decode_tok_s": (new_tokens - 1) / (total - first)}

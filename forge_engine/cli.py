@@ -98,6 +98,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
         w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
         w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
+        w.add_argument("--peers", action="store_true", help="w1: also run transformers generate on the same weights")
         w.add_argument("--json", default=None, help="also write the result to this file")
     load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against an OpenAI-compatible server"))
     models = sub.add_parser("models", help="the model registry")
@@ -139,7 +140,7 @@ def run_models(args) -> int:
 
 def run_bench(args) -> int:
     import json
-    from forge_engine.bench import WORKLOADS, environment
+    from forge_engine.bench import WORKLOADS, environment, hf_generate_w1, read_bandwidth
     from forge_engine.config import EngineConfig
     from forge_engine.loader import load_model
     model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
@@ -150,6 +151,16 @@ def run_bench(args) -> int:
     sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
     result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
               "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
+    device = next(loaded.model.parameters()).device
+    if device.type == "cuda":
+        result["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        ceiling = read_bandwidth(device)
+        result["read_bandwidth_ceiling_bytes_per_s"] = ceiling
+        if "achieved_bytes_per_s" in result:
+            result["ratio_to_read_ceiling"] = result["achieved_bytes_per_s"] / ceiling
+    if args.workload == "w1" and args.peers:
+        peer = hf_generate_w1(loaded, new_tokens=args.output_len or 256)
+        result["peers"] = [{**peer, "ratio": result["decode_tok_s"] / peer["decode_tok_s"]}]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -150,6 +150,59 @@ def w4_cpu_classroom(loaded: LoadedModel, config: EngineConfig, concurrency=(1, 
 
 WORKLOADS = {"w1": w1_single_stream, "w2": w2_offline_throughput, "w4": w4_cpu_classroom}
 
+
+# %% [markdown]
+# ## Ceilings and peers, in the same run
+#
+# A figure means little without the ceiling it is measured against and a peer measured on the
+# same machine. `read_bandwidth` times a sum over a large buffer (what a decode step must do
+# with the weights); `hf_generate_w1` runs Hugging Face `transformers` `generate` on the very
+# same weights (copied through `hf_state_dict`) for the W1 request.
+
+# %%
+#| export
+def read_bandwidth(device, gib: float = 4.0, repeats: int = 10) -> float:
+    "Bytes per second a reduction over a large buffer reads on `device` (the decode ceiling)."
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    _sync_device(device)
+    start = time.perf_counter()
+    for _ in range(repeats): x.sum()
+    _sync_device(device)
+    return x.nbytes * repeats / (time.perf_counter() - start)
+
+
+def _sync_device(device):
+    if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
+
+
+def hf_generate_w1(loaded: LoadedModel, prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    "The W1 request through `transformers` `generate` (dynamic cache, eager) on the same weights: the peer."
+    import transformers
+    from forge_engine.model import hf_config_dict, hf_state_dict
+    config, model = loaded.config, loaded.model
+    param = next(model.parameters())
+    cls = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.architecture]
+    hf_config = getattr(transformers, f"{cls}Config")(**hf_config_dict(config))
+    with torch.device(param.device):
+        hf = getattr(transformers, f"{cls}ForCausalLM")(hf_config).to(param.dtype).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=False)  # lm_head is absent when tied
+    ids = torch.tensor([random_prompts(1, prompt_len, prompt_len, seed=1)[0]], device=param.device)
+    def timed(n):
+        _sync_device(param.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync_device(param.device)
+        assert out.shape[1] == prompt_len + n
+        return time.perf_counter() - start
+    timed(4)  # warm-up
+    first, total = timed(1), timed(new_tokens)
+    del hf
+    return {"peer": "transformers generate (dynamic cache, eager)", "transformers": transformers.__version__,
+            "ttft_s": first, "decode_tok_s": (new_tokens - 1) / (total - first)}
+
+
 # %% [markdown]
 # ## A small run
 #
@@ -162,8 +215,10 @@ from forge_engine.model import empty_model, init_random_weights
 tiny = LoadedModel("random:qwen3-tiny", init_random_weights(empty_model(preset("qwen3-tiny")), seed=0), None, None)
 config = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_seqs=8, max_num_batched_tokens=256)
 w1 = w1_single_stream(tiny, config, prompt_len=16, new_tokens=16, repeats=1)
+peer = hf_generate_w1(tiny, prompt_len=16, new_tokens=8)
+assert peer["decode_tok_s"] > 0 and read_bandwidth("cpu", gib=0.125, repeats=2) > 0
 w2 = w2_offline_throughput(tiny, config, count=8, min_len=4, max_len=32, new_tokens=8)
 w4 = w4_cpu_classroom(tiny, config, new_tokens=8)
-print(w1, w2, w4, sep="\n")
+print(w1, peer, w2, w4, sep="\n")
 assert w2["output_tokens"] == 8 * 8 and w4["concurrency_8"]["output_tokens"] == 8 * 8
 assert set(environment()) >= {"torch", "python", "commit"}
