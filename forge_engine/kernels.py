@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'PREFILL_ROWS',
            'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'add_rmsnorm_reference',
-           'add_rmsnorm', 'rmsnorm', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention']
+           'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'paged_attention_reference', 'random_paged_kv',
+           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import math
@@ -130,6 +130,54 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
     "rmsnorm(x) * weight over the last dimension (no residual)."
     return add_rmsnorm(x, None, weight, eps, impl)[0]
+
+# %% ../nbs/09_kernels.ipynb #5bd7469f
+def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+    "x [T, H, D] -> RoPE(rmsnorm(x) * weight) (weight None: RoPE only), as chapter 03 computes it."
+    if weight is not None:
+        x32 = x.float()
+        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                      stride_ct, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        x1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = x2 * inv * tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(out + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              impl: str = "auto") -> torch.Tensor:
+    "x [T, H, D] (any strides with unit last stride), cos/sin [T, D/2] -> RoPE(rmsnorm(x) * weight), contiguous."
+    if kernel_backend(x.device, impl) == "torch":
+        return norm_rope_reference(x, weight, eps, cos, sin)
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("norm_rope needs unit stride in the last dimension of x, cos and sin")
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        _norm_rope_kernel[(tokens, heads)](
+            x, weight if weight is not None else x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), cos.stride(0), eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
+            HAS_NORM=weight is not None, num_warps=1)
+    return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -40,3 +40,16 @@ def test_gpu_engine_matches_the_reference_path(name):
     for engine in (fast, reference):
         engine.allocator.check_idle()
         assert engine.stats().kv.used_blocks == 0
+
+
+@pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])
+def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm):
+    from forge_engine.kernels import norm_rope, norm_rope_reference
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(37, 3 * heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = qkv[:, :heads * dim].view(37, heads, dim)  # strided, as in the model
+    angles = torch.arange(37.0, device="cuda")[:, None] * torch.rand(dim // 2, device="cuda", generator=gen)
+    weight = (1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)).bfloat16() if with_norm else None
+    got = norm_rope(x, weight, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16())
+    want = norm_rope_reference(x.float(), weight.float() if with_norm else None, 1e-6, angles.cos(), angles.sin())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

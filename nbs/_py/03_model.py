@@ -45,13 +45,13 @@ from forge_engine.config import preset
 # %%
 #| export
 @functools.cache
-def triton_rmsnorm():
-    "The fused Triton RMSNorm of chapter 09 when it runs natively here (a CUDA GPU), else None. Looked up once."
+def triton_kernel(name: str):
+    "A fused Triton kernel of chapter 09 (`rmsnorm`, `norm_rope`) when it runs natively here (a CUDA GPU), else None."
     try:
-        from forge_engine.kernels import kernels_available, rmsnorm
+        import forge_engine.kernels as kernels
     except ImportError:
         return None
-    return rmsnorm if kernels_available("cuda") else None
+    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (fused := triton_rmsnorm()) is not None:
+        if x.is_cuda and (fused := triton_kernel("rmsnorm")) is not None:
             return fused(x, self.weight, self.eps)  # one kernel instead of eight: the same arithmetic
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -196,9 +196,13 @@ class Attention(nn.Module):
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # one kernel each on a GPU
+            q = fused(q, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin)
+            k = fused(k, self.k_norm.weight if self.k_norm else None, c.rms_norm_eps, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o(attention(self.layer, q, k, v).reshape(t, c.q_size))
 
 

@@ -234,6 +234,79 @@ with pytest.raises(ValueError, match=r"weight must be \[96\]"):
 
 
 # %% [markdown]
+# ## q/k RMSNorm and RoPE in one pass
+#
+# Between the QKV projection and attention, each head vector of q and k is normalised (Qwen3)
+# and rotated. In PyTorch that is a copy (q is a strided view of the QKV output), the norm, and
+# about seven small kernels of RoPE, for q and again for k: at batch 1 these launches cost more
+# than the arithmetic. One program per (token, head) loads the two halves of the vector once,
+# normalises in fp32, rotates, and writes a contiguous result.
+
+# %%
+#| export
+def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+    "x [T, H, D] -> RoPE(rmsnorm(x) * weight) (weight None: RoPE only), as chapter 03 computes it."
+    if weight is not None:
+        x32 = x.float()
+        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                      stride_ct, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        x1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = x2 * inv * tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(out + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              impl: str = "auto") -> torch.Tensor:
+    "x [T, H, D] (any strides with unit last stride), cos/sin [T, D/2] -> RoPE(rmsnorm(x) * weight), contiguous."
+    if kernel_backend(x.device, impl) == "torch":
+        return norm_rope_reference(x, weight, eps, cos, sin)
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("norm_rope needs unit stride in the last dimension of x, cos and sin")
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        _norm_rope_kernel[(tokens, heads)](
+            x, weight if weight is not None else x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), cos.stride(0), eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
+            HAS_NORM=weight is not None, num_warps=1)
+    return out
+
+
+# %%
+gen = torch.Generator().manual_seed(1)
+qkv = torch.randn(6, 3 * 4 * 32, generator=gen)
+q = qkv[:, :4 * 32].view(6, 4, 32)  # a strided view, as the model has it
+angles = torch.arange(6.0)[:, None] * torch.rand(16, generator=gen)[None, :]
+w = 1 + 0.1 * torch.randn(32, generator=gen)
+for weight in (w, None):
+    torch.testing.assert_close(norm_rope(q, weight, 1e-6, angles.cos(), angles.sin(), impl="triton"),
+                               norm_rope_reference(q, weight, 1e-6, angles.cos(), angles.sin()), rtol=1e-5, atol=1e-5)
+qb, wb = q.bfloat16(), w.bfloat16()
+torch.testing.assert_close(norm_rope(qb, wb, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16(), impl="triton"),
+                           norm_rope_reference(qb, wb, 1e-6, angles.cos(), angles.sin()), rtol=5e-2, atol=5e-2)
+
+
+# %% [markdown]
 # ## Attention over the paged pool: the reference
 #
 # Both attention kernels read K/V from one layer of chapter 05's pool, `k_cache`, `v_cache`
