@@ -67,11 +67,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
     "q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]; query i attends to keys 0..q_offset+i."
     tq, tk = q.shape[0], k.shape[0]
-    query_pos = torch.arange(tq, device=q.device)[:, None] + q_offset
-    allowed = torch.arange(tk, device=q.device)[None, :] <= query_pos
+    mask, causal = None, False
+    if q_offset == 0 and tq == tk:
+        causal = True  # a whole prompt: the plain causal pattern, which has a fast kernel
+    elif not (tq == 1 and q_offset == tk - 1):  # (one query at the end sees every key: no mask at all)
+        query_pos = torch.arange(tq, device=q.device)[:, None] + q_offset
+        mask = torch.arange(tk, device=q.device)[None, :] <= query_pos
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+        attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
 
 
