@@ -83,6 +83,9 @@ class Sequence:
     def token_ids(self) -> list[int]: return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int: return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -250,8 +253,9 @@ class Scheduler:
             seq = item.seq
             if seq.finished: continue  # aborted while the step ran; its blocks are already back
             seq.num_computed += item.num_new
-            tokens = seq.token_ids
-            for i in range(len(seq.block_hashes), seq.num_computed // size):
+            newly_full = range(len(seq.block_hashes), seq.num_computed // size)
+            tokens = seq.token_ids if newly_full else None  # building the list costs O(length): only when needed
+            for i in newly_full:
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
                 seq.block_hashes.append(self.allocator.register_full_block(
                     seq.block_table[i], parent, tokens[i * size:(i + 1) * size]))

@@ -138,7 +138,7 @@ class ModelRunner:
         size = self.cache.block_size
         positions = [i.seq.num_computed for i in items]
         slots = [i.seq.block_table[p // size] * size + p % size for i, p in zip(items, positions)]
-        return self.decode.run([i.seq.token_ids[-1] for i in items], positions, slots,
+        return self.decode.run([i.seq.last_token for i in items], positions, slots,
                                [i.seq.block_table for i in items], [p + 1 for p in positions])
 
     def _run_invariant(self, items, ids: list[int], due_rows: list[int]) -> torch.Tensor:
