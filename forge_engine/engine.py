@@ -20,7 +20,7 @@ from .kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache
 from .loader import LoadedModel, load_model
 from .model import Transformer, no_cache_attention
 from .sampling import SamplingBatch, SamplingRow, make_generator, sample
-from .scheduler import QueueFullError, Scheduler, Sequence as Seq, StepPlan
+from .scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %% auto #0
 __all__ = ['CPU_DEFAULT_KV_BYTES', 'ROW_TILE', 'kv_cache_budget', 'ModelRunner', 'RequestOutput', 'StepRecord', 'EngineStats',

@@ -42,7 +42,7 @@ from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, 
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.sampling import SamplingBatch, SamplingRow, make_generator, sample
-from forge_engine.scheduler import QueueFullError, Scheduler, Sequence as Seq, StepPlan
+from forge_engine.scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %%
 #| hide
