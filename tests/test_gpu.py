@@ -53,3 +53,30 @@ def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm)
     got = norm_rope(x, weight, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16())
     want = norm_rope_reference(x.float(), weight.float() if with_norm else None, 1e-6, angles.cos(), angles.sin())
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
+def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
+    from forge_engine.kernels import gemv
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+    torch.testing.assert_close(gemv(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_silu_mul_and_qk_norm_rope_on_the_gpu():
+    from forge_engine.kernels import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(5, 2 * 9728, device="cuda", generator=gen).bfloat16()
+    torch.testing.assert_close(silu_mul(h), silu_mul_reference(h), rtol=1e-2, atol=1e-2)
+    qkv = torch.randn(7, 48 * 128, device="cuda", generator=gen).bfloat16()
+    qk = qkv[:, :40 * 128].view(7, 40, 128)
+    angles = torch.arange(7.0, device="cuda")[:, None] * torch.rand(64, device="cuda", generator=gen)
+    wq, wk = (1 + 0.1 * torch.randn(2, 128, device="cuda", generator=gen)).bfloat16()
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got = norm_rope(qk, wq, 1e-6, cos, sin, k_weight=wk, num_q_heads=32)
+    torch.testing.assert_close(got[:, :32].float(), norm_rope_reference(qk[:, :32].float(), wq.float(), 1e-6,
+                                                                        angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[:, 32:].float(), norm_rope_reference(qk[:, 32:].float(), wk.float(), 1e-6,
+                                                                        angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)

@@ -41,12 +41,15 @@ from forge_engine.config import preset
 # Scale each vector to unit root-mean-square, then by a learned weight. Computed in fp32 even
 # when the model runs in bf16: the mean of squares is where low precision hurts. On a GPU the
 # same arithmetic runs as one fused Triton kernel (chapter 09) instead of eight small ones.
+#
+# A pre-norm layer always adds a block's output to the residual stream and then normalises
+# the sum: `add_and_norm` does both, and on a GPU in one kernel that reads each row once.
 
 # %%
 #| export
 @functools.cache
 def triton_kernel(name: str):
-    "A fused Triton kernel of chapter 09 (`rmsnorm`, `norm_rope`) when it runs natively here (a CUDA GPU), else None."
+    "A fused Triton kernel of chapter 09 (`add_rmsnorm`, `norm_rope`, `gemv`, ...) when it runs natively here (a CUDA GPU), else None."
     try:
         import forge_engine.kernels as kernels
     except ImportError:
@@ -67,11 +70,21 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "(norm(x + residual), x + residual): the residual add and the next norm."
+        if x.is_cuda and (fused := triton_kernel("add_rmsnorm")) is not None:
+            return fused(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
+
 
 # %%
 norm = RMSNorm(8, 1e-6)
 y = norm(torch.randn(3, 8) * 5)
 assert torch.allclose(y.pow(2).mean(-1), torch.ones(3), atol=1e-4)
+a, b = torch.randn(3, 8), torch.randn(3, 8)
+normed, residual = norm.add_and_norm(a, b)
+assert torch.equal(residual, a + b) and torch.equal(normed, norm(a + b))
 
 
 # %% [markdown]
@@ -113,7 +126,8 @@ def rotated(x, pos):
     cos, sin = rope_cos_sin(torch.tensor([pos]), 16, 10000.0)
     return apply_rope(x, cos.double(), sin.double())
 assert torch.allclose(rotated(q, 7).norm(), q.norm())
-assert torch.allclose((rotated(q, 10) * rotated(k, 3)).sum(), (rotated(q, 107) * rotated(k, 100)).sum())
+# (to fp32 precision: the angles are computed in fp32)
+assert torch.allclose((rotated(q, 10) * rotated(k, 3)).sum(), (rotated(q, 107) * rotated(k, 100)).sum(), atol=1e-5)
 
 # %%
 import matplotlib.pyplot as plt
@@ -174,35 +188,57 @@ assert torch.allclose(out[:, 0, 0], torch.tensor([2.0, 2.5, 3.0]))  # mean of vi
 fig, ax = plt.subplots(figsize=(3, 1.6)); ax.imshow(mask, cmap="Greens")
 ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"); plt.show()
 
-
 # %% [markdown]
 # ## The layers
 #
 # Q, K and V come from one merged matrix (`qkv`), gate and up from another (`gate_up`): one
 # big matmul reads the input once instead of three times. The loader below fills the slices
 # of these merged weights from the separate tensors of a checkpoint.
+#
+# `Linear` is `nn.Linear` with one GPU shortcut: for the single row of a batch-1 decode step
+# it runs chapter 09's GEMV kernel, which reads the weight at closer to the memory bandwidth
+# than the general matmul does. The arithmetic is the same (fp32 sums of the same
+# products, in another order).
 
 # %%
 #| export
+GEMV_ROWS = 1  # steps of up to this many tokens use chapter 09's `gemv` on a GPU (measured: one row only pays)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    "F.linear; on a GPU, a few input rows go through the small-batch GEMV kernel."
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and (gemv := triton_kernel("gemv")) is not None:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    "nn.Linear through `linear`."
+    def forward(self, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.config = layer, config
         c = config
-        self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
-        self.o = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.qkv = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o = Linear(c.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
         c, t = self.config, x.shape[0]
-        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
-        if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # one kernel each on a GPU
-            q = fused(q, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin)
-            k = fused(k, self.k_norm.weight if self.k_norm else None, c.rms_norm_eps, cos, sin)
+        if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
+            qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,
+                       k_weight=self.k_norm.weight if self.k_norm else None, num_q_heads=c.num_heads)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -214,16 +250,21 @@ class MLP(nn.Module):
     "SwiGLU: down(silu(gate(x)) * up(x))."
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        h = self.gate_up(x)
+        if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
+            return self.down(fused(h))  # one kernel for silu, the halves and the product
+        gate, up = h.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    "Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."
+    """Pre-norm block: r = x + attn(norm(x)), then r + mlp(norm(r)). The last add is left to the next
+    layer (or the final norm), which fuses it with its norm: a layer takes and returns (its block's
+    output, the residual stream before that output is added)."""
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -231,9 +272,10 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attention):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attention)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, residual, cos, sin, attention):
+        h, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm.add_and_norm(x, residual)
+        h, residual = self.mlp_norm.add_and_norm(self.attn(h, cos, sin, attention), residual)
+        return self.mlp(h), residual
 
 
 # %% [markdown]
@@ -253,21 +295,22 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attention)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> logits [N, vocab] in fp32."
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed.weight).float()  # tied: the embedding matrix is the head
 
 
 # %% [markdown]

@@ -47,6 +47,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -240,7 +241,9 @@ with pytest.raises(ValueError, match=r"weight must be \[96\]"):
 # and rotated. In PyTorch that is a copy (q is a strided view of the QKV output), the norm, and
 # about seven small kernels of RoPE, for q and again for k: at batch 1 these launches cost more
 # than the arithmetic. One program per (token, head) loads the two halves of the vector once,
-# normalises in fp32, rotates, and writes a contiguous result.
+# normalises in fp32, rotates, and writes a contiguous result. q and k sit side by side in the
+# QKV output (heads 0..Hq-1, then the KV heads), so one launch does both: a program picks the
+# q-norm or the k-norm weight by its head index.
 
 # %%
 #| export
@@ -256,8 +259,8 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                      stride_ct, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                      stride_ct, first_heads, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
@@ -265,6 +268,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride
     x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
+        if h >= first_heads:  # a head of the second group (k): its own norm weight
+            w_ptr = w2_ptr
         inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
         x1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x2 = x2 * inv * tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
@@ -276,18 +281,26 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-              impl: str = "auto") -> torch.Tensor:
-    "x [T, H, D] (any strides with unit last stride), cos/sin [T, D/2] -> RoPE(rmsnorm(x) * weight), contiguous."
+              impl: str = "auto", k_weight: torch.Tensor | None = None, num_q_heads: int | None = None) -> torch.Tensor:
+    """x [T, H, D] (any strides with unit last stride), cos/sin [T, D/2] -> RoPE(rmsnorm(x) * weight), contiguous.
+    With `num_q_heads` and `k_weight`, x holds q heads then k heads: heads from `num_q_heads` on use `k_weight`."""
+    split = x.shape[1] if num_q_heads is None else num_q_heads
+    if split < x.shape[1] and (weight is None) != (k_weight is None):
+        raise ValueError("norm_rope over q and k heads needs both norm weights or neither")
     if kernel_backend(x.device, impl) == "torch":
-        return norm_rope_reference(x, weight, eps, cos, sin)
+        if split == x.shape[1]:
+            return norm_rope_reference(x, weight, eps, cos, sin)
+        return torch.cat((norm_rope_reference(x[:, :split], weight, eps, cos, sin),
+                          norm_rope_reference(x[:, split:], k_weight, eps, cos, sin)), dim=1)
     tokens, heads, dim = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("norm_rope needs unit stride in the last dimension of x, cos and sin")
     out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
     if tokens:
+        w = weight if weight is not None else x
         _norm_rope_kernel[(tokens, heads)](
-            x, weight if weight is not None else x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1), cos.stride(0), eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
+            x, w, k_weight if k_weight is not None else w, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), cos.stride(0), split, eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
             HAS_NORM=weight is not None, num_warps=1)
     return out
 
@@ -304,6 +317,157 @@ for weight in (w, None):
 qb, wb = q.bfloat16(), w.bfloat16()
 torch.testing.assert_close(norm_rope(qb, wb, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16(), impl="triton"),
                            norm_rope_reference(qb, wb, 1e-6, angles.cos(), angles.sin()), rtol=5e-2, atol=5e-2)
+
+# %% [markdown]
+# q (4 heads) and k (2 heads) of the same QKV rows in one launch, each with its own weight:
+
+# %%
+qk = qkv[:, :6 * 32].view(6, 6, 32)
+wk = 1 + 0.1 * torch.randn(32, generator=gen)
+both = norm_rope(qk, w, 1e-6, angles.cos(), angles.sin(), impl="triton", k_weight=wk, num_q_heads=4)
+torch.testing.assert_close(both[:, :4], norm_rope_reference(qk[:, :4], w, 1e-6, angles.cos(), angles.sin()))
+torch.testing.assert_close(both[:, 4:], norm_rope_reference(qk[:, 4:], wk, 1e-6, angles.cos(), angles.sin()))
+torch.testing.assert_close(norm_rope(qk, w, 1e-6, angles.cos(), angles.sin(), k_weight=wk, num_q_heads=4), both)
+with pytest.raises(ValueError, match="both norm weights or neither"):
+    norm_rope(qk, w, 1e-6, angles.cos(), angles.sin(), num_q_heads=4)
+
+
+# %% [markdown]
+# ## SwiGLU's activation: one pass
+#
+# The MLP computes `silu(gate) * up` on the two halves of the gate-up projection: three
+# kernels in PyTorch (silu, the product, and reading the strided halves), one here.
+
+# %%
+#| export
+def silu_mul_reference(h: torch.Tensor) -> torch.Tensor:
+    "h [T, 2I] = [gate | up] -> silu(gate) * up [T, I], as chapter 03's MLP computes it."
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr):
+    row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < I
+    gate = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * stride_h + I + col, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu's output
+    tl.store(out_ptr + row * stride_o + col, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    "h [T, 2I] -> silu(h[:, :I]) * h[:, I:]."
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"silu_mul needs [tokens, 2 x intermediate], got {tuple(h.shape)}")
+    if kernel_backend(h.device, impl) == "torch" or h.stride(-1) != 1:
+        return silu_mul_reference(h)
+    tokens, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty(tokens, inter, dtype=h.dtype, device=h.device)
+    block = min(1024, _pow2(inter))
+    if tokens:
+        _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
+                                                              num_warps=4)
+    return out
+
+
+# %%
+h = torch.randn(3, 2 * 40, generator=gen)
+torch.testing.assert_close(silu_mul(h, impl="triton"), silu_mul_reference(h))
+torch.testing.assert_close(silu_mul(h.bfloat16(), impl="triton"), silu_mul_reference(h.bfloat16()), rtol=2e-2, atol=2e-2)
+
+# %% [markdown]
+# ## Matrix-vector products for small batches
+#
+# At batch 1 a decode step is four matrix-*vector* products per layer, and their time is the
+# time to read the weights: 8 GB per token for Qwen3-4B, 1.92 ms at the H200's 4.19 TB/s.
+# cuBLAS, asked for `x @ W.T` with one row, reaches about 65% of that (the guide's 2.95 ms
+# chain). A GEMV needs no tensor cores; what it needs is every SM streaming weights from the
+# first microsecond to the last: many independent programs, each owning `BLOCK_N` output rows,
+# loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
+# cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
+# Up to `GEMV_MAX_ROWS` input rows share every weight tile (batch 2 and 4 read the weights
+# once, not twice or four times).
+#
+# Measured (`kernels_lab/gemv.py`, one H200, one CUDA-graph replay each, L2 flushed): with the
+# best of 72 block configurations per shape, one row takes 15.9 / 13.0 / 35.5 / 22.3 / 185 µs
+# for Qwen3-4B's qkv / o / gate_up / down / LM head against cuBLAS's 16.8 / 15.0 / 38.3 / 24.4 /
+# 196 µs: 5-13% faster. At two and four rows this kernel was slower than cuBLAS, so the model
+# uses it for one row only. The LM head (778 MB) runs at 4.2 TB/s either way; the small
+# matrices (21-100 MB) are held back by the time it takes to get every SM streaming, not by
+# the loads themselves.
+
+# %%
+#| export
+GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    "(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: the sweep's winners, as a rule."
+    if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
+        return 2, 1024, 4
+    return (8, 512, 4) if n < 16384 else (4, 512, 2)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, impl: str = "auto",
+         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None) -> torch.Tensor:
+    "x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (+ bias) -> [M, N]: `F.linear` for a few rows."
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if kernel_backend(x.device, impl) == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    default = gemv_config(n, k)  # the measured configuration for this shape, where none is asked for
+    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    block_k = min(block_k, max(16, _pow2(k)))
+    if m:
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            HAS_BIAS=bias is not None, num_warps=num_warps, **_stages(num_stages))
+    return out
+
+
+# %%
+for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, False)):
+    x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)
+xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
+torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
+with pytest.raises(ValueError, match="at most 4 rows"):
+    gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 
 
 # %% [markdown]
