@@ -228,6 +228,21 @@ class EngineStats:
 
 # %% [markdown]
 # ## The engine
+#
+# A step has a GPU part (the forward and the sampler) and a host part (schedule, then for every
+# sampled token: append it, detokenize, match stop strings, build the output). At 256 sequences
+# the host part took as long as the GPU part (about 15 ms each, measured on an H200), and
+# they ran one after the other. So the step is split where it can be overlapped:
+#
+# 1. schedule, build the sampling tensors (host-to-device copies, which wait for the GPU, so
+#    they go before the forward is queued), queue the forward and the sampler;
+# 2. **while the GPU runs**, turn the *previous* step's tokens into text and outputs;
+# 3. wait for this step's tokens; append them and apply the token rules (end token, stop
+#    tokens, `max_tokens`, the context), which the next schedule needs.
+#
+# Outputs therefore come one step after their token (a few ms). A stop *string* is seen one
+# step late too: by then the sequence has one more token in flight, which is dropped, so what
+# a request returns is exactly what it would be without the overlap.
 
 # %%
 #| export
@@ -254,6 +269,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
+        self._pending: list[tuple[_Request, int]] = []  # (request, its newest token): text still to produce
 
     # -- requests --
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -295,46 +311,66 @@ class LLMEngine:
 
     # -- one step --
     def step(self) -> list[RequestOutput]:
-        "Schedule, run, sample, apply stop rules; outputs for every request that changed."
+        "Schedule, run, sample, apply stop rules; outputs for every request that changed (text one step late)."
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
-        if not plan: return outputs
+        if not plan: return outputs + self._emit_pending()
         for item in plan.scheduled:
             request = self.requests[item.seq.request_id]
             request.first_scheduled = request.first_scheduled or start
         due = [item.seq for item in plan.scheduled if item.samples]
         try:
-            logits = self.runner.run(plan)
             rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
-            result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)) \
+            batch = SamplingBatch.build(rows, self.loaded.config.vocab_size, self.loaded.eos_token_ids, self.device) \
                 if due else None
+            logits = self.runner.run(plan)
+            result = sample(logits, batch) if due else None
+            tokens = result.token_ids.to("cpu", non_blocking=True) if result is not None else None
+            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            if ready is not None: ready.record()
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
-            return outputs + [self._fail(item.seq, e) for item in plan.scheduled]
+            outputs += self._emit_pending()  # (a stop string there may already have ended one of them)
+            return outputs + [self._fail(item.seq, e) for item in plan.scheduled if not item.seq.finished]
+        outputs += self._emit_pending()  # the previous step's text, while the GPU computes this one
+        if ready is not None: ready.synchronize()
         self.scheduler.step_done(plan)
-        tokens = result.token_ids.tolist() if result is not None else []
-        for k, (seq, token) in enumerate(zip(due, tokens)):
+        for k, (seq, token) in enumerate(zip(due, tokens.tolist() if tokens is not None else [])):
+            if seq.finished: continue  # a stop string ended it while this step ran: its token is dropped
             logprobs = result.logprobs[k] if result.logprobs is not None else None
             try:
-                outputs.append(self._append_token(seq, token, logprobs))
+                self._append_token(seq, token, logprobs)
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         self._record(plan, len(due), time.perf_counter() - start)
         return outputs
 
-    def _append_token(self, seq: Seq, token: int, logprobs: dict | None) -> RequestOutput:
+    def _append_token(self, seq: Seq, token: int, logprobs: dict | None) -> None:
+        "The token rules, at once: the next schedule must know who is finished. The text comes next step."
         request = self.requests[seq.request_id]
         seq.output_ids.append(token)
         request.first_token = request.first_token or time.perf_counter()
         if logprobs is not None: request.logprobs.append(logprobs)
-        delta = request.text.add(token) if request.text is not None else ""
         reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
-        if reason is None and request.text is not None and request.text.stopped: reason = "stop"
         if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            if request.text is not None: delta += request.text.finish()
-        return self._output(request, delta, [token])
+        if reason is not None: self.scheduler.finish(seq, reason)
+        self._pending.append((request, token))
+
+    def _emit_pending(self) -> list[RequestOutput]:
+        "Text and outputs for the tokens appended last step: detokenize, stop strings."
+        pending, self._pending, outputs = self._pending, [], []
+        for request, token in pending:
+            seq = request.seq
+            if self.requests.get(seq.request_id) is not request: continue  # aborted or failed since: already out
+            try:
+                delta = request.text.add(token) if request.text is not None else ""
+                if not seq.finished and request.text is not None and request.text.stopped:
+                    self.scheduler.finish(seq, "stop")
+                if seq.finished and request.text is not None: delta += request.text.finish()
+                outputs.append(self._output(request, delta, [token]))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
+        return outputs
 
     def _fail(self, seq: Seq, error: Exception) -> RequestOutput:
         request = self.requests[seq.request_id]
