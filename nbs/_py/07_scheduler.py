@@ -201,13 +201,15 @@ class Scheduler:
         for seq in decoding + prefilling:  # oldest first within each group
             if seq.status is not Status.RUNNING: continue  # preempted earlier in this loop
             if self._outgrew_pool(seq, plan): continue
-            num_new = min(seq.num_uncomputed, budget)
+            uncomputed = seq.num_uncomputed
+            num_new = min(uncomputed, budget)
             if num_new == 0: continue
-            while not self.allocator.can_allocate(self._blocks_for(seq, num_new)):
+            need = self._blocks_for(seq, num_new)  # most decode steps need none: the last block has room
+            while need and not self.allocator.can_allocate(need):
                 if self._preempt_youngest(plan) is seq: break
             if seq.status is not Status.RUNNING: continue
-            seq.block_table += self.allocator.allocate(self._blocks_for(seq, num_new))
-            plan.scheduled.append(ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed))
+            if need: seq.block_table += self.allocator.allocate(need)
+            plan.scheduled.append(ScheduledSeq(seq, num_new, num_new == uncomputed))
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
