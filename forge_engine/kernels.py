@@ -6,8 +6,8 @@
 __all__ = ['INTERPRETED', 'IMPLS', 'GEMV_MAX_ROWS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'PREFILL_ROWS',
            'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'add_rmsnorm_reference',
            'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul',
-           'gemv_config', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention']
+           'write_kv_reference', 'write_kv', 'gemv_config', 'gemv', 'paged_attention_reference', 'random_paged_kv',
+           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import math
@@ -221,6 +221,41 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
                                                               num_warps=4)
     return out
+
+# %% ../nbs/09_kernels.ipynb #1e0f99fc
+def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+    "k/v [T, kv_heads, D] into slot_mapping[T] of k_cache/v_cache [blocks, block_size, kv_heads, D]."
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k)
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_slot, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < HEAD_DIM
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    dest = slot * stride_slot + h * stride_ch + offs
+    tl.store(kc_ptr + dest, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask)
+    tl.store(vc_ptr + dest, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, impl: str = "auto") -> None:
+    "Store k/v [T, kv_heads, D] (unit stride in D) in their slots of one layer's pool, in one launch."
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} "
+                         f"do not fit a pool of {tuple(k_cache.shape)}")
+    if kernel_backend(k.device, impl) == "torch" or k.stride(-1) != 1 or v.stride(-1) != 1 \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return write_kv_reference(k_cache, v_cache, slot_mapping, k, v)
+    tokens, heads, dim = k.shape
+    if tokens:
+        _write_kv_kernel[(tokens, heads)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
+                                          v.stride(1), k_cache.stride(1), k_cache.stride(2), HEAD_DIM=dim,
+                                          BLOCK_D=max(16, _pow2(dim)), num_warps=1)
 
 # %% ../nbs/09_kernels.ipynb #ccbd4180
 GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)

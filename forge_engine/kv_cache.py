@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .model import causal_attention
+from .model import causal_attention, triton_kernel
 
 # %% auto #0
 __all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'StepLayout', 'build_step_layout',
@@ -211,6 +211,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         "Store the K/V of new tokens (k, v [T, kv_heads, head_dim]) in their slots."
+        if k.is_cuda and (fused := triton_kernel("write_kv")) is not None:  # both in one kernel (chapter 09)
+            return fused(self.k_cache[layer], self.v_cache[layer], slot_mapping, k, v)
         self.k_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
 

@@ -80,3 +80,16 @@ def test_silu_mul_and_qk_norm_rope_on_the_gpu():
                                                                         angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[:, 32:].float(), norm_rope_reference(qk[:, 32:].float(), wk.float(), 1e-6,
                                                                         angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)
+
+
+def test_write_kv_on_the_gpu_matches_index_copy():
+    from forge_engine.kernels import write_kv, write_kv_reference
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(9, 48 * 128, device="cuda", generator=gen).bfloat16()
+    k, v = qkv[:, 32 * 128:40 * 128].view(9, 8, 128), qkv[:, 40 * 128:].view(9, 8, 128)
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:9]
+    got = [torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    want = [torch.zeros_like(got[0]) for _ in range(2)]
+    write_kv(*got, slots, k, v)
+    write_kv_reference(*want, slots, k, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

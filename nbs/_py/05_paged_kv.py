@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_engine.config import ModelConfig
-from forge_engine.model import causal_attention
+from forge_engine.model import causal_attention, triton_kernel
 
 # %%
 #| hide
@@ -387,6 +387,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         "Store the K/V of new tokens (k, v [T, kv_heads, head_dim]) in their slots."
+        if k.is_cuda and (fused := triton_kernel("write_kv")) is not None:  # both in one kernel (chapter 09)
+            return fused(self.k_cache[layer], self.v_cache[layer], slot_mapping, k, v)
         self.k_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
 

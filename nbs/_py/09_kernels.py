@@ -376,6 +376,63 @@ h = torch.randn(3, 2 * 40, generator=gen)
 torch.testing.assert_close(silu_mul(h, impl="triton"), silu_mul_reference(h))
 torch.testing.assert_close(silu_mul(h.bfloat16(), impl="triton"), silu_mul_reference(h.bfloat16()), rtol=2e-2, atol=2e-2)
 
+
+# %% [markdown]
+# ## Storing new K and V in the pool
+#
+# Each layer writes the K and V of the step's new tokens into their slots of the pool:
+# `index_copy_` twice in PyTorch, one kernel here (a program per token and KV head copies both
+# vectors). k and v arrive as strided views of the QKV output; nothing is made contiguous first.
+
+# %%
+#| export
+def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+    "k/v [T, kv_heads, D] into slot_mapping[T] of k_cache/v_cache [blocks, block_size, kv_heads, D]."
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k)
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_slot, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < HEAD_DIM
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    dest = slot * stride_slot + h * stride_ch + offs
+    tl.store(kc_ptr + dest, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask)
+    tl.store(vc_ptr + dest, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, impl: str = "auto") -> None:
+    "Store k/v [T, kv_heads, D] (unit stride in D) in their slots of one layer's pool, in one launch."
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} "
+                         f"do not fit a pool of {tuple(k_cache.shape)}")
+    if kernel_backend(k.device, impl) == "torch" or k.stride(-1) != 1 or v.stride(-1) != 1 \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return write_kv_reference(k_cache, v_cache, slot_mapping, k, v)
+    tokens, heads, dim = k.shape
+    if tokens:
+        _write_kv_kernel[(tokens, heads)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
+                                          v.stride(1), k_cache.stride(1), k_cache.stride(2), HEAD_DIM=dim,
+                                          BLOCK_D=max(16, _pow2(dim)), num_warps=1)
+
+
+# %%
+kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+kv_rows = torch.randn(5, 3 * 2 * 8, generator=gen)  # strided k and v views, as the model makes them
+k_new, v_new = kv_rows[:, :16].view(5, 2, 8), kv_rows[:, 16:32].view(5, 2, 8)
+slots = torch.tensor([0, 5, 6, 11, 3])
+write_kv(kc, vc, slots, k_new, v_new, impl="triton")
+kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+write_kv_reference(kr, vr, slots, k_new, v_new)
+assert torch.equal(kc, kr) and torch.equal(vc, vr) and torch.equal(kc.flatten(0, 1)[11], k_new[3])
+with pytest.raises(ValueError, match="do not fit a pool"):
+    write_kv(kc, vc, slots[:2], k_new, v_new)
+
 # %% [markdown]
 # ## Matrix-vector products for small batches
 #
