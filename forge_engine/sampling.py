@@ -14,7 +14,7 @@ import torch
 from .generate import SamplingParams
 
 # %% auto #0
-__all__ = ['SamplingRow', 'make_generator', 'SparseLogits', 'SamplingBatch', 'adjust_logits', 'filter_probs_batch',
+__all__ = ['SamplingRow', 'make_generator', 'SparseLogits', 'to_device', 'SamplingBatch', 'adjust_logits', 'filter_probs_batch',
            'exponential_race', 'batch_logprobs', 'SampleResult', 'sample']
 
 # %% ../nbs/06_sampling.ipynb #f161f660
@@ -45,6 +45,13 @@ def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor
     if len(bad):
         raise ValueError(f"{what} of row {row} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
     return ids + row * vocab_size
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without waiting: the engine builds the
+    batch while the GPU runs the forward, and a copy from ordinary memory would wait for the forward."""
+    if device.type != "cuda": return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -81,7 +88,7 @@ class SamplingBatch:
             if g is not None and g.device.type != device.type:
                 raise ValueError(f"row {i}: its generator is on {g.device}, the batch on {device}")
         per_row = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
-        sparse = lambda index, value: SparseLogits(index.to(device), value.to(device))
+        sparse = lambda index, value: SparseLogits(to_device(index, device), to_device(value, device))
 
         bias = repetition = output_penalty = forbidden = None
         if biased := [i for i, p in enumerate(params) if p.logit_bias]:
@@ -100,9 +107,10 @@ class SamplingBatch:
             output_penalty = sparse(index, amount)
         if early := [i for i, (p, r) in enumerate(zip(params, rows)) if len(r.output_ids) < p.min_tokens]:
             forbidden = torch.cat([_positions(i, V, "eos/stop_token_ids", eos_ids, params[i].stop_token_ids)
-                                   for i in early]).to(device)
+                                   for i in early])
+            forbidden = to_device(forbidden, device)
 
-        tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)
+        tensor = lambda values, dtype=torch.float32: to_device(torch.tensor(values, dtype=dtype), device)
         return cls(
             vocab_size=V,
             temperature=tensor([p.temperature for p in params]),
