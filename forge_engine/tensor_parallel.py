@@ -34,7 +34,8 @@ from .tokenizer import Tokenizer
 __all__ = ['COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear', 'VocabParallelEmbedding',
            'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
            'random_checkpoint', 'model_config_of', 'load_shard', 'StepItem', 'describe_step', 'as_plan',
-           'time_collectives', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+           'time_collectives', 'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner',
+           'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -305,6 +306,27 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
     if device.type == "cuda": torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / repeats
 
+# %% ../nbs/09c_tensor_parallel.ipynb #3eda146e
+def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: dict) -> dict:
+    "Collective time per decode step at batch 1 and at `max_num_seqs`, with its share of the workload's step."
+    parallel = loaded.parallel
+    full, p = parallel.model.plan.config, next(parallel.model.parameters())
+    report = {"size": parallel.world, "backend": parallel.backend,
+              "per_step": {"all_reduce": 2 * full.num_layers + 1, "all_gather": 1}}
+    for batch in sorted({1, config.max_num_seqs}):
+        report[f"batch_{batch}"] = {
+            "collectives_s": parallel.time_collectives(batch),
+            "all_reduce_bytes": batch * full.hidden_size * p.element_size(),
+            "all_gather_bytes_per_rank": batch * full.vocab_size // parallel.world * p.element_size()}
+    if "decode_tok_s" in result:
+        step = 1 / result["decode_tok_s"]
+        report["w1_step_s"], report["w1_collective_share"] = step, report["batch_1"]["collectives_s"] / step
+    if "output_tok_s" in result:
+        step = config.max_num_seqs / result["output_tok_s"]
+        report["w2_decode_step_upper_bound_s"] = step
+        report["w2_collective_share_lower_bound"] = report[f"batch_{config.max_num_seqs}"]["collectives_s"] / step
+    return report
+
 # %% ../nbs/09c_tensor_parallel.ipynb #d76baacc
 class TensorParallelError(RuntimeError):
     "A worker process died (or a step failed midway): the tensor-parallel group cannot run any more steps."
@@ -420,7 +442,11 @@ class TensorParallel:
                 except OSError: pass
             for p in self.processes: p.join(5.0)  # a clean exit; whoever is still there is then terminated
             self._finalize()
-        if dist.is_initialized(): dist.destroy_process_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group aborted after a failure may refuse; it is gone either way
+                pass
 
     @property
     def alive(self) -> bool: return self._finalize.alive and self.health.failure is None
@@ -433,7 +459,14 @@ class ParallelRunner:
         self.cache, self.decode = runner.cache, runner.decode
 
     def run(self, plan) -> torch.Tensor:
-        return self.parallel._collective("step", describe_step(plan), lambda: self.inner.run(plan))
+        def step():
+            logits = self.inner.run(plan)
+            # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
+            if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
+            return logits
+        logits = self.parallel._collective("step", describe_step(plan), step)
+        self.parallel.health.check()
+        return logits
 
 
 def _agree_num_blocks(n: int) -> int:
