@@ -31,11 +31,10 @@ from .registry import ResolvedModel
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear', 'VocabParallelEmbedding',
+__all__ = ['StepItem', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear', 'VocabParallelEmbedding',
            'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'model_config_of', 'load_shard', 'StepItem', 'describe_step', 'as_plan',
-           'time_collectives', 'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner',
-           'load_model_parallel']
+           'random_checkpoint', 'model_config_of', 'load_shard', 'describe_step', 'as_plan', 'time_collectives',
+           'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -229,13 +228,7 @@ def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dt
     return model
 
 # %% ../nbs/09c_tensor_parallel.ipynb #1bff022a
-@dataclass(frozen=True)
-class StepItem:
-    "One scheduled sequence of a step, as sent to the workers."
-    new_tokens: list[int]
-    num_computed: int
-    block_table: list[int]
-    samples: bool
+StepItem = tuple[list[int], int, list[int], bool]  # (new tokens, tokens already cached, block table, samples?)
 
 
 def describe_step(plan) -> list[StepItem]:
@@ -245,7 +238,7 @@ def describe_step(plan) -> list[StepItem]:
         seq, n = i.seq, i.num_new
         new = [seq.last_token] if n == 1 and seq.num_computed + 1 == seq.num_tokens else \
             seq.token_ids[seq.num_computed:seq.num_computed + n]
-        items.append(StepItem(new, seq.num_computed, list(seq.block_table), i.samples))
+        items.append((new, seq.num_computed, seq.block_table, i.samples))
     return items
 
 
@@ -277,8 +270,8 @@ class _Plan:
 
 def as_plan(items: list[StepItem]) -> _Plan:
     "A plan a `ModelRunner` can run, rebuilt from the items rank 0 sent."
-    return _Plan([_Scheduled(_SeqView(i.num_computed, i.block_table, _Tokens(i.num_computed, i.new_tokens),
-                                      i.new_tokens[-1]), len(i.new_tokens), i.samples) for i in items])
+    return _Plan([_Scheduled(_SeqView(done, table, _Tokens(done, new), new[-1]), len(new), samples)
+                  for new, done, table, samples in items])
 
 # %% ../nbs/09c_tensor_parallel.ipynb #9a171d67
 def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
@@ -440,7 +433,7 @@ class TensorParallel:
             for pipe in self.pipes:
                 try: pipe.send_bytes(pickle.dumps(("stop", None)))
                 except OSError: pass
-            for p in self.processes: p.join(5.0)  # a clean exit; whoever is still there is then terminated
+            for p in self.processes: p.join(15.0)  # a clean exit; whoever is still there is then terminated
             self._finalize()
         if dist.is_initialized():
             try:
