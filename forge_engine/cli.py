@@ -66,6 +66,7 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -100,6 +101,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
         w.add_argument("--peers", action="store_true", help="w1: also run transformers generate on the same weights")
         w.add_argument("--json", default=None, help="also write the result to this file")
+        w.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs")
     load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against an OpenAI-compatible server"))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
@@ -118,7 +120,7 @@ def _load_llm(args):
     from forge_engine.engine import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
-    llm = LLM(model, device=device, dtype=args.dtype)
+    llm = LLM(model, device=device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm
@@ -144,9 +146,10 @@ def run_bench(args) -> int:
     from forge_engine.config import EngineConfig
     from forge_engine.loader import load_model
     model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
-    loaded = load_model(model, device, args.dtype)
+    loaded = load_model(model, device, args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     config = EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
+                          tensor_parallel_size=args.tensor_parallel_size,
                           **{k: v for k, v in limits.items() if v is not None})
     sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
     result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
@@ -158,7 +161,11 @@ def run_bench(args) -> int:
         result["read_bandwidth_ceiling_bytes_per_s"] = ceiling
         if "achieved_bytes_per_s" in result:
             result["ratio_to_read_ceiling"] = result["achieved_bytes_per_s"] / ceiling
-    if args.workload == "w1" and args.peers:
+    if loaded.parallel is not None:  # what the collectives cost per decode step, and their share of it
+        from forge_engine.tensor_parallel import tensor_parallel_report
+        result["tensor_parallel"] = tensor_parallel_report(loaded, config, result)
+        loaded.parallel.close()
+    elif args.workload == "w1" and args.peers:
         peer = hf_generate_w1(loaded, new_tokens=args.output_len or 256)
         result["peers"] = [{**peer, "ratio": result["decode_tok_s"] / peer["decode_tok_s"]}]
     text = json.dumps(result, indent=2)

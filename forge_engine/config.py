@@ -192,11 +192,12 @@ class EngineConfig:
     batch_invariant: bool = False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
     cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -23,8 +23,8 @@ from .sampling import SamplingBatch, SamplingRow, make_generator, sample
 from .scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %% auto #0
-__all__ = ['CPU_DEFAULT_KV_BYTES', 'ROW_TILE', 'kv_cache_budget', 'ModelRunner', 'RequestOutput', 'StepRecord', 'EngineStats',
-           'LLMEngine', 'LLM']
+__all__ = ['CPU_DEFAULT_KV_BYTES', 'ROW_TILE', 'kv_cache_budget', 'ModelRunner', 'build_runner', 'RequestOutput', 'StepRecord',
+           'EngineStats', 'LLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb #706997e9
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
@@ -106,6 +106,22 @@ class ModelRunner:
         logits = [self.model.compute_logits(tile) for tile in padded.split(ROW_TILE)]
         return torch.cat(logits)[:len(rows)] if logits else padded.new_empty(0, self.model.config.vocab_size)
 
+# %% ../nbs/08_engine.ipynb #8929c914
+def build_runner(model: Transformer, config: EngineConfig,
+                 agree_num_blocks: Callable[[int], int] = lambda n: n) -> ModelRunner:
+    "The KV pool (one scratch block more than the allocator hands out), the decode runner and the model runner."
+    param = next(model.parameters())
+    budget = kv_cache_budget(model, config)
+    num_blocks = agree_num_blocks(PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype))
+    # one block more than the allocator hands out: padded rows of a graphed decode write there
+    cache = PagedKVCache(model.config, num_blocks + 1, config.block_size, param.device, param.dtype)
+    max_model_len = config.max_model_len or model.config.max_position_embeddings
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
+    decode = DecodeRunner(model, cache, config.max_num_seqs, max_model_len, scratch_block=num_blocks,
+                          attention=decode_attention_for(param.device), use_graphs=param.device.type == "cuda") \
+        if graphs and not config.batch_invariant else None
+    return ModelRunner(model, cache, config.batch_invariant, decode)
+
 # %% ../nbs/08_engine.ipynb #06041721
 @dataclass
 class RequestOutput:
@@ -165,21 +181,19 @@ class LLMEngine:
     "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded, self.config = loaded, config or EngineConfig()
-        model = loaded.model
-        param = next(model.parameters())
-        self.device = param.device
-        budget = kv_cache_budget(model, self.config)
-        num_blocks = PagedKVCache.num_blocks_for(model.config, budget, self.config.block_size, param.dtype)
-        # one block more than the allocator hands out: padded rows of a graphed decode write there
-        self.cache = PagedKVCache(model.config, num_blocks + 1, self.config.block_size, self.device, param.dtype)
+        self.device = next(loaded.model.parameters()).device
+        world = loaded.parallel.world if loaded.parallel is not None else 1
+        if self.config.tensor_parallel_size != world:
+            raise ValueError(f"EngineConfig asks for tensor_parallel_size {self.config.tensor_parallel_size}, but the "
+                             f"model was loaded over {world} process(es): pass the same size to load_model")
+        # with tensor parallelism every rank builds the same runner over its own slice (chapter 09c)
+        self.runner = loaded.parallel.build_runner(self.config) if loaded.parallel is not None \
+            else build_runner(loaded.model, self.config)
+        self.cache = self.runner.cache
+        num_blocks = self.cache.num_blocks - 1  # the last block is the decode graphs' scratch block
         self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = self.config.max_model_len or loaded.model.config.max_position_embeddings
         self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
-        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else self.device.type == "cuda"
-        decode = DecodeRunner(model, self.cache, self.config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
-                              attention=decode_attention_for(self.device), use_graphs=self.device.type == "cuda") \
-            if graphs and not self.config.batch_invariant else None
-        self.runner = ModelRunner(model, self.cache, self.config.batch_invariant, decode)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
@@ -331,7 +345,8 @@ class LLM:
     "Offline generation: `LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages, ...)`."
     def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
                  seed: int = 0, progress: bool = True, **engine_options):
-        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress)
+        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress,
+                                 tensor_parallel_size=engine_options.get("tensor_parallel_size", 1))
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))
 

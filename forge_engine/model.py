@@ -18,8 +18,8 @@ from .config import ModelConfig
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'triton_kernel', 'RMSNorm', 'rope_inv_freq', 'rope_cos_sin', 'apply_rope', 'causal_attention',
            'AttentionBackend', 'no_cache_attention', 'linear', 'Linear', 'Attention', 'MLP', 'DecoderLayer',
-           'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict', 'empty_model', 'init_random_weights',
-           'hf_config_dict']
+           'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict', 'empty_model', 'fill_random_',
+           'init_random_weights', 'hf_config_dict']
 
 # %% ../nbs/03_model.ipynb #55c788c0
 @functools.cache
@@ -276,14 +276,20 @@ def empty_model(config: ModelConfig, device="cpu", dtype=torch.float32) -> Trans
 
 
 @torch.no_grad()
+def fill_random_(name: str, p: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
+    "Fill parameter `name` in place from `gen`: N(0, std) for matrices and biases, near 1 for norms."
+    if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+    else:
+        p.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
 def init_random_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    "Seeded random weights: N(0, std) matrices and biases, norms near 1. Same seed, same model."
+    "Seeded random weights, parameter by parameter in order from one generator. Same seed, same model."
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
-        else:
-            p.normal_(0.0, std, generator=gen)
+        fill_random_(name, p, gen, std)
     return model
 
 # %% ../nbs/03_model.ipynb #e85fc2b1

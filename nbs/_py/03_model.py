@@ -415,14 +415,20 @@ def empty_model(config: ModelConfig, device="cpu", dtype=torch.float32) -> Trans
 
 
 @torch.no_grad()
+def fill_random_(name: str, p: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
+    "Fill parameter `name` in place from `gen`: N(0, std) for matrices and biases, near 1 for norms."
+    if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+    else:
+        p.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
 def init_random_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    "Seeded random weights: N(0, std) matrices and biases, norms near 1. Same seed, same model."
+    "Seeded random weights, parameter by parameter in order from one generator. Same seed, same model."
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
-        else:
-            p.normal_(0.0, std, generator=gen)
+        fill_random_(name, p, gen, std)
     return model
 
 

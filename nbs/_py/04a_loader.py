@@ -93,6 +93,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer | None
     stats: LoadStats
+    parallel: "TensorParallel | None" = None  # with tensor parallelism: the other ranks (chapter 09c)
 
     @property
     def config(self) -> ModelConfig: return self.model.config
@@ -103,11 +104,14 @@ class LoadedModel:
 
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0, progress: bool = True) -> LoadedModel:
+               seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1) -> LoadedModel:
     "Resolve `name` through the registry, fetch what is missing, and load it onto `device`."
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
+    if tensor_parallel_size != 1:  # one slice of every weight per process (chapter 09c)
+        from forge_engine.tensor_parallel import load_model_parallel
+        return load_model_parallel(resolved, device, dtype, seed, tensor_parallel_size)
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random":

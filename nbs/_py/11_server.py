@@ -936,7 +936,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting")
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -978,7 +978,8 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False)
+            loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False,
+                                tensor_parallel_size=config.tensor_parallel_size)
             state.engine = AsyncEngine(LLMEngine(loaded, config.replace(device=device)))
             logger.info("%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port)
         except Exception as e:  # say why, then stop: a server that can never serve should not look alive

@@ -32,6 +32,7 @@
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
 # | 09_kernels | `kernels` | Triton: fused add+RMSNorm, paged decode and prefill attention |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
+# | 09c_tensor_parallel | `tensor_parallel` | one model over N GPUs: sharded weights, all-reduces, worker processes |
 # | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
 # | 13_benchmarks | `bench` | workloads W1, W2, W4 |

@@ -1,0 +1,839 @@
+# %% [markdown]
+# # Tensor parallelism
+#
+# > One model over N processes (one GPU each): every rank holds a slice of every weight, and two all-reduces per layer put the pieces together.
+
+# %% [markdown]
+# When one GPU is not enough (a bigger Qwen3, a longer context, more users at once), the
+# engine splits *each weight matrix* over N processes, Megatron-style, and keeps everything
+# else as it is: one scheduler, one tokenizer, one sampler, on rank 0.
+#
+# A linear layer `y = x W^T` can be split two ways:
+#
+# - **column-parallel**: each rank holds a slice of W's *rows* (output features) and computes
+#   its slice of `y` from the whole `x`. No communication: the outputs are simply disjoint.
+# - **row-parallel**: each rank holds a slice of W's *columns* (input features), receives the
+#   matching slice of `x`, and computes a *partial sum* of the whole `y`; an **all-reduce**
+#   (every rank sends its partial sum and receives the total) finishes it.
+#
+# A transformer layer chains them so that the slices line up without any communication in
+# between: QKV is column-parallel by *heads* (a rank owns whole heads, so attention runs on
+# them with no help), the attention output projection `o` is row-parallel over the same
+# heads; gate/up is column-parallel over the intermediate features, `down` row-parallel over
+# them. So each layer costs exactly **two all-reduces** of a `[tokens, hidden]` tensor.
+#
+# ## Who holds what (Qwen3-4B, N = 2)
+#
+# ```
+#                      rank 0                              rank 1
+# embed   [151936,2560]  rows (tokens)      0 .. 75967      rows 75968 .. 151935     vocab-parallel
+#   -> each rank looks up the ids it owns, zeros elsewhere; all-reduce (sum) = the embedding
+# per layer (x36):
+#   attn_norm, mlp_norm, q_norm, k_norm          whole (replicated, tiny)
+#   qkv  q rows: heads  0..15 (2048 rows)        q rows: heads 16..31                column-parallel
+#        k,v rows: kv heads 0..3 (512 rows each)  k,v rows: kv heads 4..7
+#   attention on 16 query heads / 4 kv heads, over this rank's own KV pool (its kv heads only)
+#   o    [2560, 4096] columns 0..2047            columns 2048..4095                  row-parallel
+#   -> all-reduce #1: [tokens, 2560]
+#   gate_up  gate rows 0..4863, up rows 0..4863  gate rows 4864..9727, up rows 4864..9727  column-parallel
+#   down [2560, 9728] columns 0..4863            columns 4864..9727                  row-parallel
+#   -> all-reduce #2: [tokens, 2560]
+# final norm                                     whole
+# LM head (tied: the embedding's rows)  logits 0 .. 75967   logits 75968 .. 151935   vocab-parallel
+#   -> all-gather: every rank gets [tokens, 151936]; rank 0 samples
+# ```
+#
+# When there are fewer KV heads than ranks (a 1-KV-head model on 2 ranks), each rank keeps a
+# copy of the KV head its query heads use: KV heads are *replicated*, not split.
+#
+# ## What crosses the wire per step
+#
+# Per decode step of `b` sequences, in BF16: `2 x 36 + 1 = 73` all-reduces of `b x 2560 x 2`
+# bytes (**5 KiB at b = 1**, 320 KiB at b = 64) and one all-gather of each rank's
+# `b x 75968 x 2` bytes of logits (148 KiB at b = 1). That volume is nothing for NVLink
+# (hundreds of GB/s); what costs is the *latency* of 74 small collectives (microseconds each),
+# so the decode step is recorded as a CUDA graph *with the collectives inside* (chapter 09b): one
+# replay launches the matmuls and the NCCL kernels together.
+#
+# ## Processes
+#
+# Rank 0 is the engine process: scheduler, tokenizer, block allocation, sampling. Ranks
+# 1..N-1 are started with `torch.multiprocessing` (spawn) and run a loop: receive a step's
+# description, run the same forward on their slice, over their own KV pool (the same number
+# of blocks, the same block tables: the allocator on rank 0 decides for everyone). The engine
+# itself does not change: it gets a runner whose `run(plan)` first sends the plan to the
+# workers. The model's collectives go through `torch.distributed` (NCCL on GPUs, gloo on
+# CPUs); the step descriptions go through a plain `multiprocessing` pipe per worker (see
+# *why a pipe* below).
+
+# %%
+#| default_exp tensor_parallel
+
+# %%
+#| export
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import re
+import threading
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from forge_engine.config import EngineConfig, ModelConfig, model_config_from_hf, preset
+from forge_engine.engine import ModelRunner, build_runner
+from forge_engine.loader import LoadedModel
+from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, peak_rss_bytes, read_safetensors_header, read_tensor, rss_bytes
+from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
+from forge_engine.registry import ResolvedModel
+from forge_engine.tokenizer import Tokenizer
+
+# %%
+#| hide
+import tempfile
+from pathlib import Path
+import pytest
+from forge_engine.generate import SamplingParams
+from forge_engine.model import causal_attention, empty_model, init_random_weights, rope_cos_sin
+
+# %% [markdown]
+# ## The plan: which slice a rank holds
+#
+# Everything about the split is arithmetic on the config: `ShardPlan` says, for a checkpoint
+# tensor name, which dimension is cut and which range this rank keeps, and gives the
+# *shard config*: the config of the model a rank actually builds (its heads, its share of the
+# intermediate features). The vocabulary stays whole in the shard config (the engine checks
+# token ids against it); the embedding and LM head modules know their own range.
+
+# %%
+#| export
+_SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
+    "self_attn.q_proj": (0, "q"), "self_attn.k_proj": (0, "kv"), "self_attn.v_proj": (0, "kv"),
+    "self_attn.o_proj": (1, "q"), "mlp.gate_proj": (0, "mlp"), "mlp.up_proj": (0, "mlp"), "mlp.down_proj": (1, "mlp"),
+}
+_SPLIT_TOP = {"model.embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab")}
+_LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(.+)\.(?:weight|bias)$")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    "The slices rank `rank` of `world` holds of a model with (full) `config`."
+    config: ModelConfig
+    rank: int
+    world: int
+
+    def __post_init__(self):
+        c, n = self.config, self.world
+        if not 0 <= self.rank < n:
+            raise ValueError(f"rank {self.rank} is outside 0..{n - 1}")
+        for what, size in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size),
+                           ("vocab_size", c.vocab_size)):
+            if size % n:
+                raise ValueError(f"tensor_parallel_size {n} does not divide the model's {what} ({size})")
+        if c.num_kv_heads % n and n % c.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {n} and the model's {c.num_kv_heads} KV heads: one must divide the other")
+
+    @property
+    def kv_heads(self) -> range:
+        "This rank's KV heads: its share, or (fewer KV heads than ranks) the one its query heads use."
+        kv, n, r = self.config.num_kv_heads, self.world, self.rank
+        return range(r * kv // n, (r + 1) * kv // n) if kv >= n else range(r * kv // n, r * kv // n + 1)
+
+    @property
+    def shard_config(self) -> ModelConfig:
+        c, n = self.config, self.world
+        return c.replace(num_heads=c.num_heads // n, num_kv_heads=len(self.kv_heads),
+                         intermediate_size=c.intermediate_size // n)
+
+    @property
+    def vocab_part(self) -> int: return self.config.vocab_size // self.world
+
+    def _range(self, which: str) -> tuple[int, int]:
+        c, r, n = self.config, self.rank, self.world
+        if which == "q": return r * c.q_size // n, (r + 1) * c.q_size // n
+        if which == "kv": return self.kv_heads.start * c.head_dim, self.kv_heads.stop * c.head_dim
+        if which == "mlp": return r * c.intermediate_size // n, (r + 1) * c.intermediate_size // n
+        return r * self.vocab_part, (r + 1) * self.vocab_part
+
+    def slice_for(self, hf_name: str) -> tuple[int, int, int] | None:
+        "(dimension, start, stop) of checkpoint tensor `hf_name` this rank keeps; None: the whole tensor."
+        if hf_name in _SPLIT_TOP:
+            dim, which = _SPLIT_TOP[hf_name]
+        elif (m := _LAYER_TENSOR.match(hf_name)) and m.group(1) in _SPLIT_LAYER:
+            dim, which = _SPLIT_LAYER[m.group(1)]
+        else:
+            return None  # norms: every rank has them whole
+        return (dim, *self._range(which))
+
+
+def shard_tensors(plan: ShardPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    "Each (hf_name, full tensor) as (hf_name, this rank's slice of it): a view, copied later by `load_weights`."
+    for hf_name, tensor in named_tensors:
+        cut = plan.slice_for(hf_name)
+        yield hf_name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+
+
+# %% [markdown]
+# Qwen3-4B on two ranks: 16 of the 32 query heads and 4 of the 8 KV heads each; a model with
+# one KV head keeps it on both ranks.
+
+# %%
+q4b = preset("qwen3-4b")
+p1 = ShardPlan(q4b, rank=1, world=2)
+assert (p1.shard_config.num_heads, p1.shard_config.num_kv_heads, p1.shard_config.intermediate_size) == (16, 4, 4864)
+assert p1.slice_for("model.layers.3.self_attn.q_proj.weight") == (0, 2048, 4096)
+assert p1.slice_for("model.layers.3.self_attn.k_proj.weight") == (0, 512, 1024)
+assert p1.slice_for("model.layers.3.self_attn.o_proj.weight") == (1, 2048, 4096)
+assert p1.slice_for("model.layers.3.mlp.down_proj.weight") == (1, 4864, 9728)
+assert p1.slice_for("model.embed_tokens.weight") == (0, 75968, 151936)
+assert p1.slice_for("model.layers.3.input_layernorm.weight") is None
+one_kv = preset("qwen2-tiny")  # 4 heads, 1 KV head
+assert [ShardPlan(one_kv, r, 2).kv_heads for r in (0, 1)] == [range(0, 1), range(0, 1)]
+assert [ShardPlan(q4b, r, 16).kv_heads for r in (0, 1, 2, 15)] == [range(0, 1), range(0, 1), range(1, 2), range(7, 8)]
+with pytest.raises(ValueError, match="does not divide the model's num_heads"):
+    ShardPlan(preset("llama-tiny"), 0, 4)  # 6 heads
+
+# %% [markdown]
+# The algebra, without any processes: split one layer's weights per the plan, run each
+# rank's piece, and add the partial outputs of the row-parallel projections (what the
+# all-reduce does). The result is the unsplit layer's, to rounding.
+
+# %%
+cfg = preset("llama-tiny")  # 6 heads, 2 KV heads, hidden 48
+full = init_random_weights(empty_model(cfg), seed=3, std=0.2)
+x, pos = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0)), torch.arange(5)
+cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+no_cache = lambda layer, q, k, v: causal_attention(q, k, v)
+want_attn, want_mlp = full.layers[0].attn(x, cos, sin, no_cache), full.layers[0].mlp(x)
+got_attn = got_mlp = 0
+for rank in range(2):
+    plan = ShardPlan(cfg, rank, 2)
+    part = empty_model(plan.shard_config)  # plain modules, no all-reduce: we add the partial outputs by hand
+    tensors = dict(shard_tensors(plan, hf_state_dict(full).items()))
+    tensors.update({n: t for n, t in hf_state_dict(full).items() if n in ("model.embed_tokens.weight", "lm_head.weight")})
+    load_weights(part, tensors.items())  # (the vocabulary stays whole here: a plain embedding has no all-reduce)
+    got_attn = got_attn + part.layers[0].attn(x, cos, sin, no_cache)
+    got_mlp = got_mlp + part.layers[0].mlp(x)
+torch.testing.assert_close(got_attn, want_attn, rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-5, atol=1e-6)
+
+
+# %% [markdown]
+# ## The parallel modules
+#
+# Three module swaps turn a `Transformer` of the shard config into a rank's part of the whole
+# model. Their parameter names stay those of the modules they replace (`attn.o.weight`,
+# `embed.weight`), so `load_weights` of chapter 03 fills them unchanged, and the layers'
+# `forward` code is not touched at all:
+#
+# - `RowParallelLinear` (for `attn.o` and `mlp.down`): the linear, then an all-reduce;
+# - `VocabParallelEmbedding`: look up the ids this rank owns, zeros for the others, all-reduce;
+# - the LM head computes this rank's slice of the logits; an all-gather assembles the row.
+
+# %%
+#| export
+class RowParallelLinear(nn.Linear):
+    "A linear layer over this rank's slice of the input features; an all-reduce sums every rank's partial output."
+    def __init__(self, in_features: int, out_features: int, group=None):
+        super().__init__(in_features, out_features, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight)  # the GEMV kernel for one row on a GPU, like every other layer
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    "This rank's rows of the embedding; ids outside them give zeros, and an all-reduce fills in the rest."
+    def __init__(self, vocab_start: int, vocab_part: int, hidden: int, group=None):
+        super().__init__(vocab_part, hidden)
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def all_gather_columns(x: torch.Tensor, world: int, group=None) -> torch.Tensor:
+    "[n, v] on every rank -> [n, world * v]: rank r's columns at r * v (the logits row put back together)."
+    x = x.contiguous()
+    out = x.new_empty(world, *x.shape)
+    if x.is_cuda:
+        dist.all_gather_into_tensor(out, x, group=group)  # one NCCL call, safe inside a CUDA graph
+    else:
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out.permute(1, 0, 2).reshape(x.shape[0], world * x.shape[1])
+
+
+class ShardedTransformer(Transformer):
+    "Rank `plan.rank`'s part of the model: the shard config's layers, with the parallel modules swapped in."
+    def __init__(self, plan: ShardPlan, group=None):
+        super().__init__(plan.shard_config)
+        self.plan, self.group = plan, group
+        c = plan.shard_config
+        self.embed = VocabParallelEmbedding(plan.rank * plan.vocab_part, plan.vocab_part, c.hidden_size, group)
+        if self.lm_head is not None:
+            self.lm_head = nn.Linear(c.hidden_size, plan.vocab_part, bias=False)
+        for layer in self.layers:
+            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, group)
+            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, group)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        "hidden [N, hidden] -> the whole logits [N, vocab] in fp32, on every rank."
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return all_gather_columns(linear(hidden, weight), self.plan.world, self.group).float()
+
+
+def empty_sharded_model(plan: ShardPlan, device="cpu", dtype=torch.float32, group=None) -> ShardedTransformer:
+    "A rank's part, with allocated but uninitialised weights: built on `meta`, then given real storage."
+    with torch.device("meta"):
+        model = ShardedTransformer(plan, group)
+    return model.to(dtype=dtype).to_empty(device=device).eval()
+
+
+# %% [markdown]
+# ## Loading: each rank reads only its slices
+#
+# - **safetensors**: a *row* slice of a row-major tensor is a contiguous byte range of the
+#   file, so q/k/v, gate/up, the embedding and the LM head are read straight from their file
+#   offsets, 1/N of the bytes. Column slices (`o_proj`, `down_proj`) are read whole into the
+#   staging buffer (one tensor, chapter 01) and narrowed. No rank ever holds the full model.
+# - **GGUF**: tensors are dequantized one at a time (chapter 01a) and narrowed.
+# - **random weights**: every rank draws the *same* full tensors as a single-process model
+#   (the same generator, the same order, one tensor at a time) and keeps its slices. So a
+#   `random:` model under tensor parallelism is the very model a single process runs, and
+#   greedy tokens can be compared.
+
+# %%
+#| export
+def read_checkpoint_shard(directory, plan: ShardPlan, stats: LoadStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    "Yield (hf_name, this rank's slice) for every tensor the model uses; row slices read only their bytes."
+    files = [(path, read_safetensors_header(path)) for path in checkpoint_shards(directory)]
+    staging = torch.empty(max((e.nbytes for _, entries in files for e in entries), default=0), dtype=torch.uint8)
+    stats = stats if stats is not None else LoadStats()
+    for path, entries in files:
+        with open(path, "rb") as f:
+            for entry in entries:
+                if checkpoint_target(plan.config, entry.name) is None: continue  # tied lm_head, inv_freq
+                cut = plan.slice_for(entry.name)
+                if cut is not None and cut[0] == 0:  # rows: a contiguous byte range of the file
+                    row_bytes = entry.nbytes // entry.shape[0]
+                    entry = TensorEntry(entry.name, entry.dtype, (cut[2] - cut[1], *entry.shape[1:]),
+                                        entry.begin + cut[1] * row_bytes, (cut[2] - cut[1]) * row_bytes)
+                    cut = None
+                tensor = read_tensor(f, entry, staging)
+                stats.bytes_read += entry.nbytes
+                stats.tensors += 1
+                yield entry.name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+
+
+def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype,
+                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    "The tensors of `init_random_weights(empty_model(config, device, dtype), seed)`, one full tensor at a time, HF-named."
+    with torch.device("meta"):
+        layout = Transformer(config)
+    pieces = defaultdict(list)  # our parameter -> the checkpoint tensors that are row slices of it
+    for hf_name in hf_state_dict(layout):
+        name, rows = checkpoint_target(config, hf_name)
+        pieces[name].append((hf_name, rows))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in layout.named_parameters():
+        value = torch.empty(p.shape, dtype=dtype, device=device)
+        fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
+        for hf_name, rows in pieces[name]:
+            yield hf_name, value[rows]
+
+
+def model_config_of(resolved: ResolvedModel) -> ModelConfig:
+    "The full model's config, read from what the registry resolved (no weights read)."
+    if resolved.format == "random": return preset(resolved.preset)
+    if resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        return GGUFFile(resolved.path).model_config()
+    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+
+
+def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
+               group=None, stats: LoadStats | None = None) -> ShardedTransformer:
+    "This rank's part of the model, filled from its slices of the checkpoint."
+    model = empty_sharded_model(plan, device, dtype, group)
+    if resolved.format == "random":
+        tensors = shard_tensors(plan, random_checkpoint(plan.config, seed, device, dtype))
+    elif resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        tensors = shard_tensors(plan, GGUFFile(resolved.path).tensors(dtype=dtype))
+    else:
+        tensors = read_checkpoint_shard(resolved.path, plan, stats)
+    load_weights(model, tensors)
+    return model
+
+
+# %% [markdown]
+# The random checkpoint is the single-process random model, tensor for tensor:
+
+# %%
+tiny = preset("qwen2-tiny")
+whole = init_random_weights(empty_model(tiny), seed=5)
+assert all(torch.equal(hf_state_dict(whole)[name], t) for name, t in random_checkpoint(tiny, 5, "cpu", torch.float32))
+
+# %% [markdown]
+# ## The step, as the workers see it
+#
+# Rank 0's `ModelRunner` reads, per scheduled sequence, its new tokens, how many tokens are
+# already in the cache, its block table and whether it samples. That is all a worker needs to
+# run the same step: one plain tuple per sequence goes through the pipe (plain tuples and
+# lists pickle about four times faster than dataclasses, and a W2 step carries 256 of them),
+# and `as_plan` dresses them as the scheduler's plan for the worker's own `ModelRunner`.
+
+# %%
+#| export
+StepItem = tuple[list[int], int, list[int], bool]  # (new tokens, tokens already cached, block table, samples?)
+
+
+def describe_step(plan) -> list[StepItem]:
+    "What the workers need of rank 0's `StepPlan`."
+    items = []
+    for i in plan.scheduled:
+        seq, n = i.seq, i.num_new
+        new = [seq.last_token] if n == 1 and seq.num_computed + 1 == seq.num_tokens else \
+            seq.token_ids[seq.num_computed:seq.num_computed + n]
+        items.append((new, seq.num_computed, seq.block_table, i.samples))
+    return items
+
+
+class _Tokens:
+    "A sequence's token ids from `offset` on: sliced with absolute positions, as the runner slices a sequence."
+    def __init__(self, offset: int, tokens: list[int]): self.offset, self.tokens = offset, tokens
+    def __getitem__(self, s: slice) -> list[int]: return self.tokens[s.start - self.offset:s.stop - self.offset]
+
+
+@dataclass
+class _SeqView:
+    num_computed: int
+    block_table: list[int]
+    token_ids: _Tokens
+    last_token: int
+
+
+@dataclass
+class _Scheduled:
+    seq: _SeqView
+    num_new: int
+    samples: bool
+
+
+@dataclass
+class _Plan:
+    scheduled: list[_Scheduled]
+
+
+def as_plan(items: list[StepItem]) -> _Plan:
+    "A plan a `ModelRunner` can run, rebuilt from the items rank 0 sent."
+    return _Plan([_Scheduled(_SeqView(done, table, _Tokens(done, new), new[-1]), len(new), samples)
+                  for new, done, table, samples in items])
+
+
+# %% [markdown]
+# ## Measuring the collectives
+#
+# A step of `b` decoding sequences runs `2 x layers + 1` all-reduces of `[b, hidden]` and one
+# all-gather of logits. `time_collectives` runs exactly those on every rank, recorded in a
+# CUDA graph on a GPU as the decode step is, and returns the seconds per step.
+
+# %%
+#| export
+def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
+                     group=None) -> float:
+    "Seconds of one decode step's collectives at `batch` sequences (every rank must call it together)."
+    x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
+    logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
+    def step():
+        for _ in range(2 * config.num_layers + 1): dist.all_reduce(x, group=group)
+        all_gather_columns(logits, world, group)
+    device = torch.device(device)
+    step()  # warm up the communicator
+    run = step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+        run()
+        torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(repeats): run()
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+# %% [markdown]
+# For the benchmarks (`forge-engine bench w1|w2 --tensor-parallel-size N`): the collectives'
+# time per decode step next to the step time the workload measured. W1 decodes one sequence,
+# so its step is `1 / decode tok/s`. W2's decode steps run up to `max_num_seqs` sequences;
+# `max_num_seqs / output tok/s` over-estimates such a step (the wall time includes the
+# prefills), so the W2 share is a lower bound.
+
+# %%
+#| export
+def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: dict) -> dict:
+    "Collective time per decode step at batch 1 and at `max_num_seqs`, with its share of the workload's step."
+    parallel = loaded.parallel
+    full, p = parallel.model.plan.config, next(parallel.model.parameters())
+    report = {"size": parallel.world, "backend": parallel.backend,
+              "per_step": {"all_reduce": 2 * full.num_layers + 1, "all_gather": 1}}
+    for batch in sorted({1, config.max_num_seqs}):
+        report[f"batch_{batch}"] = {
+            "collectives_s": parallel.time_collectives(batch),
+            "all_reduce_bytes": batch * full.hidden_size * p.element_size(),
+            "all_gather_bytes_per_rank": batch * full.vocab_size // parallel.world * p.element_size()}
+    if "decode_tok_s" in result:
+        step = 1 / result["decode_tok_s"]
+        report["w1_step_s"], report["w1_collective_share"] = step, report["batch_1"]["collectives_s"] / step
+    if "output_tok_s" in result:
+        step = config.max_num_seqs / result["output_tok_s"]
+        report["w2_decode_step_upper_bound_s"] = step
+        report["w2_collective_share_lower_bound"] = report[f"batch_{config.max_num_seqs}"]["collectives_s"] / step
+    return report
+
+
+# %% [markdown]
+# ## Rank 0's side: workers, their pipes, and a watch on them
+#
+# **Why a pipe for the step descriptions.** The workers spend their idle time waiting for the
+# next step. A `torch.distributed` receive waits at most its timeout (and a server may be idle
+# for hours), while a `multiprocessing` pipe waits for ever and reports a dead peer at once
+# (`EOFError` in a worker whose engine died, `BrokenPipeError` on rank 0's side). A step's
+# description is a few hundred bytes to a few hundred KB of pickled lists; sending it costs
+# tens of microseconds. The *model's* collectives, which carry tensors, go through
+# `torch.distributed`.
+#
+# **Failure.** A watcher thread waits on the workers' process sentinels. When one dies, it
+# records why, stops the others, and (on NCCL) aborts the communicator so that nothing waits
+# on the dead rank. From then on every `run` raises at once with that reason; the engine fails
+# the step's requests, then every later step's, so each open request ends with an error and
+# nothing hangs. A step that raises on rank 0 after the workers have started it poisons the
+# group too: the ranks can no longer be trusted to meet in the same collective.
+#
+# **Shutdown.** `close()` asks the workers to stop, then terminates whatever is left; the same
+# happens when the handle is garbage collected or the interpreter exits (`weakref.finalize`).
+# The workers are daemonic, so they cannot outlive a rank 0 that exits normally, and a worker
+# whose pipe breaks (rank 0 killed) exits.
+
+# %%
+#| export
+class TensorParallelError(RuntimeError):
+    "A worker process died (or a step failed midway): the tensor-parallel group cannot run any more steps."
+
+
+class _Health:
+    "Shared by rank 0's handle and its watcher thread."
+    def __init__(self): self.failure, self.closing, self.lock = None, False, threading.Lock()
+
+    def fail(self, why: str) -> None:
+        with self.lock:
+            if self.failure is None and not self.closing: self.failure = why
+
+    def check(self) -> None:
+        if self.failure is not None: raise TensorParallelError(self.failure)
+
+
+def _stop_workers(processes, health: _Health, timeout: float = 10.0) -> None:
+    "Terminate every worker still running and wait for it (what `close` and the finalizer do last)."
+    health.closing = True
+    for p in processes:
+        if p.is_alive(): p.terminate()
+    for p in processes:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _abort_collectives(backend: str) -> None:
+    "Make a collective that waits on a dead rank return (NCCL); gloo notices a closed socket by itself."
+    if backend == "nccl" and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # best effort: the failure is already recorded
+            pass
+
+
+def _death_report(processes, wait_s: float = 0.0) -> str | None:
+    "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
+    from multiprocessing.connection import wait
+    wait([p.sentinel for p in processes], timeout=wait_s)
+    dead = next((p for p in processes if p.exitcode is not None), None)
+    return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+
+
+def _watch_workers(processes, health: _Health, backend: str) -> None:
+    while not health.closing:
+        report = _death_report(processes, wait_s=0.5)
+        if report is None or health.closing: continue
+        health.fail(report)
+        _abort_collectives(backend)
+        for p in processes:
+            if p.is_alive(): p.terminate()
+        return
+
+
+class TensorParallel:
+    "Rank 0's handle on the other ranks: sends them work, watches them, stops them."
+    def __init__(self, model: ShardedTransformer, processes, pipes, backend: str):
+        self.model, self.processes, self.pipes, self.backend = model, processes, pipes, backend
+        self.world = model.plan.world
+        self.health = _Health()
+        self._watcher = threading.Thread(target=_watch_workers, args=(processes, self.health, backend),
+                                         name="forge-tp-watch", daemon=True)
+        self._watcher.start()
+        self._finalize = weakref.finalize(self, _stop_workers, processes, self.health)
+
+    def send(self, kind: str, payload=None) -> None:
+        "Send one message to every worker."
+        self.health.check()
+        message = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for pipe in self.pipes: pipe.send_bytes(message)
+        except OSError as e:
+            self._fail(f"a tensor-parallel worker is gone: {type(e).__name__}: {e}")
+
+    def _fail(self, why: str):
+        "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
+        self.health.fail(_death_report(self.processes, wait_s=1.0) or why)
+        _abort_collectives(self.backend)
+        _stop_workers(self.processes, _Health())  # the ranks may be in different collectives now
+        self.health.check()
+
+    def _collective(self, kind: str, payload, work):
+        "Run `work` here while the workers run the same message: collectives inside meet."
+        self.send(kind, payload)
+        try:
+            return work()
+        except Exception as e:
+            try:
+                self._fail(f"tensor-parallel {kind} failed on rank 0: {type(e).__name__}: {e}")
+            except TensorParallelError as failure:
+                raise failure from e
+
+    def build_runner(self, config: EngineConfig) -> "ParallelRunner":
+        "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
+        runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_num_blocks))
+        return ParallelRunner(runner, self)
+
+    def time_collectives(self, batch: int, repeats: int = 20) -> float:
+        "Seconds of one decode step's all-reduces and logits all-gather at `batch` sequences (see above)."
+        p = next(self.model.parameters())
+        args = (self.model.plan.config, self.world, batch, p.device, p.dtype, repeats)
+        return self._collective("time_collectives", args, lambda: time_collectives(*args))
+
+    def close(self) -> None:
+        "Stop the workers (politely, then by force) and leave the process group."
+        if self._finalize.alive:
+            self.health.closing = True
+            for pipe in self.pipes:
+                try: pipe.send_bytes(pickle.dumps(("stop", None)))
+                except OSError: pass
+            for p in self.processes: p.join(15.0)  # a clean exit; whoever is still there is then terminated
+            self._finalize()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group aborted after a failure may refuse; it is gone either way
+                pass
+
+    @property
+    def alive(self) -> bool: return self._finalize.alive and self.health.failure is None
+
+
+class ParallelRunner:
+    "Rank 0's runner: sends each step to the workers, then runs its own part of it."
+    def __init__(self, runner: ModelRunner, parallel: TensorParallel):
+        self.inner, self.parallel = runner, parallel
+        self.cache, self.decode = runner.cache, runner.decode
+
+    def run(self, plan) -> torch.Tensor:
+        def step():
+            logits = self.inner.run(plan)
+            # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
+            if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
+            return logits
+        logits = self.parallel._collective("step", describe_step(plan), step)
+        self.parallel.health.check()
+        return logits
+
+
+def _agree_num_blocks(n: int) -> int:
+    "The smallest number of KV blocks any rank can hold (an all-reduce with MIN)."
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+# %% [markdown]
+# ## Starting the ranks
+#
+# Rank 0 opens a `TCPStore` on a free port, starts ranks 1..N-1 (spawned: a fresh
+# interpreter, as CUDA requires), and all join one process group: NCCL on CUDA, gloo on the
+# CPU. Rank `r` uses GPU `r`. Each rank then loads its slices at the same time.
+
+# %%
+#| export
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)  # startup, loading and one step at most
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    resolved: ResolvedModel
+    config: ModelConfig
+    world: int
+    device_type: str
+    dtype: torch.dtype
+    seed: int
+    store_port: int
+
+
+def _rank_device(device_type: str, rank: int) -> torch.device:
+    if device_type != "cuda": return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def _join_group(spec: _WorkerSpec, rank: int, store) -> None:
+    dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=spec.world, timeout=COLLECTIVE_TIMEOUT)
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
+    "Ranks 1..N-1: join, load this rank's slices, then run what rank 0 sends until it says stop."
+    if spec.device_type == "cpu":  # the ranks share the CPU cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // spec.world))
+    device = _rank_device(spec.device_type, rank)
+    _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
+    try:
+        model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
+        dist.barrier()  # loaded
+        runner = None
+        while True:
+            kind, payload = pickle.loads(pipe.recv_bytes())  # EOFError when rank 0 is gone: we leave
+            if kind == "stop": break
+            with torch.no_grad():
+                if kind == "engine":
+                    runner = None  # free the previous engine's pool first
+                    runner = build_runner(model, payload, _agree_num_blocks)
+                elif kind == "step":
+                    runner.run(as_plan(payload))
+                elif kind == "time_collectives":
+                    time_collectives(payload[0], payload[1], payload[2], device, payload[4], payload[5])
+    finally:
+        dist.destroy_process_group()
+
+
+def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, seed: int,
+                        world: int) -> LoadedModel:
+    "Start ranks 1..world-1, load rank 0's slices here, and return rank 0's model with the handle on the others."
+    import torch.multiprocessing as mp
+    if world < 1: raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not {device.type!r}")
+    if dist.is_initialized():
+        raise ValueError("this process already belongs to a tensor-parallel group: close the other model first "
+                         "(loaded.parallel.close())")
+    config = model_config_of(resolved)
+    plan = ShardPlan(config, 0, world)  # checks divisibility before any process starts
+    stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    spec = _WorkerSpec(resolved, config, world, device.type, dtype, seed, store.port)
+    ctx = mp.get_context("spawn")
+    processes, pipes = [], []
+    for rank in range(1, world):
+        ours, theirs = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker_main, args=(rank, spec, ours), name=f"forge-tp-rank{rank}", daemon=True)
+        p.start()
+        ours.close()
+        processes.append(p)
+        pipes.append(theirs)
+    try:
+        device = _rank_device(device.type, 0)
+        _join_group(spec, 0, store)
+        model = load_shard(resolved, plan, device, dtype, seed, stats=stats)
+        dist.barrier()  # every rank has loaded
+    except BaseException:
+        _stop_workers(processes, _Health())
+        if dist.is_initialized(): dist.destroy_process_group()
+        raise
+    tokenizer = None
+    if resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(resolved.path).metadata)
+    if resolved.tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
+    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
+    stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
+    return LoadedModel(resolved.name, model, tokenizer, stats, TensorParallel(model, processes, pipes, dist.get_backend()))
+
+
+# %% [markdown]
+# ## Two ranks on the CPU
+#
+# `random:llama-tiny` (6 query heads and 2 KV heads: 3 and 1 per rank; an untied LM head) in
+# one process and over two (gloo). The engine, scheduler and sampler are the same objects;
+# only the model and the runner underneath are split. Greedy tokens and their
+# log-probabilities agree (the partial sums are added in a different order, so to fp32
+# rounding, not bit for bit).
+
+# %%
+from forge_engine.engine import LLMEngine
+from forge_engine.loader import load_model
+
+def run_all(engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished: finals[out.request_id] = out
+    return [finals[i] for i in ids]
+
+prompts = [[5, 6, 7], list(range(100, 130)), [9] * 11]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+small = dict(kv_cache_bytes=2**20, block_size=4, max_num_batched_tokens=16, max_num_seqs=8, cuda_graphs=True)
+alone = run_all(LLMEngine(load_model("random:llama-tiny", "cpu", progress=False), EngineConfig(**small)), prompts, greedy)
+split = load_model("random:llama-tiny", "cpu", progress=False, tensor_parallel_size=2)
+engine = LLMEngine(split, EngineConfig(**small, tensor_parallel_size=2))
+together = run_all(engine, prompts, greedy)
+for a, b in zip(alone, together):
+    print(a.token_ids, "\n", b.token_ids)
+    assert a.token_ids == b.token_ids
+    assert all(abs(x[t] - y[t]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs) for t in x)
+engine.allocator.check_idle()
+print(f"gloo on this CPU: one decode step's collectives at batch 1 take {split.parallel.time_collectives(1) * 1e3:.2f} ms")
+
+# %% [markdown]
+# Closing stops the worker; nothing is left behind.
+
+# %%
+workers = split.parallel.processes
+split.parallel.close()
+assert workers and not any(p.is_alive() for p in workers)
+print("worker exit codes:", [p.exitcode for p in workers])
+assert not split.parallel.alive

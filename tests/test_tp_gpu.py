@@ -1,0 +1,75 @@
+"""Tensor parallelism on 2 GPUs: NCCL, CUDA graphs with the collectives inside, against one GPU.
+Run on a machine with 2+ GPUs: `python -m pytest -q -m gpu tests/test_tp_gpu.py`."""
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from forge_engine.config import EngineConfig, preset
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+from test_tensor_parallel import PROMPTS, run_to_end, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+CONFIG = dict(kv_cache_bytes=64 * 2**20, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_match_one(tmp_path, dtype):
+    "qwen2-tiny (1 KV head: replicated) from a sharded checkpoint; decode steps replay graphs with NCCL inside."
+    write_checkpoint(tmp_path, preset("qwen2-tiny"), seed=7)
+    one = LLMEngine(load_model(str(tmp_path), "cuda", dtype, progress=False), EngineConfig(**CONFIG))
+    reference = run_to_end(one, PROMPTS, PARAMS)
+    loaded = load_model(str(tmp_path), "cuda", dtype, progress=False, tensor_parallel_size=2)
+    try:
+        engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2))
+        assert engine.runner.decode is not None and engine.runner.decode.use_graphs
+        got = run_to_end(engine, PROMPTS, PARAMS)
+        engine.allocator.check_idle()
+    finally:
+        loaded.parallel.close()
+    assert not multiprocessing.active_children()
+    for g, w in zip(got, reference):
+        assert g.error is None
+        first = torch.tensor([next(iter(lp.values())) for lp in g.logprobs[:4]])
+        want = torch.tensor([next(iter(lp.values())) for lp in w.logprobs[:4]])
+        if dtype == "float32":  # fp32: the same tokens (the partial sums only round differently)
+            assert g.token_ids == w.token_ids
+            torch.testing.assert_close(first, want, rtol=1e-3, atol=1e-3)
+        else:  # bf16 rounds the partial sums: the first tokens agree, later ones may drift apart
+            assert g.token_ids[:4] == w.token_ids[:4]
+            torch.testing.assert_close(first, want, rtol=5e-2, atol=5e-2)
+
+
+def test_a_killed_gpu_worker_fails_the_engine_cleanly():
+    "In a fresh process with a time limit: a hang fails the test instead of blocking the suite."
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        from forge_engine.config import EngineConfig
+        from forge_engine.engine import LLMEngine
+        from forge_engine.generate import SamplingParams
+        from forge_engine.loader import load_model
+        if __name__ == "__main__":
+            loaded = load_model("random:qwen3-tiny", "cuda", progress=False, tensor_parallel_size=2)
+            engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**26, max_num_seqs=8, max_model_len=4096,
+                                                    tensor_parallel_size=2))
+            params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+            ids = [engine.add_request(list(range(10, 10 + n)), params) for n in (5, 50, 500)]
+            for _ in range(20): engine.step()
+            threading.Timer(0.05, os.kill, (loaded.parallel.processes[0].pid, signal.SIGKILL)).start()
+            errors = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished: errors[out.request_id] = out.error
+            assert set(errors) == set(ids) and all(e and "exited with code -9" in e for e in errors.values()), errors
+            loaded.parallel.close()
+            print("FAILED CLEANLY")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "FAILED CLEANLY" in r.stdout, r.stderr[-3000:]
