@@ -396,6 +396,9 @@ def test_url_pull_verifies_and_records_metadata(served, tiny_gguf, tmp_path, cap
     assert "tiny.gguf.part" in capsys.readouterr().err  # the progress bar, forced on
     assert files_under(tmp_path / "models") == [path]
     assert fetch("tiny-url", progress=False) == path and len(server.requests) == 1  # cached: not asked again
+    remove("tiny-url")
+    assert pull("tiny-url") == path and len(server.requests) == 2
+    assert "tiny.gguf.part" not in capsys.readouterr().err  # by default a bar only when stderr is a terminal
 
 
 def test_url_download_resumes_from_the_part_file(served, tiny_gguf, tmp_path):
