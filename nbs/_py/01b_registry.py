@@ -242,17 +242,16 @@ class DiskFullError(FetchError):
 
 
 @contextlib.contextmanager
-def _disk_full_cleans_up(path: Path, *, remove: Path | None = None):
-    """Turn "no space left on device" while writing `path` into a `DiskFullError` naming it, after removing
-    `remove` (a file or folder; default: `path`), so a full disk leaves no partial file behind."""
+def _disk_full_cleans_up(path: Path):
+    """Turn "no space left on device" while writing `path` (a file or a folder) into a `DiskFullError` naming it,
+    after removing `path`, so a full disk leaves no partial file behind."""
     try:
         yield
     except OSError as e:
         if e.errno != errno.ENOSPC: raise
-        doomed = path if remove is None else remove
-        if doomed.is_dir(): shutil.rmtree(doomed, ignore_errors=True)
-        else: doomed.unlink(missing_ok=True)
-        free = shutil.disk_usage(doomed.parent).free if doomed.parent.exists() else 0
+        if path.is_dir(): shutil.rmtree(path, ignore_errors=True)
+        else: path.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         raise DiskFullError(f"the disk is full: writing {path} failed ({e.strerror}; {free:,} bytes free there). "
                             f"The partial download was removed; free some space (or point FORGE_HOME at a larger "
                             f"disk) and pull again") from e
