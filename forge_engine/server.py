@@ -415,8 +415,11 @@ class ServerState:
         return self.engine
 
     def model_card(self) -> dict:
+        "An OpenAI model object, plus the loaded model's metadata from the registry once it is loaded."
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "forge-engine"}
-        if self.engine is not None: card["max_model_len"] = self.engine.engine.max_model_len
+        if self.engine is not None:
+            card["max_model_len"] = self.engine.engine.max_model_len
+            card.update({k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card})
         return card
 
     def check_model(self, body: dict) -> None:

@@ -27,7 +27,7 @@ from .engine import ModelRunner, build_runner
 from .loader import LoadedModel
 from .loading import LoadStats, TensorEntry, checkpoint_shards, peak_rss_bytes, read_safetensors_header, read_tensor, rss_bytes
 from .model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
-from .registry import ResolvedModel
+from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
 # %% auto #0
@@ -565,4 +565,5 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
     stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(resolved.name, model, tokenizer, stats, TensorParallel(model, processes, pipes, dist.get_backend()))
+    parallel = TensorParallel(model, processes, pipes, dist.get_backend())
+    return LoadedModel(resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved))

@@ -49,7 +49,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as QType
 
 from forge_engine.config import ModelConfig, model_config_from_gguf
@@ -102,7 +102,9 @@ class _ByteReader:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         start = self.take(n, what)
-        return str(self.buf[start:start + n], "utf-8")
+        try: return str(self.buf[start:start + n], "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}") from None
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _VALUE_FORMATS: return self.scalar(_VALUE_FORMATS[vtype], what)
@@ -121,7 +123,9 @@ class _ByteReader:
 # A tensor info says where a tensor's bytes are and how to read them. We store the shape in
 # PyTorch order (GGUF lists dims fastest-first, so `token_embd.weight` of SmolLM2 is
 # `[576, 49152]` in the file and `(49152, 576)` here) and check, before anything is read, that
-# every tensor's bytes lie inside the file.
+# every tensor's type is known, that its bytes lie inside the file, and that they end before
+# the next tensor's begin. GGUF stores no byte size: it follows from the type and the shape, so
+# a corrupt shape or type shows up as a tensor running into its neighbour (or past the end).
 
 # %%
 #| export
@@ -133,6 +137,9 @@ class TensorInfo:
     shape: tuple[int, ...]  # PyTorch order: [out_features, in_features] for a weight
     offset: int  # absolute file offset of the first byte
     nbytes: int
+
+
+_KNOWN_TYPE_IDS = {int(q) for q in QType}
 
 
 def tensor_nbytes(qtype: QType, shape) -> int:
@@ -170,6 +177,8 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
     data_start = -(-r.pos // alignment) * alignment  # round up
     infos = []
     for name, dims, type_id, offset in raw_infos:
+        if type_id not in _KNOWN_TYPE_IDS:
+            raise ValueError(f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has")
         try:
             qtype = QType(type_id)
             shape = tuple(int(d) for d in reversed(dims))
@@ -183,6 +192,12 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
             raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
                              f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)")
         infos.append(TensorInfo(name, qtype, shape, begin, nbytes))
+    by_offset = sorted(infos, key=lambda t: t.offset)
+    for t, after in zip(by_offset, by_offset[1:]):
+        if t.offset + t.nbytes > after.offset:
+            raise ValueError(f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
+                             f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
+                             f"bytes after it: its size does not match its type and shape")
     return version, metadata, infos
 
 
@@ -571,15 +586,28 @@ class GGUFFile:
         for name in self.tensor_names:
             if name in SKIPPED_TENSORS: warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
         plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
+        unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
+        if unsupported:  # say so before the first tensor, not halfway through a load
+            raise ValueError(f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
+                             f"supported: {', '.join(q.name for q in DEQUANTIZERS)}")
         return ((name, self.load(info, config, dtype, device)) for name, info in plan)
 
     def describe(self) -> dict[str, Any]:
-        "A small summary: architecture, tensor and parameter counts, quant types, file size."
+        """A summary from the header: architecture, tensor and parameter counts, quant types, the file's
+        quantization (`general.file_type`, else the commonest type of the matrices), context length, license."""
+        quant_types = Counter(t.qtype.name for t in self.tensor_infos)
+        file_type = self.metadata.get("general.file_type")
+        if file_type in set(LlamaFileType):
+            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        else:
+            matrices = Counter(t.qtype.name for t in self.tensor_infos if len(t.shape) > 1)
+            quantization = (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
         return {"path": str(self.path), "architecture": self.architecture, "gguf_version": self.version,
                 "tensors": len(self.tensor_infos),
                 "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
-                "quant_types": dict(Counter(t.qtype.name for t in self.tensor_infos).most_common()),
-                "file_bytes": len(self._buf)}
+                "quant_types": dict(quant_types.most_common()), "quantization": quantization,
+                "context_length": self.metadata.get(f"{self.architecture}.context_length"),
+                "license": self.metadata.get("general.license"), "file_bytes": len(self._buf)}
 
     def __repr__(self): return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
 
@@ -665,6 +693,8 @@ assert f.metadata["tokenizer.ggml.token_type"][-2:] == [1, 3] and f.metadata["to
 assert f.metadata["llama.attention.head_count_kv"] == 2 and f.metadata["general.name"] == "tiny llama"
 assert f.model_config() == llama.replace(rms_norm_eps=f.model_config().rms_norm_eps)  # eps went through float32
 assert f.describe()["quant_types"] == {"F32": 17, "Q8_0": 2, "Q4_0": 2}
+# no general.file_type: the commonest type of the matrices; the context length and license from the metadata
+assert (f.describe()["quantization"], f.describe()["context_length"], f.describe()["license"]) == ("F32", 4096, None)
 assert f._infos["token_embd.weight"].shape == (64, 64)
 
 loaded = dict(f.tensors())
@@ -735,3 +765,51 @@ assert len(got) == 1 and got[0][0] == "model.norm.weight" and torch.equal(got[0]
 unknown = GGUFFile(write_named(tmp / "moe.gguf", "llama", f.metadata, {"blk.0.ffn_gate_exps.weight": torch.rand(4, 64)}))
 with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
     unknown.tensors()
+
+# %% [markdown]
+# A type we cannot dequantize (here Q2_K, written as raw bytes) stops the load before any tensor:
+
+# %%
+w = gguf.GGUFWriter(tmp / "q2k.gguf", "llama")
+for key, value in f.metadata.items():
+    if key != "general.architecture": w.add_key_value(key, value, GGUFValueType.get_type(value))
+w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+w.add_tensor("blk.0.ffn_up.weight", np.zeros((128, 84), np.uint8), raw_dtype=QType.Q2_K)  # 84 bytes = one Q2_K block
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+q2k = GGUFFile(tmp / "q2k.gguf")
+assert q2k._infos["blk.0.ffn_up.weight"].shape == (128, 256)
+with pytest.raises(ValueError, match=r"q2k.gguf: tensors of type Q2_K cannot be dequantized; supported: F32, F16"):
+    q2k.tensors()
+
+# %% [markdown]
+# Corrupt headers, made by changing single fields of a good file: a shape that runs into the
+# next tensor, a type id that does not exist, a key that is not UTF-8. Each names the file and
+# what is wrong.
+
+# %%
+import struct as _struct
+two = write_named(tmp / "two.gguf", "llama", f.metadata, {"output_norm.weight": torch.ones(64), "blk.0.attn_norm.weight": torch.ones(64)})
+good = two.read_bytes()
+
+def patched(name: str, *, dim0: int | None = None, type_id: int | None = None) -> Path:
+    "A copy of two.gguf with one field of tensor `name`'s info changed (a 1-dim tensor: n_dims, dim, type, offset)."
+    key = _struct.pack("<Q", len(name)) + name.encode()
+    at = good.index(key) + len(key)  # n_dims u32, then dim0 u64, then the type u32
+    data = bytearray(good)
+    if dim0 is not None: _struct.pack_into("<Q", data, at + 4, dim0)
+    if type_id is not None: _struct.pack_into("<I", data, at + 12, type_id)
+    out = tmp / f"patched-{name}-{dim0}-{type_id}.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+assert GGUFFile(patched("output_norm.weight", dim0=64)).tensor_names == ["output_norm.weight", "blk.0.attn_norm.weight"]
+with pytest.raises(ValueError, match=r"is corrupt: tensor 'output_norm.weight' \(F32, shape \[96\]\) needs 384 bytes, "
+                                     r"but the next tensor, 'blk.0.attn_norm.weight', starts 256 bytes after it"):
+    GGUFFile(patched("output_norm.weight", dim0=96))
+with pytest.raises(ValueError, match=r"needs bytes .* but the file has"):  # the last tensor runs past the end
+    GGUFFile(patched("blk.0.attn_norm.weight", dim0=1 << 40))
+with pytest.raises(ValueError, match="is corrupt: tensor 'output_norm.weight' has type id 99, which no GGUF type has"):
+    GGUFFile(patched("output_norm.weight", type_id=99))
+(tmp / "bad_utf8.gguf").write_bytes(good.replace(b"general.name", b"\xffeneral.name", 1))
+with pytest.raises(ValueError, match=r"bad_utf8.gguf is corrupt: metadata key #\d+ \(bytes \d+\.\.\d+\) is not UTF-8 text"):
+    GGUFFile(tmp / "bad_utf8.gguf")

