@@ -101,7 +101,7 @@ def hf_generate_batch(hf, prompts: list[list[int]], new_tokens: int, cache_sizes
     outputs = hf.generate_batch(prompts, generation_config=config, progress_bar=False, **options)
     sync(device)
     wall = time.perf_counter() - start
-    tokens = [len(o.generated_tokens) for o in outputs.values() if o.error is None]
+    tokens = [len(o.generated_tokens) for o in outputs.values() if getattr(o, "error", None) is None]
     if len(tokens) != len(prompts):
         raise RuntimeError(f"generate_batch finished {len(tokens)} of {len(prompts)} requests")
     return {"peer": "transformers generate_batch (continuous batching)", "transformers": transformers.__version__,
@@ -130,7 +130,7 @@ def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, re
         peer = hf_generate_batch(hf, prompts, result["new_tokens"], sizes)
         ours = result["output_tok_s"]
         if count < result["requests"]:  # the same subset through forge-engine, for a like-for-like ratio
-            del hf
+            hf = None
             free_memory()
             engine = LLMEngine(loaded, config)
             ours = run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=result["new_tokens"],
@@ -143,6 +143,8 @@ def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, re
         for n in (1, 8):
             peer = hf_generate(hf, [prompt] * n, result["new_tokens"])
             peers.append({**peer, "ratio": result[f"concurrency_{n}"]["output_tok_s"] / peer["output_tok_s"]})
+    del hf
+    torch.compiler.reset()  # compiled code (the static cache's) holds the peer's model: let its memory go
     free_memory()
     return peers
 
