@@ -162,6 +162,8 @@ class StepRecord:
     decode_seqs: int
     sampled: int
     preempted: int
+    kv_used_blocks: int = 0  # blocks held by requests after the step: with `ended_at`, the KV usage over time
+    ended_at: float = 0.0  # time.perf_counter() at the end of the step
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,9 @@ class LLMEngine:
         self.generated_tokens += sampled
         decode = sum(1 for i in plan.scheduled if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids))
         prefill = plan.num_tokens - decode
-        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted)))
+        used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted), used,
+                                      time.perf_counter()))
 
     def block_map(self) -> str:
         a = self.allocator

@@ -237,6 +237,8 @@ class StepRecord:
     decode_seqs: int
     sampled: int
     preempted: int
+    kv_used_blocks: int = 0  # blocks held by requests after the step: with `ended_at`, the KV usage over time
+    ended_at: float = 0.0  # time.perf_counter() at the end of the step
 
 
 @dataclass(frozen=True)
@@ -422,7 +424,9 @@ class LLMEngine:
         self.generated_tokens += sampled
         decode = sum(1 for i in plan.scheduled if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids))
         prefill = plan.num_tokens - decode
-        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted)))
+        used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted), used,
+                                      time.perf_counter()))
 
     def block_map(self) -> str:
         a = self.allocator
@@ -467,6 +471,9 @@ for i, p in enumerate(prompts):
     assert finals[f"r{i}"].token_ids == alone and finals[f"r{i}"].finish_reason == "length", i
 engine.allocator.check_idle()
 print(engine.stats().recent_steps[:4])
+records = engine.stats().recent_steps  # a time series: blocks held after each step, and when it ended
+assert max(r.kv_used_blocks for r in records) > 0 and records[-1].kv_used_blocks == 0
+assert all(a.ended_at < b.ended_at for a, b in zip(records, records[1:]))
 
 # %% [markdown]
 # A prefix-cache hit gives exactly the output of a miss, and counts as a hit:

@@ -136,7 +136,7 @@ def _add_model_flags(p: argparse.ArgumentParser):
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    "The parser; `serve`'s flags are added only when `serve` is the command (it imports the web stack)."
+    "The parser; `serve`'s and `bench`'s flags are added only when they are the command (they import much)."
     parser = argparse.ArgumentParser(prog="forge-engine", description="A small, readable inference engine for Qwen3.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine can run").add_argument(
@@ -153,23 +153,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     if argv and argv[0] == "serve":
         from forge_engine import server
         server.add_arguments(serve)
-    bench = sub.add_parser("bench", help="benchmark workloads: w1, w2, w4 through the engine; serve (W3) against a server")
-    workloads = bench.add_subparsers(dest="workload", required=True)
-    for name, what in [("w1", "single stream"), ("w2", "offline throughput"), ("w4", "CPU classroom: 1 and 8 requests")]:
-        w = workloads.add_parser(name, help=what)
-        w.add_argument("--model", default="auto")
-        w.add_argument("--device", default=None)
-        w.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-        w.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
-        w.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU")
-        w.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step at most (EngineConfig)")
-        w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
-        w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
-        w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
-        w.add_argument("--peers", action="store_true", help="w1: also run transformers generate on the same weights")
-        w.add_argument("--json", default=None, help="also write the result to this file")
-        w.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs")
-    load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against an OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="benchmark workloads W1-W4 (see chapter 13), and their plots")
+    if argv and argv[0] == "bench":
+        from forge_engine import bench as bench_module
+        bench_module.add_arguments(bench.add_subparsers(dest="workload", required=True))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
@@ -231,41 +218,6 @@ def run_models(args) -> int:
     return 0
 
 
-def run_bench(args) -> int:
-    import json
-    from forge_engine.bench import WORKLOADS, environment, hf_generate_w1, read_bandwidth
-    from forge_engine.config import EngineConfig
-    from forge_engine.loader import load_model
-    model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
-    loaded = load_model(model, device, args.dtype, tensor_parallel_size=args.tensor_parallel_size)
-    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    config = EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          **{k: v for k, v in limits.items() if v is not None})
-    sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
-    result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
-              "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
-    device = next(loaded.model.parameters()).device
-    if device.type == "cuda":
-        result["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-        ceiling = read_bandwidth(device)
-        result["read_bandwidth_ceiling_bytes_per_s"] = ceiling
-        if "achieved_bytes_per_s" in result:
-            result["ratio_to_read_ceiling"] = result["achieved_bytes_per_s"] / ceiling
-    if loaded.parallel is not None:  # what the collectives cost per decode step, and their share of it
-        from forge_engine.tensor_parallel import tensor_parallel_report
-        result["tensor_parallel"] = tensor_parallel_report(loaded, config, result)
-        loaded.parallel.close()
-    elif args.workload == "w1" and args.peers:
-        peer = hf_generate_w1(loaded, new_tokens=args.output_len or 256)
-        result["peers"] = [{**peer, "ratio": result["decode_tok_s"] / peer["decode_tok_s"]}]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f: f.write(text + "\n")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
@@ -276,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "models":
             return run_models(args)
         elif args.command == "bench":
-            return load_client.run(args) if args.workload == "serve" else run_bench(args)
+            from forge_engine import bench
+            return load_client.run(args) if args.workload == "serve" else bench.run_from_args(args)
         elif args.command == "serve":
             from forge_engine import server
             return server.run(args)

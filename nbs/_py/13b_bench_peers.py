@@ -1,0 +1,190 @@
+# %% [markdown]
+# # Peers
+#
+# > Hugging Face `transformers` on the same weights, in the same run as forge-engine: the figures chapter 13 divides by.
+
+# %%
+#| default_exp bench_peers
+
+# %% [markdown]
+# A figure of our engine means little alone: on the same GPU, with the same weights, how
+# fast is the library everyone uses? Hugging Face `transformers` runs the very same weights (copied through `hf_state_dict`):
+#
+# - W1: `generate`, once with its dynamic cache (eager) and once with its static cache (which
+#   it compiles on a GPU). Warmed up with the same request first, so compiling is not timed.
+# - W2: `generate_batch`, its continuous-batching engine (paged KV cache, CUDA graphs), on the
+#   same prompts, with EOS disabled as in W2. Its own warm-up happens inside each call.
+# - W4: `generate` on the CPU with 1 and with 8 copies of the prompt (no padding needed).
+#
+# Each peer result carries the ratio forge-engine / peer. This module is imported only when
+# peers run (it imports `transformers`); `forge-engine bench ... --peers` runs it (chapter 13).
+
+# %%
+#| export
+from __future__ import annotations
+
+import time
+
+import torch
+
+from forge_engine.bench import free_memory, random_prompts, run_batch, sync, w4_prompt
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import LoadedModel
+
+# %%
+#| hide
+import argparse
+
+import pytest
+
+from forge_engine.config import preset
+from forge_engine.model import empty_model, init_random_weights
+
+
+# %%
+#| export
+def hf_twin(loaded: LoadedModel):
+    "A `transformers` model of the same architecture holding the same weights, on the same device and dtype."
+    import transformers
+    from forge_engine.model import hf_config_dict, hf_state_dict
+    config, model = loaded.config, loaded.model
+    param = next(model.parameters())
+    cls = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.architecture]
+    hf_config = getattr(transformers, f"{cls}Config")(**hf_config_dict(config), attn_implementation="sdpa")
+    with torch.device(param.device):
+        hf = getattr(transformers, f"{cls}ForCausalLM")(hf_config).to(param.dtype).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=False)  # lm_head is absent when tied
+    return hf
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int, cache: str = "dynamic") -> dict:
+    "`generate` on equal-length prompts, greedy, exactly `new_tokens` each: TTFT and decode tok/s of the batch."
+    import transformers
+    if len({len(p) for p in prompts}) != 1: raise ValueError("hf_generate takes prompts of one length (no padding)")
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+
+    def timed(n):
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+        sync(device)
+        assert out.shape == (len(prompts), len(prompts[0]) + n), out.shape
+        return time.perf_counter() - start
+
+    timed(new_tokens if cache == "static" else 4)  # warm-up (a static cache is compiled for its length)
+    first, total = timed(1), timed(new_tokens)
+    return {"peer": f"transformers generate ({cache} cache)", "transformers": transformers.__version__,
+            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": first,
+            "decode_tok_s": len(prompts) * (new_tokens - 1) / (total - first), "output_tok_s": len(prompts) * new_tokens / total}
+
+
+def hf_generate_batch(hf, prompts: list[list[int]], new_tokens: int, cache_sizes: dict | None = None) -> dict:
+    "`generate_batch` (transformers' continuous batching) on `prompts`, greedy, EOS off: output tok/s."
+    import transformers
+    from transformers import GenerationConfig
+    device = next(hf.parameters()).device
+    # its own sizing unless told (`ContinuousBatchingConfig` fields, e.g. num_blocks, max_batch_tokens)
+    options = {}
+    if cache_sizes:
+        from transformers.generation import ContinuousBatchingConfig
+        options["continuous_batching_config"] = ContinuousBatchingConfig(**cache_sizes)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)  # -1: no EOS, as W2
+    hf.generate_batch(prompts[:2], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
+                      progress_bar=False, **options)  # warm-up: kernels loaded, allocator primed
+    sync(device)
+    start = time.perf_counter()
+    outputs = hf.generate_batch(prompts, generation_config=config, progress_bar=False, **options)
+    sync(device)
+    wall = time.perf_counter() - start
+    tokens = [len(o.generated_tokens) for o in outputs.values() if getattr(o, "error", None) is None]
+    if len(tokens) != len(prompts):
+        raise RuntimeError(f"generate_batch finished {len(tokens)} of {len(prompts)} requests")
+    return {"peer": "transformers generate_batch (continuous batching)", "transformers": transformers.__version__,
+            "cache_sizes": cache_sizes, "requests": len(prompts), "output_tokens": sum(tokens), "wall_s": wall, "output_tok_s": sum(tokens) / wall}
+
+
+# %%
+#| export
+def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, result: dict) -> list[dict]:
+    "The peers of one workload's `result` (w1, w2, w4), each with its ratio forge-engine / peer."
+    hf, peers = hf_twin(loaded), []
+    if workload == "w1":
+        new_tokens = args.peer_output_len or result["new_tokens"]
+        prompt = random_prompts(1, result["prompt_len"], result["prompt_len"], seed=1)[0]
+        for cache in ("dynamic", "static"):
+            peer = hf_generate(hf, [prompt], new_tokens, cache)
+            peers.append({**peer, "ratio": result["decode_tok_s"] / peer["decode_tok_s"]})
+    elif workload == "w2":
+        count = args.peer_num_prompts or result["requests"]
+        prompts = random_prompts(result["requests"], *result["prompt_lens"], seed=0)[:count]
+        # On a GPU it sizes its cache itself. On a CPU its own sizing fills static tensors for the whole memory
+        # (a minute for a tiny model): there it gets what the workload needs and our step budget.
+        tokens = sum(len(p) + result["new_tokens"] for p in prompts)
+        sizes = None if next(hf.parameters()).is_cuda else {
+            "num_blocks": tokens // 256 + len(prompts), "max_batch_tokens": config.max_num_batched_tokens}
+        peer = hf_generate_batch(hf, prompts, result["new_tokens"], sizes)
+        ours = result["output_tok_s"]
+        if count < result["requests"]:  # the same subset through forge-engine, for a like-for-like ratio
+            hf = None
+            free_memory()
+            engine = LLMEngine(loaded, config)
+            ours = run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=result["new_tokens"],
+                                                             ignore_eos=True))["output_tok_s"]
+            peer["forge_engine_output_tok_s_same_prompts"] = ours
+            del engine
+        peers.append({**peer, "ratio": ours / peer["output_tok_s"]})
+    elif workload == "w4":
+        prompt = w4_prompt(loaded)
+        for n in (1, 8):
+            peer = hf_generate(hf, [prompt] * n, result["new_tokens"])
+            peers.append({**peer, "ratio": result[f"concurrency_{n}"]["output_tok_s"] / peer["output_tok_s"]})
+    del hf
+    torch.compiler.reset()  # compiled code (the static cache's) holds the peer's model: let its memory go
+    free_memory()
+    return peers
+
+
+# %% [markdown]
+# ## On a tiny model
+#
+# The peers on a tiny random Qwen3's weights. The twin must compute what our model computes:
+# greedy tokens from `generate` equal forge-engine's for the same prompt. Then each peer made
+# exactly as many tokens as asked, in both cache modes, and with a batch of equal prompts.
+
+# %%
+tiny = LoadedModel("random:qwen3-tiny", init_random_weights(empty_model(preset("qwen3-tiny")), seed=0, std=0.1), None, None)
+hf = hf_twin(tiny)
+prompt = random_prompts(1, 16, 16, seed=1)[0]
+engine = LLMEngine(tiny, EngineConfig(kv_cache_bytes=2**22))
+with torch.no_grad():
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 16:].tolist()
+engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="check")
+finals = {}
+while engine.has_unfinished():
+    for out in engine.step(): finals[out.request_id] = out
+assert finals["check"].token_ids == theirs, (finals["check"].token_ids, theirs)
+
+# %%
+peers = [hf_generate(hf, [prompt], 8, cache) for cache in ("dynamic", "static")] + [hf_generate(hf, [prompt] * 4, 8)]
+for p in peers: print(p)
+assert all(p["decode_tok_s"] > 0 and p["ttft_s"] > 0 for p in peers) and peers[2]["batch"] == 4
+with pytest.raises(ValueError, match="one length"): hf_generate(hf, [[1, 2], [3]], 4)
+
+# %% [markdown]
+# `generate_batch` on three prompts of different lengths, and `run_peers` as the command runs
+# it: the W2 peer on the first 2 of 4 prompts, with forge-engine run on the same 2 for the
+# ratio.
+
+# %%
+batch = hf_generate_batch(hf, random_prompts(3, 4, 20, seed=2), 6, {"num_blocks": 8, "max_batch_tokens": 64})
+assert batch["requests"] == 3 and batch["output_tokens"] == 18 and batch["output_tok_s"] > 0
+args = argparse.Namespace(peer_num_prompts=2, peer_output_len=None)
+w2_like = {"requests": 4, "prompt_lens": [4, 20], "new_tokens": 6, "output_tok_s": 100.0}
+[peer] = run_peers("w2", tiny, EngineConfig(kv_cache_bytes=2**22), args, w2_like)
+print(peer)
+assert peer["requests"] == 2 and peer["ratio"] == peer["forge_engine_output_tok_s_same_prompts"] / peer["output_tok_s"]
