@@ -17,7 +17,7 @@ import forge_engine
 from .config import EngineConfig
 from .engine import LLMEngine
 from .generate import SamplingParams
-from .loader import LoadedModel
+from .loader import LoadedModel, model_bytes
 
 # %% auto #0
 __all__ = ['WORKLOADS', 'environment', 'random_prompts', 'run_batch', 'weight_bytes', 'w1_single_stream', 'w2_offline_throughput',
@@ -72,7 +72,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 # %% ../nbs/13_benchmarks.ipynb #d417d08a
 def weight_bytes(loaded: LoadedModel) -> int:
-    return sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    return model_bytes(loaded.model)
 
 
 def w1_single_stream(loaded: LoadedModel, config: EngineConfig, prompt_len: int = 128, new_tokens: int = 256,

@@ -310,7 +310,8 @@ class LLM:
     "Offline generation: `LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages, ...)`."
     def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
                  seed: int = 0, progress: bool = True, **engine_options):
-        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress)
+        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress,
+                                 quantization=engine_options.get("quantization", "none"))
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))
 

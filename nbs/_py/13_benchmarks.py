@@ -33,7 +33,7 @@ import forge_engine
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.loader import LoadedModel
+from forge_engine.loader import LoadedModel, model_bytes
 
 
 # %% [markdown]
@@ -102,7 +102,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 # %%
 #| export
 def weight_bytes(loaded: LoadedModel) -> int:
-    return sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    return model_bytes(loaded.model)
 
 
 def w1_single_stream(loaded: LoadedModel, config: EngineConfig, prompt_len: int = 128, new_tokens: int = 256,

@@ -117,6 +117,12 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    _add_quantization_flag(p)
+
+
+def _add_quantization_flag(p: argparse.ArgumentParser):
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
+                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -151,6 +157,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
         w.add_argument("--peers", action="store_true", help="w1: also run transformers generate on the same weights")
         w.add_argument("--json", default=None, help="also write the result to this file")
+        _add_quantization_flag(w)
     load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against an OpenAI-compatible server"))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
@@ -169,7 +176,7 @@ def _load_llm(args):
     from forge_engine.engine import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
-    llm = LLM(model, device=device, dtype=args.dtype)
+    llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm
@@ -195,12 +202,13 @@ def run_bench(args) -> int:
     from forge_engine.config import EngineConfig
     from forge_engine.loader import load_model
     model, device = pick_model(args.model, args.device, lambda msg: print(msg, file=sys.stderr))
-    loaded = load_model(model, device, args.dtype)
+    loaded = load_model(model, device, args.dtype, quantization=args.quantization)
     limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     config = EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
                           **{k: v for k, v in limits.items() if v is not None})
     sizes = {"count": args.num_prompts, "new_tokens": args.output_len}
     result = {**WORKLOADS[args.workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None}), "model": model, "batch_invariant": args.batch_invariant,
+              "quantization": args.quantization,
               "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "environment": environment()}
     device = next(loaded.model.parameters()).device
     if device.type == "cuda":
@@ -254,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+# %%
+assert build_parser().parse_args(["generate", "--quantization", "int8", "hi"]).quantization == "int8"
+assert build_parser().parse_args(["bench", "w4", "--quantization", "gguf"]).quantization == "gguf"
+assert build_parser().parse_args(["chat"]).quantization == "none"
 
 
 # %% [markdown]
