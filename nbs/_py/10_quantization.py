@@ -176,8 +176,8 @@ with pytest.raises(ValueError, match="multiple of 32 .*, got 100"):
 #
 # `y [M, N] = x [M, K] @ W.T` with `W` quantized and `M` small. One program computes a tile of
 # `BLOCK_N` outputs for `BLOCK_M` rows over a *slice* of K: the `split` programs along K each
-# write FP32 partial sums, which one `sum` adds up (in a fixed order: the result does not depend on
-# timing). Why split: Qwen3-4B's `down` and `o` have only 2,560 outputs; in tiles of 64 that is
+# write FP32 partial sums, which one small kernel adds up and casts (in a fixed order: the result
+# does not depend on timing). Why split: Qwen3-4B's `down` and `o` have only 2,560 outputs; in tiles of 64 that is
 # 40 programs for 132 SMs. With splits there are several programs per SM, each streaming its
 # slice of the weight; the number of splits depends only on `N` and `K`, never on `M`.
 #
@@ -271,6 +271,17 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    "out = sum of the SPLIT fp32 partials [SPLIT, size], in order, cast to out's dtype: one launch, not two."
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + i * size + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
@@ -291,12 +302,14 @@ def _skinny_matmul(kernel, x: torch.Tensor, weights: tuple, n: int, k_step: int,
         split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no empty slices
-    out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
-                      dtype=torch.float32 if split > 1 else x.dtype)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    partials = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     kernel[(n_tiles, split, m_tiles)](
-        x, *weights, out, m, n, k, steps_per_split * k_step, BLOCK_M=block_m, BLOCK_N=block_n,
+        x, *weights, partials, m, n, k, steps_per_split * k_step, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_DOT=use_dot, UPCAST=INTERPRETED, PRECISION=_dot_precision(x.dtype), num_warps=num_warps, **constexprs)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, out, m * n, SPLIT=split, BLOCK=1024)
+    return out
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto", **launch) -> torch.Tensor:
