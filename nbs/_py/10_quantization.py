@@ -204,6 +204,16 @@ def _accumulate(acc, x, w, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISIO
 
 
 @triton.jit
+def _program_tile(K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    "This program's rows, outputs, split index and slice [k_start, k_end) of K; the grid is (N tiles, splits, M tiles)."
+    pid_k = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    return offs_m, offs_n, pid_k, k_start, tl.minimum(k_start + k_per_split, K)
+
+
+@triton.jit
 def _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k):
     "Write this program's [BM, BN] partial sums into out[pid_k] ([split, M, N], or [M, N] without split)."
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -215,12 +225,8 @@ def _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k):
 def _int8_matmul_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, k_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -236,22 +242,17 @@ def _int8_matmul_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, k_per_split,
 def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                         USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    HALF: tl.constexpr = GROUP // 2
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, HALF)
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
+    offs_j = tl.arange(0, GROUP // 2)
     m_mask, n_mask = offs_m < M, offs_n < N
     groups = K // GROUP
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, GROUP):  # one group per step: one scale and minimum per output row
         g = k0 // GROUP
-        b = tl.load(q_ptr + offs_n[:, None] * (K // 2) + g * HALF + offs_j[None, :], mask=n_mask[:, None], other=0)
+        b = tl.load(q_ptr + offs_n[:, None] * (K // 2) + g * (GROUP // 2) + offs_j[None, :], mask=n_mask[:, None], other=0)
         x_ptrs = x_ptr + offs_m[:, None] * K + k0 + offs_j[None, :]
         x_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)  # inputs j of the group
-        x_hi = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)  # inputs j + 64
+        x_hi = tl.load(x_ptrs + GROUP // 2, mask=m_mask[:, None], other=0.0)  # inputs j + GROUP/2
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         xq = _accumulate(_accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION), x_hi, b >> 4, USE_DOT, UPCAST, PRECISION)
         x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
@@ -441,13 +442,9 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
                         QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     row_ptr = q_ptr + offs_n[:, None] * row_bytes
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
