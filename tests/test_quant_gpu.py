@@ -40,7 +40,7 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     packed, scale, minimum = quantize_int4(w)
     got, want = int4_matmul(x, packed, scale, minimum, impl="triton"), int4_matmul_reference(x, packed, scale, minimum)
     assert rel_error(got, want) < 1e-2
-    assert rel_error(got, x.float() @ w.T) < 0.15
+    assert rel_error(got, x.float() @ w.T) < 0.2  # 4-bit Gaussian weights: ~10% per weight
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
