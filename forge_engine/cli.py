@@ -13,10 +13,11 @@ import torch
 
 from . import load_client
 from .chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
+from .config import QUANTIZATIONS
 from .generate import SamplingParams
 
 # %% auto #0
-__all__ = ['doctor_report', 'pick_model', 'build_parser', 'sampling_from_args', 'run_models', 'main']
+__all__ = ['doctor_report', 'pick_model', 'add_quantization_flag', 'build_parser', 'sampling_from_args', 'run_models', 'main']
 
 # %% ../nbs/14_cli.ipynb #64842eed
 def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
@@ -77,6 +78,13 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
+    add_quantization_flag(p)
+
+
+def add_quantization_flag(p: argparse.ArgumentParser):
+    "`--quantization` (chapter 10), for every command that loads a model."
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -123,7 +131,8 @@ def _load_llm(args):
     from forge_engine.engine import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
-    llm = LLM(model, device=device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm

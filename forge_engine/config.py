@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'QWEN3_EOS', 'PRESETS', 'ModelConfig', 'model_config_from_hf', 'model_config_from_gguf', 'preset',
-           'EngineConfig']
+__all__ = ['ARCHITECTURES', 'QWEN3_EOS', 'PRESETS', 'QUANTIZATIONS', 'ModelConfig', 'model_config_from_hf',
+           'model_config_from_gguf', 'preset', 'EngineConfig']
 
 # %% ../nbs/00_config.ipynb #0abd5520
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
@@ -176,6 +176,9 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 # %% ../nbs/00_config.ipynb #4f9f6671
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight formats of the layer matrices (chapter 10)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     "How to run a model: device, dtype, and the limits of the serving core."
@@ -193,6 +196,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
+    quantization: str = "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -202,5 +206,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
     def replace(self, **changes) -> "EngineConfig": return dataclasses.replace(self, **changes)

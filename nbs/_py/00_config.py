@@ -279,7 +279,6 @@ assert smol.num_parameters == 134_515_008
 with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
     model_config_from_gguf({**smol_meta, "general.architecture": "gemma"})
 
-
 # %% [markdown]
 # ## Engine configuration
 #
@@ -289,6 +288,9 @@ with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
 
 # %%
 #| export
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight formats of the layer matrices (chapter 10)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     "How to run a model: device, dtype, and the limits of the serving core."
@@ -306,6 +308,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
+    quantization: str = "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -315,6 +318,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
     def replace(self, **changes) -> "EngineConfig": return dataclasses.replace(self, **changes)
 
@@ -325,3 +330,5 @@ with pytest.raises(ValueError, match="dtype must be"):
     EngineConfig(dtype="int3")
 with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
     EngineConfig(max_num_seqs=0)
+with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, gguf, got 'int3'"):
+    EngineConfig(quantization="int3")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forge_engine.config import ModelConfig, model_config_from_hf, preset
+from forge_engine.config import QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
 from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from forge_engine.model import Transformer, empty_model, init_random_weights, load_weights
 from forge_engine.registry import ResolvedModel, describe_model, resolve
@@ -86,6 +86,11 @@ def choose_auto_model() -> tuple[str, str | None, str]:
 
 # %%
 #| export
+def model_bytes(model: torch.nn.Module) -> int:
+    "Bytes of all parameters and buffers (quantized weights are buffers): what a decode step reads, about."
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 @dataclass
 class LoadedModel:
     "A model ready to run, its tokenizer (None when the checkpoint has none) and how loading went."
@@ -105,12 +110,22 @@ class LoadedModel:
 
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1) -> LoadedModel:
-    "Resolve `name` through the registry, fetch what is missing, and load it onto `device`."
+               seed: int = 0, progress: bool = True, quantization: str = "none",
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Resolve `name` through the registry, fetch what is missing, and load it onto `device`.
+    `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
+    "gguf" keeps a GGUF file's quantized blocks as they are. `tensor_parallel_size` > 1: chapter 09c."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
+    if quantization == "gguf" and resolved.format != "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
+                         f"use int8 or int4")
     if tensor_parallel_size != 1:  # one slice of every weight per process (chapter 09c)
+        if quantization != "none":
+            raise ValueError("tensor parallelism runs unquantized weights: use --quantization none with it")
         from forge_engine.tensor_parallel import load_model_parallel
         return load_model_parallel(resolved, device, dtype, seed, tensor_parallel_size)
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
@@ -120,20 +135,27 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
         gguf = GGUFFile(resolved.path)
-        model = empty_model(gguf.model_config(), device, dtype)
-        load_weights(model, gguf.tensors(dtype=dtype))
+        if quantization == "gguf":
+            from forge_engine.quant import load_gguf_quantized
+            model = load_gguf_quantized(gguf, device, dtype)
+        else:
+            model = empty_model(gguf.model_config(), device, dtype)
+            load_weights(model, gguf.tensors(dtype=dtype))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     else:
         config = model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
         model = empty_model(config, device, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
+    if quantization in ("int8", "int4"):  # peak: the loaded model plus one matrix's temporaries
+        from forge_engine.quant import quantize_model
+        quantize_model(model, quantization)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     if device.type == "cuda": torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - start
     stats.peak_rss_bytes = peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
-    stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
+    stats.bytes_read = stats.bytes_read or model_bytes(model)
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=describe_model(resolved))
 
 

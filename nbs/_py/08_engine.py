@@ -534,6 +534,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
                  seed: int = 0, progress: bool = True, **engine_options):
         self.loaded = load_model(model, device, dtype, seed=seed, progress=progress,
+                                 quantization=engine_options.get("quantization", "none"),
                                  tensor_parallel_size=engine_options.get("tensor_parallel_size", 1))
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))

@@ -55,7 +55,7 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine, StepRecord
 from forge_engine.generate import SamplingParams
 from forge_engine.kv_cache import PagedKVCache
-from forge_engine.loader import LoadedModel
+from forge_engine.loader import LoadedModel, model_bytes
 
 # %%
 #| hide
@@ -222,9 +222,11 @@ def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) ->
 # %%
 #| export
 def model_size(loaded: LoadedModel) -> tuple[int, int]:
-    "(parameters, bytes) of the weights."
-    params = list(loaded.model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    "(parameters, bytes) of the weights; a quantized layer counts its logical weights and its stored bytes."
+    from forge_engine.quant import QuantLinear  # (its weights are buffers, not parameters)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    params += sum(m.in_features * m.out_features for m in loaded.model.modules() if isinstance(m, QuantLinear))
+    return params, model_bytes(loaded.model)
 
 
 def weight_bytes(loaded: LoadedModel) -> int: return model_size(loaded)[1]
@@ -419,6 +421,7 @@ def run_offline(workload: str, loaded: LoadedModel, args, ceiling: dict | None) 
     result = WORKLOADS[workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None})
     param = next(loaded.model.parameters())
     result.update(model=loaded.name, dtype=str(param.dtype).removeprefix("torch."), batch_invariant=args.batch_invariant,
+                  quantization=args.quantization,
                   engine_config={k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                                  "cuda_graphs", "kv_cache_bytes")})
     if param.device.type == "cuda": result["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(param.device)
@@ -452,6 +455,7 @@ def rate_label(rate) -> str: return "all at once" if rate == "inf" else f"{rate:
 
 def add_arguments(workloads) -> None:
     "The `forge-engine bench` subcommands, on the subparsers `workloads`."
+    from forge_engine.cli import add_quantization_flag
     from forge_engine import load_client
     runs = [("w1", "single stream"), ("w2", "offline throughput"), ("w3", "online serving against a server started here"),
             ("w4", "CPU classroom: 1 and 8 requests"), ("all", "several workloads in one run (--workloads)")]
@@ -475,6 +479,7 @@ def add_arguments(workloads) -> None:
         w.add_argument("--prompt-words", type=int, default=64, help="w3: words per prompt")
         w.add_argument("--json", default=None, help="also write the result to this file (one workload)")
         w.add_argument("--tensor-parallel-size", type=int, default=1, help="w1/w2: split the model over this many GPUs")
+        add_quantization_flag(w)
         w.add_argument("--out", default="docs/benchmarks" if name == "all" else None,
                        help="save results (and plots) under DIR/<hardware>/" + (" (default docs/benchmarks)" if name == "all" else ""))
         if name == "all":
@@ -529,7 +534,7 @@ def run_from_args(args) -> int:
             result = run_w3(args)
         else:
             if loaded is None:
-                loaded = load_model(args.model, args.device, args.dtype, progress=False,
+                loaded = load_model(args.model, args.device, args.dtype, progress=False, quantization=args.quantization,
                                     tensor_parallel_size=args.tensor_parallel_size)
                 ceiling = ceilings(next(loaded.model.parameters()).device)
             result = run_offline(name, loaded, args, ceiling)

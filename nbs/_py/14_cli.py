@@ -27,6 +27,7 @@ import torch
 
 from forge_engine import load_client
 from forge_engine.chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
+from forge_engine.config import QUANTIZATIONS
 from forge_engine.generate import SamplingParams
 
 # %%
@@ -133,6 +134,13 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
+    add_quantization_flag(p)
+
+
+def add_quantization_flag(p: argparse.ArgumentParser):
+    "`--quantization` (chapter 10), for every command that loads a model."
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -179,7 +187,8 @@ def _load_llm(args):
     from forge_engine.engine import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
-    llm = LLM(model, device=device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm
@@ -255,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
+
+# %%
+assert build_parser().parse_args(["generate", "--quantization", "int8", "hi"]).quantization == "int8"
+argv = ["bench", "w4", "--quantization", "gguf"]  # (bench adds its flags only when it is the command)
+assert build_parser(argv).parse_args(argv).quantization == "gguf"
+assert build_parser().parse_args(["chat"]).quantization == "none"
 
 # %% [markdown]
 # `models` in this process (stdout and stderr captured): the catalog table, one entry's

@@ -1,0 +1,853 @@
+# %% [markdown]
+# # Quantized weights
+#
+# > Weight-only int8 and int4, and GGUF blocks kept as they are in the file: fewer bytes per token, dequantized inside the matmul.
+
+# %% [markdown]
+# Decoding one token reads every weight once and does two FLOPs per weight: it is limited by
+# memory bandwidth, not arithmetic (`../shared/guide/performance.md`: 8.045 GB of BF16 weights at
+# 4.19 TB/s is 1.92 ms per token on an H200). Storing the weights in fewer bits and turning them
+# back into numbers *in registers*, inside the matmul, cuts the bytes read per token. The
+# activations stay in the compute dtype (BF16 on a GPU, FP32 on a CPU): this is *weight-only*
+# quantization.
+#
+# | mode | what is stored per weight | bytes / weight | where it comes from |
+# |---|---|---|---|
+# | `int8` | one int8, one scale per output row | 1.0 (+ 4 / row) | quantized from the loaded BF16/FP32 weights |
+# | `int4` | one 4-bit number, a scale and a minimum per 128 inputs | 0.5 + 4 / 128 = 0.53 | the same |
+# | `gguf` | the GGUF file's blocks, byte for byte (Q8_0, Q4_0, Q4_1, Q4_K) | 0.56 - 1.06 | the file |
+#
+# **What is quantized:** the four matrices of every layer, `attn.qkv`, `attn.o`,
+# `mlp.gate_up`, `mlp.down` (for Qwen3-4B 3.24 of its 4.02 billion parameters). **What is not:**
+# the embedding (a lookup: it reads one row per token, so its size costs memory, not time) and
+# therefore the *tied* LM head that shares it, the norms and the biases: they stay in the
+# compute dtype. For Qwen3-4B the BF16 embedding / LM head is 778 MB, read once per decode step.
+#
+# After loading, `quantize_model` swaps each of those `nn.Linear` modules for a quantized module
+# with the same `forward(x)`: the model code of chapter 03 calls `self.qkv(x)` and never knows.
+#
+# Every matmul has two paths, chosen per call from the number of rows `M` (tokens) in `x`:
+#
+# - **few rows** (`M <= SKINNY_MAX_ROWS`, decode): a Triton kernel reads each quantized weight
+#   once, dequantizes it in registers and accumulates in FP32; split along K so that even 2,560
+#   outputs keep every SM of the GPU busy;
+# - **many rows** (prefill): dequantize the whole matrix to the compute dtype and call the dense
+#   matmul: then arithmetic, not bytes, is the limit, and cuBLAS is the best at arithmetic.
+#
+# On a CPU, or without Triton, the PyTorch reference runs instead (the same numbers; int8 on a CPU
+# uses PyTorch's int8 weight-only matmul when it has one). Measured on a 2-core CPU with SmolLM2
+# (`forge-engine bench w4 --device cpu --quantization ...`): int8 decodes faster than FP32 (30.1 vs
+# 22.9 tok/s at batch 1, 106 vs 87 with 8 requests); int4 and `gguf` dequantize every matrix on
+# every call there (int4: 2.8 tok/s): on a CPU they save memory, not time.
+
+# %%
+#| default_exp quant
+
+# %%
+#| export
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge_engine.kernels import INTERPRETED, _dot, _dot_precision, _pow2, kernel_backend, tl, triton
+from forge_engine.model import Transformer, load_weights
+
+# %%
+#| hide
+import copy
+import time
+
+import pytest
+from forge_engine.config import preset
+from forge_engine.loader import model_bytes
+from forge_engine.model import empty_model, init_random_weights
+
+
+# %% [markdown]
+# ## int8: one scale per output row
+#
+# Symmetric: `w ≈ scale[n] · q[n, k]` with `q` in -127..127 and `scale[n] = max_k |w[n, k]| / 127`.
+# A row's largest weight is exact, and every other is off by at most half a step. There is no
+# zero point: LLM weight rows are centred near zero, and a symmetric code keeps the matmul a
+# plain integer dot product times one number per output: `y[m, n] = scale[n] · Σ_k x[m, k] q[n, k]`.
+
+# %%
+#| export
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "w [N, K] -> (q int8 [N, K], scale fp32 [N]) with w ≈ scale[:, None] * q."
+    w32 = w.detach().float()
+    scale = w32.abs().amax(dim=1) / 127
+    q = torch.round(w32 / scale.clamp_min(1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+# %%
+w = torch.randn(48, 256)
+w[3] = 0  # an all-zero row has scale 0 and stays exactly zero
+q, scale = quantize_int8(w)
+assert q.dtype == torch.int8 and scale.shape == (48,) and q.abs().max() == 127
+err = (dequantize_int8(q, scale) - w).abs()
+assert (err <= scale[:, None] / 2 + 1e-6).all()  # at most half a step
+assert torch.equal(dequantize_int8(q, scale)[3], torch.zeros(256))
+
+# %% [markdown]
+# ## int4: groups of 128, asymmetric
+#
+# Sixteen levels are few, so one scale per whole row (thousands of weights, with a few outliers)
+# would waste most of them: we give every **group of 128 consecutive inputs** of a row its own
+# scale and minimum, `w ≈ scale · q + minimum`, `q` in 0..15, `scale = (max − min) / 15`.
+# (A layer whose input size 128 does not divide gets groups of 64 or 32: SmolLM2's hidden size
+# is 576 = 4.5 × 128, so its `qkv` and `gate_up` use groups of 64; Qwen3-4B is all 128.)
+#
+# **Asymmetric, and why:** a symmetric 4-bit code has either 15 levels (−7..7) or a lopsided
+# range (−8..7), and a group whose weights are not centred on zero wastes part of its range. The
+# min/max code spends all 16 levels on the range the group actually has, for one more FP16
+# number per group (4 bytes per 128 weights in all, 6% over the 64 bytes of nibbles). In the
+# kernel the minimum costs almost nothing: `Σ_k x_k (s q_k + m) = s · Σ_k x_k q_k + m · Σ_k x_k`.
+#
+# **Packing:** two weights per byte. Within a group, byte `j` holds weight `j` in its low nibble
+# and weight `j + 64` in its high nibble (the layout GGUF's Q4_0 uses for its 32-weight blocks),
+# so a kernel reads 64 contiguous bytes and pairs them with two contiguous halves of `x`.
+# Scale and minimum are FP16; `q` is computed against the *rounded* FP16 values, so the error
+# stays within half a step.
+
+# %%
+#| export
+INT4_GROUP = 128  # inputs per scale / minimum
+
+
+def int4_group_size(k: int) -> int:
+    "128, or for an input size that 128 does not divide the largest of 64 and 32 that does (SmolLM2's 576: 64)."
+    for group in (INT4_GROUP, 64, 32):
+        if k % group == 0: return group
+    raise ValueError(f"int4 needs the input size to be a multiple of 32 (groups of 128, 64 or 32), got {k}")
+
+
+def quantize_int4(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "w [N, K] -> (packed uint8 [N, K/2], scale fp16 [N, K/group], minimum fp16 [N, K/group])."
+    n, k = w.shape
+    group = group or int4_group_size(k)
+    g = w.detach().float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale, minimum = ((hi - lo) / 15).half(), lo.half()
+    if not (scale.isfinite().all() and minimum.isfinite().all()):
+        raise ValueError("int4: a weight group does not fit float16 scales (|w| > 65504 or NaN)")
+    s = scale.float()[..., None]
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))  # a constant group: every q = 0, w = minimum
+    q = torch.round((g - minimum.float()[..., None]) * inv).clamp_(0, 15).to(torch.uint8)
+    half = group // 2
+    packed = q[..., :half] | (q[..., half:] << 4)
+    return packed.reshape(n, k // 2), scale, minimum
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    dtype=torch.float32) -> torch.Tensor:
+    n, groups = scale.shape
+    b = packed.reshape(n, groups, -1)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
+    return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(n, -1).to(dtype)
+
+
+# %%
+w = torch.randn(16, 512) + torch.linspace(-1, 3, 512)  # groups not centred on zero
+w[2, :128] = 0.25  # a constant group
+packed, scale, minimum = quantize_int4(w)
+assert packed.shape == (16, 256) and packed.dtype == torch.uint8 and scale.shape == minimum.shape == (16, 4)
+back = dequantize_int4(packed, scale, minimum)
+step = scale.float().repeat_interleave(128, dim=1)
+assert ((back - w).abs() <= step / 2 + 2e-3).all()
+assert torch.allclose(back[2, :128], torch.full((128,), 0.25), atol=1e-3)
+# byte j of a group: weight j low, weight j + 64 high
+q0 = torch.round((w[0, :128] - minimum[0, 0].float()) / scale[0, 0].float()).clamp(0, 15).to(torch.uint8)
+assert packed[0, 5] == q0[5] | (q0[69] << 4)
+assert quantize_int4(torch.randn(4, 576))[1].shape == (4, 9)  # 576 = 9 groups of 64
+with pytest.raises(ValueError, match="multiple of 32 .*, got 100"):
+    quantize_int4(torch.randn(4, 100))
+
+
+# %% [markdown]
+# ## The skinny matmul kernels
+#
+# `y [M, N] = x [M, K] @ W.T` with `W` quantized and `M` small. One program computes a tile of
+# `BLOCK_N` outputs for `BLOCK_M` rows over a *slice* of K: the `split` programs along K each
+# write FP32 partial sums, which one small kernel adds up and casts (in a fixed order: the result
+# does not depend on timing). Why split: Qwen3-4B's `down` and `o` have only 2,560 outputs; in tiles of 64 that is
+# 40 programs for 132 SMs. With splits there are several programs per SM, each streaming its
+# slice of the weight; the number of splits depends only on `N` and `K`, never on `M`.
+#
+# Inside, per step of K:
+# - load the quantized tile `[BLOCK_N, BLOCK_K]` (int8 bytes, or packed nibbles) and turn it into
+#   numbers in registers (exact: integers up to 255 are exact in BF16);
+# - for 1 or 2 rows, multiply and sum (`x[:, None, :] * w[None, :, :]`): no tensor cores needed
+#   to read memory at full speed; for more rows, `tl.dot` on a tile of 16+ rows;
+# - apply the scale: per output row at the end (int8), per group on the way (int4).
+
+# %%
+#| export
+@triton.jit
+def _accumulate(acc, x, w, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    "acc [BM, BN] += x [BM, BK] @ w [BN, BK].T"
+    if USE_DOT:
+        if UPCAST:  # the interpreter: fp32 operands (see chapter 09; it also mangles int8 -> bf16 casts)
+            acc += _dot(x, tl.trans(w.to(tl.float32)), UPCAST, PRECISION)
+        else:
+            acc += _dot(x, tl.trans(w.to(x.dtype)), UPCAST, PRECISION)
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _program_tile(K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    "This program's rows, outputs, split index and slice [k_start, k_end) of K; the grid is (N tiles, splits, M tiles)."
+    pid_k = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    return offs_m, offs_n, pid_k, k_start, tl.minimum(k_start + k_per_split, K)
+
+
+@triton.jit
+def _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k):
+    "Write this program's [BM, BN] partial sums into out[pid_k] ([split, M, N], or [M, N] without split)."
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int8_matmul_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, k_per_split,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        acc = _accumulate(acc, x, q, USE_DOT, UPCAST, PRECISION)
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+    _store_partial(out_ptr, acc * scale[None, :], offs_m, offs_n, M, N, pid_k)
+
+
+@triton.jit
+def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_per_split,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
+    offs_j = tl.arange(0, GROUP // 2)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    groups = K // GROUP
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, GROUP):  # one group per step: one scale and minimum per output row
+        g = k0 // GROUP
+        b = tl.load(q_ptr + offs_n[:, None] * (K // 2) + g * (GROUP // 2) + offs_j[None, :], mask=n_mask[:, None], other=0)
+        x_ptrs = x_ptr + offs_m[:, None] * K + k0 + offs_j[None, :]
+        x_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)  # inputs j of the group
+        x_hi = tl.load(x_ptrs + GROUP // 2, mask=m_mask[:, None], other=0.0)  # inputs j + GROUP/2
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        xq = _accumulate(_accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION), x_hi, b >> 4, USE_DOT, UPCAST, PRECISION)
+        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+        scale = tl.load(scale_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(min_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
+        acc += xq * scale[None, :] + x_sum[:, None] * minimum[None, :]
+    _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
+
+
+# %% [markdown]
+# The launcher picks the tiles and the split. Rows: 1 or 2 rows multiply-and-sum; 3 to 16 rows
+# (and more, for the lab) take `tl.dot` tiles of at least 16. Split: enough programs for about
+# four per SM (on a CPU, where the interpreter runs them one by one, a handful).
+
+# %%
+#| export
+SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    "out = sum of the SPLIT fp32 partials [SPLIT, size], in order, cast to out's dtype: one launch, not two."
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + i * size + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def _skinny_matmul(kernel, x: torch.Tensor, weights: tuple, n: int, k_step: int, block_n: int | None = None,
+                   split: int | None = None, num_warps: int = 4, **constexprs) -> torch.Tensor:
+    "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype."
+    x = x.contiguous()
+    m, k = x.shape
+    block_m = _pow2(m) if m <= 2 else max(16, min(_pow2(m), 64))
+    use_dot = block_m >= 16
+    block_n = block_n or (64 if use_dot else 64 // block_m)
+    n_tiles, m_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, k_step)
+    if split is None:
+        split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
+    steps_per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps_per_split)  # no empty slices
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    partials = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    kernel[(n_tiles, split, m_tiles)](
+        x, *weights, partials, m, n, k, steps_per_split * k_step, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_DOT=use_dot, UPCAST=INTERPRETED, PRECISION=_dot_precision(x.dtype), num_warps=num_warps, **constexprs)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, out, m * n, SPLIT=split, BLOCK=1024)
+    return out
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto", **launch) -> torch.Tensor:
+    "x [M, K] @ (scale[:, None] * q).T -> [M, N] in x's dtype."
+    if kernel_backend(x.device, impl) == "torch":
+        return int8_matmul_reference(x, q, scale)
+    block_k = launch.pop("block_k", 128)
+    return _skinny_matmul(_int8_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, **launch)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                impl: str = "auto", **launch) -> torch.Tensor:
+    "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype."
+    if kernel_backend(x.device, impl) == "torch":
+        return int4_matmul_reference(x, packed, scale, minimum)
+    group = x.shape[1] // scale.shape[1]
+    return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group, **launch)
+
+
+def int8_matmul_reference(x, q, scale):
+    "Dense: the int8 matrix converted to x's dtype, one matmul, then the per-row scale."
+    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+
+
+def int4_matmul_reference(x, packed, scale, minimum):
+    return F.linear(x, dequantize_int4(packed, scale, minimum, x.dtype))
+
+
+# %% [markdown]
+# The kernels against the references, under Triton's interpreter on a CPU: 1, 2, 5 and 17 rows
+# (multiply-and-sum, and `tl.dot` tiles), with and without splits, ragged N and K, FP32 and BF16.
+
+# %%
+def assert_matches(got, want, label):
+    "fp32: elementwise to 1e-4; bf16: 1% of the output's norm (the reference rounds the weights to bf16, the kernels don't)."
+    assert got.dtype == want.dtype and got.shape == want.shape, label
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda s: f"{label}: {s}")
+    else:
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel < 1e-2, (label, rel)
+
+def check_kernel(fn, reference, x, **launch):
+    assert_matches(fn(x, impl="triton", **launch), reference(x), f"M={x.shape[0]} {x.dtype} {launch}")
+
+torch.manual_seed(0)
+w = torch.randn(40, 384) * 0.1  # N = 40: not a multiple of the tiles
+q8, s8 = quantize_int8(w)
+q4 = quantize_int4(w)
+for m, dtype, launch in [(1, torch.float32, {}), (1, torch.float32, dict(split=3)), (2, torch.float32, dict(split=1)),
+                         (5, torch.float32, dict(split=2)), (17, torch.float32, {}), (1, torch.bfloat16, {}),
+                         (8, torch.bfloat16, dict(split=3))]:
+    x = torch.randn(m, 384, dtype=dtype)
+    check_kernel(lambda x, **kw: int8_matmul(x, q8, s8, **kw), lambda x: int8_matmul_reference(x, q8, s8), x, **launch)
+    check_kernel(lambda x, **kw: int4_matmul(x, *q4, **kw), lambda x: int4_matmul_reference(x, *q4), x, **launch)
+# K not a multiple of the int8 step: the last step is masked
+q8b, s8b = quantize_int8(torch.randn(24, 200))
+check_kernel(lambda x, **kw: int8_matmul(x, q8b, s8b, **kw), lambda x: int8_matmul_reference(x, q8b, s8b), torch.randn(3, 200), split=2)
+assert int8_matmul(torch.randn(2, 200), q8b, s8b).shape == (2, 24)  # impl="auto" on a CPU: the reference
+
+# %% [markdown]
+# ## GGUF blocks, kept as they are
+#
+# A GGUF file of chapter 01a stores each row as blocks of 32 or 256 weights with their scales.
+# With `--quantization gguf` we keep those bytes, row by row, as a `[N, bytes_per_row]` uint8
+# matrix, and the kernel decodes each weight where it needs it. The same formulas as the
+# dequantizers of chapter 01a, per weight `j` of a block:
+#
+# | type | block | bytes | weight `j` |
+# |---|---|---|---|
+# | Q8_0 | 32 | 34 | `d · int8[2 + j]` |
+# | Q4_0 | 32 | 18 | `d · (nibble − 8)`, byte `2 + j % 16`, high nibble for `j ≥ 16` |
+# | Q4_1 | 32 | 20 | `d · nibble + m`, byte `4 + j % 16` |
+# | Q4_K | 256 | 144 | `d · sc[t] · nibble − dmin · mn[t]`, sub-block `t = j / 32`, byte `16 + 32 (j / 64) + j % 32`, high nibble for odd `t` |
+#
+# `d`, `m`, `dmin` are float16 at bytes 0 and 2; Q4_K's eight 6-bit scales `sc` and mins `mn`
+# are packed in bytes 4..15 as chapter 01a explains. A float16 is assembled from its two bytes
+# (blocks of 34 or 18 bytes do not keep 4-byte alignment, so we read bytes). Other types
+# (Q5_*, Q6_K, ...) are not kept quantized: such a file loads dequantized, without
+# `--quantization gguf`.
+#
+# Llama's q/k rows are stored permuted for llama.cpp's rotary layout (chapter 01a). The
+# un-permutation moves whole rows, so it applies to the rows of blocks just as well.
+
+# %%
+#| export
+# GGML type number -> (name, weights per block, bytes per block). Plain numbers, so that the int8 / int4
+# paths import without the `gguf` package (the GPU machine may not have it); chapter 01a is imported lazily.
+KEPT_GGUF_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+
+
+@triton.jit
+def _load_f16(p, mask):
+    "The float16 at byte address p (two bytes, little-endian), as float32."
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gguf_weights(row_ptr, offs_k, mask, QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    "Dequantize the weights at columns offs_k [1, BK] of rows starting at row_ptr [BN, 1] -> [BN, BK] float32."
+    blk = row_ptr + (offs_k // QK) * TYPE_SIZE
+    j = offs_k % QK
+    d = _load_f16(blk, mask)
+    if QTYPE == 8:  # Q8_0
+        w = d * tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    elif QTYPE == 12:  # Q4_K
+        t = j // 32
+        byte = tl.load(blk + 16 + (j // 64) * 32 + j % 32, mask=mask, other=0)
+        nibble = tl.where(t % 2 == 1, byte >> 4, byte & 0x0F).to(tl.float32)
+        s_t = tl.load(blk + 4 + t, mask=mask, other=0)
+        s_t4 = tl.load(blk + 8 + t, mask=mask, other=0)
+        s_tm4 = tl.load(blk + t, mask=mask, other=0)  # scale byte t - 4: read only for t >= 4
+        sc = tl.where(t < 4, s_t & 63, (s_t4 & 0x0F) | ((s_tm4 >> 6) << 4)).to(tl.float32)
+        mn = tl.where(t < 4, s_t4 & 63, (s_t4 >> 4) | ((s_t >> 6) << 4)).to(tl.float32)
+        w = d * sc * nibble - _load_f16(blk + 2, mask) * mn
+    elif QTYPE == 2:  # Q4_0: 16 bytes of nibbles after the scale
+        byte = tl.load(blk + 2 + j % 16, mask=mask, other=0)
+        w = d * (tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) - 8)
+    else:  # Q4_1: 16 bytes of nibbles after the scale and the minimum
+        byte = tl.load(blk + 4 + j % 16, mask=mask, other=0)
+        w = d * tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) + _load_f16(blk + 2, mask)
+    return w
+
+
+@triton.jit
+def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
+                        QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    row_ptr = q_ptr + offs_n[:, None] * row_bytes
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _gguf_weights(row_ptr, offs_k[None, :], n_mask[:, None] & k_mask[None, :], QTYPE, QK, TYPE_SIZE)
+        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, PRECISION)
+    _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
+
+
+def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    "Dense: chapter 01a's dequantizer on the rows of blocks, then one matmul."
+    from forge_engine.gguf_file import DEQUANTIZERS
+    _, _, type_size = KEPT_GGUF_TYPES[qtype]
+    w = DEQUANTIZERS[qtype](raw.reshape(-1, type_size)).reshape(raw.shape[0], -1)
+    return F.linear(x, w.to(x.dtype))
+
+
+def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "auto", **launch) -> torch.Tensor:
+    "x [M, K] @ W.T where W's rows are GGUF blocks of `qtype` (a GGML type number), raw [N, bytes per row] uint8."
+    if kernel_backend(x.device, impl) == "torch":
+        return gguf_matmul_reference(x, raw, qtype)
+    _, block, type_size = KEPT_GGUF_TYPES[qtype]
+    return _skinny_matmul(_gguf_matmul_kernel, x, (raw,), raw.shape[0], 256, row_bytes=raw.shape[1],
+                          QTYPE=int(qtype), QK=block, TYPE_SIZE=type_size, BLOCK_K=256, **launch)
+
+
+# %% [markdown]
+# Against the reference dequantizers, under the interpreter: real Q8_0 / Q4_0 / Q4_1 bytes from
+# the `gguf` package's quantizer, and Q4_K bytes made by hand (random bits with sane float16
+# scales: the `gguf` package cannot quantize to the K types).
+
+# %%
+import gguf as gguf_package
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+def gguf_bytes(qtype, rows, cols, seed=0) -> torch.Tensor:
+    "Valid GGUF bytes of `qtype` for a [rows, cols] matrix, as [rows, bytes per row] uint8."
+    rng = np.random.default_rng(seed)
+    if qtype != QType.Q4_K:
+        data = gguf_package.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+    else:
+        data = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        for at in (0, 2):
+            data[..., at:at + 2] = rng.uniform(0, 0.01, data.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1).copy())
+
+for qtype in map(QType, KEPT_GGUF_TYPES):
+    raw = gguf_bytes(qtype, 20, 512, seed=int(qtype))
+    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(split=2)), (6, torch.float32, {}),
+                             (1, torch.bfloat16, dict(split=1))]:
+        x = torch.randn(m, 512, dtype=dtype)
+        assert_matches(gguf_matmul(x, raw, qtype, impl="triton", **launch), gguf_matmul_reference(x, raw, qtype),
+                       f"{qtype.name} M={m} {dtype}")
+
+
+# %% [markdown]
+# ## The modules that replace `nn.Linear`
+#
+# Each keeps its quantized data in *buffers* (they move with `.to(device)` and are not
+# parameters: nothing trains them) and an optional bias in the compute dtype. `forward` chooses
+# the path; nothing in it waits for the GPU, so it records into a CUDA graph like the rest of the
+# decode step.
+
+# %%
+#| export
+class QuantLinear(nn.Module):
+    "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
+    def dense(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the PyTorch path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= SKINNY_MAX_ROWS and x.is_cuda and kernel_backend(x.device) == "triton":
+            y = self.skinny(x2)
+        else:
+            y = self.dense(x2)
+        if self.bias is not None: y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(QuantLinear):
+    "int8 weights [N, K] and one fp32 scale per output row."
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        q, scale = quantize_int8(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+
+    def skinny(self, x): return int8_matmul(x, self.qweight, self.scale, impl="triton")
+
+    def dense(self, x):
+        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+            # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16))
+            return y.to(x.dtype)
+        return int8_matmul_reference(x, self.qweight, self.scale)
+
+
+class Int4Linear(QuantLinear):
+    "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs."
+    def __init__(self, linear: nn.Linear, group: int | None = None):
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        packed, scale, minimum = quantize_int4(linear.weight, group)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+
+    def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
+    def dense(self, x): return int4_matmul_reference(x, self.qweight, self.scale, self.minimum)
+
+
+# %% [markdown]
+# A GGUF layer may be *several* file tensors: our `qkv` is the file's `attn_q`, `attn_k` and
+# `attn_v`, which may even have different types. `GGUFLinear` keeps one row-block matrix per run of
+# parts with the same type, runs one matmul per run, and concatenates the outputs. Every part's
+# bytes are checked against its type and shape, with the tensor's name in the error.
+
+# %%
+#| export
+class GGUFLinear(QuantLinear):
+    "Rows of GGUF blocks, as stored in the file, in one or more runs of the same quant type."
+    def __init__(self, parts: list[tuple[str, int, tuple[int, int], torch.Tensor]], bias: torch.Tensor | None = None):
+        "parts: (name, GGML type number, (rows, cols), bytes) in output order; every part has the same cols."
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        in_features = parts[0][2][1]
+        for name, qtype, shape, raw in parts:
+            if int(qtype) not in KEPT_GGUF_TYPES:
+                kept = ", ".join(t for t, _, _ in KEPT_GGUF_TYPES.values())
+                raise ValueError(f"{name}: GGUF type {getattr(qtype, 'name', qtype)} cannot be kept quantized; "
+                                 f"--quantization gguf supports {kept} (load without it: dequantized)")
+            qtype = int(qtype)
+            type_name, block, type_size = KEPT_GGUF_TYPES[qtype]
+            if len(shape) != 2 or shape[1] != in_features:
+                raise ValueError(f"{name}: shape {list(shape)} does not fit a layer with {in_features} inputs")
+            if shape[1] % block:
+                raise ValueError(f"{name}: {type_name} stores rows in blocks of {block}, but the row length is {shape[1]}")
+            expected = shape[0] * shape[1] // block * type_size
+            if raw.numel() != expected:
+                raise ValueError(f"{name}: {type_name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+            rows = raw.reshape(shape[0], -1)
+            if runs and runs[-1][0] == qtype: runs[-1][1].append(rows)
+            else: runs.append((qtype, [rows]))
+        super().__init__(in_features, sum(shape[0] for _, _, shape, _ in parts), bias)
+        self.qtypes = tuple(q for q, _ in runs)
+        for i, (_, rows) in enumerate(runs):
+            self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
+
+    def _runs(self): return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
+
+    def skinny(self, x):
+        return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
+
+    def dense(self, x):
+        return torch.cat([gguf_matmul_reference(x, raw, qtype) for qtype, raw in self._runs()], dim=-1)
+
+    def extra_repr(self): return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
+
+
+# %%
+parts = [("blk.0.attn_q.weight", QType.Q8_0, (20, 512), gguf_bytes(QType.Q8_0, 20, 512)),
+         ("blk.0.attn_k.weight", QType.Q4_K, (8, 512), gguf_bytes(QType.Q4_K, 8, 512)),
+         ("blk.0.attn_v.weight", QType.Q4_K, (8, 512), gguf_bytes(QType.Q4_K, 8, 512, seed=1))]
+layer = GGUFLinear(parts, bias=torch.randn(36))
+assert layer.qtypes == (8, 12) and layer.blocks1.shape == (16, 2 * 144)
+x = torch.randn(3, 512)
+want = torch.cat([gguf_matmul_reference(x, raw, qt) for _, qt, _, raw in parts], -1) + layer.bias
+torch.testing.assert_close(layer(x), want)
+torch.testing.assert_close(layer.skinny(x) + layer.bias, want, rtol=1e-4, atol=1e-4)  # the kernels, interpreted
+
+# %% [markdown]
+# Bad input names the tensor:
+
+# %%
+with pytest.raises(ValueError, match=r"blk.0.attn_q.weight: Q8_0 data of shape \[20, 512\] needs 10880 bytes, got 10846"):
+    GGUFLinear([("blk.0.attn_q.weight", QType.Q8_0, (20, 512), gguf_bytes(QType.Q8_0, 20, 512).reshape(-1)[:-34])])
+with pytest.raises(ValueError, match="blk.3.ffn_down.weight: GGUF type Q6_K cannot be kept quantized"):
+    GGUFLinear([("blk.3.ffn_down.weight", QType.Q6_K, (4, 256), torch.zeros(4 * 210, dtype=torch.uint8))])
+with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in blocks of 256, but the row length is 128"):
+    GGUFLinear([("blk.1.attn_k.weight", QType.Q4_K, (4, 128), torch.zeros(4 * 72, dtype=torch.uint8))])
+
+# %% [markdown]
+# ## Quantizing a loaded model, module by module
+#
+# `quantize_model` walks the layers and replaces each of the four matrices with its quantized
+# module. The full-precision weight is released as soon as its module is replaced, so memory
+# never holds the model twice: the peak is the loaded model plus one matrix's FP32 temporaries
+# (for Qwen3-4B's `gate_up`, 50M weights: 200 MB), and it falls as the work goes on.
+
+# %%
+#| export
+QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
+QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+@torch.no_grad()
+def quantize_model(model: Transformer, mode: str, int4_group: int | None = None) -> Transformer:
+    """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time.
+    `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size)."""
+    if mode not in QUANTIZERS:
+        raise ValueError(f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}")
+    options = {"group": int4_group} if mode == "int4" else {}
+    for layer in model.layers:
+        for name in QUANTIZED_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, attr)
+            if isinstance(linear, QuantLinear):
+                raise ValueError(f"layer {layer.attn.layer} {name} is already quantized")
+            setattr(parent, attr, QUANTIZERS[mode](linear, **options))
+            del linear  # the last reference: the full-precision weight is freed here
+    return model
+
+
+# %%
+tiny = init_random_weights(empty_model(preset("qwen2-tiny").replace(vocab_size=512, intermediate_size=256)), seed=2, std=0.05)
+ids, positions = torch.randint(0, 512, (12,)), torch.arange(12)
+with torch.inference_mode():
+    want = tiny.compute_logits(tiny(ids, positions))
+    for mode, limit in (("int8", 0.03), ("int4", 0.3)):  # random weights: errors add up over every matmul
+        quantized = quantize_model(copy.deepcopy(tiny), mode)
+        assert all(isinstance(layer.get_submodule(n), QUANTIZERS[mode]) for layer in quantized.layers for n in QUANTIZED_LINEARS)
+        assert quantized.layers[0].attn.qkv.bias is not None  # qwen2's qkv bias is kept, in the compute dtype
+        got = quantized.compute_logits(quantized(ids, positions))
+        rel = ((got - want).norm() / want.norm()).item()
+        print(f"{mode}: {model_bytes(quantized):,} bytes (fp32: {model_bytes(tiny):,}); relative logit error {rel:.4f}")
+        assert 0 < rel < limit, (mode, rel)
+with pytest.raises(ValueError, match="already quantized"):
+    quantize_model(quantize_model(copy.deepcopy(tiny), "int8"), "int4")
+with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+    quantize_model(tiny, "int3")
+
+# %% [markdown]
+# ## Loading a GGUF model kept quantized
+#
+# The model is built on the `meta` device (shapes, no memory), its four matrices per layer are
+# replaced by `GGUFLinear` modules over the file's bytes (copied to the device as they are), and
+# only then is the rest (embedding, norms, biases) given storage and filled by chapter 03's
+# `load_weights` from the dequantized file tensors. At no point does a full-precision copy of
+# the matrices exist.
+
+# %%
+#| export
+_GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
+               "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
+
+
+def _materialize(model: nn.Module, device, dtype) -> None:
+    "Give every parameter still on the meta device uninitialised storage on `device` in `dtype`."
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False))
+
+
+@torch.no_grad()
+def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
+    "A model whose layer matrices keep the `GGUFFile`'s quantized blocks; everything else dequantized to `dtype`."
+    from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
+    config = gguf.model_config()
+    infos = {t.name: t for t in gguf.tensor_infos}
+    with torch.device("meta"):
+        model = Transformer(config)
+    kept = set()
+    for i, layer in enumerate(model.layers):
+        for ours, file_parts in _GGUF_PARTS.items():
+            parts = []
+            for part in file_parts:
+                name = f"blk.{i}.{part}.weight"
+                if name not in infos: raise ValueError(f"{gguf.path}: tensor {name} is missing")
+                info, rows = infos[name], gguf.raw(name).to(device)
+                if config.architecture == "llama" and part in ("attn_q", "attn_k"):  # whole rows move: blocks too
+                    heads = config.num_heads if part == "attn_q" else config.num_kv_heads
+                    rows = llama_cpp_unpermute(rows.reshape(info.shape[0], -1), heads)
+                parts.append((f"{gguf.path.name}: {name}", info.qtype, info.shape, rows))
+                kept.add(name)
+            parent_name, _, attr = ours.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            bias = getattr(parent, attr).bias
+            setattr(parent, attr, GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")))
+    _materialize(model, device, dtype)
+    rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
+    load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))
+    return model.eval()
+
+
+# %% [markdown]
+# A tiny Llama written as a GGUF file with Q8_0, Q4_0 and Q4_1 matrices (q/k permuted, a `qkv`
+# of mixed types): kept quantized, its logits equal those of the same file dequantized at load.
+
+# %%
+import tempfile
+from pathlib import Path
+from forge_engine.gguf_file import GGUFFile, write_gguf
+from forge_engine.model import hf_state_dict
+
+tmp_dir = tempfile.TemporaryDirectory()
+llama = preset("llama-tiny").replace(vocab_size=128, num_layers=2, hidden_size=64, head_dim=16, num_heads=4,
+                                     intermediate_size=128)
+state = {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(llama), 3, std=0.05)).items()}
+qtypes = {name: [QType.Q8_0, QType.Q4_0, QType.Q4_1][i % 3] for i, name in enumerate(state) if "proj" in name}
+gguf_path = write_gguf(Path(tmp_dir.name) / "tiny.gguf", llama, state, qtypes)
+gguf_file = GGUFFile(gguf_path)
+kept = load_gguf_quantized(gguf_file)
+dequantized = empty_model(llama)
+load_weights(dequantized, gguf_file.tensors())
+assert isinstance(kept.layers[1].mlp.down, GGUFLinear) and len(kept.layers[0].attn.qkv.qtypes) == 3
+with torch.inference_mode():
+    ids = torch.randint(0, 128, (9,))
+    want = dequantized.compute_logits(dequantized(ids, torch.arange(9)))
+    got = kept.compute_logits(kept(ids, torch.arange(9)))
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print(f"kept quantized: {model_bytes(kept):,} bytes; dequantized fp32: {model_bytes(dequantized):,} bytes")
+assert model_bytes(kept) < model_bytes(dequantized) / 2
+
+
+# %% [markdown]
+# ## Quality: perplexity on a fixed text
+#
+# How much does quantization hurt? Perplexity, `exp` of the mean negative log-likelihood of each
+# token given the ones before it (teacher forcing: one forward over the whole text), measures how
+# surprised the model is by real text. We compare the same model unquantized, int8, int4, and
+# (for a GGUF) kept in its file's blocks.
+
+# %%
+#| export
+@torch.inference_mode()
+def perplexity(model: Transformer, token_ids) -> float:
+    "exp(mean NLL of token t+1 given tokens 0..t) over one sequence, through the plain forward."
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(token_ids), device=device)
+    if ids.numel() < 2: raise ValueError("perplexity needs at least 2 tokens")
+    logits = model.compute_logits(model(ids[:-1], torch.arange(ids.numel() - 1, device=device)))
+    return math.exp(F.cross_entropy(logits, ids[1:]).item())
+
+
+# %% [markdown]
+# SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized to FP32, is the baseline) on a fixed text of
+# a few hundred tokens. The GGUF kept quantized is loaded through `load_model(...,
+# quantization="gguf")`, as the command line does.
+
+# %%
+FIXED_TEXT = """The river begins as snow on the northern slopes, melts in late spring, and runs for three hundred
+kilometres before it reaches the sea. For most of that distance it is shallow and quick, and the towns along its
+banks were built where the water slows: at a bend, below a rapid, or where a smaller stream joins it. Each town kept
+a mill, and each mill kept a record of the water's height, so that today we know, almost year by year, when the
+floods came and how high they rose. The records show a pattern that the millers themselves noticed. A dry winter was
+followed by a calm spring, but a winter of heavy snow did not always bring a flood; what mattered was how fast the
+warm weather arrived. When the thaw was slow, the river carried the water away as it came. When a week of warm rain
+fell on deep snow, the river rose by two metres in a night, and the lower streets of every town were under water by
+morning. Engineers in the last century built three dams in the upper valley. They were meant to hold back the spring
+water and release it slowly through the summer, when the fields needed it most. The dams worked, but they changed the
+river in ways nobody had planned. Fish that had swum upstream to spawn for thousands of years could no longer pass,
+and the gravel that the floods used to carry down to the coast stayed behind the walls."""
+
+from forge_engine.loader import load_model
+smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
+text_ids = smol.tokenizer.encode(FIXED_TEXT)
+variants = {"none": lambda: smol.model, "int8": lambda: quantize_model(copy.deepcopy(smol.model), "int8"),
+            "int4": lambda: quantize_model(copy.deepcopy(smol.model), "int4"),
+            "int4, groups of 32": lambda: quantize_model(copy.deepcopy(smol.model), "int4", int4_group=32),
+            "gguf": lambda: load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="gguf").model}
+ppl = {}
+for mode, make in variants.items():
+    start, model = time.perf_counter(), make()
+    ppl[mode] = perplexity(model, text_ids)
+    print(f"{mode:18s} perplexity {ppl[mode]:7.3f} ({100 * (ppl[mode] / ppl['none'] - 1):+6.2f}%)  "
+          f"layer matrices + rest: {model_bytes(model) / 2**20:5.1f} MiB  ({time.perf_counter() - start:.1f} s)")
+    del model
+print(f"{len(text_ids)} tokens")
+
+# %% [markdown]
+# What the bounds are, and what the numbers say:
+#
+# - **int8 within 1%** of the baseline (asserted).
+# - **GGUF kept quantized** is the *same* weights as the baseline, computed differently: within 0.1%.
+# - **int4 within 75%**, a loose bound, and the reason is instructive. SmolLM2's weights *are
+#   already* 4-bit: the file is Q4_1, min/max codes in blocks of 32. Re-quantizing them to groups of
+#   64 (576 inputs) or 128 (1,536) puts a second, misaligned 4-bit grid on top of the first, and
+#   the two rounding errors add up: about +54% perplexity on this text, on a 135M model where every
+#   weight counts. With groups of 32 the groups coincide with the file's blocks, min and max are
+#   exactly representable, and int4 gives the baseline back (within 1%, asserted). On weights that
+#   were never quantized (Qwen3-4B in BF16) groups of 128 are the usual choice; its perplexity there
+#   needs the real weights, which CI does not have.
+
+# %%
+assert len(text_ids) >= 200
+assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01
+assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.001
+assert abs(ppl["int4, groups of 32"] / ppl["none"] - 1) < 0.01
+assert 1 < ppl["int4"] / ppl["none"] < 1.75
+with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's blocks, but 'random:qwen3-tiny' is random"):
+    load_model("random:qwen3-tiny", quantization="gguf")
+with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
+    load_model("random:qwen3-tiny", quantization="fp8")

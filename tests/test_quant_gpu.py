@@ -1,0 +1,105 @@
+"""Quantized matmul kernels (chapter 10) on the GPU, at Qwen3-4B shapes, against their PyTorch references;
+a quantized model through the CUDA-graph decode path; and `forge-engine bench w1 --quantization int8`.
+Run there with `PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_quant_gpu.py`."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge_engine.config import EngineConfig, preset
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import LoadedModel
+from forge_engine.model import empty_model, init_random_weights
+from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_matmul,
+                                int4_matmul_reference, int8_matmul, int8_matmul_reference, quantize_int4,
+                                quantize_int8, quantize_model)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = [(2560, 6144), (2560, 19456), (9728, 2560), (4096, 2560)]  # (K, N): qkv, gate_up, down, o
+
+
+def rel_error(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 64])
+def test_int8_and_int4_kernels_match_the_reference(k, n, m):
+    gen = torch.Generator(device="cuda").manual_seed(k + n + m)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    q, s = quantize_int8(w)
+    got, want = int8_matmul(x, q, s, impl="triton"), int8_matmul_reference(x, q, s)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert rel_error(got, want) < 1e-2
+    assert rel_error(got, x.float() @ w.T) < 2e-2  # and the int8 weights are close to the originals
+    packed, scale, minimum = quantize_int4(w)
+    got, want = int4_matmul(x, packed, scale, minimum, impl="triton"), int4_matmul_reference(x, packed, scale, minimum)
+    assert rel_error(got, want) < 1e-2
+    assert rel_error(got, x.float() @ w.T) < 0.2  # 4-bit Gaussian weights: ~10% per weight
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gguf_q8_0_kernel_matches_hand_made_blocks(m):
+    "Q8_0 blocks built by hand (d as float16, 32 int8): no gguf package needed on this machine."
+    n, k = 2560, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    d = (torch.rand(n, k // 32, 1, device="cuda", generator=gen) * 0.01).half()
+    q = torch.randint(-127, 128, (n, k // 32, 32), device="cuda", generator=gen, dtype=torch.int8)
+    raw = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    want = x.float() @ (d.float() * q.float()).reshape(n, k).T
+    assert rel_error(gguf_matmul(x, raw, 8, impl="triton"), want) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_kernels_match_the_dequantizers(qtype):
+    gguf = pytest.importorskip("gguf")  # the reference dequantizers of chapter 01a need it
+    from forge_engine.gguf_file import DEQUANTIZERS
+    t = gguf.GGMLQuantizationType[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[t]
+    n, k = 2560, 4096
+    gen = torch.Generator(device="cuda").manual_seed(int(t))
+    raw = torch.randint(0, 256, (n, k // block, type_size), device="cuda", generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // block, 2, device="cuda", generator=gen).mul(0.01).half().view(torch.uint8)
+    raw[..., :4] = scales  # sane float16 d (and m / dmin) at bytes 0..3
+    raw = raw.reshape(n, -1)
+    w = DEQUANTIZERS[t](raw.reshape(-1, type_size)).reshape(n, k)
+    for m in (1, 9):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        assert rel_error(gguf_matmul(x, raw, int(t), impl="triton"), x.float() @ w.T) < 1e-2, m
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_under_cuda_graphs_matches_eager(mode):
+    config = preset("qwen3-tiny").replace(hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4, num_kv_heads=2)
+    model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.05)
+    quantize_model(model, mode)
+    assert all(type(layer.get_submodule(n)).__name__ != "Linear" for layer in model.layers for n in QUANTIZED_LINEARS)
+    loaded = LoadedModel(mode, model, None, None)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(kv_cache_bytes=32 * 2**20, max_num_seqs=SKINNY_MAX_ROWS, max_num_batched_tokens=256, max_model_len=512)
+    runs = []
+    for graphs in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(**options, cuda_graphs=graphs))
+        for i, p in enumerate(prompts): engine.add_request(p, params, request_id=str(i))
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished: finals[out.request_id] = out.token_ids
+        runs.append([finals[str(i)] for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+
+
+def test_bench_w1_int8_runs():
+    r = subprocess.run([sys.executable, "-m", "forge_engine", "bench", "w1", "--model", "random:qwen3-4b",
+                        "--quantization", "int8", "--output-len", "32"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout[r.stdout.index("{"):])
+    assert result["quantization"] == "int8" and result["decode_tok_s"] > 0
+    assert result["weight_bytes"] < 5.0e9  # 8.04 GB in bf16; int8 layers + bf16 embedding: ~4.0 GB
