@@ -270,7 +270,7 @@ def engine_config(args, workload: str) -> EngineConfig:
     limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     defaults = W2_ENGINE_DEFAULTS if workload == "w2" else {}
     return EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
-                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget,
                         **{k: v if v is not None else defaults.get(k) for k, v in limits.items()
                            if v is not None or k in defaults})
 
@@ -311,7 +311,7 @@ def rate_label(rate) -> str: return "all at once" if rate == "inf" else f"{rate:
 
 def add_arguments(workloads) -> None:
     "The `forge-engine bench` subcommands, on the subparsers `workloads`."
-    from forge_engine.cli import add_quantization_flag
+    from forge_engine.cli import add_memory_budget_flag, add_quantization_flag
     from forge_engine import load_client
     runs = [("w1", "single stream"), ("w2", "offline throughput"), ("w3", "online serving against a server started here"),
             ("w4", "CPU classroom: 1 and 8 requests"), ("all", "several workloads in one run (--workloads)")]
@@ -336,6 +336,7 @@ def add_arguments(workloads) -> None:
         w.add_argument("--json", default=None, help="also write the result to this file (one workload)")
         w.add_argument("--tensor-parallel-size", type=int, default=1, help="w1/w2: split the model over this many GPUs")
         add_quantization_flag(w)
+        add_memory_budget_flag(w)
         w.add_argument("--out", default="docs/benchmarks" if name == "all" else None,
                        help="save results (and plots) under DIR/<hardware>/" + (" (default docs/benchmarks)" if name == "all" else ""))
         if name == "all":
@@ -391,7 +392,7 @@ def run_from_args(args) -> int:
         else:
             if loaded is None:
                 loaded = load_model(args.model, args.device, args.dtype, progress=False, quantization=args.quantization,
-                                    tensor_parallel_size=args.tensor_parallel_size)
+                                    tensor_parallel_size=args.tensor_parallel_size, memory_budget=args.gpu_memory_budget)
                 ceiling = ceilings(next(loaded.model.parameters()).device)
             result = run_offline(name, loaded, args, ceiling)
         result["environment"] = env

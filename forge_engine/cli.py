@@ -14,10 +14,12 @@ import torch
 from . import load_client
 from .chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
 from .config import QUANTIZATIONS
+from .memory_plan import parse_bytes
 from .generate import SamplingParams
 
 # %% auto #0
-__all__ = ['doctor_report', 'pick_model', 'add_quantization_flag', 'build_parser', 'sampling_from_args', 'run_models', 'main']
+__all__ = ['doctor_report', 'pick_model', 'add_memory_budget_flag', 'add_quantization_flag', 'build_parser', 'sampling_from_args',
+           'run_models', 'main']
 
 # %% ../nbs/14_cli.ipynb #64842eed
 def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
@@ -79,6 +81,13 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
     add_quantization_flag(p)
+    add_memory_budget_flag(p)
+
+
+def add_memory_budget_flag(p: argparse.ArgumentParser):
+    "`--gpu-memory-budget 8GiB` (chapter 10a): plan before loading, refuse with the numbers, cap the GPU memory."
+    p.add_argument("--gpu-memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)")
 
 
 def add_quantization_flag(p: argparse.ArgumentParser):
@@ -132,7 +141,7 @@ def _load_llm(args):
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
     llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm

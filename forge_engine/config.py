@@ -197,6 +197,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
     quantization: str = "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are
+    gpu_memory_budget: int | None = None  # bytes this engine may use on the GPU (chapter 10a); None: gpu_memory_utilization
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -206,6 +207,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
+            raise ValueError(f"gpu_memory_budget must be a positive number of bytes, got {self.gpu_memory_budget}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 

@@ -23,11 +23,28 @@ from .sampling import SamplingBatch, SamplingRow, make_generator, sample
 from .scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %% auto #0
-__all__ = ['CPU_DEFAULT_KV_BYTES', 'ROW_TILE', 'kv_cache_budget', 'ModelRunner', 'build_runner', 'RequestOutput', 'StepRecord',
-           'EngineStats', 'LLMEngine', 'LLM']
+__all__ = ['CPU_DEFAULT_KV_BYTES', 'ROW_TILE', 'budgeted_kv_bytes', 'kv_cache_budget', 'ModelRunner', 'build_runner',
+           'RequestOutput', 'StepRecord', 'EngineStats', 'LLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb #706997e9
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total: int) -> int:
+    "The KV pool under `gpu_memory_budget`: what the measured peak, the graphs' pool and the overhead leave."
+    from forge_engine.memory_plan import MIN_KV_BYTES, OVERHEAD_BYTES, MemoryPlanError, activation_bytes, format_gib
+    budget, param = config.gpu_memory_budget, next(model.parameters())
+    if budget > total:
+        raise MemoryPlanError(f"gpu_memory_budget {format_gib(budget)} is more than the GPU's {format_gib(total)}")
+    torch.cuda.set_per_process_memory_fraction(budget / total, param.device)  # past the budget, allocations fail
+    graphs = activation_bytes(model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()) \
+        if config.cuda_graphs is not False else 0
+    kv = budget - peak - graphs - OVERHEAD_BYTES
+    if kv < MIN_KV_BYTES:
+        raise MemoryPlanError(f"under the {format_gib(budget)} budget the KV cache would get {format_gib(kv)}: measured "
+                              f"peak of weights + activations {format_gib(peak)}, CUDA graphs {format_gib(graphs)}, "
+                              f"overhead {format_gib(OVERHEAD_BYTES)} (minimum {format_gib(MIN_KV_BYTES)})")
+    return kv
 
 
 @torch.no_grad()
@@ -43,6 +60,8 @@ def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
                                no_cache_attention)[-config.max_num_seqs:])
     peak = torch.cuda.max_memory_allocated(device)
     _, total = torch.cuda.mem_get_info(device)
+    if config.gpu_memory_budget is not None:  # a fixed budget (chapter 10a): the allocator is capped at it
+        return budgeted_kv_bytes(model, config, peak, total)
     budget = int(total * config.gpu_memory_utilization) - peak
     if budget <= 0:
         raise ValueError(f"no GPU memory left for the KV cache: {config.gpu_memory_utilization:.0%} of "
@@ -350,6 +369,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
                  seed: int = 0, progress: bool = True, **engine_options):
         self.loaded = load_model(model, device, dtype, seed=seed, progress=progress,
+                                 memory_budget=engine_options.get("gpu_memory_budget"),
                                  quantization=engine_options.get("quantization", "none"),
                                  tensor_parallel_size=engine_options.get("tensor_parallel_size", 1))
         self.tokenizer = self.loaded.tokenizer

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from .tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['DTYPES', 'AUTO_GPU_MODEL', 'AUTO_CPU_MODEL', 'AUTO_MIN_FREE_GPU_BYTES', 'resolve_device', 'resolve_dtype',
-           'choose_auto_model', 'model_bytes', 'LoadedModel', 'load_model']
+           'choose_auto_model', 'model_bytes', 'LoadedModel', 'model_config_of', 'load_model']
 
 # %% ../nbs/04a_loader.ipynb #3593166a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,12 +82,23 @@ class LoadedModel:
         return tuple(self.tokenizer.eos_token_ids) if self.tokenizer else tuple(self.config.eos_token_ids)
 
 
+def model_config_of(resolved: ResolvedModel) -> ModelConfig:
+    "The shape of a resolved model, read without loading its weights."
+    if resolved.format == "random": return preset(resolved.preset)
+    if resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+        return GGUFFile(resolved.path).model_config()
+    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+
+
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, progress: bool = True, quantization: str = "none",
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, memory_budget: int | None = None) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
-    "gguf" keeps a GGUF file's quantized blocks as they are. `tensor_parallel_size` > 1: chapter 09c."""
+    "gguf" keeps a GGUF file's quantized blocks as they are. `tensor_parallel_size` > 1: chapter 09c.
+    `memory_budget` (bytes, on a GPU): plan first and refuse with the numbers when it does not fit (chapter 10a);
+    int8 / int4 are then quantized on the CPU, so the full-precision weights never need the GPU's memory."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     device = resolve_device(device)
@@ -100,10 +112,17 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
             raise ValueError("tensor parallelism runs unquantized weights: use --quantization none with it")
         from forge_engine.tensor_parallel import load_model_parallel
         return load_model_parallel(resolved, device, dtype, seed, tensor_parallel_size)
+    staging = device
+    if memory_budget is not None and device.type == "cuda":
+        from forge_engine.memory_plan import plan_memory
+        if quantization != "gguf":  # (a GGUF file's blocks: the engine measures what they take once loaded)
+            plan = plan_memory(model_config_of(resolved), memory_budget, quantization, torch.finfo(dtype).bits // 8)
+            if progress: print(plan.describe(), file=sys.stderr)
+        if quantization in ("int8", "int4"): staging = torch.device("cpu")
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random":
-        model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
+        model = init_random_weights(empty_model(preset(resolved.preset), staging, dtype), seed=seed)
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
         gguf = GGUFFile(resolved.path)
@@ -111,16 +130,16 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
             from forge_engine.quant import load_gguf_quantized
             model = load_gguf_quantized(gguf, device, dtype)
         else:
-            model = empty_model(gguf.model_config(), device, dtype)
+            model = empty_model(gguf.model_config(), staging, dtype)
             load_weights(model, gguf.tensors(dtype=dtype))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     else:
-        config = model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
-        model = empty_model(config, device, dtype)
+        model = empty_model(model_config_of(resolved), staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
     if quantization in ("int8", "int4"):  # peak: the loaded model plus one matrix's temporaries
         from forge_engine.quant import quantize_model
         quantize_model(model, quantization)
+    model = model.to(device)  # (a no-op unless it was staged on the CPU)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     if device.type == "cuda": torch.cuda.synchronize(device)

@@ -93,3 +93,22 @@ def test_write_kv_on_the_gpu_matches_index_copy():
     write_kv(*got, slots, k, v)
     write_kv_reference(*want, slots, k, v)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_qwen3_4b_int8_serves_under_an_8_gib_budget():
+    "Issue 6's check: the allocator capped at 8 GiB, Qwen3-4B int8 gets >= 1 GiB of KV cache and the peak stays under."
+    from forge_engine.loader import load_model
+    from forge_engine.memory_plan import MIN_KV_BYTES, parse_bytes
+    budget = parse_bytes("8GiB")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = load_model("random:qwen3-4b", "cuda", quantization="int8", memory_budget=budget, progress=False)
+    engine = LLMEngine(loaded, EngineConfig(gpu_memory_budget=budget))
+    try:
+        assert engine.cache.nbytes >= MIN_KV_BYTES
+        out = run_all(engine, [list(range(100, 400))], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert len(out[0].token_ids) == 16
+        engine.allocator.check_idle()
+        assert torch.cuda.max_memory_allocated() <= budget
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

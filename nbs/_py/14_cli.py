@@ -28,6 +28,7 @@ import torch
 from forge_engine import load_client
 from forge_engine.chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
 from forge_engine.config import QUANTIZATIONS
+from forge_engine.memory_plan import parse_bytes
 from forge_engine.generate import SamplingParams
 
 # %%
@@ -135,6 +136,13 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
     add_quantization_flag(p)
+    add_memory_budget_flag(p)
+
+
+def add_memory_budget_flag(p: argparse.ArgumentParser):
+    "`--gpu-memory-budget 8GiB` (chapter 10a): plan before loading, refuse with the numbers, cap the GPU memory."
+    p.add_argument("--gpu-memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)")
 
 
 def add_quantization_flag(p: argparse.ArgumentParser):
@@ -188,7 +196,7 @@ def _load_llm(args):
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
     llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget)
     param = next(llm.loaded.model.parameters())
     log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
     return llm
@@ -267,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # %%
 assert build_parser().parse_args(["generate", "--quantization", "int8", "hi"]).quantization == "int8"
+assert build_parser().parse_args(["generate", "--gpu-memory-budget", "8GiB", "hi"]).gpu_memory_budget == 8 * 2**30
 argv = ["bench", "w4", "--quantization", "gguf"]  # (bench adds its flags only when it is the command)
 assert build_parser(argv).parse_args(argv).quantization == "gguf"
 assert build_parser().parse_args(["chat"]).quantization == "none"

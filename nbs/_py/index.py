@@ -30,14 +30,16 @@
 # | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
 # | 08_engine | `engine` | one step: schedule, run, sample, stop; `LLM` |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
-# | 09_kernels | `kernels` | Triton: fused add+RMSNorm, paged decode and prefill attention |
+# | 09_kernels | `kernels` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV, paged decode and prefill attention |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
 # | 09c_tensor_parallel | `tensor_parallel` | one model over N GPUs: sharded weights, all-reduces, worker processes |
+# | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
+# | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
 # | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
-# | 13_benchmarks | `bench` | workloads W1, W2, W4 |
+# | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
 # | 13a_load_client | `load_client` | W3: Poisson load against a server |
-# | 14_cli | `cli` | `forge-engine doctor / generate / chat / models` |
+# | 14_cli | `cli` | `forge-engine doctor / generate / chat / serve / models / bench` |
 #
 # ## Quickstart
 

@@ -1,0 +1,181 @@
+# %% [markdown]
+# # Planning GPU memory
+#
+# > Before loading: do the weights, the activations, the CUDA graphs and a useful KV cache fit a memory budget? Say so with the numbers, or refuse with them.
+
+# %% [markdown]
+# An 8 GB consumer GPU cannot hold Qwen3-4B in BF16 (8.04 GB of weights alone). What it can
+# hold depends on four things, each of which we can count *before* loading anything:
+#
+# | what | how it is counted |
+# |---|---|
+# | weights | from the model's shape and the weight format of chapter 10: BF16 2 bytes a weight; int8 1 byte + a 4-byte scale per output row; int4 half a byte + a 2-byte scale and a 2-byte minimum per 128 inputs; embedding, norms and biases stay in the compute dtype |
+# | activations | the largest step, `max_num_batched_tokens` tokens: the QKV, attention, gate-up and SwiGLU outputs and the residual stream, plus the logits of `max_num_seqs` rows (model dtype, an fp32 copy, the sampler's adjusted copy) |
+# | CUDA graphs | the decode graphs share one memory pool: the activations of a `max_num_seqs`-row step |
+# | overhead | 256 MiB for what the caching allocator and the libraries keep (cuBLAS workspaces, Triton, fragmentation) |
+#
+# What is left is the KV cache; a plan is refused when that is under `MIN_KV_BYTES` (1 GiB:
+# 7,281 tokens of Qwen3-4B context, e.g. seven 1,000-token conversations). The estimate is
+# made before loading; after loading the engine *measures* the activation peak (chapter 08)
+# and sizes the pool from the budget and that measurement, and caps the process's allocator
+# at the budget (`torch.cuda.set_per_process_memory_fraction`), so the plan can never be
+# exceeded silently: an allocation past it fails with an out-of-memory error.
+
+# %%
+#| default_exp memory_plan
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from forge_engine.config import ModelConfig
+
+# %%
+#| hide
+import pytest
+from forge_engine.config import preset
+
+# %% [markdown]
+# Budgets are written the way people say them: `8GiB`, `7.5GB`, `512MiB`, or a byte count.
+
+# %%
+#| export
+GiB = 2**30
+MIN_KV_BYTES = GiB  # a plan that leaves less KV cache than this is refused
+OVERHEAD_BYTES = 256 * 2**20  # allocator slack, cuBLAS workspaces, Triton: not in any tensor we count
+INT4_GROUP = 128
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    "'8GiB', '7.5GB', '512MiB', '1000000' -> bytes; a clear error for anything else."
+    if isinstance(text, int): return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (write e.g. 8GiB, 7.5GB, 512MiB or a number of bytes)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+def format_gib(n: int) -> str: return f"{n / GiB:.2f} GiB"
+
+
+# %%
+assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("7.5GB") == 7_500_000_000 and parse_bytes(4096) == 4096
+for bad in ("eight", "8 GiBs", "-1GiB", "0"):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(bad)
+
+
+# %% [markdown]
+# ## Counting
+#
+# The four matrices of a layer, as (outputs, inputs): QKV, the output projection, gate-up and
+# down. Their bytes depend on the format; everything else is in the compute dtype.
+
+# %%
+#| export
+def layer_matrices(c: ModelConfig) -> list[tuple[int, int]]:
+    "(out_features, in_features) of one layer's qkv, o, gate_up and down."
+    return [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
+            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+
+
+def matrix_bytes(n: int, k: int, quantization: str, dtype_bytes: int) -> int:
+    "Bytes of an [n, k] weight stored as `quantization` (chapter 10's layouts)."
+    if quantization == "none": return n * k * dtype_bytes
+    if quantization == "int8": return n * k + 4 * n  # int8 weights, an fp32 scale per row
+    if quantization == "int4": return n * k // 2 + 4 * n * math.ceil(k / INT4_GROUP)  # nibbles, fp16 scale + minimum
+    raise ValueError(f"no size rule for quantization {quantization!r} (a GGUF file's blocks: plan from the file size)")
+
+
+def weight_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
+    "All weights: the layer matrices in `quantization`, the rest (embedding, head, norms, biases) in the compute dtype."
+    matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)) * c.num_layers
+    dense = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers
+    return matrices + dense * dtype_bytes
+
+
+def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2) -> int:
+    "An upper estimate of one forward's live tensors: `tokens` tokens, logits for `rows` of them."
+    per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
+    return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4)
+
+
+# %% [markdown]
+# The weight count agrees with the guide's figure for Qwen3-4B (8,044,936,192 bytes in BF16):
+
+# %%
+q4b = preset("qwen3-4b")
+assert weight_bytes(q4b) == 8_044_936_192
+assert weight_bytes(q4b, "int8") < 0.56 * weight_bytes(q4b) and weight_bytes(q4b, "int4") < 0.37 * weight_bytes(q4b)
+print({q: format_gib(weight_bytes(q4b, q)) for q in ("none", "int8", "int4")})
+
+
+# %% [markdown]
+# ## The plan
+
+# %%
+#| export
+class MemoryPlanError(ValueError):
+    "The model does not fit the budget in the asked format; the message has the numbers."
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    quantization: str
+    weights: int
+    activations: int
+    graphs: int
+    overhead: int
+    kv_cache: int
+    kv_tokens: int
+
+    def describe(self) -> str:
+        return (f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
+                f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
+                f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
+                f"({self.kv_tokens:,} tokens)")
+
+
+def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_bytes: int = 2,
+                max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, cuda_graphs: bool = True) -> MemoryPlan:
+    "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
+    def plan(mode: str) -> MemoryPlan:
+        weights = weight_bytes(c, mode, dtype_bytes)
+        acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes) if cuda_graphs else 0
+        kv = budget - weights - acts - graphs - OVERHEAD_BYTES
+        return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
+                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes))
+    chosen = plan(quantization)
+    if chosen.kv_cache >= MIN_KV_BYTES: return chosen
+    others = [p for p in map(plan, ("none", "int8", "int4")) if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES]
+    hint = f"; it would fit as {others[0].quantization} with {format_gib(others[0].kv_cache)} of KV cache" if others else \
+        "; it does not fit in any weight format: lower max_num_batched_tokens / max_num_seqs or use a smaller model"
+    raise MemoryPlanError(f"{chosen.describe()}, under the {format_gib(MIN_KV_BYTES)} minimum{hint}")
+
+
+# %% [markdown]
+# Qwen3-4B under an 8 GiB budget: BF16 is refused (the weights alone are 7.5 GiB) and the
+# error says int8 would fit; int8 leaves about 3 GiB for the KV cache.
+
+# %%
+with pytest.raises(MemoryPlanError, match=r"under the 1.00 GiB minimum; it would fit as int8"):
+    plan_memory(q4b, parse_bytes("8GiB"))
+p8 = plan_memory(q4b, parse_bytes("8GiB"), "int8")
+assert p8.kv_cache >= MIN_KV_BYTES and p8.weights + p8.activations + p8.graphs + p8.overhead + p8.kv_cache == p8.budget
+print(p8.describe())
+assert plan_memory(q4b, parse_bytes("80GiB")).kv_tokens > 400_000
+with pytest.raises(MemoryPlanError, match="does not fit in any weight format"):
+    plan_memory(q4b, parse_bytes("2GiB"), "int4")
+with pytest.raises(ValueError, match="plan from the file size"):
+    plan_memory(q4b, parse_bytes("8GiB"), "gguf")
