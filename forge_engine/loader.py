@@ -147,4 +147,6 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     stats.peak_rss_bytes = peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or model_bytes(model)
-    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=describe_model(resolved))
+    metadata = describe_model(resolved)
+    if quantization != "none": metadata["quantization"] = quantization  # what runs, not what the file holds
+    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)

@@ -956,6 +956,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     for name in ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}")
+    from forge_engine.cli import add_memory_budget_flag, add_quantization_flag  # the same flags as generate / chat
+    add_quantization_flag(parser)
+    add_memory_budget_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -965,7 +968,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
         options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-        config = EngineConfig(dtype=args.dtype, **options)
+        config = EngineConfig(dtype=args.dtype, quantization=args.quantization,
+                              gpu_memory_budget=args.gpu_memory_budget, **options)
         model, device = pick_model(args.model, args.device, logger.info)
     except ValueError as e:
         logger.error("%s", e)
@@ -982,7 +986,8 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False,
-                                tensor_parallel_size=config.tensor_parallel_size)
+                                quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
+                                memory_budget=config.gpu_memory_budget)
             state.engine = AsyncEngine(LLMEngine(loaded, config.replace(device=device)))
             logger.info("%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port)
         except Exception as e:  # say why, then stop: a server that can never serve should not look alive
@@ -1016,6 +1021,8 @@ args = parser.parse_args(["--model", "random:qwen3-tiny", "--cors-origin", "http
                           "--max-waiting", "8"])
 assert (args.host, args.port, args.cors_origin, args.max_waiting, args.max_num_seqs) == \
     ("127.0.0.1", 8000, ["http://a", "http://b"], 8, None)
+args = parser.parse_args(["--quantization", "int8", "--gpu-memory-budget", "8GiB"])
+assert (args.quantization, args.gpu_memory_budget) == ("int8", 8 * 2**30)
 
 # %% [markdown]
 # From a terminal, the same server with a real model, and any OpenAI client against it:
