@@ -20,7 +20,7 @@ from .tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['DTYPES', 'AUTO_GPU_MODEL', 'AUTO_CPU_MODEL', 'AUTO_MIN_FREE_GPU_BYTES', 'resolve_device', 'resolve_dtype',
-           'choose_auto_model', 'model_bytes', 'LoadedModel', 'model_config_of', 'load_model']
+           'choose_auto_model', 'model_bytes', 'LoadedModel', 'model_config_of', 'finish_stats', 'load_model']
 
 # %% ../nbs/04a_loader.ipynb #3593166a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +91,14 @@ def model_config_of(resolved: ResolvedModel) -> ModelConfig:
     return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
 
 
+def finish_stats(stats: LoadStats, model: torch.nn.Module, start: float, device: torch.device) -> None:
+    "Complete `stats` once the weights are in place: time (after the device caught up), peak memory, tensors, bytes."
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
+    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
+    stats.bytes_read = stats.bytes_read or model_bytes(model)
+
+
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, progress: bool = True, quantization: str = "none",
                tensor_parallel_size: int = 1, memory_budget: int | None = None) -> LoadedModel:
@@ -142,11 +150,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     model = model.to(device)  # (a no-op unless it was staged on the CPU)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
-    if device.type == "cuda": torch.cuda.synchronize(device)
-    stats.seconds = time.perf_counter() - start
-    stats.peak_rss_bytes = peak_rss_bytes()
-    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
-    stats.bytes_read = stats.bytes_read or model_bytes(model)
+    finish_stats(stats, model, start, device)
     metadata = describe_model(resolved)
     if quantization != "none": metadata["quantization"] = quantization  # what runs, not what the file holds
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)

@@ -101,7 +101,7 @@ GEMV_ROWS = 1  # steps of up to this many tokens use chapter 09's `gemv` on a GP
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "F.linear; on a GPU, a few input rows go through the small-batch GEMV kernel."
+    "F.linear; on a GPU, up to GEMV_ROWS input rows go through the small-batch GEMV kernel."
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and (gemv := triton_kernel("gemv")) is not None:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pickle
 import re
@@ -22,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import EngineConfig, ModelConfig, model_config_from_hf, preset
+from .config import EngineConfig, ModelConfig
 from .engine import ModelRunner, build_runner
-from .loader import LoadedModel
-from .loading import LoadStats, TensorEntry, checkpoint_shards, peak_rss_bytes, read_safetensors_header, read_tensor, rss_bytes
+from .loader import LoadedModel, finish_stats, model_config_of
+from .loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
 from .model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
 from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
@@ -33,8 +32,8 @@ from .tokenizer import Tokenizer
 # %% auto #0
 __all__ = ['StepItem', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear', 'VocabParallelEmbedding',
            'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'model_config_of', 'load_shard', 'describe_step', 'as_plan', 'time_collectives',
-           'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+           'random_checkpoint', 'load_shard', 'describe_step', 'as_plan', 'time_collectives', 'tensor_parallel_report',
+           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -202,15 +201,6 @@ def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype
         fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
         for hf_name, rows in pieces[name]:
             yield hf_name, value[rows]
-
-
-def model_config_of(resolved: ResolvedModel) -> ModelConfig:
-    "The full model's config, read from what the registry resolved (no weights read)."
-    if resolved.format == "random": return preset(resolved.preset)
-    if resolved.format == "gguf":
-        from forge_engine.gguf_file import GGUFFile
-        return GGUFFile(resolved.path).model_config()
-    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
 
 
 def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
@@ -561,9 +551,6 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
         tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(resolved.path).metadata)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
-    if device.type == "cuda": torch.cuda.synchronize(device)
-    stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
-    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
-    stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
+    finish_stats(stats, model, start, device)
     parallel = TensorParallel(model, processes, pipes, dist.get_backend())
     return LoadedModel(resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved))

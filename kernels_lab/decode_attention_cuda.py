@@ -29,7 +29,8 @@ import math
 
 from common import DEVICE, ON_GPU, Results, finish, time_variant, validate  # first: it may switch on the interpreter
 import torch
-from forge_engine.kernels import decode_split_len, paged_attention_reference, paged_decode_attention, random_paged_kv
+import decode_attention  # its test cases
+from forge_engine.kernels import decode_split_len, paged_attention_reference, paged_decode_attention
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
@@ -189,11 +190,10 @@ def cuda_variant(ext, split_tokens=512, unroll=1):
     return run
 
 
-def case(lens, q_heads, kv_heads, head_dim, block_size, seed=0):
-    k_cache, v_cache, tables = random_paged_kv(lens, kv_heads, head_dim, block_size, dtype=torch.bfloat16,
-                                               device=DEVICE, spare_blocks=0, pad_columns=0, seed=seed)
-    q = torch.randn(len(lens), q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, torch.bfloat16)
-    return q, k_cache, v_cache, tables.int(), torch.tensor(lens, device=DEVICE, dtype=torch.int32)
+def case(lens, q_heads, kv_heads, head_dim, block_size):
+    "decode_attention.py's bf16 case, with the int32 block tables this kernel takes."
+    q, k_cache, v_cache, tables, lens = decode_attention.case(lens, q_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+    return q, k_cache, v_cache, tables.int(), lens
 
 
 def main():

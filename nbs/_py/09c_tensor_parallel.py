@@ -74,7 +74,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pickle
 import re
@@ -90,10 +89,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.config import EngineConfig, ModelConfig, model_config_from_hf, preset
+from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import ModelRunner, build_runner
-from forge_engine.loader import LoadedModel
-from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, peak_rss_bytes, read_safetensors_header, read_tensor, rss_bytes
+from forge_engine.loader import LoadedModel, finish_stats, model_config_of
+from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
 from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
 from forge_engine.registry import ResolvedModel, describe_model
 from forge_engine.tokenizer import Tokenizer
@@ -103,6 +102,7 @@ from forge_engine.tokenizer import Tokenizer
 import tempfile
 from pathlib import Path
 import pytest
+from forge_engine.config import preset
 from forge_engine.generate import SamplingParams
 from forge_engine.model import causal_attention, empty_model, init_random_weights, rope_cos_sin
 
@@ -356,15 +356,6 @@ def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype
         fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
         for hf_name, rows in pieces[name]:
             yield hf_name, value[rows]
-
-
-def model_config_of(resolved: ResolvedModel) -> ModelConfig:
-    "The full model's config, read from what the registry resolved (no weights read)."
-    if resolved.format == "random": return preset(resolved.preset)
-    if resolved.format == "gguf":
-        from forge_engine.gguf_file import GGUFFile
-        return GGUFFile(resolved.path).model_config()
-    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
 
 
 def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
@@ -786,10 +777,7 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
         tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(resolved.path).metadata)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
-    if device.type == "cuda": torch.cuda.synchronize(device)
-    stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
-    stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
-    stats.bytes_read = stats.bytes_read or sum(p.numel() * p.element_size() for p in model.parameters())
+    finish_stats(stats, model, start, device)
     parallel = TensorParallel(model, processes, pipes, dist.get_backend())
     return LoadedModel(resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved))
 
