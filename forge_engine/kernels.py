@@ -4,12 +4,14 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'GEMV_MAX_ROWS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'PREFILL_ROWS',
-           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'add_rmsnorm_reference',
-           'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul',
-           'write_kv_reference', 'write_kv', 'gemv_config', 'gemv', 'paged_attention_reference', 'random_paged_kv',
-           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention']
+           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
+           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv',
+           'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
+           'paged_prefill_attention', 'KernelPagedAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
+import functools
 import math
 import os
 
@@ -77,6 +79,23 @@ def _pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()
 
 def _stages(num_stages: int | None) -> dict: return {} if num_stages is None else {"num_stages": num_stages}
 
+
+# Programmatic dependent launch (Hopper and newer; chapter section "Matrix-vector products"): a
+# kernel launched with it may start while the kernel before it is still finishing, once that
+# kernel allows it; it must wait (`gdc_wait`) before reading what that kernel writes.
+@functools.cache
+def pdl_supported(device) -> bool:
+    "Programmatic dependent launch here: compiled kernels on compute capability 9 (Hopper) or newer."
+    device = torch.device(device)
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _let_next_start(PDL: tl.constexpr):
+    "Allow the next kernel, if launched as a dependent, to start now (it waits for our results before reading them)."
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
 # %% ../nbs/09_kernels.ipynb #37b27908
 def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +108,8 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                        H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+                        H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    _let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -125,7 +145,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows.shape[0]:
         _add_rmsnorm_kernel[(rows.shape[0],)](
             rows, res, weight, out, res_out, rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block,
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, PDL=pdl_supported(x.device),
             num_warps=num_warps or min(8, max(1, block // 512)))
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
@@ -200,7 +220,8 @@ def silu_mul_reference(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _let_next_start(PDL)
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
     gate = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
@@ -220,7 +241,7 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     block = min(1024, _pow2(inter))
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
-                                                              num_warps=4)
+                                                              PDL=pdl_supported(h.device), num_warps=4)
     return out
 
 # %% ../nbs/09_kernels.ipynb #1e0f99fc
@@ -262,17 +283,31 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: the sweep's winners, as a rule."
+def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
+    "(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners, as a rule."
+    if weight_bytes == 1:  # kernels_lab/gemv.py, variant v4
+        return (4, 1024, 4) if k >= 4096 else ((8, 512, 2) if n < 16384 else (4, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
     return (8, 512, 4) if n < 16384 else (4, 512, 2)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _as_f32(w):
+    "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
+    if w.dtype == tl.int8:
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
+        return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a dependent: let the next kernel launch, wait for this one's input
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
     n_ok, m_ok = offs_n < N, offs_m < M
@@ -282,39 +317,52 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += x.to(tl.float32)[:, None, :] * _as_f32(w)[None, :, :]
     out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if HAS_SCALE:
+        out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, impl: str = "auto",
-         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None) -> torch.Tensor:
-    "x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (+ bias) -> [M, N]: `F.linear` for a few rows."
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
+    "PyTorch: `F.linear`, the weight converted to x's dtype and each output scaled where it is int8."
+    out = F.linear(x, weight.to(x.dtype))
+    if scale is not None: out = out * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+         impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+    "x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N]."
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if weight.dtype == torch.int8 and scale is None:
+        raise ValueError("gemv: int8 weights need their per-row scale")
     if kernel_backend(x.device, impl) == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        return F.linear(x, weight, bias)
+        return gemv_reference(x, weight, bias, scale)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    default = gemv_config(n, k)  # the measured configuration for this shape, where none is asked for
+    default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
+    pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            HAS_BIAS=bias is not None, num_warps=num_warps, **_stages(num_stages))
+            x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0
@@ -412,7 +460,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh,
                    qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _let_next_start(PDL)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
     start = split * split_len
@@ -448,7 +497,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
 
 @triton.jit
 def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    _let_next_start(PDL)
     seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_splits
@@ -502,11 +552,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps, **_stages(num_stages))
+        PRECISION=_dot_precision(q.dtype), PDL=pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
-            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), num_warps=4)
+            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), PDL=pdl_supported(q.device),
+            num_warps=4)
     return out
 
 # %% ../nbs/09_kernels.ipynb #b32daa7b

@@ -12,6 +12,9 @@ Variants
   v1  forge_engine.kernels.gemv, the exported defaults
   v2  the same kernel over a sweep of (BLOCK_N, BLOCK_K, num_warps, num_stages): the best per shape is
       printed at the end, and the exported defaults come from it
+  v3  the same kernel on int8 weights with one scale per row (chapter 10's int8): half the bytes
+  v4  v3 over the sweep (BLOCK_K counted in elements: 1-byte weights)
+GEMV_WEIGHTS=bf16,int8 picks the weight formats (default both); the sweep runs for M = 1.
 """
 import itertools
 import os
@@ -40,32 +43,38 @@ def main():
     results = Results("gemv")
     best: dict[tuple[str, int], tuple[float, str]] = {}
     rows = [int(r) for r in os.environ.get("GEMV_ROWS", "1,2,4").split(",")]
-    for (label, (n, k)), m in itertools.product(SHAPES.items(), rows):
+    formats = os.environ.get("GEMV_WEIGHTS", "bf16,int8").split(",")
+    for (label, (n, k)), m, fmt in itertools.product(SHAPES.items(), rows, formats):
         x = torch.randn(m, k, device=DEVICE).bfloat16()
-        w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16()
-        nbytes, case = n * k * 2, f"{label} M={m}"
-        ms, how = time_variant(lambda: F.linear(x, w), graph=True)
-        results.add(case, f"v0 cuBLAS [{how}]", ms, nbytes)
-        ms, how = time_variant(lambda: gemv(x, w), graph=True)
-        results.add(case, f"v1 exported [{how}]", ms, nbytes)
+        if fmt == "int8":
+            w = torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8)
+            scale = torch.rand(n, device=DEVICE) / 127
+            nbytes, case, first, swept = n * k, f"{label} M={m} int8", "v3", "v4"
+        else:
+            w, scale = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16(), None
+            nbytes, case, first, swept = n * k * 2, f"{label} M={m}", "v1", "v2"
+            ms, how = time_variant(lambda: F.linear(x, w), graph=True)
+            results.add(case, f"v0 cuBLAS [{how}]", ms, nbytes)
+        ms, how = time_variant(lambda: gemv(x, w, None, scale), graph=True)
+        results.add(case, f"{first} exported [{how}]", ms, nbytes)
         sweep = SWEEP if m == 1 or os.environ.get("GEMV_SWEEP_ALL") else []
+        if fmt == "int8":
+            sweep = [c for c in sweep if c[3] is None]  # half the sweep: stages made no difference for bf16
         for bn, bk, warps, stages in sweep:
-            name = f"v2 bn={bn} bk={bk} w={warps} s={stages}"
+            name = f"{swept} bn={bn} bk={bk} w={warps} s={stages}"
             try:
-                ms, _ = time_variant(lambda: gemv(x, w, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages),
-                                     graph=True)
+                ms, _ = time_variant(lambda: gemv(x, w, None, scale, block_n=bn, block_k=bk * 2 // w.element_size(),
+                                                  num_warps=warps, num_stages=stages), graph=True)
             except Exception as e:  # e.g. out of registers / shared memory for a big tile
                 print(f"  skip {name}: {str(e).splitlines()[0][:80]}")
                 continue
-            if ms < best.get((label, m), (float("inf"), ""))[0]:
-                best[label, m] = (ms, name)
+            if ms < best.get((case, nbytes), (float("inf"), ""))[0]:
+                best[case, nbytes] = (ms, name)
     results.print()
-    print("\n== best sweep config per shape (vs cuBLAS)")
-    cublas = {r["case"]: r["us"] for r in results.rows if r["variant"].startswith("v0")}
-    for (label, m), (ms, name) in best.items():
-        n, k = SHAPES[label]
-        print(f"{label:22s} M={m}  {name:32s} {ms * 1e3:8.1f} us  {n * k * 2 / ms / 1e6:7.0f} GB/s"
-              f"  cuBLAS {cublas[f'{label} M={m}']:8.1f} us")
+    print("\n== best sweep config per shape (bk in bf16-element units: bytes / 2), vs the exported default")
+    exported = {r["case"]: r["us"] for r in results.rows if r["variant"][:2] in ("v1", "v3")}
+    for (case, nbytes), (ms, name) in best.items():
+        print(f"{case:30s} {name:32s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  exported {exported[case]:8.1f} us")
     finish(ok)
 
 

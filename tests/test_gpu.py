@@ -65,6 +65,36 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
     torch.testing.assert_close(gemv(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
+def test_int8_gemv_on_the_gpu(rows, n, k):
+    "int8 weights with one scale per row (chapter 10), converted through their bits in the kernel."
+    from forge_engine.kernels import gemv
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, device="cuda", generator=gen) / 127 / k ** 0.5
+    want = torch.nn.functional.linear(x.float(), q.float()) * scale
+    torch.testing.assert_close(gemv(x, q, None, scale).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny"])
+def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
+    "Every kernel (GEMV and its fused steps: one sequence at a time, so batch 1) against plain PyTorch on the CPU, fp32."
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    config = dict(kv_cache_bytes=16 * 2**20, block_size=16, max_num_seqs=1, max_num_batched_tokens=256, max_model_len=512)
+    results = []
+    for device in ("cuda", "cpu"):
+        model = init_random_weights(empty_model(preset(name), device, torch.float32), seed=0, std=0.1)
+        results.append(run_all(LLMEngine(LoadedModel(name, model, None, None), EngineConfig(**config)),
+                               [list(range(7, 7 + n)) for n in (1, 9, 30)], params))
+    for g, w in zip(*results):
+        assert g.token_ids == w.token_ids
+        g_lp = torch.tensor([next(iter(lp.values())) for lp in g.logprobs])
+        w_lp = torch.tensor([next(iter(lp.values())) for lp in w.logprobs])
+        torch.testing.assert_close(g_lp, w_lp, rtol=1e-3, atol=1e-3)
+
+
 def test_silu_mul_and_qk_norm_rope_on_the_gpu():
     from forge_engine.kernels import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import INTERPRETED, _dot, _dot_precision, _pow2, kernel_backend, tl, triton
+from forge_engine.kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv, kernel_backend, tl, triton
 from forge_engine.model import Transformer, load_weights
 
 # %%
@@ -545,7 +545,10 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
-    def skinny(self, x): return int8_matmul(x, self.qweight, self.scale, impl="triton")
+    def skinny(self, x):
+        if x.shape[0] <= GEMV_MAX_ROWS:  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
+            return gemv(x, self.qweight, None, self.scale, impl="triton")
+        return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x):
         if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
