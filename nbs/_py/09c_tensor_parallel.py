@@ -618,6 +618,27 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 
 
 # %% [markdown]
+# ### What would make the small all-reduces faster
+#
+# At batch 1 a decode step's 73 all-reduces move 5 KiB each, and their time (the report's
+# `batch_1.collectives_s`, next to `w1_collective_share`) is latency, not bandwidth: divided by
+# 74 it is microseconds per collective, for bytes that NVLink moves in nanoseconds. NCCL's
+# all-reduce is built for large messages: a ring (or tree) of steps, each a protocol exchange
+# between neighbours, in kernels that handle any size, topology and rank count.
+#
+# For a few KB between GPUs joined by NVLink, a **one-shot all-reduce over peer memory** does
+# less: every rank registers one buffer once and maps its peers' buffers into its own address
+# space (CUDA IPC handles, or PyTorch's symmetric memory); then each all-reduce is one small
+# kernel that writes this rank's partial sum into its buffer, raises a flag in peer memory,
+# waits for every peer's flag, and reads all N partial sums straight over NVLink to add them.
+# One step instead of a ring's 2(N - 1), no protocol chunks, and the kernel can also do the
+# residual add and RMSNorm that follow. Under CUDA graphs the addresses must not move: the
+# captured graph reads a fixed input buffer, so either that buffer is the registered one, or
+# one extra small copy into it goes before the kernel. Past a few hundred KB (W2's batches)
+# the two-step version (reduce-scatter then all-gather, each one-shot) or NCCL win again, so
+# such engines pick by size.
+
+# %% [markdown]
 # ## Rank 0's side: workers, their pipes, and a watch on them
 #
 # **Why a pipe for the step descriptions.** The workers spend their idle time waiting for the
