@@ -6,16 +6,21 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import re
+import signal
+import sys
 import threading
 import time
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,10 +35,10 @@ from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['StepItem', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'load_shard', 'describe_step', 'as_plan', 'time_collectives', 'tensor_parallel_report',
-           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+__all__ = ['StepMessage', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear',
+           'VocabParallelEmbedding', 'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model',
+           'read_checkpoint_shard', 'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'time_collectives',
+           'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -218,35 +223,65 @@ def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dt
     return model
 
 # %% ../nbs/09c_tensor_parallel.ipynb #1bff022a
-StepItem = tuple[list[int], int, list[int], bool]  # (new tokens, tokens already cached, block table, samples?)
+StepMessage = tuple[np.ndarray, ...]  # the arrays of `StepWriter.encode`, in its order
 
 
-def describe_step(plan) -> list[StepItem]:
-    "What the workers need of rank 0's `StepPlan`."
-    items = []
-    for i in plan.scheduled:
-        seq, n = i.seq, i.num_new
-        new = [seq.last_token] if n == 1 and seq.num_computed + 1 == seq.num_tokens else \
-            seq.token_ids[seq.num_computed:seq.num_computed + n]
-        items.append((new, seq.num_computed, seq.block_table, i.samples))
-    return items
+class StepWriter:
+    "Rank 0's side: each `StepPlan` as what changed since the last one (see above)."
+    def __init__(self):
+        self.sent: dict = {}  # Sequence -> [key, the block_table list last sent, its length then, last step sent]
+        self.next_key, self.steps = 0, 0
+
+    def encode(self, plan) -> StepMessage:
+        self.steps += 1
+        keys, done, counts, samples, lengths, tokens = [], [], [], [], [], []
+        updated, starts, update_lens, blocks = [], [], [], []
+        for item in plan.scheduled:
+            seq, n = item.seq, item.num_new
+            state = self.sent.get(seq)
+            if state is None:
+                state = self.sent[seq] = [self.next_key, None, 0, 0]
+                self.next_key += 1
+            table, computed = seq.block_table, seq.num_computed
+            if table is not state[1] or len(table) > state[2]:  # a new table (admitted again), or blocks appended
+                start = 0 if table is not state[1] else state[2]
+                updated.append(state[0]); starts.append(start); update_lens.append(len(table) - start)
+                blocks += table[start:]
+                state[1], state[2] = table, len(table)
+            state[3] = self.steps
+            if n == 1:  # decodes: one token, found without building the whole token list
+                prompt = seq.prompt_ids
+                tokens.append(prompt[computed] if computed < len(prompt) else seq.output_ids[computed - len(prompt)])
+            else:
+                tokens += seq.token_ids[computed:computed + n]
+            keys.append(state[0]); done.append(computed); counts.append(n); samples.append(item.samples)
+            lengths.append(len(table))
+        gone = []
+        if len(self.sent) > len(plan.scheduled):  # someone was not scheduled: finished ones are forgotten
+            finished = [seq for seq, state in self.sent.items() if state[3] != self.steps and seq.finished]
+            gone = [self.sent.pop(seq)[0] for seq in finished]
+        as_array = lambda values: np.array(values, dtype=np.int32)
+        return tuple(map(as_array, (keys, done, counts, samples, lengths, tokens,
+                                    updated, starts, update_lens, blocks, gone)))
 
 
 class _Tokens:
     "A sequence's token ids from `offset` on: sliced with absolute positions, as the runner slices a sequence."
+    __slots__ = ("offset", "tokens")
     def __init__(self, offset: int, tokens: list[int]): self.offset, self.tokens = offset, tokens
     def __getitem__(self, s: slice) -> list[int]: return self.tokens[s.start - self.offset:s.stop - self.offset]
 
 
-@dataclass
+@dataclass(slots=True)
 class _SeqView:
-    num_computed: int
+    "A worker's mirror of one sequence: what its `ModelRunner` reads of a `Sequence`."
     block_table: list[int]
-    token_ids: _Tokens
-    last_token: int
+    num_computed: int = 0
+    token_ids: _Tokens | None = None
+    last_token: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Scheduled:
     seq: _SeqView
     num_new: int
@@ -258,10 +293,29 @@ class _Plan:
     scheduled: list[_Scheduled]
 
 
-def as_plan(items: list[StepItem]) -> _Plan:
-    "A plan a `ModelRunner` can run, rebuilt from the items rank 0 sent."
-    return _Plan([_Scheduled(_SeqView(done, table, _Tokens(done, new), new[-1]), len(new), samples)
-                  for new, done, table, samples in items])
+class StepReader:
+    "A worker's side: applies each `StepMessage` to its mirrors and returns the plan its `ModelRunner` runs."
+    def __init__(self): self.seqs: dict[int, _SeqView] = {}
+
+    def decode(self, message: StepMessage) -> _Plan:
+        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone = \
+            (a.tolist() for a in message)
+        for key in gone: del self.seqs[key]
+        at = 0
+        for key, start, n in zip(updated, starts, update_lens):
+            view = self.seqs.get(key) or self.seqs.setdefault(key, _SeqView([]))
+            view.block_table[start:] = blocks[at:at + n]  # in place: the same list, replaced or extended
+            at += n
+        scheduled, end = [], 0
+        for key, computed, n, sample, length in zip(keys, done, counts, samples, lengths):
+            view = self.seqs[key]
+            if len(view.block_table) != length:
+                raise RuntimeError(f"tensor-parallel worker: sequence {key}'s block table has {len(view.block_table)} "
+                                   f"blocks, rank 0's has {length}: the mirrors are out of step")
+            new, end = tokens[end:end + n], end + n
+            view.num_computed, view.token_ids, view.last_token = computed, _Tokens(computed, new), new[-1]
+            scheduled.append(_Scheduled(view, n, bool(sample)))
+        return _Plan(scheduled)
 
 # %% ../nbs/09c_tensor_parallel.ipynb #9a171d67
 def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
@@ -315,21 +369,33 @@ class TensorParallelError(RuntimeError):
     "A worker process died (or a step failed midway): the tensor-parallel group cannot run any more steps."
 
 
-class _Health:
-    "Shared by rank 0's handle and its watcher thread."
-    def __init__(self): self.failure, self.closing, self.lock = None, False, threading.Lock()
-
-    def fail(self, why: str) -> None:
-        with self.lock:
-            if self.failure is None and not self.closing: self.failure = why
-
-    def check(self) -> None:
-        if self.failure is not None: raise TensorParallelError(self.failure)
+STACKS_ENV = "FORGE_TP_STACKS"
 
 
-def _stop_workers(processes, health: _Health, timeout: float = 10.0) -> None:
-    "Terminate every worker still running and wait for it (what `close` and the finalizer do last)."
-    health.closing = True
+def _stack_dump_seconds() -> float | None:
+    "With FORGE_TP_STACKS=S: Python stacks on SIGUSR1 from now on, and S (None without it)."
+    seconds = os.environ.get(STACKS_ENV)
+    if not seconds or sys.__stderr__ is None: return None
+    if hasattr(signal, "SIGUSR1"):  # (the process's own stderr: a test runner may have swapped sys.stderr)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    return float(seconds)
+
+
+@contextmanager
+def _stacks_if_slower_than(seconds: float | None):
+    "Dump every thread's stack (to stderr) every `seconds` while the block runs (nothing when None)."
+    if seconds is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _stop_workers(processes, timeout: float = 10.0) -> None:
+    "Terminate every worker still running and wait for it."
     for p in processes:
         if p.is_alive(): p.terminate()
     for p in processes:
@@ -339,13 +405,19 @@ def _stop_workers(processes, health: _Health, timeout: float = 10.0) -> None:
             p.join()
 
 
-def _abort_collectives(backend: str) -> None:
-    "Make a collective that waits on a dead rank return (NCCL); gloo notices a closed socket by itself."
-    if backend == "nccl" and dist.is_initialized():
+def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
+    """Make a collective that waits on a dead rank return (NCCL; gloo notices a closed socket by itself).
+    The abort raises NCCL's abort flag at once, then reclaims the communicator; it runs on a helper
+    thread so that a slow reclaim cannot hold up the caller past `wait_s`."""
+    if backend != "nccl" or not dist.is_initialized(): return
+    def abort():
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # best effort: the failure is already recorded
             pass
+    helper = threading.Thread(target=abort, name="forge-tp-abort", daemon=True)
+    helper.start()
+    helper.join(wait_s)
 
 
 def _death_report(processes, wait_s: float = 0.0) -> str | None:
@@ -356,15 +428,43 @@ def _death_report(processes, wait_s: float = 0.0) -> str | None:
     return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
 
 
-def _watch_workers(processes, health: _Health, backend: str) -> None:
-    while not health.closing:
-        report = _death_report(processes, wait_s=0.5)
-        if report is None or health.closing: continue
-        health.fail(report)
-        _abort_collectives(backend)
-        for p in processes:
-            if p.is_alive(): p.terminate()
-        return
+class _Group:
+    "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
+    def __init__(self, processes, backend: str):
+        self.processes, self.backend = processes, backend
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
+
+    def check(self) -> None:
+        if self.failure is not None: raise TensorParallelError(self.failure)
+        if self.closing: raise TensorParallelError("the tensor-parallel group is closed")
+
+    def release_graphs(self) -> None:
+        for runner in list(self.graph_owners): runner.release_graphs()
+
+    def fail(self, why: str) -> None:
+        "Record the first failure, then: graphs, abort, stop the workers (in that order: see above). Once."
+        with self.lock:
+            if self.failure is not None or self.closing: return
+            self.failure = why
+            self.release_graphs()
+            _abort_collectives(self.backend)
+            _stop_workers(self.processes)
+
+
+def _watch_workers(group: _Group) -> None:
+    while not group.closing:
+        report = _death_report(group.processes, wait_s=0.5)
+        if report is not None:
+            group.fail(report)
+            return
+
+
+def _finalize_group(group: _Group) -> None:
+    group.closing = True
+    _stop_workers(group.processes)
 
 
 class TensorParallel:
@@ -372,15 +472,15 @@ class TensorParallel:
     def __init__(self, model: ShardedTransformer, processes, pipes, backend: str):
         self.model, self.processes, self.pipes, self.backend = model, processes, pipes, backend
         self.world = model.plan.world
-        self.health = _Health()
-        self._watcher = threading.Thread(target=_watch_workers, args=(processes, self.health, backend),
-                                         name="forge-tp-watch", daemon=True)
+        self.group = _Group(processes, backend)
+        self.engines = 0  # engines built: the workers keep the newest one's runner only
+        self._watcher = threading.Thread(target=_watch_workers, args=(self.group,), name="forge-tp-watch", daemon=True)
         self._watcher.start()
-        self._finalize = weakref.finalize(self, _stop_workers, processes, self.health)
+        self._finalize = weakref.finalize(self, _finalize_group, self.group)
 
     def send(self, kind: str, payload=None) -> None:
         "Send one message to every worker."
-        self.health.check()
+        self.group.check()
         message = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self.pipes: pipe.send_bytes(message)
@@ -389,10 +489,8 @@ class TensorParallel:
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
-        self.health.fail(_death_report(self.processes, wait_s=1.0) or why)
-        _abort_collectives(self.backend)
-        _stop_workers(self.processes, _Health())  # the ranks may be in different collectives now
-        self.health.check()
+        self.group.fail(_death_report(self.processes, wait_s=1.0) or why)
+        self.group.check()
 
     def _collective(self, kind: str, payload, work):
         "Run `work` here while the workers run the same message: collectives inside meet."
@@ -408,7 +506,9 @@ class TensorParallel:
     def build_runner(self, config: EngineConfig) -> "ParallelRunner":
         "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
         runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_num_blocks))
-        return ParallelRunner(runner, self)
+        if runner.decode is not None: self.group.graph_owners.add(runner.decode)
+        self.engines += 1
+        return ParallelRunner(runner, self, self.engines)
 
     def time_collectives(self, batch: int, repeats: int = 20) -> float:
         "Seconds of one decode step's all-reduces and logits all-gather at `batch` sequences (see above)."
@@ -417,38 +517,41 @@ class TensorParallel:
         return self._collective("time_collectives", args, lambda: time_collectives(*args))
 
     def close(self) -> None:
-        "Stop the workers (politely, then by force) and leave the process group."
+        "Stop the workers, destroy the decode graphs, leave the process group (see Shutdown above)."
         if self._finalize.alive:
-            self.health.closing = True
+            with self.group.lock:  # a failure being handled finishes first; later ones are ours, not failures
+                self.group.closing = True
             for pipe in self.pipes:
                 try: pipe.send_bytes(pickle.dumps(("stop", None)))
                 except OSError: pass
+            self._watcher.join(5.0)
+            self.group.release_graphs()
+            if dist.is_initialized() and (self.group.failure is None or self.backend != "nccl"):
+                dist.destroy_process_group()  # while the workers leave too (a failed NCCL group was aborted instead)
             for p in self.processes: p.join(15.0)  # a clean exit; whoever is still there is then terminated
             self._finalize()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a group aborted after a failure may refuse; it is gone either way
-                pass
 
     @property
-    def alive(self) -> bool: return self._finalize.alive and self.health.failure is None
+    def alive(self) -> bool: return self._finalize.alive and self.group.failure is None
 
 
 class ParallelRunner:
-    "Rank 0's runner: sends each step to the workers, then runs its own part of it."
-    def __init__(self, runner: ModelRunner, parallel: TensorParallel):
-        self.inner, self.parallel = runner, parallel
+    "Rank 0's runner: sends each step (what changed since the last one) to the workers, then runs its own part of it."
+    def __init__(self, runner: ModelRunner, parallel: TensorParallel, engine_number: int):
+        self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
+        self.writer = StepWriter()
 
     def run(self, plan) -> torch.Tensor:
+        if self.engine_number != self.parallel.engines:
+            raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
         def step():
             logits = self.inner.run(plan)
             # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
             if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
             return logits
-        logits = self.parallel._collective("step", describe_step(plan), step)
-        self.parallel.health.check()
+        logits = self.parallel._collective("step", self.writer.encode(plan), step)
+        self.parallel.group.check()
         return logits
 
 
@@ -489,25 +592,37 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
     "Ranks 1..N-1: join, load this rank's slices, then run what rank 0 sends until it says stop."
     if spec.device_type == "cpu":  # the ranks share the CPU cores
         torch.set_num_threads(max(1, torch.get_num_threads() // spec.world))
+    slow = _stack_dump_seconds()
     device = _rank_device(spec.device_type, rank)
-    _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
+    runner, stopped = None, False
     try:
-        model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
-        dist.barrier()  # loaded
-        runner = None
+        with _stacks_if_slower_than(slow):
+            _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
+            model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
+            dist.barrier()  # loaded
         while True:
             kind, payload = pickle.loads(pipe.recv_bytes())  # EOFError when rank 0 is gone: we leave
-            if kind == "stop": break
-            with torch.no_grad():
+            if kind == "stop":
+                stopped = True
+                break
+            with torch.no_grad(), _stacks_if_slower_than(slow):
                 if kind == "engine":
+                    _release(runner)
                     runner = None  # free the previous engine's pool first
-                    runner = build_runner(model, payload, _agree_num_blocks)
+                    runner, reader = build_runner(model, payload, _agree_num_blocks), StepReader()
                 elif kind == "step":
-                    runner.run(as_plan(payload))
+                    runner.run(reader.decode(payload))
                 elif kind == "time_collectives":
                     time_collectives(payload[0], payload[1], payload[2], device, payload[4], payload[5])
     finally:
-        dist.destroy_process_group()
+        _release(runner)  # graphs first: NCCL will not destroy a communicator they still use
+        if stopped:  # otherwise rank 0 is gone, or this rank failed: the other ranks cannot be met, just exit
+            with _stacks_if_slower_than(slow):
+                dist.destroy_process_group()
+
+
+def _release(runner: ModelRunner | None) -> None:
+    if runner is not None and runner.decode is not None: runner.decode.release_graphs()
 
 
 def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, seed: int,
@@ -536,13 +651,14 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
         ours.close()
         processes.append(p)
         pipes.append(theirs)
+    _stack_dump_seconds()  # (workers time their messages; rank 0 only dumps on SIGUSR1)
     try:
         device = _rank_device(device.type, 0)
         _join_group(spec, 0, store)
         model = load_shard(resolved, plan, device, dtype, seed, stats=stats)
         dist.barrier()  # every rank has loaded
     except BaseException:
-        _stop_workers(processes, _Health())
+        _stop_workers(processes)
         if dist.is_initialized(): dist.destroy_process_group()
         raise
     tokenizer = None

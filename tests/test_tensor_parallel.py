@@ -77,6 +77,27 @@ def test_random_preset_same_tokens_as_one_process():
     finally:
         loaded.parallel.close()
     assert_no_workers(loaded.parallel)
+    assert [p.exitcode for p in loaded.parallel.processes] == [0]  # it left by itself, not terminated
+    engine.add_request([1, 2, 3], GREEDY, request_id="after close")
+    [out] = engine.step()
+    assert out.finish_reason == "error" and "closed" in out.error
+
+
+def test_preemption_and_shared_prefixes_keep_the_workers_in_step():
+    """A pool too small for every request: sequences are preempted and re-admitted (their block tables
+    replaced), and a repeated prompt shares cached blocks; the workers' mirrors of the tables follow."""
+    prompts = PROMPTS + [PROMPTS[1]]
+    one = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False), EngineConfig(**ENGINE))
+    reference = run_to_end(one, prompts)
+    loaded = load_model("random:qwen3-tiny", "cpu", progress=False, tensor_parallel_size=2)
+    try:  # 2 KiB blocks per rank (1 KV head of 32 fp32 dims x 2 layers, K and V, 4 tokens): 24 blocks for ~130 tokens
+        engine = LLMEngine(loaded, EngineConfig(**{**ENGINE, "kv_cache_bytes": 24 * 2048}, tensor_parallel_size=2))
+        assert_same_outputs(reference, run_to_end(engine, prompts))
+        assert sum(r.preempted for r in engine.recent) > 0
+        engine.allocator.check_idle()
+    finally:
+        loaded.parallel.close()
+    assert_no_workers(loaded.parallel)
 
 
 def test_sharded_safetensors_and_a_killed_worker(tmp_path):

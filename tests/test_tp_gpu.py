@@ -1,9 +1,13 @@
 """Tensor parallelism on 2 GPUs: NCCL, CUDA graphs with the collectives inside, against one GPU.
-Run on a machine with 2+ GPUs: `python -m pytest -q -m gpu tests/test_tp_gpu.py`."""
+Run on a machine with 2+ GPUs: `python -m pytest -q -m gpu tests/test_tp_gpu.py`
+(`kernels_lab/tp_gpu_check.sh` runs it with every rank's stacks dumped should anything hang)."""
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -33,8 +37,11 @@ def test_two_gpus_match_one(tmp_path, dtype):
         got = run_to_end(engine, PROMPTS, PARAMS)
         engine.allocator.check_idle()
     finally:
-        loaded.parallel.close()
-    assert not multiprocessing.active_children()
+        start = time.monotonic()
+        loaded.parallel.close()  # with the engine and its graphs still alive: close destroys them first
+    assert time.monotonic() - start < 20, "close waited for a worker to be terminated"
+    assert all(p.exitcode == 0 for p in loaded.parallel.processes)  # the worker left by itself
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
     for g, w in zip(got, reference):
         assert g.error is None
         first = torch.tensor([next(iter(lp.values())) for lp in g.logprobs[:4]])
@@ -71,5 +78,16 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly():
             loaded.parallel.close()
             print("FAILED CLEANLY")
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and "FAILED CLEANLY" in r.stdout, r.stderr[-3000:]
+    # its own session: on a hang every process of it (the workers too) dumps its stacks, then is killed
+    env = {**os.environ, "FORGE_TP_STACKS": "30"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("the killed-worker run hangs; every process's stacks:\n" + out[-20000:])
+    assert proc.returncode == 0 and "FAILED CLEANLY" in out, out[-5000:]

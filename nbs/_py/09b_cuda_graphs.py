@@ -156,6 +156,11 @@ class DecodeRunner:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def release_graphs(self) -> None:
+        """Destroy the graphs now (their memory pool goes back to PyTorch's cache); `run` refuses from then on.
+        Graphs that recorded NCCL collectives must go before their communicator can (chapter 09c)."""
+        self.graphs, self.logits = {}, {}
+
     @torch.no_grad()
     def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
             block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]) -> torch.Tensor:
@@ -179,6 +184,7 @@ class DecodeRunner:
             self.ids[n:b].zero_(); self.positions[n:b].zero_(); self.slots[n:b].fill_(self.scratch_slot)
             self.lens[n:b].fill_(1); self.tables[n:b, 0].fill_(self.scratch_slot // self.cache.block_size)
         if self.use_graphs:
+            if not self.graphs: raise RuntimeError("this decode runner's CUDA graphs were released")
             self.graphs[b, w].replay()
             return self.logits[b, w][:n]
         return self._forward(b, w)[:n]

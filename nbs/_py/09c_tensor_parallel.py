@@ -74,16 +74,21 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import re
+import signal
+import sys
 import threading
 import time
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -386,41 +391,88 @@ assert all(torch.equal(hf_state_dict(whole)[name], t) for name, t in random_chec
 #
 # Rank 0's `ModelRunner` reads, per scheduled sequence, its new tokens, how many tokens are
 # already in the cache, its block table and whether it samples. That is all a worker needs to
-# run the same step: one plain tuple per sequence goes through the pipe (plain tuples and
-# lists pickle about four times faster than dataclasses, and a W2 step carries 256 of them),
-# and `as_plan` dresses them as the scheduler's plan for the worker's own `ModelRunner`.
+# run the same step. Sending all of it every step is wasteful: at 256 decoding sequences the
+# block tables are ~13,000 numbers, and all but a few are the ones sent the step before. So
+# each worker keeps a **mirror** of every running sequence's block table, and a step carries
+# only what changed:
+#
+# - per scheduled sequence: a small integer key, its cached-token count, its new-token count,
+#   whether it samples, and its table's length (the worker checks its mirror against it);
+# - the new tokens, all in one array (one per decoding sequence);
+# - table updates: whole tables for sequences just admitted (or re-admitted after a
+#   preemption), the appended blocks for the others (most decode steps: none);
+# - the keys of sequences that finished, so the mirrors do not grow for ever.
+#
+# Every part is a flat `int32` numpy array (pickled with its bytes copied once), not a list of
+# Python objects. `StepWriter` on rank 0 makes them; `StepReader` in a worker applies them and
+# dresses the step as the scheduler's plan for the worker's own `ModelRunner`.
+#
+# How rank 0 knows what changed: the scheduler only ever *appends* to a running sequence's
+# `block_table` list; admitting (or re-admitting) a sequence gives it a new list. So the writer
+# keeps, per sequence, the list object it last sent and how long it was then: the same object,
+# longer, means "append the tail"; another object means "replace".
 
 # %%
 #| export
-StepItem = tuple[list[int], int, list[int], bool]  # (new tokens, tokens already cached, block table, samples?)
+StepMessage = tuple[np.ndarray, ...]  # the arrays of `StepWriter.encode`, in its order
 
 
-def describe_step(plan) -> list[StepItem]:
-    "What the workers need of rank 0's `StepPlan`."
-    items = []
-    for i in plan.scheduled:
-        seq, n = i.seq, i.num_new
-        new = [seq.last_token] if n == 1 and seq.num_computed + 1 == seq.num_tokens else \
-            seq.token_ids[seq.num_computed:seq.num_computed + n]
-        items.append((new, seq.num_computed, seq.block_table, i.samples))
-    return items
+class StepWriter:
+    "Rank 0's side: each `StepPlan` as what changed since the last one (see above)."
+    def __init__(self):
+        self.sent: dict = {}  # Sequence -> [key, the block_table list last sent, its length then, last step sent]
+        self.next_key, self.steps = 0, 0
+
+    def encode(self, plan) -> StepMessage:
+        self.steps += 1
+        keys, done, counts, samples, lengths, tokens = [], [], [], [], [], []
+        updated, starts, update_lens, blocks = [], [], [], []
+        for item in plan.scheduled:
+            seq, n = item.seq, item.num_new
+            state = self.sent.get(seq)
+            if state is None:
+                state = self.sent[seq] = [self.next_key, None, 0, 0]
+                self.next_key += 1
+            table, computed = seq.block_table, seq.num_computed
+            if table is not state[1] or len(table) > state[2]:  # a new table (admitted again), or blocks appended
+                start = 0 if table is not state[1] else state[2]
+                updated.append(state[0]); starts.append(start); update_lens.append(len(table) - start)
+                blocks += table[start:]
+                state[1], state[2] = table, len(table)
+            state[3] = self.steps
+            if n == 1:  # decodes: one token, found without building the whole token list
+                prompt = seq.prompt_ids
+                tokens.append(prompt[computed] if computed < len(prompt) else seq.output_ids[computed - len(prompt)])
+            else:
+                tokens += seq.token_ids[computed:computed + n]
+            keys.append(state[0]); done.append(computed); counts.append(n); samples.append(item.samples)
+            lengths.append(len(table))
+        gone = []
+        if len(self.sent) > len(plan.scheduled):  # someone was not scheduled: finished ones are forgotten
+            finished = [seq for seq, state in self.sent.items() if state[3] != self.steps and seq.finished]
+            gone = [self.sent.pop(seq)[0] for seq in finished]
+        as_array = lambda values: np.array(values, dtype=np.int32)
+        return tuple(map(as_array, (keys, done, counts, samples, lengths, tokens,
+                                    updated, starts, update_lens, blocks, gone)))
 
 
 class _Tokens:
     "A sequence's token ids from `offset` on: sliced with absolute positions, as the runner slices a sequence."
+    __slots__ = ("offset", "tokens")
     def __init__(self, offset: int, tokens: list[int]): self.offset, self.tokens = offset, tokens
     def __getitem__(self, s: slice) -> list[int]: return self.tokens[s.start - self.offset:s.stop - self.offset]
 
 
-@dataclass
+@dataclass(slots=True)
 class _SeqView:
-    num_computed: int
+    "A worker's mirror of one sequence: what its `ModelRunner` reads of a `Sequence`."
     block_table: list[int]
-    token_ids: _Tokens
-    last_token: int
+    num_computed: int = 0
+    token_ids: _Tokens | None = None
+    last_token: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Scheduled:
     seq: _SeqView
     num_new: int
@@ -432,10 +484,72 @@ class _Plan:
     scheduled: list[_Scheduled]
 
 
-def as_plan(items: list[StepItem]) -> _Plan:
-    "A plan a `ModelRunner` can run, rebuilt from the items rank 0 sent."
-    return _Plan([_Scheduled(_SeqView(done, table, _Tokens(done, new), new[-1]), len(new), samples)
-                  for new, done, table, samples in items])
+class StepReader:
+    "A worker's side: applies each `StepMessage` to its mirrors and returns the plan its `ModelRunner` runs."
+    def __init__(self): self.seqs: dict[int, _SeqView] = {}
+
+    def decode(self, message: StepMessage) -> _Plan:
+        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone = \
+            (a.tolist() for a in message)
+        for key in gone: del self.seqs[key]
+        at = 0
+        for key, start, n in zip(updated, starts, update_lens):
+            view = self.seqs.get(key) or self.seqs.setdefault(key, _SeqView([]))
+            view.block_table[start:] = blocks[at:at + n]  # in place: the same list, replaced or extended
+            at += n
+        scheduled, end = [], 0
+        for key, computed, n, sample, length in zip(keys, done, counts, samples, lengths):
+            view = self.seqs[key]
+            if len(view.block_table) != length:
+                raise RuntimeError(f"tensor-parallel worker: sequence {key}'s block table has {len(view.block_table)} "
+                                   f"blocks, rank 0's has {length}: the mirrors are out of step")
+            new, end = tokens[end:end + n], end + n
+            view.num_computed, view.token_ids, view.last_token = computed, _Tokens(computed, new), new[-1]
+            scheduled.append(_Scheduled(view, n, bool(sample)))
+        return _Plan(scheduled)
+
+
+# %% [markdown]
+# Three steps of a small batch, through a writer and a reader: the first carries the whole
+# tables, the second none (every sequence still has room in its last block), the third the
+# blocks appended and the key of the sequence that finished. The reader's plan reads the same
+# as the scheduler's.
+
+# %%
+from forge_engine.scheduler import ScheduledSeq, Sequence, StepPlan, Status
+
+def fake_seq(i, prompt_len, table):
+    seq = Sequence(str(i), list(range(1, prompt_len + 1)), SamplingParams())
+    seq.block_table, seq.status = table, Status.RUNNING
+    return seq
+
+writer, reader = StepWriter(), StepReader()
+seqs = [fake_seq(0, 5, [3, 4]), fake_seq(1, 9, [7, 8, 9])]
+def same_plan(plan, read):
+    for a, b in zip(plan.scheduled, read.scheduled, strict=True):
+        s, v, n = a.seq, b.seq, a.num_new
+        assert (v.block_table, v.num_computed, b.num_new, b.samples) == (s.block_table, s.num_computed, n, a.samples)
+        assert v.token_ids[s.num_computed:s.num_computed + n] == s.token_ids[s.num_computed:s.num_computed + n]
+    return sum(a.nbytes for a in message)
+
+plan = StepPlan([ScheduledSeq(seqs[0], 5, True), ScheduledSeq(seqs[1], 4, False)])  # a prefill and a chunk of one
+message = writer.encode(plan); print("step 1:", same_plan(plan, reader.decode(message)), "bytes")
+seqs[0].num_computed, seqs[1].num_computed = 5, 4
+seqs[0].output_ids = [42]
+plan = StepPlan([ScheduledSeq(seqs[0], 1, True), ScheduledSeq(seqs[1], 5, True)])
+message = writer.encode(plan); print("step 2:", same_plan(plan, reader.decode(message)), "bytes")
+assert message[6].size == 0  # no table changed
+seqs[0].num_computed, seqs[1].num_computed = 6, 9
+seqs[0].output_ids.append(43); seqs[0].block_table += [11]  # seq 0 grew a block
+seqs[1].status = Status.FINISHED
+plan = StepPlan([ScheduledSeq(seqs[0], 1, True)])
+message = writer.encode(plan); print("step 3:", same_plan(plan, reader.decode(message)), "bytes")
+assert message[6].tolist() == [0] and message[9].tolist() == [11] and message[10].tolist() == [1]
+assert list(reader.seqs) == [0] and len(writer.sent) == 1
+seqs[0].block_table = [20, 21]  # preempted and re-admitted: a new list, sent whole
+seqs[0].num_computed = 0
+plan = StepPlan([ScheduledSeq(seqs[0], 7, True)])
+assert same_plan(plan, reader.decode(writer.encode(plan)))
 
 
 # %% [markdown]
@@ -504,27 +618,63 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 
 
 # %% [markdown]
+# ### What would make the small all-reduces faster
+#
+# At batch 1 a decode step's 73 all-reduces move 5 KiB each, and their time (the report's
+# `batch_1.collectives_s`, next to `w1_collective_share`) is latency, not bandwidth: divided by
+# 74 it is microseconds per collective, for bytes that NVLink moves in nanoseconds. NCCL's
+# all-reduce is built for large messages: a ring (or tree) of steps, each a protocol exchange
+# between neighbours, in kernels that handle any size, topology and rank count.
+#
+# For a few KB between GPUs joined by NVLink, a **one-shot all-reduce over peer memory** does
+# less: every rank registers one buffer once and maps its peers' buffers into its own address
+# space (CUDA IPC handles, or PyTorch's symmetric memory); then each all-reduce is one small
+# kernel that writes this rank's partial sum into its buffer, raises a flag in peer memory,
+# waits for every peer's flag, and reads all N partial sums straight over NVLink to add them.
+# One step instead of a ring's 2(N - 1), no protocol chunks, and the kernel can also do the
+# residual add and RMSNorm that follow. Under CUDA graphs the addresses must not move: the
+# captured graph reads a fixed input buffer, so either that buffer is the registered one, or
+# one extra small copy into it goes before the kernel. Past a few hundred KB (W2's batches)
+# the two-step version (reduce-scatter then all-gather, each one-shot) or NCCL win again, so
+# such engines pick by size.
+
+# %% [markdown]
 # ## Rank 0's side: workers, their pipes, and a watch on them
 #
 # **Why a pipe for the step descriptions.** The workers spend their idle time waiting for the
 # next step. A `torch.distributed` receive waits at most its timeout (and a server may be idle
 # for hours), while a `multiprocessing` pipe waits for ever and reports a dead peer at once
 # (`EOFError` in a worker whose engine died, `BrokenPipeError` on rank 0's side). A step's
-# description is a few hundred bytes to a few hundred KB of pickled lists; sending it costs
-# tens of microseconds. The *model's* collectives, which carry tensors, go through
-# `torch.distributed`.
+# message is a few hundred bytes of arrays (a few KB when many sequences are admitted at
+# once). The *model's* collectives, which carry tensors, go through `torch.distributed`.
+#
+# **CUDA graphs before communicators.** A CUDA graph that recorded NCCL collectives holds a
+# reference on the communicator, and (since NCCL 2.26) destroying *or aborting* the
+# communicator waits until every such graph is destroyed. A process that leaves the group
+# while its engine's decode graphs are still alive therefore hangs for ever. So every rank
+# destroys its decode graphs first (`DecodeRunner.release_graphs`): a worker before it leaves,
+# rank 0 for every runner it built, on `close()` and on failure alike.
 #
 # **Failure.** A watcher thread waits on the workers' process sentinels. When one dies, it
-# records why, stops the others, and (on NCCL) aborts the communicator so that nothing waits
-# on the dead rank. From then on every `run` raises at once with that reason; the engine fails
-# the step's requests, then every later step's, so each open request ends with an error and
-# nothing hangs. A step that raises on rank 0 after the workers have started it poisons the
-# group too: the ranks can no longer be trusted to meet in the same collective.
+# records why, destroys rank 0's decode graphs (a replay in flight finishes first), aborts the
+# communicator (on NCCL) so that nothing waits on the dead rank, and stops the others. From
+# then on every `run` raises at once with that reason; the engine fails the step's requests,
+# then every later step's, so each open request ends with an error and nothing hangs. A step
+# that raises on rank 0 after the workers have started it poisons the group too: the ranks
+# can no longer be trusted to meet in the same collective.
 #
-# **Shutdown.** `close()` asks the workers to stop, then terminates whatever is left; the same
-# happens when the handle is garbage collected or the interpreter exits (`weakref.finalize`).
-# The workers are daemonic, so they cannot outlive a rank 0 that exits normally, and a worker
-# whose pipe breaks (rank 0 killed) exits.
+# **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
+# engine built on the model; an older engine's runner on rank 0 refuses to run a step.
+#
+# **Shutdown.** `close()` asks the workers to stop, destroys the graphs, leaves the group (the
+# workers leave at the same time), then waits for the workers and terminates whatever is
+# left. When the handle is garbage collected or the interpreter exits (`weakref.finalize`),
+# the workers are terminated. The workers are daemonic, so they cannot outlive a rank 0 that
+# exits normally, and a worker whose pipe breaks (rank 0 killed) exits.
+#
+# **Where a hang is.** With `FORGE_TP_STACKS=S` in the environment, every rank dumps its
+# Python stacks (all threads) on `SIGUSR1`, and a worker dumps them by itself when one message
+# (loading, building an engine, a step, leaving) takes more than `S` seconds.
 
 # %%
 #| export
@@ -532,21 +682,33 @@ class TensorParallelError(RuntimeError):
     "A worker process died (or a step failed midway): the tensor-parallel group cannot run any more steps."
 
 
-class _Health:
-    "Shared by rank 0's handle and its watcher thread."
-    def __init__(self): self.failure, self.closing, self.lock = None, False, threading.Lock()
-
-    def fail(self, why: str) -> None:
-        with self.lock:
-            if self.failure is None and not self.closing: self.failure = why
-
-    def check(self) -> None:
-        if self.failure is not None: raise TensorParallelError(self.failure)
+STACKS_ENV = "FORGE_TP_STACKS"
 
 
-def _stop_workers(processes, health: _Health, timeout: float = 10.0) -> None:
-    "Terminate every worker still running and wait for it (what `close` and the finalizer do last)."
-    health.closing = True
+def _stack_dump_seconds() -> float | None:
+    "With FORGE_TP_STACKS=S: Python stacks on SIGUSR1 from now on, and S (None without it)."
+    seconds = os.environ.get(STACKS_ENV)
+    if not seconds or sys.__stderr__ is None: return None
+    if hasattr(signal, "SIGUSR1"):  # (the process's own stderr: a test runner may have swapped sys.stderr)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    return float(seconds)
+
+
+@contextmanager
+def _stacks_if_slower_than(seconds: float | None):
+    "Dump every thread's stack (to stderr) every `seconds` while the block runs (nothing when None)."
+    if seconds is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _stop_workers(processes, timeout: float = 10.0) -> None:
+    "Terminate every worker still running and wait for it."
     for p in processes:
         if p.is_alive(): p.terminate()
     for p in processes:
@@ -556,13 +718,19 @@ def _stop_workers(processes, health: _Health, timeout: float = 10.0) -> None:
             p.join()
 
 
-def _abort_collectives(backend: str) -> None:
-    "Make a collective that waits on a dead rank return (NCCL); gloo notices a closed socket by itself."
-    if backend == "nccl" and dist.is_initialized():
+def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
+    """Make a collective that waits on a dead rank return (NCCL; gloo notices a closed socket by itself).
+    The abort raises NCCL's abort flag at once, then reclaims the communicator; it runs on a helper
+    thread so that a slow reclaim cannot hold up the caller past `wait_s`."""
+    if backend != "nccl" or not dist.is_initialized(): return
+    def abort():
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # best effort: the failure is already recorded
             pass
+    helper = threading.Thread(target=abort, name="forge-tp-abort", daemon=True)
+    helper.start()
+    helper.join(wait_s)
 
 
 def _death_report(processes, wait_s: float = 0.0) -> str | None:
@@ -573,15 +741,43 @@ def _death_report(processes, wait_s: float = 0.0) -> str | None:
     return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
 
 
-def _watch_workers(processes, health: _Health, backend: str) -> None:
-    while not health.closing:
-        report = _death_report(processes, wait_s=0.5)
-        if report is None or health.closing: continue
-        health.fail(report)
-        _abort_collectives(backend)
-        for p in processes:
-            if p.is_alive(): p.terminate()
-        return
+class _Group:
+    "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
+    def __init__(self, processes, backend: str):
+        self.processes, self.backend = processes, backend
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
+
+    def check(self) -> None:
+        if self.failure is not None: raise TensorParallelError(self.failure)
+        if self.closing: raise TensorParallelError("the tensor-parallel group is closed")
+
+    def release_graphs(self) -> None:
+        for runner in list(self.graph_owners): runner.release_graphs()
+
+    def fail(self, why: str) -> None:
+        "Record the first failure, then: graphs, abort, stop the workers (in that order: see above). Once."
+        with self.lock:
+            if self.failure is not None or self.closing: return
+            self.failure = why
+            self.release_graphs()
+            _abort_collectives(self.backend)
+            _stop_workers(self.processes)
+
+
+def _watch_workers(group: _Group) -> None:
+    while not group.closing:
+        report = _death_report(group.processes, wait_s=0.5)
+        if report is not None:
+            group.fail(report)
+            return
+
+
+def _finalize_group(group: _Group) -> None:
+    group.closing = True
+    _stop_workers(group.processes)
 
 
 class TensorParallel:
@@ -589,15 +785,15 @@ class TensorParallel:
     def __init__(self, model: ShardedTransformer, processes, pipes, backend: str):
         self.model, self.processes, self.pipes, self.backend = model, processes, pipes, backend
         self.world = model.plan.world
-        self.health = _Health()
-        self._watcher = threading.Thread(target=_watch_workers, args=(processes, self.health, backend),
-                                         name="forge-tp-watch", daemon=True)
+        self.group = _Group(processes, backend)
+        self.engines = 0  # engines built: the workers keep the newest one's runner only
+        self._watcher = threading.Thread(target=_watch_workers, args=(self.group,), name="forge-tp-watch", daemon=True)
         self._watcher.start()
-        self._finalize = weakref.finalize(self, _stop_workers, processes, self.health)
+        self._finalize = weakref.finalize(self, _finalize_group, self.group)
 
     def send(self, kind: str, payload=None) -> None:
         "Send one message to every worker."
-        self.health.check()
+        self.group.check()
         message = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self.pipes: pipe.send_bytes(message)
@@ -606,10 +802,8 @@ class TensorParallel:
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
-        self.health.fail(_death_report(self.processes, wait_s=1.0) or why)
-        _abort_collectives(self.backend)
-        _stop_workers(self.processes, _Health())  # the ranks may be in different collectives now
-        self.health.check()
+        self.group.fail(_death_report(self.processes, wait_s=1.0) or why)
+        self.group.check()
 
     def _collective(self, kind: str, payload, work):
         "Run `work` here while the workers run the same message: collectives inside meet."
@@ -625,7 +819,9 @@ class TensorParallel:
     def build_runner(self, config: EngineConfig) -> "ParallelRunner":
         "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
         runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_num_blocks))
-        return ParallelRunner(runner, self)
+        if runner.decode is not None: self.group.graph_owners.add(runner.decode)
+        self.engines += 1
+        return ParallelRunner(runner, self, self.engines)
 
     def time_collectives(self, batch: int, repeats: int = 20) -> float:
         "Seconds of one decode step's all-reduces and logits all-gather at `batch` sequences (see above)."
@@ -634,38 +830,41 @@ class TensorParallel:
         return self._collective("time_collectives", args, lambda: time_collectives(*args))
 
     def close(self) -> None:
-        "Stop the workers (politely, then by force) and leave the process group."
+        "Stop the workers, destroy the decode graphs, leave the process group (see Shutdown above)."
         if self._finalize.alive:
-            self.health.closing = True
+            with self.group.lock:  # a failure being handled finishes first; later ones are ours, not failures
+                self.group.closing = True
             for pipe in self.pipes:
                 try: pipe.send_bytes(pickle.dumps(("stop", None)))
                 except OSError: pass
+            self._watcher.join(5.0)
+            self.group.release_graphs()
+            if dist.is_initialized() and (self.group.failure is None or self.backend != "nccl"):
+                dist.destroy_process_group()  # while the workers leave too (a failed NCCL group was aborted instead)
             for p in self.processes: p.join(15.0)  # a clean exit; whoever is still there is then terminated
             self._finalize()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a group aborted after a failure may refuse; it is gone either way
-                pass
 
     @property
-    def alive(self) -> bool: return self._finalize.alive and self.health.failure is None
+    def alive(self) -> bool: return self._finalize.alive and self.group.failure is None
 
 
 class ParallelRunner:
-    "Rank 0's runner: sends each step to the workers, then runs its own part of it."
-    def __init__(self, runner: ModelRunner, parallel: TensorParallel):
-        self.inner, self.parallel = runner, parallel
+    "Rank 0's runner: sends each step (what changed since the last one) to the workers, then runs its own part of it."
+    def __init__(self, runner: ModelRunner, parallel: TensorParallel, engine_number: int):
+        self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
+        self.writer = StepWriter()
 
     def run(self, plan) -> torch.Tensor:
+        if self.engine_number != self.parallel.engines:
+            raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
         def step():
             logits = self.inner.run(plan)
             # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
             if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
             return logits
-        logits = self.parallel._collective("step", describe_step(plan), step)
-        self.parallel.health.check()
+        logits = self.parallel._collective("step", self.writer.encode(plan), step)
+        self.parallel.group.check()
         return logits
 
 
@@ -715,25 +914,37 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
     "Ranks 1..N-1: join, load this rank's slices, then run what rank 0 sends until it says stop."
     if spec.device_type == "cpu":  # the ranks share the CPU cores
         torch.set_num_threads(max(1, torch.get_num_threads() // spec.world))
+    slow = _stack_dump_seconds()
     device = _rank_device(spec.device_type, rank)
-    _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
+    runner, stopped = None, False
     try:
-        model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
-        dist.barrier()  # loaded
-        runner = None
+        with _stacks_if_slower_than(slow):
+            _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
+            model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
+            dist.barrier()  # loaded
         while True:
             kind, payload = pickle.loads(pipe.recv_bytes())  # EOFError when rank 0 is gone: we leave
-            if kind == "stop": break
-            with torch.no_grad():
+            if kind == "stop":
+                stopped = True
+                break
+            with torch.no_grad(), _stacks_if_slower_than(slow):
                 if kind == "engine":
+                    _release(runner)
                     runner = None  # free the previous engine's pool first
-                    runner = build_runner(model, payload, _agree_num_blocks)
+                    runner, reader = build_runner(model, payload, _agree_num_blocks), StepReader()
                 elif kind == "step":
-                    runner.run(as_plan(payload))
+                    runner.run(reader.decode(payload))
                 elif kind == "time_collectives":
                     time_collectives(payload[0], payload[1], payload[2], device, payload[4], payload[5])
     finally:
-        dist.destroy_process_group()
+        _release(runner)  # graphs first: NCCL will not destroy a communicator they still use
+        if stopped:  # otherwise rank 0 is gone, or this rank failed: the other ranks cannot be met, just exit
+            with _stacks_if_slower_than(slow):
+                dist.destroy_process_group()
+
+
+def _release(runner: ModelRunner | None) -> None:
+    if runner is not None and runner.decode is not None: runner.decode.release_graphs()
 
 
 def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, seed: int,
@@ -762,13 +973,14 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
         ours.close()
         processes.append(p)
         pipes.append(theirs)
+    _stack_dump_seconds()  # (workers time their messages; rank 0 only dumps on SIGUSR1)
     try:
         device = _rank_device(device.type, 0)
         _join_group(spec, 0, store)
         model = load_shard(resolved, plan, device, dtype, seed, stats=stats)
         dist.barrier()  # every rank has loaded
     except BaseException:
-        _stop_workers(processes, _Health())
+        _stop_workers(processes)
         if dist.is_initialized(): dist.destroy_process_group()
         raise
     tokenizer = None
