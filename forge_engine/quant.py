@@ -16,10 +16,11 @@ from .kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, ge
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'SKINNY_MAX_ROWS', 'KEPT_GGUF_TYPES', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8',
-           'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'int8_matmul', 'int4_matmul',
-           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear',
-           'Int8Linear', 'Int4Linear', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['INT4_GROUP', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'QUANTIZED_LINEARS', 'QUANTIZERS',
+           'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
+           'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
+           'int4_matmul_reference', 'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear', 'Int8Linear', 'Int4Linear',
+           'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +142,78 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 # %% ../nbs/10_quantization.ipynb #372e2760
+@triton.jit
+def _small_int_to_f32(q):
+    "int32 values in 0..2^23 -> float32, exactly: 2^23 + q as bits, minus 2^23 (no conversion instruction)."
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    n_groups = K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_g, offs_j = tl.arange(0, ROWS), tl.arange(0, GROUPS), tl.arange(0, HALF)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    rows = offs_n.to(tl.int64)
+    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, HALF]; a stride (K/2)
+    # passed in, so Triton sees that a row starts 16-byte aligned and loads 16 bytes at a time
+    x_rows = x_ptr + offs_m[:, None, None] * K + offs_j[None, None, :]  # [ROWS, 1, HALF]
+    acc = tl.zeros((ROWS, BLOCK_N, GROUPS), dtype=tl.float32)
+    for g0 in range(0, n_groups, GROUPS):
+        g = g0 + offs_g
+        g_ok = g < n_groups  # K is whole groups; the last step may hold fewer than GROUPS of them
+        b = tl.load(q_rows + g[None, :, None] * HALF, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+        x_mask = m_ok[:, None, None] & g_ok[None, :, None]
+        x_lo = tl.load(x_rows + g[None, :, None] * GROUP, mask=x_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_rows + g[None, :, None] * GROUP + HALF, mask=x_mask, other=0.0).to(tl.float32)
+        b = b.to(tl.int32)
+        q_lo, q_hi = _small_int_to_f32(b & 0x0F), _small_int_to_f32(b >> 4)
+        xq = tl.sum(x_lo[:, None, :, :] * q_lo[None, :, :, :] + x_hi[:, None, :, :] * q_hi[None, :, :, :], axis=3)
+        x_sum = tl.sum(x_lo + x_hi, axis=2)  # [ROWS, GROUPS]
+        sm_at = rows[:, None] * n_groups + g[None, :]
+        sm_mask = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        acc += xq * s[None, :, :] + x_sum[:, None, :] * mn[None, :, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+# %% ../nbs/10_quantization.ipynb #7425bb5b
+def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    "(BLOCK_N, BLOCK_K in inputs, num_warps) for a quantized [n, k] weight at 1-4 rows; kernels_lab/quant_gemv.py sweeps them."
+    if k >= 4096:  # long rows (o, down): few rows a program, so 2,560 outputs still make many programs
+        return 2, 1024, 4
+    return (4, 1024, 4) if n < 16384 else (8, 1024, 4)
+
+
+def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
+    "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m:
+        kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
+                                           BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+    return out
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
+    (m, k), n = x.shape, packed.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
+    group = k // scale.shape[1]
+    default = quant_gemv_config(n, k)
+    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
+                        GROUPS=groups, GROUP=group)
+
+# %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul
 
 
@@ -163,12 +236,13 @@ def _target_programs(device: torch.device) -> int:
 
 
 def _skinny_matmul(kernel, x: torch.Tensor, weights: tuple, n: int, k_step: int, block_n: int | None = None,
-                   split: int | None = None, num_warps: int = 4, **constexprs) -> torch.Tensor:
-    "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype."
+                   split: int | None = None, num_warps: int = 4, use_dot: bool | None = None,
+                   **constexprs) -> torch.Tensor:
+    "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype. use_dot: tl.dot tiles (default: above 2 rows)."
     x = x.contiguous()
     m, k = x.shape
-    block_m = _pow2(m) if m <= 2 else max(16, min(_pow2(m), 64))
-    use_dot = block_m >= 16
+    use_dot = m > 2 if use_dot is None else use_dot
+    block_m = max(16, min(_pow2(m), 64)) if use_dot else _pow2(m)
     block_n = block_n or (64 if use_dot else 64 // block_m)
     n_tiles, m_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, k_step)
     if split is None:
@@ -193,11 +267,26 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str
     return _skinny_matmul(_int8_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, **launch)
 
 
+SKINNY_KERNELS = ("gemv", "split_k")
+
+
+def _skinny_kernel(kernel: str | None, rows: int) -> str:
+    "The kernel for `rows` rows: 'gemv' up to GEMV_MAX_ROWS, 'split_k' above, unless `kernel` names one."
+    kernel = kernel or ("gemv" if rows <= GEMV_MAX_ROWS else "split_k")
+    if kernel not in SKINNY_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(SKINNY_KERNELS)}")
+    if kernel == "gemv" and rows > GEMV_MAX_ROWS:
+        raise ValueError(f"the gemv kernels take at most {GEMV_MAX_ROWS} rows, got {rows}")
+    return kernel
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                impl: str = "auto", **launch) -> torch.Tensor:
-    "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype."
+                impl: str = "auto", kernel: str | None = None, **launch) -> torch.Tensor:
+    "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype; `launch` goes to the kernel's launcher."
     if kernel_backend(x.device, impl) == "torch":
         return int4_matmul_reference(x, packed, scale, minimum)
+    if _skinny_kernel(kernel, x.shape[0]) == "gemv":
+        return int4_gemv(x, packed, scale, minimum, **launch)
     group = x.shape[1] // scale.shape[1]
     return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group, **launch)
 
@@ -213,7 +302,8 @@ def int4_matmul_reference(x, packed, scale, minimum):
 # %% ../nbs/10_quantization.ipynb #0eea6fb7
 # GGML type number -> (name, weights per block, bytes per block). Plain numbers, so that the int8 / int4
 # paths import without the `gguf` package (the GPU machine may not have it); chapter 01a is imported lazily.
-KEPT_GGUF_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+KEPT_GGUF_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+                   7: ("Q5_1", 32, 24), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
 
 @triton.jit
@@ -225,29 +315,63 @@ def _load_f16(p, mask):
 
 
 @triton.jit
-def _gguf_weights(row_ptr, offs_k, mask, QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr):
-    "Dequantize the weights at columns offs_k [1, BK] of rows starting at row_ptr [BN, 1] -> [BN, BK] float32."
-    blk = row_ptr + (offs_k // QK) * TYPE_SIZE
-    j = offs_k % QK
-    d = _load_f16(blk, mask)
+def _load_byte(p, mask):
+    "The bytes at p, as int32 (shifts and ORs on them then need no casts)."
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _nibble(byte, high):
+    "The high 4 bits of each byte where `high`, else the low 4."
+    return tl.where(high, byte >> 4, byte & 0x0F)
+
+
+@triton.jit
+def _k_scale_min(blk, t, mask):
+    "Q4_K / Q5_K: the 6-bit scale and min of sub-block t (0..7), unpacked from bytes 4..15, as float32."
+    s_t = _load_byte(blk + 4 + t, mask)
+    s_t4 = _load_byte(blk + 8 + t, mask)
+    s_tm4 = _load_byte(blk + t, mask)  # scale byte t - 4: used only for t >= 4
+    sc = tl.where(t < 4, s_t & 63, (s_t4 & 0x0F) | ((s_tm4 >> 6) << 4))
+    mn = tl.where(t < 4, s_t4 & 63, (s_t4 >> 4) | ((s_t >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _gguf_weights(blk, j, mask, QTYPE: tl.constexpr):
+    """Weights j [1, 1, QK] of the blocks at byte addresses blk [BN, NB, 1] -> [BN, NB, QK] float32.
+    `mask` [BN, NB, 1] says which blocks exist. Per-block numbers are [BN, NB, 1] loads: once per block."""
     if QTYPE == 8:  # Q8_0
-        w = d * tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    elif QTYPE == 12:  # Q4_K
+        w = _load_f16(blk, mask) * tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    elif QTYPE == 2:  # Q4_0
+        w = _load_f16(blk, mask) * (_nibble(_load_byte(blk + 2 + j % 16, mask), j >= 16) - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1
+        q = _nibble(_load_byte(blk + 4 + j % 16, mask), j >= 16)
+        w = _load_f16(blk, mask) * q.to(tl.float32) + _load_f16(blk + 2, mask)
+    elif QTYPE == 6:  # Q5_0: fifth bits at bytes 2..5, nibbles from byte 6
+        fifth = (_load_byte(blk + 2 + j // 8, mask) >> (j % 8)) & 1
+        q = _nibble(_load_byte(blk + 6 + j % 16, mask), j >= 16) | (fifth << 4)
+        w = _load_f16(blk, mask) * (q - 16).to(tl.float32)
+    elif QTYPE == 7:  # Q5_1: d, m, fifth bits at bytes 4..7, nibbles from byte 8
+        fifth = (_load_byte(blk + 4 + j // 8, mask) >> (j % 8)) & 1
+        q = _nibble(_load_byte(blk + 8 + j % 16, mask), j >= 16) | (fifth << 4)
+        w = _load_f16(blk, mask) * q.to(tl.float32) + _load_f16(blk + 2, mask)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: 4-bit runs of 32 bytes, two sub-blocks per run
         t = j // 32
-        byte = tl.load(blk + 16 + (j // 64) * 32 + j % 32, mask=mask, other=0)
-        nibble = tl.where(t % 2 == 1, byte >> 4, byte & 0x0F).to(tl.float32)
-        s_t = tl.load(blk + 4 + t, mask=mask, other=0)
-        s_t4 = tl.load(blk + 8 + t, mask=mask, other=0)
-        s_tm4 = tl.load(blk + t, mask=mask, other=0)  # scale byte t - 4: read only for t >= 4
-        sc = tl.where(t < 4, s_t & 63, (s_t4 & 0x0F) | ((s_tm4 >> 6) << 4)).to(tl.float32)
-        mn = tl.where(t < 4, s_t4 & 63, (s_t4 >> 4) | ((s_t >> 6) << 4)).to(tl.float32)
-        w = d * sc * nibble - _load_f16(blk + 2, mask) * mn
-    elif QTYPE == 2:  # Q4_0: 16 bytes of nibbles after the scale
-        byte = tl.load(blk + 2 + j % 16, mask=mask, other=0)
-        w = d * (tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) - 8)
-    else:  # Q4_1: 16 bytes of nibbles after the scale and the minimum
-        byte = tl.load(blk + 4 + j % 16, mask=mask, other=0)
-        w = d * tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) + _load_f16(blk + 2, mask)
+        if QTYPE == 12:
+            q = _nibble(_load_byte(blk + 16 + (j // 64) * 32 + j % 32, mask), t % 2 == 1)
+        else:  # Q5_K: bit t of byte 16 + j % 32 is the fifth bit; the nibbles start at byte 48
+            q = _nibble(_load_byte(blk + 48 + (j // 64) * 32 + j % 32, mask), t % 2 == 1)
+            q = q | (((_load_byte(blk + 16 + j % 32, mask) >> t) & 1) << 4)
+        sc, mn = _k_scale_min(blk, t, mask)
+        w = _load_f16(blk, mask) * sc * q.to(tl.float32) - _load_f16(blk + 2, mask) * mn
+    else:  # Q6_K: two halves of 128 weights; 4 low bits, 2 high bits, an int8 scale per 16 weights, d last
+        tl.static_assert(QTYPE == 14, "a GGUF type without a decoder")
+        h, r = j // 128, j % 128
+        low = _nibble(_load_byte(blk + 64 * h + r % 64, mask), r >= 64)
+        high = (_load_byte(blk + 128 + 32 * h + r % 32, mask) >> (2 * (r // 32))) & 3
+        sc = tl.load(blk + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = _load_f16(blk + 208, mask) * sc * ((low | (high << 4)) - 32).to(tl.float32)
     return w
 
 
@@ -258,14 +382,16 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
                         USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    row_ptr = q_ptr + offs_n[:, None] * row_bytes
+    offs_b, offs_j = tl.arange(0, BLOCK_K // QK), tl.arange(0, QK)  # a step: BLOCK_K / QK whole blocks
+    row_ptr = q_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _gguf_weights(row_ptr, offs_k[None, :], n_mask[:, None] & k_mask[None, :], QTYPE, QK, TYPE_SIZE)
-        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, PRECISION)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        blocks = k0 // QK + offs_b
+        blk_mask = n_mask[:, None, None] & (blocks * QK < k_end)[None, :, None]  # k_end is a whole number of blocks
+        w = _gguf_weights(row_ptr + blocks[None, :, None] * TYPE_SIZE, offs_j[None, None, :], blk_mask, QTYPE)
+        acc = _accumulate(acc, x, tl.reshape(w, (BLOCK_N, BLOCK_K)), USE_DOT, UPCAST, PRECISION)
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
@@ -277,13 +403,26 @@ def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tor
     return F.linear(x, w.to(x.dtype))
 
 
-def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "auto", **launch) -> torch.Tensor:
-    "x [M, K] @ W.T where W's rows are GGUF blocks of `qtype` (a GGML type number), raw [N, bytes per row] uint8."
+def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "auto", kernel: str | None = None,
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                split: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T where W's rows are GGUF blocks of `qtype` (a GGML type number), raw [N, bytes per row] uint8.
+    Up to GEMV_MAX_ROWS rows (kernel 'gemv'): one program per BLOCK_N rows over all of K; above ('split_k'): split-K tiles."""
     if kernel_backend(x.device, impl) == "torch":
         return gguf_matmul_reference(x, raw, qtype)
     _, block, type_size = KEPT_GGUF_TYPES[qtype]
-    return _skinny_matmul(_gguf_matmul_kernel, x, (raw,), raw.shape[0], 256, row_bytes=raw.shape[1],
-                          QTYPE=int(qtype), QK=block, TYPE_SIZE=type_size, BLOCK_K=256, **launch)
+    n, k = raw.shape[0], x.shape[1]
+    if _skinny_kernel(kernel, x.shape[0]) == "gemv":
+        if split not in (None, 1): raise ValueError("gguf_matmul: a split along K is for kernel='split_k'")
+        default = quant_gemv_config(n, k)
+        block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+        split, use_dot = 1, False
+    else:
+        block_k, num_warps, use_dot = block_k or 256, num_warps or 4, None
+    block_k = max(block, min(block_k, _pow2(k)))  # whole blocks per step, no more than K has
+    return _skinny_matmul(_gguf_matmul_kernel, x, (raw,), n, block_k, block_n=block_n, split=split, num_warps=num_warps,
+                          use_dot=use_dot, row_bytes=raw.shape[1], QTYPE=int(qtype), QK=block, TYPE_SIZE=type_size,
+                          BLOCK_K=block_k)
 
 # %% ../nbs/10_quantization.ipynb #8195ba23
 class QuantLinear(nn.Module):

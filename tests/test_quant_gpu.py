@@ -27,7 +27,7 @@ def rel_error(got, want) -> float:
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 7, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64])  # int4: the GEMV up to 4 rows, split-K above
 def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     gen = torch.Generator(device="cuda").manual_seed(k + n + m)
     w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
@@ -56,7 +56,7 @@ def test_gguf_q8_0_kernel_matches_hand_made_blocks(m):
     assert rel_error(gguf_matmul(x, raw, 8, impl="triton"), want) < 1e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_kernels_match_the_dequantizers(qtype):
     gguf = pytest.importorskip("gguf")  # the reference dequantizers of chapter 01a need it
     from forge_engine.gguf_file import DEQUANTIZERS
@@ -66,10 +66,11 @@ def test_gguf_kernels_match_the_dequantizers(qtype):
     gen = torch.Generator(device="cuda").manual_seed(int(t))
     raw = torch.randint(0, 256, (n, k // block, type_size), device="cuda", generator=gen, dtype=torch.uint8)
     scales = torch.rand(n, k // block, 2, device="cuda", generator=gen).mul(0.01).half().view(torch.uint8)
-    raw[..., :4] = scales  # sane float16 d (and m / dmin) at bytes 0..3
+    if qtype == "Q6_K": raw[..., 208:] = scales[..., :2]  # a sane float16 d: Q6_K keeps it last
+    else: raw[..., :4] = scales  # sane float16 d (and m / dmin) at bytes 0..3
     raw = raw.reshape(n, -1)
     w = DEQUANTIZERS[t](raw.reshape(-1, type_size)).reshape(n, k)
-    for m in (1, 9):
+    for m in (1, 3, 9):  # the GEMV launch, then split-K
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         assert rel_error(gguf_matmul(x, raw, int(t), impl="triton"), x.float() @ w.T) < 1e-2, m
 

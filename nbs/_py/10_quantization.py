@@ -15,7 +15,7 @@
 # |---|---|---|---|
 # | `int8` | one int8, one scale per output row | 1.0 (+ 4 / row) | quantized from the loaded BF16/FP32 weights |
 # | `int4` | one 4-bit number, a scale and a minimum per 128 inputs | 0.5 + 4 / 128 = 0.53 | the same |
-# | `gguf` | the GGUF file's blocks, byte for byte (Q8_0, Q4_0, Q4_1, Q4_K) | 0.56 - 1.06 | the file |
+# | `gguf` | the GGUF file's blocks, byte for byte (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) | 0.56 - 1.06 | the file |
 #
 # **What is quantized:** the four matrices of every layer, `attn.qkv`, `attn.o`,
 # `mlp.gate_up`, `mlp.down` (for Qwen3-4B 3.24 of its 4.02 billion parameters). **What is not:**
@@ -30,7 +30,8 @@
 #
 # - **few rows** (`M <= SKINNY_MAX_ROWS`, decode): a Triton kernel reads each quantized weight
 #   once, dequantizes it in registers and accumulates in FP32; split along K so that even 2,560
-#   outputs keep every SM of the GPU busy;
+#   outputs keep every SM of the GPU busy (int4 and GGUF at 1 to 4 rows: a GEMV, one program per
+#   few output rows over the whole of K, no split);
 # - **many rows** (prefill): dequantize the whole matrix to the compute dtype and call the dense
 #   matmul: then arithmetic, not bytes, is the limit, and cuBLAS is the best at arithmetic.
 #
@@ -266,9 +267,119 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 
 
 # %% [markdown]
+# ## int4 at one to four rows: a GEMV
+#
+# At decode with a small batch the split-K kernel above made Qwen3-4B 2.5 times *slower* than
+# BF16 on one H200 (115 tok/s against 300), though it reads a quarter of the bytes. It steps
+# through K one group (64 bytes per output row) at a time, reduces every step, writes FP32
+# partial sums and launches a second kernel to add them. Chapter 09's `_gemv_kernel` shows what
+# reads memory at full speed for a few rows instead: a grid over the output rows only, each
+# program streaming its `BLOCK_N` rows over the *whole* of K in wide loads, one launch, nothing
+# written but the result.
+#
+# `_int4_gemv_kernel` is that kernel for packed nibbles. One step of K covers `GROUPS` whole
+# groups (`BLOCK_K = GROUPS · GROUP` inputs: `BLOCK_K / 2` contiguous bytes per row, 512 for
+# 1,024 inputs), loaded as a `[BLOCK_N, GROUPS, GROUP/2]` tile, so each group's scale and
+# minimum are one `[BLOCK_N, GROUPS]` load. Per group it uses the identity
+# `Σ_k x_k (s q_k + m) = s · Σ_k x_k q_k + m · Σ_k x_k`: the nibbles enter the dot product as
+# they are, and scale and minimum cost two multiply-adds per group, not one per weight. Each
+# step sums within groups (a group's 64 bytes sit in a few threads); the groups are summed
+# once, at the end.
+#
+# Why count operations: at 4.19 TB/s an H200 reads 8.4 trillion 4-bit weights a second, and
+# its 132 SMs issue about 33 trillion thread-instructions a second: four instructions per
+# weight. An integer-to-float conversion runs at a quarter of the float rate, so
+# `_small_int_to_f32` instead ORs the nibble into the mantissa of the float 2^23 and subtracts
+# 2^23, exactly (an integer OR and a float add).
+
+# %%
+#| export
+@triton.jit
+def _small_int_to_f32(q):
+    "int32 values in 0..2^23 -> float32, exactly: 2^23 + q as bits, minus 2^23 (no conversion instruction)."
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    n_groups = K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_g, offs_j = tl.arange(0, ROWS), tl.arange(0, GROUPS), tl.arange(0, HALF)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    rows = offs_n.to(tl.int64)
+    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, HALF]; a stride (K/2)
+    # passed in, so Triton sees that a row starts 16-byte aligned and loads 16 bytes at a time
+    x_rows = x_ptr + offs_m[:, None, None] * K + offs_j[None, None, :]  # [ROWS, 1, HALF]
+    acc = tl.zeros((ROWS, BLOCK_N, GROUPS), dtype=tl.float32)
+    for g0 in range(0, n_groups, GROUPS):
+        g = g0 + offs_g
+        g_ok = g < n_groups  # K is whole groups; the last step may hold fewer than GROUPS of them
+        b = tl.load(q_rows + g[None, :, None] * HALF, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+        x_mask = m_ok[:, None, None] & g_ok[None, :, None]
+        x_lo = tl.load(x_rows + g[None, :, None] * GROUP, mask=x_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_rows + g[None, :, None] * GROUP + HALF, mask=x_mask, other=0.0).to(tl.float32)
+        b = b.to(tl.int32)
+        q_lo, q_hi = _small_int_to_f32(b & 0x0F), _small_int_to_f32(b >> 4)
+        xq = tl.sum(x_lo[:, None, :, :] * q_lo[None, :, :, :] + x_hi[:, None, :, :] * q_hi[None, :, :, :], axis=3)
+        x_sum = tl.sum(x_lo + x_hi, axis=2)  # [ROWS, GROUPS]
+        sm_at = rows[:, None] * n_groups + g[None, :]
+        sm_mask = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        acc += xq * s[None, :, :] + x_sum[:, None, :] * mn[None, :, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# %% [markdown]
+# Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
+# not depend on the batch). The GGUF kernel below takes the same rule for its one-to-four-row path.
+
+# %%
+#| export
+def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    "(BLOCK_N, BLOCK_K in inputs, num_warps) for a quantized [n, k] weight at 1-4 rows; kernels_lab/quant_gemv.py sweeps them."
+    if k >= 4096:  # long rows (o, down): few rows a program, so 2,560 outputs still make many programs
+        return 2, 1024, 4
+    return (4, 1024, 4) if n < 16384 else (8, 1024, 4)
+
+
+def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
+    "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m:
+        kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
+                                           BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+    return out
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
+    (m, k), n = x.shape, packed.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
+    group = k // scale.shape[1]
+    default = quant_gemv_config(n, k)
+    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
+                        GROUPS=groups, GROUP=group)
+
+
+# %% [markdown]
 # The launcher picks the tiles and the split. Rows: 1 or 2 rows multiply-and-sum; 3 to 16 rows
 # (and more, for the lab) take `tl.dot` tiles of at least 16. Split: enough programs for about
 # four per SM (on a CPU, where the interpreter runs them one by one, a handful).
+#
+# Which kernel: `int4_matmul` and `gguf_matmul` send up to `GEMV_MAX_ROWS` (4) rows to their
+# GEMV path and more rows to the split-K kernel; `kernel="gemv"` or `"split_k"` forces one (the
+# tests and the lab compare them).
 
 # %%
 #| export
@@ -294,12 +405,13 @@ def _target_programs(device: torch.device) -> int:
 
 
 def _skinny_matmul(kernel, x: torch.Tensor, weights: tuple, n: int, k_step: int, block_n: int | None = None,
-                   split: int | None = None, num_warps: int = 4, **constexprs) -> torch.Tensor:
-    "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype."
+                   split: int | None = None, num_warps: int = 4, use_dot: bool | None = None,
+                   **constexprs) -> torch.Tensor:
+    "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype. use_dot: tl.dot tiles (default: above 2 rows)."
     x = x.contiguous()
     m, k = x.shape
-    block_m = _pow2(m) if m <= 2 else max(16, min(_pow2(m), 64))
-    use_dot = block_m >= 16
+    use_dot = m > 2 if use_dot is None else use_dot
+    block_m = max(16, min(_pow2(m), 64)) if use_dot else _pow2(m)
     block_n = block_n or (64 if use_dot else 64 // block_m)
     n_tiles, m_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, k_step)
     if split is None:
@@ -324,11 +436,26 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str
     return _skinny_matmul(_int8_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, **launch)
 
 
+SKINNY_KERNELS = ("gemv", "split_k")
+
+
+def _skinny_kernel(kernel: str | None, rows: int) -> str:
+    "The kernel for `rows` rows: 'gemv' up to GEMV_MAX_ROWS, 'split_k' above, unless `kernel` names one."
+    kernel = kernel or ("gemv" if rows <= GEMV_MAX_ROWS else "split_k")
+    if kernel not in SKINNY_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(SKINNY_KERNELS)}")
+    if kernel == "gemv" and rows > GEMV_MAX_ROWS:
+        raise ValueError(f"the gemv kernels take at most {GEMV_MAX_ROWS} rows, got {rows}")
+    return kernel
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                impl: str = "auto", **launch) -> torch.Tensor:
-    "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype."
+                impl: str = "auto", kernel: str | None = None, **launch) -> torch.Tensor:
+    "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype; `launch` goes to the kernel's launcher."
     if kernel_backend(x.device, impl) == "torch":
         return int4_matmul_reference(x, packed, scale, minimum)
+    if _skinny_kernel(kernel, x.shape[0]) == "gemv":
+        return int4_gemv(x, packed, scale, minimum, **launch)
     group = x.shape[1] // scale.shape[1]
     return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group, **launch)
 
@@ -368,11 +495,30 @@ for m, dtype, launch in [(1, torch.float32, {}), (1, torch.float32, dict(split=3
                          (8, torch.bfloat16, dict(split=3))]:
     x = torch.randn(m, 384, dtype=dtype)
     check_kernel(lambda x, **kw: int8_matmul(x, q8, s8, **kw), lambda x: int8_matmul_reference(x, q8, s8), x, **launch)
-    check_kernel(lambda x, **kw: int4_matmul(x, *q4, **kw), lambda x: int4_matmul_reference(x, *q4), x, **launch)
+    check_kernel(lambda x, **kw: int4_matmul(x, *q4, kernel="split_k", **kw), lambda x: int4_matmul_reference(x, *q4),
+                 x, **launch)
 # K not a multiple of the int8 step: the last step is masked
 q8b, s8b = quantize_int8(torch.randn(24, 200))
 check_kernel(lambda x, **kw: int8_matmul(x, q8b, s8b, **kw), lambda x: int8_matmul_reference(x, q8b, s8b), torch.randn(3, 200), split=2)
 assert int8_matmul(torch.randn(2, 200), q8b, s8b).shape == (2, 24)  # impl="auto" on a CPU: the reference
+
+# %% [markdown]
+# The int4 GEMV on 0 to 4 rows: groups of 128, 64 and 32; N not a multiple of `BLOCK_N`; K not a
+# multiple of `BLOCK_K` (the last step holds fewer groups); FP32 and BF16.
+
+# %%
+for group, k in ((128, 384), (64, 576), (32, 96)):
+    q4g = quantize_int4(torch.randn(40, k) * 0.1 + torch.linspace(-0.2, 0.5, k), group)
+    reference = lambda x: int4_matmul_reference(x, *q4g)
+    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(block_n=16, block_k=256)),
+                             (3, torch.float32, dict(block_n=4, block_k=2 * group)), (4, torch.bfloat16, dict(block_n=1)),
+                             (1, torch.bfloat16, dict(block_k=64))]:
+        check_kernel(lambda x, **kw: int4_matmul(x, *q4g, **kw), reference, torch.randn(m, k, dtype=dtype), **launch)
+assert int4_matmul(torch.zeros(0, 96), *q4g, impl="triton").shape == (0, 40)
+with pytest.raises(ValueError, match="the gemv kernels take at most 4 rows, got 5"):
+    int4_matmul(torch.zeros(5, 96), *q4g, impl="triton", kernel="gemv")
+with pytest.raises(ValueError, match="unknown kernel 'splitk'; choose one of gemv, split_k"):
+    int4_matmul(torch.zeros(1, 96), *q4g, impl="triton", kernel="splitk")
 
 # %% [markdown]
 # ## GGUF blocks, kept as they are
@@ -387,13 +533,25 @@ assert int8_matmul(torch.randn(2, 200), q8b, s8b).shape == (2, 24)  # impl="auto
 # | Q8_0 | 32 | 34 | `d · int8[2 + j]` |
 # | Q4_0 | 32 | 18 | `d · (nibble − 8)`, byte `2 + j % 16`, high nibble for `j ≥ 16` |
 # | Q4_1 | 32 | 20 | `d · nibble + m`, byte `4 + j % 16` |
+# | Q5_0 | 32 | 22 | `d · (q − 16)`, `q` = the Q4_0 nibble of byte `6 + j % 16` plus 16 · bit `j` of bytes 2..5 |
+# | Q5_1 | 32 | 24 | `d · q + m`, nibble in byte `8 + j % 16`, fifth bit `j` of bytes 4..7 |
 # | Q4_K | 256 | 144 | `d · sc[t] · nibble − dmin · mn[t]`, sub-block `t = j / 32`, byte `16 + 32 (j / 64) + j % 32`, high nibble for odd `t` |
+# | Q5_K | 256 | 176 | as Q4_K with `q` = nibble of byte `48 + 32 (j / 64) + j % 32` plus 16 · bit `t` of byte `16 + j % 32` |
+# | Q6_K | 256 | 210 | `d · sc[j / 16] · (q − 32)`, half `h = j / 128`, `r = j % 128`: low 4 bits in byte `64 h + r % 64` (high nibble for `r ≥ 64`), top 2 bits at bit `2 (r / 32)` of byte `128 + 32 h + r % 32`; int8 `sc` at byte 192, `d` at 208 |
 #
-# `d`, `m`, `dmin` are float16 at bytes 0 and 2; Q4_K's eight 6-bit scales `sc` and mins `mn`
-# are packed in bytes 4..15 as chapter 01a explains. A float16 is assembled from its two bytes
-# (blocks of 34 or 18 bytes do not keep 4-byte alignment, so we read bytes). Other types
-# (Q5_*, Q6_K, ...) are not kept quantized: such a file loads dequantized, without
-# `--quantization gguf`.
+# `d`, `m`, `dmin` are float16 at bytes 0 and 2 (Q6_K: 208); the K types' eight 6-bit scales
+# `sc` and mins `mn` are packed in bytes 4..15 as chapter 01a explains. A float16 is assembled
+# from its two bytes (blocks of 34, 18 or 210 bytes do not keep 4-byte alignment, so we read
+# bytes). A typical `Q4_K_M` file mixes Q4_K and Q6_K matrices (`Q5_K_M`: Q5_K and Q6_K), and
+# all of them load. Other types (Q2_K, Q3_K, the IQ types, ...) are not kept quantized: such a
+# file loads dequantized, without `--quantization gguf`.
+#
+# The kernel works on whole blocks: a step of K is `BLOCK_K / QK` blocks of each of its rows, a
+# `[BLOCK_N, blocks, QK]` tile, so the numbers that belong to a whole block (`d`, `m`, `dmin`)
+# are read once per block and broadcast over its weights. The tile is then flattened to
+# `[BLOCK_N, BLOCK_K]` for the same multiply-and-sum (or `tl.dot`) as the int8 kernel. Up to
+# four rows take it without split and without `tl.dot`, in `quant_gemv_config`'s tiles: wide steps
+# of K and few rows per program, the GEMV shape; more rows take the split-K launch.
 #
 # Llama's q/k rows are stored permuted for llama.cpp's rotary layout (chapter 01a). The
 # un-permutation moves whole rows, so it applies to the rows of blocks just as well.
@@ -402,7 +560,8 @@ assert int8_matmul(torch.randn(2, 200), q8b, s8b).shape == (2, 24)  # impl="auto
 #| export
 # GGML type number -> (name, weights per block, bytes per block). Plain numbers, so that the int8 / int4
 # paths import without the `gguf` package (the GPU machine may not have it); chapter 01a is imported lazily.
-KEPT_GGUF_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+KEPT_GGUF_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+                   7: ("Q5_1", 32, 24), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
 
 @triton.jit
@@ -414,29 +573,63 @@ def _load_f16(p, mask):
 
 
 @triton.jit
-def _gguf_weights(row_ptr, offs_k, mask, QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr):
-    "Dequantize the weights at columns offs_k [1, BK] of rows starting at row_ptr [BN, 1] -> [BN, BK] float32."
-    blk = row_ptr + (offs_k // QK) * TYPE_SIZE
-    j = offs_k % QK
-    d = _load_f16(blk, mask)
+def _load_byte(p, mask):
+    "The bytes at p, as int32 (shifts and ORs on them then need no casts)."
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _nibble(byte, high):
+    "The high 4 bits of each byte where `high`, else the low 4."
+    return tl.where(high, byte >> 4, byte & 0x0F)
+
+
+@triton.jit
+def _k_scale_min(blk, t, mask):
+    "Q4_K / Q5_K: the 6-bit scale and min of sub-block t (0..7), unpacked from bytes 4..15, as float32."
+    s_t = _load_byte(blk + 4 + t, mask)
+    s_t4 = _load_byte(blk + 8 + t, mask)
+    s_tm4 = _load_byte(blk + t, mask)  # scale byte t - 4: used only for t >= 4
+    sc = tl.where(t < 4, s_t & 63, (s_t4 & 0x0F) | ((s_tm4 >> 6) << 4))
+    mn = tl.where(t < 4, s_t4 & 63, (s_t4 >> 4) | ((s_t >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _gguf_weights(blk, j, mask, QTYPE: tl.constexpr):
+    """Weights j [1, 1, QK] of the blocks at byte addresses blk [BN, NB, 1] -> [BN, NB, QK] float32.
+    `mask` [BN, NB, 1] says which blocks exist. Per-block numbers are [BN, NB, 1] loads: once per block."""
     if QTYPE == 8:  # Q8_0
-        w = d * tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    elif QTYPE == 12:  # Q4_K
+        w = _load_f16(blk, mask) * tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    elif QTYPE == 2:  # Q4_0
+        w = _load_f16(blk, mask) * (_nibble(_load_byte(blk + 2 + j % 16, mask), j >= 16) - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1
+        q = _nibble(_load_byte(blk + 4 + j % 16, mask), j >= 16)
+        w = _load_f16(blk, mask) * q.to(tl.float32) + _load_f16(blk + 2, mask)
+    elif QTYPE == 6:  # Q5_0: fifth bits at bytes 2..5, nibbles from byte 6
+        fifth = (_load_byte(blk + 2 + j // 8, mask) >> (j % 8)) & 1
+        q = _nibble(_load_byte(blk + 6 + j % 16, mask), j >= 16) | (fifth << 4)
+        w = _load_f16(blk, mask) * (q - 16).to(tl.float32)
+    elif QTYPE == 7:  # Q5_1: d, m, fifth bits at bytes 4..7, nibbles from byte 8
+        fifth = (_load_byte(blk + 4 + j // 8, mask) >> (j % 8)) & 1
+        q = _nibble(_load_byte(blk + 8 + j % 16, mask), j >= 16) | (fifth << 4)
+        w = _load_f16(blk, mask) * q.to(tl.float32) + _load_f16(blk + 2, mask)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: 4-bit runs of 32 bytes, two sub-blocks per run
         t = j // 32
-        byte = tl.load(blk + 16 + (j // 64) * 32 + j % 32, mask=mask, other=0)
-        nibble = tl.where(t % 2 == 1, byte >> 4, byte & 0x0F).to(tl.float32)
-        s_t = tl.load(blk + 4 + t, mask=mask, other=0)
-        s_t4 = tl.load(blk + 8 + t, mask=mask, other=0)
-        s_tm4 = tl.load(blk + t, mask=mask, other=0)  # scale byte t - 4: read only for t >= 4
-        sc = tl.where(t < 4, s_t & 63, (s_t4 & 0x0F) | ((s_tm4 >> 6) << 4)).to(tl.float32)
-        mn = tl.where(t < 4, s_t4 & 63, (s_t4 >> 4) | ((s_t >> 6) << 4)).to(tl.float32)
-        w = d * sc * nibble - _load_f16(blk + 2, mask) * mn
-    elif QTYPE == 2:  # Q4_0: 16 bytes of nibbles after the scale
-        byte = tl.load(blk + 2 + j % 16, mask=mask, other=0)
-        w = d * (tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) - 8)
-    else:  # Q4_1: 16 bytes of nibbles after the scale and the minimum
-        byte = tl.load(blk + 4 + j % 16, mask=mask, other=0)
-        w = d * tl.where(j >= 16, byte >> 4, byte & 0x0F).to(tl.float32) + _load_f16(blk + 2, mask)
+        if QTYPE == 12:
+            q = _nibble(_load_byte(blk + 16 + (j // 64) * 32 + j % 32, mask), t % 2 == 1)
+        else:  # Q5_K: bit t of byte 16 + j % 32 is the fifth bit; the nibbles start at byte 48
+            q = _nibble(_load_byte(blk + 48 + (j // 64) * 32 + j % 32, mask), t % 2 == 1)
+            q = q | (((_load_byte(blk + 16 + j % 32, mask) >> t) & 1) << 4)
+        sc, mn = _k_scale_min(blk, t, mask)
+        w = _load_f16(blk, mask) * sc * q.to(tl.float32) - _load_f16(blk + 2, mask) * mn
+    else:  # Q6_K: two halves of 128 weights; 4 low bits, 2 high bits, an int8 scale per 16 weights, d last
+        tl.static_assert(QTYPE == 14, "a GGUF type without a decoder")
+        h, r = j // 128, j % 128
+        low = _nibble(_load_byte(blk + 64 * h + r % 64, mask), r >= 64)
+        high = (_load_byte(blk + 128 + 32 * h + r % 32, mask) >> (2 * (r // 32))) & 3
+        sc = tl.load(blk + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = _load_f16(blk + 208, mask) * sc * ((low | (high << 4)) - 32).to(tl.float32)
     return w
 
 
@@ -447,14 +640,16 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
                         USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    row_ptr = q_ptr + offs_n[:, None] * row_bytes
+    offs_b, offs_j = tl.arange(0, BLOCK_K // QK), tl.arange(0, QK)  # a step: BLOCK_K / QK whole blocks
+    row_ptr = q_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _gguf_weights(row_ptr, offs_k[None, :], n_mask[:, None] & k_mask[None, :], QTYPE, QK, TYPE_SIZE)
-        acc = _accumulate(acc, x, w, USE_DOT, UPCAST, PRECISION)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        blocks = k0 // QK + offs_b
+        blk_mask = n_mask[:, None, None] & (blocks * QK < k_end)[None, :, None]  # k_end is a whole number of blocks
+        w = _gguf_weights(row_ptr + blocks[None, :, None] * TYPE_SIZE, offs_j[None, None, :], blk_mask, QTYPE)
+        acc = _accumulate(acc, x, tl.reshape(w, (BLOCK_N, BLOCK_K)), USE_DOT, UPCAST, PRECISION)
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
@@ -466,19 +661,35 @@ def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tor
     return F.linear(x, w.to(x.dtype))
 
 
-def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "auto", **launch) -> torch.Tensor:
-    "x [M, K] @ W.T where W's rows are GGUF blocks of `qtype` (a GGML type number), raw [N, bytes per row] uint8."
+def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "auto", kernel: str | None = None,
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                split: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T where W's rows are GGUF blocks of `qtype` (a GGML type number), raw [N, bytes per row] uint8.
+    Up to GEMV_MAX_ROWS rows (kernel 'gemv'): one program per BLOCK_N rows over all of K; above ('split_k'): split-K tiles."""
     if kernel_backend(x.device, impl) == "torch":
         return gguf_matmul_reference(x, raw, qtype)
     _, block, type_size = KEPT_GGUF_TYPES[qtype]
-    return _skinny_matmul(_gguf_matmul_kernel, x, (raw,), raw.shape[0], 256, row_bytes=raw.shape[1],
-                          QTYPE=int(qtype), QK=block, TYPE_SIZE=type_size, BLOCK_K=256, **launch)
+    n, k = raw.shape[0], x.shape[1]
+    if _skinny_kernel(kernel, x.shape[0]) == "gemv":
+        if split not in (None, 1): raise ValueError("gguf_matmul: a split along K is for kernel='split_k'")
+        default = quant_gemv_config(n, k)
+        block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+        split, use_dot = 1, False
+    else:
+        block_k, num_warps, use_dot = block_k or 256, num_warps or 4, None
+    block_k = max(block, min(block_k, _pow2(k)))  # whole blocks per step, no more than K has
+    return _skinny_matmul(_gguf_matmul_kernel, x, (raw,), n, block_k, block_n=block_n, split=split, num_warps=num_warps,
+                          use_dot=use_dot, row_bytes=raw.shape[1], QTYPE=int(qtype), QK=block, TYPE_SIZE=type_size,
+                          BLOCK_K=block_k)
 
 
 # %% [markdown]
-# Against the reference dequantizers, under the interpreter: real Q8_0 / Q4_0 / Q4_1 bytes from
-# the `gguf` package's quantizer, and Q4_K bytes made by hand (random bits with sane float16
-# scales: the `gguf` package cannot quantize to the K types).
+# Against the `gguf` package, under the interpreter: real Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 bytes
+# from its quantizer, and K-type bytes made by hand (random bits with sane float16 scales: the
+# package cannot quantize to the K types). First the decoding alone: the kernel times the
+# identity matrix is the dequantized matrix, which must equal `gguf.quants.dequantize` exactly.
+# Then the matmul against the reference, with 1 to 4 rows (the GEMV launch, ragged N, K of
+# 1,280 = 5 super-blocks in steps of 512 or 1,024) and 6 (split-K, `tl.dot` tiles).
 
 # %%
 import gguf as gguf_package
@@ -488,21 +699,32 @@ from gguf import GGMLQuantizationType as QType
 def gguf_bytes(qtype, rows, cols, seed=0) -> torch.Tensor:
     "Valid GGUF bytes of `qtype` for a [rows, cols] matrix, as [rows, bytes per row] uint8."
     rng = np.random.default_rng(seed)
-    if qtype != QType.Q4_K:
+    _, block, type_size = KEPT_GGUF_TYPES[qtype]
+    if block == 32:
         data = gguf_package.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
     else:
-        data = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-        for at in (0, 2):
+        data = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+        for at in ([208] if qtype == QType.Q6_K else [0, 2]):  # d (and dmin): finite float16
             data[..., at:at + 2] = rng.uniform(0, 0.01, data.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1).copy())
 
 for qtype in map(QType, KEPT_GGUF_TYPES):
     raw = gguf_bytes(qtype, 20, 512, seed=int(qtype))
-    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(split=2)), (6, torch.float32, {}),
-                             (1, torch.bfloat16, dict(split=1))]:
+    decoded = gguf_matmul(torch.eye(512), raw, qtype, impl="triton", kernel="split_k").T
+    want = torch.from_numpy(gguf_package.quants.dequantize(raw.numpy(), qtype).astype(np.float32))
+    assert torch.equal(decoded, want), qtype.name
+    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(kernel="split_k", split=2)),
+                             (6, torch.float32, {}), (3, torch.float32, dict(block_n=8, block_k=32)),
+                             (1, torch.bfloat16, dict(kernel="split_k", split=1))]:
         x = torch.randn(m, 512, dtype=dtype)
         assert_matches(gguf_matmul(x, raw, qtype, impl="triton", **launch), gguf_matmul_reference(x, raw, qtype),
-                       f"{qtype.name} M={m} {dtype}")
+                       f"{qtype.name} M={m} {dtype} {launch}")
+for qtype in (QType.Q4_K, QType.Q6_K, QType.Q8_0):  # K = 1,280: the last GEMV step holds part of BLOCK_K
+    raw = gguf_bytes(qtype, 13, 1280, seed=3)
+    for m, launch in [(4, {}), (2, dict(block_k=512, block_n=4))]:
+        x = torch.randn(m, 1280)
+        assert_matches(gguf_matmul(x, raw, qtype, impl="triton", **launch), gguf_matmul_reference(x, raw, qtype),
+                       f"{qtype.name} M={m} K=1280 {launch}")
 
 
 # %% [markdown]
@@ -619,11 +841,11 @@ class GGUFLinear(QuantLinear):
 
 
 # %%
-parts = [("blk.0.attn_q.weight", QType.Q8_0, (20, 512), gguf_bytes(QType.Q8_0, 20, 512)),
-         ("blk.0.attn_k.weight", QType.Q4_K, (8, 512), gguf_bytes(QType.Q4_K, 8, 512)),
-         ("blk.0.attn_v.weight", QType.Q4_K, (8, 512), gguf_bytes(QType.Q4_K, 8, 512, seed=1))]
+parts = [("blk.0.attn_q.weight", QType.Q4_K, (20, 512), gguf_bytes(QType.Q4_K, 20, 512)),  # as in a Q4_K_M file
+         ("blk.0.attn_k.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512)),
+         ("blk.0.attn_v.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512, seed=1))]
 layer = GGUFLinear(parts, bias=torch.randn(36))
-assert layer.qtypes == (8, 12) and layer.blocks1.shape == (16, 2 * 144)
+assert layer.qtypes == (12, 14) and layer.blocks1.shape == (16, 2 * 210)
 x = torch.randn(3, 512)
 want = torch.cat([gguf_matmul_reference(x, raw, qt) for _, qt, _, raw in parts], -1) + layer.bias
 torch.testing.assert_close(layer(x), want)
@@ -635,8 +857,8 @@ torch.testing.assert_close(layer.skinny(x) + layer.bias, want, rtol=1e-4, atol=1
 # %%
 with pytest.raises(ValueError, match=r"blk.0.attn_q.weight: Q8_0 data of shape \[20, 512\] needs 10880 bytes, got 10846"):
     GGUFLinear([("blk.0.attn_q.weight", QType.Q8_0, (20, 512), gguf_bytes(QType.Q8_0, 20, 512).reshape(-1)[:-34])])
-with pytest.raises(ValueError, match="blk.3.ffn_down.weight: GGUF type Q6_K cannot be kept quantized"):
-    GGUFLinear([("blk.3.ffn_down.weight", QType.Q6_K, (4, 256), torch.zeros(4 * 210, dtype=torch.uint8))])
+with pytest.raises(ValueError, match="blk.3.ffn_down.weight: GGUF type Q3_K cannot be kept quantized"):
+    GGUFLinear([("blk.3.ffn_down.weight", QType.Q3_K, (4, 256), torch.zeros(4 * 110, dtype=torch.uint8))])
 with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in blocks of 256, but the row length is 128"):
     GGUFLinear([("blk.1.attn_k.weight", QType.Q4_K, (4, 128), torch.zeros(4 * 72, dtype=torch.uint8))])
 
