@@ -1,5 +1,7 @@
 """The GPU engine (CUDA graphs, Triton kernels, BF16) against the PyTorch reference path, on the GPU machine.
 Run there with `python -m pytest -m gpu tests/test_gpu.py`."""
+import copy
+
 import pytest
 import torch
 
@@ -83,9 +85,9 @@ def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
     "Every kernel (GEMV and its fused steps: one sequence at a time, so batch 1) against plain PyTorch on the CPU, fp32."
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
     config = dict(kv_cache_bytes=16 * 2**20, block_size=16, max_num_seqs=1, max_num_batched_tokens=256, max_model_len=512)
-    results = []
-    for device in ("cuda", "cpu"):
-        model = init_random_weights(empty_model(preset(name), device, torch.float32), seed=0, std=0.1)
+    cpu_model = init_random_weights(empty_model(preset(name), "cpu", torch.float32), seed=0, std=0.1)
+    results = []  # the same weights on both (a generator on the GPU would draw other numbers)
+    for model in (copy.deepcopy(cpu_model).to("cuda"), cpu_model):
         results.append(run_all(LLMEngine(LoadedModel(name, model, None, None), EngineConfig(**config)),
                                [list(range(7, 7 + n)) for n in (1, 9, 30)], params))
     for g, w in zip(*results):

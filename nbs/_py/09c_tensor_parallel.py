@@ -802,7 +802,8 @@ class TensorParallel:
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
-        self.group.fail(_death_report(self.processes, wait_s=1.0) or why)
+        # a killed GPU worker can take seconds to exit (its CUDA context is torn down): wait to name the cause
+        self.group.fail(_death_report(self.processes, wait_s=10.0) or why)
         self.group.check()
 
     def _collective(self, kind: str, payload, work):
