@@ -144,7 +144,7 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # %% ../nbs/10_quantization.ipynb #372e2760
 @triton.jit
 def _small_int_to_f32(q):
-    "int32 values in 0..2^23 -> float32, exactly: 2^23 + q as bits, minus 2^23 (no conversion instruction)."
+    "int32 values 0 <= q < 2^23 -> float32, exactly: the bits of 2^23 + q, minus 2^23 (no conversion instruction)."
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 

@@ -291,12 +291,15 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # weight. An integer-to-float conversion runs at a quarter of the float rate, so
 # `_small_int_to_f32` instead ORs the nibble into the mantissa of the float 2^23 and subtracts
 # 2^23, exactly (an integer OR and a float add).
+#
+# `kernels_lab/quant_gemv.py` times it at Qwen3-4B's shapes against the split-K kernel, BF16
+# `gemv` and cuBLAS, and sweeps `BLOCK_N`, `BLOCK_K` and the warps behind `quant_gemv_config`.
 
 # %%
 #| export
 @triton.jit
 def _small_int_to_f32(q):
-    "int32 values in 0..2^23 -> float32, exactly: 2^23 + q as bits, minus 2^23 (no conversion instruction)."
+    "int32 values 0 <= q < 2^23 -> float32, exactly: the bits of 2^23 + q, minus 2^23 (no conversion instruction)."
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
