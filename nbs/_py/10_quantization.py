@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv, kernel_backend, tl, triton
+from forge_engine.kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv, gemv_reference, kernel_backend, tl, triton
 from forge_engine.model import Transformer, load_weights
 
 # %%
@@ -464,8 +464,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
 
 
 def int8_matmul_reference(x, q, scale):
-    "Dense: the int8 matrix converted to x's dtype, one matmul, then the per-row scale."
-    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    "Dense: the int8 matrix converted to x's dtype, one matmul, then the per-row scale (chapter 09's GEMV reference)."
+    return gemv_reference(x, q, None, scale)
 
 
 def int4_matmul_reference(x, packed, scale, minimum):
