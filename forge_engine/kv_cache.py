@@ -18,8 +18,8 @@ from .config import ModelConfig
 from .model import causal_attention, triton_kernel
 
 # %% auto #0
-__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'StepLayout', 'build_step_layout',
-           'paged_decode_attention_torch', 'PagedAttention']
+__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'copy_to_device', 'to_device',
+           'StepLayout', 'build_step_layout', 'paged_decode_attention_torch', 'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -223,6 +223,19 @@ class PagedKVCache:
                 self.v_cache[layer][blocks].flatten(0, 1)[:length])
 
 # %% ../nbs/05_paged_kv.ipynb #1b6c42c0
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    "`dst.copy_(src)` for a host `src`, queued behind the GPU's work instead of waiting for it (pinned memory)."
+    if dst.device.type != "cuda": return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    "A host tensor on `device`, copied as `copy_to_device` does."
+    device = torch.device(device)
+    if device.type != "cuda": return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepLayout:
     "Where the tokens of one flattened engine step go and what they attend to. B sequences, T tokens."
@@ -262,7 +275,7 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
     query_start = torch.tensor([0, *num_new]).cumsum(0)
     width = max(len(s[0]) for s in seqs)
     block_tables = torch.tensor([list(s[0]) + [-1] * (width - len(s[0])) for s in seqs])
-    as_device = lambda t: t.to(device=device, dtype=torch.long)
+    as_device = lambda t: to_device(t.long(), device)
     return StepLayout(
         positions=as_device(torch.cat(positions)), slot_mapping=as_device(torch.cat(slots)),
         query_start=as_device(query_start), context_lens=as_device(torch.tensor(num_computed) + torch.tensor(num_new)),

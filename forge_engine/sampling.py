@@ -12,9 +12,10 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .generate import SamplingParams
+from .kv_cache import to_device  # host tensors to the GPU without waiting for it (chapter 05)
 
 # %% auto #0
-__all__ = ['SamplingRow', 'make_generator', 'SparseLogits', 'to_device', 'SamplingBatch', 'adjust_logits', 'filter_probs_batch',
+__all__ = ['SamplingRow', 'make_generator', 'SparseLogits', 'SamplingBatch', 'adjust_logits', 'filter_probs_batch',
            'exponential_race', 'batch_logprobs', 'SampleResult', 'sample']
 
 # %% ../nbs/06_sampling.ipynb #f161f660
@@ -45,13 +46,6 @@ def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor
     if len(bad):
         raise ValueError(f"{what} of row {row} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
     return ids + row * vocab_size
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through pinned memory without waiting: the engine builds the
-    batch while the GPU runs the forward, and a copy from ordinary memory would wait for the forward."""
-    if device.type != "cuda": return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -50,9 +50,10 @@ request = st.fixed_dictionaries({
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=st.sampled_from(sorted(TINY)), requests=st.lists(request, min_size=1, max_size=7),
        num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 4),
-       budget=st.integers(4, 24), prefix_caching=st.booleans())
+       budget=st.integers(4, 24), prefix_caching=st.booleans(), overlap=st.booleans())
 def test_random_workloads_finish_once_match_serial_and_leave_the_pool_idle(
-        model, requests, num_blocks, block_size, max_num_seqs, budget, prefix_caching):
+        model, requests, num_blocks, block_size, max_num_seqs, budget, prefix_caching, overlap):
+    "Arrivals, aborts, preemption, prefix hits, with overlapped steps or not: each request's tokens are its serial ones."
     options = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budget, max_num_seqs),
                    enable_prefix_caching=prefix_caching, batch_invariant=True)
     loaded = TINY[model]
@@ -65,7 +66,8 @@ def test_random_workloads_finish_once_match_serial_and_leave_the_pool_idle(
         arrivals.setdefault(r["arrival"], []).append((f"r{i}", prompt, params))
         if r["abort_after"] is not None:
             aborts.setdefault(r["arrival"] + r["abort_after"], []).append(f"r{i}")
-    engine = engine_with_blocks(loaded, num_blocks, **options)
+    engine = engine_with_blocks(loaded, num_blocks, async_scheduling=overlap, **options)
+    assert engine.overlap == overlap
     finals = [o for o in run_to_end(engine, arrivals, aborts) if o.finished]
     assert sorted(o.request_id for o in finals) == sorted(specs), "every request finishes exactly once"
     assert all(o.finish_reason in ("length", "abort") for o in finals)
@@ -75,17 +77,18 @@ def test_random_workloads_finish_once_match_serial_and_leave_the_pool_idle(
     for out in finals:  # the same request alone, on a fresh engine of the same shape
         if out.finish_reason == "abort": continue
         prompt, params = specs[out.request_id]
-        alone = engine_with_blocks(loaded, num_blocks, **options)
+        alone = engine_with_blocks(loaded, num_blocks, async_scheduling=False, **options)
         [serial] = [o for o in run_to_end(alone, {0: [("x", prompt, params)]}) if o.finished]
         assert out.token_ids == serial.token_ids and out.finish_reason == serial.finish_reason, out.request_id
 
 
-def test_preemption_resumes_with_identical_output():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_resumes_with_identical_output(overlap):
     loaded = TINY["qwen3-tiny"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[i + 1] * 9 for i in range(4)]
     options = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True)
-    crowded = engine_with_blocks(loaded, 16, **options)  # 64 slots for 4 x 33 tokens: preemption must happen
+    crowded = engine_with_blocks(loaded, 16, async_scheduling=overlap, **options)  # 64 slots for 4 x 33 tokens: preemption must happen
     outs = {o.request_id: o for o in run_to_end(crowded, {0: [(f"p{i}", p, params) for i, p in enumerate(prompts)]})
             if o.finished}
     assert sum(r.preempted for r in crowded.stats().recent_steps) > 0
@@ -123,6 +126,40 @@ def test_seeded_sampling_is_reproducible_in_any_batch():
                     + [("t", [5, 6, 7, 8], params)]}
         results += [o.token_ids for o in run_to_end(engine, arrivals) if o.request_id == "t" and o.finished]
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True),  # the host reads tokens first
+    SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=10, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=10, min_tokens=4)])
+def test_overlapped_steps_give_the_tokens_of_plain_steps(params):
+    "Overlap on or off: the same tokens, logprobs and finish reasons, and the placeholder never leaks out."
+    loaded = TINY["llama-tiny"]
+    arrivals = {0: [(f"r{i}", list(range(3 + i, 12 + 3 * i)), params) for i in range(3)], 2: [("late", [7, 8, 9], params)]}
+    results = []
+    for overlap in (False, True):
+        engine = engine_with_blocks(loaded, 64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                                    batch_invariant=True, max_model_len=40, async_scheduling=overlap)
+        outputs = run_to_end(engine, arrivals)
+        assert all(t >= 0 for o in outputs for t in o.token_ids + o.delta_token_ids)
+        results.append({o.request_id: (o.token_ids, o.finish_reason, o.logprobs) for o in outputs if o.finished})
+        engine.allocator.check_idle()
+    assert results[0] == results[1] and len(results[0]) == 4
+
+
+def test_overlapped_steps_end_at_the_context_and_abort_with_a_token_in_flight():
+    loaded = TINY["qwen3-tiny"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine = engine_with_blocks(loaded, 64, block_size=4, max_model_len=20, async_scheduling=True, batch_invariant=True)
+    [out] = [o for o in run_to_end(engine, {0: [("long", list(range(5, 15)), params)]}) if o.finished]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 20
+    engine.add_request([1, 2, 3], params, request_id="gone")
+    engine.step(); engine.step()  # the second step launched while the first's token is in flight
+    assert engine._launched is not None and engine.requests["gone"].seq.output_ids[-1] == -1
+    gone = engine.abort("gone")
+    assert gone.finish_reason == "abort" and all(t >= 0 for t in gone.token_ids)
+    assert engine.step() == [] and not engine.has_unfinished()  # the dropped token lands on nobody
+    engine.allocator.check_idle()
 
 
 def test_static_decode_path_gives_the_same_tokens():
@@ -166,13 +203,14 @@ def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
     engine.allocator.check_idle()
 
 
-def test_smollm2_stop_strings_never_leak_into_the_stream(smollm2):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_smollm2_stop_strings_never_leak_into_the_stream(smollm2, overlap):
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
     free = LLMEngine(smollm2, EngineConfig())
     [full] = [o for o in run_to_end(free, {0: [("f", prompt, SamplingParams(temperature=0, max_tokens=24))]}) if o.finished]
     assert "Paris" in full.text
     stop = "Paris"
-    engine = LLMEngine(smollm2, EngineConfig())
+    engine = LLMEngine(smollm2, EngineConfig(async_scheduling=overlap))
     outs = [o for o in run_to_end(engine, {0: [("s", prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))]})]
     streamed = "".join(o.delta_text for o in outs)
     final = outs[-1]

@@ -435,9 +435,27 @@ assert torch.equal(got_k, k) and torch.equal(got_v, -k) and pool.k_cache[0].abs(
 # The per-sequence counts are also kept as Python ints, so a loop over sequences never has to
 # read a GPU tensor back. The caller describes each sequence as
 # `(block_table, num_computed, num_new)`: tokens already in the cache, tokens in this step.
+#
+# The layout goes to the GPU **without waiting for it**: a plain copy from ordinary host
+# memory makes PyTorch wait until the GPU has finished everything queued before it, which
+# would stop the engine from building a step while the previous one runs (chapter 08). A copy
+# from pinned (page-locked) memory is queued like a kernel instead.
 
 # %%
 #| export
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    "`dst.copy_(src)` for a host `src`, queued behind the GPU's work instead of waiting for it (pinned memory)."
+    if dst.device.type != "cuda": return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    "A host tensor on `device`, copied as `copy_to_device` does."
+    device = torch.device(device)
+    if device.type != "cuda": return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepLayout:
     "Where the tokens of one flattened engine step go and what they attend to. B sequences, T tokens."
@@ -477,7 +495,7 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
     query_start = torch.tensor([0, *num_new]).cumsum(0)
     width = max(len(s[0]) for s in seqs)
     block_tables = torch.tensor([list(s[0]) + [-1] * (width - len(s[0])) for s in seqs])
-    as_device = lambda t: t.to(device=device, dtype=torch.long)
+    as_device = lambda t: to_device(t.long(), device)
     return StepLayout(
         positions=as_device(torch.cat(positions)), slot_mapping=as_device(torch.cat(slots)),
         query_start=as_device(query_start), context_lens=as_device(torch.tensor(num_computed) + torch.tensor(num_new)),

@@ -34,6 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from forge_engine.generate import SamplingParams
+from forge_engine.kv_cache import to_device  # host tensors to the GPU without waiting for it (chapter 05)
 
 # %%
 #| hide
@@ -98,13 +99,6 @@ def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor
     if len(bad):
         raise ValueError(f"{what} of row {row} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
     return ids + row * vocab_size
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through pinned memory without waiting: the engine builds the
-    batch while the GPU runs the forward, and a copy from ordinary memory would wait for the forward."""
-    if device.type != "cuda": return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -38,10 +38,10 @@ import torch
 from forge_engine.config import EngineConfig
 from forge_engine.cuda_graphs import DecodeRunner, decode_attention_for
 from forge_engine.generate import SamplingParams, TextStream, finish_reason_for
-from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout
+from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.model import Transformer, no_cache_attention
-from forge_engine.sampling import SamplingBatch, SamplingRow, make_generator, sample
+from forge_engine.sampling import SampleResult, SamplingBatch, SamplingRow, make_generator, sample
 from forge_engine.scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %%
@@ -120,6 +120,36 @@ def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
 # the batch, and a request's greedy tokens are the same alone or batched. The price: each
 # tile reads all the weights, so a long prefill is slower.
 
+# %% [markdown]
+# **Inputs the host has not seen yet.** The engine below launches step N+1 before it has read
+# step N's sampled tokens back from the GPU. Those tokens are then `PENDING` on the host: a
+# placeholder at the end of their sequence's `output_ids`. The runner builds the step's input
+# ids as usual and then, on the device, copies each pending token from the previous step's
+# output tensor into its place, so the host never waits for the GPU to build a step.
+
+# %%
+#| export
+PENDING = -1  # an output token sampled on the device, not yet read back by the host
+
+
+@dataclass
+class PendingTokens:
+    "A launched step's sampled tokens, on the device: inputs of the next step before the host has read them."
+    token_ids: torch.Tensor  # [rows] on the device
+    row_of: dict[Seq, int]  # each sampling sequence's row
+
+    def inputs_of(self, items) -> tuple[list[int], list[int]] | None:
+        """(indices into `items`, rows of `token_ids`) of the scheduled sequences whose last token is pending.
+        That token is an input only where the step reaches the sequence's end, which is where it samples."""
+        which = [(k, self.row_of[i.seq]) for k, i in enumerate(items)
+                 if i.samples and i.seq.output_ids[-1:] == [PENDING]]
+        return tuple(map(list, zip(*which))) if which else None
+
+    def fill(self, ids: torch.Tensor, positions: list[int], rows: list[int]) -> None:
+        "ids[positions] = the tokens of `rows`, copied on the device: the host does not wait for them."
+        ids[to_device(torch.tensor(positions), ids.device)] = self.token_ids[to_device(torch.tensor(rows), ids.device)]
+
+
 # %%
 #| export
 ROW_TILE = 8
@@ -137,41 +167,45 @@ class ModelRunner:
             if kernels_available(self.device): self.attention = KernelPagedAttention
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        "Logits [number of sampling sequences, vocab] in plan order."
+    def run(self, plan: StepPlan, pending: PendingTokens | None = None) -> torch.Tensor:
+        """Logits [number of sampling sequences, vocab] in plan order. `pending`: the previous step's tokens, still
+        on the device; a sequence whose last token is `PENDING` reads it from there."""
         items = plan.scheduled
+        unread = pending.inputs_of(items) if pending is not None else None
         if self.decode is not None and all(i.num_new == 1 and i.samples for i in items) \
                 and len(items) <= self.decode.buckets[-1]:  # a pure decode step: replay a CUDA graph
-            return self._run_decode(items)
+            return self._run_decode(items, pending, unread)
         ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
         last_rows = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
         due = [k for k, i in enumerate(items) if i.samples]
+        ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)  # without waiting for the GPU (chapter 05)
+        if unread: pending.fill(ids, last_rows[unread[0]].tolist(), unread[1])  # a pending token is its sequence's last
         if self.batch_invariant:
             return self._run_invariant(items, ids, last_rows[due].tolist())
         layout = build_step_layout([(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
                                    self.cache.block_size, self.device)
-        rows = last_rows[due].to(self.device)  # copied before the forward is queued: after it, the copy would wait for it
-        hidden = self.model(torch.tensor(ids, device=self.device), layout.positions, self.attention(self.cache, layout))
+        rows = to_device(last_rows[due], self.device)
+        hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[rows])
 
-    def _run_decode(self, items) -> torch.Tensor:
+    def _run_decode(self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None):
         size = self.cache.block_size
         positions = [i.seq.num_computed for i in items]
         slots = [i.seq.block_table[p // size] * size + p % size for i, p in zip(items, positions)]
+        fill = (lambda ids: pending.fill(ids, *unread)) if unread else None  # one token per sequence: item k is row k
         return self.decode.run([i.seq.last_token for i in items], positions, slots,
-                               [i.seq.block_table for i in items], [p + 1 for p in positions])
+                               [i.seq.block_table for i in items], [p + 1 for p in positions], fill)
 
-    def _run_invariant(self, items, ids: list[int], due_rows: list[int]) -> torch.Tensor:
+    def _run_invariant(self, items, ids: torch.Tensor, due_rows: list[int]) -> torch.Tensor:
         # every token as its own query: (its sequence's block table, its position, 1 new token)
         queries = [(i.seq.block_table, i.seq.num_computed + j, 1) for i in items for j in range(i.num_new)]
         hidden = []
         for start in range(0, len(ids), ROW_TILE):
             tile_ids, tile_queries = ids[start:start + ROW_TILE], queries[start:start + ROW_TILE]
             pad = ROW_TILE - len(tile_ids)
-            tile_ids, tile_queries = tile_ids + tile_ids[-1:] * pad, tile_queries + tile_queries[-1:] * pad
+            tile_ids, tile_queries = torch.cat([tile_ids, tile_ids[-1:].expand(pad)]), tile_queries + tile_queries[-1:] * pad
             layout = build_step_layout(tile_queries, self.cache.block_size, self.device)
-            out = self.model(torch.tensor(tile_ids, device=self.device), layout.positions,
-                             PagedAttention(self.cache, layout, batch_decodes=False))
+            out = self.model(tile_ids, layout.positions, PagedAttention(self.cache, layout, batch_decodes=False))
             hidden.append(out[:ROW_TILE - pad])
         rows = torch.cat(hidden)[torch.tensor(due_rows, device=self.device, dtype=torch.long)]
         padded = torch.cat([rows, rows[-1:].expand(-len(rows) % ROW_TILE, -1)]) if len(rows) else rows
@@ -276,21 +310,48 @@ class EngineStats:
 # %% [markdown]
 # ## The engine
 #
-# A step has a GPU part (the forward and the sampler) and a host part (schedule, then for every
-# sampled token: append it, detokenize, match stop strings, build the output). At 256 sequences
-# the host part took as long as the GPU part (about 15 ms each, measured on an H200), and
-# they ran one after the other. So the step is split where it can be overlapped:
+# A step has a GPU part (the forward and the sampler) and a host part (schedule, build the
+# inputs, then for every sampled token: append it, detokenize, match stop strings, build the
+# output). Run one after the other, the GPU waits for the host: at one sequence the host part
+# is about a millisecond against the forward's 2.5 ms on an H200, at 256 sequences they took
+# about 15 ms each. So the engine **overlaps steps** (`async_scheduling`, on by default on a
+# GPU): each `step()`
 #
-# 1. schedule, queue the forward, build the sampling tensors (through pinned memory, so the
-#    copies do not wait for the forward) and queue the sampler;
-# 2. **while the GPU runs**, mark the step's tokens computed (and register the blocks they
-#    filled with the prefix cache), and turn the *previous* step's tokens into text and outputs;
-# 3. wait for this step's tokens; append them and apply the token rules (end token, stop
-#    tokens, `max_tokens`, the context), which the next schedule needs.
+# 1. schedules step N+1 and queues it on the GPU behind step N. Step N's tokens are still on
+#    the GPU: each is a `PENDING` placeholder on the host, and the runner copies it into step
+#    N+1's inputs on the device (above);
+# 2. **while the GPU runs**, reads step N's tokens (waiting only if step N is not done), puts
+#    them in place of the placeholders and applies the token rules (end token, stop tokens,
+#    stop strings, `max_tokens`, the context), turns them into text and outputs;
+# 3. marks step N+1's tokens computed (registering the blocks they filled with the prefix
+#    cache: after step 2, so a block is hashed with its real tokens).
 #
-# Outputs therefore come one step after their token (a few ms). A stop *string* is seen one
-# step late too: by then the sequence has one more token in flight, which is dropped, so what
-# a request returns is exactly what it would be without the overlap.
+# So a sequence that step N ended has one more token in flight in step N+1. That token is
+# dropped when it lands, so what a request returns is exactly what it would be without the
+# overlap; its blocks are freed at once (the GPU runs step N+1's writes before any later
+# step's, so a block handed to another sequence is never overwritten behind its back).
+# The host reads step N's tokens *before* scheduling when the next step needs them there: a
+# sequence with a repetition, presence or frequency penalty (the sampler counts its output
+# tokens) or one whose next token is surely its last (`max_tokens`, the context, the pool). Without
+# overlap (the CPU, where the forward runs on the calling thread anyway; tensor parallelism)
+# step 2 simply follows step 3 at once. The tests below run the CPU engine with
+# `async_scheduling=True` too: the same tokens, whatever the workload.
+
+# %%
+#| export
+@dataclass
+class _LaunchedStep:
+    "A step queued on the device whose sampled tokens the host has not read yet."
+    plan: StepPlan
+    due: list[Seq]  # the sampling sequences, in row order; each ends in a PENDING placeholder
+    result: SampleResult
+    tokens: torch.Tensor  # on the host once `ready` has fired (a copy queued behind the sampler)
+    ready: torch.cuda.Event | None
+
+    @property
+    def pending(self) -> PendingTokens:
+        return PendingTokens(self.result.token_ids, {seq: row for row, seq in enumerate(self.due)})
+
 
 # %%
 #| export
@@ -315,7 +376,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
-        self._pending: list[tuple[_Request, int]] = []  # (request, its newest token): text still to produce
+        overlap = self.config.async_scheduling
+        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) \
+            and isinstance(self.runner, ModelRunner)
+        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
 
     # -- requests --
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -357,65 +421,86 @@ class LLMEngine:
 
     # -- one step --
     def step(self) -> list[RequestOutput]:
-        "Schedule, run, sample, apply stop rules; outputs for every request that changed (text one step late)."
+        "Schedule and launch a step, then apply the previous one's tokens; outputs for every request that changed."
         start = time.perf_counter()
+        outputs = self._land() if self._must_land_first() else []
         plan = self.scheduler.schedule()
-        outputs = [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
-        if not plan: return outputs + self._emit_pending()
+        outputs += [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
+        if not plan: return outputs + self._land()
         for item in plan.scheduled:
             request = self.requests[item.seq.request_id]
             request.first_scheduled = request.first_scheduled or start
-        due = [item.seq for item in plan.scheduled if item.samples]
         try:
-            logits = self.runner.run(plan)
-            rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
-            result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids,
-                                                        self.device)) if due else None
-            tokens = result.token_ids.to("cpu", non_blocking=True) if result is not None else None
-            ready = torch.cuda.Event() if self.device.type == "cuda" else None
-            if ready is not None: ready.record()
+            launched = self._launch(plan)
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
-            outputs += self._emit_pending()  # (a stop string there may already have ended one of them)
+            outputs += self._land()  # (which may already have ended some of them)
             return outputs + [self._fail(item.seq, e) for item in plan.scheduled if not item.seq.finished]
-        self.scheduler.step_done(plan)  # needs the plan only, not the new tokens
-        outputs += self._emit_pending()  # the previous step's text, while the GPU computes this one
-        if ready is not None: ready.synchronize()
-        for k, (seq, token) in enumerate(zip(due, tokens.tolist() if tokens is not None else [])):
-            if seq.finished: continue  # a stop string ended it while this step ran: its token is dropped
-            logprobs = result.logprobs[k] if result.logprobs is not None else None
-            try:
-                self._append_token(seq, token, logprobs)
-            except Exception as e:
-                outputs.append(self._fail(seq, e))
-        self._record(plan, len(due), time.perf_counter() - start)
+        outputs += self._land()  # the previous step's tokens, while the GPU computes this one
+        self.scheduler.step_done(plan)  # after the landing: newly full blocks hold real tokens only
+        for seq in launched.due:
+            if not seq.finished: seq.output_ids.append(PENDING)  # (ended while landing: its token will be dropped)
+        self._launched = launched
+        if not self.overlap: outputs += self._land()
+        self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
 
-    def _append_token(self, seq: Seq, token: int, logprobs: dict | None) -> None:
-        "The token rules, at once: the next schedule must know who is finished. The text comes next step."
+    def _must_land_first(self) -> bool:
+        "Whether the next schedule needs the launched step's tokens on the host (see above)."
+        if self._launched is None: return False
+        if not self.overlap: return True
+        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
+            p = s.params
+            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
+                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
+                or self.allocator.blocks_needed(s.num_tokens) > self.allocator.num_blocks  # (outgrows the pool)
+        return any(not s.finished and needs_its_token(s) for s in self._launched.due)
+
+    def _launch(self, plan: StepPlan) -> _LaunchedStep:
+        "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
+        due = [item.seq for item in plan.scheduled if item.samples]
+        pending = self._launched.pending if self._launched is not None else None
+        logits = self.runner.run(plan, pending) if pending is not None else self.runner.run(plan)
+        rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
+        result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)) \
+            if due else SampleResult(torch.empty(0, dtype=torch.long), None)
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here
+        if ready is not None: ready.record()
+        return _LaunchedStep(plan, due, result, tokens, ready)
+
+    def _land(self) -> list[RequestOutput]:
+        "Read the launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
+        launched, self._launched = self._launched, None
+        if launched is None: return []
+        try:
+            if launched.ready is not None: launched.ready.synchronize()
+            tokens = launched.tokens.tolist()
+        except Exception as e:  # the step failed on the device
+            return [self._fail(seq, e) for seq in launched.due if not seq.finished]
+        outputs = []
+        for k, (seq, token) in enumerate(zip(launched.due, tokens)):
+            if seq.finished: continue  # ended (stop, abort, error) after the step was launched: its token is dropped
+            try:
+                logprobs = launched.result.logprobs[k] if launched.result.logprobs is not None else None
+                outputs.append(self._apply_token(seq, token, logprobs))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
+        return outputs
+
+    def _apply_token(self, seq: Seq, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
+        "The sampled token in place of its placeholder, the token rules and stop strings, the text delta."
         request = self.requests[seq.request_id]
-        seq.output_ids.append(token)
+        seq.output_ids[-1] = token
         request.first_token = request.first_token or time.perf_counter()
         if logprobs is not None: request.logprobs.append(logprobs)
         reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
         if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
-        if reason is not None: self.scheduler.finish(seq, reason)
-        self._pending.append((request, token))
-
-    def _emit_pending(self) -> list[RequestOutput]:
-        "Text and outputs for the tokens appended last step: detokenize, stop strings."
-        pending, self._pending, outputs = self._pending, [], []
-        for request, token in pending:
-            seq = request.seq
-            if self.requests.get(seq.request_id) is not request: continue  # aborted or failed since: already out
-            try:
-                delta = request.text.add(token) if request.text is not None else ""
-                if not seq.finished and request.text is not None and request.text.stopped:
-                    self.scheduler.finish(seq, "stop")
-                if seq.finished and request.text is not None: delta += request.text.finish()
-                outputs.append(self._output(request, delta, [token]))
-            except Exception as e:
-                outputs.append(self._fail(seq, e))
-        return outputs
+        delta = request.text.add(token) if request.text is not None else ""
+        if reason is None and request.text is not None and request.text.stopped: reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if request.text is not None: delta += request.text.finish()
+        return self._output(request, delta, [token])
 
     def _fail(self, seq: Seq, error: Exception) -> RequestOutput:
         request = self.requests[seq.request_id]
@@ -426,6 +511,7 @@ class LLMEngine:
     def _output(self, request: _Request, delta: str, new_tokens: list[int]) -> RequestOutput:
         seq, now = request.seq, time.perf_counter()
         if seq.finished: del self.requests[seq.request_id]  # its last output: the engine forgets it
+        if seq.output_ids[-1:] == [PENDING]: seq.output_ids.pop()  # ended with a token in flight: it is dropped
         metrics = {"queue_s": (request.first_scheduled or now) - request.arrival}
         if request.first_token is not None:
             metrics["ttft_s"] = request.first_token - request.arrival

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from forge_engine.kv_cache import PagedKVCache, paged_decode_attention_torch
+from forge_engine.kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
 from forge_engine.model import Transformer
 
 # %%
@@ -163,23 +163,26 @@ class DecodeRunner:
 
     @torch.no_grad()
     def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]) -> torch.Tensor:
-        "Logits [n, vocab] for n decoding sequences."
+            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+            fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits [n, vocab] for n decoding sequences. `fill_ids(ids)` may then write, on the device, input tokens
+        the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
         b = self.bucket_for(n)
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
         width = int(table_lens.max())
         w = next(x for x in self.widths if x >= width)
-        host = torch.tensor  # small host tensors; copying them is cheaper than any bookkeeping to avoid it
-        self.ids[:n].copy_(host(token_ids))
-        self.positions[:n].copy_(host(positions))
-        self.slots[:n].copy_(host(slots))
-        self.lens[:n].copy_(host(context_lens, dtype=torch.int32))
+        # small host tensors, queued behind the GPU's work (chapter 05); cheaper than any bookkeeping to avoid them
+        copy_to_device(self.ids[:n], torch.tensor(token_ids))
+        if fill_ids is not None: fill_ids(self.ids[:n])
+        copy_to_device(self.positions[:n], torch.tensor(positions))
+        copy_to_device(self.slots[:n], torch.tensor(slots))
+        copy_to_device(self.lens[:n], torch.tensor(context_lens, dtype=torch.int32))
         # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
         rows = np.zeros((n, width), dtype=np.int32)
         rows[np.arange(width)[None, :] < table_lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
-        self.tables[:n, :width].copy_(torch.from_numpy(rows))
+        copy_to_device(self.tables[:n, :width], torch.from_numpy(rows))
         if b > n:  # padding rows: one token at position 0 written to the scratch slot, attending to itself
             self.ids[n:b].zero_(); self.positions[n:b].zero_(); self.slots[n:b].fill_(self.scratch_slot)
             self.lens[n:b].fill_(1); self.tables[n:b, 0].fill_(self.scratch_slot // self.cache.block_size)
