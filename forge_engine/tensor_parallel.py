@@ -542,18 +542,26 @@ class ParallelRunner:
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
+        self.last_step: torch.cuda.Event | None = None  # marks the end of the previous step's GPU work
 
     def run(self, plan) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
-        def step():
-            logits = self.inner.run(plan)
-            # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
-            if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
-            return logits
-        logits = self.parallel._collective("step", self.writer.encode(plan), step)
+        self.check_step()
+        logits = self.parallel._collective("step", self.writer.encode(plan), lambda: self.inner.run(plan))
+        if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
+            self.last_step = torch.cuda.Event()
+            self.last_step.record(torch.cuda.current_stream(logits.device))
         self.parallel.group.check()
         return logits
+
+    def check_step(self) -> None:
+        """Raise if the group failed before the previous step's GPU work ended (see *a step's GPU work* above).
+        The wait costs nothing once the engine has that step's tokens: they came after it on the same stream."""
+        if self.last_step is not None:
+            self.last_step.synchronize()
+            self.last_step = None
+        self.parallel.group.check()
 
 
 def _agree_num_blocks(n: int) -> int:

@@ -663,6 +663,22 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # that raises on rank 0 after the workers have started it poisons the group too: the ranks
 # can no longer be trusted to meet in the same collective.
 #
+# **A step's GPU work.** On a GPU, `run` only *queues* the step: the engine samples, and does
+# its host work, while the GPU computes (chapter 08). A collective aborted because a rank died
+# returns early, with garbage in its output, and what follows it on the stream runs on that
+# garbage; nothing on the GPU says so. What does say so is the order of events on rank 0: the
+# watcher records the failure *before* it aborts anything, and an aborted collective can only
+# end after the abort. So once a step's GPU work has ended, a group with no failure recorded ran
+# it whole. `run` records an event after each step and, at the next step, waits for it (free:
+# the engine has already waited for that step's tokens, which came later on the same stream)
+# and checks the group. The step that was running when a rank died is therefore found at the
+# next step: its requests fail there, each with the dead worker's exit code. The one token the
+# broken step gave each of them has been appended by then; a request that this token finished
+# (an end token, its last `max_tokens`) ends without an error. An engine that calls
+# `runner.check_step()` right after its own wait for the tokens, before it appends them, closes
+# that gap. Waiting for the GPU inside every `run`, as this chapter first did, cost each step
+# the overlap of chapter 08.
+#
 # **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
 # engine built on the model; an older engine's runner on rank 0 refuses to run a step.
 #
@@ -855,18 +871,26 @@ class ParallelRunner:
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
+        self.last_step: torch.cuda.Event | None = None  # marks the end of the previous step's GPU work
 
     def run(self, plan) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
-        def step():
-            logits = self.inner.run(plan)
-            # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
-            if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
-            return logits
-        logits = self.parallel._collective("step", self.writer.encode(plan), step)
+        self.check_step()
+        logits = self.parallel._collective("step", self.writer.encode(plan), lambda: self.inner.run(plan))
+        if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
+            self.last_step = torch.cuda.Event()
+            self.last_step.record(torch.cuda.current_stream(logits.device))
         self.parallel.group.check()
         return logits
+
+    def check_step(self) -> None:
+        """Raise if the group failed before the previous step's GPU work ended (see *a step's GPU work* above).
+        The wait costs nothing once the engine has that step's tokens: they came after it on the same stream."""
+        if self.last_step is not None:
+            self.last_step.synchronize()
+            self.last_step = None
+        self.parallel.group.check()
 
 
 def _agree_num_blocks(n: int) -> int:
