@@ -556,11 +556,11 @@ class _Group:
         with self.lock:
             if self.failure is not None or self.closing: return
             self.failure = why
-            self.release_graphs()
             if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
                 self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing,),
                                                  name="forge-tp-release", daemon=True)
                 self.releaser.start()
+            self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)
 

@@ -800,8 +800,10 @@ assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not co
 # rank 0 for every runner it built, on `close()` and on failure alike.
 #
 # **Failure.** A watcher thread waits on the workers' process sentinels. When one dies, it
-# records why, destroys rank 0's decode graphs (a replay in flight finishes first), aborts the
-# communicator (on NCCL) so that nothing waits on the dead rank, and stops the others. From
+# records why, starts releasing the symmetric-memory kernels that wait for the dead rank (see
+# *small all-reduces through peer memory*), destroys rank 0's decode graphs (a replay in
+# flight finishes first), aborts the communicator (on NCCL) so that no NCCL call waits on the
+# dead rank, and stops the others. From
 # then on every `run` raises at once with that reason; the engine fails the step's requests,
 # then every later step's, so each open request ends with an error and nothing hangs. A step
 # that raises on rank 0 after the workers have started it poisons the group too: the ranks
@@ -923,11 +925,11 @@ class _Group:
         with self.lock:
             if self.failure is not None or self.closing: return
             self.failure = why
-            self.release_graphs()
             if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
                 self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing,),
                                                  name="forge-tp-release", daemon=True)
                 self.releaser.start()
+            self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)
 
