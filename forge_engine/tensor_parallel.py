@@ -35,10 +35,12 @@ from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['StepMessage', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'RowParallelLinear',
-           'VocabParallelEmbedding', 'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model',
-           'read_checkpoint_shard', 'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'time_collectives',
-           'tensor_parallel_report', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+__all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT',
+           'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear', 'VocabParallelEmbedding',
+           'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
+           'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'time_collectives', 'tensor_parallel_report',
+           'symm_mem_takes', 'SymmMemAllReduce', 'setup_all_reduce', 'TensorParallelError', 'TensorParallel',
+           'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -107,30 +109,38 @@ def shard_tensors(plan: ShardPlan, named_tensors: Iterable[tuple[str, torch.Tens
         yield hf_name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
 
 # %% ../nbs/09c_tensor_parallel.ipynb #e7e64508
+class AllReduce:
+    "Sum a tensor over the ranks, in place: through `fast` (set up later, GPUs only) when it takes it, else torch.distributed."
+    def __init__(self, group=None):
+        self.group, self.fast = group, None
+        self.path = "torch.distributed"  # what runs, in words (see `setup_all_reduce`)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is None or not self.fast.all_reduce_(x):
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
 class RowParallelLinear(nn.Linear):
     "A linear layer over this rank's slice of the input features; an all-reduce sums every rank's partial output."
-    def __init__(self, in_features: int, out_features: int, group=None):
+    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce):
         super().__init__(in_features, out_features, bias=False)
-        self.group = group
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)  # the GEMV kernel for one row on a GPU, like every other layer
-        dist.all_reduce(y, group=self.group)
-        return y
+        return self.all_reduce(linear(x, self.weight))  # the GEMV kernel for one row on a GPU, like every other layer
 
 
 class VocabParallelEmbedding(nn.Embedding):
     "This rank's rows of the embedding; ids outside them give zeros, and an all-reduce fills in the rest."
-    def __init__(self, vocab_start: int, vocab_part: int, hidden: int, group=None):
+    def __init__(self, vocab_start: int, vocab_part: int, hidden: int, all_reduce: AllReduce):
         super().__init__(vocab_part, hidden)
-        self.vocab_start, self.group = vocab_start, group
+        self.vocab_start, self.all_reduce = vocab_start, all_reduce
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings)
-        x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
-        dist.all_reduce(x, group=self.group)
-        return x
+        return self.all_reduce(F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype))
 
 
 def all_gather_columns(x: torch.Tensor, world: int, group=None) -> torch.Tensor:
@@ -149,13 +159,14 @@ class ShardedTransformer(Transformer):
     def __init__(self, plan: ShardPlan, group=None):
         super().__init__(plan.shard_config)
         self.plan, self.group = plan, group
+        self.all_reduce = AllReduce(group)  # one for every layer: the fast path is set up once, for all of them
         c = plan.shard_config
-        self.embed = VocabParallelEmbedding(plan.rank * plan.vocab_part, plan.vocab_part, c.hidden_size, group)
+        self.embed = VocabParallelEmbedding(plan.rank * plan.vocab_part, plan.vocab_part, c.hidden_size, self.all_reduce)
         if self.lm_head is not None:
             self.lm_head = nn.Linear(c.hidden_size, plan.vocab_part, bias=False)
         for layer in self.layers:
-            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, group)
-            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, group)
+            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce)
+            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> the whole logits [N, vocab] in fp32, on every rank."
@@ -318,22 +329,15 @@ class StepReader:
         return _Plan(scheduled)
 
 # %% ../nbs/09c_tensor_parallel.ipynb #9a171d67
-def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
-                     group=None) -> float:
-    "Seconds of one decode step's collectives at `batch` sequences (every rank must call it together)."
-    x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
-    logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
-    def step():
-        for _ in range(2 * config.num_layers + 1): dist.all_reduce(x, group=group)
-        all_gather_columns(logits, world, group)
-    device = torch.device(device)
-    step()  # warm up the communicator
-    run = step
+def _seconds_per_call(fn, device: torch.device, repeats: int, group=None) -> float:
+    "Wall seconds of one `fn()`: replayed from a CUDA graph on a GPU, called as it is on a CPU."
+    fn()  # warm up (the communicator's first use)
+    run = fn
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
+            fn()
         run = graph.replay
         run()
         torch.cuda.synchronize(device)
@@ -343,26 +347,128 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
     if device.type == "cuda": torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / repeats
 
+
+def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
+                     all_reduce: AllReduce | None = None, group=None) -> dict[str, float]:
+    "Seconds per decode step of its all-reduces and of its logits all-gather at `batch` sequences (every rank together)."
+    all_reduce, device = all_reduce or AllReduce(group), torch.device(device)
+    x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
+    logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
+    def all_reduces():
+        for _ in range(2 * config.num_layers + 1): all_reduce(x)
+    return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
+            "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group), device, repeats, group)}
+
 # %% ../nbs/09c_tensor_parallel.ipynb #3eda146e
 def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: dict) -> dict:
-    "Collective time per decode step at batch 1 and at `max_num_seqs`, with its share of the workload's step."
+    "All-reduce (and all-gather) time per decode step at batch 1 and at `max_num_seqs`, and its share of the step."
     parallel = loaded.parallel
     full, p = parallel.model.plan.config, next(parallel.model.parameters())
-    report = {"size": parallel.world, "backend": parallel.backend,
+    report = {"size": parallel.world, "backend": parallel.backend, "all_reduce_path": parallel.all_reduce_path,
               "per_step": {"all_reduce": 2 * full.num_layers + 1, "all_gather": 1}}
     for batch in sorted({1, config.max_num_seqs}):
+        times = parallel.time_collectives(batch)
         report[f"batch_{batch}"] = {
-            "collectives_s": parallel.time_collectives(batch),
+            **times, "collectives_s": times["all_reduce_s"] + times["all_gather_s"],
             "all_reduce_bytes": batch * full.hidden_size * p.element_size(),
             "all_gather_bytes_per_rank": batch * full.vocab_size // parallel.world * p.element_size()}
-    if "decode_tok_s" in result:
-        step = 1 / result["decode_tok_s"]
-        report["w1_step_s"], report["w1_collective_share"] = step, report["batch_1"]["collectives_s"] / step
+    steps = {}
+    if "decode_tok_s" in result: steps["w1", 1, ""] = 1 / result["decode_tok_s"]
     if "output_tok_s" in result:
-        step = config.max_num_seqs / result["output_tok_s"]
-        report["w2_decode_step_upper_bound_s"] = step
-        report["w2_collective_share_lower_bound"] = report[f"batch_{config.max_num_seqs}"]["collectives_s"] / step
+        steps["w2", config.max_num_seqs, "_lower_bound"] = config.max_num_seqs / result["output_tok_s"]
+    for (workload, batch, bound), step in steps.items():
+        times = report[f"batch_{batch}"]
+        report[f"{workload}_step_s" if not bound else f"{workload}_decode_step_upper_bound_s"] = step
+        report[f"{workload}_all_reduce_share{bound}"] = times["all_reduce_s"] / step
+        report[f"{workload}_collective_share{bound}"] = times["collectives_s"] / step
     return report
+
+# %% ../nbs/09c_tensor_parallel.ipynb #d463be46
+SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
+ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
+ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL
+
+
+def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
+    "Whether the symmetric-memory kernels take `x`: bf16 or fp32, contiguous, a multiple of 4 bytes, at most `max_bytes`."
+    nbytes = x.numel() * x.element_size()
+    return x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and 0 < nbytes <= max_bytes and nbytes % 4 == 0
+
+
+class SymmMemAllReduce:
+    "Sum over the ranks of small CUDA tensors through peer memory (PyTorch symmetric memory). Every rank builds one, together."
+    def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.group_name, self.device, self.rank, self.world, self.max_bytes = group_name, device, rank, world, max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
+        self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+
+    def all_reduce_(self, x: torch.Tensor) -> bool:
+        "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
+        if not symm_mem_takes(x, self.max_bytes): return False
+        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        staged.copy_(x)
+        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES or not self.two_shot:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        return True
+
+    def release_waiters(self, stop) -> None:
+        """After a rank died: until `stop()`, play every peer's side of the kernels' handshakes, so that none waits
+        for ever. A kernel's block b signals peer p by setting slot b * world + rank of p's pad (0 -> 1), and
+        waits until p has set slot b * world + p of its own pad (1 -> 0)."""
+        mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32).view(-1, self.world)
+        peers = [p for p in range(self.world) if p != self.rank]
+        theirs = [self.handle.get_signal_pad(p, dtype=torch.int32).view(-1, self.world) for p in peers]
+        stream = torch.cuda.Stream(self.device)  # beside the stream whose kernels wait
+        with torch.cuda.stream(stream):
+            while not stop():
+                for p, pad in zip(peers, theirs):
+                    mine[:, p].fill_(1)  # "p has arrived", in every block's slot
+                    pad[:, self.rank].fill_(0)  # "p took our signal"
+                stream.synchronize()
+                time.sleep(0.001)
+
+
+def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
+    "Why this rank cannot take the fast path (None: it can)."
+    if os.environ.get(ALL_REDUCE_ENV, "").lower() == "nccl": return f"{ALL_REDUCE_ENV}=nccl"
+    if world not in (2, 4, 8): return f"the symmetric-memory kernels are built for 2, 4 or 8 ranks, not {world}"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+        torch.ops.symm_mem.one_shot_all_reduce_out
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"this PyTorch has no symmetric-memory all-reduce ({type(e).__name__})"
+    if not all(torch.cuda.can_device_access_peer(device.index, g) for g in range(world) if g != device.index):
+        return "the GPUs cannot read each other's memory (no NVLink or PCIe peer access)"
+    return None
+
+
+def setup_all_reduce(model: ShardedTransformer) -> str:
+    "Every rank together: the fast path for small all-reduces when every rank can take it. Says which path runs."
+    reduce, world = model.all_reduce, model.plan.world
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        reduce.path = f"torch.distributed ({dist.get_backend()}) for every all-reduce"
+        return reduce.path
+    # these all-reduces never use NVLink multicast: the allocator need not set it up
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    why = _symm_mem_unavailable(device, world)
+    if _agree_min(int(why is None)):  # every rank can: build it together
+        try:
+            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world)
+        except Exception as e:  # (a rank that fails here may leave the others to the store's timeout)
+            why = f"symmetric memory failed to set up: {type(e).__name__}: {e}"
+        if not _agree_min(int(reduce.fast is not None)):
+            reduce.fast, why = None, why or "symmetric memory failed to set up on another rank"
+    else:
+        why = why or "another rank cannot use symmetric memory"
+    reduce.path = (f"symmetric memory up to {SYMM_MEM_MAX_BYTES // 1024} KiB (one-shot up to "
+                   f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
+                   if reduce.fast is not None else f"NCCL for every all-reduce ({why})")
+    return reduce.path
 
 # %% ../nbs/09c_tensor_parallel.ipynb #d76baacc
 class TensorParallelError(RuntimeError):
@@ -430,12 +536,13 @@ def _death_report(processes, wait_s: float = 0.0) -> str | None:
 
 class _Group:
     "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
-    def __init__(self, processes, backend: str):
-        self.processes, self.backend = processes, backend
+    def __init__(self, processes, backend: str, fast: SymmMemAllReduce | None = None):
+        self.processes, self.backend, self.fast = processes, backend, fast
         self.failure: str | None = None
         self.closing = False
         self.lock = threading.Lock()
         self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
+        self.releaser: threading.Thread | None = None
 
     def check(self) -> None:
         if self.failure is not None: raise TensorParallelError(self.failure)
@@ -449,6 +556,10 @@ class _Group:
         with self.lock:
             if self.failure is not None or self.closing: return
             self.failure = why
+            if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
+                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing,),
+                                                 name="forge-tp-release", daemon=True)
+                self.releaser.start()
             self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)
@@ -472,7 +583,8 @@ class TensorParallel:
     def __init__(self, model: ShardedTransformer, processes, pipes, backend: str):
         self.model, self.processes, self.pipes, self.backend = model, processes, pipes, backend
         self.world = model.plan.world
-        self.group = _Group(processes, backend)
+        self.all_reduce_path = model.all_reduce.path  # which path the model's all-reduces take, in words
+        self.group = _Group(processes, backend, model.all_reduce.fast)
         self.engines = 0  # engines built: the workers keep the newest one's runner only
         self._watcher = threading.Thread(target=_watch_workers, args=(self.group,), name="forge-tp-watch", daemon=True)
         self._watcher.start()
@@ -506,16 +618,16 @@ class TensorParallel:
 
     def build_runner(self, config: EngineConfig) -> "ParallelRunner":
         "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
-        runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_num_blocks))
+        runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_min))
         if runner.decode is not None: self.group.graph_owners.add(runner.decode)
         self.engines += 1
         return ParallelRunner(runner, self, self.engines)
 
-    def time_collectives(self, batch: int, repeats: int = 20) -> float:
-        "Seconds of one decode step's all-reduces and logits all-gather at `batch` sequences (see above)."
+    def time_collectives(self, batch: int, repeats: int = 20) -> dict[str, float]:
+        "Seconds per decode step of its all-reduces and of its logits all-gather at `batch` sequences (see above)."
         p = next(self.model.parameters())
         args = (self.model.plan.config, self.world, batch, p.device, p.dtype, repeats)
-        return self._collective("time_collectives", args, lambda: time_collectives(*args))
+        return self._collective("time_collectives", args, lambda: time_collectives(*args, self.model.all_reduce))
 
     def close(self) -> None:
         "Stop the workers, destroy the decode graphs, leave the process group (see Shutdown above)."
@@ -526,6 +638,7 @@ class TensorParallel:
                 try: pipe.send_bytes(pickle.dumps(("stop", None)))
                 except OSError: pass
             self._watcher.join(5.0)
+            if self.group.releaser is not None: self.group.releaser.join(5.0)
             self.group.release_graphs()
             if dist.is_initialized() and (self.group.failure is None or self.backend != "nccl"):
                 dist.destroy_process_group()  # while the workers leave too (a failed NCCL group was aborted instead)
@@ -542,22 +655,30 @@ class ParallelRunner:
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
+        self.last_step: torch.cuda.Event | None = None  # marks the end of the previous step's GPU work
 
     def run(self, plan) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
-        def step():
-            logits = self.inner.run(plan)
-            # wait for the GPU here: a collective aborted because a rank died must fail the step, not be sampled
-            if logits.is_cuda: torch.cuda.current_stream(logits.device).synchronize()
-            return logits
-        logits = self.parallel._collective("step", self.writer.encode(plan), step)
+        self.check_step()
+        logits = self.parallel._collective("step", self.writer.encode(plan), lambda: self.inner.run(plan))
+        if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
+            self.last_step = torch.cuda.Event()
+            self.last_step.record(torch.cuda.current_stream(logits.device))
         self.parallel.group.check()
         return logits
 
+    def check_step(self) -> None:
+        """Raise if the group failed before the previous step's GPU work ended (see *a step's GPU work* above).
+        The wait costs nothing once the engine has that step's tokens: they came after it on the same stream."""
+        if self.last_step is not None:
+            self.last_step.synchronize()
+            self.last_step = None
+        self.parallel.group.check()
 
-def _agree_num_blocks(n: int) -> int:
-    "The smallest number of KV blocks any rank can hold (an all-reduce with MIN)."
+
+def _agree_min(n: int) -> int:
+    "The smallest `n` of all ranks (an all-reduce with MIN): the number of KV blocks every rank can hold, a yes from all."
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([n], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -601,6 +722,8 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
             _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
             model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
             dist.barrier()  # loaded
+            setup_all_reduce(model)
+            if model.all_reduce.fast is not None: _exit_when_orphaned()
         while True:
             kind, payload = pickle.loads(pipe.recv_bytes())  # EOFError when rank 0 is gone: we leave
             if kind == "stop":
@@ -610,16 +733,28 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
                 if kind == "engine":
                     _release(runner)
                     runner = None  # free the previous engine's pool first
-                    runner, reader = build_runner(model, payload, _agree_num_blocks), StepReader()
+                    runner, reader = build_runner(model, payload, _agree_min), StepReader()
                 elif kind == "step":
                     runner.run(reader.decode(payload))
                 elif kind == "time_collectives":
-                    time_collectives(payload[0], payload[1], payload[2], device, payload[4], payload[5])
+                    time_collectives(*payload[:3], device, *payload[4:], model.all_reduce)
     finally:
         _release(runner)  # graphs first: NCCL will not destroy a communicator they still use
         if stopped:  # otherwise rank 0 is gone, or this rank failed: the other ranks cannot be met, just exit
             with _stacks_if_slower_than(slow):
                 dist.destroy_process_group()
+
+
+def _exit_when_orphaned() -> None:
+    "A background thread that ends this worker when rank 0's process ends (its kernels may wait for rank 0 for ever)."
+    import multiprocessing
+    def watch(parent):
+        from multiprocessing.connection import wait
+        wait([parent.sentinel])
+        print(f"{multiprocessing.current_process().name}: rank 0 is gone; exiting", file=sys.__stderr__, flush=True)
+        os._exit(1)
+    parent = multiprocessing.parent_process()
+    if parent is not None: threading.Thread(target=watch, args=(parent,), name="forge-tp-orphan", daemon=True).start()
 
 
 def _release(runner: ModelRunner | None) -> None:
@@ -658,6 +793,7 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
         _join_group(spec, 0, store)
         model = load_shard(resolved, plan, device, dtype, seed, stats=stats)
         dist.barrier()  # every rank has loaded
+        setup_all_reduce(model)
     except BaseException:
         _stop_workers(processes)
         if dist.is_initialized(): dist.destroy_process_group()

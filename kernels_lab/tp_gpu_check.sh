@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU machine in one device call (5 min 40 s at most: the steps' limits add up to 340 s): the NCCL tests
+# Tensor parallelism on a 2-GPU machine in one device call (5 min 20 s at most: the steps' limits add up to 320 s):
+# the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the NCCL tests
 # (tests/test_tp_gpu.py), then W1 and W2 on random:qwen3-4b at --tensor-parallel-size 2 and 1.
+# (kernels_lab/tp_step_message.py needs no GPU: run it anywhere.)
 # Run from the repository root: OUT=/some/dir bash kernels_lab/tp_gpu_check.sh
-# Logs under $OUT: one per step, summary.txt (exit code and seconds of each), bench/<hardware>/*.json.
+# Logs under $OUT: one per step, summary.txt (exit code and seconds of each), tp_allreduce.json,
+# bench/<hardware>/*.json (their "tensor_parallel" part: which all-reduce path ran, its time per step and share).
 # Every step runs under `timeout` in its own process group: at its limit every process of it, the
 # tensor-parallel workers too, gets SIGUSR1 and dumps its Python stacks (FORGE_TP_STACKS registers the
 # handler; a worker also dumps by itself when one message takes over FORGE_TP_STACKS seconds), then
 # SIGKILL 5 s later, and the next step starts on free GPUs.
+# NVLink multicast stays off (nothing here uses it).
 set -uo pipefail
 out=${OUT:-/tmp/tp_gpu_check}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 FORGE_TP_STACKS=40 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2 start=$SECONDS rc
@@ -27,9 +32,10 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__)" \
   | tee -a "$out/gpu.txt"
-step tp_step_message 30 python3 kernels_lab/tp_step_message.py
-step pytest_tp_gpu 140 python3 -m pytest -v -s -p no:cacheprovider -m gpu -o faulthandler_timeout=80 tests/test_tp_gpu.py
+step tp_allreduce 50 python3 kernels_lab/tp_allreduce.py --out "$out"
+step pytest_tp_gpu 100 python3 -m pytest -v -s -p no:cacheprovider -m gpu -o faulthandler_timeout=80 tests/test_tp_gpu.py
 bench=(python3 -m forge_engine bench all --model random:qwen3-4b --workloads w1,w2 --out "$out/bench")
 step bench_tp2 100 "${bench[@]}" --tensor-parallel-size 2
 step bench_tp1 70 "${bench[@]}"
 grep -h "W1 \|W2 " "$out"/bench_tp*.log | tee -a "$out/summary.txt"
+grep -h "decode step:" "$out/tp_allreduce.log" | tee -a "$out/summary.txt"

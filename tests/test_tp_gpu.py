@@ -34,6 +34,8 @@ def test_two_gpus_match_one(tmp_path, dtype):
     try:
         engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2))
         assert engine.runner.decode is not None and engine.runner.decode.use_graphs
+        # small all-reduces (all of this test's) through symmetric memory, inside the decode graphs too
+        assert loaded.parallel.all_reduce_path.startswith("symmetric memory"), loaded.parallel.all_reduce_path
         got = run_to_end(engine, PROMPTS, PARAMS)
         engine.allocator.check_idle()
     finally:
@@ -55,7 +57,7 @@ def test_two_gpus_match_one(tmp_path, dtype):
 
 
 def test_a_killed_gpu_worker_fails_the_engine_cleanly():
-    "In a fresh process with a time limit: a hang fails the test instead of blocking the suite."
+    "In a fresh process with a time limit (a hang fails the test instead of blocking the suite); all-reduces through symmetric memory."
     script = textwrap.dedent("""
         import os, signal, threading, time
         from forge_engine.config import EngineConfig
@@ -64,6 +66,8 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly():
         from forge_engine.loader import load_model
         if __name__ == "__main__":
             loaded = load_model("random:qwen3-tiny", "cuda", progress=False, tensor_parallel_size=2)
+            # a kernel waiting for the dead worker's flag must be released: no NCCL abort reaches it
+            assert loaded.parallel.all_reduce_path.startswith("symmetric memory"), loaded.parallel.all_reduce_path
             engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**26, max_num_seqs=8, max_model_len=4096,
                                                     tensor_parallel_size=2))
             params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
