@@ -188,6 +188,9 @@ class ModelRunner:
         hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[rows])
 
+    def check_step(self) -> None:
+        "Raise if a finished step's device work cannot be trusted; alone, nothing fails behind the host's back (chapter 09c)."
+
     def _run_decode(self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None):
         size = self.cache.block_size
         positions = [i.seq.num_computed for i in items]
@@ -474,6 +477,7 @@ class LLMEngine:
         if launched is None: return []
         try:
             if launched.ready is not None: launched.ready.synchronize()
+            self.runner.check_step()  # (with tensor parallelism: did every rank finish the step?)
             tokens = launched.tokens.tolist()
         except Exception as e:  # the step failed on the device
             return [self._fail(seq, e) for seq in launched.due if not seq.finished]

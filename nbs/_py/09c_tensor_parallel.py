@@ -818,12 +818,11 @@ assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not co
 # it whole. `run` records an event after each step and, at the next step, waits for it (free:
 # the engine has already waited for that step's tokens, which came later on the same stream)
 # and checks the group. The step that was running when a rank died is therefore found at the
-# next step: its requests fail there, each with the dead worker's exit code. The one token the
-# broken step gave each of them has been appended by then; a request that this token finished
-# (an end token, its last `max_tokens`) ends without an error. An engine that calls
-# `runner.check_step()` right after its own wait for the tokens, before it appends them, closes
-# that gap. Waiting for the GPU inside every `run`, as this chapter first did, cost each step
-# the overlap of chapter 08.
+# next step at the latest. The engine (chapter 08) also calls `runner.check_step()` right after
+# its own wait for a step's tokens, before it applies them, so the broken step's requests fail
+# there, each with the dead worker's exit code, and no token of that step reaches them.
+# Waiting for the GPU inside every `run`, as this chapter first did, cost each step the
+# overlap of chapter 08.
 #
 # **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
 # engine built on the model; an older engine's runner on rank 0 refuses to run a step.
