@@ -339,15 +339,38 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
 
 # %% [markdown]
 # Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
-# not depend on the batch). The GGUF kernel below takes the same rule for its one-to-four-row path.
+# not depend on the batch). The tiles come from a sweep on an H200 (`kernels_lab/quant_gemv.py`,
+# Qwen3-4B's matrices, BF16 activations, one row, CUDA-graph replays with L2 flushed):
+#
+# | matrix | N × K | best BLOCK_N, BLOCK_K | time |
+# |---|---|---|---|
+# | qkv | 6144 × 2560 | 16, 512 (4 warps) | 19.6 µs |
+# | gate_up | 19456 × 2560 | 16, 512 | 45.9 µs |
+# | o | 2560 × 4096 | 8, 2048 | 16.0 µs |
+# | down | 2560 × 9728 | 8, 2048 | 31.3 µs |
+#
+# So, by shape: short rows (K < 4096) take many rows a program in steps of 512 inputs; long rows
+# take fewer rows and steps of 2,048. For smaller models (fewer outputs) `BLOCK_N` halves, down to 2,
+# until there are at least 256 programs (two per SM of an H200): Qwen3-4B's shapes all keep their
+# winners (the fewest, o and down, make 320); the halving itself is a rule, not a measurement.
 
 # %%
 #| export
+GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
+
+
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K in inputs, num_warps) for a quantized [n, k] weight at 1-4 rows; kernels_lab/quant_gemv.py sweeps them."
-    if k >= 4096:  # long rows (o, down): few rows a program, so 2,560 outputs still make many programs
-        return 2, 1024, 4
-    return (4, 1024, 4) if n < 16384 else (8, 1024, 4)
+    "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
+    block_n, block_k = (8, 2048) if k >= 4096 else (16, 512)  # long rows (o, down): fewer rows, wider steps
+    while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+# %%
+assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728))] == \
+    [(16, 512, 4), (16, 512, 4), (8, 2048, 4), (8, 2048, 4)]  # Qwen3-4B: the sweep's winners
+assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 8  # SmolLM2's o, a 0.6B-sized qkv
 
 
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
@@ -553,8 +576,10 @@ with pytest.raises(ValueError, match="unknown kernel 'splitk'; choose one of gem
 # `[BLOCK_N, blocks, QK]` tile, so the numbers that belong to a whole block (`d`, `m`, `dmin`)
 # are read once per block and broadcast over its weights. The tile is then flattened to
 # `[BLOCK_N, BLOCK_K]` for the same multiply-and-sum (or `tl.dot`) as the int8 kernel. Up to
-# four rows take it without split and without `tl.dot`, in `quant_gemv_config`'s tiles: wide steps
-# of K and few rows per program, the GEMV shape; more rows take the split-K launch.
+# four rows take it without split and without `tl.dot`, in `gguf_gemv_config`'s tiles: wide steps
+# of K and few rows per program, the GEMV shape (the H200 sweep of `kernels_lab/quant_gemv.py` at one
+# row: Q4_K 8 rows a program below 16,384 outputs, else 4, in steps of 1,024; Q6_K 2 rows in steps
+# of 512); more rows take the split-K launch.
 #
 # Llama's q/k rows are stored permuted for llama.cpp's rotary layout (chapter 01a). The
 # un-permutation moves whole rows, so it applies to the rows of blocks just as well.
@@ -656,6 +681,17 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
+def gguf_gemv_config(qtype: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the GGUF GEMV launch (1-4 rows). Q4_K and Q6_K: the best of the H200 sweep
+    (kernels_lab/quant_gemv.py, Qwen3-4B's shapes, one row); Q5_K is taken to be like Q4_K and the 32-weight types
+    keep the first guess: neither was swept."""
+    name = KEPT_GGUF_TYPES[int(qtype)][0]
+    if name == "Q6_K": return 2, 512, 4
+    if name in ("Q4_K", "Q5_K"): return (8 if n < 16384 else 4), 1024, 4
+    if k >= 4096: return 2, 1024, 4
+    return (4 if n < 16384 else 8), 1024, 4
+
+
 def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     "Dense: chapter 01a's dequantizer on the rows of blocks, then one matmul."
     from forge_engine.gguf_file import DEQUANTIZERS
@@ -675,7 +711,7 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
     n, k = raw.shape[0], x.shape[1]
     if _skinny_kernel(kernel, x.shape[0]) == "gemv":
         if split not in (None, 1): raise ValueError("gguf_matmul: a split along K is for kernel='split_k'")
-        default = quant_gemv_config(n, k)
+        default = gguf_gemv_config(qtype, n, k)
         block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
         split, use_dot = 1, False
     else:
@@ -728,6 +764,8 @@ for qtype in (QType.Q4_K, QType.Q6_K, QType.Q8_0):  # K = 1,280: the last GEMV s
         x = torch.randn(m, 1280)
         assert_matches(gguf_matmul(x, raw, qtype, impl="triton", **launch), gguf_matmul_reference(x, raw, qtype),
                        f"{qtype.name} M={m} K=1280 {launch}")
+assert gguf_gemv_config(QType.Q4_K, 6144, 2560) == (8, 1024, 4) and gguf_gemv_config(QType.Q4_K, 19456, 2560)[0] == 4
+assert gguf_gemv_config(QType.Q6_K, 2560, 9728) == (2, 512, 4)  # the sweep's winners
 
 
 # %% [markdown]
