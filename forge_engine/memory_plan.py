@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['GiB', 'MIN_KV_BYTES', 'OVERHEAD_BYTES', 'INT4_GROUP', 'parse_bytes', 'format_gib', 'layer_matrices', 'matrix_bytes',
-           'weight_bytes', 'activation_bytes', 'MemoryPlanError', 'MemoryPlan', 'plan_memory']
+__all__ = ['GiB', 'MIN_KV_BYTES', 'OVERHEAD_BYTES', 'INT4_GROUP', 'QUANTIZE_SLICE_BYTES', 'parse_bytes', 'format_gib',
+           'layer_matrices', 'matrix_bytes', 'weight_bytes', 'activation_bytes', 'load_peak_bytes', 'MemoryPlanError',
+           'MemoryPlan', 'plan_memory']
 
 # %% ../nbs/10a_memory_plan.ipynb #39bc4624
 GiB = 2**30
@@ -65,6 +66,17 @@ def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 
     per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
     return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4)
 
+# %% ../nbs/10a_memory_plan.ipynb #1a6429fe
+QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
+
+
+def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
+    "The most GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
+    weights = weight_bytes(c, quantization, dtype_bytes)
+    if quantization == "none": return weights
+    matrices = [matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)]
+    return max(weights, sum(matrices) * c.num_layers + max(matrices) + QUANTIZE_SLICE_BYTES)
+
 # %% ../nbs/10a_memory_plan.ipynb #f38e3333
 class MemoryPlanError(ValueError):
     "The model does not fit the budget in the asked format; the message has the numbers."
@@ -80,12 +92,13 @@ class MemoryPlan:
     overhead: int
     kv_cache: int
     kv_tokens: int
+    load_peak: int  # the weights' peak while loading (load_peak_bytes)
 
     def describe(self) -> str:
         return (f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
                 f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
                 f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
-                f"({self.kv_tokens:,} tokens)")
+                f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}")
 
 
 def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_bytes: int = 2,
@@ -97,7 +110,7 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
         graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes) if cuda_graphs else 0
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
-                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes))
+                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))
     chosen = plan(quantization)
     if chosen.kv_cache >= MIN_KV_BYTES: return chosen
     others = [p for p in map(plan, ("none", "int8", "int4")) if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES]

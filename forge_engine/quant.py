@@ -16,11 +16,12 @@ from .kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, ge
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'QUANTIZED_LINEARS', 'QUANTIZERS',
-           'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
-           'int4_matmul_reference', 'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear', 'Int8Linear', 'Int4Linear',
-           'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES',
+           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int8_matmul', 'int4_matmul',
+           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
+           'QuantLinear', 'Int8Linear', 'Int4Linear', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized',
+           'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +69,18 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     b = packed.reshape(n, groups, -1)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
     return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(n, -1).to(dtype)
+
+# %% ../nbs/10_quantization.ipynb #776b328d
+QUANTIZE_CHUNK = 2**24  # weights per slice of rows: bounds the FP32 temporaries of quantizing
+
+
+def quantize_rows(quantize, w: torch.Tensor, device=None, chunk: int = QUANTIZE_CHUNK, **options) -> tuple[torch.Tensor, ...]:
+    """`quantize(w, **options)` (`quantize_int8` or `quantize_int4`), slice of rows by slice of rows on `device`
+    (default: w's): each slice is copied there and quantized, and only the quantized results are kept, on `device`."""
+    device = w.device if device is None else torch.device(device)
+    rows = max(1, chunk // w.shape[1])
+    parts = [quantize(w[i:i + rows].to(device), **options) for i in range(0, w.shape[0], rows)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
 
 # %% ../nbs/10_quantization.ipynb #a88b261c
 @triton.jit
@@ -182,36 +195,15 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
              mask=m_ok[:, None] & n_ok[None, :])
 
 # %% ../nbs/10_quantization.ipynb #7425bb5b
+GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
+
+
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K in inputs, num_warps) for a quantized [n, k] weight at 1-4 rows; kernels_lab/quant_gemv.py sweeps them."
-    if k >= 4096:  # long rows (o, down): few rows a program, so 2,560 outputs still make many programs
-        return 2, 1024, 4
-    return (4, 1024, 4) if n < 16384 else (8, 1024, 4)
-
-
-def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
-    "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    if m:
-        kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
-                                           BLOCK_N=block_n, num_warps=num_warps, **constexprs)
-    return out
-
-
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
-    (m, k), n = x.shape, packed.shape[0]
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
-    group = k // scale.shape[1]
-    default = quant_gemv_config(n, k)
-    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
-    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
-    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
-                        GROUPS=groups, GROUP=group)
+    "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
+    block_n, block_k = (8, 2048) if k >= 4096 else (16, 512)  # long rows (o, down): fewer rows, wider steps
+    while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n //= 2
+    return block_n, block_k, 4
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul
@@ -395,6 +387,17 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
+def gguf_gemv_config(qtype: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the GGUF GEMV launch (1-4 rows). Q4_K and Q6_K: the best of the H200 sweep
+    (kernels_lab/quant_gemv.py, Qwen3-4B's shapes, one row); Q5_K is taken to be like Q4_K and the 32-weight types
+    keep the first guess: neither was swept."""
+    name = KEPT_GGUF_TYPES[int(qtype)][0]
+    if name == "Q6_K": return 2, 512, 4
+    if name in ("Q4_K", "Q5_K"): return (8 if n < 16384 else 4), 1024, 4
+    if k >= 4096: return 2, 1024, 4
+    return (4 if n < 16384 else 8), 1024, 4
+
+
 def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     "Dense: chapter 01a's dequantizer on the rows of blocks, then one matmul."
     from forge_engine.gguf_file import DEQUANTIZERS
@@ -414,7 +417,7 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
     n, k = raw.shape[0], x.shape[1]
     if _skinny_kernel(kernel, x.shape[0]) == "gemv":
         if split not in (None, 1): raise ValueError("gguf_matmul: a split along K is for kernel='split_k'")
-        default = quant_gemv_config(n, k)
+        default = gguf_gemv_config(qtype, n, k)
         block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
         split, use_dot = 1, False
     else:
@@ -427,10 +430,12 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
 # %% ../nbs/10_quantization.ipynb #8195ba23
 class QuantLinear(nn.Module):
     "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device=None):
+        "`device`: where the bias goes (default: where it is)."
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        bias = None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
     def dense(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the PyTorch path
@@ -448,10 +453,10 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    "int8 weights [N, K] and one fp32 scale per output row."
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear.in_features, linear.out_features, linear.bias)
-        q, scale = quantize_int8(linear.weight)
+    "int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's."
+    def __init__(self, linear: nn.Linear, device=None):
+        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+        q, scale = quantize_rows(quantize_int8, linear.weight, device)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
@@ -469,10 +474,10 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs."
-    def __init__(self, linear: nn.Linear, group: int | None = None):
-        super().__init__(linear.in_features, linear.out_features, linear.bias)
-        packed, scale, minimum = quantize_int4(linear.weight, group)
+    "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs; quantized on `device`, as Int8Linear."
+    def __init__(self, linear: nn.Linear, group: int | None = None, device=None):
+        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+        packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
@@ -525,12 +530,14 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer, mode: str, int4_group: int | None = None) -> Transformer:
+def quantize_model(model: Transformer, mode: str, int4_group: int | None = None, device=None) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time.
-    `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size)."""
+    `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
+    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
     if mode not in QUANTIZERS:
         raise ValueError(f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}")
     options = {"group": int4_group} if mode == "int4" else {}
+    options["device"] = device
     for layer in model.layers:
         for name in QUANTIZED_LINEARS:
             parent_name, _, attr = name.rpartition(".")

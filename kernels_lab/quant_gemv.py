@@ -17,7 +17,7 @@ Variants (times are CUDA-graph replays, L2 flushed)
   v3  int4 GEMV, the export (`int4_gemv`, `quant_gemv_config`)
   v4  int4 GEMV sweep: BLOCK_N x BLOCK_K x num_warps, at M = 1 and 4; the best per shape is printed
   g1  GGUF split-K kernel (Q8_0, Q6_K, Q4_K: random blocks with sane scales), M = 1 and 4
-  g2  GGUF GEMV launch, the export (`gguf_matmul` at <= 4 rows), M = 1 and 4
+  g2  GGUF GEMV launch, the export (`gguf_matmul` at <= 4 rows, `gguf_gemv_config`), M = 1 and 4
   g3  GGUF GEMV sweep (M = 1), if time is left
 
 Environment: QUANT_ROWS=1,2,4 (rows), LAB_VARIANTS=v0,v3 (prefixes), LAB_BUDGET_S=140 (no new case
@@ -153,7 +153,7 @@ def benchmark(gen, rows):
                 if ms < best.get((prefix, label, m), (float("inf"),))[0]:
                     best[prefix, label, m] = (ms, f"bn={bn} bk={bk} w={nw}", nbytes)
     results.print()
-    print("\n== best sweep configuration per shape (export: forge_engine.quant.quant_gemv_config)")
+    print("\n== best sweep configuration per shape (export: forge_engine.quant.quant_gemv_config, gguf_gemv_config)")
     for (prefix, label, m), (ms, config, nbytes) in best.items():
         print(f"{prefix:8s} {label:22s} M={m}  {config:22s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
 

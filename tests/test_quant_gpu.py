@@ -1,6 +1,8 @@
 """Quantized matmul kernels (chapter 10) on the GPU, at Qwen3-4B shapes, against their PyTorch references;
-a quantized model through the CUDA-graph decode path; and `forge-engine bench w1 --quantization int8`.
+a quantized model through the CUDA-graph decode path; quantizing on the GPU (the same bytes as on the CPU, and
+a staged Qwen3-4B load's peak); and `forge-engine bench w1 --quantization int8`.
 Run there with `PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_quant_gpu.py`."""
+import copy
 import json
 import subprocess
 import sys
@@ -11,11 +13,12 @@ import torch
 from forge_engine.config import EngineConfig, preset
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.loader import LoadedModel
+from forge_engine.loader import LoadedModel, load_model
+from forge_engine.memory_plan import load_peak_bytes, parse_bytes, weight_bytes
 from forge_engine.model import empty_model, init_random_weights
 from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_matmul,
                                 int4_matmul_reference, int8_matmul, int8_matmul_reference, quantize_int4,
-                                quantize_int8, quantize_model)
+                                quantize_int8, quantize_model, quantize_rows)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,6 +98,52 @@ def test_quantized_model_under_cuda_graphs_matches_eager(mode):
                 if out.finished: finals[out.request_id] = out.token_ids
         runs.append([finals[str(i)] for i in range(len(prompts))])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_on_the_gpu_gives_the_cpu_bytes(mode):
+    "A bf16 model on the CPU quantized on the CPU and (matrix by matrix, in slices) on the GPU: identical buffers."
+    config = preset("qwen3-tiny").replace(hidden_size=256, intermediate_size=768, head_dim=64, num_heads=4, num_kv_heads=2)
+    staged = init_random_weights(empty_model(config, "cpu", torch.bfloat16), seed=1, std=0.05)
+    on_cpu = quantize_model(copy.deepcopy(staged), mode)
+    on_gpu = quantize_model(copy.deepcopy(staged), mode, device="cuda")
+    assert on_gpu.layers[0].mlp.gate_up.qweight.is_cuda and not on_gpu.embed.weight.is_cuda  # the rest stays put
+    cpu_buffers, gpu_buffers = dict(on_cpu.named_buffers()), dict(on_gpu.named_buffers())
+    quantized = [n for n in cpu_buffers if n.endswith(("qweight", "scale", "minimum"))]
+    assert len(quantized) == (2 if mode == "int8" else 3) * 4 * config.num_layers
+    for name in quantized:
+        assert torch.equal(cpu_buffers[name], gpu_buffers[name].cpu()), name
+    w = staged.layers[0].mlp.gate_up.weight  # and in slices of 5 rows, CPU weight to GPU
+    quantize = quantize_int8 if mode == "int8" else quantize_int4
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(quantize_rows(quantize, w, "cuda", chunk=5 * 256), quantize(w)))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_staged_load_equals_an_unstaged_one(mode):
+    "Under a budget (staged on the CPU, drawn and quantized on the GPU) and without: the same quantized model."
+    staged = load_model("random:qwen3-tiny", "cuda", quantization=mode, memory_budget=parse_bytes("4GiB"), progress=False)
+    direct = load_model("random:qwen3-tiny", "cuda", quantization=mode, progress=False)
+    a, b = dict(staged.model.named_buffers()), dict(direct.model.named_buffers())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert all(torch.equal(p, q) for p, q in zip(staged.model.parameters(), direct.model.parameters()))
+    assert all(t.is_cuda for t in [*staged.model.parameters(), *staged.model.buffers()])
+
+
+def test_qwen3_4b_int4_staged_load_is_quick_and_its_peak_stays_low():
+    "Issue 6's 8 GiB run: random Qwen3-4B, int4, staged on the CPU: the GPU peak is the planned one, in seconds."
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = load_model("random:qwen3-4b", "cuda", quantization="int4", memory_budget=parse_bytes("8GiB"), progress=False)
+    peak = torch.cuda.max_memory_allocated() - base
+    config = loaded.config
+    print(f"staged int4 load: {loaded.stats.seconds:.1f} s, GPU peak {peak / 2**30:.2f} GiB "
+          f"(planned {load_peak_bytes(config, 'int4') / 2**30:.2f}, bf16 weights {weight_bytes(config) / 2**30:.2f})")
+    assert peak <= load_peak_bytes(config, "int4") + 64 * 2**20
+    assert peak < weight_bytes(config) / 2
+    assert loaded.stats.seconds < 45  # it took over 75 s quantizing on the CPU
+    del loaded
+    torch.cuda.empty_cache()
 
 
 def test_bench_w1_int8_runs():

@@ -134,7 +134,8 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
     "gguf" keeps a GGUF file's quantized blocks as they are. `tensor_parallel_size` > 1: chapter 09c.
     `memory_budget` (bytes, on a GPU): plan first and refuse with the numbers when it does not fit (chapter 10a);
-    int8 / int4 are then quantized on the CPU, so the full-precision weights never need the GPU's memory."""
+    int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
+    so the GPU never holds more than the quantized matrices and one slice."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     device = resolve_device(device)
@@ -157,8 +158,12 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         if quantization in ("int8", "int4"): staging = torch.device("cpu")
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
-    if resolved.format == "random":
-        model = init_random_weights(empty_model(preset(resolved.preset), staging, dtype), seed=seed)
+    if resolved.format == "random" and staging == device:
+        model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
+    elif resolved.format == "random":  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
+        from forge_engine.tensor_parallel import random_checkpoint
+        model = empty_model(preset(resolved.preset), staging, dtype)
+        load_weights(model, random_checkpoint(preset(resolved.preset), seed, device, dtype))
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
         gguf = GGUFFile(resolved.path)
@@ -172,10 +177,10 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     else:
         model = empty_model(model_config_of(resolved), staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
-    if quantization in ("int8", "int4"):  # peak: the loaded model plus one matrix's temporaries
+    if quantization in ("int8", "int4"):  # quantized on `device` even when staged on the CPU: fast, and a low peak
         from forge_engine.quant import quantize_model
-        quantize_model(model, quantization)
-    model = model.to(device)  # (a no-op unless it was staged on the CPU)
+        quantize_model(model, quantization, device=device)
+    model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)

@@ -174,6 +174,45 @@ assert quantize_int4(torch.randn(4, 576))[1].shape == (4, 9)  # 576 = 9 groups o
 with pytest.raises(ValueError, match="multiple of 32 .*, got 100"):
     quantize_int4(torch.randn(4, 100))
 
+# %% [markdown]
+# ## Quantizing a few rows at a time, where it is fast
+#
+# Both codes treat every row on its own (int8: one scale a row; int4: groups inside a row), so a
+# matrix can be quantized a slice of rows at a time, and each slice can be quantized on another
+# device than the one holding the full-precision matrix. `quantize_rows` copies `QUANTIZE_CHUNK`
+# weights' worth of rows at a time to `device`, quantizes them there and keeps only the result: a
+# model staged on the CPU is quantized by the GPU (milliseconds a matrix, against about a third of a
+# second for Qwen3-4B's `gate_up` on two CPU cores), while the GPU only ever holds the quantized
+# matrices plus one slice's temporaries (16M weights: a few hundred MB in FP32). The result is the
+# same bytes as quantizing the whole matrix at once.
+
+# %%
+#| export
+QUANTIZE_CHUNK = 2**24  # weights per slice of rows: bounds the FP32 temporaries of quantizing
+
+
+def quantize_rows(quantize, w: torch.Tensor, device=None, chunk: int = QUANTIZE_CHUNK, **options) -> tuple[torch.Tensor, ...]:
+    """`quantize(w, **options)` (`quantize_int8` or `quantize_int4`), slice of rows by slice of rows on `device`
+    (default: w's): each slice is copied there and quantized, and only the quantized results are kept, on `device`."""
+    device = w.device if device is None else torch.device(device)
+    rows = max(1, chunk // w.shape[1])
+    parts = [quantize(w[i:i + rows].to(device), **options) for i in range(0, w.shape[0], rows)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+
+
+# %% [markdown]
+# Slices give the same bytes as the whole matrix (here in slices of 3 rows, or of 1 row of 512
+# inputs), and a BF16 matrix the same as its values in FP32:
+
+# %%
+w = (torch.randn(40, 512) * 0.05 + torch.linspace(-0.1, 0.3, 512)).bfloat16()
+for quantize, options in ((quantize_int8, {}), (quantize_int4, {}), (quantize_int4, dict(group=32))):
+    whole = quantize(w, **options)
+    for chunk in (3 * 512, 100):
+        sliced = quantize_rows(quantize, w, "cpu", chunk, **options)
+        assert len(sliced) == len(whole) and all(torch.equal(a, b) for a, b in zip(sliced, whole)), (quantize, chunk)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_rows(quantize, w.float(), **options), whole))
+
 
 # %% [markdown]
 # ## The skinny matmul kernels
@@ -339,15 +378,38 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
 
 # %% [markdown]
 # Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
-# not depend on the batch). The GGUF kernel below takes the same rule for its one-to-four-row path.
+# not depend on the batch). The tiles come from a sweep on an H200 (`kernels_lab/quant_gemv.py`,
+# Qwen3-4B's matrices, BF16 activations, one row, CUDA-graph replays with L2 flushed):
+#
+# | matrix | N × K | best BLOCK_N, BLOCK_K | time |
+# |---|---|---|---|
+# | qkv | 6144 × 2560 | 16, 512 (4 warps) | 19.6 µs |
+# | gate_up | 19456 × 2560 | 16, 512 | 45.9 µs |
+# | o | 2560 × 4096 | 8, 2048 | 16.0 µs |
+# | down | 2560 × 9728 | 8, 2048 | 31.3 µs |
+#
+# So, by shape: short rows (K < 4096) take many rows a program in steps of 512 inputs; long rows
+# take fewer rows and steps of 2,048. For smaller models (fewer outputs) `BLOCK_N` halves, down to 2,
+# until there are at least 256 programs (two per SM of an H200): Qwen3-4B's shapes all keep their
+# winners (the fewest, o and down, make 320); the halving itself is a rule, not a measurement.
 
 # %%
 #| export
+GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
+
+
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K in inputs, num_warps) for a quantized [n, k] weight at 1-4 rows; kernels_lab/quant_gemv.py sweeps them."
-    if k >= 4096:  # long rows (o, down): few rows a program, so 2,560 outputs still make many programs
-        return 2, 1024, 4
-    return (4, 1024, 4) if n < 16384 else (8, 1024, 4)
+    "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
+    block_n, block_k = (8, 2048) if k >= 4096 else (16, 512)  # long rows (o, down): fewer rows, wider steps
+    while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+# %%
+assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728))] == \
+    [(16, 512, 4), (16, 512, 4), (8, 2048, 4), (8, 2048, 4)]  # Qwen3-4B: the sweep's winners
+assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 8  # SmolLM2's o, a 0.6B-sized qkv
 
 
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
@@ -553,8 +615,10 @@ with pytest.raises(ValueError, match="unknown kernel 'splitk'; choose one of gem
 # `[BLOCK_N, blocks, QK]` tile, so the numbers that belong to a whole block (`d`, `m`, `dmin`)
 # are read once per block and broadcast over its weights. The tile is then flattened to
 # `[BLOCK_N, BLOCK_K]` for the same multiply-and-sum (or `tl.dot`) as the int8 kernel. Up to
-# four rows take it without split and without `tl.dot`, in `quant_gemv_config`'s tiles: wide steps
-# of K and few rows per program, the GEMV shape; more rows take the split-K launch.
+# four rows take it without split and without `tl.dot`, in `gguf_gemv_config`'s tiles: wide steps
+# of K and few rows per program, the GEMV shape (the H200 sweep of `kernels_lab/quant_gemv.py` at one
+# row: Q4_K 8 rows a program below 16,384 outputs, else 4, in steps of 1,024; Q6_K 2 rows in steps
+# of 512); more rows take the split-K launch.
 #
 # Llama's q/k rows are stored permuted for llama.cpp's rotary layout (chapter 01a). The
 # un-permutation moves whole rows, so it applies to the rows of blocks just as well.
@@ -656,6 +720,17 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, out_ptr, M, N, K, k_per_split, row_bytes,
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
+def gguf_gemv_config(qtype: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the GGUF GEMV launch (1-4 rows). Q4_K and Q6_K: the best of the H200 sweep
+    (kernels_lab/quant_gemv.py, Qwen3-4B's shapes, one row); Q5_K is taken to be like Q4_K and the 32-weight types
+    keep the first guess: neither was swept."""
+    name = KEPT_GGUF_TYPES[int(qtype)][0]
+    if name == "Q6_K": return 2, 512, 4
+    if name in ("Q4_K", "Q5_K"): return (8 if n < 16384 else 4), 1024, 4
+    if k >= 4096: return 2, 1024, 4
+    return (4 if n < 16384 else 8), 1024, 4
+
+
 def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     "Dense: chapter 01a's dequantizer on the rows of blocks, then one matmul."
     from forge_engine.gguf_file import DEQUANTIZERS
@@ -675,7 +750,7 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
     n, k = raw.shape[0], x.shape[1]
     if _skinny_kernel(kernel, x.shape[0]) == "gemv":
         if split not in (None, 1): raise ValueError("gguf_matmul: a split along K is for kernel='split_k'")
-        default = quant_gemv_config(n, k)
+        default = gguf_gemv_config(qtype, n, k)
         block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
         split, use_dot = 1, False
     else:
@@ -728,6 +803,8 @@ for qtype in (QType.Q4_K, QType.Q6_K, QType.Q8_0):  # K = 1,280: the last GEMV s
         x = torch.randn(m, 1280)
         assert_matches(gguf_matmul(x, raw, qtype, impl="triton", **launch), gguf_matmul_reference(x, raw, qtype),
                        f"{qtype.name} M={m} K=1280 {launch}")
+assert gguf_gemv_config(QType.Q4_K, 6144, 2560) == (8, 1024, 4) and gguf_gemv_config(QType.Q4_K, 19456, 2560)[0] == 4
+assert gguf_gemv_config(QType.Q6_K, 2560, 9728) == (2, 512, 4)  # the sweep's winners
 
 
 # %% [markdown]
@@ -742,10 +819,12 @@ for qtype in (QType.Q4_K, QType.Q6_K, QType.Q8_0):  # K = 1,280: the last GEMV s
 #| export
 class QuantLinear(nn.Module):
     "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device=None):
+        "`device`: where the bias goes (default: where it is)."
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        bias = None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
     def dense(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the PyTorch path
@@ -763,10 +842,10 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    "int8 weights [N, K] and one fp32 scale per output row."
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear.in_features, linear.out_features, linear.bias)
-        q, scale = quantize_int8(linear.weight)
+    "int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's."
+    def __init__(self, linear: nn.Linear, device=None):
+        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+        q, scale = quantize_rows(quantize_int8, linear.weight, device)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
@@ -784,10 +863,10 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs."
-    def __init__(self, linear: nn.Linear, group: int | None = None):
-        super().__init__(linear.in_features, linear.out_features, linear.bias)
-        packed, scale, minimum = quantize_int4(linear.weight, group)
+    "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs; quantized on `device`, as Int8Linear."
+    def __init__(self, linear: nn.Linear, group: int | None = None, device=None):
+        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+        packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
@@ -870,8 +949,14 @@ with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in b
 #
 # `quantize_model` walks the layers and replaces each of the four matrices with its quantized
 # module. The full-precision weight is released as soon as its module is replaced, so memory
-# never holds the model twice: the peak is the loaded model plus one matrix's FP32 temporaries
-# (for Qwen3-4B's `gate_up`, 50M weights: 200 MB), and it falls as the work goes on.
+# never holds the model twice: the peak is the loaded model plus one slice's FP32 temporaries
+# (`QUANTIZE_CHUNK`), and it falls as the work goes on.
+#
+# With `device`, each matrix is quantized on that device and its quantized module stays there,
+# while the rest of the model stays where it is: chapter 04a loads a model under a GPU memory
+# budget on the CPU and quantizes it on the GPU this way, so the GPU never holds a full-precision
+# matrix, only the quantized ones and one slice at a time; then it moves the rest (embedding,
+# norms) over.
 
 # %%
 #| export
@@ -880,12 +965,14 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer, mode: str, int4_group: int | None = None) -> Transformer:
+def quantize_model(model: Transformer, mode: str, int4_group: int | None = None, device=None) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time.
-    `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size)."""
+    `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
+    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
     if mode not in QUANTIZERS:
         raise ValueError(f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}")
     options = {"group": int4_group} if mode == "int4" else {}
+    options["device"] = device
     for layer in model.layers:
         for name in QUANTIZED_LINEARS:
             parent_name, _, attr = name.rpartition(".")
@@ -915,6 +1002,21 @@ with pytest.raises(ValueError, match="already quantized"):
     quantize_model(quantize_model(copy.deepcopy(tiny), "int8"), "int4")
 with pytest.raises(ValueError, match="unknown quantization 'int3'"):
     quantize_model(tiny, "int3")
+
+# %% [markdown]
+# Quantizing with `device` (here the CPU itself: the GPU test in `tests/test_quant_gpu.py` quantizes on a GPU and
+# compares) keeps, matrix by matrix, exactly what the whole-matrix functions make of the original weights:
+
+# %%
+staged = copy.deepcopy(tiny).to(torch.bfloat16)  # as chapter 04a stages a model: in the compute dtype
+originals = {n: staged.layers[1].get_submodule(n).weight.clone() for n in QUANTIZED_LINEARS}
+for mode, quantize in (("int8", quantize_int8), ("int4", quantize_int4)):
+    quantized = quantize_model(copy.deepcopy(staged), mode, device="cpu")
+    for n, w in originals.items():
+        module = quantized.layers[1].get_submodule(n)
+        stored = [module.qweight, module.scale] + ([module.minimum] if mode == "int4" else [])
+        assert all(torch.equal(a, b) for a, b in zip(stored, quantize(w))), (mode, n)
+    assert quantized.layers[1].attn.qkv.bias.dtype == torch.bfloat16
 
 # %% [markdown]
 # ## Loading a GGUF model kept quantized

@@ -110,6 +110,30 @@ def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 
 
 
 # %% [markdown]
+# **While loading.** An int8 / int4 model under a budget is staged on the CPU in full precision and
+# quantized on the GPU a slice of rows at a time (chapters 04a and 10): the GPU holds the matrices
+# quantized so far, the slices of the current one until they are joined (then the joined copy), and
+# one slice's temporaries (chapter 10's `quantize_rows`: 2^24 weights, each its input in the compute
+# dtype and FP32 copies, under 24 bytes); the embedding and norms arrive last. So the loading peak is
+# the larger of the weights and that; for Qwen3-4B it is the weights (the 778 MB embedding, which comes
+# last, outweighs a slice). Unquantized models load straight onto the GPU: the peak is the weights.
+# A plan that leaves `MIN_KV_BYTES` of KV cache always has room for the loading peak, which is at most
+# the weights plus one quantized matrix and one slice (tens of MB and 384 MiB, against 1 GiB).
+
+# %%
+#| export
+QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
+
+
+def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
+    "The most GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
+    weights = weight_bytes(c, quantization, dtype_bytes)
+    if quantization == "none": return weights
+    matrices = [matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)]
+    return max(weights, sum(matrices) * c.num_layers + max(matrices) + QUANTIZE_SLICE_BYTES)
+
+
+# %% [markdown]
 # The weight count agrees with the guide's figure for Qwen3-4B (8,044,936,192 bytes in BF16):
 
 # %%
@@ -117,6 +141,9 @@ q4b = preset("qwen3-4b")
 assert weight_bytes(q4b) == 8_044_936_192
 assert weight_bytes(q4b, "int8") < 0.56 * weight_bytes(q4b) and weight_bytes(q4b, "int4") < 0.37 * weight_bytes(q4b)
 print({q: format_gib(weight_bytes(q4b, q)) for q in ("none", "int8", "int4")})
+assert all(load_peak_bytes(q4b, q) == weight_bytes(q4b, q) for q in ("none", "int8", "int4"))
+no_embedding = q4b.replace(vocab_size=16)  # nothing arrives after the matrices: the slices set the peak
+assert load_peak_bytes(no_embedding, "int4") > weight_bytes(no_embedding, "int4") + QUANTIZE_SLICE_BYTES
 
 
 # %% [markdown]
@@ -138,12 +165,13 @@ class MemoryPlan:
     overhead: int
     kv_cache: int
     kv_tokens: int
+    load_peak: int  # the weights' peak while loading (load_peak_bytes)
 
     def describe(self) -> str:
         return (f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
                 f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
                 f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
-                f"({self.kv_tokens:,} tokens)")
+                f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}")
 
 
 def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_bytes: int = 2,
@@ -155,7 +183,7 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
         graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes) if cuda_graphs else 0
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
-                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes))
+                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))
     chosen = plan(quantization)
     if chosen.kv_cache >= MIN_KV_BYTES: return chosen
     others = [p for p in map(plan, ("none", "int8", "int4")) if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES]
@@ -174,6 +202,7 @@ with pytest.raises(MemoryPlanError, match=r"under the 1.00 GiB minimum; it would
 p8 = plan_memory(q4b, parse_bytes("8GiB"), "int8")
 assert p8.kv_cache >= MIN_KV_BYTES and p8.weights + p8.activations + p8.graphs + p8.overhead + p8.kv_cache == p8.budget
 print(p8.describe())
+assert p8.load_peak == p8.weights and p8.load_peak + p8.overhead < p8.budget
 assert plan_memory(q4b, parse_bytes("80GiB")).kv_tokens > 400_000
 with pytest.raises(MemoryPlanError, match="does not fit in any weight format"):
     plan_memory(q4b, parse_bytes("2GiB"), "int4")
