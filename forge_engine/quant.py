@@ -18,7 +18,7 @@ from .model import Transformer, load_weights
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES',
            'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int8_matmul', 'int4_matmul',
+           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul',
            'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
            'QuantLinear', 'Int8Linear', 'Int4Linear', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized',
            'perplexity']
@@ -204,6 +204,31 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
     return block_n, block_k, 4
+
+# %% ../nbs/10_quantization.ipynb #6dc77049
+def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
+    "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m:
+        kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
+                                           BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+    return out
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
+    (m, k), n = x.shape, packed.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
+    group = k // scale.shape[1]
+    default = quant_gemv_config(n, k)
+    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
+                        GROUPS=groups, GROUP=group)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul

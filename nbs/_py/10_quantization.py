@@ -412,6 +412,8 @@ assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560,
 assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 8  # SmolLM2's o, a 0.6B-sized qkv
 
 
+# %%
+#| export
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
     "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
     x = x.contiguous()
