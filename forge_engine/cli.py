@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from typing import Callable
 
 import torch
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{out.metrics['decode_tok_s']:.1f} tok/s decode, first token {out.metrics['ttft_s'] * 1000:.0f} ms, "
                       f"finish: {out.finish_reason}]", file=sys.stderr)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if os.environ.get("FORGE_TRACEBACK"): traceback.print_exc()  # where it came from, for a bug report
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
     return 0

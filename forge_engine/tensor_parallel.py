@@ -432,9 +432,19 @@ class SymmMemAllReduce:
                 time.sleep(0.001)
 
 
+# PyTorch keeps its symmetric-memory registry per group *name* for the life of the process, and a
+# destroyed group's name ("0" for the default group) comes back with the next group: a second
+# rendezvous under it waits on the first group's store for ever (measured: a second engine in one
+# process hung there). So a process sets the fast path up once; this set is that fact, not a cache.
+_SYMM_MEM_GROUP_NAMES: set[str] = set()
+
+
 def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
     "Why this rank cannot take the fast path (None: it can)."
     if os.environ.get(ALL_REDUCE_ENV, "").lower() == "nccl": return f"{ALL_REDUCE_ENV}=nccl"
+    if dist.group.WORLD.group_name in _SYMM_MEM_GROUP_NAMES:
+        return (f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
+                f"and PyTorch cannot set it up again under that name")
     if world not in (2, 4, 8): return f"the symmetric-memory kernels are built for 2, 4 or 8 ranks, not {world}"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
@@ -458,6 +468,7 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
     why = _symm_mem_unavailable(device, world)
     if _agree_min(int(why is None)):  # every rank can: build it together
         try:
+            _SYMM_MEM_GROUP_NAMES.add(dist.group.WORLD.group_name)  # (tried: a failed rendezvous spoils the name too)
             reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world)
         except Exception as e:  # (a rank that fails here may leave the others to the store's timeout)
             why = f"symmetric memory failed to set up: {type(e).__name__}: {e}"

@@ -34,8 +34,10 @@ def test_two_gpus_match_one(tmp_path, dtype):
     try:
         engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2))
         assert engine.runner.decode is not None and engine.runner.decode.use_graphs
-        # small all-reduces (all of this test's) through symmetric memory, inside the decode graphs too
-        assert loaded.parallel.all_reduce_path.startswith("symmetric memory"), loaded.parallel.all_reduce_path
+        # small all-reduces (all of this test's) through symmetric memory, inside the decode graphs too; PyTorch sets
+        # that up once per process, so a second group in this process (the next parametrization) runs NCCL's
+        path = loaded.parallel.all_reduce_path
+        assert path.startswith("symmetric memory") or "earlier in this process" in path, path
         got = run_to_end(engine, PROMPTS, PARAMS)
         engine.allocator.check_idle()
     finally:
