@@ -386,7 +386,7 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # %% ../nbs/09c_tensor_parallel.ipynb #d463be46
 SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
-ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL
+ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "symmetric-memory": small all-reduces through peer memory (default: NCCL)
 
 
 def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
@@ -441,7 +441,8 @@ _SYMM_MEM_GROUP_NAMES: set[str] = set()
 
 def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
     "Why this rank cannot take the fast path (None: it can)."
-    if os.environ.get(ALL_REDUCE_ENV, "").lower() == "nccl": return f"{ALL_REDUCE_ENV}=nccl"
+    if os.environ.get(ALL_REDUCE_ENV, "").lower() != "symmetric-memory":
+        return f"the default; {ALL_REDUCE_ENV}=symmetric-memory turns the fast path on"
     if dist.group.WORLD.group_name in _SYMM_MEM_GROUP_NAMES:
         return (f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
                 f"and PyTorch cannot set it up again under that name")

@@ -72,11 +72,14 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
     torch.cuda.set_per_process_memory_fraction(budget / total, param.device)  # past the budget, allocations fail
     graphs = activation_bytes(model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()) \
         if config.cuda_graphs is not False else 0
-    kv = budget - peak - graphs - OVERHEAD_BYTES
+    torch.cuda.empty_cache()  # the cap counts what the allocator holds: what it cannot give back is not free either
+    held = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(param.device)
+    kv = budget - peak - held - graphs - OVERHEAD_BYTES
     if kv < MIN_KV_BYTES:
         raise MemoryPlanError(f"under the {format_gib(budget)} budget the KV cache would get {format_gib(kv)}: measured "
-                              f"peak of weights + activations {format_gib(peak)}, CUDA graphs {format_gib(graphs)}, "
-                              f"overhead {format_gib(OVERHEAD_BYTES)} (minimum {format_gib(MIN_KV_BYTES)})")
+                              f"peak of weights + activations {format_gib(peak)}, held in the allocator's fragments "
+                              f"{format_gib(held)}, CUDA graphs {format_gib(graphs)}, overhead {format_gib(OVERHEAD_BYTES)} "
+                              f"(minimum {format_gib(MIN_KV_BYTES)})")
     return kv
 
 
