@@ -84,8 +84,7 @@ class PendingTokens:
     def inputs_of(self, items) -> tuple[list[int], list[int]] | None:
         """(indices into `items`, rows of `token_ids`) of the scheduled sequences whose last token is pending.
         That token is an input only where the step reaches the sequence's end, which is where it samples."""
-        which = [(k, self.row_of[i.seq]) for k, i in enumerate(items)
-                 if i.samples and i.seq.output_ids[-1:] == [PENDING]]
+        which = [(k, self.row_of[i.seq]) for k, i in enumerate(items) if i.samples and i.seq.last_token == PENDING]
         return tuple(map(list, zip(*which))) if which else None
 
     def fill(self, ids: torch.Tensor, positions: list[int], rows: list[int]) -> None:
@@ -265,8 +264,8 @@ class LLMEngine:
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
         overlap = self.config.async_scheduling
-        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) \
-            and isinstance(self.runner, ModelRunner)
+        # the default: on a GPU, alone (over several GPUs it is opt-in until it has been measured there, chapter 09c)
+        self.overlap = self.device.type == "cuda" and loaded.parallel is None if overlap is None else overlap
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
 
     # -- requests --
@@ -347,7 +346,7 @@ class LLMEngine:
         "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
         due = [item.seq for item in plan.scheduled if item.samples]
         pending = self._launched.pending if self._launched is not None else None
-        logits = self.runner.run(plan, pending) if pending is not None else self.runner.run(plan)
+        logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)) \
             if due else SampleResult(torch.empty(0, dtype=torch.long), None)

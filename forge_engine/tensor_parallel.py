@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EngineConfig, ModelConfig
-from .engine import ModelRunner, build_runner
+from .engine import ModelRunner, PendingTokens, build_runner
+from .kv_cache import to_device
 from .loader import LoadedModel, finish_stats, model_config_of
 from .loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
 from .model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
@@ -38,9 +39,9 @@ from .tokenizer import Tokenizer
 __all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT',
            'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear', 'VocabParallelEmbedding',
            'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'time_collectives', 'tensor_parallel_report',
-           'symm_mem_takes', 'SymmMemAllReduce', 'setup_all_reduce', 'TensorParallelError', 'TensorParallel',
-           'ParallelRunner', 'load_model_parallel']
+           'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending',
+           'time_collectives', 'tensor_parallel_report', 'symm_mem_takes', 'SymmMemAllReduce', 'setup_all_reduce',
+           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -243,7 +244,8 @@ class StepWriter:
         self.sent: dict = {}  # Sequence -> [key, the block_table list last sent, its length then, last step sent]
         self.next_key, self.steps = 0, 0
 
-    def encode(self, plan) -> StepMessage:
+    def encode(self, plan, unread: Sequence[int] = ()) -> StepMessage:
+        "`unread`: the items whose last input token is still on rank 0's GPU (chapter 08's overlapped steps)."
         self.steps += 1
         keys, done, counts, samples, lengths, tokens = [], [], [], [], [], []
         updated, starts, update_lens, blocks = [], [], [], []
@@ -273,7 +275,7 @@ class StepWriter:
             gone = [self.sent.pop(seq)[0] for seq in finished]
         as_array = lambda values: np.array(values, dtype=np.int32)
         return tuple(map(as_array, (keys, done, counts, samples, lengths, tokens,
-                                    updated, starts, update_lens, blocks, gone)))
+                                    updated, starts, update_lens, blocks, gone, unread)))
 
 
 class _Tokens:
@@ -283,7 +285,7 @@ class _Tokens:
     def __getitem__(self, s: slice) -> list[int]: return self.tokens[s.start - self.offset:s.stop - self.offset]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # (eq=False: hashed by identity, as a `Sequence` is)
 class _SeqView:
     "A worker's mirror of one sequence: what its `ModelRunner` reads of a `Sequence`."
     block_table: list[int]
@@ -302,6 +304,7 @@ class _Scheduled:
 @dataclass
 class _Plan:
     scheduled: list[_Scheduled]
+    unread: list[int] = field(default_factory=list)  # items whose last input token rank 0 broadcasts
 
 
 class StepReader:
@@ -309,7 +312,7 @@ class StepReader:
     def __init__(self): self.seqs: dict[int, _SeqView] = {}
 
     def decode(self, message: StepMessage) -> _Plan:
-        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone = \
+        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone, unread = \
             (a.tolist() for a in message)
         for key in gone: del self.seqs[key]
         at = 0
@@ -326,7 +329,20 @@ class StepReader:
             new, end = tokens[end:end + n], end + n
             view.num_computed, view.token_ids, view.last_token = computed, _Tokens(computed, new), new[-1]
             scheduled.append(_Scheduled(view, n, bool(sample)))
-        return _Plan(scheduled)
+        return _Plan(scheduled, unread)
+
+
+def broadcast_pending(tokens: torch.Tensor) -> torch.Tensor:
+    """All ranks together: rank 0's pending input tokens of this step (chapter 08), in the order of the message's
+    `unread` items, to every rank. Queued on the GPU like the all-reduces: no rank waits for it on the host."""
+    dist.broadcast(tokens, src=0)
+    return tokens
+
+
+def received_pending(plan: _Plan, device: torch.device) -> PendingTokens:
+    "A worker's side: this step's pending input tokens, received, as its `ModelRunner` takes them."
+    tokens = broadcast_pending(torch.empty(len(plan.unread), dtype=torch.long, device=device))
+    return PendingTokens(tokens, {plan.scheduled[k].seq: j for j, k in enumerate(plan.unread)})
 
 # %% ../nbs/09c_tensor_parallel.ipynb #9a171d67
 def _seconds_per_call(fn, device: torch.device, repeats: int, group=None) -> float:
@@ -667,25 +683,27 @@ class ParallelRunner:
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
-        self.last_step: torch.cuda.Event | None = None  # marks the end of the previous step's GPU work
+        self.step_ends: deque[torch.cuda.Event] = deque()  # the end of each launched step's GPU work, oldest first
 
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan, pending: PendingTokens | None = None) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
-        self.check_step()
-        logits = self.parallel._collective("step", self.writer.encode(plan), lambda: self.inner.run(plan))
+        self.parallel.group.check()
+        unread = pending.inputs_of(plan.scheduled) if pending is not None else None
+        def step():
+            if unread: broadcast_pending(pending.token_ids[to_device(torch.tensor(unread[1]), pending.token_ids.device)])
+            return self.inner.run(plan, pending)
+        logits = self.parallel._collective("step", self.writer.encode(plan, unread[0] if unread else ()), step)
         if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
-            self.last_step = torch.cuda.Event()
-            self.last_step.record(torch.cuda.current_stream(logits.device))
+            self.step_ends.append(torch.cuda.Event())
+            self.step_ends[-1].record(torch.cuda.current_stream(logits.device))
         self.parallel.group.check()
         return logits
 
     def check_step(self) -> None:
-        """Raise if the group failed before the previous step's GPU work ended (see *a step's GPU work* above).
-        The wait costs nothing once the engine has that step's tokens: they came after it on the same stream."""
-        if self.last_step is not None:
-            self.last_step.synchronize()
-            self.last_step = None
+        """Raise if the group failed before the oldest unchecked step's GPU work ended (see *a step's GPU work* above).
+        The engine calls it once it has that step's tokens, which came after it on the same stream: the wait is free."""
+        if self.step_ends: self.step_ends.popleft().synchronize()
         self.parallel.group.check()
 
 
@@ -747,7 +765,8 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
                     runner = None  # free the previous engine's pool first
                     runner, reader = build_runner(model, payload, _agree_min), StepReader()
                 elif kind == "step":
-                    runner.run(reader.decode(payload))
+                    plan = reader.decode(payload)
+                    runner.run(plan, received_pending(plan, device) if plan.unread else None)
                 elif kind == "time_collectives":
                     time_collectives(*payload[:3], device, *payload[4:], model.all_reduce)
     finally:

@@ -69,7 +69,8 @@ def test_random_preset_same_tokens_as_one_process():
     loaded = load_model("random:qwen3-tiny", "cpu", progress=False, tensor_parallel_size=2)
     try:
         assert loaded.config.vocab_size == 151936 and loaded.config.num_heads == 2
-        engine = LLMEngine(loaded, EngineConfig(**ENGINE, tensor_parallel_size=2))
+        engine = LLMEngine(loaded, EngineConfig(**ENGINE, tensor_parallel_size=2, async_scheduling=True))
+        assert engine.overlap  # rank 0 broadcasts the tokens it has not read back yet
         assert_same_outputs(reference, run_to_end(engine, PROMPTS))
         engine.allocator.check_idle()
         with pytest.raises(ValueError, match="tensor_parallel_size 1"):
@@ -83,15 +84,18 @@ def test_random_preset_same_tokens_as_one_process():
     assert out.finish_reason == "error" and "closed" in out.error
 
 
-def test_preemption_and_shared_prefixes_keep_the_workers_in_step():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_and_shared_prefixes_keep_the_workers_in_step(overlap):
     """A pool too small for every request: sequences are preempted and re-admitted (their block tables
-    replaced), and a repeated prompt shares cached blocks; the workers' mirrors of the tables follow."""
+    replaced), and a repeated prompt shares cached blocks; the workers' mirrors of the tables follow.
+    Overlapped: a sequence preempted with a token in flight is re-admitted with it as a pending input."""
     prompts = PROMPTS + [PROMPTS[1]]
     one = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False), EngineConfig(**ENGINE))
     reference = run_to_end(one, prompts)
     loaded = load_model("random:qwen3-tiny", "cpu", progress=False, tensor_parallel_size=2)
     try:  # 2 KiB blocks per rank (1 KV head of 32 fp32 dims x 2 layers, K and V, 4 tokens): 24 blocks for ~130 tokens
-        engine = LLMEngine(loaded, EngineConfig(**{**ENGINE, "kv_cache_bytes": 24 * 2048}, tensor_parallel_size=2))
+        engine = LLMEngine(loaded, EngineConfig(**{**ENGINE, "kv_cache_bytes": 24 * 2048}, tensor_parallel_size=2,
+                                                async_scheduling=overlap))
         assert_same_outputs(reference, run_to_end(engine, prompts))
         assert sum(r.preempted for r in engine.recent) > 0
         engine.allocator.check_idle()

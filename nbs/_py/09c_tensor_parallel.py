@@ -83,10 +83,10 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -95,7 +95,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.config import EngineConfig, ModelConfig
-from forge_engine.engine import ModelRunner, build_runner
+from forge_engine.engine import ModelRunner, PendingTokens, build_runner
+from forge_engine.kv_cache import to_device
 from forge_engine.loader import LoadedModel, finish_stats, model_config_of
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
 from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
@@ -436,7 +437,8 @@ class StepWriter:
         self.sent: dict = {}  # Sequence -> [key, the block_table list last sent, its length then, last step sent]
         self.next_key, self.steps = 0, 0
 
-    def encode(self, plan) -> StepMessage:
+    def encode(self, plan, unread: Sequence[int] = ()) -> StepMessage:
+        "`unread`: the items whose last input token is still on rank 0's GPU (chapter 08's overlapped steps)."
         self.steps += 1
         keys, done, counts, samples, lengths, tokens = [], [], [], [], [], []
         updated, starts, update_lens, blocks = [], [], [], []
@@ -466,7 +468,7 @@ class StepWriter:
             gone = [self.sent.pop(seq)[0] for seq in finished]
         as_array = lambda values: np.array(values, dtype=np.int32)
         return tuple(map(as_array, (keys, done, counts, samples, lengths, tokens,
-                                    updated, starts, update_lens, blocks, gone)))
+                                    updated, starts, update_lens, blocks, gone, unread)))
 
 
 class _Tokens:
@@ -476,7 +478,7 @@ class _Tokens:
     def __getitem__(self, s: slice) -> list[int]: return self.tokens[s.start - self.offset:s.stop - self.offset]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # (eq=False: hashed by identity, as a `Sequence` is)
 class _SeqView:
     "A worker's mirror of one sequence: what its `ModelRunner` reads of a `Sequence`."
     block_table: list[int]
@@ -495,6 +497,7 @@ class _Scheduled:
 @dataclass
 class _Plan:
     scheduled: list[_Scheduled]
+    unread: list[int] = field(default_factory=list)  # items whose last input token rank 0 broadcasts
 
 
 class StepReader:
@@ -502,7 +505,7 @@ class StepReader:
     def __init__(self): self.seqs: dict[int, _SeqView] = {}
 
     def decode(self, message: StepMessage) -> _Plan:
-        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone = \
+        keys, done, counts, samples, lengths, tokens, updated, starts, update_lens, blocks, gone, unread = \
             (a.tolist() for a in message)
         for key in gone: del self.seqs[key]
         at = 0
@@ -519,7 +522,20 @@ class StepReader:
             new, end = tokens[end:end + n], end + n
             view.num_computed, view.token_ids, view.last_token = computed, _Tokens(computed, new), new[-1]
             scheduled.append(_Scheduled(view, n, bool(sample)))
-        return _Plan(scheduled)
+        return _Plan(scheduled, unread)
+
+
+def broadcast_pending(tokens: torch.Tensor) -> torch.Tensor:
+    """All ranks together: rank 0's pending input tokens of this step (chapter 08), in the order of the message's
+    `unread` items, to every rank. Queued on the GPU like the all-reduces: no rank waits for it on the host."""
+    dist.broadcast(tokens, src=0)
+    return tokens
+
+
+def received_pending(plan: _Plan, device: torch.device) -> PendingTokens:
+    "A worker's side: this step's pending input tokens, received, as its `ModelRunner` takes them."
+    tokens = broadcast_pending(torch.empty(len(plan.unread), dtype=torch.long, device=device))
+    return PendingTokens(tokens, {plan.scheduled[k].seq: j for j, k in enumerate(plan.unread)})
 
 
 # %% [markdown]
@@ -832,14 +848,18 @@ assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not co
 # garbage; nothing on the GPU says so. What does say so is the order of events on rank 0: the
 # watcher records the failure *before* it aborts anything, and an aborted collective can only
 # end after the abort. So once a step's GPU work has ended, a group with no failure recorded ran
-# it whole. `run` records an event after each step and, at the next step, waits for it (free:
-# the engine has already waited for that step's tokens, which came later on the same stream)
-# and checks the group. The step that was running when a rank died is therefore found at the
-# next step at the latest. The engine (chapter 08) also calls `runner.check_step()` right after
-# its own wait for a step's tokens, before it applies them, so the broken step's requests fail
-# there, each with the dead worker's exit code, and no token of that step reaches them.
-# Waiting for the GPU inside every `run`, as this chapter first did, cost each step the
-# overlap of chapter 08.
+# it whole. `run` records an event after each step; the engine (chapter 08), once it has a
+# step's tokens and before it applies them, calls `check_step()`, which waits for that step's
+# event (free: the tokens came later on the same stream) and checks the group. So the step
+# that was running when a rank died fails its requests there, each with the dead worker's
+# exit code, and no token of it reaches them. Waiting for the GPU inside every `run`, as this
+# chapter first did, cost each step the overlap of chapter 08.
+#
+# **Overlapped steps.** The engine launches step N+1 before it has read step N's tokens back
+# (chapter 08); their places in step N+1's inputs hold a placeholder, in the step message too.
+# Rank 0 then broadcasts those tokens, straight from its GPU, before the step's forward
+# (`broadcast_pending`): one small NCCL call queued like the all-reduces, so no rank waits on
+# the host, and each worker copies them into its inputs as rank 0 does.
 #
 # **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
 # engine built on the model; an older engine's runner on rank 0 refuses to run a step.
@@ -1040,25 +1060,27 @@ class ParallelRunner:
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
-        self.last_step: torch.cuda.Event | None = None  # marks the end of the previous step's GPU work
+        self.step_ends: deque[torch.cuda.Event] = deque()  # the end of each launched step's GPU work, oldest first
 
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan, pending: PendingTokens | None = None) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
-        self.check_step()
-        logits = self.parallel._collective("step", self.writer.encode(plan), lambda: self.inner.run(plan))
+        self.parallel.group.check()
+        unread = pending.inputs_of(plan.scheduled) if pending is not None else None
+        def step():
+            if unread: broadcast_pending(pending.token_ids[to_device(torch.tensor(unread[1]), pending.token_ids.device)])
+            return self.inner.run(plan, pending)
+        logits = self.parallel._collective("step", self.writer.encode(plan, unread[0] if unread else ()), step)
         if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
-            self.last_step = torch.cuda.Event()
-            self.last_step.record(torch.cuda.current_stream(logits.device))
+            self.step_ends.append(torch.cuda.Event())
+            self.step_ends[-1].record(torch.cuda.current_stream(logits.device))
         self.parallel.group.check()
         return logits
 
     def check_step(self) -> None:
-        """Raise if the group failed before the previous step's GPU work ended (see *a step's GPU work* above).
-        The wait costs nothing once the engine has that step's tokens: they came after it on the same stream."""
-        if self.last_step is not None:
-            self.last_step.synchronize()
-            self.last_step = None
+        """Raise if the group failed before the oldest unchecked step's GPU work ended (see *a step's GPU work* above).
+        The engine calls it once it has that step's tokens, which came after it on the same stream: the wait is free."""
+        if self.step_ends: self.step_ends.popleft().synchronize()
         self.parallel.group.check()
 
 
@@ -1129,7 +1151,8 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
                     runner = None  # free the previous engine's pool first
                     runner, reader = build_runner(model, payload, _agree_min), StepReader()
                 elif kind == "step":
-                    runner.run(reader.decode(payload))
+                    plan = reader.decode(payload)
+                    runner.run(plan, received_pending(plan, device) if plan.unread else None)
                 elif kind == "time_collectives":
                     time_collectives(*payload[:3], device, *payload[4:], model.all_reduce)
     finally:

@@ -403,7 +403,7 @@ def engine_config(args, workload: str) -> EngineConfig:
     limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     defaults = W2_ENGINE_DEFAULTS if workload == "w2" else {}
     return EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
-                        async_scheduling=False if args.no_async_scheduling else None,
+                        async_scheduling=args.async_scheduling,
                         tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget,
                         **{k: v if v is not None else defaults.get(k) for k, v in limits.items()
                            if v is not None or k in defaults})
@@ -467,8 +467,10 @@ def add_arguments(workloads) -> None:
         w.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
         w.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
         w.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU")
-        w.add_argument("--no-async-scheduling", action="store_true",
+        w.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                        help="read each step's tokens before building the next (chapter 08's overlap off)")
+        w.add_argument("--async-scheduling", dest="async_scheduling", action="store_const", const=True,
+                       help="overlap steps where it is not the default (tensor parallelism on GPUs)")
         w.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step at most (EngineConfig)")
         w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
         w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
