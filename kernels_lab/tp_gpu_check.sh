@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU machine in one device call (5 min 20 s at most: the steps' limits add up to 320 s):
-# the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the NCCL tests
-# (tests/test_tp_gpu.py), then W1 and W2 on random:qwen3-4b at --tensor-parallel-size 2 and 1.
+# Tensor parallelism on a 2-GPU machine in one device call (7 min 30 s at most: the steps' limits add up to 450 s):
+# the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the GPU tests
+# (tests/test_tp_gpu.py), then W1 and W2 on random:qwen3-4b at --tensor-parallel-size 2 with overlapped steps
+# (--async-scheduling; NCCL, then symmetric-memory all-reduces) and at 1 (overlapped by default).
 # (kernels_lab/tp_step_message.py needs no GPU: run it anywhere.)
 # Run from the repository root: OUT=/some/dir bash kernels_lab/tp_gpu_check.sh
 # Logs under $OUT: one per step, summary.txt (exit code and seconds of each), tp_allreduce.json,
-# bench/<hardware>/*.json (their "tensor_parallel" part: which all-reduce path ran, its time per step and share).
+# bench_*/<hardware>/*.json (their "tensor_parallel" part: which all-reduce path ran, its time per step and share).
 # Every step runs under `timeout` in its own process group: at its limit every process of it, the
 # tensor-parallel workers too, gets SIGUSR1 and dumps its Python stacks (FORGE_TP_STACKS registers the
 # handler; a worker also dumps by itself when one message takes over FORGE_TP_STACKS seconds), then
-# SIGKILL 5 s later, and the next step starts on free GPUs.
+# SIGKILL 5 s later, and the next step starts on free GPUs (whatever a step started in a session of its own,
+# as the killed-worker test does, is killed too: a leftover process spinning on a GPU slows every later step).
 # NVLink multicast stays off (nothing here uses it).
 set -uo pipefail
 out=${OUT:-/tmp/tp_gpu_check}
@@ -26,6 +28,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "$name: exit $rc after $((SECONDS - start)) s$([ $rc = 124 ] || [ $rc = 137 ] && echo ' (TIMED OUT: stacks in the log)')" \
     | tee -a "$out/summary.txt"
   tail -n 4 "$out/$name.log"
+  pkill -9 -f "forge_engine|multiprocessing.spawn" 2>/dev/null; sleep 1
 }
 
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpu.txt" 2>&1
@@ -33,9 +36,11 @@ nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__)" \
   | tee -a "$out/gpu.txt"
 step tp_allreduce 50 python3 kernels_lab/tp_allreduce.py --out "$out"
-step pytest_tp_gpu 100 python3 -m pytest -v -s -p no:cacheprovider -m gpu -o faulthandler_timeout=80 tests/test_tp_gpu.py
-bench=(python3 -m forge_engine bench all --model random:qwen3-4b --workloads w1,w2 --out "$out/bench")
-step bench_tp2 100 "${bench[@]}" --tensor-parallel-size 2
-step bench_tp1 70 "${bench[@]}"
+step pytest_tp_gpu 130 python3 -m pytest -v -s -p no:cacheprovider -m gpu -o faulthandler_timeout=110 tests/test_tp_gpu.py
+bench=(python3 -m forge_engine bench all --model random:qwen3-4b --workloads w1,w2)
+step bench_tp2 100 "${bench[@]}" --tensor-parallel-size 2 --async-scheduling --out "$out/bench_tp2"
+FORGE_TP_ALL_REDUCE=symmetric-memory step bench_tp2_symm 100 "${bench[@]}" --tensor-parallel-size 2 --async-scheduling \
+  --out "$out/bench_tp2_symm"
+step bench_tp1 70 "${bench[@]}" --out "$out/bench_tp1"
 grep -h "W1 \|W2 " "$out"/bench_tp*.log | tee -a "$out/summary.txt"
 grep -h "decode step:" "$out/tp_allreduce.log" | tee -a "$out/summary.txt"
