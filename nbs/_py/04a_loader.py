@@ -181,7 +181,6 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         from forge_engine.quant import quantize_model
         quantize_model(model, quantization, device=device)
     model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
-    if staging != device: torch.cuda.empty_cache()  # the slices' cached blocks go back before the budget caps the GPU
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)

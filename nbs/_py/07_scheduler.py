@@ -218,9 +218,13 @@ class Scheduler:
             budget -= plan.scheduled[-1].num_new
         return plan
 
+    def outgrows_pool(self, seq: Sequence) -> bool:
+        "Whether a sequence's tokens no longer fit the whole pool: it could never run again."
+        return self.allocator.blocks_needed(seq.num_tokens) > self.allocator.num_blocks
+
     def _outgrew_pool(self, seq: Sequence, plan: StepPlan) -> bool:
-        "End (reason `length`) a sequence whose tokens no longer fit the whole pool: it could never run again."
-        if self.allocator.blocks_needed(seq.num_tokens) <= self.allocator.num_blocks: return False
+        "End (reason `length`) a sequence that `outgrows_pool`."
+        if not self.outgrows_pool(seq): return False
         self.finish(seq, "length")
         plan.finished.append(seq)
         return True

@@ -460,7 +460,7 @@ class LLMEngine:
             p = s.params
             return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
                 or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
-                or self.allocator.blocks_needed(s.num_tokens) > self.allocator.num_blocks  # (outgrows the pool)
+                or self.scheduler.outgrows_pool(s)
         return any(not s.finished and needs_its_token(s) for s in self._launched.due)
 
     def _launch(self, plan: StepPlan) -> _LaunchedStep:

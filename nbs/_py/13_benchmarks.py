@@ -543,7 +543,6 @@ def run_from_args(args) -> int:
                 loaded = load_model(args.model, args.device, args.dtype, progress=False, quantization=args.quantization,
                                     tensor_parallel_size=args.tensor_parallel_size, memory_budget=args.gpu_memory_budget)
                 ceiling = ceilings(next(loaded.model.parameters()).device)
-                free_memory()  # the ceilings' buffers: cached memory a budgeted engine must not find taken
             result = run_offline(name, loaded, args, ceiling)
         result["environment"] = env
         results.append(result)
