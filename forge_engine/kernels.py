@@ -284,18 +284,41 @@ GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners, as a rule."
-    if weight_bytes == 1:  # kernels_lab/gemv.py, variant v4
-        return (4, 1024, 4) if k >= 4096 else ((8, 512, 2) if n < 16384 else (4, 512, 2))
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners as a
+    rule (kernels_lab/gemv_chain_sweep.py: 36 matrices of a shape in one graph; the LM head from kernels_lab/gemv.py)."""
+    if weight_bytes == 1:
+        return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
-    return (8, 512, 4) if n < 16384 else (4, 512, 2)
+    if n < 16384:  # qkv
+        return 8, 512, 4
+    return (4, 512, 4) if n < 65536 else (4, 512, 2)  # gate-up; the LM head
 
 
 @triton.jit
-def _as_f32(w):
+def _int8x4_to_f32(w):
+    "int8 -> fp32 on an NVIDIA GPU, four weights a register: w + 128 (XOR of the sign bits) placed under 2^23's exponent."
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u;
+        xor.b32 u, $4, 0x80808080;
+        prmt.b32 $0, u, 0x4B000000, 0x7440;
+        prmt.b32 $1, u, 0x4B000000, 0x7441;
+        prmt.b32 $2, u, 0x4B000000, 0x7442;
+        prmt.b32 $3, u, 0x4B000000, 0x7443;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _as_f32(w, BYTE_ASM: tl.constexpr):
     "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
     if w.dtype == tl.int8:
+        if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
+            return _int8x4_to_f32(w)
         bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
         return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
@@ -304,7 +327,7 @@ def _as_f32(w):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr):
     if PDL:  # launched as a dependent: let the next kernel launch, wait for this one's input
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -313,17 +336,24 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     n_ok, m_ok = offs_n < N, offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
+    # differs from the loads', which costs a trip through shared memory per step)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
+        if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
+            k = tl.max_contiguous(k, 8)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * _as_f32(w)[None, :, :]
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+        if ROWS == 1:
+            acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+        else:
+            acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -341,8 +371,9 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None) -> torch.Tensor:
-    "x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N]."
+         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
+    `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -362,7 +393,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            num_warps=num_warps, **_stages(num_stages))
+            BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm, num_warps=num_warps, **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0

@@ -24,16 +24,19 @@ CONFIG = dict(kv_cache_bytes=64 * 2**20, block_size=16, max_num_seqs=8, max_num_
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
 
-@pytest.mark.parametrize("dtype,all_reduce", [("float32", "nccl"), ("bfloat16", "nccl"), ("float32", "symmetric-memory")])
-def test_two_gpus_match_one(tmp_path, monkeypatch, dtype, all_reduce):
-    "qwen2-tiny (1 KV head: replicated) from a sharded checkpoint; decode steps replay graphs with the all-reduces inside."
+@pytest.mark.parametrize("dtype,all_reduce,overlap", [("float32", "nccl", False), ("float32", "nccl", True),
+                                                      ("bfloat16", "nccl", True), ("float32", "symmetric-memory", True)])
+def test_two_gpus_match_one(tmp_path, monkeypatch, dtype, all_reduce, overlap):
+    """qwen2-tiny (1 KV head: replicated) from a sharded checkpoint; decode steps replay graphs with the all-reduces
+    inside; steps overlapped (the pending tokens broadcast on the GPUs) or not."""
     monkeypatch.setenv("FORGE_TP_ALL_REDUCE", all_reduce)
     write_checkpoint(tmp_path, preset("qwen2-tiny"), seed=7)
     one = LLMEngine(load_model(str(tmp_path), "cuda", dtype, progress=False), EngineConfig(**CONFIG))
     reference = run_to_end(one, PROMPTS, PARAMS)
     loaded = load_model(str(tmp_path), "cuda", dtype, progress=False, tensor_parallel_size=2)
     try:
-        engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2))
+        engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2, async_scheduling=overlap))
+        assert engine.overlap == overlap
         assert engine.runner.decode is not None and engine.runner.decode.use_graphs
         # asked for, small all-reduces (all of this test's) go through symmetric memory, inside the decode graphs too
         path = loaded.parallel.all_reduce_path
@@ -70,7 +73,7 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly():
             loaded = load_model("random:qwen3-tiny", "cuda", progress=False, tensor_parallel_size=2)
             assert loaded.parallel.all_reduce_path.startswith("NCCL"), loaded.parallel.all_reduce_path  # the default
             engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**26, max_num_seqs=8, max_model_len=4096,
-                                                    tensor_parallel_size=2))
+                                                    tensor_parallel_size=2, async_scheduling=True))
             params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
             ids = [engine.add_request(list(range(10, 10 + n)), params) for n in (5, 50, 500)]
             for _ in range(20): engine.step()

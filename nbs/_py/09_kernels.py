@@ -475,10 +475,32 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # matrices (21-100 MB) are held back by the time it takes to get every SM streaming, not by
 # the loads themselves.
 #
+# A matrix timed alone is not how decode runs it, though: a step runs each shape 36 times, one
+# layer after another. `kernels_lab/gemv_chain_sweep.py` times 36 distinct matrices of one shape
+# in one graph per configuration, and the gate-up projection's best tile there (4 rows x 512,
+# 4 warps: 26.0 µs a matrix, 3.84 TB/s) beat the one chosen alone (29.4 µs).
+#
+# At one row the tile is 2-D, `[BLOCK_N, BLOCK_K]`, in the layout the weights are loaded in; the
+# general `[ROWS, BLOCK_N, BLOCK_K]` product needs its operands moved into another layout, which
+# the compiler does through shared memory on every step of the loop. (`kernels_lab/gemv_sass.py`
+# compiles this kernel for an H200 on any machine, no GPU needed, and counts the instructions of
+# its loop per weight: that is how these shuffles were found.)
+#
 # The same kernel reads **int8 weights** with one scale per output row (chapter 10): the tile is
-# converted in registers and the scale applied to the finished sums. The conversion matters: the
-# GPU's int-to-float instruction runs at a quarter of the FMA rate, so `_as_f32` builds the float
-# from its bits instead (two integer operations and a subtraction, at full rate).
+# converted in registers and the scale applied to the finished sums. The conversion matters: at
+# one row a GEMV does one multiply-add per weight, so at int8's 16 bytes per SM and cycle an SM
+# has about 8 instructions per weight for everything. The GPU's int-to-float instruction runs at
+# a quarter of the FMA rate, so `_as_f32` builds the float from its bits instead: 2^23 + byte is
+# the float whose bits are 0x4B0000 followed by the byte, and subtracting 2^23 + 128 leaves the
+# signed weight, exactly. Written in Triton that is a byte extract, an OR and a subtraction per
+# weight, and the compiled loop came to 6.0 instructions per weight. Compiled for a GPU it is
+# PTX instead, per 32-bit register of four weights (`_int8x4_to_f32`): one XOR flips the four sign
+# bits, and one `prmt` (byte permute) per weight places its byte under the exponent: 4.1-4.5
+# instructions per weight. The int8 loads are also kept to 8 bytes a thread, as x's 8 bf16 values,
+# so that both tiles share one layout (16-byte int8 loads put them in two, and the compiler moved
+# x between them through shared memory every step). In the chain lab the PTX conversion took the
+# int8 GEMVs from 11.0 / 8.0 / 18.2 / 17.7 µs (qkv / o / gate-up / down) to 8.4 / 6.8 / 16.3 /
+# 13.8 µs at the same tiles, and tiles chosen in the chain to 7.8 / 5.1 / 16.1 / 9.1 µs.
 #
 # The fixed cost per launch is the gap between kernels: each waits for the one before to finish
 # completely before its programs start and request their first tiles. **Programmatic dependent
@@ -501,18 +523,41 @@ GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners, as a rule."
-    if weight_bytes == 1:  # kernels_lab/gemv.py, variant v4
-        return (4, 1024, 4) if k >= 4096 else ((8, 512, 2) if n < 16384 else (4, 512, 2))
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners as a
+    rule (kernels_lab/gemv_chain_sweep.py: 36 matrices of a shape in one graph; the LM head from kernels_lab/gemv.py)."""
+    if weight_bytes == 1:
+        return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
-    return (8, 512, 4) if n < 16384 else (4, 512, 2)
+    if n < 16384:  # qkv
+        return 8, 512, 4
+    return (4, 512, 4) if n < 65536 else (4, 512, 2)  # gate-up; the LM head
 
 
 @triton.jit
-def _as_f32(w):
+def _int8x4_to_f32(w):
+    "int8 -> fp32 on an NVIDIA GPU, four weights a register: w + 128 (XOR of the sign bits) placed under 2^23's exponent."
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u;
+        xor.b32 u, $4, 0x80808080;
+        prmt.b32 $0, u, 0x4B000000, 0x7440;
+        prmt.b32 $1, u, 0x4B000000, 0x7441;
+        prmt.b32 $2, u, 0x4B000000, 0x7442;
+        prmt.b32 $3, u, 0x4B000000, 0x7443;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _as_f32(w, BYTE_ASM: tl.constexpr):
     "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
     if w.dtype == tl.int8:
+        if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
+            return _int8x4_to_f32(w)
         bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
         return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
@@ -521,7 +566,7 @@ def _as_f32(w):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr):
     if PDL:  # launched as a dependent: let the next kernel launch, wait for this one's input
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -530,17 +575,24 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     n_ok, m_ok = offs_n < N, offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
+    # differs from the loads', which costs a trip through shared memory per step)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
+        if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
+            k = tl.max_contiguous(k, 8)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * _as_f32(w)[None, :, :]
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+        if ROWS == 1:
+            acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+        else:
+            acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -558,8 +610,9 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None) -> torch.Tensor:
-    "x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N]."
+         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
+    `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -579,7 +632,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            num_warps=num_warps, **_stages(num_stages))
+            BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm, num_warps=num_warps, **_stages(num_stages))
     return out
 
 
