@@ -156,40 +156,74 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 
 # %% ../nbs/10_quantization.ipynb #372e2760
 @triton.jit
-def _small_int_to_f32(q):
-    "int32 values 0 <= q < 2^23 -> float32, exactly: the bits of 2^23 + q, minus 2^23 (no conversion instruction)."
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
+    """A uint8 tile -> (128 + low nibble, 128 + 8 · high nibble) in fp32, exactly, with no conversion or subtraction:
+    the nibble goes into the mantissa of 128 (0x43000000: bits 16-19 count ones, bits 19-22 eights)."""
+    if BYTE_ASM:  # compiled for an NVIDIA GPU: per byte, two byte permutes; per weight, one AND
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, l0, l1, l2, l3, h0, h1, h2, h3;
+            shr.b32 s, $8, 1;
+            prmt.b32 l0, $8, 0x43000000, 0x7044;
+            prmt.b32 l1, $8, 0x43000000, 0x7144;
+            prmt.b32 l2, $8, 0x43000000, 0x7244;
+            prmt.b32 l3, $8, 0x43000000, 0x7344;
+            prmt.b32 h0, s, 0x43000000, 0x7044;
+            prmt.b32 h1, s, 0x43000000, 0x7144;
+            prmt.b32 h2, s, 0x43000000, 0x7244;
+            prmt.b32 h3, s, 0x43000000, 0x7344;
+            and.b32 $0, l0, 0x430F0000;
+            and.b32 $1, l1, 0x430F0000;
+            and.b32 $2, l2, 0x430F0000;
+            and.b32 $3, l3, 0x430F0000;
+            and.b32 $4, h0, 0x43780000;
+            and.b32 $5, h1, 0x43780000;
+            and.b32 $6, h2, 0x43780000;
+            and.b32 $7, h3, 0x43780000;
+            }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
+            pack=4)
+    b = b.to(tl.int32)
+    low = ((b & 0x0F) << 16) | 0x43000000
+    high = ((b >> 4) << 19) | 0x43000000
+    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                      BYTE_ASM: tl.constexpr):
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
+    CHUNKS: tl.constexpr = GROUPS * HALF // CHUNK
     n_groups = K // GROUP
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m, offs_g, offs_j = tl.arange(0, ROWS), tl.arange(0, GROUPS), tl.arange(0, HALF)
+    offs_m, offs_c, offs_j = tl.arange(0, ROWS), tl.arange(0, CHUNKS), tl.arange(0, CHUNK)
     n_ok, m_ok = offs_n < N, offs_m < M
     rows = offs_n.to(tl.int64)
-    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, HALF]; a stride (K/2)
-    # passed in, so Triton sees that a row starts 16-byte aligned and loads 16 bytes at a time
-    x_rows = x_ptr + offs_m[:, None, None] * K + offs_j[None, None, :]  # [ROWS, 1, HALF]
-    acc = tl.zeros((ROWS, BLOCK_N, GROUPS), dtype=tl.float32)
-    for g0 in range(0, n_groups, GROUPS):
-        g = g0 + offs_g
-        g_ok = g < n_groups  # K is whole groups; the last step may hold fewer than GROUPS of them
-        b = tl.load(q_rows + g[None, :, None] * HALF, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
-        x_mask = m_ok[:, None, None] & g_ok[None, :, None]
-        x_lo = tl.load(x_rows + g[None, :, None] * GROUP, mask=x_mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_rows + g[None, :, None] * GROUP + HALF, mask=x_mask, other=0.0).to(tl.float32)
-        b = b.to(tl.int32)
-        q_lo, q_hi = _small_int_to_f32(b & 0x0F), _small_int_to_f32(b >> 4)
-        xq = tl.sum(x_lo[:, None, :, :] * q_lo[None, :, :, :] + x_hi[:, None, :, :] * q_hi[None, :, :, :], axis=3)
-        x_sum = tl.sum(x_lo + x_hi, axis=2)  # [ROWS, GROUPS]
+    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, CHUNK]; a stride (K/2)
+    # passed in, so Triton sees that a row starts 16-byte aligned and loads 8 bytes at a time
+    acc = tl.zeros((ROWS, BLOCK_N, CHUNKS), dtype=tl.float32)
+    for b0 in range(0, K // 2, CHUNKS * CHUNK):
+        start = tl.multiple_of(b0 + offs_c * CHUNK, CHUNK)  # [CHUNKS] first byte of each chunk in the row (aligned)
+        c_ok = start < K // 2  # K is whole groups; the last step may hold fewer chunks
+        g = start // HALF  # each chunk's group
+        lo = tl.multiple_of(g * GROUP + start % HALF, CHUNK)  # [CHUNKS] input of each chunk's first low nibble
+        b = tl.load(q_rows + start[None, :, None], mask=n_ok[:, None, None] & c_ok[None, :, None], other=0)
+        f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # [BN, CHUNKS, CHUNK]: 128 + q_lo, 128 + 8 q_hi
         sm_at = rows[:, None] * n_groups + g[None, :]
-        sm_mask = n_ok[:, None] & g_ok[None, :]
-        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        sm_mask = n_ok[:, None] & c_ok[None, :]
+        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)  # [BN, CHUNKS]
         mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
-        acc += xq * s[None, :, :] + x_sum[:, None, :] * mn[None, :, :]
+        for m in tl.static_range(ROWS):  # the weights are converted once for all rows; each row is a 3-D product
+            x_at = x_ptr + m * K + lo[:, None] + offs_j[None, :]  # [CHUNKS, CHUNK], in the weights' layout
+            x_mask = (m < M) & c_ok[:, None]
+            x_lo = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + HALF, mask=x_mask, other=0.0).to(tl.float32)
+            p_lo = tl.sum(x_lo[None, :, :] * f_lo, axis=2)  # [BN, CHUNKS]: a thread's own chunk, no shuffles
+            p_hi = tl.sum(x_hi[None, :, :] * f_hi, axis=2)
+            sum_lo, sum_hi = tl.sum(x_lo, axis=1)[None, :], tl.sum(x_hi, axis=1)[None, :]  # [1, CHUNKS]
+            xq = (p_lo - 128.0 * sum_lo) + (p_hi - 128.0 * sum_hi) * 0.125  # Σ x q over each chunk's 16 weights
+            acc += tl.where(offs_m[:, None, None] == m, (xq * s + (sum_lo + sum_hi) * mn)[None, :, :], 0.0)
     out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -200,10 +234,13 @@ GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
-    block_n, block_k = (8, 2048) if k >= 4096 else (16, 512)  # long rows (o, down): fewer rows, wider steps
+    if k >= 4096:  # long rows (o, down): few rows, wide steps
+        block_n, block_k, warps = 4, 2048, 4
+    else:
+        block_n, block_k, warps = (8, 1024, 2) if n < 16384 else (8, 512, 2)
     while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
-    return block_n, block_k, 4
+    return block_n, block_k, warps
 
 # %% ../nbs/10_quantization.ipynb #6dc77049
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
@@ -218,8 +255,10 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              byte_asm: bool | None = None) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
+    `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -228,7 +267,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
-                        GROUPS=groups, GROUP=group)
+                        GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul

@@ -6,10 +6,11 @@ Napkin math: bf16 reads 2 bytes a weight, int8 one, so at the 4.19 TB/s read cei
 half the bf16 time. In session 3 both took ~2.25 ms for a layer's four matrices: int8 is held back by the work per
 weight (its conversion to float) or by too few bytes in flight per SM, not by bytes.
 
-Variants per shape and weight format: the exported configuration (gemv_config), then a grid of
-(BLOCK_N, BLOCK_K, num_warps); int8 also with the conversion written in Triton (byte_asm=False) against the
-PTX byte permute (export). Prints per shape the best configuration and the exported one's time.
-Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8]"""
+Variants per shape and weight format (bf16, int8 with a scale per row, int4 in groups: chapter 10): the exported
+configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps); int8 and int4 also
+with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export). Prints per shape
+the exported configuration's time and the best three.
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
 import os
 import sys
@@ -19,54 +20,75 @@ from common import DEVICE, HBM_BYTES_PER_S, ON_GPU, finish, graphed_ms, validate
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels import gemv, gemv_config
+from forge_engine.quant import dequantize_int4, int4_gemv, quant_gemv_config, quantize_int4
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8))
         if 2048 <= bn * bk <= 16384 and (w < 8 if bn * bk <= 4096 else w > 2)]  # 16 tiles, warps by tile size
+GRID_INT4 = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (2, 4, 8))
+             if 4096 <= bn * bk <= 32768 and (w < 8 if bn * bk <= 8192 else w > 2)]  # BLOCK_K in inputs (2 a byte)
 BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: the grid stops there (the export always runs)
 LAYERS = 36
 
 
-def weights(fmt, n, k, count):
+def weights(fmt, n, k):
+    "One matrix in `fmt`: the tensors its kernel takes after x."
     if fmt == "int8":
-        return [(torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8),
-                 torch.rand(n, device=DEVICE) / 127 / k ** 0.5) for _ in range(count)]
-    return [((torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16(), None) for _ in range(count)]
+        return torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8), torch.rand(n, device=DEVICE) / 127 / k ** 0.5
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16()
+    return quantize_int4(w) if fmt == "int4" else (w,)
+
+
+def product(fmt, x, w, **launch):
+    "x @ w.T by the format's GEMV (launch: tiles, warps, byte_asm)."
+    if fmt == "int4":
+        return int4_gemv(x, *w, **launch)
+    return gemv(x, w[0], None, w[1] if fmt == "int8" else None, impl="triton", **launch)
+
+
+def reference(fmt, x, w):
+    if fmt == "int4":
+        return F.linear(x.float(), dequantize_int4(*w))
+    return F.linear(x.float(), w[0].float()) * (w[1][None, :] if fmt == "int8" else 1)
+
+
+def exported(fmt, n, k):
+    return quant_gemv_config(n, k) if fmt == "int4" else gemv_config(n, k, 1 if fmt == "int8" else 2)
+
+
+BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int4": 0.5}  # (int4's scales and minimums add 3%: not counted)
 
 
 def main():
-    formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8").split(",")
+    formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8,int4").split(",")
     ok = True
-    for fmt in formats:  # validation: PTX conversion and Triton conversion against F.linear
-        for m, (n, k) in ((1, (96, 512)), (2, (40, 1024)), (1, (2560, 4096))) if ON_GPU else ((1, (8, 64)),):
-            (w, scale), = weights(fmt, n, k, 1)
-            x = torch.randn(m, k, device=DEVICE).bfloat16()
-            want = F.linear(x.float(), w.float()) * (scale[None, :] if scale is not None else 1)
-            for asm in ((True, False) if ON_GPU and fmt == "int8" else (None,)):
-                got = gemv(x, w, None, scale, impl="triton", block_k=min(512, k), byte_asm=asm)
-                ok &= validate(f"{fmt} M={m} N={n} K={k} byte_asm={asm}", got.float(), want, 1e-2)
+    for fmt in formats:  # validation: the PTX conversions and their Triton twins against F.linear
+        for m, (n, k) in ((1, (96, 512)), (2, (40, 1024)), (1, (2560, 4096))) if ON_GPU else ((1, (8, 256)),):
+            w, x = weights(fmt, n, k), torch.randn(m, k, device=DEVICE).bfloat16()
+            for asm in ((True, False) if ON_GPU and fmt != "bf16" else (None,)):
+                got = product(fmt, x, w, block_k=min(512, k), byte_asm=asm)
+                ok &= validate(f"{fmt} M={m} N={n} K={k} byte_asm={asm}", got.float(), reference(fmt, x, w), 1e-2)
     if not ON_GPU:
         finish(ok)
     print(f"\n== {LAYERS} GEMVs of one shape, distinct weights, one CUDA-graph replay; ceiling {HBM_BYTES_PER_S / 1e12:.2f} TB/s")
     for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
-        layers = weights(fmt, n, k, LAYERS)
+        layers = [weights(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
-        nbytes = LAYERS * n * k * (1 if fmt == "int8" else 2)
+        nbytes = LAYERS * n * k * BYTES_PER_WEIGHT[fmt]
 
         def timed(**launch):
             try:
-                ms = graphed_ms(lambda: [gemv(x, w, None, s, **launch) for w, s in layers])
+                ms = graphed_ms(lambda: [product(fmt, x, w, **launch) for w in layers])
             except Exception as e:  # (a configuration the compiler refuses: out of registers or shared memory)
                 print(f"  {fmt} {label} {launch}: failed ({type(e).__name__})")
                 return float("inf")
             return ms
 
         start = time.monotonic()
-        export = gemv_config(n, k, 1 if fmt == "int8" else 2)
-        results = {"export " + str(export): timed()}
-        if fmt == "int8":
+        results = {"export " + str(exported(fmt, n, k)): timed()}
+        if fmt != "bf16":
             results["export, Triton conversion"] = timed(byte_asm=False)
-        for bn, bk, w in GRID:
+        for bn, bk, w in GRID_INT4 if fmt == "int4" else GRID:
             if time.monotonic() - start > BUDGET_S: break
             results[f"({bn}, {bk}, {w})"] = timed(block_n=bn, block_k=bk, num_warps=w)
         best = sorted(results.items(), key=lambda kv: kv[1])

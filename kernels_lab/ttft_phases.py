@@ -4,8 +4,9 @@ inside the prefill step (torch's sync debug mode, with the Python line that made
 top host operations under the torch profiler.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/ttft_phases.py [on,off | off,on]
 (the order matters: what one mode warms up in the process, the next one finds warm)."""
-import sys, time, traceback, warnings
+import collections, functools, sys, time, traceback, warnings
 import torch
+import forge_engine.engine as E
 from torch.profiler import profile, ProfilerActivity
 from forge_engine.loader import load_model
 from forge_engine.engine import LLMEngine
@@ -15,6 +16,31 @@ from forge_engine.bench import random_prompts
 
 lm = load_model("random:qwen3-4b", "cuda", progress=False)
 prompt = random_prompts(1, 128, 128, seed=1)[0]
+
+
+phases = collections.Counter()
+
+
+def timed(name, fn):
+    "fn, its host seconds added to phases[name]"
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try: return fn(*a, **k)
+        finally: phases[name] += time.perf_counter() - t
+    return wrapper
+
+
+def instrument(eng):
+    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
+    eng.runner.run = timed("runner.run (forward launched)", eng.runner.run)
+    eng._launch = timed("_launch (forward + sampler launched)", eng._launch)
+    eng._land = timed("_land (wait + apply tokens)", eng._land)
+
+
+E.SamplingBatch.build = timed("SamplingBatch.build", E.SamplingBatch.build)
+E.sample = timed("sample (launch)", E.sample)
+torch.Tensor.pin_memory = timed("Tensor.pin_memory", torch.Tensor.pin_memory)
 
 
 def first_steps(eng, params, steps=4):
@@ -37,10 +63,21 @@ for overlap in [mode == "on" for mode in order]:
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     first_steps(eng, short)  # warm-up: the prompt's blocks go to the prefix cache
+    instrument(eng)
     for _ in range(6):
         times, first = first_steps(eng, params)
         print(f"overlap={overlap}: first steps {' '.join(f'{t * 1e3:.2f}' for t in times)} ms; first token at "
               f"{first * 1e3:.2f} ms")
+    # the phases of one prefill step
+    eng.add_request(prompt, params)
+    torch.cuda.synchronize()
+    phases.clear()
+    t = time.perf_counter()
+    eng.step()
+    total = time.perf_counter() - t
+    print(f"overlap={overlap}: prefill step {total * 1e3:.2f} ms: " +
+          ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+    while eng.has_unfinished(): eng.step()
     # the synchronizing calls of a prefill step
     eng.add_request(prompt, params)
     torch.cuda.synchronize()

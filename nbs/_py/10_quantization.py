@@ -316,20 +316,27 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # program streaming its `BLOCK_N` rows over the *whole* of K in wide loads, one launch, nothing
 # written but the result.
 #
-# `_int4_gemv_kernel` is that kernel for packed nibbles. One step of K covers `GROUPS` whole
-# groups (`BLOCK_K = GROUPS · GROUP` inputs: `BLOCK_K / 2` contiguous bytes per row, 512 for
-# 1,024 inputs), loaded as a `[BLOCK_N, GROUPS, GROUP/2]` tile, so each group's scale and
-# minimum are one `[BLOCK_N, GROUPS]` load. Per group it uses the identity
+# `_int4_gemv_kernel` is that kernel for packed nibbles. Per group it uses the identity
 # `Σ_k x_k (s q_k + m) = s · Σ_k x_k q_k + m · Σ_k x_k`: the nibbles enter the dot product as
-# they are, and scale and minimum cost two multiply-adds per group, not one per weight. Each
-# step sums within groups (a group's 64 bytes sit in a few threads); the groups are summed
-# once, at the end.
+# they are, and scale and minimum cost two multiply-adds per group, not one per weight.
 #
 # Why count operations: at 4.19 TB/s an H200 reads 8.4 trillion 4-bit weights a second, and
 # its 132 SMs issue about 33 trillion thread-instructions a second: four instructions per
-# weight. An integer-to-float conversion runs at a quarter of the float rate, so
-# `_small_int_to_f32` instead ORs the nibble into the mantissa of the float 2^23 and subtracts
-# 2^23, exactly (an integer OR and a float add).
+# weight, for everything. A first version held the `[BLOCK_N, GROUPS, GROUP/2]` bytes of whole
+# groups per step and summed each group across the threads that held it, every step: compiled
+# for an H200 (`kernels_lab/gemv_sass.py`) its loop spent 13 instructions per weight, most of
+# them warp shuffles and adds of those sums, and it ran at 0.69 × the BF16 decode speed.
+#
+# So now each thread owns **chunks**: 8 bytes of a row, the 16 weights of one group that a byte
+# `j` pairs as input `j` (low nibble) and `j + GROUP/2` (high). A thread sums its chunk alone;
+# scale and minimum apply per chunk; threads are summed once, at the end. And the nibbles become
+# floats without a conversion or even a subtraction (`_nibbles_to_f32`): the float 128 is
+# 0x43000000, and its mantissa's bit 16 counts ones. A byte placed in bits 16-23 and ANDed with
+# 0x430F0000 is the float 128 + low nibble; the byte shifted right by one, placed the same way
+# and ANDed with 0x43780000 (bits 19-22), is 128 + 8 · high nibble. (Bit 23 is the exponent's:
+# the unshifted high nibble cannot stay there.) The offsets come out per chunk, with the chunk's
+# sum of inputs that the minimum needs anyway: `Σ x q = Σ x (128 + q) − 128 Σ x`, the high half
+# divided by 8 (exact). On the GPU this is PTX: per byte two byte permutes, per weight one AND.
 #
 # `kernels_lab/quant_gemv.py` times it at Qwen3-4B's shapes against the split-K kernel, BF16
 # `gemv` and cuBLAS, and sweeps `BLOCK_N`, `BLOCK_K` and the warps behind `quant_gemv_config`.
@@ -337,40 +344,74 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # %%
 #| export
 @triton.jit
-def _small_int_to_f32(q):
-    "int32 values 0 <= q < 2^23 -> float32, exactly: the bits of 2^23 + q, minus 2^23 (no conversion instruction)."
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
+    """A uint8 tile -> (128 + low nibble, 128 + 8 · high nibble) in fp32, exactly, with no conversion or subtraction:
+    the nibble goes into the mantissa of 128 (0x43000000: bits 16-19 count ones, bits 19-22 eights)."""
+    if BYTE_ASM:  # compiled for an NVIDIA GPU: per byte, two byte permutes; per weight, one AND
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, l0, l1, l2, l3, h0, h1, h2, h3;
+            shr.b32 s, $8, 1;
+            prmt.b32 l0, $8, 0x43000000, 0x7044;
+            prmt.b32 l1, $8, 0x43000000, 0x7144;
+            prmt.b32 l2, $8, 0x43000000, 0x7244;
+            prmt.b32 l3, $8, 0x43000000, 0x7344;
+            prmt.b32 h0, s, 0x43000000, 0x7044;
+            prmt.b32 h1, s, 0x43000000, 0x7144;
+            prmt.b32 h2, s, 0x43000000, 0x7244;
+            prmt.b32 h3, s, 0x43000000, 0x7344;
+            and.b32 $0, l0, 0x430F0000;
+            and.b32 $1, l1, 0x430F0000;
+            and.b32 $2, l2, 0x430F0000;
+            and.b32 $3, l3, 0x430F0000;
+            and.b32 $4, h0, 0x43780000;
+            and.b32 $5, h1, 0x43780000;
+            and.b32 $6, h2, 0x43780000;
+            and.b32 $7, h3, 0x43780000;
+            }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
+            pack=4)
+    b = b.to(tl.int32)
+    low = ((b & 0x0F) << 16) | 0x43000000
+    high = ((b >> 4) << 19) | 0x43000000
+    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                      BYTE_ASM: tl.constexpr):
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
+    CHUNKS: tl.constexpr = GROUPS * HALF // CHUNK
     n_groups = K // GROUP
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m, offs_g, offs_j = tl.arange(0, ROWS), tl.arange(0, GROUPS), tl.arange(0, HALF)
+    offs_m, offs_c, offs_j = tl.arange(0, ROWS), tl.arange(0, CHUNKS), tl.arange(0, CHUNK)
     n_ok, m_ok = offs_n < N, offs_m < M
     rows = offs_n.to(tl.int64)
-    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, HALF]; a stride (K/2)
-    # passed in, so Triton sees that a row starts 16-byte aligned and loads 16 bytes at a time
-    x_rows = x_ptr + offs_m[:, None, None] * K + offs_j[None, None, :]  # [ROWS, 1, HALF]
-    acc = tl.zeros((ROWS, BLOCK_N, GROUPS), dtype=tl.float32)
-    for g0 in range(0, n_groups, GROUPS):
-        g = g0 + offs_g
-        g_ok = g < n_groups  # K is whole groups; the last step may hold fewer than GROUPS of them
-        b = tl.load(q_rows + g[None, :, None] * HALF, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
-        x_mask = m_ok[:, None, None] & g_ok[None, :, None]
-        x_lo = tl.load(x_rows + g[None, :, None] * GROUP, mask=x_mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_rows + g[None, :, None] * GROUP + HALF, mask=x_mask, other=0.0).to(tl.float32)
-        b = b.to(tl.int32)
-        q_lo, q_hi = _small_int_to_f32(b & 0x0F), _small_int_to_f32(b >> 4)
-        xq = tl.sum(x_lo[:, None, :, :] * q_lo[None, :, :, :] + x_hi[:, None, :, :] * q_hi[None, :, :, :], axis=3)
-        x_sum = tl.sum(x_lo + x_hi, axis=2)  # [ROWS, GROUPS]
+    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, CHUNK]; a stride (K/2)
+    # passed in, so Triton sees that a row starts 16-byte aligned and loads 8 bytes at a time
+    acc = tl.zeros((ROWS, BLOCK_N, CHUNKS), dtype=tl.float32)
+    for b0 in range(0, K // 2, CHUNKS * CHUNK):
+        start = tl.multiple_of(b0 + offs_c * CHUNK, CHUNK)  # [CHUNKS] first byte of each chunk in the row (aligned)
+        c_ok = start < K // 2  # K is whole groups; the last step may hold fewer chunks
+        g = start // HALF  # each chunk's group
+        lo = tl.multiple_of(g * GROUP + start % HALF, CHUNK)  # [CHUNKS] input of each chunk's first low nibble
+        b = tl.load(q_rows + start[None, :, None], mask=n_ok[:, None, None] & c_ok[None, :, None], other=0)
+        f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # [BN, CHUNKS, CHUNK]: 128 + q_lo, 128 + 8 q_hi
         sm_at = rows[:, None] * n_groups + g[None, :]
-        sm_mask = n_ok[:, None] & g_ok[None, :]
-        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
+        sm_mask = n_ok[:, None] & c_ok[None, :]
+        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)  # [BN, CHUNKS]
         mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
-        acc += xq * s[None, :, :] + x_sum[:, None, :] * mn[None, :, :]
+        for m in tl.static_range(ROWS):  # the weights are converted once for all rows; each row is a 3-D product
+            x_at = x_ptr + m * K + lo[:, None] + offs_j[None, :]  # [CHUNKS, CHUNK], in the weights' layout
+            x_mask = (m < M) & c_ok[:, None]
+            x_lo = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + HALF, mask=x_mask, other=0.0).to(tl.float32)
+            p_lo = tl.sum(x_lo[None, :, :] * f_lo, axis=2)  # [BN, CHUNKS]: a thread's own chunk, no shuffles
+            p_hi = tl.sum(x_hi[None, :, :] * f_hi, axis=2)
+            sum_lo, sum_hi = tl.sum(x_lo, axis=1)[None, :], tl.sum(x_hi, axis=1)[None, :]  # [1, CHUNKS]
+            xq = (p_lo - 128.0 * sum_lo) + (p_hi - 128.0 * sum_hi) * 0.125  # Σ x q over each chunk's 16 weights
+            acc += tl.where(offs_m[:, None, None] == m, (xq * s + (sum_lo + sum_hi) * mn)[None, :, :], 0.0)
     out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -378,20 +419,22 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
 
 # %% [markdown]
 # Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
-# not depend on the batch). The tiles come from a sweep on an H200 (`kernels_lab/quant_gemv.py`,
-# Qwen3-4B's matrices, BF16 activations, one row, CUDA-graph replays with L2 flushed):
+# not depend on the batch). The tiles come from `kernels_lab/gemv_chain_sweep.py` on an H200: per
+# Qwen3-4B shape, 36 distinct matrices in one CUDA graph as a decode step runs them, one row:
 #
-# | matrix | N × K | best BLOCK_N, BLOCK_K | time |
-# |---|---|---|---|
-# | qkv | 6144 × 2560 | 16, 512 (4 warps) | 19.6 µs |
-# | gate_up | 19456 × 2560 | 16, 512 | 45.9 µs |
-# | o | 2560 × 4096 | 8, 2048 | 16.0 µs |
-# | down | 2560 × 9728 | 8, 2048 | 31.3 µs |
+# | matrix | N × K | best BLOCK_N, BLOCK_K (inputs), warps | time per matrix | with the earlier tiles (16, 512 / 8, 2048; 4 warps) |
+# |---|---|---|---|---|
+# | qkv | 6144 × 2560 | 8, 1024, 2 | 9.0 µs | 11.0 µs |
+# | gate_up | 19456 × 2560 | 8, 512, 2 | 20.3 µs | 26.9 µs |
+# | o | 2560 × 4096 | 4, 2048, 4 | 6.5 µs | 7.6 µs |
+# | down | 2560 × 9728 | 4, 2048, 4 | 12.3 µs | 14.6 µs |
 #
-# So, by shape: short rows (K < 4096) take many rows a program in steps of 512 inputs; long rows
-# take fewer rows and steps of 2,048. For smaller models (fewer outputs) `BLOCK_N` halves, down to 2,
-# until there are at least 256 programs (two per SM of an H200): Qwen3-4B's shapes all keep their
-# winners (the fewest, o and down, make 320); the halving itself is a rule, not a measurement.
+# That is still only 20-29% of the read bandwidth, below int8's 48-74% with the same lab: with
+# the PTX nibbles or the Triton ones the times are within 5% of each other, so the loop is no
+# longer held back by its arithmetic alone (open: loads in flight per SM). End to end, W1 with int4
+# weights went from 224.8 tok/s (the group-summing version) to 318.3 (`docs/benchmarks.md`). For smaller models
+# (fewer outputs) `BLOCK_N` halves, down to 2, until there are at least 256 programs (two per SM
+# of an H200); the halving itself is a rule, not a measurement.
 
 # %%
 #| export
@@ -400,15 +443,18 @@ GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
-    block_n, block_k = (8, 2048) if k >= 4096 else (16, 512)  # long rows (o, down): fewer rows, wider steps
+    if k >= 4096:  # long rows (o, down): few rows, wide steps
+        block_n, block_k, warps = 4, 2048, 4
+    else:
+        block_n, block_k, warps = (8, 1024, 2) if n < 16384 else (8, 512, 2)
     while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
-    return block_n, block_k, 4
+    return block_n, block_k, warps
 
 
 # %%
 assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728))] == \
-    [(16, 512, 4), (16, 512, 4), (8, 2048, 4), (8, 2048, 4)]  # Qwen3-4B: the sweep's winners
+    [(8, 1024, 2), (8, 512, 2), (4, 2048, 4), (4, 2048, 4)]  # Qwen3-4B: the sweep's winners
 assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 8  # SmolLM2's o, a 0.6B-sized qkv
 
 
@@ -426,8 +472,10 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    "x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`."
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              byte_asm: bool | None = None) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
+    `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -436,7 +484,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
-                        GROUPS=groups, GROUP=group)
+                        GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
 # %% [markdown]
