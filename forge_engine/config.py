@@ -194,7 +194,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batch_invariant: bool = False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
     cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
-    async_scheduling: bool | None = None  # build step N+1 while the GPU runs step N (chapter 08); None: on one GPU
+    async_scheduling: bool | None = None  # build step N+1 while the GPU runs step N (chapter 08); None: on GPUs
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
     quantization: str = "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are

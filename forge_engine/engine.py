@@ -264,8 +264,7 @@ class LLMEngine:
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
         overlap = self.config.async_scheduling
-        # the default: on a GPU, alone (over several GPUs it is opt-in until it has been measured there, chapter 09c)
-        self.overlap = self.device.type == "cuda" and loaded.parallel is None if overlap is None else overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
 
     # -- requests --

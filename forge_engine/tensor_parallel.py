@@ -622,10 +622,12 @@ class TensorParallel:
         "Send one message to every worker."
         self.group.check()
         message = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for pipe in self.pipes: pipe.send_bytes(message)
-        except OSError as e:
-            self._fail(f"a tensor-parallel worker is gone: {type(e).__name__}: {e}")
+        for pipe, process in zip(self.pipes, self.processes):
+            try:
+                pipe.send_bytes(message)
+            except OSError as e:  # (when it has not exited within _fail's wait, this names it instead)
+                self._fail(f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
+                           f"({type(e).__name__}: {e})")
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."

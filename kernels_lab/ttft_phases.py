@@ -4,7 +4,7 @@ inside the prefill step (torch's sync debug mode, with the Python line that made
 top host operations under the torch profiler.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/ttft_phases.py [on,off | off,on]
 (the order matters: what one mode warms up in the process, the next one finds warm)."""
-import collections, functools, sys, time, traceback, warnings
+import collections, functools, gc, sys, time, traceback, warnings
 import torch
 import forge_engine.engine as E
 from torch.profiler import profile, ProfilerActivity
@@ -110,4 +110,5 @@ for overlap in [mode == "on" for mode in order]:
     for e in rows: print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:90]}")
     while eng.has_unfinished(): eng.step()
     del eng
+    gc.collect()  # (the timers hold the engine's bound methods: a reference cycle)
     torch.cuda.empty_cache()

@@ -341,8 +341,8 @@ class EngineStats:
 # tokens) or one whose next token is surely its last (`max_tokens`, the context, the pool). Without
 # overlap (the CPU, where the forward runs on the calling thread anyway) step 2 simply
 # follows step 3 at once. With tensor parallelism (chapter 09c) rank 0 broadcasts the pending
-# tokens to the other ranks on the GPU, so the ranks can overlap too; there it is opt-in
-# (`async_scheduling=True`) until it has been measured on GPUs. The tests below run the CPU engine with
+# tokens to the other ranks on the GPU, so the ranks overlap too (on by default on GPUs there as
+# well, measured in that chapter). The tests below run the CPU engine with
 # `async_scheduling=True` too: the same tokens, whatever the workload.
 
 # %%
@@ -385,8 +385,7 @@ class LLMEngine:
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
         overlap = self.config.async_scheduling
-        # the default: on a GPU, alone (over several GPUs it is opt-in until it has been measured there, chapter 09c)
-        self.overlap = self.device.type == "cuda" and loaded.parallel is None if overlap is None else overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
 
     # -- requests --

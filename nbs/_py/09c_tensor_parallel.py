@@ -859,7 +859,12 @@ assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not co
 # (chapter 08); their places in step N+1's inputs hold a placeholder, in the step message too.
 # Rank 0 then broadcasts those tokens, straight from its GPU, before the step's forward
 # (`broadcast_pending`): one small NCCL call queued like the all-reduces, so no rank waits on
-# the host, and each worker copies them into its inputs as rank 0 does.
+# the host, and each worker copies them into its inputs as rank 0 does. Measured on 2 H200s
+# (`random:qwen3-4b`, TP=2, NCCL all-reduces): W1 355.2 tok/s and W2 15,958 tok/s with overlapped
+# steps, against 262.7 and 9,893 without (an earlier build); so steps overlap under tensor
+# parallelism by default too, as on one GPU. When a worker is killed while steps overlap, rank 0
+# may find its pipe broken before the dead process is reaped: the requests then fail naming
+# the worker whose pipe broke, rather than its exit code.
 #
 # **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
 # engine built on the model; an older engine's runner on rank 0 refuses to run a step.
@@ -999,10 +1004,12 @@ class TensorParallel:
         "Send one message to every worker."
         self.group.check()
         message = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for pipe in self.pipes: pipe.send_bytes(message)
-        except OSError as e:
-            self._fail(f"a tensor-parallel worker is gone: {type(e).__name__}: {e}")
+        for pipe, process in zip(self.pipes, self.processes):
+            try:
+                pipe.send_bytes(message)
+            except OSError as e:  # (when it has not exited within _fail's wait, this names it instead)
+                self._fail(f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
+                           f"({type(e).__name__}: {e})")
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."

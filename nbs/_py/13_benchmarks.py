@@ -470,7 +470,7 @@ def add_arguments(workloads) -> None:
         w.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                        help="read each step's tokens before building the next (chapter 08's overlap off)")
         w.add_argument("--async-scheduling", dest="async_scheduling", action="store_const", const=True,
-                       help="overlap steps where it is not the default (tensor parallelism on GPUs)")
+                       help="overlap steps where it is not the default (the CPU)")
         w.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step at most (EngineConfig)")
         w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
         w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
