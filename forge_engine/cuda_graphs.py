@@ -32,10 +32,10 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 def context_buckets(max_model_len: int, block_size: int) -> list[int]:
-    """Block-table widths (in blocks) that get a graph: 2K, 8K and 32K tokens, then the whole context.
-    The decode kernel sizes its work from the table's width, so a batch of short sequences must not
-    run the graph recorded for 262,144-token tables."""
-    tokens = [t for t in (2048, 8192, 32768) if t < max_model_len] + [max_model_len]
+    """Block-table widths (in blocks) that get a graph: 512 (one decode split), 2K, 8K and 32K tokens, then the whole
+    context. The decode kernel sizes its work from the table's width, so a batch of short sequences must not run the
+    graph recorded for 262,144-token tables."""
+    tokens = [t for t in (512, 2048, 8192, 32768) if t < max_model_len] + [max_model_len]
     return [-(-t // block_size) for t in tokens]
 
 

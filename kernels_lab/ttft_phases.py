@@ -72,10 +72,12 @@ for overlap in [mode == "on" for mode in order]:
     eng.add_request(prompt, params)
     torch.cuda.synchronize()
     phases.clear()
+    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)  # cudaMalloc calls so far
     t = time.perf_counter()
     eng.step()
     total = time.perf_counter() - t
-    print(f"overlap={overlap}: prefill step {total * 1e3:.2f} ms: " +
+    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+    print(f"overlap={overlap}: prefill step {total * 1e3:.2f} ms, {segments} new allocator segments: " +
           ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
     while eng.has_unfinished(): eng.step()
     # the synchronizing calls of a prefill step

@@ -15,10 +15,11 @@
 #
 # - **static shapes and addresses**: inputs are copied into preallocated buffers before each
 #   replay; one graph per *bucket* of batch sizes (1, 2, 4, 8, 16, 24, ...), a batch padded up
-#   to its bucket, and per bucket of block-table width (2K, 8K, 32K tokens, the whole context):
-#   the decode kernel sizes its split work from the width, and measured on an H200, 256
+#   to its bucket, and per bucket of block-table width (512, 2K, 8K, 32K tokens, the whole
+#   context): the decode kernel sizes its split work from the width, and measured on an H200, 256
 #   sequences of ~600 tokens took 48 ms a step through tables as wide as Qwen3-4B's 262,144-token
-#   context;
+#   context. The 512-token width is one split of chapter 09's decode kernel: a short chat's
+#   steps then skip the merge kernel and the empty splits a 2K table launches in every layer;
 # - **no host synchronisation inside**: attention must not loop over sequences in Python or
 #   read context lengths back; it reads block tables and lengths from device tensors
 #   (`paged_decode_attention_torch` of chapter 05 here; the Triton kernel of chapter 09 on a
@@ -70,10 +71,10 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 def context_buckets(max_model_len: int, block_size: int) -> list[int]:
-    """Block-table widths (in blocks) that get a graph: 2K, 8K and 32K tokens, then the whole context.
-    The decode kernel sizes its work from the table's width, so a batch of short sequences must not
-    run the graph recorded for 262,144-token tables."""
-    tokens = [t for t in (2048, 8192, 32768) if t < max_model_len] + [max_model_len]
+    """Block-table widths (in blocks) that get a graph: 512 (one decode split), 2K, 8K and 32K tokens, then the whole
+    context. The decode kernel sizes its work from the table's width, so a batch of short sequences must not run the
+    graph recorded for 262,144-token tables."""
+    tokens = [t for t in (512, 2048, 8192, 32768) if t < max_model_len] + [max_model_len]
     return [-(-t // block_size) for t in tokens]
 
 
@@ -98,7 +99,7 @@ class StaticDecodeAttention:
 
 # %%
 assert decode_buckets(1) == [1] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-assert context_buckets(262144, 16) == [128, 512, 2048, 16384] and context_buckets(64, 4) == [16]
+assert context_buckets(262144, 16) == [32, 128, 512, 2048, 16384] and context_buckets(64, 4) == [16]
 assert decode_buckets(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and decode_buckets(256)[-2:] == [224, 256]
 
 
