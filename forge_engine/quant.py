@@ -50,6 +50,8 @@ def quantize_int4(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     "w [N, K] -> (packed uint8 [N, K/2], scale fp16 [N, K/group], minimum fp16 [N, K/group])."
     n, k = w.shape
     group = group or int4_group_size(k)
+    if group % 16 or k % group:  # the GEMV below reads a group as whole 8-byte chunks
+        raise ValueError(f"int4 groups must be a multiple of 16 that divides the input size {k}, got {group}")
     g = w.detach().float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale, minimum = ((hi - lo) / 15).half(), lo.half()

@@ -137,6 +137,8 @@ def quantize_int4(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     "w [N, K] -> (packed uint8 [N, K/2], scale fp16 [N, K/group], minimum fp16 [N, K/group])."
     n, k = w.shape
     group = group or int4_group_size(k)
+    if group % 16 or k % group:  # the GEMV below reads a group as whole 8-byte chunks
+        raise ValueError(f"int4 groups must be a multiple of 16 that divides the input size {k}, got {group}")
     g = w.detach().float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale, minimum = ((hi - lo) / 15).half(), lo.half()
@@ -173,6 +175,9 @@ assert packed[0, 5] == q0[5] | (q0[69] << 4)
 assert quantize_int4(torch.randn(4, 576))[1].shape == (4, 9)  # 576 = 9 groups of 64
 with pytest.raises(ValueError, match="multiple of 32 .*, got 100"):
     quantize_int4(torch.randn(4, 100))
+for bad in (8, 24, 64):  # not whole chunks, or not dividing 96
+    with pytest.raises(ValueError, match=f"multiple of 16 that divides the input size 96, got {bad}"):
+        quantize_int4(torch.randn(4, 96), bad)
 
 # %% [markdown]
 # ## Quantizing a few rows at a time, where it is fast
