@@ -1,7 +1,8 @@
 """Where W1's first token goes: the first steps of a request (128-token prompt, a prefix-cache hit after a warm-up),
-overlapped steps on and off. For each mode: host time of each of the first steps, the synchronizing CUDA calls
-inside the prefill step (torch's sync debug mode, with the Python line that made them), and the prefill step's
-top host operations under the torch profiler.
+overlapped steps on and off. For each mode: host time of each of the first steps; one prefill step's host time by
+phase (schedule, forward launch, sampler, landing) and the allocator segments it added (cudaMalloc calls); the
+synchronizing CUDA calls inside a prefill step (torch's sync debug mode, with the Python line that made them); and
+the prefill step's top host operations under the torch profiler.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/ttft_phases.py [on,off | off,on]
 (the order matters: what one mode warms up in the process, the next one finds warm)."""
 import collections, functools, gc, sys, time, traceback, warnings
@@ -85,6 +86,7 @@ for overlap in [mode == "on" for mode in order]:
     torch.cuda.synchronize()
     seen = []
     def show(message, category, filename, lineno, file=None, line=None):
+        if "prototype feature" in str(message): return  # the debug mode's own notice, not a synchronization
         stack = [f for f in traceback.extract_stack() if "forge_engine" in f.filename]
         seen.append(f"{message} at " + " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in stack[::-1][:4]))
     old = warnings.showwarning
