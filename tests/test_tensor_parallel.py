@@ -148,3 +148,18 @@ def test_refuses_what_cannot_be_split():
     with pytest.raises(ValueError, match="does not divide the model's num_heads"):
         load_model("random:llama-tiny", "cpu", progress=False, tensor_parallel_size=4)
     assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-14b"])
+def test_larger_qwen3_shapes_split_over_2_4_and_8_ranks(name):
+    "The presets the TP benchmarks use: every rank's shard is whole, and the shards add up to the model."
+    from forge_engine.config import preset
+    from forge_engine.tensor_parallel import ShardPlan
+    c = preset(name)
+    for world in (2, 4, 8):
+        plans = [ShardPlan(c, rank, world) for rank in range(world)]
+        shards = [p.shard_config for p in plans]
+        assert sum(s.num_heads for s in shards) == c.num_heads
+        assert sum(s.intermediate_size for s in shards) == c.intermediate_size
+        assert sum(p.vocab_part for p in plans) == c.vocab_size
+        assert sorted(h for p in plans for h in p.kv_heads) == list(range(c.num_kv_heads))  # 8 KV heads: split

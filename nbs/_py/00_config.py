@@ -202,6 +202,17 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5_000_000.0,
         rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
         qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
+    # the larger Qwen3 shapes (their config.json), for tensor parallelism's benchmarks with random weights
+    "qwen3-8b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
+    "qwen3-14b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+        num_layers=40, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
     "qwen3-tiny": ModelConfig(
         architecture="qwen3", vocab_size=151936, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,
@@ -236,6 +247,8 @@ assert q4b.num_parameters == 4_022_468_096, q4b.num_parameters
 assert q4b.num_parameters * 2 == 8_044_936_192
 assert q4b.kv_bytes_per_token() == 147_456  # 36 layers x (K,V) x 8 heads x 128 x 2 bytes
 assert q4b.head_dim * q4b.num_heads != q4b.hidden_size  # Qwen3 decouples head_dim
+# the 8B and 14B shapes: 8.19 and 14.77 billion parameters (untied heads), as their model cards round them
+assert preset("qwen3-8b").num_parameters == 8_190_735_360 and preset("qwen3-14b").num_parameters == 14_768_307_200
 
 # %% [markdown]
 # Reading a real-looking `config.json` dictionary (the fields of Qwen3-4B-Instruct-2507):
