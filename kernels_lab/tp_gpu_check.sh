@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU machine in one device call (7 min 30 s at most: the steps' limits add up to 470 s):
+# Tensor parallelism on a 2-GPU machine in one device call (7 min 50 s at most: the steps' limits add up to 470 s):
 # the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the GPU tests
 # (tests/test_tp_gpu.py), then W1 and W2 on $MODEL (default random:qwen3-4b; random:qwen3-14b for the larger
 # shape) at --tensor-parallel-size 2 (NCCL, then symmetric-memory all-reduces) and at 1; steps overlap by default.
