@@ -554,14 +554,6 @@ def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
     helper.join(wait_s)
 
 
-def _death_report(processes, wait_s: float = 0.0) -> str | None:
-    "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
-    from multiprocessing.connection import wait
-    wait([p.sentinel for p in processes], timeout=wait_s)
-    dead = next((p for p in processes if p.exitcode is not None), None)
-    return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
-
-
 class _Group:
     "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
     def __init__(self, processes, backend: str, fast: SymmMemAllReduce | None = None):
@@ -569,6 +561,9 @@ class _Group:
         self.failure: str | None = None
         self.closing = False
         self.lock = threading.Lock()
+        # one thread reaps at a time: a second waitpid on a child another thread is reaping finds none (ECHILD),
+        # and `exitcode` then says None, so a report raced by the watcher lost the dead worker's exit code
+        self.reaping = threading.Lock()
         self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
         self.releaser: threading.Thread | None = None
 
@@ -578,6 +573,14 @@ class _Group:
 
     def release_graphs(self) -> None:
         for runner in list(self.graph_owners): runner.release_graphs()
+
+    def death_report(self, wait_s: float = 0.0) -> str | None:
+        "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
+        from multiprocessing.connection import wait
+        wait([p.sentinel for p in self.processes], timeout=wait_s)
+        with self.reaping:
+            dead = next((p for p in self.processes if p.exitcode is not None), None)
+        return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
 
     def fail(self, why: str) -> None:
         "Record the first failure, then: graphs, abort, stop the workers (in that order: see above). Once."
@@ -595,7 +598,7 @@ class _Group:
 
 def _watch_workers(group: _Group) -> None:
     while not group.closing:
-        report = _death_report(group.processes, wait_s=0.5)
+        report = group.death_report(wait_s=0.5)
         if report is not None:
             group.fail(report)
             return
@@ -625,14 +628,14 @@ class TensorParallel:
         for pipe, process in zip(self.pipes, self.processes):
             try:
                 pipe.send_bytes(message)
-            except OSError as e:  # (when it has not exited within _fail's wait, this names it instead)
+            except OSError as e:  # (when no worker is found dead within _fail's wait, this names the one)
                 self._fail(f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
                            f"({type(e).__name__}: {e})")
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
         # a killed GPU worker can take seconds to exit (its CUDA context is torn down): wait to name the cause
-        self.group.fail(_death_report(self.processes, wait_s=10.0) or why)
+        self.group.fail(self.group.death_report(wait_s=10.0) or why)
         self.group.check()
 
     def _collective(self, kind: str, payload, work):

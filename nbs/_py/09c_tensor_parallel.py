@@ -864,9 +864,9 @@ assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not co
 # steps, against 262.7 and 9,893 without (an earlier build); so steps overlap under tensor
 # parallelism by default too, as on one GPU. In one later call: TP=2 W1 355.3 tok/s (2.81 ms a
 # token) and W2 17,870 tok/s against one GPU's 330.3 (3.03 ms) and 13,872: a token comes sooner
-# on two GPUs, but W2 is 1.29 times one GPU's, not twice. When a worker is killed while steps overlap, rank 0
-# may find its pipe broken before the dead process is reaped: the requests then fail naming
-# the worker whose pipe broke, rather than its exit code.
+# on two GPUs, but W2 is 1.29 times one GPU's, not twice. (When a worker is killed while steps
+# overlap, rank 0 may find its pipe broken first; the requests fail with the dead worker's exit
+# code, or, where none is found dead within the wait, naming the worker whose pipe broke.)
 #
 # **One engine at a time.** A worker keeps the runner (KV pool, graphs, mirrors) of the newest
 # engine built on the model; an older engine's runner on rank 0 refuses to run a step.
@@ -938,14 +938,6 @@ def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
     helper.join(wait_s)
 
 
-def _death_report(processes, wait_s: float = 0.0) -> str | None:
-    "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
-    from multiprocessing.connection import wait
-    wait([p.sentinel for p in processes], timeout=wait_s)
-    dead = next((p for p in processes if p.exitcode is not None), None)
-    return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
-
-
 class _Group:
     "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
     def __init__(self, processes, backend: str, fast: SymmMemAllReduce | None = None):
@@ -953,6 +945,9 @@ class _Group:
         self.failure: str | None = None
         self.closing = False
         self.lock = threading.Lock()
+        # one thread reaps at a time: a second waitpid on a child another thread is reaping finds none (ECHILD),
+        # and `exitcode` then says None, so a report raced by the watcher lost the dead worker's exit code
+        self.reaping = threading.Lock()
         self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
         self.releaser: threading.Thread | None = None
 
@@ -962,6 +957,14 @@ class _Group:
 
     def release_graphs(self) -> None:
         for runner in list(self.graph_owners): runner.release_graphs()
+
+    def death_report(self, wait_s: float = 0.0) -> str | None:
+        "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
+        from multiprocessing.connection import wait
+        wait([p.sentinel for p in self.processes], timeout=wait_s)
+        with self.reaping:
+            dead = next((p for p in self.processes if p.exitcode is not None), None)
+        return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
 
     def fail(self, why: str) -> None:
         "Record the first failure, then: graphs, abort, stop the workers (in that order: see above). Once."
@@ -979,7 +982,7 @@ class _Group:
 
 def _watch_workers(group: _Group) -> None:
     while not group.closing:
-        report = _death_report(group.processes, wait_s=0.5)
+        report = group.death_report(wait_s=0.5)
         if report is not None:
             group.fail(report)
             return
@@ -1009,14 +1012,14 @@ class TensorParallel:
         for pipe, process in zip(self.pipes, self.processes):
             try:
                 pipe.send_bytes(message)
-            except OSError as e:  # (when it has not exited within _fail's wait, this names it instead)
+            except OSError as e:  # (when no worker is found dead within _fail's wait, this names the one)
                 self._fail(f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
                            f"({type(e).__name__}: {e})")
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
         # a killed GPU worker can take seconds to exit (its CUDA context is torn down): wait to name the cause
-        self.group.fail(_death_report(self.processes, wait_s=10.0) or why)
+        self.group.fail(self.group.death_report(wait_s=10.0) or why)
         self.group.check()
 
     def _collective(self, kind: str, payload, work):
