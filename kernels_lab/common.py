@@ -3,9 +3,11 @@
 Run a lab file from the repository root: `PYTHONPATH=. python3 kernels_lab/<file>.py`.
 On a CPU it validates every variant against the reference under Triton's interpreter at
 small sizes; on a CUDA GPU it also validates at real sizes and benchmarks."""
+import functools
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -16,6 +18,18 @@ HBM_BYTES_PER_S = 4.19e12  # read bandwidth, x.sum() over 4 GiB
 BF16_FLOP_PER_S = 790e12  # dense bf16 matmul
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def host_timer(seconds: dict):
+    "timed(name, fn): fn wrapped to add its host seconds to seconds[name] (a Counter), however it returns."
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try: return fn(*args, **kwargs)
+            finally: seconds[name] += time.perf_counter() - start
+        return wrapper
+    return timed
 
 
 def median_ms(fn) -> float:

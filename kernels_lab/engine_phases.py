@@ -1,7 +1,8 @@
 """Host phases of the engine step, overlapped (default on a GPU) or not: where a step's wall time goes.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/engine_phases.py N_SEQS NEW_TOKENS [--no-async]
 (W1-like: 1 256; W2-like: 256 128)."""
-import sys, time, torch, collections, functools
+import sys, time, torch, collections
+from common import host_timer
 from forge_engine.loader import load_model
 from forge_engine.engine import LLMEngine
 from forge_engine.config import EngineConfig
@@ -13,11 +14,7 @@ overlap = "--no-async" not in sys.argv
 lm = load_model("random:qwen3-4b", "cuda", progress=False)
 eng = LLMEngine(lm, EngineConfig(max_num_seqs=max(n, 64), max_num_batched_tokens=8192, async_scheduling=overlap))
 acc = collections.Counter()
-def timed(name, fn):
-    @functools.wraps(fn)
-    def w(*a, **k):
-        t = time.perf_counter(); r = fn(*a, **k); acc[name] += time.perf_counter() - t; return r
-    return w
+timed = host_timer(acc)
 eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
 eng.scheduler.step_done = timed("step_done", eng.scheduler.step_done)
 eng.runner.run = timed("runner.run (launch)", eng.runner.run)

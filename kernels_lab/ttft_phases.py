@@ -5,8 +5,9 @@ synchronizing CUDA calls inside a prefill step (torch's sync debug mode, with th
 the prefill step's top host operations under the torch profiler.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/ttft_phases.py [on,off | off,on]
 (the order matters: what one mode warms up in the process, the next one finds warm)."""
-import collections, functools, gc, sys, time, traceback, warnings
+import collections, gc, sys, time, traceback, warnings
 import torch
+from common import host_timer
 import forge_engine.engine as E
 from torch.profiler import profile, ProfilerActivity
 from forge_engine.loader import load_model
@@ -20,16 +21,7 @@ prompt = random_prompts(1, 128, 128, seed=1)[0]
 
 
 phases = collections.Counter()
-
-
-def timed(name, fn):
-    "fn, its host seconds added to phases[name]"
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try: return fn(*a, **k)
-        finally: phases[name] += time.perf_counter() - t
-    return wrapper
+timed = host_timer(phases)
 
 
 def instrument(eng):
