@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['GiB', 'MIN_KV_BYTES', 'OVERHEAD_BYTES', 'INT4_GROUP', 'QUANTIZE_SLICE_BYTES', 'parse_bytes', 'format_gib',
-           'layer_matrices', 'matrix_bytes', 'weight_bytes', 'activation_bytes', 'load_peak_bytes', 'MemoryPlanError',
-           'MemoryPlan', 'plan_memory']
+__all__ = ['GiB', 'MIN_KV_BYTES', 'OVERHEAD_BYTES', 'INT4_GROUP', 'DEQUANTIZE_TILE_BYTES', 'QUANTIZE_SLICE_BYTES', 'parse_bytes',
+           'format_gib', 'layer_matrices', 'matrix_bytes', 'weight_bytes', 'activation_bytes', 'load_peak_bytes',
+           'MemoryPlanError', 'MemoryPlan', 'plan_memory']
 
 # %% ../nbs/10a_memory_plan.ipynb #39bc4624
 GiB = 2**30
@@ -55,27 +55,31 @@ def matrix_bytes(n: int, k: int, quantization: str, dtype_bytes: int) -> int:
 
 
 def weight_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
-    "All weights: the layer matrices in `quantization`, the rest (embedding, head, norms, biases) in the compute dtype."
+    "All weights: the layer matrices in `quantization` and the LM head in int8 when quantized, the rest in the compute dtype."
     matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)) * c.num_layers
-    dense = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers
-    return matrices + dense * dtype_bytes
+    rest = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers  # embedding, head, norms, biases
+    if quantization == "none": return matrices + rest * dtype_bytes
+    head = c.vocab_size * c.hidden_size  # in `rest` once when tied: then it is the embedding too
+    return matrices + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes) + (rest - head) * dtype_bytes
 
 
-def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2) -> int:
+DEQUANTIZE_TILE_BYTES = 12 * 2**24  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
+
+
+def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none") -> int:
     "An upper estimate of one forward's live tensors: `tokens` tokens, logits for `rows` of them."
     per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
-    return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4)
+    tile = 0 if quantization == "none" else DEQUANTIZE_TILE_BYTES
+    return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4) + tile
 
 # %% ../nbs/10a_memory_plan.ipynb #1a6429fe
 QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
 
 
 def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
-    "The most GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
+    "An upper bound of the GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
     weights = weight_bytes(c, quantization, dtype_bytes)
-    if quantization == "none": return weights
-    matrices = [matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)]
-    return max(weights, sum(matrices) * c.num_layers + max(matrices) + QUANTIZE_SLICE_BYTES)
+    return weights if quantization == "none" else weights + QUANTIZE_SLICE_BYTES
 
 # %% ../nbs/10a_memory_plan.ipynb #f38e3333
 class MemoryPlanError(ValueError):
@@ -106,8 +110,8 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
     "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
     def plan(mode: str) -> MemoryPlan:
         weights = weight_bytes(c, mode, dtype_bytes)
-        acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes)
-        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes) if cuda_graphs else 0
+        acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
+        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
                           max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))

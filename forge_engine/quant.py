@@ -17,11 +17,11 @@ from .model import Transformer, load_weights
 
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES',
-           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul',
-           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
-           'QuantLinear', 'Int8Linear', 'Int4Linear', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized',
-           'perplexity']
+           'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8',
+           'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv',
+           'int8_matmul', 'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config',
+           'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'Int8Embedding',
+           'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +78,17 @@ QUANTIZE_CHUNK = 2**24  # weights per slice of rows: bounds the FP32 temporaries
 
 def quantize_rows(quantize, w: torch.Tensor, device=None, chunk: int = QUANTIZE_CHUNK, **options) -> tuple[torch.Tensor, ...]:
     """`quantize(w, **options)` (`quantize_int8` or `quantize_int4`), slice of rows by slice of rows on `device`
-    (default: w's): each slice is copied there and quantized, and only the quantized results are kept, on `device`."""
+    (default: w's): each slice is copied there and quantized into the results, kept on `device`."""
     device = w.device if device is None else torch.device(device)
     rows = max(1, chunk // w.shape[1])
-    parts = [quantize(w[i:i + rows].to(device), **options) for i in range(0, w.shape[0], rows)]
-    return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+    if rows >= w.shape[0]: return quantize(w.to(device), **options)
+    results = None
+    for i in range(0, w.shape[0], rows):
+        part = quantize(w[i:i + rows].to(device), **options)
+        if results is None:  # allocated once, filled slice by slice: never the slices and their join at once
+            results = tuple(torch.empty((w.shape[0], *p.shape[1:]), dtype=p.dtype, device=device) for p in part)
+        for result, p in zip(results, part): result[i:i + rows] = p
+    return results
 
 # %% ../nbs/10_quantization.ipynb #a88b261c
 @triton.jit
@@ -494,6 +500,9 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
                           BLOCK_K=block_k)
 
 # %% ../nbs/10_quantization.ipynb #8195ba23
+DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
+
+
 class QuantLinear(nn.Module):
     "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device=None):
@@ -504,7 +513,18 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
-    def dense(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the PyTorch path
+    def dense_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # x @ weight rows start:end, dequantized
+        raise NotImplementedError
+
+    def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
+        "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
+        rows = max(1, tile_weights // self.in_features)
+        if rows >= self.out_features: return self.dense_rows(x, 0, self.out_features)
+        out = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, rows):
+            end = min(start + rows, self.out_features)
+            out[:, start:end] = self.dense_rows(x, start, end)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -519,9 +539,10 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    "int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's."
-    def __init__(self, linear: nn.Linear, device=None):
-        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+    """int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's.
+    `linear`: an nn.Linear, or any module with a `weight` [N, K] (a tied model's embedding, as its LM head)."""
+    def __init__(self, linear: nn.Module, device=None):
+        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
         q, scale = quantize_rows(quantize_int8, linear.weight, device)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
@@ -531,25 +552,39 @@ class Int8Linear(QuantLinear):
             return gemv(x, self.qweight, None, self.scale, impl="triton")
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
-    def dense(self, x):
+    def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16))
             return y.to(x.dtype)
-        return int8_matmul_reference(x, self.qweight, self.scale)
+        return super().dense(x, tile_weights)
+
+    def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
 
 
 class Int4Linear(QuantLinear):
     "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs; quantized on `device`, as Int8Linear."
-    def __init__(self, linear: nn.Linear, group: int | None = None, device=None):
-        super().__init__(linear.in_features, linear.out_features, linear.bias, device)
+    def __init__(self, linear: nn.Module, group: int | None = None, device=None):
+        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
         packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
 
     def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
-    def dense(self, x): return int4_matmul_reference(x, self.qweight, self.scale, self.minimum)
+    def dense_rows(self, x, start, end):
+        return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
+
+
+class Int8Embedding(nn.Module):
+    "A tied model's embedding read from its int8 LM head (an `Int8Linear` over the same table): a token's row times its scale."
+    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.head, self.dtype = head, dtype  # shared with the model's lm_head, not copied: one table serves both ends
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return dequantize_int8(self.head.qweight[flat], self.head.scale[flat], self.dtype).reshape(*ids.shape, -1)
 
 # %% ../nbs/10_quantization.ipynb #44a8d074
 class GGUFLinear(QuantLinear):
@@ -597,7 +632,8 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 @torch.no_grad()
 def quantize_model(model: Transformer, mode: str, int4_group: int | None = None, device=None) -> Transformer:
-    """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time.
+    """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time, and
+    the LM head for an int8 one (a tied embedding then reads its rows from it).
     `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
     `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
     if mode not in QUANTIZERS:
@@ -613,6 +649,12 @@ def quantize_model(model: Transformer, mode: str, int4_group: int | None = None,
                 raise ValueError(f"layer {layer.attn.layer} {name} is already quantized")
             setattr(parent, attr, QUANTIZERS[mode](linear, **options))
             del linear  # the last reference: the full-precision weight is freed here
+    if model.lm_head is not None:
+        model.lm_head = Int8Linear(model.lm_head, device)
+    else:  # tied: one int8 table, the head's, read by both ends
+        dtype = model.embed.weight.dtype
+        model.lm_head = Int8Linear(model.embed, device)
+        model.embed = Int8Embedding(model.lm_head, dtype)
     return model
 
 # %% ../nbs/10_quantization.ipynb #923cdbae

@@ -78,7 +78,10 @@ for bad in ("eight", "8 GiBs", "-1GiB", "0"):
 # ## Counting
 #
 # The four matrices of a layer, as (outputs, inputs): QKV, the output projection, gate-up and
-# down. Their bytes depend on the format; everything else is in the compute dtype.
+# down. Their bytes depend on the format. A quantized model also keeps its LM head in int8
+# (chapter 10), and a tied embedding reads its rows from that head; everything else (norms,
+# biases, an untied embedding) is in the compute dtype. On the dense path (more than 16 rows) a
+# quantized matrix is dequantized a tile at a time: one tile's temporaries count as activations.
 
 # %%
 #| export
@@ -97,28 +100,33 @@ def matrix_bytes(n: int, k: int, quantization: str, dtype_bytes: int) -> int:
 
 
 def weight_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
-    "All weights: the layer matrices in `quantization`, the rest (embedding, head, norms, biases) in the compute dtype."
+    "All weights: the layer matrices in `quantization` and the LM head in int8 when quantized, the rest in the compute dtype."
     matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)) * c.num_layers
-    dense = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers
-    return matrices + dense * dtype_bytes
+    rest = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers  # embedding, head, norms, biases
+    if quantization == "none": return matrices + rest * dtype_bytes
+    head = c.vocab_size * c.hidden_size  # in `rest` once when tied: then it is the embedding too
+    return matrices + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes) + (rest - head) * dtype_bytes
 
 
-def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2) -> int:
+DEQUANTIZE_TILE_BYTES = 12 * 2**24  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
+
+
+def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none") -> int:
     "An upper estimate of one forward's live tensors: `tokens` tokens, logits for `rows` of them."
     per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
-    return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4)
+    tile = 0 if quantization == "none" else DEQUANTIZE_TILE_BYTES
+    return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4) + tile
 
 
 # %% [markdown]
 # **While loading.** An int8 / int4 model under a budget is staged on the CPU in full precision and
 # quantized on the GPU a slice of rows at a time (chapters 04a and 10): the GPU holds the matrices
-# quantized so far, the slices of the current one until they are joined (then the joined copy), and
-# one slice's temporaries (chapter 10's `quantize_rows`: 2^24 weights, each its input in the compute
-# dtype and FP32 copies, under 24 bytes); the embedding and norms arrive last. So the loading peak is
-# the larger of the weights and that; for Qwen3-4B it is the weights (the 778 MB embedding, which comes
-# last, outweighs a slice). Unquantized models load straight onto the GPU: the peak is the weights.
-# A plan that leaves `MIN_KV_BYTES` of KV cache always has room for the loading peak, which is at most
-# the weights plus one quantized matrix and one slice (tens of MB and 384 MiB, against 1 GiB).
+# quantized so far, the current one's result, filled slice by slice, and one slice's temporaries
+# (chapter 10's `quantize_rows`: 2^24 weights, each its input in the compute dtype and FP32 copies,
+# under 24 bytes). The LM head is quantized last, and only then do the norms (and an untied embedding)
+# arrive. So the loading peak is at most the weights plus one slice's temporaries (384 MiB). Unquantized
+# models load straight onto the GPU: the peak is the weights. A plan that leaves `MIN_KV_BYTES` of KV
+# cache always has room for the loading peak.
 
 # %%
 #| export
@@ -126,11 +134,9 @@ QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each u
 
 
 def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
-    "The most GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
+    "An upper bound of the GPU memory the weights take while they load (chapter 04a's staging and chapter 10's slices)."
     weights = weight_bytes(c, quantization, dtype_bytes)
-    if quantization == "none": return weights
-    matrices = [matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)]
-    return max(weights, sum(matrices) * c.num_layers + max(matrices) + QUANTIZE_SLICE_BYTES)
+    return weights if quantization == "none" else weights + QUANTIZE_SLICE_BYTES
 
 
 # %% [markdown]
@@ -139,11 +145,30 @@ def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int
 # %%
 q4b = preset("qwen3-4b")
 assert weight_bytes(q4b) == 8_044_936_192
-assert weight_bytes(q4b, "int8") < 0.56 * weight_bytes(q4b) and weight_bytes(q4b, "int4") < 0.37 * weight_bytes(q4b)
 print({q: format_gib(weight_bytes(q4b, q)) for q in ("none", "int8", "int4")})
-assert all(load_peak_bytes(q4b, q) == weight_bytes(q4b, q) for q in ("none", "int8", "int4"))
-no_embedding = q4b.replace(vocab_size=16)  # nothing arrives after the matrices: the slices set the peak
-assert load_peak_bytes(no_embedding, "int4") > weight_bytes(no_embedding, "int4") + QUANTIZE_SLICE_BYTES
+assert 0.49 < weight_bytes(q4b, "int8") / weight_bytes(q4b) < 0.51  # tied: one int8 table is embedding and head
+assert 0.28 < weight_bytes(q4b, "int4") / weight_bytes(q4b) < 0.29
+q8b = preset("qwen3-8b")  # untied: the embedding stays in BF16 (read a row a token), the head becomes int8
+head = q8b.vocab_size * q8b.hidden_size
+assert weight_bytes(q8b, "int8") - weight_bytes(q8b.replace(vocab_size=1), "int8") == (head - q8b.hidden_size) * 3 + 4 * (q8b.vocab_size - 1)
+assert load_peak_bytes(q4b) == weight_bytes(q4b) and load_peak_bytes(q4b, "int8") < weight_bytes(q4b, "int8") + 2**29
+
+# %% [markdown]
+# The counts are what chapter 10 builds: small models of both kinds, tied and untied (with
+# biases), quantized in BF16, hold exactly the bytes counted here.
+
+# %%
+import torch
+from forge_engine.loader import model_bytes
+from forge_engine.model import empty_model, init_random_weights
+from forge_engine.quant import quantize_model
+
+for name in ("qwen3-tiny", "qwen2-tiny"):
+    small = preset(name).replace(vocab_size=1000, hidden_size=128, intermediate_size=256)  # inputs: multiples of 128
+    for mode in ("none", "int8", "int4"):
+        model = init_random_weights(empty_model(small, dtype=torch.bfloat16), seed=0)
+        if mode != "none": quantize_model(model, mode)
+        assert model_bytes(model) == weight_bytes(small, mode), (name, mode, model_bytes(model), weight_bytes(small, mode))
 
 
 # %% [markdown]
@@ -179,8 +204,8 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
     "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
     def plan(mode: str) -> MemoryPlan:
         weights = weight_bytes(c, mode, dtype_bytes)
-        acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes)
-        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes) if cuda_graphs else 0
+        acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
+        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
                           max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))
@@ -194,7 +219,7 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
 
 # %% [markdown]
 # Qwen3-4B under an 8 GiB budget: BF16 is refused (the weights alone are 7.5 GiB) and the
-# error says int8 would fit; int8 leaves about 3 GiB for the KV cache.
+# error says int8 would fit; int8 leaves about 3.4 GiB for the KV cache.
 
 # %%
 with pytest.raises(MemoryPlanError, match=r"under the 1.00 GiB minimum; it would fit as int8"):
@@ -202,7 +227,7 @@ with pytest.raises(MemoryPlanError, match=r"under the 1.00 GiB minimum; it would
 p8 = plan_memory(q4b, parse_bytes("8GiB"), "int8")
 assert p8.kv_cache >= MIN_KV_BYTES and p8.weights + p8.activations + p8.graphs + p8.overhead + p8.kv_cache == p8.budget
 print(p8.describe())
-assert p8.load_peak == p8.weights and p8.load_peak + p8.overhead < p8.budget
+assert p8.load_peak == p8.weights + QUANTIZE_SLICE_BYTES and p8.load_peak + p8.overhead < p8.budget
 assert plan_memory(q4b, parse_bytes("80GiB")).kv_tokens > 400_000
 with pytest.raises(MemoryPlanError, match="does not fit in any weight format"):
     plan_memory(q4b, parse_bytes("2GiB"), "int4")
