@@ -22,13 +22,13 @@ from forge_engine.kernels import _gemv_kernel
 from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM")
+FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
 INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32",
-                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUPS", "GROUP", "BYTE_ASM")}}
+                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUPS", "GROUP", "BYTE_ASM", "PDL", "PREFETCH")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -54,7 +54,7 @@ def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool) -> tuple[list[str], float]:
     "chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, and the weights each thread handles per step."
-    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm)
+    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0)
     body = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                      dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps)
     return body, block_n * block_k / (32 * num_warps)
@@ -63,7 +63,8 @@ def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm:
 def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, group: int = 128) -> tuple[list[str], float]:
     "chapter 10's int4 GEMV at one row (BLOCK_K in inputs: GROUPS = BLOCK_K / GROUP)."
     body = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
-                     dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm), num_warps)
+                     dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm, PDL=True,
+                          PREFETCH=0), num_warps)
     return body, block_n * block_k / (32 * num_warps)
 
 

@@ -80,6 +80,22 @@ def test_int8_gemv_on_the_gpu(rows, n, k):
     torch.testing.assert_close(gemv(x, q, None, scale).float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("n,k", [(6144, 2560), (1000, 320), (151936, 2560)])
+def test_gemv_l2_prefetch_changes_no_result(n, k):
+    "The GEMVs with their weights prefetched into L2 before the input wait (chapter 09) give the same bits, bf16, int8, int4."
+    from forge_engine.kernels import gemv
+    from forge_engine.quant import int4_gemv, quantize_int4
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+    q, scale = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen), torch.rand(n, device="cuda")
+    for args in ((w,), (q, None, scale)):
+        assert torch.equal(gemv(x, *args, prefetch=True), gemv(x, *args, prefetch=False))
+    packed = quantize_int4(w, group=64)
+    assert torch.equal(int4_gemv(x, *packed, prefetch=True), int4_gemv(x, *packed, prefetch=False))
+    assert torch.equal(int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed))  # and the dependent launch
+
+
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny"])
 def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
     "Every kernel (GEMV and its fused steps: one sequence at a time, so batch 1) against plain PyTorch on the CPU, fp32."

@@ -509,6 +509,14 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # the next one may start (`_let_next_start`), and the GEMV, launched as a dependent, waits
 # (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops.
 #
+# A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
+# that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
+# a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
+# nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
+# batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
+# resident and have its 21 MB on the way. `gemv(..., prefetch=True)`; off by default
+# (`GEMV_L2_PREFETCH`) until a GPU measurement says it pays.
+#
 # Tried and left in the lab (`kernels_lab/decode_chain.py`, one H200, 36 layers' matrices in one
 # CUDA graph): folding the residual add + RMSNorm into the qkv and gate-up GEMVs and SiLU-mul
 # into down (three launches fewer a layer). Every program redoes the norm of the whole input row,
@@ -564,12 +572,40 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_to_l2(w_ptr, first_row, rows, row_bytes, THREADS: tl.constexpr):
+    """Ask for `rows` rows of a row-major matrix from `first_row` on (`row_bytes` a row, a multiple of 16) to come into
+    L2 now: one bulk prefetch (sm_90's cp.async.bulk.prefetch) a warp of the program's THREADS; no registers, nothing
+    to wait for. The instruction takes warp-uniform operands (the compiler loops over distinct lane values), so
+    every lane of a warp asks for that warp's part."""
+    total = rows.to(tl.int64) * row_bytes
+    part = tl.cdiv(total, THREADS // 32 * 16) * 16
+    offs = (tl.arange(0, THREADS) // 32).to(tl.int64) * part  # thread i: lane i % 32 of warp i // 32
+    sizes = tl.minimum(tl.maximum(total - offs, 0), part).to(tl.int32)
+    starts = w_ptr.to(tl.pointer_type(tl.int8)) + first_row.to(tl.int64) * row_bytes + offs
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        constraints="=r,l,r", args=[starts, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then wait for this one's
+    input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do not
+    depend on the kernel before, so their reading starts while that kernel is still running."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:
+            first = tl.program_id(0) * BLOCK_N
+            _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr):
-    if PDL:  # launched as a dependent: let the next kernel launch, wait for this one's input
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
     n_ok, m_ok = offs_n < N, offs_m < M
@@ -608,11 +644,24 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
+GEMV_L2_PREFETCH = False  # not measured on a GPU yet: off until kernels_lab says it pays
+
+
+def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:
+    """The GEMV kernels' PREFETCH: a bulk prefetch a warp (`_start_gemv`) where asked (default GEMV_L2_PREFETCH),
+    launched as a dependent, and the weight rows are contiguous and start 16-byte aligned; else 0 (off)."""
+    prefetch = GEMV_L2_PREFETCH if prefetch is None else prefetch
+    aligned = weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    return 32 * num_warps if prefetch and pdl and aligned else 0  # the program's threads
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None) -> torch.Tensor:
+         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
+         prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
-    `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
+    `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
+    `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -632,7 +681,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm, num_warps=num_warps, **_stages(num_stages))
+            BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
+            PREFETCH=gemv_prefetch(weight, pdl, num_warps, prefetch), num_warps=num_warps, **_stages(num_stages))
     return out
 
 
@@ -655,6 +705,13 @@ with pytest.raises(ValueError, match="at most 4 rows"):
     gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
+# the prefetch goes only where a dependent launch issues it and each program's rows are one aligned span
+w = torch.zeros(8, 64, dtype=torch.bfloat16)
+assert gemv_prefetch(w, pdl=True, num_warps=4, prefetch=True) == 128
+assert gemv_prefetch(w, pdl=False, num_warps=4, prefetch=True) == 0 and gemv_prefetch(w, True, 4, prefetch=False) == 0
+for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60, dtype=torch.bfloat16)):
+    assert gemv_prefetch(unfit, True, 4, prefetch=True) == 0  # a strided view, a misaligned start, 120-byte rows
+assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
 
 
 # %% [markdown]

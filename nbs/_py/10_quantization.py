@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv, gemv_reference, kernel_backend, tl, triton
+from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _start_gemv, gemv, gemv_prefetch,
+                                  gemv_reference, kernel_backend, pdl_supported, tl, triton)
 from forge_engine.model import Transformer, load_weights
 
 # %%
@@ -329,7 +330,10 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 #
 # `_int4_gemv_kernel` is that kernel for packed nibbles. Per group it uses the identity
 # `Σ_k x_k (s q_k + m) = s · Σ_k x_k q_k + m · Σ_k x_k`: the nibbles enter the dot product as
-# they are, and scale and minimum cost two multiply-adds per group, not one per weight.
+# they are, and scale and minimum cost two multiply-adds per group, not one per weight. It starts
+# as chapter 09's GEMV does (`_start_gemv`): launched as a programmatic dependent on Hopper, so its
+# programs start while the kernel before is finishing, and with `prefetch=True` they first ask for
+# their weight rows into L2.
 #
 # Why count operations: at 4.19 TB/s an H200 reads 8.4 trillion 4-bit weights a second, and
 # its 132 SMs issue about 33 trillion thread-instructions a second: four instructions per
@@ -390,7 +394,8 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                      BYTE_ASM: tl.constexpr):
+                      BYTE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH)  # as chapter 09's GEMV: a dependent launch, L2 prefetch
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
     CHUNKS: tl.constexpr = GROUPS * HALF // CHUNK
@@ -471,22 +476,28 @@ assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] 
 
 # %%
 #| export
-def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int, **constexprs):
-    "Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row]) -> [M, N]."
+def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
+                 pdl: bool | None = None, prefetch: bool | None = None, **constexprs):
+    """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
+    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
-                                           BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+                                           BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
+                                           PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
+                                           num_warps=num_warps, **constexprs)
     return out
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-              byte_asm: bool | None = None) -> torch.Tensor:
+              byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
-    `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted)."""
+    `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
+    `pdl`, `prefetch`: as chapter 09's `gemv` (a dependent launch by default on Hopper; L2 prefetch where asked)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -494,7 +505,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     default = quant_gemv_config(n, k)
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
-    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps,
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch,
                         GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 

@@ -1,0 +1,106 @@
+"""L2 prefetch before the input wait in the GEMVs (chapter 09's `_start_gemv`): does it pay, where decode runs them?
+
+A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
+(`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
+first asks for its part of the program's rows into L2 (one `cp.async.bulk.prefetch`). Napkin math: in a batch-1
+step of Qwen3-4B the output projection (21 MB, ~5 µs at 4.19 TB/s) follows the decode attention (~7 µs on 8 of
+132 SMs) and qkv / gate-up follow a one-program add+RMSNorm: if their weights stream during those kernels, up to
+~10 µs a layer (0.36 ms of a 2.85 ms step) could hide. The risk: prefetched lines evicted before use (gate-up's
+100 MB is twice the 50 MB L2), or a prefetch issued by programs that start late, when it only costs.
+
+For each weight format (bf16; int8 and int4 quantized, chapter 10):
+1. validation: prefetch on and off give identical outputs (it changes no arithmetic);
+2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
+   dependent launch (int4's GEMV had none before this lab), with it (prefetch off), with the prefetch;
+3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and W1 decode tok/s (the bench's
+   `w1_single_stream`), off / on / off / on in one process (`GEMV_L2_PREFETCH` is read when a graph is captured).
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_prefetch.py [bf16,int8,int4]"""
+import gc
+import itertools
+import sys
+
+from common import DEVICE, ON_GPU, finish, graphed_ms  # first: it may switch on the interpreter
+import torch
+import forge_engine.kernels as kernels
+from gemv_chain_sweep import LAYERS, SHAPES, product, weights
+
+if not ON_GPU:
+    sys.exit("needs a GPU: the prefetch is sm_90 PTX, issued only by a dependent launch")
+
+
+def validate(formats) -> bool:
+    ok = True
+    for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096))):
+        w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
+        same = torch.equal(product(fmt, x, w, prefetch=False), product(fmt, x, w, prefetch=True))
+        print(f"  {fmt} N={n} K={k}: prefetch on == off: {same}")
+        ok &= same
+    return ok
+
+
+def chain(formats):
+    print(f"\n== {LAYERS} GEMVs of one shape, distinct weights, one CUDA-graph replay (µs a matrix)")
+    for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
+        layers = [weights(fmt, n, k) for _ in range(LAYERS)]
+        x = torch.randn(1, k, device=DEVICE).bfloat16()
+        variants = {"no PDL": dict(pdl=False), "off": dict(prefetch=False), "on": dict(prefetch=True)}
+        times = {}
+        for name, launch in [*variants.items(), *variants.items()]:  # two rounds: the second one counts
+            times[name] = graphed_ms(lambda: [product(fmt, x, w, **launch) for w in layers]) * 1e3 / LAYERS
+        print(f"  {fmt:5s} {label:8s} " + "  ".join(f"{name} {t:7.2f}" for name, t in times.items()), flush=True)
+        del layers
+        torch.cuda.empty_cache()
+
+
+def decode_step_ms(engine, reps: int = 200) -> float:
+    "One batch-1 decode graph replayed alone (as decode_step_profile.py), ms a replay."
+    from forge_engine.generate import SamplingParams
+    engine.add_request(list(range(100, 228)), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for _ in range(10): engine.step()
+    decode = engine.runner.decode
+    graph = decode.graphs[(1, decode.widths[0])]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps): graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    while engine.has_unfinished(): engine.step()
+    return start.elapsed_time(end) / reps
+
+
+def engine_runs(formats):
+    from forge_engine.bench import free_memory, w1_single_stream
+    from forge_engine.config import EngineConfig
+    from forge_engine.engine import LLMEngine
+    from forge_engine.loader import load_model
+    print("\n== random:qwen3-4b, batch-1 decode graph replay and W1 (256 tokens, median of 3)")
+    for fmt in formats:
+        loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
+        for flag in (False, True, False, True):
+            kernels.GEMV_L2_PREFETCH = flag
+            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
+            step = decode_step_ms(engine)
+            del engine
+            free_memory()
+            w1 = w1_single_stream(loaded, EngineConfig())
+            print(f"  {fmt:5s} prefetch {'on ' if flag else 'off'}: step graph {step:.3f} ms, "
+                  f"W1 {w1['decode_tok_s']:.1f} tok/s (runs {[round(r['decode_tok_s'], 1) for r in w1['runs']]})",
+                  flush=True)
+            free_memory()
+        kernels.GEMV_L2_PREFETCH = False
+        del loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main():
+    formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8,int4").split(",")
+    ok = validate(formats)
+    chain(formats)
+    engine_runs(formats)
+    finish(ok)
+
+
+if __name__ == "__main__":
+    main()
