@@ -44,6 +44,26 @@ def test_gpu_engine_matches_the_reference_path(name):
         assert engine.stats().kv.used_blocks == 0
 
 
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_overlap_switches_change_no_token(mode, monkeypatch):
+    "Chapter 09's GEMV_L2_PREFETCH and DEPENDENT_LAUNCHES (off by default) on: the same greedy tokens, graphs and all."
+    import forge_engine.kernels as kernels
+    model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
+    if mode != "none":
+        from forge_engine.quant import quantize_model
+        quantize_model(model, mode)
+    loaded = LoadedModel("qwen3-tiny", model, None, None)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 700)]  # the last one: a decode with splits and their merge
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
+    want = [o.token_ids for o in run_all(LLMEngine(loaded, config), prompts, params)]
+    monkeypatch.setattr(kernels, "GEMV_L2_PREFETCH", True)
+    monkeypatch.setattr(kernels, "DEPENDENT_LAUNCHES", True)
+    engine = LLMEngine(loaded, config)
+    assert [o.token_ids for o in run_all(engine, prompts, params)] == want
+    engine.allocator.check_idle()
+
+
 @pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])
 def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm):
     from forge_engine.kernels import norm_rope, norm_rope_reference

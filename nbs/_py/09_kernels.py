@@ -155,10 +155,23 @@ def pdl_supported(device) -> bool:
 
 
 @triton.jit
-def _let_next_start(PDL: tl.constexpr):
-    "Allow the next kernel, if launched as a dependent, to start now (it waits for our results before reading them)."
+def _let_next_start(PDL: tl.constexpr, WAIT: tl.constexpr):
+    """Allow the next kernel, if launched as a dependent, to start now (it waits for our results before reading them);
+    WAIT: this kernel was launched as one, so it waits for the kernel before it to finish."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+
+
+DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: not measured on a GPU yet
+
+
+def _pdl_args(device) -> dict:
+    """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention):
+    it lets the next kernel start early, and with DEPENDENT_LAUNCHES is launched early itself, waiting for its input."""
+    pdl = pdl_supported(device)
+    return dict(PDL=pdl, WAIT=pdl and DEPENDENT_LAUNCHES, launch_pdl=pdl and DEPENDENT_LAUNCHES)
 
 
 # %% [markdown]
@@ -185,8 +198,9 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                        H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    _let_next_start(PDL)
+                        H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+                        WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -222,7 +236,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows.shape[0]:
         _add_rmsnorm_kernel[(rows.shape[0],)](
             rows, res, weight, out, res_out, rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, PDL=pdl_supported(x.device),
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, **_pdl_args(x.device),
             num_warps=num_warps or min(8, max(1, block // 512)))
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
@@ -280,7 +294,9 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                      stride_ct, first_heads, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+                      stride_ct, first_heads, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+                      PDL: tl.constexpr, WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
@@ -321,7 +337,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         _norm_rope_kernel[(tokens, heads)](
             x, w, k_weight if k_weight is not None else w, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), cos.stride(0), split, eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
-            HAS_NORM=weight is not None, num_warps=1)
+            HAS_NORM=weight is not None, **_pdl_args(x.device), num_warps=1)
     return out
 
 
@@ -367,8 +383,8 @@ def silu_mul_reference(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _let_next_start(PDL)
+def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
     gate = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
@@ -388,7 +404,7 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     block = min(1024, _pow2(inter))
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
-                                                              PDL=pdl_supported(h.device), num_warps=4)
+                                                              **_pdl_args(h.device), num_warps=4)
     return out
 
 
@@ -416,7 +432,9 @@ def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mappin
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_slot, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     stride_slot, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                     WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < HEAD_DIM
@@ -439,7 +457,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     if tokens:
         _write_kv_kernel[(tokens, heads)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
                                           v.stride(1), k_cache.stride(1), k_cache.stride(2), HEAD_DIM=dim,
-                                          BLOCK_D=max(16, _pow2(dim)), num_warps=1)
+                                          BLOCK_D=max(16, _pow2(dim)), **_pdl_args(k.device), num_warps=1)
 
 
 # %%
@@ -507,7 +525,10 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # launch** (Hopper) lets the GPU launch the next kernel while the current one is finishing: the
 # kernels that come before a GEMV in a decode step (norms, SiLU-mul, attention) say early that
 # the next one may start (`_let_next_start`), and the GEMV, launched as a dependent, waits
-# (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops.
+# (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops. The small kernels
+# between the GEMVs are launched the ordinary way: each starts only once the kernel before has
+# finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
+# way); off until a GPU measurement (`kernels_lab/decode_overlap.py`) says it pays.
 #
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
@@ -872,8 +893,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh,
                    qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    _let_next_start(PDL)
+                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                   WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
     start = split * split_len
@@ -909,8 +931,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
 
 @triton.jit
 def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    _let_next_start(PDL)
+                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                         WAIT: tl.constexpr):
+    _let_next_start(PDL, WAIT)
     seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_splits
@@ -964,11 +987,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), PDL=pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
-            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), PDL=pdl_supported(q.device),
+            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), **_pdl_args(q.device),
             num_warps=4)
     return out
 

@@ -1,4 +1,6 @@
-"""L2 prefetch before the input wait in the GEMVs (chapter 09's `_start_gemv`): does it pay, where decode runs them?
+"""What may overlap between the kernels of a decode step, and does it pay? Two switches of chapter 09, both off by
+default until measured here: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
+`_start_gemv`) and DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -8,13 +10,19 @@ step of Qwen3-4B the output projection (21 MB, ~5 µs at 4.19 TB/s) follows the 
 ~10 µs a layer (0.36 ms of a 2.85 ms step) could hide. The risk: prefetched lines evicted before use (gate-up's
 100 MB is twice the 50 MB L2), or a prefetch issued by programs that start late, when it only costs.
 
+The small kernels (one-program add+RMSNorm at batch 1, q/k-norm+RoPE, K/V store, SiLU-mul, attention) are launched
+the ordinary way: each starts once the kernel before has finished. As dependents they launch during their
+predecessor and wait on the GPU instead: the launch latency hides, ~1 µs a kernel, 7 a layer (~0.25 ms a step, if
+it all hid).
+
 For each weight format (bf16; int8 and int4 quantized, chapter 10):
 1. validation: prefetch on and off give identical outputs (it changes no arithmetic);
 2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
    dependent launch (int4's GEMV had none before this lab), with it (prefetch off), with the prefetch;
 3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and W1 decode tok/s (the bench's
-   `w1_single_stream`), off / on / off / on in one process (`GEMV_L2_PREFETCH` is read when a graph is captured).
-Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_prefetch.py [bf16,int8,int4]"""
+   `w1_single_stream`) with neither switch, each, both, and neither again, in one process (the switches are read
+   when a graph is captured).
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
 import itertools
 import sys
@@ -69,26 +77,28 @@ def decode_step_ms(engine, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps
 
 
+SWITCHES = {"neither": (False, False), "prefetch": (True, False), "dependents": (False, True), "both": (True, True)}
+
+
 def engine_runs(formats):
     from forge_engine.bench import free_memory, w1_single_stream
     from forge_engine.config import EngineConfig
     from forge_engine.engine import LLMEngine
     from forge_engine.loader import load_model
-    print("\n== random:qwen3-4b, batch-1 decode graph replay and W1 (256 tokens, median of 3)")
+    print("\n== random:qwen3-4b, batch-1 decode graph replay and W1 (256 tokens, median of 3; max_num_seqs 8)")
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
-        for flag in (False, True, False, True):
-            kernels.GEMV_L2_PREFETCH = flag
+        for name in [*SWITCHES, "neither"]:
+            kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES = SWITCHES[name]
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
             del engine
             free_memory()
-            w1 = w1_single_stream(loaded, EngineConfig())
-            print(f"  {fmt:5s} prefetch {'on ' if flag else 'off'}: step graph {step:.3f} ms, "
-                  f"W1 {w1['decode_tok_s']:.1f} tok/s (runs {[round(r['decode_tok_s'], 1) for r in w1['runs']]})",
-                  flush=True)
+            w1 = w1_single_stream(loaded, EngineConfig(max_num_seqs=8))
+            print(f"  {fmt:5s} {name:10s}: step graph {step:.3f} ms, W1 {w1['decode_tok_s']:.1f} tok/s "
+                  f"(runs {[round(r['decode_tok_s'], 1) for r in w1['runs']]})", flush=True)
             free_memory()
-        kernels.GEMV_L2_PREFETCH = False
+        kernels.GEMV_L2_PREFETCH = kernels.DEPENDENT_LAUNCHES = False
         del loaded
         gc.collect()
         torch.cuda.empty_cache()
