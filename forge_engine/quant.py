@@ -21,7 +21,7 @@ __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'SKINNY_MAX_ROWS
            'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8',
            'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv',
            'int8_matmul', 'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config',
-           'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'Int8Embedding',
+           'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding',
            'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
@@ -523,6 +523,8 @@ class QuantLinear(nn.Module):
     def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
     def dense_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # x @ weight rows start:end, dequantized
         raise NotImplementedError
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
+        raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
@@ -568,6 +570,7 @@ class Int8Linear(QuantLinear):
         return super().dense(x, tile_weights)
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+    def rows(self, ids, dtype): return dequantize_int8(self.qweight[ids], self.scale[ids], dtype)
 
 
 class Int4Linear(QuantLinear):
@@ -583,16 +586,17 @@ class Int4Linear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
 
+    def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 
-class Int8Embedding(nn.Module):
-    "A tied model's embedding read from its int8 LM head (an `Int8Linear` over the same table): a token's row times its scale."
-    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+
+class TiedEmbedding(nn.Module):
+    "A tied model's embedding read from its quantized LM head (the same table): a token's row, dequantized."
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
         self.head, self.dtype = head, dtype  # shared with the model's lm_head, not copied: one table serves both ends
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return dequantize_int8(self.head.qweight[flat], self.head.scale[flat], self.dtype).reshape(*ids.shape, -1)
+        return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
 
 # %% ../nbs/10_quantization.ipynb #44a8d074
 class GGUFLinear(QuantLinear):
@@ -628,8 +632,20 @@ class GGUFLinear(QuantLinear):
     def skinny(self, x):
         return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
 
-    def dense(self, x):
-        return torch.cat([gguf_matmul_reference(x, raw, qtype) for qtype, raw in self._runs()], dim=-1)
+    def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
+        outs, first = [], 0
+        for qtype, raw in self._runs():
+            lo, hi = max(start, first), min(end, first + raw.shape[0])
+            if lo < hi: outs.append(gguf_matmul_reference(x, raw[lo - first:hi - first], qtype))
+            first += raw.shape[0]
+        return torch.cat(outs, dim=-1)
+
+    def rows(self, ids, dtype):
+        from forge_engine.gguf_file import DEQUANTIZERS
+        if len(self.qtypes) != 1:
+            raise ValueError("rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows")
+        qtype, raw = self.qtypes[0], self.blocks0
+        return DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2])).reshape(ids.shape[0], -1).to(dtype)
 
     def extra_repr(self): return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
 
@@ -662,7 +678,7 @@ def quantize_model(model: Transformer, mode: str, int4_group: int | None = None,
     else:  # tied: one int8 table, the head's, read by both ends
         dtype = model.embed.weight.dtype
         model.lm_head = Int8Linear(model.embed, device)
-        model.embed = Int8Embedding(model.lm_head, dtype)
+        model.embed = TiedEmbedding(model.lm_head, dtype)
     return model
 
 # %% ../nbs/10_quantization.ipynb #923cdbae
@@ -680,7 +696,8 @@ def _materialize(model: nn.Module, device, dtype) -> None:
 
 @torch.no_grad()
 def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
-    "A model whose layer matrices keep the `GGUFFile`'s quantized blocks; everything else dequantized to `dtype`."
+    """A model whose layer matrices and LM head keep the `GGUFFile`'s quantized blocks (a tied model's embedding reads
+    its rows from the head's); everything else dequantized to `dtype`."""
     from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
     config = gguf.model_config()
     infos = {t.name: t for t in gguf.tensor_infos}
@@ -703,6 +720,12 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parent = layer.get_submodule(parent_name)
             bias = getattr(parent, attr).bias
             setattr(parent, attr, GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")))
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    if head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES:  # (a head stored as F16 / F32 is loaded dense)
+        info = infos[head]
+        model.lm_head = GGUFLinear([(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))])
+        if config.tie_word_embeddings: model.embed = TiedEmbedding(model.lm_head, dtype)
+        kept.add(head)
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))

@@ -906,6 +906,8 @@ class QuantLinear(nn.Module):
     def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
     def dense_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # x @ weight rows start:end, dequantized
         raise NotImplementedError
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
+        raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
@@ -951,6 +953,7 @@ class Int8Linear(QuantLinear):
         return super().dense(x, tile_weights)
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+    def rows(self, ids, dtype): return dequantize_int8(self.qweight[ids], self.scale[ids], dtype)
 
 
 class Int4Linear(QuantLinear):
@@ -966,21 +969,22 @@ class Int4Linear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
 
+    def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 
-class Int8Embedding(nn.Module):
-    "A tied model's embedding read from its int8 LM head (an `Int8Linear` over the same table): a token's row times its scale."
-    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+
+class TiedEmbedding(nn.Module):
+    "A tied model's embedding read from its quantized LM head (the same table): a token's row, dequantized."
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
         self.head, self.dtype = head, dtype  # shared with the model's lm_head, not copied: one table serves both ends
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return dequantize_int8(self.head.qweight[flat], self.head.scale[flat], self.dtype).reshape(*ids.shape, -1)
+        return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
 
 
 # %% [markdown]
 # Tiles of output rows give what one dequantized matrix gives (here 3 rows a tile, the last one
-# short), and a tied embedding read from its int8 head is the head's rows dequantized:
+# short), and a tied embedding read from its quantized head is the head's rows dequantized:
 
 # %%
 linear = nn.Linear(48, 10, bias=True)
@@ -994,7 +998,7 @@ for layer in (Int4Linear(linear, group=16), Int8Linear(linear)):
 table = nn.Embedding(10, 40)
 head = Int8Linear(table)
 tokens = torch.tensor([[3, 9], [0, 3]])
-rows = Int8Embedding(head, torch.bfloat16)(tokens)
+rows = TiedEmbedding(head, torch.bfloat16)(tokens)
 assert rows.shape == (2, 2, 40) and rows.dtype == torch.bfloat16 and head.bias is None
 torch.testing.assert_close(rows.float(), dequantize_int8(head.qweight, head.scale)[tokens], rtol=1e-2, atol=1e-3)
 torch.testing.assert_close(rows.float(), table.weight[tokens].detach(), rtol=0, atol=table.weight.abs().max().item() / 127)
@@ -1041,8 +1045,20 @@ class GGUFLinear(QuantLinear):
     def skinny(self, x):
         return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
 
-    def dense(self, x):
-        return torch.cat([gguf_matmul_reference(x, raw, qtype) for qtype, raw in self._runs()], dim=-1)
+    def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
+        outs, first = [], 0
+        for qtype, raw in self._runs():
+            lo, hi = max(start, first), min(end, first + raw.shape[0])
+            if lo < hi: outs.append(gguf_matmul_reference(x, raw[lo - first:hi - first], qtype))
+            first += raw.shape[0]
+        return torch.cat(outs, dim=-1)
+
+    def rows(self, ids, dtype):
+        from forge_engine.gguf_file import DEQUANTIZERS
+        if len(self.qtypes) != 1:
+            raise ValueError("rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows")
+        qtype, raw = self.qtypes[0], self.blocks0
+        return DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2])).reshape(ids.shape[0], -1).to(dtype)
 
     def extra_repr(self): return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
 
@@ -1087,7 +1103,7 @@ with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in b
 # step, a tenth of what an int8 step reads if it stayed in BF16 (and a fifth of an int4 step).
 # It becomes int8 with a scale per vocabulary row in *both* modes: the head is where 4 bits cost
 # the most quality, so int4 keeps it at 8 bits, as most int4 schemes keep it unquantized or at 8.
-# A tied model's embedding is the same table: its `Int8Embedding` reads the token's int8 row and
+# A tied model's embedding is the same table: its `TiedEmbedding` reads the token's int8 row and
 # its scale from the head, so the BF16 table is gone and the embedding costs nothing extra.
 
 # %%
@@ -1120,7 +1136,7 @@ def quantize_model(model: Transformer, mode: str, int4_group: int | None = None,
     else:  # tied: one int8 table, the head's, read by both ends
         dtype = model.embed.weight.dtype
         model.lm_head = Int8Linear(model.embed, device)
-        model.embed = Int8Embedding(model.lm_head, dtype)
+        model.embed = TiedEmbedding(model.lm_head, dtype)
     return model
 
 
@@ -1190,7 +1206,8 @@ def _materialize(model: nn.Module, device, dtype) -> None:
 
 @torch.no_grad()
 def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
-    "A model whose layer matrices keep the `GGUFFile`'s quantized blocks; everything else dequantized to `dtype`."
+    """A model whose layer matrices and LM head keep the `GGUFFile`'s quantized blocks (a tied model's embedding reads
+    its rows from the head's); everything else dequantized to `dtype`."""
     from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
     config = gguf.model_config()
     infos = {t.name: t for t in gguf.tensor_infos}
@@ -1213,6 +1230,12 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parent = layer.get_submodule(parent_name)
             bias = getattr(parent, attr).bias
             setattr(parent, attr, GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")))
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    if head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES:  # (a head stored as F16 / F32 is loaded dense)
+        info = infos[head]
+        model.lm_head = GGUFLinear([(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))])
+        if config.tie_word_embeddings: model.embed = TiedEmbedding(model.lm_head, dtype)
+        kept.add(head)
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))
@@ -1234,12 +1257,14 @@ llama = preset("llama-tiny").replace(vocab_size=128, num_layers=2, hidden_size=6
                                      intermediate_size=128)
 state = {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(llama), 3, std=0.05)).items()}
 qtypes = {name: [QType.Q8_0, QType.Q4_0, QType.Q4_1][i % 3] for i, name in enumerate(state) if "proj" in name}
+qtypes["lm_head.weight"] = QType.Q4_1
 gguf_path = write_gguf(Path(tmp_dir.name) / "tiny.gguf", llama, state, qtypes)
 gguf_file = GGUFFile(gguf_path)
 kept = load_gguf_quantized(gguf_file)
 dequantized = empty_model(llama)
 load_weights(dequantized, gguf_file.tensors())
 assert isinstance(kept.layers[1].mlp.down, GGUFLinear) and len(kept.layers[0].attn.qkv.qtypes) == 3
+assert isinstance(kept.lm_head, GGUFLinear) and isinstance(kept.embed, nn.Embedding)  # untied: the embedding is dense
 with torch.inference_mode():
     ids = torch.randint(0, 128, (9,))
     want = dequantized.compute_logits(dequantized(ids, torch.arange(9)))
@@ -1247,6 +1272,25 @@ with torch.inference_mode():
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print(f"kept quantized: {model_bytes(kept):,} bytes; dequantized fp32: {model_bytes(dequantized):,} bytes")
 assert model_bytes(kept) < model_bytes(dequantized) / 2
+
+# %% [markdown]
+# A tied model (no `output.weight` in the file): the head is the embedding's blocks, and the
+# embedding reads its rows from them.
+
+# %%
+tied = preset("qwen3-tiny").replace(vocab_size=128, intermediate_size=128)
+state = {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(tied), 4, std=0.05)).items()}
+tied_path = write_gguf(Path(tmp_dir.name) / "tied.gguf", tied, state,
+                       {name: QType.Q8_0 for name in state if "proj" in name or "embed_tokens" in name})
+kept = load_gguf_quantized(GGUFFile(tied_path))
+dequantized = empty_model(tied)
+load_weights(dequantized, GGUFFile(tied_path).tensors())
+assert isinstance(kept.embed, TiedEmbedding) and kept.embed.head is kept.lm_head and kept.lm_head.qtypes == (8,)
+with torch.inference_mode():
+    want = dequantized.compute_logits(dequantized(ids, torch.arange(9)))
+    got = kept.compute_logits(kept(ids, torch.arange(9)))
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+assert model_bytes(kept) < model_bytes(dequantized) / 3
 
 
 # %% [markdown]
