@@ -1,6 +1,7 @@
-"""What may overlap between the kernels of a decode step, and does it pay? Two switches of chapter 09, both off by
+"""What may overlap between the kernels of a decode step, and does it pay? Three switches of chapter 09, all off by
 default until measured here: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
-`_start_gemv`) and DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too).
+`_start_gemv`), GEMV_LOOP_STAGES (the GEMV loops software-pipelined: later steps' loads in flight through shared
+memory) and DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -16,11 +17,11 @@ predecessor and wait on the GPU instead: the launch latency hides, ~1 µs a kern
 it all hid).
 
 For each weight format (bf16; int8 and int4 quantized, chapter 10):
-1. validation: prefetch on and off give identical outputs (it changes no arithmetic);
+1. validation: the prefetch and the pipelined loop give the same outputs as the plain GEMV (no arithmetic changes);
 2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
-   dependent launch (int4's GEMV had none before this lab), with it (prefetch off), with the prefetch;
-3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and W1 decode tok/s (the bench's
-   `w1_single_stream`) with neither switch, each, both, and neither again, in one process (the switches are read
+   dependent launch (int4's GEMV had none before this lab), with it, with the prefetch, with 2 / 3 loop stages;
+3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and one W1-like request (128-token prompt,
+   256 greedy tokens: decode tok/s) under the switch settings of SWITCHES, in one process (the switches are read
    when a graph is captured).
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
@@ -30,6 +31,11 @@ import sys
 from common import DEVICE, ON_GPU, finish, graphed_ms  # first: it may switch on the interpreter
 import torch
 import forge_engine.kernels as kernels
+from forge_engine.bench import free_memory, random_prompts, run_batch
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
 from gemv_chain_sweep import LAYERS, SHAPES, product, weights
 
 if not ON_GPU:
@@ -40,9 +46,11 @@ def validate(formats) -> bool:
     ok = True
     for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096))):
         w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
-        same = torch.equal(product(fmt, x, w, prefetch=False), product(fmt, x, w, prefetch=True))
-        print(f"  {fmt} N={n} K={k}: prefetch on == off: {same}")
-        ok &= same
+        plain = product(fmt, x, w, prefetch=False)
+        for launch in (dict(prefetch=True), dict(loop_stages=3)):
+            same = torch.equal(plain, product(fmt, x, w, **launch))
+            print(f"  {fmt} N={n} K={k} {launch}: the same as without: {same}")
+            ok &= same
     return ok
 
 
@@ -51,18 +59,18 @@ def chain(formats):
     for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
         layers = [weights(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
-        variants = {"no PDL": dict(pdl=False), "off": dict(prefetch=False), "on": dict(prefetch=True)}
+        variants = {"no PDL": dict(pdl=False), "PDL": dict(prefetch=False), "prefetch": dict(prefetch=True),
+                    "stages 2": dict(loop_stages=2), "stages 3": dict(loop_stages=3)}
         times = {}
         for name, launch in [*variants.items(), *variants.items()]:  # two rounds: the second one counts
             times[name] = graphed_ms(lambda: [product(fmt, x, w, **launch) for w in layers]) * 1e3 / LAYERS
-        print(f"  {fmt:5s} {label:8s} " + "  ".join(f"{name} {t:7.2f}" for name, t in times.items()), flush=True)
+        print(f"  {fmt:5s} {label:8s} " + "  ".join(f"{name} {t:6.2f}" for name, t in times.items()), flush=True)
         del layers
         torch.cuda.empty_cache()
 
 
 def decode_step_ms(engine, reps: int = 200) -> float:
     "One batch-1 decode graph replayed alone (as decode_step_profile.py), ms a replay."
-    from forge_engine.generate import SamplingParams
     engine.add_request(list(range(100, 228)), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for _ in range(10): engine.step()
     decode = engine.runner.decode
@@ -77,28 +85,31 @@ def decode_step_ms(engine, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps
 
 
-SWITCHES = {"neither": (False, False), "prefetch": (True, False), "dependents": (False, True), "both": (True, True)}
+SWITCHES = {  # name: (GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, GEMV_LOOP_STAGES)
+    "none": (False, False, 1), "prefetch": (True, False, 1), "dependents": (False, True, 1),
+    "prefetch+dependents": (True, True, 1), "stages 3": (False, False, 3), "all": (True, True, 3), "none again": (False, False, 1)}
+
+
+def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:
+    "One W1 request (the bench's prompt: 128 random ids, seed 1): decode tokens a second after the first token."
+    prompt = random_prompts(1, 128, 128, seed=1)[0]
+    run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    r = run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    return (new_tokens - 1) / (r["wall_s"] - r["ttft_median_s"])
 
 
 def engine_runs(formats):
-    from forge_engine.bench import free_memory, w1_single_stream
-    from forge_engine.config import EngineConfig
-    from forge_engine.engine import LLMEngine
-    from forge_engine.loader import load_model
-    print("\n== random:qwen3-4b, batch-1 decode graph replay and W1 (256 tokens, median of 3; max_num_seqs 8)")
+    print("\n== random:qwen3-4b: batch-1 decode graph replay, W1-like decode tok/s (one engine a setting, max_num_seqs 8)")
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
-        for name in [*SWITCHES, "neither"]:
-            kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES = SWITCHES[name]
+        for name, (prefetch, dependents, stages) in SWITCHES.items():
+            kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES, kernels.GEMV_LOOP_STAGES = prefetch, dependents, stages
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
+            print(f"  {fmt:5s} {name:20s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
             del engine
             free_memory()
-            w1 = w1_single_stream(loaded, EngineConfig(max_num_seqs=8))
-            print(f"  {fmt:5s} {name:10s}: step graph {step:.3f} ms, W1 {w1['decode_tok_s']:.1f} tok/s "
-                  f"(runs {[round(r['decode_tok_s'], 1) for r in w1['runs']]})", flush=True)
-            free_memory()
-        kernels.GEMV_L2_PREFETCH = kernels.DEPENDENT_LAUNCHES = False
+        kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES, kernels.GEMV_LOOP_STAGES = False, False, 1
         del loaded
         gc.collect()
         torch.cuda.empty_cache()

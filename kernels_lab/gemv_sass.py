@@ -22,13 +22,13 @@ from forge_engine.kernels import _gemv_kernel
 from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH")
+FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
 INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32",
-                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUPS", "GROUP", "BYTE_ASM", "PDL", "PREFETCH")}}
+                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUPS", "GROUP", "BYTE_ASM", "PDL", "PREFETCH", "LOOP_STAGES")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -52,35 +52,42 @@ def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list
     raise RuntimeError("no loop found in the compiled kernel")
 
 
-def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool) -> tuple[list[str], float]:
+def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
+              stages: int = 1) -> tuple[list[str], float]:
     "chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, and the weights each thread handles per step."
-    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0)
+    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
+                 LOOP_STAGES=stages)
     body = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                      dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps)
     return body, block_n * block_k / (32 * num_warps)
 
 
-def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, group: int = 128) -> tuple[list[str], float]:
+def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, stages: int = 1,
+              group: int = 128) -> tuple[list[str], float]:
     "chapter 10's int4 GEMV at one row (BLOCK_K in inputs: GROUPS = BLOCK_K / GROUP)."
     body = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
                      dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm, PDL=True,
-                          PREFETCH=0), num_warps)
+                          PREFETCH=0, LOOP_STAGES=stages), num_warps)
     return body, block_n * block_k / (32 * num_warps)
 
 
 def main():
-    print(f"{'weights':7s} {'tile':>14s} warps byte_asm  instructions/weight  (most frequent in the loop)")
+    print(f"{'weights':7s} {'tile':>14s} warps byte_asm stages  instructions/weight  (most frequent in the loop)")
     cases = [("bf16", gemv_loop, ("*bf16", 8, 512, 4, False)), ("bf16", gemv_loop, ("*bf16", 4, 512, 4, False)),
              ("int8", gemv_loop, ("*i8", 8, 512, 2, False)), ("int8", gemv_loop, ("*i8", 8, 512, 2, True)),
              ("int8", gemv_loop, ("*i8", 4, 1024, 4, True)), ("int8", gemv_loop, ("*i8", 4, 2048, 4, True)),
              ("int4", int4_loop, (8, 1024, 2, False)), ("int4", int4_loop, (8, 1024, 2, True)),
-             ("int4", int4_loop, (8, 512, 2, True)), ("int4", int4_loop, (4, 2048, 4, True))]
+             ("int4", int4_loop, (8, 512, 2, True)), ("int4", int4_loop, (4, 2048, 4, True)),
+             # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
+             ("bf16", gemv_loop, ("*bf16", 8, 512, 4, False, 3)), ("int8", gemv_loop, ("*i8", 4, 1024, 4, True, 3)),
+             ("int4", int4_loop, (8, 1024, 2, True, 3))]
     for label, loop, args in cases:
         body, per_thread = loop(*args)
-        block_n, block_k, num_warps, byte_asm = args[-4:]
+        block_n, block_k, num_warps, byte_asm = args[1:5] if label != "int4" else args[:4]
+        stages = (args[5] if label != "int4" else args[4]) if len(args) > (5 if label != "int4" else 4) else 1
         ops = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in body)
-        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"{label:7s} {block_n:4d} x {block_k:5d} {num_warps:5d} {byte_asm!s:8s}  "
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(7))
+        print(f"{label:7s} {block_n:4d} x {block_k:5d} {num_warps:5d} {byte_asm!s:8s} {stages:6d}  "
               f"{len(body) / per_thread:6.2f} ({len(body)} for {per_thread:.0f})  {top}")
 
 

@@ -533,7 +533,10 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
 # a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
-# nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
+# nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. Another way
+# to have more bytes in flight: `loop_stages` > 1 lets Triton's software pipeliner issue the
+# loads of later steps (through shared memory) while a step computes; `GEMV_LOOP_STAGES` keeps
+# the loop as written until measured (`kernels_lab/gemv_sass.py` shows the copies: LDGSTS). While a
 # batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
 # resident and have its 21 MB on the way. `gemv(..., prefetch=True)`; off by default
 # (`GEMV_L2_PREFETCH`) until a GPU measurement says it pays.
@@ -625,7 +628,7 @@ def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, P
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
@@ -635,7 +638,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         k = k0 + offs_k
         if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
             k = tl.max_contiguous(k, 8)
@@ -666,6 +669,7 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
 
 
 GEMV_L2_PREFETCH = False  # not measured on a GPU yet: off until kernels_lab says it pays
+GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: loads of later steps in flight through shared memory (not measured)
 
 
 def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:
@@ -676,13 +680,19 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
     return 32 * num_warps if prefetch and pdl and aligned else 0  # the program's threads
 
 
+def gemv_loop_stages(loop_stages: int | None = None) -> int:
+    "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
+    return loop_stages or GEMV_LOOP_STAGES
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
-         prefetch: bool | None = None) -> torch.Tensor:
+         prefetch: bool | None = None, loop_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`)."""
+    `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
+    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -703,7 +713,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
-            PREFETCH=gemv_prefetch(weight, pdl, num_warps, prefetch), num_warps=num_warps, **_stages(num_stages))
+            PREFETCH=gemv_prefetch(weight, pdl, num_warps, prefetch), LOOP_STAGES=gemv_loop_stages(loop_stages),
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 
@@ -720,6 +731,8 @@ for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, 
     q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
     torch.testing.assert_close(gemv(x, q, bias, scale, impl="triton", block_k=64), gemv_reference(x, q, bias, scale),
                                rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64, loop_stages=3), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)  # (the interpreter runs the pipelined loop as written)
 xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
 torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
 with pytest.raises(ValueError, match="at most 4 rows"):

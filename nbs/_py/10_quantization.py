@@ -55,8 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _start_gemv, gemv, gemv_prefetch,
-                                  gemv_reference, kernel_backend, pdl_supported, tl, triton)
+from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _start_gemv, gemv,
+                                  gemv_loop_stages, gemv_prefetch, gemv_reference, kernel_backend, pdl_supported, tl,
+                                  triton)
 from forge_engine.model import Transformer, load_weights
 
 # %%
@@ -394,7 +395,7 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                      BYTE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                      BYTE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH)  # as chapter 09's GEMV: a dependent launch, L2 prefetch
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
@@ -407,7 +408,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
     q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, CHUNK]; a stride (K/2)
     # passed in, so Triton sees that a row starts 16-byte aligned and loads 8 bytes at a time
     acc = tl.zeros((ROWS, BLOCK_N, CHUNKS), dtype=tl.float32)
-    for b0 in range(0, K // 2, CHUNKS * CHUNK):
+    for b0 in tl.range(0, K // 2, CHUNKS * CHUNK, num_stages=LOOP_STAGES):
         start = tl.multiple_of(b0 + offs_c * CHUNK, CHUNK)  # [CHUNKS] first byte of each chunk in the row (aligned)
         c_ok = start < K // 2  # K is whole groups; the last step may hold fewer chunks
         g = start // HALF  # each chunk's group
@@ -477,7 +478,7 @@ assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] 
 # %%
 #| export
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
-                 pdl: bool | None = None, prefetch: bool | None = None, **constexprs):
+                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None, **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
     -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked."""
     x = x.contiguous()
@@ -488,16 +489,17 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
         kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
                                            PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
-                                           num_warps=num_warps, **constexprs)
+                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps, **constexprs)
     return out
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-              byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
+              byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
+              loop_stages: int | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `pdl`, `prefetch`: as chapter 09's `gemv` (a dependent launch by default on Hopper; L2 prefetch where asked)."""
+    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -505,7 +507,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     default = quant_gemv_config(n, k)
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
-    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch,
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
