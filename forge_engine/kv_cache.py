@@ -19,7 +19,8 @@ from .model import causal_attention, triton_kernel
 
 # %% auto #0
 __all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'copy_to_device', 'to_device',
-           'StepLayout', 'build_step_layout', 'paged_decode_attention_torch', 'PagedAttention']
+           'StepLayout', 'build_step_layout', 'paged_decode_attention_torch', 'single_query_attention',
+           'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -299,13 +300,23 @@ def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer
     return out[:, :, 0, :]
 
 
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    "One query that sees every key (a decode): q [1, Hq, D], k/v [L, Hkv, D] -> [1, Hq, D], in fp32 matmuls."
+    q_heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    grouped = q.float().reshape(kv_heads, q_heads // kv_heads, dim)  # the query heads of each KV head: rows
+    k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, L, D]
+    probs = (grouped @ k.transpose(1, 2) * dim ** -0.5).softmax(-1)  # [Hkv, group, L]
+    return (probs @ v).reshape(1, q_heads, dim).to(q.dtype)
+
+
 class PagedAttention:
     """Attention backend for one step over the paged pool: write through `slot_mapping`, read through block tables.
 
     Sequences with several new tokens (prefill chunks) are attended one by one. Sequences with one
     new token (decodes) are attended together in one call, their contexts padded to the longest and
-    masked, unless `batch_decodes=False`: then each is attended alone, so its result never depends
-    on the others (the batch-invariant mode of the engine needs that)."""
+    masked, unless there is one, or `batch_decodes=False`: then each is attended alone
+    (`single_query_attention`), so its result never depends on the others (the batch-invariant mode
+    of the engine needs that)."""
     def __init__(self, cache: PagedKVCache, layout: StepLayout, batch_decodes: bool = True):
         if int(layout.block_tables.max()) >= cache.num_blocks:
             raise ValueError(f"block tables name block {int(layout.block_tables.max())}; "
@@ -330,7 +341,10 @@ class PagedAttention:
         for i in self.one_by_one:
             start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
             k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
-            out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
+            if new == 1:
+                out[start:start + 1] = single_query_attention(q[start:start + 1], k_seq, v_seq)
+            else:
+                out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
         if self.batched:
             out[self.batched_rows] = paged_decode_attention_torch(
                 q[self.batched_rows], self.cache.k_cache[layer], self.cache.v_cache[layer],

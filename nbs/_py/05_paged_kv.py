@@ -528,6 +528,15 @@ with pytest.raises(ValueError, match="num_new >= 1"):
 # and run the same `causal_attention` as everywhere else, with the new tokens placed after the
 # `num_computed` cached ones. A loop over sequences, no loop over tokens: it is the reference
 # the Triton kernels of chapter 09 are tested against.
+#
+# A decode step is one query per sequence that sees every key. For that, PyTorch's
+# `scaled_dot_product_attention` is a poor fit on a CPU: its kernel takes 0.7 ms for Qwen3-4B's
+# 32 query heads over 160 keys, 1.9 ms over 400, where two small matmuls (`single_query_attention`,
+# each KV head's group of query heads as the rows of one product) take 0.06 and 0.11 ms
+# (`PYTHONPATH=. python3 kernels_lab/cpu_decode_attention.py`; 2.2-8x for SmolLM2's 9 heads).
+# Several decodes of one step go together through one padded, masked SDPA call instead: on two
+# CPU cores that was faster at 160 keys and slower at 400 than a loop of the two matmuls, so it
+# stays (and it is the shape a CUDA graph needs).
 
 # %%
 #| export
@@ -547,13 +556,23 @@ def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer
     return out[:, :, 0, :]
 
 
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    "One query that sees every key (a decode): q [1, Hq, D], k/v [L, Hkv, D] -> [1, Hq, D], in fp32 matmuls."
+    q_heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    grouped = q.float().reshape(kv_heads, q_heads // kv_heads, dim)  # the query heads of each KV head: rows
+    k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, L, D]
+    probs = (grouped @ k.transpose(1, 2) * dim ** -0.5).softmax(-1)  # [Hkv, group, L]
+    return (probs @ v).reshape(1, q_heads, dim).to(q.dtype)
+
+
 class PagedAttention:
     """Attention backend for one step over the paged pool: write through `slot_mapping`, read through block tables.
 
     Sequences with several new tokens (prefill chunks) are attended one by one. Sequences with one
     new token (decodes) are attended together in one call, their contexts padded to the longest and
-    masked, unless `batch_decodes=False`: then each is attended alone, so its result never depends
-    on the others (the batch-invariant mode of the engine needs that)."""
+    masked, unless there is one, or `batch_decodes=False`: then each is attended alone
+    (`single_query_attention`), so its result never depends on the others (the batch-invariant mode
+    of the engine needs that)."""
     def __init__(self, cache: PagedKVCache, layout: StepLayout, batch_decodes: bool = True):
         if int(layout.block_tables.max()) >= cache.num_blocks:
             raise ValueError(f"block tables name block {int(layout.block_tables.max())}; "
@@ -578,7 +597,10 @@ class PagedAttention:
         for i in self.one_by_one:
             start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
             k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
-            out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
+            if new == 1:
+                out[start:start + 1] = single_query_attention(q[start:start + 1], k_seq, v_seq)
+            else:
+                out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
         if self.batched:
             out[self.batched_rows] = paged_decode_attention_torch(
                 q[self.batched_rows], self.cache.k_cache[layer], self.cache.v_cache[layer],
