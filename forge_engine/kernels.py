@@ -430,6 +430,8 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
     "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
+    if loop_stages is not None and loop_stages < 1:
+        raise ValueError(f"loop_stages is how many steps of the GEMV loop are in flight: 1 or more, got {loop_stages}")
     return loop_stages or GEMV_LOOP_STAGES
 
 

@@ -686,6 +686,8 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
     "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
+    if loop_stages is not None and loop_stages < 1:
+        raise ValueError(f"loop_stages is how many steps of the GEMV loop are in flight: 1 or more, got {loop_stages}")
     return loop_stages or GEMV_LOOP_STAGES
 
 
@@ -743,6 +745,8 @@ with pytest.raises(ValueError, match="at most 4 rows"):
     gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
+with pytest.raises(ValueError, match="1 or more, got 0"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", loop_stages=0)
 # the prefetch goes only where a dependent launch issues it and each program's rows are one aligned span
 w = torch.zeros(8, 64, dtype=torch.bfloat16)
 assert gemv_prefetch(w, pdl=True, num_warps=4, prefetch=True) == 128
