@@ -1101,8 +1101,8 @@ with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in b
 # matrix, only the quantized ones and one slice at a time; then it moves the rest (embedding,
 # norms) over.
 #
-# Then the LM head. It is one matrix, but a big one: Qwen3-4B's reads 389 million weights every
-# step, a tenth of what an int8 step reads if it stayed in BF16 (and a fifth of an int4 step).
+# Then the LM head. It is one matrix, but a big one: Qwen3-4B's has 389 million weights, 778 MB
+# read every step in BF16, almost a fifth of an int8 step's reads and a third of an int4 step's.
 # It becomes int8 with a scale per vocabulary row in *both* modes: the head is where 4 bits cost
 # the most quality, so int4 keeps it at 8 bits, as most int4 schemes keep it unquantized or at 8.
 # A tied model's embedding is the same table: its `TiedEmbedding` reads the token's int8 row and
