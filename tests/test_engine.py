@@ -187,6 +187,27 @@ def smollm2():
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
+    """A quantized head with the tied embedding reading its rows (chapter 10) through the CUDA-graph decode path (run
+    eagerly on the CPU) and the default one: the same tokens; the GGUF file kept in blocks gives the dequantized file's."""
+    loaded = load_model("smollm2-135m-instruct", device="cpu", progress=False, quantization=quantization)
+    assert loaded.model.embed.head is loaded.model.lm_head  # one table for both ends
+    prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    tokens = []
+    for graphs in (False, True):
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, cuda_graphs=graphs))
+        finals = {o.request_id: o.token_ids for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
+                  if o.finished}
+        tokens.append([finals[str(i)] for i in range(len(prompts))])
+        engine.allocator.check_idle()
+    assert tokens[0] == tokens[1]
+    if quantization == "gguf":
+        dense = load_model("smollm2-135m-instruct", device="cpu", progress=False)
+        assert tokens[0] == [generate_tokens(dense.model, p, params, dense.eos_token_ids).token_ids for p in prompts]
+
+
 def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
     prompts = [smollm2.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
