@@ -42,20 +42,24 @@ def context_buckets(max_model_len: int, block_size: int) -> list[int]:
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
-        from forge_engine.kernels import kernels_available, paged_decode_attention
+        from forge_engine.kernels import KernelDecodeAttention, kernels_available
         if kernels_available(device):
-            return lambda q, k, v, tables, lens: paged_decode_attention(q, k, v, tables, lens, q.shape[-1] ** -0.5)
+            return KernelDecodeAttention()
     return paged_decode_attention_torch
 
 
 class StaticDecodeAttention:
-    "Attention backend over static buffers: write K/V through the slots, attend through the block tables."
+    """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
     def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
         self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        if getattr(self.attention, "stores_kv", False):
+            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots))
         self.cache.write(layer, self.slots, k, v)
-        return self.attention(q, self.cache.k_cache[layer], self.cache.v_cache[layer], self.tables, self.lens)
+        return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
 # %% ../nbs/09b_cuda_graphs.ipynb #a0e5295d
 class DecodeRunner:

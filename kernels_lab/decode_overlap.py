@@ -1,7 +1,8 @@
-"""What may overlap between the kernels of a decode step, and does it pay? Three switches of chapter 09, all off by
+"""What may overlap between the kernels of a decode step, and does it pay? Four switches of chapter 09, all off by
 default until measured here: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
 `_start_gemv`), GEMV_LOOP_STAGES (the GEMV loops software-pipelined: later steps' loads in flight through shared
-memory) and DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too).
+memory), DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too) and
+FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -85,9 +86,15 @@ def decode_step_ms(engine, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps
 
 
-SWITCHES = {  # name: (GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, GEMV_LOOP_STAGES)
-    "none": (False, False, 1), "prefetch": (True, False, 1), "dependents": (False, True, 1),
-    "prefetch+dependents": (True, True, 1), "stages 3": (False, False, 3), "all": (True, True, 3), "none again": (False, False, 1)}
+SWITCHES = {  # name: (GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, GEMV_LOOP_STAGES, FUSED_KV_STORE)
+    "none": (False, False, 1, False), "prefetch": (True, False, 1, False), "dependents": (False, True, 1, False),
+    "stages 3": (False, False, 3, False), "fused K/V store": (False, False, 1, True),
+    "prefetch+dependents+fused": (True, True, 1, True), "all": (True, True, 3, True), "none again": (False, False, 1, False)}
+
+
+def switch(prefetch: bool, dependents: bool, stages: int, fused_store: bool):
+    kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES = prefetch, dependents
+    kernels.GEMV_LOOP_STAGES, kernels.FUSED_KV_STORE = stages, fused_store
 
 
 def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:
@@ -102,14 +109,14 @@ def engine_runs(formats):
     print("\n== random:qwen3-4b: batch-1 decode graph replay, W1-like decode tok/s (one engine a setting, max_num_seqs 8)")
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
-        for name, (prefetch, dependents, stages) in SWITCHES.items():
-            kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES, kernels.GEMV_LOOP_STAGES = prefetch, dependents, stages
+        for name, setting in SWITCHES.items():
+            switch(*setting)
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
-            print(f"  {fmt:5s} {name:20s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
+            print(f"  {fmt:5s} {name:26s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
             del engine
             free_memory()
-        kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES, kernels.GEMV_LOOP_STAGES = False, False, 1
+        switch(*SWITCHES["none"])
         del loaded
         gc.collect()
         torch.cuda.empty_cache()

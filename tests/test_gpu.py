@@ -46,7 +46,7 @@ def test_gpu_engine_matches_the_reference_path(name):
 
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_overlap_switches_change_no_token(mode, monkeypatch):
-    "Chapter 09's GEMV_L2_PREFETCH and DEPENDENT_LAUNCHES (off by default) on: the same greedy tokens, graphs and all."
+    "Chapter 09's GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, FUSED_KV_STORE, 3 loop stages (off by default): the same greedy tokens."
     import forge_engine.kernels as kernels
     model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
@@ -59,6 +59,8 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     want = [o.token_ids for o in run_all(LLMEngine(loaded, config), prompts, params)]
     monkeypatch.setattr(kernels, "GEMV_L2_PREFETCH", True)
     monkeypatch.setattr(kernels, "DEPENDENT_LAUNCHES", True)
+    monkeypatch.setattr(kernels, "FUSED_KV_STORE", True)
+    monkeypatch.setattr(kernels, "GEMV_LOOP_STAGES", 3)
     engine = LLMEngine(loaded, config)
     assert [o.token_ids for o in run_all(engine, prompts, params)] == want
     engine.allocator.check_idle()

@@ -911,11 +911,12 @@ MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get lon
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh,
+                   new_k_ptr, new_v_ptr, slots_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_kb,
+                   stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
                    qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   WAIT: tl.constexpr):
+                   WAIT: tl.constexpr, STORE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -927,6 +928,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     row_mask = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    if STORE:  # the step's new K/V, stored by the program whose split holds the new (last) position, before it reads
+        if (ctx - 1) // split_len == split:
+            slot = tl.load(slots_ptr + seq).to(tl.int64)
+            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d
+            tl.store(k_ptr + at, tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask),
+                     mask=d_mask)
+            tl.store(v_ptr + at, tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask),
+                     mask=d_mask)
+        tl.debug_barrier()  # every thread of the program sees them
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -981,14 +991,24 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int = DECOD
     return split_len, -(-width // split_len)
 
 
+FUSED_KV_STORE = False  # the decode kernel stores the step's new K/V itself (no write_kv launch): not measured yet
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
                            split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
-                           num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    "One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D]."
+                           num_warps: int = 4, num_stages: int | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
+    `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
+    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
+    fused = new_kv is not None and FUSED_KV_STORE and kernel_backend(q.device, impl) == "triton" \
+        and all(t.stride(-1) == 1 for t in new_kv[:2])
+    if new_kv is not None and not fused:
+        write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1], impl)
     if kernel_backend(q.device, impl) == "torch":
         query_start = torch.arange(q.shape[0] + 1, device=q.device)
         return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
@@ -1002,13 +1022,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
     else:
         part_acc = part_m = part_l = out  # unused
+    new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, new_k, new_v, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e), q_heads, split_len, num_splits,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
+        new_v.stride(1), scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), num_warps=num_warps, **_stages(num_stages))
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused, num_warps=num_warps,
+        **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
@@ -1020,6 +1043,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # %% [markdown]
 # Three sequences, 4 query heads per KV head, block size 8, forced to short splits so the
 # merge runs; then the same without splits. Both match the reference.
+#
+# A decode step's new K/V have to reach the pool before the attention reads them: the K/V
+# store is a kernel of its own, one launch a layer. `new_kv` hands them to the decode
+# attention instead: with `FUSED_KV_STORE`, the program whose split holds a sequence's last
+# position stores that sequence's new K/V for its KV head, waits at a barrier for its
+# threads, then attends (a program's own global writes are visible to its threads after the
+# barrier); otherwise `write_kv` runs first, as before. Off until a GPU measurement says the
+# launch saved pays (`kernels_lab/decode_overlap.py`).
 
 # %%
 lens = [1, 37, 150]
@@ -1031,6 +1062,23 @@ assert decode_split_len(tables.shape[1], 8, split_tokens=64) == (128, 2)  # roun
 for split_tokens in (64, 10_000):
     got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+# The step's new K/V (`new_kv`): stored first by `write_kv`, or (FUSED_KV_STORE) by the program whose split holds the
+# last position, before it attends. Both leave the pool and the output of storing by hand, then attending.
+new_k, new_v = torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
+last = ctx - 1
+slots = tables[torch.arange(3), last // 8].long() * 8 + last % 8
+by_hand = (k_cache.clone(), v_cache.clone())
+write_kv_reference(*by_hand, slots, new_k, new_v)
+want = paged_attention_reference(q, *by_hand, tables, torch.arange(4), ctx, 32**-0.5)
+for fused, split_tokens in ((False, 64), (True, 64), (True, 10_000)):
+    FUSED_KV_STORE = fused  # (the module's switch; here the notebook's copy of it)
+    pools = (k_cache.clone(), v_cache.clone())
+    got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
+                                 new_kv=(new_k, new_v, slots))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pools[0], by_hand[0]) and torch.equal(pools[1], by_hand[1]), (fused, split_tokens)
+FUSED_KV_STORE = False
 with pytest.raises(ValueError, match="one query per sequence"):
     paged_decode_attention(q[:2], k_cache, v_cache, tables, ctx, 1.0)
 with pytest.raises(ValueError, match="multiple of kv_heads"):
@@ -1157,13 +1205,25 @@ class KernelPagedAttention:
         layout, cache = self.layout, self.cache
         if q.shape[0] != layout.num_tokens:
             raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
-        cache.write(layer, layout.slot_mapping, k, v)
         k_cache, v_cache = cache.k_cache[layer], cache.v_cache[layer]
-        if self.max_query_len == 1:
+        if self.max_query_len == 1:  # decodes only: the decode attention stores their K/V (chapter 09b's graphs too)
             return paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
-                                          self.scale, self.impl)
+                                          self.scale, self.impl, new_kv=(k, v, layout.slot_mapping))
+        cache.write(layer, layout.slot_mapping, k, v)
         return paged_prefill_attention(q, k_cache, v_cache, layout.block_tables, layout.query_start,
                                        layout.context_lens, self.max_query_len, self.scale, self.impl)
+
+
+class KernelDecodeAttention:
+    """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
+    K/V (`new_kv`), in the same launch with FUSED_KV_STORE."""
+    stores_kv = True
+
+    def __init__(self, impl: str = "auto"): self.impl = impl
+
+    def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None) -> torch.Tensor:
+        return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
+                                      new_kv=new_kv)
 
 
 # %% [markdown]

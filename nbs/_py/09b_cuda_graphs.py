@@ -81,20 +81,24 @@ def context_buckets(max_model_len: int, block_size: int) -> list[int]:
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
-        from forge_engine.kernels import kernels_available, paged_decode_attention
+        from forge_engine.kernels import KernelDecodeAttention, kernels_available
         if kernels_available(device):
-            return lambda q, k, v, tables, lens: paged_decode_attention(q, k, v, tables, lens, q.shape[-1] ** -0.5)
+            return KernelDecodeAttention()
     return paged_decode_attention_torch
 
 
 class StaticDecodeAttention:
-    "Attention backend over static buffers: write K/V through the slots, attend through the block tables."
+    """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
     def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
         self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        if getattr(self.attention, "stores_kv", False):
+            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots))
         self.cache.write(layer, self.slots, k, v)
-        return self.attention(q, self.cache.k_cache[layer], self.cache.v_cache[layer], self.tables, self.lens)
+        return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
 
 # %%
@@ -225,6 +229,25 @@ with torch.no_grad():
     layout = build_step_layout([(t, pos, 1) for t, pos in zip(tables, positions)], block_size)
     reference = model.compute_logits(model(torch.tensor(next_tokens), layout.positions, PagedAttention(cache, layout)))
 torch.testing.assert_close(static_logits, reference, rtol=1e-5, atol=1e-5)
+
+# %% [markdown]
+# With chapter 09's decode kernel (here interpreted), which is handed the new K/V and stores
+# them itself: by `write_kv` first, or with `FUSED_KV_STORE` inside the attention kernel (one
+# launch fewer a layer). Both give the reference's logits and write the same slots.
+
+# %%
+import forge_engine.kernels as kernels
+from forge_engine.kernels import KernelDecodeAttention
+
+for fused in (False, True):
+    kernels.FUSED_KV_STORE = fused
+    cache.k_cache.copy_(before)
+    kernel_runner = DecodeRunner(model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks,
+                                 attention=KernelDecodeAttention(impl="triton"), use_graphs=False)
+    logits = kernel_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    assert (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == written, fused
+kernels.FUSED_KV_STORE = False
 
 # %% [markdown]
 # On a GPU the same runner records graphs (the cell below runs only with the `gpu` flag):
