@@ -423,9 +423,10 @@ GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: loads of later steps in flight
 def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:
     """The GEMV kernels' PREFETCH: a bulk prefetch a warp (`_start_gemv`) where asked (default GEMV_L2_PREFETCH),
     launched as a dependent, and the weight rows are contiguous and start 16-byte aligned; else 0 (off)."""
-    prefetch = GEMV_L2_PREFETCH if prefetch is None else prefetch
+    if not (pdl and (GEMV_L2_PREFETCH if prefetch is None else prefetch)):
+        return 0  # (every GEMV launch asks: the common answer first, before any look at the weight)
     aligned = weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    return 32 * num_warps if prefetch and pdl and aligned else 0  # the program's threads
+    return 32 * num_warps if aligned else 0  # the program's threads
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -653,11 +654,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
-    fused = new_kv is not None and FUSED_KV_STORE and kernel_backend(q.device, impl) == "triton" \
-        and all(t.stride(-1) == 1 for t in new_kv[:2])
+    backend = kernel_backend(q.device, impl)
+    fused = new_kv is not None and FUSED_KV_STORE and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
     if new_kv is not None and not fused:
         write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1], impl)
-    if kernel_backend(q.device, impl) == "torch":
+    if backend == "torch":
         query_start = torch.arange(q.shape[0] + 1, device=q.device)
         return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
     batch, q_heads, head_dim = q.shape

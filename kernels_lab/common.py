@@ -32,6 +32,17 @@ def host_timer(seconds: dict):
     return timed
 
 
+def best_host_s(fn, reps: int = 30, rounds: int = 5) -> float:
+    "Host seconds of one fn() call: the best mean over `rounds` of `reps` calls (on a shared CPU, the least disturbed)."
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps): fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
 def median_ms(fn) -> float:
     "Median GPU time of fn() in ms; do_bench flushes the L2 cache before every run, so nothing is cached."
     from triton.testing import do_bench

@@ -9,22 +9,14 @@ Variants, per (heads, context, batch):
   batched  chapter 05's `paged_decode_attention_torch`: every sequence padded to the longest, one masked SDPA
   loop     `single_query_attention` sequence by sequence (what PagedAttention does on a CPU), gathers included
 Run anywhere from the repository root: PYTHONPATH=. python3 kernels_lab/cpu_decode_attention.py"""
-import time
-
+from common import best_host_s  # first: it may switch on the interpreter (unused here)
 import torch
 
 from forge_engine.kv_cache import paged_decode_attention_torch, single_query_attention
 from forge_engine.model import causal_attention
 
 
-def best_us(fn, reps: int = 30, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps): fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
+def best_us(fn) -> float: return best_host_s(fn) * 1e6
 
 
 def main():

@@ -2,23 +2,14 @@
 (PyTorch's int8 weight-only GEMM), at SmolLM2-135M's shapes (head 49,152 x 576; its layer matrices for scale).
 Napkin math: the FP32 head is 113 MB, the int8 one 28 MB; a laptop reads ~10-20 GB/s, so ~6-11 ms against ~2-3 ms.
 Run on any machine from the repository root: PYTHONPATH=. python3 kernels_lab/quant_head_cpu.py"""
-import time
-
+from common import best_host_s  # first: it may switch on the interpreter (unused here)
 import torch
 from torch import nn
 
 from forge_engine.quant import Int8Linear
 
 
-def best_ms(fn, reps: int = 50, rounds: int = 5) -> float:
-    "Best mean over `rounds` of `reps` calls (a shared CPU: the best round is the least disturbed)."
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps): fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e3
+def best_ms(fn) -> float: return best_host_s(fn, reps=50) * 1e3
 
 
 def main():
