@@ -86,15 +86,17 @@ def decode_step_ms(engine, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps
 
 
-SWITCHES = {  # name: (GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, GEMV_LOOP_STAGES, FUSED_KV_STORE)
-    "none": (False, False, 1, False), "prefetch": (True, False, 1, False), "dependents": (False, True, 1, False),
-    "stages 3": (False, False, 3, False), "fused K/V store": (False, False, 1, True),
-    "prefetch+dependents+fused": (True, True, 1, True), "all": (True, True, 3, True), "none again": (False, False, 1, False)}
+DEFAULTS = {name: getattr(kernels, name) for name in
+            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE")}
+SWITCHES = {  # name: chapter 09's switches that differ from their defaults
+    "defaults": {}, "write_kv launched": dict(FUSED_KV_STORE=False), "dependents": dict(DEPENDENT_LAUNCHES=True),
+    "stages 3": dict(GEMV_LOOP_STAGES=3), "defaults again": {}}
 
 
-def switch(prefetch: bool, dependents: bool, stages: int, fused_store: bool):
-    kernels.GEMV_L2_PREFETCH, kernels.DEPENDENT_LAUNCHES = prefetch, dependents
-    kernels.GEMV_LOOP_STAGES, kernels.FUSED_KV_STORE = stages, fused_store
+def switch(**changes):
+    "Chapter 09's switches: their defaults, with `changes`."
+    for name, value in dict(DEFAULTS, **changes).items():
+        setattr(kernels, name, value)
 
 
 def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:
@@ -110,13 +112,13 @@ def engine_runs(formats):
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
         for name, setting in SWITCHES.items():
-            switch(*setting)
+            switch(**setting)
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
-            print(f"  {fmt:5s} {name:26s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
+            print(f"  {fmt:5s} {name:31s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
             del engine
             free_memory()
-        switch(*SWITCHES["none"])
+        switch()
         del loaded
         gc.collect()
         torch.cuda.empty_cache()

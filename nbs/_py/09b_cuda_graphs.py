@@ -247,7 +247,7 @@ for fused in (False, True):
     logits = kernel_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
     assert (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == written, fused
-kernels.FUSED_KV_STORE = False
+kernels.FUSED_KV_STORE = True  # (the default)
 
 # %% [markdown]
 # On a GPU the same runner records graphs (the cell below runs only with the `gpu` flag):
