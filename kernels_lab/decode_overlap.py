@@ -89,8 +89,9 @@ def decode_step_ms(engine, reps: int = 200) -> float:
 DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "write_kv launched": dict(FUSED_KV_STORE=False), "dependents": dict(DEPENDENT_LAUNCHES=True),
-    "stages 3": dict(GEMV_LOOP_STAGES=3), "defaults again": {}}
+    "defaults": {}, "write_kv launched": dict(FUSED_KV_STORE=False), "prefetch": dict(GEMV_L2_PREFETCH=True),
+    "dependents": dict(DEPENDENT_LAUNCHES=True), "prefetch+dependents": dict(GEMV_L2_PREFETCH=True, DEPENDENT_LAUNCHES=True),
+    "defaults again": {}}
 
 
 def switch(**changes):
