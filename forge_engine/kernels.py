@@ -101,7 +101,7 @@ def _let_next_start(PDL: tl.constexpr, WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: not measured on a GPU yet
+DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: measured, no gain (see the GEMV)
 
 
 def _pdl_args(device) -> dict:
@@ -416,8 +416,8 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
-GEMV_L2_PREFETCH = False  # not measured on a GPU yet: off until kernels_lab says it pays
-GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: loads of later steps in flight through shared memory (not measured)
+GEMV_L2_PREFETCH = False  # measured on an H200: the decode step slower (see above)
+GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: later steps' loads in flight through shared memory (measured: no gain)
 
 
 def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:

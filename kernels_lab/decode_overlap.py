@@ -1,5 +1,5 @@
-"""What may overlap between the kernels of a decode step, and does it pay? Four switches of chapter 09, all off by
-default until measured here: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
+"""What may overlap between the kernels of a decode step, and does it pay? Four switches of chapter 09, measured here
+(session 7, one H200: FUSED_KV_STORE won and is on; the other three lose for BF16 and stay off): GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
 `_start_gemv`), GEMV_LOOP_STAGES (the GEMV loops software-pipelined: later steps' loads in flight through shared
 memory), DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too) and
 FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer).
@@ -22,8 +22,12 @@ For each weight format (bf16; int8 and int4 quantized, chapter 10):
 2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
    dependent launch (int4's GEMV had none before this lab), with it, with the prefetch, with 2 / 3 loop stages;
 3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and one W1-like request (128-token prompt,
-   256 greedy tokens: decode tok/s) under the switch settings of SWITCHES, in one process (the switches are read
-   when a graph is captured).
+   256 greedy tokens: decode tok/s) under the switch settings of SWITCHES (each from the defaults), in one process
+   (the switches are read when a graph is captured).
+
+Session 7 (docs/benchmarks.md): BF16 step 2.851 ms plain, 3.326 with the prefetch, 2.913 with dependents, 2.883 at
+3 stages, 2.818 with the fused K/V store; int4 2.370 at the defaults, 2.476 with the prefetch, 2.272 with the prefetch
+and dependents together.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
 import itertools

@@ -164,7 +164,7 @@ def _let_next_start(PDL: tl.constexpr, WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: not measured on a GPU yet
+DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: measured, no gain (see the GEMV)
 
 
 def _pdl_args(device) -> dict:
@@ -528,22 +528,28 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops. The small kernels
 # between the GEMVs are launched the ordinary way: each starts only once the kernel before has
 # finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
-# way); off until a GPU measurement (`kernels_lab/decode_overlap.py`) says it pays.
+# way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
+# decode step as a CUDA graph) it does not pay for BF16 (2.913 ms against 2.851) and gains 0.7%
+# for int4 (2.353 against 2.370): off.
 #
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
 # a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
 # nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
 # batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
-# resident and have its 21 MB on the way. `gemv(..., prefetch=True)`; off by default
-# (`GEMV_L2_PREFETCH`) until a GPU measurement says it pays.
+# resident and have its 21 MB on the way. `gemv(..., prefetch=True)`. Measured, it loses: the
+# BF16 decode step takes 3.326 ms with it against 2.851 (the GEMVs of the chain lab 1-8 µs
+# slower each), the int4 step 2.476 against 2.370. Only int4 with the small kernels launched as
+# dependents as well gains: 2.272 ms against 2.370 (BF16 with both: 3.298 against 2.818). Off
+# (`GEMV_L2_PREFETCH`); a per-format choice would have to reach the small kernels too.
 #
 # Another way to keep more bytes in flight: a program of the qkv projection walks its rows in
 # five steps of 512 inputs, and each step's loads wait for nothing but are issued only when the
 # step before has used its own. `loop_stages` > 1 hands the loop to Triton's software pipeliner,
 # which issues the loads of later steps (into shared memory, `LDGSTS` in the compiled code) while
 # a step computes: 4.38 instructions a weight instead of 4.31 for BF16 (`kernels_lab/gemv_sass.py`).
-# `GEMV_LOOP_STAGES` keeps the loop as written until measured.
+# Measured: 2.883 ms at 3 stages against 2.851, and int4's chain 40-70% slower at 2-3 stages:
+# `GEMV_LOOP_STAGES` keeps the loop as written.
 #
 # Tried and left in the lab (`kernels_lab/decode_chain.py`, one H200, 36 layers' matrices in one
 # CUDA graph): folding the residual add + RMSNorm into the qkv and gate-up GEMVs and SiLU-mul
@@ -552,6 +558,16 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # best tile sizes it gained 4%, and a mismatch on the GPU for rows not a multiple of the tile was
 # not found in time, so it is not shipped. Software double-buffering of the weight tiles made the
 # chain 22% slower (2.79 vs 2.29 ms): the loop below loads one tile per step.
+#
+# Both tried again in session 7, in the engine's decode step (`kernels_lab/decode_overlap.py`).
+# The norm without a pass of its own — each program adds the residual, multiplies by the norm
+# weight and sums the squares as it reads its steps, the 1/rms scaling each output at the end —
+# and SiLU-mul read by the down GEMV from the gate-up output: 3.122 ms against 2.811 with the
+# separate launches (int8: 2.222 against 2.089). 109 launches fewer, but each of the thousands of
+# GEMV programs reads the residual and the norm weight (or the up half) next to its weights, and
+# the GEMVs went from 17.4 to 31 µs on average. The loop unrolled with the next step's weights
+# in registers and the first step's loaded before `gdc_wait`: 2.852 ms against 2.814; int8 3.218
+# against 2.114 (the unrolled code moves the int8 tiles through shared memory to change layout).
 
 # %%
 #| export
@@ -672,8 +688,8 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
-GEMV_L2_PREFETCH = False  # not measured on a GPU yet: off until kernels_lab says it pays
-GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: loads of later steps in flight through shared memory (not measured)
+GEMV_L2_PREFETCH = False  # measured on an H200: the decode step slower (see above)
+GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: later steps' loads in flight through shared memory (measured: no gain)
 
 
 def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:

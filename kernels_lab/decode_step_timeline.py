@@ -1,0 +1,92 @@
+"""Where one batch-1 decode step of random:qwen3-4b goes, kernel by kernel, as the engine runs it: its CUDA graph
+(256-token prompt, after 10 steps) replayed 200 times between CUDA events, then 10 replays under the torch profiler,
+whose trace gives every kernel's start and duration inside the graph. Printed per kernel name: launches a step, mean
+duration, mean gap since the kernel before ended (negative: they overlapped, programmatic dependent launch), and
+their total a step.
+
+Session 7 on one H200 (docs/benchmarks.md; measured by a first version of this script, this one is not yet run on a
+GPU), with FUSED_KV_STORE=0: 2.93 ms a BF16 step of which the 145 GEMVs 2,220 µs, the 36 decode attentions 364 µs,
+the 73 add+RMSNorms 180 µs.
+
+Run on a GPU from the repository root:
+    PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...]
+SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH), set before the
+graph is captured."""
+import collections
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import forge_engine.kernels as kernels
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+
+REPLAYS = 10
+
+
+def decode_graph(quantization: str):
+    "The engine (kept alive: it owns the graph's buffers) and its batch-1 decode graph, 10 steps into a request."
+    engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
+                       EngineConfig(max_num_seqs=8))
+    engine.add_request(list(range(100, 356)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(10): engine.step()
+    decode = engine.runner.decode
+    return engine, decode.graphs[(1, decode.widths[0])]
+
+
+def replay_ms(graph, reps: int = 200) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps): graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def kernel_events(graph) -> list[list[dict]]:
+    "The kernels of REPLAYS replays from the profiler's trace, each replay's in start order."
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per = len(events) // REPLAYS
+    return [events[r * per:(r + 1) * per] for r in range(REPLAYS)]
+
+
+def main():
+    quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
+    for item in sys.argv[2:]:
+        name, value = item.split("=")
+        setattr(kernels, name, bool(int(value)))
+    engine, graph = decode_graph(quantization)
+    print(f"[{quantization}] graph replay: {replay_ms(graph):.3f} ms")
+    replays = kernel_events(graph)
+    stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name: launches, duration, gap before (µs)
+    for run in replays:
+        for i, e in enumerate(run):
+            s = stats[e["name"].split("(")[0][:60]]
+            s[0] += 1
+            s[1] += e["dur"]
+            if i: s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
+    spans = sorted(run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"] for run in replays)
+    print(f"[{quantization}] {len(replays[0])} kernels a replay; first start to last end: median {spans[REPLAYS // 2]:.1f} µs")
+    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
+              f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}")
+    del engine
+
+
+if __name__ == "__main__":
+    main()
