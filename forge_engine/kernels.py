@@ -129,6 +129,9 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, s
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    # the norm weight asked for with x, not after the sum: across warps the sum waits at a barrier, and the
+    # compiler does not move a load over it (one memory round trip fewer for a one-row decode step)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the new residual is rounded to the model dtype, and normalised as rounded
         h = (h.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
         h = h.to(res_out_ptr.dtype.element_ty)
@@ -136,7 +139,6 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, s
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -577,17 +579,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     row_mask = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    if STORE:  # the step's new K/V, stored by the program whose split holds the new (last) position, before it reads
-        if (ctx - 1) // split_len == split:
-            slot = tl.load(slots_ptr + seq).to(tl.int64)
-            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d
-            tl.store(k_ptr + at, tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask),
-                     mask=d_mask)
-            tl.store(v_ptr + at, tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask),
-                     mask=d_mask)
-        tl.debug_barrier()  # every thread of the program sees them
+    # everything that depends on no other load is asked for at once, before the barrier below (the compiler does
+    # not move a load over it): q, and with STORE the new K/V and their slot
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if STORE:  # the step's new K/V, stored by the program whose split holds the new (last) position, before it reads
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask)
+        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask)
+        mine = d_mask & ((ctx - 1) // split_len == split)
+        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d
+        tl.store(k_ptr + at, new_k, mask=mine)
+        tl.store(v_ptr + at, new_v, mask=mine)
+        tl.debug_barrier()  # every thread of the program sees them
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
