@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'GEMV_MAX_ROWS', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
-           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'FUSED_KV_STORE', 'PREFILL_ROWS',
-           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_ONE_LOOP', 'FUSED_KV_STORE',
+           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
            'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
            'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
@@ -558,6 +558,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
 DECODE_SPLIT_TOKENS = 512  # keys per split
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
+DECODE_ONE_LOOP = False  # one masked loop over a split's tiles instead of whole tiles + the partial one (not measured)
 
 
 @triton.jit
@@ -567,7 +568,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   WAIT: tl.constexpr, STORE: tl.constexpr):
+                   WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -597,10 +598,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     k_ptr, v_ptr, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
     row_pos = tl.full([BLOCK_G], 0, tl.int32) + ctx - 1
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, full_end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+    if ONE_LOOP:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+    else:  # whole tiles without masks, then the partial one in a loop of its own
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, full_end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -651,10 +656,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
                            split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
                            num_warps: int = 4, num_stages: int | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           one_loop: bool | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
-    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`."""
+    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `one_loop`: every tile of a split in one
+    masked loop (default DECODE_ONE_LOOP)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -683,7 +690,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new_v.stride(1), scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused, num_warps=num_warps,
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
+        ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, num_warps=num_warps,
         **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](

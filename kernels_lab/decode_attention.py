@@ -24,6 +24,12 @@ Variants
       the engine, session 5), and v3's splits pay a second launch; v5 asks whether short splits (128-256 keys)
       in one launch beat both. Memory order: every thread fences its partials (fence.acq_rel.gpu) before the
       CTA barrier and the acq_rel atomic; the merging program reads the partials past L1 (.cg).
+  v6  v3 with every tile of a split in one masked loop (`one_loop=True`): v3 walks the whole tiles, then the
+      last partial tile in a second loop, whose table and K/V loads the software pipeliner cannot issue during
+      the first; contexts of 300 and 460 keys end in a partial tile (session 7: v3 ~6 us fixed + ~2.4 us per
+      128 keys at batch 1).
+
+Session 7 (one H200, B=1): 256 keys v2 10.9 us, v3 11.2, v5 11.1 (splits of 128); 512 keys v3 15.8, v5 13.4.
 """
 import math
 
@@ -186,7 +192,8 @@ def v4_prefill_kernel(q, k_cache, v_cache, tables, ctx, scale):
 VARIANTS = {"v0 torch padded gather + SDPA": v0_torch_padded, "v1 program per query head": v1_per_query_head,
             "v2 GQA tile, no split": exported(split_tokens=1 << 30),
             "v3 GQA tile + splits (exported)": exported(), "v4 prefill kernel, q len 1": v4_prefill_kernel,
-            "v5 splits of 256, last program merges": v5_last_program_merges}
+            "v5 splits of 256, last program merges": v5_last_program_merges,
+            "v6 v3 with one masked loop": exported(one_loop=True)}
 SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_tokens=s, block_n=n, num_warps=w,
                                                                      num_stages=st)
          for s, n, w, st in [(1024, 64, 4, None), (512, 128, 4, None), (1024, 128, 4, None), (512, 64, 4, 2),
@@ -220,7 +227,7 @@ def main():
                                fn(q, k, v, t, c, d**-0.5), want, limit)
     if ON_GPU:
         results = Results("paged_decode_attention (Qwen3-4B shapes: 32/8 heads, D 128, block 16, bf16)")
-        for batch, ctx in [(1, 256), (1, 384), (1, 512), (1, 4096), (1, 32768), (8, 2048), (32, 4096), (64, 1024),
+        for batch, ctx in [(1, 256), (1, 300), (1, 384), (1, 460), (1, 512), (1, 4096), (1, 32768), (8, 2048), (32, 4096), (64, 1024),
                            (256, 512), (256, 2048)]:
             q, k, v, t, c = case([ctx] * batch, 32, 8, 128, 16, torch.bfloat16)
             nbytes = batch * ctx * 8 * 128 * 2 * 2 + 2 * q.nbytes

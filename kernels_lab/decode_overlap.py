@@ -91,9 +91,10 @@ def decode_step_ms(engine, reps: int = 200) -> float:
 
 
 DEFAULTS = {name: getattr(kernels, name) for name in
-            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE")}
+            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "write_kv launched": dict(FUSED_KV_STORE=False), "prefetch": dict(GEMV_L2_PREFETCH=True),
+    "defaults": {}, "one masked attention loop": dict(DECODE_ONE_LOOP=True),
+    "write_kv launched": dict(FUSED_KV_STORE=False), "prefetch": dict(GEMV_L2_PREFETCH=True),
     "dependents": dict(DEPENDENT_LAUNCHES=True), "prefetch+dependents": dict(GEMV_L2_PREFETCH=True, DEPENDENT_LAUNCHES=True),
     "defaults again": {}}
 

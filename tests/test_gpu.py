@@ -46,8 +46,8 @@ def test_gpu_engine_matches_the_reference_path(name):
 
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_overlap_switches_change_no_token(mode, monkeypatch):
-    """Chapter 09's GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, FUSED_KV_STORE switched from their defaults, and 3 loop
-    stages: the same greedy tokens."""
+    """Chapter 09's GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, FUSED_KV_STORE, DECODE_ONE_LOOP switched from their
+    defaults, and 3 loop stages: the same greedy tokens."""
     import forge_engine.kernels as kernels
     model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
@@ -58,7 +58,7 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
     want = [o.token_ids for o in run_all(LLMEngine(loaded, config), prompts, params)]
-    for name in ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "FUSED_KV_STORE"):
+    for name in ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "FUSED_KV_STORE", "DECODE_ONE_LOOP"):
         monkeypatch.setattr(kernels, name, not getattr(kernels, name))
     monkeypatch.setattr(kernels, "GEMV_LOOP_STAGES", 3)
     engine = LLMEngine(loaded, config)

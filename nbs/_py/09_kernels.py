@@ -926,6 +926,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
 DECODE_SPLIT_TOKENS = 512  # keys per split
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
+DECODE_ONE_LOOP = False  # one masked loop over a split's tiles instead of whole tiles + the partial one (not measured)
 
 
 @triton.jit
@@ -935,7 +936,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   WAIT: tl.constexpr, STORE: tl.constexpr):
+                   WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -965,10 +966,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     k_ptr, v_ptr, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
     row_pos = tl.full([BLOCK_G], 0, tl.int32) + ctx - 1
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, full_end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+    if ONE_LOOP:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+    else:  # whole tiles without masks, then the partial one in a loop of its own
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, full_end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
+                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -1019,10 +1024,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
                            split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
                            num_warps: int = 4, num_stages: int | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           one_loop: bool | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
-    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`."""
+    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `one_loop`: every tile of a split in one
+    masked loop (default DECODE_ONE_LOOP)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -1051,7 +1058,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new_v.stride(1), scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused, num_warps=num_warps,
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
+        ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, num_warps=num_warps,
         **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](
@@ -1084,6 +1092,10 @@ assert decode_split_len(tables.shape[1], 8, split_tokens=64) == (128, 2)  # roun
 for split_tokens in (64, 10_000):
     got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # every tile in one masked loop (tiles of 16: 37 and 150 keys end in a partial one): the same sums
+    assert torch.equal(*(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton",
+                                                split_tokens=split_tokens, block_n=16, one_loop=one_loop)
+                         for one_loop in (True, False)))
 
 # The step's new K/V (`new_kv`): stored first by `write_kv`, or (FUSED_KV_STORE) by the program whose split holds the
 # last position, before it attends. Both leave the pool and the output of storing by hand, then attending.
