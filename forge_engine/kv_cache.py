@@ -18,9 +18,9 @@ from .config import ModelConfig
 from .model import causal_attention, triton_kernel
 
 # %% auto #0
-__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'copy_to_device', 'to_device',
-           'StepLayout', 'build_step_layout', 'paged_decode_attention_torch', 'single_query_attention',
-           'PagedAttention']
+__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'consecutive_from',
+           'copy_to_device', 'to_device', 'StepLayout', 'build_step_layout', 'paged_decode_attention_torch',
+           'single_query_attention', 'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -217,11 +217,25 @@ class PagedKVCache:
         self.k_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        "The K/V of a sequence's first `length` tokens, read through its block table: two [length, kv_heads, head_dim]."
-        blocks = block_table[:-(-length // self.block_size)]
+    def gather(self, layer: int, block_table: torch.Tensor, length: int,
+               first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of a sequence's first `length` tokens, read through its block table: two [length, kv_heads, head_dim].
+        `first_block`: the caller knows the table's blocks are first_block, first_block + 1, ... (`consecutive_from`):
+        then they are a view of the pool, not a copy."""
+        n = -(-length // self.block_size)
+        if first_block is not None:
+            return (self.k_cache[layer][first_block:first_block + n].flatten(0, 1)[:length],
+                    self.v_cache[layer][first_block:first_block + n].flatten(0, 1)[:length])
+        blocks = block_table[:n]
         return (self.k_cache[layer][blocks].flatten(0, 1)[:length],
                 self.v_cache[layer][blocks].flatten(0, 1)[:length])
+
+
+def consecutive_from(block_ids: list[int]) -> int | None:
+    "The first of `block_ids` when they are consecutive (b, b + 1, ...), else None."
+    if not block_ids or block_ids != list(range(block_ids[0], block_ids[0] + len(block_ids))):
+        return None
+    return block_ids[0]
 
 # %% ../nbs/05_paged_kv.ipynb #1b6c42c0
 def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -327,6 +341,13 @@ class PagedAttention:
         self.batched = single if batch_decodes and len(single) > 1 else []
         self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
         self.starts = starts
+        # the first block of each one-by-one sequence whose blocks are consecutive, found once for all layers: its K/V
+        # are then a view of the pool (on a GPU this path runs without Triton only; reading tables there would wait)
+        self.first_blocks = {}
+        if layout.block_tables.device.type == "cpu":
+            for i in self.one_by_one:
+                n = -(-(layout.num_computed[i] + layout.num_new[i]) // cache.block_size)
+                self.first_blocks[i] = consecutive_from(layout.block_tables[i, :n].tolist())
         if self.batched:  # the decoding sequences' rows, block tables and context lengths
             index = torch.tensor(self.batched, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
@@ -340,7 +361,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         for i in self.one_by_one:
             start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
-            k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
+            k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new, self.first_blocks.get(i))
             if new == 1:
                 out[start:start + 1] = single_query_attention(q[start:start + 1], k_seq, v_seq)
             else:

@@ -392,11 +392,25 @@ class PagedKVCache:
         self.k_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        "The K/V of a sequence's first `length` tokens, read through its block table: two [length, kv_heads, head_dim]."
-        blocks = block_table[:-(-length // self.block_size)]
+    def gather(self, layer: int, block_table: torch.Tensor, length: int,
+               first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of a sequence's first `length` tokens, read through its block table: two [length, kv_heads, head_dim].
+        `first_block`: the caller knows the table's blocks are first_block, first_block + 1, ... (`consecutive_from`):
+        then they are a view of the pool, not a copy."""
+        n = -(-length // self.block_size)
+        if first_block is not None:
+            return (self.k_cache[layer][first_block:first_block + n].flatten(0, 1)[:length],
+                    self.v_cache[layer][first_block:first_block + n].flatten(0, 1)[:length])
+        blocks = block_table[:n]
         return (self.k_cache[layer][blocks].flatten(0, 1)[:length],
                 self.v_cache[layer][blocks].flatten(0, 1)[:length])
+
+
+def consecutive_from(block_ids: list[int]) -> int | None:
+    "The first of `block_ids` when they are consecutive (b, b + 1, ...), else None."
+    if not block_ids or block_ids != list(range(block_ids[0], block_ids[0] + len(block_ids))):
+        return None
+    return block_ids[0]
 
 
 # %%
@@ -413,6 +427,12 @@ k = torch.randn(6, cfg.num_kv_heads, cfg.head_dim)
 pool.write(1, torch.tensor([12, 13, 14, 15, 4, 5]), k, -k)  # 6 tokens: block 3, then block 1
 got_k, got_v = pool.gather(1, torch.tensor([3, 1, -1]), 6)
 assert torch.equal(got_k, k) and torch.equal(got_v, -k) and pool.k_cache[0].abs().sum() == 0
+# blocks 1, 2 in a row: the same K/V as a view of the pool (what a lone request's table usually is)
+pool.write(1, torch.tensor([4, 5, 6, 7, 8]), k[:5], -k[:5])
+view_k, view_v = pool.gather(1, torch.tensor([1, 2, -1]), 5, first_block=consecutive_from([1, 2]))
+assert torch.equal(view_k, k[:5]) and torch.equal(view_v, -k[:5]) and view_k.data_ptr() == pool.k_cache[1, 1].data_ptr()
+assert torch.equal(pool.gather(1, torch.tensor([1, 2, -1]), 5)[0], view_k)
+assert consecutive_from([3, 4, 5]) == 3 and consecutive_from([3, 5]) is None and consecutive_from([]) is None
 
 
 # %% [markdown]
@@ -583,6 +603,13 @@ class PagedAttention:
         self.batched = single if batch_decodes and len(single) > 1 else []
         self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
         self.starts = starts
+        # the first block of each one-by-one sequence whose blocks are consecutive, found once for all layers: its K/V
+        # are then a view of the pool (on a GPU this path runs without Triton only; reading tables there would wait)
+        self.first_blocks = {}
+        if layout.block_tables.device.type == "cpu":
+            for i in self.one_by_one:
+                n = -(-(layout.num_computed[i] + layout.num_new[i]) // cache.block_size)
+                self.first_blocks[i] = consecutive_from(layout.block_tables[i, :n].tolist())
         if self.batched:  # the decoding sequences' rows, block tables and context lengths
             index = torch.tensor(self.batched, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
@@ -596,7 +623,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         for i in self.one_by_one:
             start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
-            k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new)
+            k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new, self.first_blocks.get(i))
             if new == 1:
                 out[start:start + 1] = single_query_attention(q[start:start + 1], k_seq, v_seq)
             else:
