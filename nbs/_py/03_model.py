@@ -234,15 +234,16 @@ class Attention(nn.Module):
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
+        qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
         if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
-            qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
             qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,
                        k_weight=self.k_norm.weight if self.k_norm else None, num_q_heads=c.num_heads)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif self.q_norm is not None:
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         return self.o(attention(self.layer, q, k, v).reshape(t, c.q_size))
 
 
