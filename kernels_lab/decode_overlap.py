@@ -41,6 +41,7 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
+from decode_step_timeline import batch1_decode_graph, replay_ms
 from gemv_chain_sweep import LAYERS, SHAPES, product, weights
 
 if not ON_GPU:
@@ -74,20 +75,11 @@ def chain(formats):
         torch.cuda.empty_cache()
 
 
-def decode_step_ms(engine, reps: int = 200) -> float:
-    "One batch-1 decode graph replayed alone (as decode_step_profile.py), ms a replay."
-    engine.add_request(list(range(100, 228)), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for _ in range(10): engine.step()
-    decode = engine.runner.decode
-    graph = decode.graphs[(1, decode.widths[0])]
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps): graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+def decode_step_ms(engine) -> float:
+    "One batch-1 decode graph (128-token prompt) replayed alone, ms a replay; the request then runs to its end."
+    step = replay_ms(batch1_decode_graph(engine, prompt_tokens=128, max_tokens=24))
     while engine.has_unfinished(): engine.step()
-    return start.elapsed_time(end) / reps
+    return step
 
 
 DEFAULTS = {name: getattr(kernels, name) for name in

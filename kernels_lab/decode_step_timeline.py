@@ -30,17 +30,17 @@ from forge_engine.loader import load_model
 REPLAYS = 10
 
 
-def decode_graph(quantization: str):
-    "The engine (kept alive: it owns the graph's buffers) and its batch-1 decode graph, 10 steps into a request."
-    engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
-                       EngineConfig(max_num_seqs=8))
-    engine.add_request(list(range(100, 356)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+def batch1_decode_graph(engine, prompt_tokens: int = 256, max_tokens: int = 40):
+    "`engine`'s batch-1 decode CUDA graph, 10 steps into a request of `prompt_tokens` (the request stays queued)."
+    engine.add_request(list(range(100, 100 + prompt_tokens)),
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     for _ in range(10): engine.step()
     decode = engine.runner.decode
-    return engine, decode.graphs[(1, decode.widths[0])]
+    return decode.graphs[(1, decode.widths[0])]
 
 
 def replay_ms(graph, reps: int = 200) -> float:
+    "The graph replayed `reps` times alone between CUDA events: ms a replay."
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -70,7 +70,9 @@ def main():
     for item in sys.argv[2:]:
         name, value = item.split("=")
         setattr(kernels, name, bool(int(value)))
-    engine, graph = decode_graph(quantization)
+    engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
+                       EngineConfig(max_num_seqs=8))  # (kept alive: it owns the graph's buffers)
+    graph = batch1_decode_graph(engine)
     print(f"[{quantization}] graph replay: {replay_ms(graph):.3f} ms")
     replays = kernel_events(graph)
     stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name: launches, duration, gap before (µs)
