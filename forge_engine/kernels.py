@@ -558,7 +558,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
 DECODE_SPLIT_TOKENS = 512  # keys per split
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
-DECODE_ONE_LOOP = False  # one masked loop over a split's tiles instead of whole tiles + the partial one (not measured)
+DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 
 
 @triton.jit
