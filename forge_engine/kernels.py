@@ -5,11 +5,12 @@
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'GEMV_MAX_ROWS', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
            'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_ONE_LOOP', 'FUSED_KV_STORE',
-           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
-           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
-           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
-           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available',
+           'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference',
+           'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config',
+           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
+           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
+           'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -18,6 +19,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from .model import NormRope
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -562,13 +565,34 @@ DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole 
 
 
 @triton.jit
+def _pair_weights(w_ptr, offs_d, pair, d_mask, QK_NORM: tl.constexpr):
+    "A q/k-norm weight at each element and at its rotation partner, in fp32 (QK_NORM false: no norm, 1.0)."
+    if QK_NORM:
+        return (tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+                tl.load(w_ptr + pair, mask=d_mask, other=0.0).to(tl.float32))
+    return tl.full(offs_d.shape, 1.0, tl.float32), tl.full(offs_d.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows x [R, BLOCK_D] (x_pair: each element's partner in its rotated pair; w, cos, sin [1, BLOCK_D]) ->
+    RoPE(rmsnorm(x) * w) in fp32, as `_norm_rope_kernel` computes it; `sin` carries the sign of each half."""
+    x, x_pair = x.to(tl.float32), x_pair.to(tl.float32)
+    if QK_NORM:
+        inv = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
+        x, x_pair = x * inv * w, x_pair * inv * w_pair
+    return x * cos + x_pair * sin
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   new_k_ptr, new_v_ptr, slots_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_kb,
-                   stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
-                   qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr):
+                   new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
+                   stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb,
+                   stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
+                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
+                   ROPE: tl.constexpr, QK_NORM: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -582,14 +606,37 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     d_mask = offs_d < HEAD_DIM
     # everything that depends on no other load is asked for at once, before the barrier below (the compiler does
     # not move a load over it): q, and with STORE the new K/V and their slot
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    if ROPE:  # q (and the new K) as the QKV projection left them: normalised and rotated here, with what this needs
+        half: tl.constexpr = HEAD_DIM // 2
+        pair = (offs_d + half) % HEAD_DIM  # each element's partner in its rotated pair
+        in_half = offs_d % half
+        if half % 8 == 0:  # runs of 8 stay contiguous: vector loads
+            pair, in_half = tl.max_contiguous(tl.multiple_of(pair, 8), 8), tl.max_contiguous(tl.multiple_of(in_half, 8), 8)
+        pair, in_half, d_row = pair[None, :], in_half[None, :], d_mask[None, :]  # [1, BLOCK_D]: q's 2-D layout
+        cos = tl.load(cos_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
+        q_pair = tl.load(q_rows + pair, mask=q_mask, other=0.0)
+        q_w, q_w_pair = _pair_weights(q_norm_ptr, offs_d[None, :], pair, d_row, QK_NORM)
     if STORE:  # the step's new K/V, stored by the program whose split holds the new (last) position, before it reads
         slot = tl.load(slots_ptr + seq).to(tl.int64)
-        new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + offs_d, mask=d_mask)
-        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask)
-        mine = d_mask & ((ctx - 1) // split_len == split)
-        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d
+        new_k_row = new_k_ptr + seq * stride_nkb + kv_head * stride_nkh
+        new_k = tl.load(new_k_row + offs_d[None, :], mask=d_mask[None, :])  # [1, BLOCK_D]
+        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d[None, :], mask=d_mask[None, :])
+        if ROPE:
+            new_k_pair = tl.load(new_k_row + pair, mask=d_row)
+            k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair, d_row, QK_NORM)
+    # (every load above is in flight before the first reduction's barrier; the compiler moves none over one)
+    if ROPE:
+        sin = tl.where(offs_d[None, :] < half, -sin, sin)  # first half: x1 c - x2 s; second: x2 c + x1 s
+        q = _norm_rope_rows(q, q_pair, q_w, q_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(q.dtype)
+    if STORE:
+        if ROPE:
+            new_k = _norm_rope_rows(new_k, new_k_pair, k_w, k_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(new_v.dtype)
+        mine = d_mask[None, :] & ((ctx - 1) // split_len == split)
+        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d[None, :]
         tl.store(k_ptr + at, new_k, mask=mine)
         tl.store(v_ptr + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
@@ -650,6 +697,7 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int = DECOD
 
 
 FUSED_KV_STORE = True  # the decode kernel stores the step's new K/V itself (no write_kv launch): measured faster
+FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself (no norm_rope launch)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -657,16 +705,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
                            num_warps: int = 4, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           one_loop: bool | None = None) -> torch.Tensor:
+                           one_loop: bool | None = None, rope: NormRope | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
-    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `one_loop`: every tile of a split in one
-    masked loop (default DECODE_ONE_LOOP)."""
+    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
+    QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
+    FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
+    DECODE_ONE_LOOP)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
+    if rope is not None and new_kv is None:
+        raise ValueError("rope: q/k-norm and RoPE apply to the step's new K too, so they need new_kv")
     backend = kernel_backend(q.device, impl)
     fused = new_kv is not None and FUSED_KV_STORE and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
+    rope_inside = fused and rope is not None and FUSED_NORM_ROPE and rope.cos.stride(-1) == 1 \
+        and rope.cos.stride() == rope.sin.stride()
+    if rope is not None and not rope_inside:
+        q, k = (norm_rope(x, w, rope.eps, rope.cos, rope.sin, impl)
+                for x, w in ((q, rope.q_weight), (new_kv[0], rope.k_weight)))
+        new_kv = (k, *new_kv[1:])
     if new_kv is not None and not fused:
         write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1], impl)
     if backend == "torch":
@@ -683,16 +741,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_m = part_l = out  # unused
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
+    rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
+    q_weight = rope.q_weight if rope.q_weight is not None else q
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, new_k, new_v, slots,
+        q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
-        new_v.stride(1), scale * math.log2(math.e), q_heads, split_len, num_splits,
+        new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
-        ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, num_warps=num_warps,
-        **_stages(num_stages))
+        ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, ROPE=rope_inside,
+        QK_NORM=rope.q_weight is not None, num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
@@ -779,14 +840,22 @@ class KernelPagedAttention:
         self.max_query_len = max(layout.num_new)
         self.scale = cache.config.head_dim ** -0.5
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def rope_inside(self) -> bool:
+        "Decodes only: the decode kernel applies q/k-norm and RoPE too (the model hands over q and k unrotated)."
+        return self.max_query_len == 1 and FUSED_NORM_ROPE
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: NormRope | None = None) -> torch.Tensor:
         layout, cache = self.layout, self.cache
+        if rope is not None and self.max_query_len != 1:
+            raise ValueError("rope (q/k-norm and RoPE inside attention) is for decode steps only")
         if q.shape[0] != layout.num_tokens:
             raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
         k_cache, v_cache = cache.k_cache[layer], cache.v_cache[layer]
         if self.max_query_len == 1:  # decodes only: the decode attention stores their K/V (chapter 09b's graphs too)
             return paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
-                                          self.scale, self.impl, new_kv=(k, v, layout.slot_mapping))
+                                          self.scale, self.impl, new_kv=(k, v, layout.slot_mapping), rope=rope)
         cache.write(layer, layout.slot_mapping, k, v)
         return paged_prefill_attention(q, k_cache, v_cache, layout.block_tables, layout.query_start,
                                        layout.context_lens, self.max_query_len, self.scale, self.impl)
@@ -794,11 +863,16 @@ class KernelPagedAttention:
 
 class KernelDecodeAttention:
     """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
-    K/V (`new_kv`), in the same launch with FUSED_KV_STORE."""
+    K/V (`new_kv`), in the same launch with FUSED_KV_STORE, and applies q/k-norm and RoPE (`rope`) with
+    FUSED_NORM_ROPE."""
     stores_kv = True
 
     def __init__(self, impl: str = "auto"): self.impl = impl
 
-    def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None) -> torch.Tensor:
+    @property
+    def rope_inside(self) -> bool: return FUSED_NORM_ROPE  # read when a graph is recorded
+
+    def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
+                 rope: NormRope | None = None) -> torch.Tensor:
         return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
-                                      new_kv=new_kv)
+                                      new_kv=new_kv, rope=rope)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable, Protocol
+from typing import Iterable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from .config import ModelConfig
 
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'triton_kernel', 'RMSNorm', 'rope_inv_freq', 'rope_cos_sin', 'apply_rope', 'causal_attention',
-           'AttentionBackend', 'no_cache_attention', 'linear', 'Linear', 'Attention', 'MLP', 'DecoderLayer',
+           'AttentionBackend', 'NormRope', 'no_cache_attention', 'linear', 'Linear', 'Attention', 'MLP', 'DecoderLayer',
            'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict', 'empty_model', 'fill_random_',
            'init_random_weights', 'hf_config_dict']
 
@@ -88,8 +88,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 
 
 class AttentionBackend(Protocol):
-    "Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache."
+    """Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache. A backend
+    with a true `rope_inside` (chapter 09's decode kernel) is handed q and k as the QKV projection left them, with a
+    `rope=NormRope(...)` to normalise and rotate them itself."""
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class NormRope(NamedTuple):
+    "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor  # [tokens, head_dim / 2]
+    sin: torch.Tensor
 
 
 def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
@@ -129,6 +140,10 @@ class Attention(nn.Module):
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
+        if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
+            rope = NormRope(self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None,
+                            c.rms_norm_eps, cos, sin)
+            return self.o(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size))
         qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
         if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
             qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,

@@ -83,12 +83,12 @@ def decode_step_ms(engine) -> float:
 
 
 DEFAULTS = {name: getattr(kernels, name) for name in
-            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP")}
+            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
+             "FUSED_NORM_ROPE")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
-    "write_kv launched": dict(FUSED_KV_STORE=False), "prefetch": dict(GEMV_L2_PREFETCH=True),
-    "dependents": dict(DEPENDENT_LAUNCHES=True), "prefetch+dependents": dict(GEMV_L2_PREFETCH=True, DEPENDENT_LAUNCHES=True),
-    "defaults again": {}}
+    "defaults": {}, "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
+    "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
+    "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False), "defaults again": {}}
 
 
 def switch(**changes):

@@ -93,10 +93,14 @@ class StaticDecodeAttention:
     def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
         self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
 
-    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+    @property
+    def rope_inside(self) -> bool:  # the model then hands over q and k unrotated, with `rope` (chapter 09)
+        return getattr(self.attention, "rope_inside", False)
+
+    def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if getattr(self.attention, "stores_kv", False):
-            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots))
+            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope)
         self.cache.write(layer, self.slots, k, v)
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
