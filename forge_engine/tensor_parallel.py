@@ -36,12 +36,13 @@ from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT',
-           'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending',
-           'time_collectives', 'tensor_parallel_report', 'symm_mem_takes', 'SymmMemAllReduce', 'setup_all_reduce',
-           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+__all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'ALL_REDUCE_CHOICES', 'STACKS_ENV',
+           'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear',
+           'VocabParallelEmbedding', 'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model',
+           'read_checkpoint_shard', 'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending',
+           'received_pending', 'time_collectives', 'tensor_parallel_report', 'all_reduce_choice', 'symm_mem_takes',
+           'SymmMemAllReduce', 'setup_all_reduce', 'TensorParallelError', 'TensorParallel', 'ParallelRunner',
+           'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -402,7 +403,16 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # %% ../nbs/09c_tensor_parallel.ipynb #d463be46
 SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
-ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "symmetric-memory": small all-reduces through peer memory (default: NCCL)
+ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (default: small ones through peer memory)
+ALL_REDUCE_CHOICES = ("symmetric-memory", "nccl")  # (unset or empty: symmetric memory where every rank can)
+
+
+def all_reduce_choice() -> str:
+    "The all-reduce path asked for in the environment: 'symmetric-memory' (the default) or 'nccl'."
+    choice = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "symmetric-memory"
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"{ALL_REDUCE_ENV}={os.environ[ALL_REDUCE_ENV]!r}: expected one of {', '.join(ALL_REDUCE_CHOICES)}")
+    return choice
 
 
 def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
@@ -457,8 +467,8 @@ _SYMM_MEM_GROUP_NAMES: set[str] = set()
 
 def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
     "Why this rank cannot take the fast path (None: it can)."
-    if os.environ.get(ALL_REDUCE_ENV, "").lower() != "symmetric-memory":
-        return f"the default; {ALL_REDUCE_ENV}=symmetric-memory turns the fast path on"
+    if all_reduce_choice() == "nccl":
+        return f"{ALL_REDUCE_ENV}=nccl"
     if dist.group.WORLD.group_name in _SYMM_MEM_GROUP_NAMES:
         return (f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
                 f"and PyTorch cannot set it up again under that name")
@@ -809,6 +819,7 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
     if dist.is_initialized():
         raise ValueError("this process already belongs to a tensor-parallel group: close the other model first "
                          "(loaded.parallel.close())")
+    all_reduce_choice()  # a bad FORGE_TP_ALL_REDUCE fails here, before any process starts
     config = model_config_of(resolved)
     plan = ShardPlan(config, 0, world)  # checks divisibility before any process starts
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()

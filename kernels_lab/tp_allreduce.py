@@ -117,7 +117,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, device_id=device,
                             timeout=datetime.timedelta(seconds=60))
     from forge_engine.tensor_parallel import ALL_REDUCE_ENV, SymmMemAllReduce, _symm_mem_unavailable
-    os.environ[ALL_REDUCE_ENV] = "symmetric-memory"  # the engine's fast path is opt-in; this lab measures it
+    os.environ[ALL_REDUCE_ENV] = "symmetric-memory"  # (the engine's default too) whatever the environment says
     why = _symm_mem_unavailable(device, WORLD)
     if why is not None: raise RuntimeError(f"symmetric memory cannot run here: {why}")
     group_name = dist.group.WORLD.group_name

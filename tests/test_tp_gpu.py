@@ -61,8 +61,10 @@ def test_two_gpus_match_one(tmp_path, monkeypatch, dtype, all_reduce, overlap):
             torch.testing.assert_close(first, want, rtol=5e-2, atol=5e-2)
 
 
-def test_a_killed_gpu_worker_fails_the_engine_cleanly():
-    "In a fresh process with a time limit (a hang fails the test instead of blocking the suite); all-reduces through NCCL."
+@pytest.mark.parametrize("all_reduce", ["nccl", "symmetric-memory"])
+def test_a_killed_gpu_worker_fails_the_engine_cleanly(all_reduce):
+    """In a fresh process with a time limit (a hang fails the test instead of blocking the suite); all-reduces through
+    NCCL, or the small ones through symmetric memory (whose kernels rank 0 must release: they have no abort)."""
     script = textwrap.dedent("""
         import os, signal, threading, time
         from forge_engine.config import EngineConfig
@@ -71,7 +73,9 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly():
         from forge_engine.loader import load_model
         if __name__ == "__main__":
             loaded = load_model("random:qwen3-tiny", "cuda", progress=False, tensor_parallel_size=2)
-            assert loaded.parallel.all_reduce_path.startswith("NCCL"), loaded.parallel.all_reduce_path  # the default
+            path = loaded.parallel.all_reduce_path
+            assert path.startswith("symmetric memory" if os.environ["FORGE_TP_ALL_REDUCE"] == "symmetric-memory"
+                                   else "NCCL"), path
             engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**26, max_num_seqs=8, max_model_len=4096,
                                                     tensor_parallel_size=2, async_scheduling=True))
             params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
@@ -90,7 +94,7 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly():
             print("FAILED CLEANLY")
     """)
     # its own session: on a hang every process of it (the workers too) dumps its stacks, then is killed
-    env = {**os.environ, "FORGE_TP_STACKS": "30"}
+    env = {**os.environ, "FORGE_TP_STACKS": "30", "FORGE_TP_ALL_REDUCE": all_reduce}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:

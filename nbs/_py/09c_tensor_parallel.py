@@ -694,20 +694,31 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # A worker whose rank 0 died exits at once (`_exit_when_orphaned`): ending its process ends
 # its kernels.
 #
-# **Opt-in, for now.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73 all-reduces of
-# one decode step in one CUDA graph): 535 µs through symmetric memory against 1,375 µs through
-# NCCL at one sequence, 1,187 against 2,155 µs at 256. But in the same session the killed-worker
-# test (`tests/test_tp_gpu.py`) hung with it: rank 0 did not fail cleanly within 90 s, so the
-# release above does not yet reach every waiting kernel. A hang breaks this chapter's promise,
-# so NCCL is the default and `FORGE_TP_ALL_REDUCE=symmetric-memory` in the environment turns the
-# fast path on. `kernels_lab/tp_allreduce.py` checks it against NCCL and times both, eager and
-# inside a CUDA graph, at 1 to 256 rows of 2560.
+# **On by default, since session 8.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73
+# all-reduces of one decode step in one CUDA graph): 535 µs through symmetric memory against
+# 1,375 µs through NCCL at one sequence, 1,187 against 2,155 µs at 256. In session 4 the
+# killed-worker test (`tests/test_tp_gpu.py`) hung with it, so it stayed opt-in; with the
+# release above it fails cleanly under both paths (session 8, both variants of the test on
+# two H200s), and the engine's W1 with TP=2 went from 382.7-383.1 tok/s (NCCL) to 393.0-393.4
+# (the all-reduces 0.54 ms of a 2.54 ms step, 21%, against NCCL's 1.86 ms of 2.61, 71%). So the
+# small all-reduces take the fast path wherever every rank can; `FORGE_TP_ALL_REDUCE=nccl` in
+# the environment sends all of them through NCCL. `kernels_lab/tp_allreduce.py` checks the fast
+# path against NCCL and times both, eager and inside a CUDA graph, at 1 to 256 rows of 2560.
 
 # %%
 #| export
 SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
-ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "symmetric-memory": small all-reduces through peer memory (default: NCCL)
+ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (default: small ones through peer memory)
+ALL_REDUCE_CHOICES = ("symmetric-memory", "nccl")  # (unset or empty: symmetric memory where every rank can)
+
+
+def all_reduce_choice() -> str:
+    "The all-reduce path asked for in the environment: 'symmetric-memory' (the default) or 'nccl'."
+    choice = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "symmetric-memory"
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"{ALL_REDUCE_ENV}={os.environ[ALL_REDUCE_ENV]!r}: expected one of {', '.join(ALL_REDUCE_CHOICES)}")
+    return choice
 
 
 def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
@@ -762,8 +773,8 @@ _SYMM_MEM_GROUP_NAMES: set[str] = set()
 
 def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
     "Why this rank cannot take the fast path (None: it can)."
-    if os.environ.get(ALL_REDUCE_ENV, "").lower() != "symmetric-memory":
-        return f"the default; {ALL_REDUCE_ENV}=symmetric-memory turns the fast path on"
+    if all_reduce_choice() == "nccl":
+        return f"{ALL_REDUCE_ENV}=nccl"
     if dist.group.WORLD.group_name in _SYMM_MEM_GROUP_NAMES:
         return (f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
                 f"and PyTorch cannot set it up again under that name")
@@ -813,6 +824,19 @@ assert not symm_mem_takes(torch.zeros(512, 2560, dtype=torch.bfloat16))  # 2.5 M
 assert not symm_mem_takes(torch.zeros(4, 8, dtype=torch.float16))  # no fp16 kernel
 assert not symm_mem_takes(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes
 assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not contiguous
+
+# the path asked for in the environment: symmetric memory unless FORGE_TP_ALL_REDUCE=nccl; anything else is an error
+for value, want in (("", "symmetric-memory"), ("NCCL", "nccl"), ("symmetric-memory", "symmetric-memory")):
+    os.environ[ALL_REDUCE_ENV] = value
+    assert all_reduce_choice() == want
+os.environ[ALL_REDUCE_ENV] = "gloo"
+try:
+    all_reduce_choice()
+    raise AssertionError("an unknown FORGE_TP_ALL_REDUCE was taken")
+except ValueError as e:
+    assert "FORGE_TP_ALL_REDUCE='gloo': expected one of symmetric-memory, nccl" in str(e), e
+finally:
+    del os.environ[ALL_REDUCE_ENV]
 
 
 # %% [markdown]
@@ -1202,6 +1226,7 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
     if dist.is_initialized():
         raise ValueError("this process already belongs to a tensor-parallel group: close the other model first "
                          "(loaded.parallel.close())")
+    all_reduce_choice()  # a bad FORGE_TP_ALL_REDUCE fails here, before any process starts
     config = model_config_of(resolved)
     plan = ShardPlan(config, 0, world)  # checks divisibility before any process starts
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
