@@ -3,6 +3,10 @@
 `_start_gemv`), GEMV_LOOP_STAGES (the GEMV loops software-pipelined: later steps' loads in flight through shared
 memory), DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too) and
 FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer).
+Session 8 added two more, both won and are on: DECODE_ONE_LOOP (the decode attention walks a split's tiles, the
+partial last one too, in one masked loop) and FUSED_NORM_ROPE (it also applies q/k-norm and RoPE to q and the new K:
+no norm_rope launch). SWITCHES now holds the settings still worth comparing; session 7's prefetch / dependents rows
+are in docs/benchmarks.md.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
