@@ -573,6 +573,7 @@ class Int8Linear(QuantLinear):
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
     def rows(self, ids, dtype): return dequantize_int8(self.qweight[ids], self.scale[ids], dtype)
+    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as the model's Linear: chapter 09's gemv)
 
 
 class Int4Linear(QuantLinear):

@@ -22,7 +22,7 @@ from forge_engine.kernels import _gemv_kernel
 from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES")
+FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
@@ -53,10 +53,11 @@ def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list
 
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
-              stages: int = 1) -> tuple[list[str], float]:
-    "chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, and the weights each thread handles per step."
+              stages: int = 1, swiglu: bool = False) -> tuple[list[str], float]:
+    """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, and the weights each thread handles per step.
+    `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages)
+                 LOOP_STAGES=stages, SWIGLU=swiglu)
     body = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                      dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps)
     return body, block_n * block_k / (32 * num_warps)
@@ -72,7 +73,7 @@ def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, stages
 
 
 def main():
-    print(f"{'weights':7s} {'tile':>14s} warps byte_asm stages  instructions/weight  (most frequent in the loop)")
+    print(f"{'weights':11s} {'tile':>14s} warps byte_asm stages  instructions/weight  (most frequent in the loop)")
     cases = [("bf16", gemv_loop, ("*bf16", 8, 512, 4, False)), ("bf16", gemv_loop, ("*bf16", 4, 512, 4, False)),
              ("int8", gemv_loop, ("*i8", 8, 512, 2, False)), ("int8", gemv_loop, ("*i8", 8, 512, 2, True)),
              ("int8", gemv_loop, ("*i8", 4, 1024, 4, True)), ("int8", gemv_loop, ("*i8", 4, 2048, 4, True)),
@@ -80,14 +81,17 @@ def main():
              ("int4", int4_loop, (8, 512, 2, True)), ("int4", int4_loop, (4, 2048, 4, True)),
              # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
              ("bf16", gemv_loop, ("*bf16", 8, 512, 4, False, 3)), ("int8", gemv_loop, ("*i8", 4, 1024, 4, True, 3)),
-             ("int4", int4_loop, (8, 1024, 2, True, 3))]
+             ("int4", int4_loop, (8, 1024, 2, True, 3)),
+             # gate-up with SiLU-mul in the epilogue (FUSED_SWIGLU): rows of the gate and the up half in one tile
+             ("bf16", gemv_loop, ("*bf16", 4, 512, 4, False, 1, True)), ("int8", gemv_loop, ("*i8", 8, 512, 2, True, 1, True))]
     for label, loop, args in cases:
         body, per_thread = loop(*args)
         block_n, block_k, num_warps, byte_asm = args[1:5] if label != "int4" else args[:4]
         stages = (args[5] if label != "int4" else args[4]) if len(args) > (5 if label != "int4" else 4) else 1
+        label += " swiglu" if label != "int4" and len(args) > 6 and args[6] else ""
         ops = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in body)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(7))
-        print(f"{label:7s} {block_n:4d} x {block_k:5d} {num_warps:5d} {byte_asm!s:8s} {stages:6d}  "
+        print(f"{label:11s} {block_n:4d} x {block_k:5d} {num_warps:5d} {byte_asm!s:8s} {stages:6d}  "
               f"{len(body) / per_thread:6.2f} ({len(body)} for {per_thread:.0f})  {top}")
 
 

@@ -227,6 +227,10 @@ class Linear(nn.Linear):
     "nn.Linear through `linear`."
     def forward(self, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
 
+    def gemv_operands(self) -> tuple:
+        "(weight, bias, scale) as chapter 09's `gemv` takes them: what its decode rows read."
+        return self.weight, self.bias, None
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
@@ -270,6 +274,9 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and hasattr(self.gate_up, "gemv_operands") \
+                and (gemv := triton_kernel("gemv")) is not None:  # a decode row: SiLU-mul by the GEMV (chapter 09)
+            return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))
         h = self.gate_up(x)
         if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
             return self.down(fused(h))  # one kernel for silu, the halves and the product

@@ -576,6 +576,7 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # %%
 #| export
 GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
+FUSED_SWIGLU = False  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch (not measured)
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
@@ -652,11 +653,17 @@ def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, P
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
+        lane = tl.arange(0, BLOCK_N)
+        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
+        offs_n, n_ok = cols + (lane // (BLOCK_N // 2)) * (N // 2), cols < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
-    n_ok, m_ok = offs_n < N, offs_m < M
+    m_ok = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
@@ -681,8 +688,17 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
+        half: tl.constexpr = BLOCK_N // 2
+        h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1]))  # [ROWS, half] each
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        cols = tl.program_id(0) * half + tl.arange(0, half)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], (silu * up).to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
@@ -715,8 +731,10 @@ def gemv_loop_stages(loop_stages: int | None = None) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
-         prefetch: bool | None = None, loop_stages: int | None = None) -> torch.Tensor:
+         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
+    `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
+    with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
     `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES)."""
@@ -726,22 +744,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
-    if kernel_backend(x.device, impl) == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        return gemv_reference(x, weight, bias, scale)
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+    backend = kernel_backend(x.device, impl)
+    if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        out = gemv_reference(x, weight, bias, scale)
+        return silu_mul(out, backend) if swiglu else out
+    if swiglu and not FUSED_SWIGLU:
+        return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
+                             prefetch, loop_stages), backend)
     (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
+    if swiglu and block_n < 2:
+        raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
+        _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
             x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
-            PREFETCH=gemv_prefetch(weight, pdl, num_warps, prefetch), LOOP_STAGES=gemv_loop_stages(loop_stages),
-            num_warps=num_warps, **_stages(num_stages))
+            PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, num_warps=num_warps, **_stages(num_stages))
     return out
 
 
@@ -762,6 +789,23 @@ for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, 
                                rtol=1e-4, atol=1e-4)  # (the interpreter runs the pipelined loop as written)
 xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
 torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
+# `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue gives the bits of the GEMV followed by `silu_mul`
+# (FUSED_SWIGLU), in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
+for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100, torch.float32, True),
+                                 (1, 48, 256, torch.bfloat16, False), (1, 20, 64, torch.bfloat16, True)):
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(2 * inter, k, generator=gen).to(dtype)
+    scale = None
+    if int8: w, scale = torch.randint(-127, 128, (2 * inter, k), generator=gen, dtype=torch.int8), torch.rand(2 * inter, generator=gen) / 64
+    want = silu_mul(gemv(x, w, None, scale, impl="triton", block_k=64), impl="triton")
+    for fused in (True, False):
+        FUSED_SWIGLU = fused  # (the module's switch; here the notebook's copy of it)
+        assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter, fused)
+    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(),
+                               rtol=4e-2, atol=4e-2)  # (bf16: three roundings apart)
+FUSED_SWIGLU = False
+with pytest.raises(ValueError, match="even number of rows"):
+    gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
 with pytest.raises(ValueError, match="at most 4 rows"):
     gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
