@@ -233,3 +233,45 @@ def test_gpu_tiny_model_through_the_kernel_backend():
             want = model.compute_logits(model(ids, layout.positions, PagedAttention(caches[0], layout)))
             got = model.compute_logits(model(ids, layout.positions, KernelPagedAttention(caches[1], layout)))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8):
+    "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
+    import forge_engine.kernels as kernels
+    x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
+    scale = None
+    if int8:
+        scale = w.float().abs().amax(1) / 127
+        w = (w.float() / scale[:, None]).round().to(torch.int8)
+    want = kernels.silu_mul(kernels.gemv(x, w, None, scale))
+    monkeypatch.setattr(kernels, "FUSED_SWIGLU", True)
+    assert torch.equal(kernels.gemv(x, w, None, scale, swiglu=True), want)
+    torch.testing.assert_close(want.float(), kernels.silu_mul_reference(kernels.gemv_reference(x, w, None, scale)).float(),
+                               rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_normalises_and_rotates_q_and_the_new_k():
+    "Qwen3-4B's heads: the decode kernel given q and k as the QKV projection leaves them (rope) = norm_rope first."
+    from forge_engine.kernels import NormRope, norm_rope_reference, write_kv_reference
+    bf16 = torch.bfloat16
+    lens = [1, 300, 517, 2048]
+    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda")
+    q, ctx = randn(4, 32, 128, dtype=bf16, seed=3), torch.tensor(lens, device="cuda", dtype=torch.int32)
+    new_k, new_v = randn(4, 8, 128, dtype=bf16, seed=4), randn(4, 8, 128, dtype=bf16, seed=5)
+    last = ctx.long() - 1
+    slots = tables[torch.arange(4, device="cuda"), last // 16].long() * 16 + last % 16
+    angles = torch.tensor(lens, device="cuda")[:, None] * torch.rand(64, generator=torch.Generator().manual_seed(6)).cuda()
+    rope = NormRope(randn(128, dtype=bf16, seed=7) + 1, randn(128, dtype=bf16, seed=8) + 1, 1e-6,
+                    angles.cos().to(bf16), angles.sin().to(bf16))
+    by_hand = (k_cache.clone(), v_cache.clone())
+    write_kv_reference(*by_hand, slots, norm_rope_reference(new_k, rope.k_weight, 1e-6, rope.cos, rope.sin), new_v)
+    want = paged_attention_reference(norm_rope_reference(q, rope.q_weight, 1e-6, rope.cos, rope.sin), *by_hand, tables,
+                                     torch.arange(5, device="cuda"), ctx, 128**-0.5)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5, new_kv=(new_k, new_v, slots), rope=rope)
+    torch.testing.assert_close(got, want, **TOL[bf16])
+    # (the reference rounds to bf16 after the norm, the weight and the rotation; the kernel once, at the end)
+    torch.testing.assert_close(k_cache, by_hand[0], rtol=5e-2, atol=5e-2)
+    assert torch.equal(v_cache, by_hand[1])

@@ -572,6 +572,16 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # the GEMVs went from 17.4 to 31 µs on average. The loop unrolled with the next step's weights
 # in registers and the first step's loaded before `gdc_wait`: 2.852 ms against 2.814; int8 3.218
 # against 2.114 (the unrolled code moves the int8 tiles through shared memory to change layout).
+#
+# One fold that does not cost the GEMV any reads: SwiGLU's `silu(gate) * up` needs, for output
+# `i`, rows `i` and `I + i` of the gate-up matrix, and nothing else. With `swiglu=True` a program
+# takes `BLOCK_N / 2` gate rows and their up rows in one tile (the same bytes and programs as
+# before), and its epilogue writes the activation instead of the two halves: no `silu_mul`
+# launch, and the down projection reads half as many numbers. The rounding follows the two
+# launches it replaces step by step (the GEMV's bf16 store, then SiLU rounded like `F.silu`), so
+# the bits are theirs (tested below). `FUSED_SWIGLU` stays off until measured on a GPU; the
+# compiled loop is the plain one's (`kernels_lab/gemv_sass.py`: 4.75 instructions a weight for
+# bf16, 4.14 for int8, with or without).
 
 # %%
 #| export
