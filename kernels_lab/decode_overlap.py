@@ -46,7 +46,7 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
-from decode_step_timeline import batch1_decode_graph, replay_ms
+from decode_step_timeline import decode_graph, replay_ms
 from gemv_chain_sweep import LAYERS, SHAPES, product, weights
 
 if not ON_GPU:
@@ -82,7 +82,7 @@ def chain(formats):
 
 def decode_step_ms(engine) -> float:
     "One batch-1 decode graph (128-token prompt) replayed alone, ms a replay; the request then runs to its end."
-    step = replay_ms(batch1_decode_graph(engine, prompt_tokens=128, max_tokens=24))
+    step = replay_ms(decode_graph(engine, prompt_tokens=128, max_tokens=24))
     while engine.has_unfinished(): engine.step()
     return step
 

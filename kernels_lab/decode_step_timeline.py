@@ -9,7 +9,8 @@ GPU), with FUSED_KV_STORE=0: 2.93 ms a BF16 step of which the 145 GEMVs 2,220 µ
 the 73 add+RMSNorms 180 µs.
 
 Run on a GPU from the repository root:
-    PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...]
+    PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...] [--batch=B] [--prompt=T]
+(--batch=256 --prompt=600: a W2-like decode step, 256 sequences of ~600 tokens.)
 SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH), set before the
 graph is captured."""
 import collections
@@ -30,13 +31,17 @@ from forge_engine.loader import load_model
 REPLAYS = 10
 
 
-def batch1_decode_graph(engine, prompt_tokens: int = 256, max_tokens: int = 40):
-    "`engine`'s batch-1 decode CUDA graph, 10 steps into a request of `prompt_tokens` (the request stays queued)."
-    engine.add_request(list(range(100, 100 + prompt_tokens)),
-                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+def decode_graph(engine, batch: int = 1, prompt_tokens: int = 256, max_tokens: int = 40):
+    """`engine`'s decode CUDA graph for `batch` sequences of `prompt_tokens` each, taken once every sequence has
+    decoded 10 tokens (the requests stay queued): the graph of their batch bucket and block-table width."""
+    for i in range(batch):
+        engine.add_request([100 + (i + j) % 5000 for j in range(prompt_tokens)],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while not all(s.is_decoding for s in engine.scheduler.running) or engine.scheduler.waiting: engine.step()
     for _ in range(10): engine.step()
     decode = engine.runner.decode
-    return decode.graphs[(1, decode.widths[0])]
+    blocks = -(-(prompt_tokens + 10) // engine.cache.block_size)
+    return decode.graphs[(decode.bucket_for(batch), next(w for w in decode.widths if w >= blocks))]
 
 
 def replay_ms(graph, reps: int = 200) -> float:
@@ -67,13 +72,16 @@ def kernel_events(graph) -> list[list[dict]]:
 
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
+    batch, prompt_tokens = 1, 256
     for item in sys.argv[2:]:
         name, value = item.split("=")
-        setattr(kernels, name, bool(int(value)))
+        if name == "--batch": batch = int(value)
+        elif name == "--prompt": prompt_tokens = int(value)
+        else: setattr(kernels, name, bool(int(value)))
     engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
-                       EngineConfig(max_num_seqs=8))  # (kept alive: it owns the graph's buffers)
-    graph = batch1_decode_graph(engine)
-    print(f"[{quantization}] graph replay: {replay_ms(graph):.3f} ms")
+                       EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192))  # (kept alive: it owns the graph's buffers)
+    graph = decode_graph(engine, batch, prompt_tokens)
+    print(f"[{quantization}] batch {batch}, {prompt_tokens}-token prompts: graph replay {replay_ms(graph):.3f} ms")
     replays = kernel_events(graph)
     stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name: launches, duration, gap before (µs)
     for run in replays:
