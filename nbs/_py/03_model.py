@@ -210,6 +210,12 @@ ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"
 # it runs chapter 09's GEMV kernel, which reads the weight at closer to the memory bandwidth
 # than the general matmul does. The arithmetic is the same (fp32 sums of the same
 # products, in another order).
+#
+# Two more GPU shortcuts, both for a decode step and both explained in chapter 09: the MLP asks
+# that GEMV for `silu(gate) * up` straight away (`swiglu=True`: one launch fewer), and an
+# attention backend that says `rope_inside` gets q and k as the QKV projection left them,
+# with a `NormRope` to normalise and rotate them itself (again one launch fewer). On a CPU
+# neither applies and the layers below read exactly as the formulas.
 
 # %%
 #| export
