@@ -30,7 +30,8 @@ def main():  # (the tensor-parallel workers are spawned: they import this file a
     torch.cuda.Event.synchronize = timed("  of which waiting for GPU", torch.cuda.Event.synchronize)
     eng.step = timed("step total", eng.step)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for p in random_prompts(4, 1024, 1024, seed=1):  # warm-up: the prefill kernels compile at long prompts too
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.has_unfinished(): eng.step()
     acc.clear()
     for p in random_prompts(n, 100, 1024, seed=0): eng.add_request(p, params)
@@ -45,6 +46,8 @@ def main():  # (the tensor-parallel workers are spawned: they import this file a
     for k, v in sorted(acc.items(), key=lambda kv: -kv[1]): print(f"  {k:32s} {v:7.3f} s  {v / steps * 1e3:7.3f} ms/step")
     if decoding is not None and steps > decoding[0]:
         first, since, before = decoding
+        print(f"steps until every sequence decodes ({first}, prefill chunks among them): "
+              f"{(since - t) / first * 1e3:.2f} ms/step, {since - t:.2f} s")
         k_steps = steps - first
         print(f"decode-only steps ({k_steps}): {(end - since) / k_steps * 1e3:.2f} ms/step")
         for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
