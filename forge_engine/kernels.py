@@ -631,8 +631,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     row_mask = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    # everything that depends on no other load is asked for at once, before the barrier below (the compiler does
-    # not move a load over it): q, and with STORE the new K/V and their slot
+    # everything that depends on no other load is asked for at once, before the first barrier (a reduction's, or the
+    # store's below; the compiler moves no load over one): q, with ROPE what normalising and rotating needs, with
+    # STORE the new K/V and their slot
     q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
     q_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
@@ -655,7 +656,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         if ROPE:
             new_k_pair = tl.load(new_k_row + pair, mask=d_row)
             k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair, d_row, QK_NORM)
-    # (every load above is in flight before the first reduction's barrier; the compiler moves none over one)
     if ROPE:
         sin = tl.where(offs_d[None, :] < half, -sin, sin)  # first half: x1 c - x2 s; second: x2 c + x1 s
         q = _norm_rope_rows(q, q_pair, q_w, q_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(q.dtype)
