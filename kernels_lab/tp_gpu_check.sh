@@ -32,6 +32,9 @@ step() {  # step NAME LIMIT_S COMMAND...
   pkill -9 -f "forge_engine|multiprocessing.spawn" 2>/dev/null; sleep 1
 }
 
+# the benches and the killed-worker test need the tokenizer where FORGE_HOME points (no model hub on the GPU machine)
+python3 -m forge_engine models verify qwen3-tokenizer | tee "$out/summary.txt" \
+  || { echo "FORGE_HOME (${FORGE_HOME:-unset}) has no verified qwen3-tokenizer: pull it there first" | tee -a "$out/summary.txt"; exit 2; }
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__)" \
