@@ -242,14 +242,20 @@ def silu_mul_reference(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_times(gate, up, dtype: tl.constexpr):
+    "silu(gate) * up from fp32 gate and up, rounded to `dtype` as F.silu's output and then the product are."
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
     _let_next_start(PDL, WAIT)
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
     gate = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_h + I + col, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu's output
-    tl.store(out_ptr + row * stride_o + col, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + col, _silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -421,9 +427,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
         half: tl.constexpr = BLOCK_N // 2
         h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1]))  # [ROWS, half] each
-        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         cols = tl.program_id(0) * half + tl.arange(0, half)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], (silu * up).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & (cols < N // 2)[None, :])
     else:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
@@ -483,12 +488,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
                              prefetch, loop_stages), backend)
     (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and block_n < 2:
         raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](

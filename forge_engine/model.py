@@ -17,9 +17,9 @@ from .config import ModelConfig
 
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'triton_kernel', 'RMSNorm', 'rope_inv_freq', 'rope_cos_sin', 'apply_rope', 'causal_attention',
-           'AttentionBackend', 'NormRope', 'no_cache_attention', 'linear', 'Linear', 'Attention', 'MLP', 'DecoderLayer',
-           'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict', 'empty_model', 'fill_random_',
-           'init_random_weights', 'hf_config_dict']
+           'AttentionBackend', 'NormRope', 'no_cache_attention', 'decode_gemv', 'linear', 'Linear', 'Attention', 'MLP',
+           'DecoderLayer', 'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict', 'empty_model',
+           'fill_random_', 'init_random_weights', 'hf_config_dict']
 
 # %% ../nbs/03_model.ipynb #55c788c0
 @functools.cache
@@ -111,9 +111,14 @@ def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
 GEMV_ROWS = 1  # steps of up to this many tokens use chapter 09's `gemv` on a GPU (measured: one row only pays)
 
 
+def decode_gemv(x: torch.Tensor):
+    "Chapter 09's `gemv` when x is a decode step's few rows (up to GEMV_ROWS) on a GPU that runs it, else None."
+    return triton_kernel("gemv") if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     "F.linear; on a GPU, up to GEMV_ROWS input rows go through the small-batch GEMV kernel."
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and (gemv := triton_kernel("gemv")) is not None:
+    if (gemv := decode_gemv(x)) is not None:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -169,9 +174,8 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and hasattr(self.gate_up, "gemv_operands") \
-                and (gemv := triton_kernel("gemv")) is not None:  # a decode row: SiLU-mul by the GEMV (chapter 09)
-            return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))
+        if hasattr(self.gate_up, "gemv_operands") and (gemv := decode_gemv(x)) is not None:
+            return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
         h = self.gate_up(x)
         if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
             return self.down(fused(h))  # one kernel for silu, the halves and the product

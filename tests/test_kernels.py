@@ -240,11 +240,9 @@ def test_gpu_tiny_model_through_the_kernel_backend():
 def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8):
     "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
     import forge_engine.kernels as kernels
+    from forge_engine.quant import quantize_int8
     x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
-    scale = None
-    if int8:
-        scale = w.float().abs().amax(1) / 127
-        w = (w.float() / scale[:, None]).round().to(torch.int8)
+    w, scale = quantize_int8(w) if int8 else (w, None)
     want = kernels.silu_mul(kernels.gemv(x, w, None, scale))
     monkeypatch.setattr(kernels, "FUSED_SWIGLU", True)
     assert torch.equal(kernels.gemv(x, w, None, scale, swiglu=True), want)
