@@ -585,14 +585,16 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # before), and its epilogue writes the activation instead of the two halves: no `silu_mul`
 # launch, and the down projection reads half as many numbers. The rounding follows the two
 # launches it replaces step by step (the GEMV's bf16 store, then SiLU rounded like `F.silu`), so
-# the bits are theirs (tested below). `FUSED_SWIGLU` stays off until measured on a GPU; the
-# compiled loop is the plain one's (`kernels_lab/gemv_sass.py`: 4.75 instructions a weight for
-# bf16, 4.14 for int8, with or without).
+# the bits are theirs (tested below). The compiled loop is the plain one's (`kernels_lab/gemv_sass.py`:
+# 4.75 instructions a weight for bf16, 4.14 for int8, with or without). Measured (session 9, H200,
+# `kernels_lab/decode_overlap.py bf16,int8,int4`): the Qwen3-4B step 2.631 ms against 2.706 (W1-like
+# 365.7 against 356.0 tok/s), int8 1.901 against 1.987; int4, whose gate-up keeps `silu_mul`, 2.259
+# against 2.268 (the control). On.
 
 # %%
 #| export
 GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
-FUSED_SWIGLU = False  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch (not measured)
+FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch, measured faster
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
@@ -818,7 +820,7 @@ for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100,
         assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter, fused)
     torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(),
                                rtol=4e-2, atol=4e-2)  # (bf16: three roundings apart)
-FUSED_SWIGLU = False
+FUSED_SWIGLU = True
 with pytest.raises(ValueError, match="even number of rows"):
     gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
 with pytest.raises(ValueError, match="at most 4 rows"):
