@@ -4,13 +4,14 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
-           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_ONE_LOOP', 'FUSED_KV_STORE',
-           'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available',
-           'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference',
-           'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config',
-           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
-           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
-           'KernelPagedAttention', 'KernelDecodeAttention']
+           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
+           'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
+           'DECODE_LAST_SPLIT_MERGES', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N',
+           'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference',
+           'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul',
+           'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages',
+           'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
+           'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -591,9 +592,29 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 
 # %% ../nbs/09_kernels.ipynb #d7d808c0
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
-DECODE_SPLIT_TOKENS = 512  # keys per split
+DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tokens`, or DECODE_SPLITS_BY_WORK off)
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
+DECODE_SPLITS_BY_WORK = True  # the split length from the batch's size too (splits only where programs are few): measured faster
+DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
+DECODE_MIN_SPLIT = 128  # keys: one tile
+DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
+DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
+
+
+@triton.jit
+def _fence_gpu(x, ON: tl.constexpr):
+    "Order this thread's earlier memory operations before its later ones, for the whole GPU (ON: compiled, not interpreted)."
+    if ON:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _store_normalised(out_rows, acc, l_i, mask):
+    "A finished softmax: acc / l (a row with no visible key: 0) stored in the output's dtype."
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -618,13 +639,13 @@ def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
+                   count_ptr, new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
                    stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb,
                    stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
-                   ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                   ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -686,15 +707,45 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
+    out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    part = (seq * num_q_heads + heads) * num_splits  # [BLOCK_G] each head's first partial: [B, Hq, num_splits, (D)]
     if not SPLIT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # partials [B, Hq, num_splits, (HEAD_DIM)]
-        part = (seq * num_q_heads + heads) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
-        tl.store(part_m_ptr + part, m_i, mask=row_mask)
-        tl.store(part_l_ptr + part, l_i, mask=row_mask)
+        _store_normalised(out_rows, acc, l_i, mask)
+    elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
+        tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+        tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
+        tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+    else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
+        active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+        if active == 1:  # the one split is the whole answer
+            if split == 0:
+                _store_normalised(out_rows, acc, l_i, mask)
+        elif split < active:
+            tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+            tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
+            tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+            _fence_gpu(split, FENCE)  # each thread's partials visible GPU-wide before the count says they are there
+            tl.debug_barrier()
+            counter = count_ptr + seq * (num_q_heads // GROUP) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == active - 1:  # the last to finish: every other split's partials are written
+                _fence_gpu(done, FENCE)
+                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
+                    m_new = tl.maximum(m_all, m_s)
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
+                    l_all = l_all * alpha + l_s * beta
+                    m_all = m_new
+                _store_normalised(out_rows, acc_all, l_all, mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
 
 @triton.jit
@@ -719,11 +770,28 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_split_len(max_blocks: int, block_size: int, split_tokens: int = DECODE_SPLIT_TOKENS,
-                     block_n: int = DECODE_BLOCK_N) -> tuple[int, int]:
-    "(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only."
+def _merge_counters(counters: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
+    "The last-split-merges counters: the caller's (checked) or fresh zeros."
+    if counters is None:
+        return torch.zeros(needed, device=device, dtype=torch.int32)
+    if counters.dtype != torch.int32 or counters.numel() < needed or counters.device != device:
+        raise ValueError(f"counters must be int32 zeros on {device} with at least {needed} (sequences x KV heads) "
+                         f"elements, got {counters.dtype} [{counters.numel()}] on {counters.device}")
+    return counters
+
+
+def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None = None,
+                     block_n: int = DECODE_BLOCK_N, pairs: int | None = None) -> tuple[int, int]:
+    """(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only. `split_tokens`:
+    a fixed length (a sequence's bits then never depend on its batch). Else, with DECODE_SPLITS_BY_WORK and the
+    number of (sequence, KV head) `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most
+    DECODE_MAX_WORK_SPLITS, none below DECODE_MIN_SPLIT keys); otherwise DECODE_SPLIT_TOKENS."""
     width = max(1, max_blocks * block_size)
-    split_len = max(split_tokens, -(-width // MAX_DECODE_SPLITS))
+    if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
+        splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
+        split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
+    else:
+        split_len = max(split_tokens or DECODE_SPLIT_TOKENS, -(-width // MAX_DECODE_SPLITS))
     split_len = -(-split_len // block_n) * block_n
     return split_len, -(-width // split_len)
 
@@ -734,16 +802,20 @@ FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
-                           split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
+                           split_tokens: int | None = None, block_n: int = DECODE_BLOCK_N,
                            num_warps: int = 4, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           one_loop: bool | None = None, rope: NormRope | None = None) -> torch.Tensor:
+                           one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
+                           counters: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
     position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
     QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
     FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
-    DECODE_ONE_LOOP)."""
+    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `merge`: the last
+    split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
+    it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
+    (None: fresh zeros each call, one memset more)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -765,18 +837,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
-    split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n)
+    split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
     out = torch.empty_like(q)
+    merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
     else:
         part_acc = part_m = part_l = out  # unused
+    if num_splits > 1 and merge:
+        counters = _merge_counters(counters, batch * kv_heads, q.device)
+    else:
+        counters = context_lens  # unused
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, new_k, new_v, slots,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters, new_k, new_v, slots,
         q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
@@ -785,8 +862,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
         ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, ROPE=rope_inside,
-        QK_NORM=rope.q_weight is not None, num_warps=num_warps, **_stages(num_stages))
-    if num_splits > 1:
+        QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, num_warps=num_warps,
+        **_stages(num_stages))
+    if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
             BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), **_pdl_args(q.device),
@@ -899,7 +977,17 @@ class KernelDecodeAttention:
     FUSED_NORM_ROPE."""
     stores_kv = True
 
-    def __init__(self, impl: str = "auto"): self.impl = impl
+    def __init__(self, impl: str = "auto"):
+        self.impl, self.counters = impl, None  # the last-split-merges counters: zeros, kept across calls and graphs
+
+    def _counters(self, needed: int, device: torch.device) -> torch.Tensor:
+        "Counters for `needed` (sequence, KV head) pairs. They grow only outside a CUDA graph recording (chapter 09b warms up at its largest batch first)."
+        if self.counters is None or self.counters.numel() < needed or self.counters.device != device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"decode attention: {needed} merge counters needed while a CUDA graph records; "
+                                   "call it once at the largest batch before recording")
+            self.counters = torch.zeros(needed, device=device, dtype=torch.int32)
+        return self.counters
 
     @property
     def rope_inside(self) -> bool: return FUSED_NORM_ROPE  # read when a graph is recorded
@@ -907,4 +995,5 @@ class KernelDecodeAttention:
     def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
                  rope: NormRope | None = None) -> torch.Tensor:
         return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
-                                      new_kv=new_kv, rope=rope)
+                                      new_kv=new_kv, rope=rope,
+                                      counters=self._counters(q.shape[0] * k_layer.shape[2], q.device))

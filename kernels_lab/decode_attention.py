@@ -28,18 +28,28 @@ Variants
       last partial tile in a second loop, whose table and K/V loads the software pipeliner cannot issue during
       the first; contexts of 300 and 460 keys end in a partial tile (session 7: v3 ~6 us fixed + ~2.4 us per
       128 keys at batch 1).
+  v7  the export with `merge=True` (DECODE_LAST_SPLIT_MERGES): v5's last-program merge inside the exported kernel,
+      and only the splits that hold keys count in (a sequence within one split writes its output directly, empty
+      splits write nothing). Session 9's W2-like timeline (256 sequences of 600 keys, tables 2K wide in the engine's
+      graphs: 4 splits, 2 of them empty) spent 202 us a layer in the decode kernel and 24 in the merge, against
+      ~150 for the bytes: the "xW" cases below pad the tables to that width, as the engine's graphs do.
+  v8  v7 with the split length from the batch's size too (DECODE_SPLITS_BY_WORK: splits of 128 keys and up, as many
+      as bring the programs to ~256; none for 256 sequences). Session 9, v7 with splits of 128 / 512 / 1,024: one
+      sequence of 460 keys 11.6 / 15.1 / 15.0 us; 256 sequences of 600 keys (2K tables) 296 / 197 / 169 us.
 
 Session 7 (one H200, B=1): 256 keys v2 10.9 us, v3 11.2, v5 11.1 (splits of 128); 512 keys v3 15.8, v5 13.4.
 """
 import math
+import os
 
 from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from forge_engine.kernels import (DECODE_BLOCK_N, INTERPRETED, _attend_keys, _dot_precision, _pow2, decode_split_len,
-                                  paged_attention_reference, paged_decode_attention, paged_prefill_attention,
+import forge_engine.kernels as kernels
+from forge_engine.kernels import (DECODE_BLOCK_N, INTERPRETED, _attend_keys, _dot_precision, _fence_gpu, _pow2,
+                                  decode_split_len, paged_attention_reference, paged_decode_attention, paged_prefill_attention,
                                   random_paged_kv)
 
 
@@ -90,14 +100,6 @@ def v1_per_query_head(q, k_cache, v_cache, tables, ctx, scale, block_n=32):
                                  NUM_Q_HEADS=q_heads, GROUP=q_heads // k_cache.shape[2], HEAD_DIM=head_dim,
                                  BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], num_warps=4)
     return out
-
-
-@triton.jit
-def _fence_gpu(x, ON: tl.constexpr):
-    "Order this thread's earlier memory operations before its later ones, for the whole GPU (not interpreted)."
-    if ON:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
-                                  pack=1)
 
 
 @triton.jit
@@ -184,6 +186,30 @@ def exported(**knobs):
     return lambda q, k, v, t, c, s: paged_decode_attention(q, k, v, t, c, s, impl="triton", **knobs)
 
 
+_MERGE_COUNTERS = {}  # device -> zeroed counters, kept across calls as the engine's decode backend keeps them
+
+
+def exported_merging(**knobs):
+    def run(q, k, v, t, c, s):
+        need = q.shape[0] * k.shape[2]
+        if _MERGE_COUNTERS.get(q.device) is None or _MERGE_COUNTERS[q.device].numel() < need:
+            _MERGE_COUNTERS[q.device] = torch.zeros(max(need, 4096), device=q.device, dtype=torch.int32)
+        return paged_decode_attention(q, k, v, t, c, s, impl="triton", merge=True, counters=_MERGE_COUNTERS[q.device],
+                                      **knobs)
+    return run
+
+
+def split_by_work(fn):
+    "fn with chapter 09's DECODE_SPLITS_BY_WORK on for the call (a graph records what the call launches)."
+    def run(*args):
+        kernels.DECODE_SPLITS_BY_WORK = True
+        try:
+            return fn(*args)
+        finally:
+            kernels.DECODE_SPLITS_BY_WORK = False
+    return run
+
+
 def v4_prefill_kernel(q, k_cache, v_cache, tables, ctx, scale):
     query_start = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, 1, scale, impl="triton")
@@ -193,18 +219,22 @@ VARIANTS = {"v0 torch padded gather + SDPA": v0_torch_padded, "v1 program per qu
             "v2 GQA tile, no split": exported(split_tokens=1 << 30),
             "v3 GQA tile + splits (exported)": exported(), "v4 prefill kernel, q len 1": v4_prefill_kernel,
             "v5 splits of 256, last program merges": v5_last_program_merges,
-            "v6 v3 with one masked loop": exported(one_loop=True)}
+            "v6 v3 with one masked loop": exported(one_loop=True), "v7 export, last split merges": exported_merging(),
+            "v8 v7, splits by work": split_by_work(exported_merging())}
 SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_tokens=s, block_n=n, num_warps=w,
                                                                      num_stages=st)
          for s, n, w, st in [(1024, 64, 4, None), (512, 128, 4, None), (1024, 128, 4, None), (512, 64, 4, 2),
                              (512, 128, 8, None)]}
 SWEEP.update({f"v5 split={s} block_n={n}": (lambda s, n: lambda *a: v5_last_program_merges(*a, split_tokens=s, block_n=n))(s, n)
               for s, n in [(128, 64), (128, 128), (256, 128), (512, 128)]})
+SWEEP.update({f"v7 split={s}": exported_merging(split_tokens=s) for s in (128, 256, 1024)})
 
 
-def case(lens, q_heads, kv_heads, head_dim, block_size, dtype, seed=0):
+def case(lens, q_heads, kv_heads, head_dim, block_size, dtype, seed=0, width=0):
+    "Random pools and queries; `width` (tokens): the tables padded to that many columns of blocks, as a graph's are."
+    pad = max(0, -(-width // block_size) - -(-max(lens) // block_size))
     k_cache, v_cache, tables = random_paged_kv(lens, kv_heads, head_dim, block_size, dtype=dtype, device=DEVICE,
-                                               spare_blocks=0, pad_columns=0, seed=seed)
+                                               spare_blocks=0, pad_columns=pad, seed=seed)
     q = torch.randn(len(lens), q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, device=DEVICE, dtype=torch.int32)
 
@@ -222,20 +252,24 @@ def main():
         want = paged_attention_reference(q, k, v, t, torch.arange(len(lens) + 1, device=DEVICE), c, d**-0.5)
         limit = 1e-2 if dtype == torch.bfloat16 else 1e-5
         for name, fn in {**VARIANTS, **(SWEEP if ON_GPU and i == 0 else {})}.items():  # sweep: Qwen3 shape only
-            for call in range(2 if name.startswith("v5") else 1):  # v5: its counters must be back at zero
+            for call in range(2 if name.startswith(("v5", "v7")) else 1):  # their counters must be back at zero
                 ok &= validate(f"{name} lens={lens} G={hq // hkv} D={d} bs={bs} {dtype}" + " (again)" * call,
                                fn(q, k, v, t, c, d**-0.5), want, limit)
     if ON_GPU:
         results = Results("paged_decode_attention (Qwen3-4B shapes: 32/8 heads, D 128, block 16, bf16)")
-        for batch, ctx in [(1, 256), (1, 300), (1, 384), (1, 460), (1, 512), (1, 4096), (1, 32768), (8, 2048), (32, 4096), (64, 1024),
-                           (256, 512), (256, 2048)]:
-            q, k, v, t, c = case([ctx] * batch, 32, 8, 128, 16, torch.bfloat16)
+        shapes = [(1, 256, 0), (1, 300, 0), (1, 384, 0), (1, 460, 0), (1, 512, 0), (1, 4096, 0), (1, 32768, 0),
+                  (8, 2048, 0), (32, 4096, 0), (64, 1024, 0), (256, 512, 0), (256, 2048, 0),
+                  (1, 1000, 2048), (64, 1500, 2048), (256, 600, 2048), (256, 1000, 2048)]  # the last: graph-wide tables
+        if os.environ.get("LAB_SHAPES"):  # e.g. LAB_SHAPES="1x300,256x600x2048"
+            shapes = [tuple(map(int, (x + "x0").split("x")[:3])) for x in os.environ["LAB_SHAPES"].split(",")]
+        for batch, ctx, width in shapes:
+            q, k, v, t, c = case([ctx] * batch, 32, 8, 128, 16, torch.bfloat16, width=width)
             nbytes = batch * ctx * 8 * 128 * 2 * 2 + 2 * q.nbytes
             for name, fn in selected({**VARIANTS, **SWEEP}).items():
                 if name.startswith("v1") and batch * ctx > 300_000:
                     continue  # minutes of device time for a variant already beaten at smaller sizes
                 ms, how = time_variant(lambda: fn(q, k, v, t, c, 128**-0.5), graph=True)
-                results.add(f"B={batch} ctx={ctx}", f"{name} [{how}]", ms, nbytes)
+                results.add(f"B={batch} ctx={ctx}" + (f" {width}W" if width else ""), f"{name} [{how}]", ms, nbytes)
         results.print()
     finish(ok)
 

@@ -36,9 +36,10 @@ and dependents together.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
 import itertools
+import os
 import sys
 
-from common import DEVICE, ON_GPU, finish, graphed_ms  # first: it may switch on the interpreter
+from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may switch on the interpreter
 import torch
 import forge_engine.kernels as kernels
 from forge_engine.bench import free_memory, random_prompts, run_batch
@@ -89,9 +90,10 @@ def decode_step_ms(engine) -> float:
 
 DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
-             "FUSED_NORM_ROPE", "FUSED_SWIGLU")}
+             "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
+    "defaults": {}, "splits by work": dict(DECODE_SPLITS_BY_WORK=True), "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
+    "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
     "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
     "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False), "defaults again": {}}
 
@@ -114,7 +116,7 @@ def engine_runs(formats):
     print("\n== random:qwen3-4b: batch-1 decode graph replay, W1-like decode tok/s (one engine a setting, max_num_seqs 8)")
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
-        for name, setting in SWITCHES.items():
+        for name, setting in selected(SWITCHES).items():  # $LAB_VARIANTS: some of them, by name
             switch(**setting)
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
@@ -130,7 +132,7 @@ def engine_runs(formats):
 def main():
     formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8,int4").split(",")
     ok = validate(formats)
-    chain(formats)
+    if not os.environ.get("LAB_NO_CHAIN"): chain(formats)
     engine_runs(formats)
     finish(ok)
 

@@ -72,25 +72,29 @@ def test_decode_matches_reference(q_heads, kv_heads, head_dim, block_size, lens,
     ctx = torch.tensor(lens, device=DEVICE)
     want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device=DEVICE),
                                      ctx, head_dim**-0.5)
-    for split_tokens in (256, 100_000):  # several splits and a merge; one split written directly
-        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, head_dim**-0.5, impl="triton",
-                                     split_tokens=split_tokens)
+    counters = torch.zeros(len(lens) * kv_heads, device=DEVICE, dtype=torch.int32)
+    for split_tokens, merge in ((256, False), (256, True), (100_000, False)):  # splits merged by a second launch or
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, head_dim**-0.5, impl="triton",  # by the last
+                                     split_tokens=split_tokens, merge=merge, counters=counters)  # split; one split
         torch.testing.assert_close(got, want, **TOL[dtype])
+    assert not counters.any()  # left at zero for the next call
 
 
-def test_decode_is_batch_invariant_and_takes_int64_and_strided_q():
-    lens = [70, 1200]
+@pytest.mark.parametrize("merge", [False, True])
+def test_decode_is_batch_invariant_and_takes_int64_and_strided_q(merge):
+    lens = [70, 1200, 600]
     k_cache, v_cache, tables = random_paged_kv(lens, 2, 64, 16, device=DEVICE, pad_columns=5)
-    qkv = randn(2, 8 * 64 + 2 * 2 * 64, seed=6)  # q as a view of a merged qkv projection
-    q = qkv[:, :8 * 64].view(2, 8, 64)
+    qkv = randn(3, 8 * 64 + 2 * 2 * 64, seed=6)  # q as a view of a merged qkv projection
+    q = qkv[:, :8 * 64].view(3, 8, 64)
     ctx = torch.tensor(lens, device=DEVICE)
     batched = paged_decode_attention(q, k_cache, v_cache, tables.long(), ctx.long(), 0.125, impl="triton",
-                                     split_tokens=256)
+                                     split_tokens=256, merge=merge)
     assert decode_split_len(tables.shape[1], 16, 256)[1] > decode_split_len(5 + 1, 16, 256)[1]
-    alone = paged_decode_attention(q[:1], k_cache, v_cache, tables[:1, :10], ctx[:1], 0.125, impl="triton",
-                                   split_tokens=256)
-    assert torch.equal(alone, batched[:1])  # same bits alone as next to a long sequence
-    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(3, device=DEVICE), ctx, 0.125)
+    for i, width in ((0, 10), (2, 45)):  # 70 keys: one split; 600 keys: 3 splits, 2 empty ones fewer than batched
+        alone = paged_decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125,
+                                       impl="triton", split_tokens=256, merge=merge)
+        assert torch.equal(alone, batched[i:i + 1]), i  # same bits alone as next to a long sequence
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(4, device=DEVICE), ctx, 0.125)
     torch.testing.assert_close(batched, want, **TOL[torch.float32])
 
 
@@ -99,6 +103,23 @@ def test_decode_split_len_caps_the_number_of_splits():
     assert decode_split_len(100, 16) == (512, 4)
     split_len, splits = decode_split_len(100_000, 16)  # 1.6M tokens: splits grow instead
     assert splits <= 64 and split_len * splits >= 1_600_000 and split_len % DECODE_BLOCK_N == 0
+
+
+def test_decode_splits_by_work(monkeypatch):
+    "With DECODE_SPLITS_BY_WORK the batch's size sets the split: short ones for one sequence, none for 256."
+    import forge_engine.kernels as kernels
+    monkeypatch.setattr(kernels, "DECODE_SPLITS_BY_WORK", True)
+    assert decode_split_len(32, 16, pairs=8) == (128, 4) and decode_split_len(128, 16, pairs=2048) == (2048, 1)
+    assert decode_split_len(32, 16, 256, pairs=8) == (256, 2)  # split_tokens: fixed
+    lens = [300, 20, 900]  # 3 x 2 pairs: 16 splits at most, of 128 keys or more
+    k_cache, v_cache, tables = random_paged_kv(lens, 2, 32, 16, device=DEVICE)
+    q, ctx = randn(3, 8, 32, seed=7), torch.tensor(lens, device=DEVICE)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(4, device=DEVICE), ctx, 32**-0.5)
+    for merge in (False, True):
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", merge=merge)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    monkeypatch.setattr(kernels, "DECODE_SPLITS_BY_WORK", False)
+    assert decode_split_len(32, 16, pairs=8) == (512, 1)
 
 
 def test_decode_rejects_bad_shapes():
@@ -184,7 +205,9 @@ def test_gpu_qwen3_4b_shapes():
     q, ctx = randn(len(lens), 32, 128, dtype=bf16, seed=3), torch.tensor(lens, device="cuda", dtype=torch.int32)
     want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"),
                                      ctx, 128**-0.5)
-    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5), want, **TOL[bf16])
+    for merge in (False, True):
+        torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5, merge=merge),
+                                   want, **TOL[bf16])
 
     chunks = [(0, 512), (1024, 256), (37, 1), (0, 3), (500, 77)]
     lens = [c + n for c, n in chunks]
@@ -199,20 +222,30 @@ def test_gpu_qwen3_4b_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_replays_in_a_cuda_graph():
-    "The decode launch reads nothing back to the host: capture once, change the inputs in place, replay."
+@pytest.mark.parametrize("merge", [False, True])
+def test_gpu_decode_replays_in_a_cuda_graph(merge):
+    """The decode launch reads nothing back to the host: capture once, change the inputs in place, replay. With
+    `merge` the last split merges, counting on counters that each replay leaves at zero for the next."""
     bf16 = torch.bfloat16
-    k_cache, v_cache, tables = random_paged_kv([600, 2000, 50, 1], 8, 128, 16, dtype=bf16, device="cuda")
+    k_cache, v_cache, tables = random_paged_kv([1100, 2000, 520, 520], 8, 128, 16, dtype=bf16, device="cuda")
     q, ctx = randn(4, 32, 128, dtype=bf16), torch.tensor([600, 2000, 50, 1], device="cuda")
-    paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5)  # compile outside the capture
+    counters = torch.zeros(4 * 8, device="cuda", dtype=torch.int32)
+    attend = lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5, merge=merge, counters=counters,
+                                            split_tokens=512)  # fixed: the same splits alone and batched
+    attend()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5)
-    q.copy_(randn(4, 32, 128, dtype=bf16, seed=9))
-    ctx.copy_(torch.tensor([601, 1999, 51, 2], device="cuda"))
-    graph.replay()
-    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(5, device="cuda"), ctx, 128**-0.5)
-    torch.testing.assert_close(out, want, **TOL[bf16])
+        out = attend()
+    for seed, lens in ((9, [601, 1999, 51, 2]), (10, [1100, 1536, 513, 512])):
+        q.copy_(randn(4, 32, 128, dtype=bf16, seed=seed))
+        ctx.copy_(torch.tensor(lens, device="cuda"))
+        graph.replay()
+        want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(5, device="cuda"), ctx, 128**-0.5)
+        torch.testing.assert_close(out, want, **TOL[bf16])
+        assert not counters.any()
+        alone = paged_decode_attention(q[1:2], k_cache, v_cache, tables[1:2], ctx[1:2], 128**-0.5, merge=merge,
+                                       split_tokens=512)
+        assert torch.equal(alone, out[1:2])  # the same bits whichever program of a batch merged
 
 
 @pytest.mark.gpu

@@ -976,13 +976,15 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 #
 # Why splits: with a few long sequences, `B x kv_heads` programs leave most of the GPU idle
 # (one sequence x 8 heads = 8 programs for 132 SMs). Each split writes its unnormalised
-# output with its `m` and `l`, and a second kernel merges the splits: weights `2^(m_s - M)`.
-# The split length is a constant (`split_tokens`; it grows only for tables wider than 64
-# splits), not a function of the batch, so a sequence's splits, and the order of its additions,
-# don't depend on what else is in the batch (the tests check the bits under the interpreter).
-# The number of splits comes from the block tables' *width*, a shape: no value is read back to
-# the host, and the launch can be captured in a CUDA graph. Splits past a sequence's end do nothing. The number
-# of splits is a run-time argument, so a growing context never triggers a recompilation.
+# output with its `m` and `l`, and the splits are merged: weights `2^(m_s - M)` (by a second
+# kernel, or by the split that finishes last: below). With a fixed split length
+# (`split_tokens`; it grows only for tables wider than 64 splits) a sequence's splits, and the
+# order of its additions, don't depend on what else is in the batch (the tests check the bits
+# under the interpreter); `DECODE_SPLITS_BY_WORK` trades that for speed (below). The number of
+# splits comes from the block tables' *width* (and the batch's size), shapes: no value is read
+# back to the host, and the launch can be captured in a CUDA graph. Splits past a sequence's end
+# do nothing. The number of splits is a run-time argument, so a growing context never triggers
+# a recompilation.
 #
 # At batch 1 and a few hundred keys this kernel is latency, not bandwidth: 8 programs, each a
 # chain of loads (the context length, the block table, then K and V) per tile. Measured on an
@@ -998,9 +1000,29 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # %%
 #| export
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
-DECODE_SPLIT_TOKENS = 512  # keys per split
+DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tokens`, or DECODE_SPLITS_BY_WORK off)
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
+DECODE_SPLITS_BY_WORK = True  # the split length from the batch's size too (splits only where programs are few): measured faster
+DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
+DECODE_MIN_SPLIT = 128  # keys: one tile
+DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
+DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
+
+
+@triton.jit
+def _fence_gpu(x, ON: tl.constexpr):
+    "Order this thread's earlier memory operations before its later ones, for the whole GPU (ON: compiled, not interpreted)."
+    if ON:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _store_normalised(out_rows, acc, l_i, mask):
+    "A finished softmax: acc / l (a row with no visible key: 0) stored in the output's dtype."
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -1025,13 +1047,13 @@ def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
+                   count_ptr, new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
                    stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb,
                    stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
-                   ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                   ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -1093,15 +1115,45 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
+    out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    part = (seq * num_q_heads + heads) * num_splits  # [BLOCK_G] each head's first partial: [B, Hq, num_splits, (D)]
     if not SPLIT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # partials [B, Hq, num_splits, (HEAD_DIM)]
-        part = (seq * num_q_heads + heads) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
-        tl.store(part_m_ptr + part, m_i, mask=row_mask)
-        tl.store(part_l_ptr + part, l_i, mask=row_mask)
+        _store_normalised(out_rows, acc, l_i, mask)
+    elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
+        tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+        tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
+        tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+    else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
+        active = tl.maximum(tl.cdiv(ctx, split_len), 1)
+        if active == 1:  # the one split is the whole answer
+            if split == 0:
+                _store_normalised(out_rows, acc, l_i, mask)
+        elif split < active:
+            tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+            tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
+            tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+            _fence_gpu(split, FENCE)  # each thread's partials visible GPU-wide before the count says they are there
+            tl.debug_barrier()
+            counter = count_ptr + seq * (num_q_heads // GROUP) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == active - 1:  # the last to finish: every other split's partials are written
+                _fence_gpu(done, FENCE)
+                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
+                    m_new = tl.maximum(m_all, m_s)
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
+                    l_all = l_all * alpha + l_s * beta
+                    m_all = m_new
+                _store_normalised(out_rows, acc_all, l_all, mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
 
 @triton.jit
@@ -1126,11 +1178,28 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_split_len(max_blocks: int, block_size: int, split_tokens: int = DECODE_SPLIT_TOKENS,
-                     block_n: int = DECODE_BLOCK_N) -> tuple[int, int]:
-    "(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only."
+def _merge_counters(counters: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
+    "The last-split-merges counters: the caller's (checked) or fresh zeros."
+    if counters is None:
+        return torch.zeros(needed, device=device, dtype=torch.int32)
+    if counters.dtype != torch.int32 or counters.numel() < needed or counters.device != device:
+        raise ValueError(f"counters must be int32 zeros on {device} with at least {needed} (sequences x KV heads) "
+                         f"elements, got {counters.dtype} [{counters.numel()}] on {counters.device}")
+    return counters
+
+
+def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None = None,
+                     block_n: int = DECODE_BLOCK_N, pairs: int | None = None) -> tuple[int, int]:
+    """(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only. `split_tokens`:
+    a fixed length (a sequence's bits then never depend on its batch). Else, with DECODE_SPLITS_BY_WORK and the
+    number of (sequence, KV head) `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most
+    DECODE_MAX_WORK_SPLITS, none below DECODE_MIN_SPLIT keys); otherwise DECODE_SPLIT_TOKENS."""
     width = max(1, max_blocks * block_size)
-    split_len = max(split_tokens, -(-width // MAX_DECODE_SPLITS))
+    if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
+        splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
+        split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
+    else:
+        split_len = max(split_tokens or DECODE_SPLIT_TOKENS, -(-width // MAX_DECODE_SPLITS))
     split_len = -(-split_len // block_n) * block_n
     return split_len, -(-width // split_len)
 
@@ -1141,16 +1210,20 @@ FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
-                           split_tokens: int = DECODE_SPLIT_TOKENS, block_n: int = DECODE_BLOCK_N,
+                           split_tokens: int | None = None, block_n: int = DECODE_BLOCK_N,
                            num_warps: int = 4, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           one_loop: bool | None = None, rope: NormRope | None = None) -> torch.Tensor:
+                           one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
+                           counters: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
     position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
     QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
     FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
-    DECODE_ONE_LOOP)."""
+    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `merge`: the last
+    split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
+    it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
+    (None: fresh zeros each call, one memset more)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -1172,18 +1245,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
-    split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n)
+    split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
     out = torch.empty_like(q)
+    merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
     else:
         part_acc = part_m = part_l = out  # unused
+    if num_splits > 1 and merge:
+        counters = _merge_counters(counters, batch * kv_heads, q.device)
+    else:
+        counters = context_lens  # unused
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, new_k, new_v, slots,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters, new_k, new_v, slots,
         q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
@@ -1192,8 +1270,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
         ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, ROPE=rope_inside,
-        QK_NORM=rope.q_weight is not None, num_warps=num_warps, **_stages(num_stages))
-    if num_splits > 1:
+        QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, num_warps=num_warps,
+        **_stages(num_stages))
+    if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
             BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), **_pdl_args(q.device),
@@ -1242,6 +1321,69 @@ for split_tokens in (64, 10_000):
                                                 split_tokens=split_tokens, block_n=16, one_loop=one_loop)
                          for one_loop in (True, False)))
 
+# %% [markdown]
+# ### The last split merges
+#
+# The merge kernel is a second launch a layer, and it reads every split's partials, the empty
+# ones too (a 2K-wide table holds 4 splits; a 600-key sequence fills 2). With `merge=True`
+# (`DECODE_LAST_SPLIT_MERGES`) the decode kernel does it itself: a sequence whose keys fit one
+# split writes its output directly; otherwise each split that holds keys writes its partials
+# and counts itself in on an atomic counter per (sequence, KV head), and the one that counts
+# last merges them all, in split order, and sets the counter back to zero for the next call (a
+# CUDA graph replays the same counters). Empty splits write nothing. Which program merges
+# depends on timing; what it computes does not: the same partials, summed in the same order.
+#
+# Memory order: every thread fences its partials (`fence.acq_rel.gpu`) before the program's
+# barrier and the acquire-release atomic, and the merging program reads the partials past its
+# L1 (`.cg`). Measured (session 9, H200, `kernels_lab/decode_attention.py`, v7 against v3): 256
+# sequences of 600 keys in 2K-wide tables 197 µs against 210, of 1,000 keys 284 against 303; at
+# batch 1 no different (12.1 against 12.0 µs at 300 keys). The W2-like step
+# (`kernels_lab/decode_step_timeline.py none --batch=256 --prompt=600`) 11.96 ms against 12.38;
+# W2 13,784 and 13,703 output tok/s against 11,690 and 13,462, alternated. On.
+#
+# **How long a split.** Without a second launch, short splits cost little, and how many a batch
+# wants depends on how many programs it already has: the same lab, splits of 128 / 512 / 1,024
+# keys: one sequence of 460 keys 11.6 / 15.1 / 15.0 µs, of 1,000 keys 13.1 / 17.9 / 24.0; 256
+# sequences of 600 keys 296 / 197 / 169 µs, of 1,000 keys 392 / 284 / 263. With
+# `DECODE_SPLITS_BY_WORK` the split length comes from the shapes, the batch's too: as many splits
+# as bring the `(sequence, KV head, split)` programs to about two per SM (256), at most 16 (the
+# merging program reads them one after another), none shorter than a tile. One sequence with
+# Qwen3-4B's 8 KV heads gets splits of 128 keys in a 512-wide table, 256 sequences none at all.
+# The price: a sequence's bits then depend on the batch's size (as the GEMMs' already do), so
+# a fixed `split_tokens` keeps the old rule, and the tests that compare bits pass one.
+#
+# Measured on an H200 (session 10, random Qwen3-4B, fixed 512-key splits against the rule, both
+# merging in the kernel): lab, one sequence of 1,000 keys in a 2K table 17.9 → 13.1 µs, of 4,096
+# keys 21.7 → 20.4; 256 sequences of 600 keys 197.1 → 166.9 µs, of 2,048 keys 538.7 → 502.6;
+# 64 sequences of 1,500 keys 117.2 → 120.0 (the one shape that loses). W2, three runs each,
+# alternated: 13,897 / 13,925 / 13,929 → 14,876 / 14,921 / 14,800 output tok/s; W1 364.7 → 367.1
+# tok/s. So the rule is on.
+
+# %%
+counters = torch.zeros(3 * 2, dtype=torch.int32)
+for split_tokens, block_n in ((64, 16), (64, 128), (10_000, 128)):
+    for call in range(2):  # the second call finds the counters back at zero
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
+                                     block_n=block_n, merge=True, counters=counters)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not counters.any(), counters
+    # a sequence's bits do not depend on the batch around it (150 keys: 3 splits of 64, merged by the last)
+    alone = paged_decode_attention(q[2:], k_cache, v_cache, tables[2:], ctx[2:], 32**-0.5, impl="triton",
+                                   split_tokens=split_tokens, block_n=block_n, merge=True)
+    assert torch.equal(alone, got[2:]), split_tokens
+# the rule: a 512-wide table for one sequence of 8 KV heads, 2K, 4K; 8 sequences; 256 (no split)
+assert DECODE_SPLITS_BY_WORK
+assert [decode_split_len(w // 16, 16, pairs=p) for w, p in ((512, 8), (2048, 8), (4096, 8), (2048, 64), (2048, 2048))] \
+    == [(128, 4), (128, 16), (256, 16), (512, 4), (2048, 1)]
+assert decode_split_len(32, 16, split_tokens=256, pairs=8) == (256, 2)  # a fixed split stays fixed
+DECODE_SPLITS_BY_WORK = False  # (the module's switch; here the notebook's copy of it): the fixed rule
+assert decode_split_len(128, 16, pairs=8) == (512, 4)
+DECODE_SPLITS_BY_WORK = True
+with pytest.raises(ValueError, match=r"counters must be int32 zeros .* at least 6"):
+    paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=64, merge=True,
+                           counters=torch.zeros(5, dtype=torch.int32))
+
+# %%
 # The step's new K/V (`new_kv`): stored first by `write_kv`, or (FUSED_KV_STORE) by the program whose split holds the
 # last position, before it attends. Both leave the pool and the output of storing by hand, then attending.
 new_k, new_v = torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
@@ -1250,11 +1392,11 @@ slots = tables[torch.arange(3), last // 8].long() * 8 + last % 8
 by_hand = (k_cache.clone(), v_cache.clone())
 write_kv_reference(*by_hand, slots, new_k, new_v)
 want = paged_attention_reference(q, *by_hand, tables, torch.arange(4), ctx, 32**-0.5)
-for fused, split_tokens in ((False, 64), (True, 64), (True, 10_000)):
+for fused, split_tokens, merge in ((False, 64, False), (True, 64, False), (True, 64, True), (True, 10_000, False)):
     FUSED_KV_STORE = fused  # (the module's switch; here the notebook's copy of it)
     pools = (k_cache.clone(), v_cache.clone())
     got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
-                                 new_kv=(new_k, new_v, slots))
+                                 new_kv=(new_k, new_v, slots), merge=merge)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(pools[0], by_hand[0]) and torch.equal(pools[1], by_hand[1]), (fused, split_tokens)
 FUSED_KV_STORE = True
@@ -1429,7 +1571,17 @@ class KernelDecodeAttention:
     FUSED_NORM_ROPE."""
     stores_kv = True
 
-    def __init__(self, impl: str = "auto"): self.impl = impl
+    def __init__(self, impl: str = "auto"):
+        self.impl, self.counters = impl, None  # the last-split-merges counters: zeros, kept across calls and graphs
+
+    def _counters(self, needed: int, device: torch.device) -> torch.Tensor:
+        "Counters for `needed` (sequence, KV head) pairs. They grow only outside a CUDA graph recording (chapter 09b warms up at its largest batch first)."
+        if self.counters is None or self.counters.numel() < needed or self.counters.device != device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"decode attention: {needed} merge counters needed while a CUDA graph records; "
+                                   "call it once at the largest batch before recording")
+            self.counters = torch.zeros(needed, device=device, dtype=torch.int32)
+        return self.counters
 
     @property
     def rope_inside(self) -> bool: return FUSED_NORM_ROPE  # read when a graph is recorded
@@ -1437,7 +1589,8 @@ class KernelDecodeAttention:
     def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
                  rope: NormRope | None = None) -> torch.Tensor:
         return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
-                                      new_kv=new_kv, rope=rope)
+                                      new_kv=new_kv, rope=rope,
+                                      counters=self._counters(q.shape[0] * k_layer.shape[2], q.device))
 
 
 # %% [markdown]
