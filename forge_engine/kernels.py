@@ -6,12 +6,12 @@
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
            'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
            'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
-           'DECODE_LAST_SPLIT_MERGES', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N',
-           'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference',
-           'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul',
-           'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages',
-           'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
-           'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
+           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
+           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
+           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
+           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -101,6 +101,12 @@ def _let_next_start(PDL: tl.constexpr, WAIT: tl.constexpr):
     WAIT: this kernel was launched as one, so it waits for the kernel before it to finish."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    _wait_for_previous(WAIT)
+
+
+@triton.jit
+def _wait_for_previous(WAIT: tl.constexpr):
+    "Launched as a dependent (WAIT): wait here until the kernel before has finished and its writes are visible."
     if WAIT:
         tl.extra.cuda.gdc_wait()
 
@@ -108,11 +114,13 @@ def _let_next_start(PDL: tl.constexpr, WAIT: tl.constexpr):
 DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: measured, no gain (see the GEMV)
 
 
-def _pdl_args(device) -> dict:
+def _pdl_args(device, waits_late: bool = False) -> dict:
     """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention):
-    it lets the next kernel start early, and with DEPENDENT_LAUNCHES is launched early itself, waiting for its input."""
+    it lets the next kernel start early, and with DEPENDENT_LAUNCHES is launched early itself, waiting for its input.
+    `waits_late`: launched early in any case; the kernel waits itself, further on (DECODE_EARLY_TILE)."""
     pdl = pdl_supported(device)
-    return dict(PDL=pdl, WAIT=pdl and DEPENDENT_LAUNCHES, launch_pdl=pdl and DEPENDENT_LAUNCHES)
+    dependent = pdl and (DEPENDENT_LAUNCHES or waits_late)
+    return dict(PDL=pdl, WAIT=dependent and not waits_late, launch_pdl=dependent)
 
 # %% ../nbs/09_kernels.ipynb #37b27908
 def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -558,18 +566,24 @@ def _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, start, end,
             kv_mask = d_mask[None, :]
         token = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt  # [BLOCK_N] offsets into the pool
         k = tl.load(k_ptr + token[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale  # [R, BLOCK_N]
-        if MASKED:
-            s = tl.where(n_mask[None, :] & (offs_n[None, :] <= row_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED, UPCAST, PRECISION)
         v = tl.load(v_ptr + token[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _softmax_step(q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    "One tile's online softmax: (p, the factor alpha that rescales what came before, the new m, the new l)."
+    s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale  # [R, BLOCK_N]
+    if MASKED:
+        s = tl.where((offs_n[None, :] < end) & (offs_n[None, :] <= row_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
@@ -600,6 +614,7 @@ DECODE_MIN_SPLIT = 128  # keys: one tile
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
+DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: not measured yet
 
 
 @triton.jit
@@ -645,7 +660,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
-                   ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr):
+                   ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -657,6 +673,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     row_mask = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    k_head, v_head, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
+    if EARLY_TILE:  # the split's first tile of K/V, written by earlier steps: asked for before waiting for q (WAIT_LATE)
+        offs_n0 = start + tl.arange(0, BLOCK_N)
+        n0_mask = offs_n0 < end
+        token0 = tl.load(tables_ptr + offs_n0 // BLOCK_SIZE, mask=n0_mask, other=0).to(tl.int64) * stride_kb \
+            + (offs_n0 % BLOCK_SIZE) * stride_kt
+        kv0_mask = n0_mask[:, None] & d_mask[None, :]
+        k0 = tl.load(k_head + token0[:, None] + offs_d[None, :], mask=kv0_mask, other=0.0)
+        v0 = tl.load(v_head + token0[:, None] + offs_d[None, :], mask=kv0_mask, other=0.0)
+        _wait_for_previous(WAIT_LATE)
     # everything that depends on no other load is asked for at once, before the first barrier (a reduction's, or the
     # store's below; the compiler moves no load over one): q, with ROPE what normalising and rotating needs, with
     # STORE the new K/V and their slot
@@ -689,22 +715,29 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         if ROPE:
             new_k = _norm_rope_rows(new_k, new_k_pair, k_w, k_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(new_v.dtype)
         mine = d_mask[None, :] & ((ctx - 1) // split_len == split)
-        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        tl.store(k_ptr + at, new_k, mask=mine)
-        tl.store(v_ptr + at, new_v, mask=mine)
+        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + offs_d[None, :]
+        tl.store(k_head + at, new_k, mask=mine)
+        tl.store(v_head + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    k_ptr, v_ptr, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
     row_pos = tl.full([BLOCK_G], 0, tl.int32) + ctx - 1
-    if ONE_LOOP:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, end, stride_kb,
+    if EARLY_TILE:  # (with STORE and ONE_LOOP) the tile loaded early; the new position's K/V from registers
+        new_row = (offs_n0 == ctx - 1)[:, None]
+        k0, v0 = tl.where(new_row, new_k, k0), tl.where(new_row, new_v.to(v0.dtype), v0)
+        p, alpha, m_i, l_i = _softmax_step(q, k0, offs_n0, end, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v0.dtype), v0, UPCAST, PRECISION)
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start + BLOCK_N, end,
+                                     stride_kb, stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST,
+                                     PRECISION)
+    elif ONE_LOOP:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start, end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     else:  # whole tiles without masks, then the partial one in a loop of its own
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, start, full_end, stride_kb,
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start, full_end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
+        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, full_end, end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -806,7 +839,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
-                           counters: torch.Tensor | None = None) -> torch.Tensor:
+                           counters: torch.Tensor | None = None, early_tile: bool | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
     position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
@@ -815,7 +848,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
-    (None: fresh zeros each call, one memset more)."""
+    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
+    one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
+    waits for q, and takes the new position's K/V from registers."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -840,6 +875,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
+    one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
+    early = (DECODE_EARLY_TILE if early_tile is None else early_tile) and fused and one_loop
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
@@ -860,10 +897,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device), STORE=fused,
-        ONE_LOOP=DECODE_ONE_LOOP if one_loop is None else one_loop, ROPE=rope_inside,
-        QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, num_warps=num_warps,
-        **_stages(num_stages))
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, waits_late=early), STORE=fused, ONE_LOOP=one_loop,
+        ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
+        WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,

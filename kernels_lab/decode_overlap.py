@@ -7,7 +7,9 @@ Session 8 added two more, both won and are on: DECODE_ONE_LOOP (the decode atten
 partial last one too, in one masked loop) and FUSED_NORM_ROPE (it also applies q/k-norm and RoPE to q and the new K:
 no norm_rope launch). SWITCHES now holds the settings still worth comparing; session 7's prefetch / dependents rows
 are in docs/benchmarks.md. Session 9: FUSED_SWIGLU (the gate-up GEMV applies SiLU-mul in its epilogue: no silu_mul
-launch) won for BF16 and int8 and is on.
+launch) won for BF16 and int8 and is on. Session 10: DECODE_LAST_SPLIT_MERGES and DECODE_SPLITS_BY_WORK won and are
+on; DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV projection, each program asking for
+its first K/V tile before it waits for q) is measured here.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -90,9 +92,11 @@ def decode_step_ms(engine) -> float:
 
 DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
-             "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK")}
+             "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
+             "DECODE_EARLY_TILE")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "splits by work": dict(DECODE_SPLITS_BY_WORK=True), "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
+    "defaults": {}, "early tile": dict(DECODE_EARLY_TILE=True), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
+    "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
     "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
     "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
     "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False), "defaults again": {}}

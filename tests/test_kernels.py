@@ -306,3 +306,39 @@ def test_gpu_decode_normalises_and_rotates_q_and_the_new_k():
     # (the reference rounds to bf16 after the norm, the weight and the rotation; the kernel once, at the end)
     torch.testing.assert_close(k_cache, by_hand[0], rtol=5e-2, atol=5e-2)
     assert torch.equal(v_cache, by_hand[1])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_early_tile_waits_for_the_projection():
+    """With `early_tile` the decode kernel starts as a dependent of the GEMV that writes q and the new K/V and asks for
+    its first K/V tile before it waits: in a CUDA graph, replayed with new inputs, the bits and pool of the plain
+    launch (lengths put the new position in a split's first tile and in a later one)."""
+    from forge_engine.kernels import gemv
+    bf16 = torch.bfloat16
+    lens = [1, 130, 517, 2048]
+    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda")
+    ctx = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    last = ctx.long() - 1
+    slots = tables[torch.arange(4, device="cuda"), last // 16].long() * 16 + last % 16
+    x, w = randn(4, 2560, dtype=bf16), randn(48 * 128, 2560, dtype=bf16, seed=1) / 50
+    runs = {}
+    for early in (False, True):
+        pools = (k_cache.clone(), v_cache.clone())
+        def step():
+            q, k, v = gemv(x, w).view(4, 48, 128).split([32, 8, 8], dim=1)  # the QKV projection of Qwen3-4B's heads
+            return paged_decode_attention(q, *pools, tables, ctx, 128**-0.5, new_kv=(k, v, slots), early_tile=early)
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        runs[early] = (graph, out, pools)
+    for seed in (11, 12):
+        x.copy_(randn(4, 2560, dtype=bf16, seed=seed))
+        for graph, _, _ in runs.values(): graph.replay()
+        (_, plain, plain_pools), (_, early_out, early_pools) = runs[False], runs[True]
+        assert torch.equal(early_out, plain) and torch.equal(early_pools[0], plain_pools[0]) \
+            and torch.equal(early_pools[1], plain_pools[1]), seed
+        q, k, v = gemv(x, w).view(4, 48, 128).split([32, 8, 8], dim=1)
+        assert torch.equal(plain_pools[0].view(-1, 8, 128)[slots], k)  # this replay's K is in the pool
+        want = paged_attention_reference(q, *plain_pools, tables, torch.arange(5, device="cuda"), ctx, 128**-0.5)
+        torch.testing.assert_close(plain, want, **TOL[bf16])
