@@ -34,17 +34,23 @@ ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr"
            "stride_qn", "stride_om")
 
 
-def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list[str]:
-    "The instructions of the kernel's innermost loop (between the loop's backward branch and its target)."
+def kernel_sass(kernel, signature: dict, constexprs: dict, num_warps: int, aligned=ALIGNED) -> list[tuple[int, str]]:
+    """The kernel compiled for an H200 (sm_90) by Triton and ptxas: its machine code as (address, instruction).
+    `aligned`: the arguments the launchers promise divisible by 16 (as real launches tell the compiler)."""
     names = list(signature)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED if a in signature}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in signature}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
-    path = f"/tmp/gemv_sass_{os.getpid()}.cubin"
+    path = f"/tmp/kernel_sass_{os.getpid()}.cubin"
     with open(path, "wb") as f: f.write(compiled.asm["cubin"])
     sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
     os.remove(path)
-    code = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]+);", sass)]
+    return [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]+);", sass)]
+
+
+def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list[str]:
+    "The instructions of the kernel's innermost loop (between the loop's backward branch and its target)."
+    code = kernel_sass(kernel, signature, constexprs, num_warps)
     for address, text in code:  # the first backward branch closes the loop
         target = re.search(r"BRA (0x[0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address:

@@ -1244,7 +1244,7 @@ FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
                            split_tokens: int | None = None, block_n: int = DECODE_BLOCK_N,
-                           num_warps: int = 4, num_stages: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
                            counters: torch.Tensor | None = None, early_tile: bool | None = None) -> torch.Tensor:
@@ -1258,7 +1258,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
     (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
     one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
-    waits for q, and takes the new position's K/V from registers."""
+    waits for q, and takes the new position's K/V from registers. `num_warps`: default 4, 8 with the early tile (at 4
+    its K and V spill registers, compiled for an H200)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
@@ -1285,6 +1286,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
     early = (DECODE_EARLY_TILE if early_tile is None else early_tile) and fused and one_loop
+    num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
@@ -1403,6 +1405,8 @@ for split_tokens in (64, 10_000):
 # tile (the block table, K and V) before it waits (`gdc_wait`) for q. The new position's K/V,
 # which that tile may hold, is not in the pool yet: it comes from registers, as stored. Later
 # tiles are read after the store, as before. The tests check the bits against the plain launch.
+# Compiled for an H200 without one (`kernels_lab/decode_sass.py`), the held tiles spill
+# registers at 4 warps (76 local loads and stores), none at 8: this variant launches with 8.
 
 # %%
 counters = torch.zeros(3 * 2, dtype=torch.int32)

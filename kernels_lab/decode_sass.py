@@ -1,0 +1,50 @@
+"""The paged decode attention kernel (chapter 09's `_decode_kernel`) compiled for an H200 without a GPU: instructions
+and register spills (local-memory loads and stores, LDL / STL) for each setting worth comparing, Qwen3-4B's heads
+(4 query heads a KV head, head_dim 128, 16-token blocks), q/k-norm + RoPE and the K/V store inside, splits merged by
+the last program.
+
+Why: a variant that spills pays a local-memory round trip per spilled value, which a latency-bound kernel (batch 1:
+8-24 programs) cannot hide. Session 10 (no GPU time left): the plain kernel 2,272 instructions at 4 warps and 128-key
+tiles, none spilled; DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with
+76 spilling loads and stores at 4 warps, none at 8, so the engine launches that variant with 8 warps.
+
+Run anywhere from the repository root (no GPU needed; the interpreter must be off):
+    TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gemv_sass import kernel_sass  # noqa: E402
+
+from forge_engine.kernels import _decode_kernel  # noqa: E402
+
+POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", context_lens_ptr="*i32",
+                out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", count_ptr="*i32",
+                new_k_ptr="*bf16", new_v_ptr="*bf16", slots_ptr="*i64", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
+                cos_ptr="*bf16", sin_ptr="*bf16")
+INTS = ("stride_qb stride_qh stride_ob stride_oh stride_tb stride_kb stride_kt stride_kh stride_nkb stride_nkh "
+        "stride_nvb stride_nvh stride_cos").split()
+SCALARS = dict(eps="fp32", qk_scale="fp32", num_q_heads="i32", split_len="i32", num_splits="i32")
+ALIGNED = (*POINTERS, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "stride_kt", "stride_kh")
+
+
+def decode_sass(early: bool, num_warps: int, block_n: int) -> list[str]:
+    "The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings."
+    constexprs = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=True,
+                      UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ONE_LOOP=True, ROPE=True,
+                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early)
+    signature = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, **{name: "constexpr" for name in constexprs}}
+    return [text for _, text in kernel_sass(_decode_kernel, signature, constexprs, num_warps, ALIGNED)]
+
+
+def main():
+    print("early tile  warps  tile  instructions  spilling loads/stores (LDL/STL)")
+    for early, num_warps, block_n in itertools.product((False, True), (4, 8), (64, 128)):
+        code = decode_sass(early, num_warps, block_n)
+        spills = sum(text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL") for text in code)
+        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {len(code):12d}  {spills:6d}")
+
+
+if __name__ == "__main__":
+    main()
