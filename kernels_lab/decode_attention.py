@@ -15,7 +15,7 @@ Variants
       each KV head is read once per query head of its group (4x the bytes at GQA 4)
   v2  Triton, one program per (sequence, KV head) with the group's queries as rows of a tensor-core
       tile: each KV head read once; no split (forge_engine.kernels with split_tokens = inf)
-  v3  v2 + flash-decoding splits of the context and a merge kernel (forge_engine.kernels: the export)
+  v3  v2 + flash-decoding splits of the context (fixed, 512 keys) and a merge kernel (forge_engine.kernels: the export)
   v4  the exported prefill kernel on the same batch (query length 1): the cost of sending decodes
       through the prefill kernel in a mixed step
   v5  v3's splits with no merge kernel: the last program of a (sequence, KV head) to finish merges every
@@ -28,9 +28,9 @@ Variants
       last partial tile in a second loop, whose table and K/V loads the software pipeliner cannot issue during
       the first; contexts of 300 and 460 keys end in a partial tile (session 7: v3 ~6 us fixed + ~2.4 us per
       128 keys at batch 1).
-  v7  the export with `merge=True` (DECODE_LAST_SPLIT_MERGES): v5's last-program merge inside the exported kernel,
-      and only the splits that hold keys count in (a sequence within one split writes its output directly, empty
-      splits write nothing). Session 9's W2-like timeline (256 sequences of 600 keys, tables 2K wide in the engine's
+  v7  the export with `merge=True` (DECODE_LAST_SPLIT_MERGES), fixed 512-key splits: v5's last-program merge inside
+      the exported kernel, and only the splits that hold keys count in (a sequence within one split writes its
+      output directly, empty splits write nothing). Session 9's W2-like timeline (256 sequences of 600 keys, tables 2K wide in the engine's
       graphs: 4 splits, 2 of them empty) spent 202 us a layer in the decode kernel and 24 in the merge, against
       ~150 for the bytes: the "xW" cases below pad the tables to that width, as the engine's graphs do.
   v8  v7 with the split length from the batch's size too (DECODE_SPLITS_BY_WORK: splits of 128 keys and up, as many
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 import forge_engine.kernels as kernels
-from forge_engine.kernels import (DECODE_BLOCK_N, INTERPRETED, _attend_keys, _dot_precision, _fence_gpu, _pow2,
+from forge_engine.kernels import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, INTERPRETED, _attend_keys, _dot_precision, _fence_gpu, _pow2,
                                   decode_split_len, paged_attention_reference, paged_decode_attention, paged_prefill_attention,
                                   random_paged_kv)
 
@@ -200,13 +200,13 @@ def exported_merging(**knobs):
 
 
 def split_by_work(fn):
-    "fn with chapter 09's DECODE_SPLITS_BY_WORK on for the call (a graph records what the call launches)."
+    "fn with chapter 09's DECODE_SPLITS_BY_WORK on for the call, whatever its default (a graph records the launch)."
     def run(*args):
-        kernels.DECODE_SPLITS_BY_WORK = True
+        default, kernels.DECODE_SPLITS_BY_WORK = kernels.DECODE_SPLITS_BY_WORK, True
         try:
             return fn(*args)
         finally:
-            kernels.DECODE_SPLITS_BY_WORK = False
+            kernels.DECODE_SPLITS_BY_WORK = default
     return run
 
 
@@ -217,12 +217,14 @@ def v4_prefill_kernel(q, k_cache, v_cache, tables, ctx, scale):
 
 VARIANTS = {"v0 torch padded gather + SDPA": v0_torch_padded, "v1 program per query head": v1_per_query_head,
             "v2 GQA tile, no split": exported(split_tokens=1 << 30),
-            "v3 GQA tile + splits (exported)": exported(), "v4 prefill kernel, q len 1": v4_prefill_kernel,
+            "v3 GQA tile + splits (exported)": exported(split_tokens=DECODE_SPLIT_TOKENS, merge=False),
+            "v4 prefill kernel, q len 1": v4_prefill_kernel,
             "v5 splits of 256, last program merges": v5_last_program_merges,
-            "v6 v3 with one masked loop": exported(one_loop=True), "v7 export, last split merges": exported_merging(),
+            "v6 v3 with one masked loop": exported(split_tokens=DECODE_SPLIT_TOKENS, merge=False, one_loop=True),
+            "v7 export, last split merges": exported_merging(split_tokens=DECODE_SPLIT_TOKENS),
             "v8 v7, splits by work": split_by_work(exported_merging())}
 SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_tokens=s, block_n=n, num_warps=w,
-                                                                     num_stages=st)
+                                                                     num_stages=st, merge=False)
          for s, n, w, st in [(1024, 64, 4, None), (512, 128, 4, None), (1024, 128, 4, None), (512, 64, 4, 2),
                              (512, 128, 8, None)]}
 SWEEP.update({f"v5 split={s} block_n={n}": (lambda s, n: lambda *a: v5_last_program_merges(*a, split_tokens=s, block_n=n))(s, n)

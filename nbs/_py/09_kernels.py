@@ -1034,6 +1034,15 @@ def _fence_gpu(x, ON: tl.constexpr):
 
 
 @triton.jit
+def _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, acc, m_i, l_i, offs_d, mask, row_mask,
+                    HEAD_DIM: tl.constexpr):
+    "A split's unnormalised output and its m and l, at `part` ([rows]) of the partials [B, Hq, num_splits, (HEAD_DIM)]."
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+    tl.store(part_m_ptr + part, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part, l_i, mask=row_mask)
+
+
+@triton.jit
 def _store_normalised(out_rows, acc, l_i, mask):
     "A finished softmax: acc / l (a row with no visible key: 0) stored in the output's dtype."
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -1153,18 +1162,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     if not SPLIT:
         _store_normalised(out_rows, acc, l_i, mask)
     elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
-        tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
-        tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
-        tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+        _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part + split, acc, m_i, l_i, offs_d, mask, row_mask,
+                        HEAD_DIM)
     else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
         active = tl.maximum(tl.cdiv(ctx, split_len), 1)
         if active == 1:  # the one split is the whole answer
             if split == 0:
                 _store_normalised(out_rows, acc, l_i, mask)
         elif split < active:
-            tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
-            tl.store(part_m_ptr + part + split, m_i, mask=row_mask)
-            tl.store(part_l_ptr + part + split, l_i, mask=row_mask)
+            _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part + split, acc, m_i, l_i, offs_d, mask, row_mask,
+                            HEAD_DIM)
             _fence_gpu(split, FENCE)  # each thread's partials visible GPU-wide before the count says they are there
             tl.debug_barrier()
             counter = count_ptr + seq * (num_q_heads // GROUP) + kv_head
