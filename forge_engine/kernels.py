@@ -474,8 +474,10 @@ def gemv_loop_stages(loop_stages: int | None = None) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
-         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
+         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
+    `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -489,20 +491,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+    (m, k), n = x.shape, weight.shape[0]
+    if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        out = gemv_reference(x, weight, bias, scale)
-        return silu_mul(out, backend) if swiglu else out
+        result = gemv_reference(x, weight, bias, scale)
+        if swiglu: return silu_mul(result, backend)
+        return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
                              prefetch, loop_stages), backend)
-    (m, k), n = x.shape, weight.shape[0]
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and block_n < 2:
         raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
@@ -614,7 +620,7 @@ DECODE_MIN_SPLIT = 128  # keys: one tile
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: not measured yet
+DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
 
 
 @triton.jit
@@ -921,7 +927,7 @@ PREFILL_ROWS = 64  # rows of a program's query tile: tokens x heads of the group
 PREFILL_BLOCK_N = 64  # keys per tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the table's width changes from step to step: one compiled kernel for all
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, qk_scale,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,

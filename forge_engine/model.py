@@ -116,11 +116,15 @@ def decode_gemv(x: torch.Tensor):
     return triton_kernel("gemv") if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "F.linear; on a GPU, up to GEMV_ROWS input rows go through the small-batch GEMV kernel."
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on a GPU, up to GEMV_ROWS input rows go through the small-batch GEMV kernel. `out`: a contiguous
+    [rows, out_features] tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
     if (gemv := decode_gemv(x)) is not None:
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, out=out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
 
 
 class Linear(nn.Linear):

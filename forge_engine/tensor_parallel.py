@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import math
 import os
 import pickle
 import re
@@ -36,13 +37,13 @@ from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'ALL_REDUCE_CHOICES', 'STACKS_ENV',
-           'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear',
+__all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'SYMM_MEM_ROWS', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'ALL_REDUCE_CHOICES',
+           'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear',
            'VocabParallelEmbedding', 'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model',
            'read_checkpoint_shard', 'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending',
-           'received_pending', 'time_collectives', 'tensor_parallel_report', 'all_reduce_choice', 'symm_mem_takes',
-           'SymmMemAllReduce', 'setup_all_reduce', 'TensorParallelError', 'TensorParallel', 'ParallelRunner',
-           'load_model_parallel']
+           'received_pending', 'time_collectives', 'tensor_parallel_report', 'all_reduce_choice',
+           'symm_mem_buffer_bytes', 'symm_mem_takes', 'symm_mem_takes_shape', 'SymmMemAllReduce', 'setup_all_reduce',
+           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -122,6 +123,14 @@ class AllReduce:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        "Where the fast path stages a message of this shape (a layer may write its output there: no copy), or None."
+        return self.fast.staging(shape, dtype) if self.fast is not None else None
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        "The sum over the ranks of what each wrote into `staging(...)`, as a new tensor."
+        return self.fast.reduce_staged(staged)
+
 
 class RowParallelLinear(nn.Linear):
     "A linear layer over this rank's slice of the input features; an all-reduce sums every rank's partial output."
@@ -130,7 +139,12 @@ class RowParallelLinear(nn.Linear):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(linear(x, self.weight))  # the GEMV kernel for one row on a GPU, like every other layer
+        # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
+        # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
+        staged = self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype)
+        if staged is None:
+            return self.all_reduce(linear(x, self.weight))
+        return self.all_reduce.reduce_staged(linear(x, self.weight, out=staged))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -401,7 +415,8 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
     return report
 
 # %% ../nbs/09c_tensor_parallel.ipynb #d463be46
-SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
+SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer at least: above its size (prefills), NCCL
+SYMM_MEM_ROWS = 512  # ... and as large as a decode step of this many sequences of the model
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
 ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (default: small ones through peer memory)
 ALL_REDUCE_CHOICES = ("symmetric-memory", "nccl")  # (unset or empty: symmetric memory where every rank can)
@@ -415,10 +430,20 @@ def all_reduce_choice() -> str:
     return choice
 
 
+def symm_mem_buffer_bytes(hidden_size: int, dtype: torch.dtype) -> int:
+    "The fast path's buffer: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
+    return max(SYMM_MEM_MAX_BYTES, SYMM_MEM_ROWS * hidden_size * dtype.itemsize)
+
+
 def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
     "Whether the symmetric-memory kernels take `x`: bf16 or fp32, contiguous, a multiple of 4 bytes, at most `max_bytes`."
-    nbytes = x.numel() * x.element_size()
-    return x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and 0 < nbytes <= max_bytes and nbytes % 4 == 0
+    return x.is_contiguous() and symm_mem_takes_shape(x.shape, x.dtype, max_bytes)
+
+
+def symm_mem_takes_shape(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
+    "Whether the symmetric-memory kernels take a contiguous message of this shape and dtype (see `symm_mem_takes`)."
+    nbytes = math.prod(shape) * dtype.itemsize
+    return dtype in (torch.bfloat16, torch.float32) and 0 < nbytes <= max_bytes and nbytes % 4 == 0
 
 
 class SymmMemAllReduce:
@@ -430,15 +455,29 @@ class SymmMemAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
+        if not symm_mem_takes_shape(shape, dtype, self.max_bytes): return None
+        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
+        # each kernel ends with a handshake (every rank has read every buffer): the next message may be staged at once
+        if staged.numel() * staged.element_size() <= ONE_SHOT_MAX_BYTES or not self.two_shot:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        "The sum over the ranks of the message each rank wrote into its `staging` view."
+        out = torch.empty_like(staged)
+        self._reduce(staged, out)
+        return out
+
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
-        if not symm_mem_takes(x, self.max_bytes): return False
-        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        staged.copy_(x)
-        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES or not self.two_shot:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
-        else:
-            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        staged = self.staging(x.shape, x.dtype) if x.is_contiguous() else None
+        if staged is None: return False
+        self._reduce(staged.copy_(x), x)
         return True
 
     def release_waiters(self, stop) -> None:
@@ -496,14 +535,15 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
     if _agree_min(int(why is None)):  # every rank can: build it together
         try:
             _SYMM_MEM_GROUP_NAMES.add(dist.group.WORLD.group_name)  # (tried: a failed rendezvous spoils the name too)
-            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world)
+            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world,
+                                           symm_mem_buffer_bytes(model.plan.config.hidden_size, model.embed.weight.dtype))
         except Exception as e:  # (a rank that fails here may leave the others to the store's timeout)
             why = f"symmetric memory failed to set up: {type(e).__name__}: {e}"
         if not _agree_min(int(reduce.fast is not None)):
             reduce.fast, why = None, why or "symmetric memory failed to set up on another rank"
     else:
         why = why or "another rank cannot use symmetric memory"
-    reduce.path = (f"symmetric memory up to {SYMM_MEM_MAX_BYTES // 1024} KiB (one-shot up to "
+    reduce.path = (f"symmetric memory up to {reduce.fast.max_bytes // 1024} KiB (one-shot up to "
                    f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
                    if reduce.fast is not None else f"NCCL for every all-reduce ({why})")
     return reduce.path

@@ -756,8 +756,10 @@ def gemv_loop_stages(loop_stages: int | None = None) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
-         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N].
+         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
+    `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -771,20 +773,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+    (m, k), n = x.shape, weight.shape[0]
+    if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        out = gemv_reference(x, weight, bias, scale)
-        return silu_mul(out, backend) if swiglu else out
+        result = gemv_reference(x, weight, bias, scale)
+        if swiglu: return silu_mul(result, backend)
+        return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
                              prefetch, loop_stages), backend)
-    (m, k), n = x.shape, weight.shape[0]
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and block_n < 2:
         raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
@@ -814,6 +820,13 @@ for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, 
                                rtol=1e-4, atol=1e-4)  # (the interpreter runs the pipelined loop as written)
 xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
 torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
+# `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
+for impl in ("triton", "torch"):
+    into = torch.full((2, 16), float("nan")).bfloat16()
+    assert gemv(xb, wb, impl=impl, block_k=128, out=into) is into
+    assert torch.equal(into, gemv(xb, wb, impl=impl, block_k=128)), impl
+with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 \[2, 16\]"):
+    gemv(xb, wb, impl="triton", out=torch.empty(16, 2).bfloat16().t())
 # `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue gives the bits of the GEMV followed by `silu_mul`
 # (FUSED_SWIGLU), in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
 for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100, torch.float32, True),
@@ -1022,7 +1035,7 @@ DECODE_MIN_SPLIT = 128  # keys: one tile
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: not measured yet
+DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
 
 
 @triton.jit
@@ -1404,7 +1417,7 @@ for split_tokens in (64, 10_000):
 # alternated: 13,897 / 13,925 / 13,929 → 14,876 / 14,921 / 14,800 output tok/s; W1 364.7 → 367.1
 # tok/s. So the rule is on.
 #
-# **The first tile early** (`DECODE_EARLY_TILE`, not measured on a GPU yet, so off). At batch 1
+# **The first tile early** (`DECODE_EARLY_TILE`: measured, it does not pay, so off). At batch 1
 # the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
 # context length, the block table, K and V, the partials and the merge. Only q and the new K/V
 # come from the projection; the rest of the pool was written by earlier steps. So the kernel
@@ -1414,6 +1427,11 @@ for split_tokens in (64, 10_000):
 # tiles are read after the store, as before. The tests check the bits against the plain launch.
 # Compiled for an H200 without one (`kernels_lab/decode_sass.py`), the held tiles spill
 # registers at 4 warps (76 local loads and stores), none at 8: this variant launches with 8.
+# Measured on an H200 (session 11, random Qwen3-4B; `tests/test_kernels.py -m gpu` passes with
+# it): the batch-1 step 2.643 ms against 2.654 / 2.641 without (`kernels_lab/decode_overlap.py`),
+# W1 368.5 / 368.4 tok/s against 368.6 / 368.4, int8 W1 499.9 against 499.3: no gain; and W2 11,222
+# output tok/s against 15,154, where the 256-sequence kernel launched early holds SMs while the
+# projection still runs. Off; kept as a switch beside `GEMV_L2_PREFETCH` and `DEPENDENT_LAUNCHES`.
 
 # %%
 counters = torch.zeros(3 * 2, dtype=torch.int32)
@@ -1504,6 +1522,13 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # `max_query_len` (a host int: the scheduler knows it) sizes the grid; tiles past a sequence's
 # last token return at once. `kernels_lab/prefill_attention.py` has the naive one-row-per-
 # program version and a one-head-per-program tiled one this beat.
+#
+# Triton compiles a kernel once per *specialisation* of its integer arguments: a value of 1, or a
+# multiple of 16, each get their own compiled code. The block table's row stride is its width,
+# which follows the longest sequence of the step: 1 in a warm-up of short prompts, then a multiple
+# of 16 or not in a real batch, so the first steps of a run compiled the kernel twice more, over a
+# second each, inside the run (session 11, two H200s: a W2 run's prefill steps of 1.48 s and 1.31 s
+# against ~0.1 s). `do_not_specialize` keeps one compiled kernel for every width.
 
 # %%
 #| export
@@ -1511,7 +1536,7 @@ PREFILL_ROWS = 64  # rows of a program's query tile: tokens x heads of the group
 PREFILL_BLOCK_N = 64  # keys per tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the table's width changes from step to step: one compiled kernel for all
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, qk_scale,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import math
 import os
 import pickle
 import re
@@ -263,6 +264,14 @@ class AllReduce:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        "Where the fast path stages a message of this shape (a layer may write its output there: no copy), or None."
+        return self.fast.staging(shape, dtype) if self.fast is not None else None
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        "The sum over the ranks of what each wrote into `staging(...)`, as a new tensor."
+        return self.fast.reduce_staged(staged)
+
 
 class RowParallelLinear(nn.Linear):
     "A linear layer over this rank's slice of the input features; an all-reduce sums every rank's partial output."
@@ -271,7 +280,12 @@ class RowParallelLinear(nn.Linear):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(linear(x, self.weight))  # the GEMV kernel for one row on a GPU, like every other layer
+        # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
+        # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
+        staged = self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype)
+        if staged is None:
+            return self.all_reduce(linear(x, self.weight))
+        return self.all_reduce.reduce_staged(linear(x, self.weight, out=staged))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -678,9 +692,16 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # alone: the `multimem_*` operations, which need it, are not used.)
 #
 # The buffer is allocated once, at startup, as large as the largest message the fast path
-# takes (`SYMM_MEM_MAX_BYTES`: a decode step of 256 sequences of Qwen3-4B is
-# 256 x 2560 x 2 bytes = 1.25 MiB), so its address never moves: a CUDA graph that recorded
-# the copy and the kernel replays them as they are. Larger messages (prefills) and anything
+# takes, so its address never moves: a CUDA graph that recorded the copy and the kernel replays
+# them as they are. Its size (`symm_mem_buffer_bytes`) is the larger of `SYMM_MEM_MAX_BYTES`
+# and a decode step of `SYMM_MEM_ROWS` sequences of the model: 256 sequences of Qwen3-4B are
+# 256 x 2560 x 2 bytes = 1.25 MiB, of Qwen3-14B (5,120 wide) 2.5 MiB. With a fixed 2 MiB the
+# 14B's decode steps at 256 sequences went through NCCL: measured on two H200s (session 11,
+# `forge-engine bench all --model random:qwen3-14b --workloads w1,w2 --tensor-parallel-size 2`),
+# 3.70 ms of all-reduces a step at 256 rows against 0.61 ms at one; with the buffer sized by the model,
+# 1.71 ms, and W2 10,563 → 10,841 output tok/s. The row-parallel layers (output and down projections)
+# write their partial sums straight into the buffer (`AllReduce.staging`: the GEMV kernel or the GEMM
+# takes it as its output), so no copy into it precedes the kernel. Larger messages (prefills) and anything
 # the kernels do not handle (fp16, an odd size, a rank count other than 2, 4 or 8) go
 # through NCCL; every rank decides from the message's shape and dtype alone, so all ranks
 # always take the same path.
@@ -707,7 +728,8 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 
 # %%
 #| export
-SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer: above this (prefills), NCCL
+SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer at least: above its size (prefills), NCCL
+SYMM_MEM_ROWS = 512  # ... and as large as a decode step of this many sequences of the model
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
 ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (default: small ones through peer memory)
 ALL_REDUCE_CHOICES = ("symmetric-memory", "nccl")  # (unset or empty: symmetric memory where every rank can)
@@ -721,10 +743,20 @@ def all_reduce_choice() -> str:
     return choice
 
 
+def symm_mem_buffer_bytes(hidden_size: int, dtype: torch.dtype) -> int:
+    "The fast path's buffer: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
+    return max(SYMM_MEM_MAX_BYTES, SYMM_MEM_ROWS * hidden_size * dtype.itemsize)
+
+
 def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
     "Whether the symmetric-memory kernels take `x`: bf16 or fp32, contiguous, a multiple of 4 bytes, at most `max_bytes`."
-    nbytes = x.numel() * x.element_size()
-    return x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and 0 < nbytes <= max_bytes and nbytes % 4 == 0
+    return x.is_contiguous() and symm_mem_takes_shape(x.shape, x.dtype, max_bytes)
+
+
+def symm_mem_takes_shape(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
+    "Whether the symmetric-memory kernels take a contiguous message of this shape and dtype (see `symm_mem_takes`)."
+    nbytes = math.prod(shape) * dtype.itemsize
+    return dtype in (torch.bfloat16, torch.float32) and 0 < nbytes <= max_bytes and nbytes % 4 == 0
 
 
 class SymmMemAllReduce:
@@ -736,15 +768,29 @@ class SymmMemAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
+        if not symm_mem_takes_shape(shape, dtype, self.max_bytes): return None
+        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
+        # each kernel ends with a handshake (every rank has read every buffer): the next message may be staged at once
+        if staged.numel() * staged.element_size() <= ONE_SHOT_MAX_BYTES or not self.two_shot:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        "The sum over the ranks of the message each rank wrote into its `staging` view."
+        out = torch.empty_like(staged)
+        self._reduce(staged, out)
+        return out
+
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
-        if not symm_mem_takes(x, self.max_bytes): return False
-        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        staged.copy_(x)
-        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES or not self.two_shot:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
-        else:
-            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        staged = self.staging(x.shape, x.dtype) if x.is_contiguous() else None
+        if staged is None: return False
+        self._reduce(staged.copy_(x), x)
         return True
 
     def release_waiters(self, stop) -> None:
@@ -802,14 +848,15 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
     if _agree_min(int(why is None)):  # every rank can: build it together
         try:
             _SYMM_MEM_GROUP_NAMES.add(dist.group.WORLD.group_name)  # (tried: a failed rendezvous spoils the name too)
-            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world)
+            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world,
+                                           symm_mem_buffer_bytes(model.plan.config.hidden_size, model.embed.weight.dtype))
         except Exception as e:  # (a rank that fails here may leave the others to the store's timeout)
             why = f"symmetric memory failed to set up: {type(e).__name__}: {e}"
         if not _agree_min(int(reduce.fast is not None)):
             reduce.fast, why = None, why or "symmetric memory failed to set up on another rank"
     else:
         why = why or "another rank cannot use symmetric memory"
-    reduce.path = (f"symmetric memory up to {SYMM_MEM_MAX_BYTES // 1024} KiB (one-shot up to "
+    reduce.path = (f"symmetric memory up to {reduce.fast.max_bytes // 1024} KiB (one-shot up to "
                    f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
                    if reduce.fast is not None else f"NCCL for every all-reduce ({why})")
     return reduce.path
@@ -820,7 +867,10 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
 
 # %%
 assert symm_mem_takes(torch.zeros(1, 2560, dtype=torch.bfloat16)) and symm_mem_takes(torch.zeros(256, 2560, dtype=torch.bfloat16))
-assert not symm_mem_takes(torch.zeros(512, 2560, dtype=torch.bfloat16))  # 2.5 MiB: NCCL
+assert not symm_mem_takes(torch.zeros(512, 2560, dtype=torch.bfloat16))  # 2.5 MiB: NCCL, with the smallest buffer
+assert symm_mem_buffer_bytes(2560, torch.bfloat16) == 2.5 * 2**20 and symm_mem_buffer_bytes(5120, torch.bfloat16) == 5 * 2**20
+assert symm_mem_buffer_bytes(64, torch.float32) == SYMM_MEM_MAX_BYTES  # (a tiny model: the floor)
+assert symm_mem_takes(torch.zeros(512, 5120, dtype=torch.bfloat16), symm_mem_buffer_bytes(5120, torch.bfloat16))
 assert not symm_mem_takes(torch.zeros(4, 8, dtype=torch.float16))  # no fp16 kernel
 assert not symm_mem_takes(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes
 assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not contiguous
