@@ -68,6 +68,11 @@ class SamplingBatch:
     @property
     def size(self) -> int: return len(self.logprobs)
 
+    @property
+    def adjusts(self) -> bool:
+        "Whether any row has a bias, a penalty or a min_tokens mask (else the logits are used as they are)."
+        return not (self.bias is None and self.repetition is None and self.output_penalty is None and self.forbidden is None)
+
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, eos_ids: Sequence[int] = (),
               device="cpu") -> SamplingBatch:
@@ -200,13 +205,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
                          f"{batch.size} rows x vocab {batch.vocab_size}")
     if logits.device != batch.temperature.device:
         raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
-    adjusted = adjust_logits(logits, batch)
+    adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
+    if len(batch.greedy_rows) == batch.size:  # every row greedy: no rows gathered either
+        return SampleResult(token_ids := adjusted.argmax(-1), batch_logprobs(logits, token_ids, batch.logprobs))
     token_ids = torch.empty(batch.size, dtype=torch.long, device=logits.device)
     if len(batch.greedy_rows):
         token_ids[batch.greedy_rows] = adjusted[batch.greedy_rows].argmax(-1)
     if len(batch.sampled_rows):
         rows = batch.sampled_rows
-        probs = torch.softmax(adjusted[rows] / batch.temperature[rows, None], dim=-1)
+        probs = torch.softmax(adjusted[rows].float() / batch.temperature[rows, None], dim=-1)
         probs = filter_probs_batch(probs, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
         token_ids[rows] = exponential_race(probs, batch.generators)
     return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))
