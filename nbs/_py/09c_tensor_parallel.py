@@ -715,6 +715,13 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # A worker whose rank 0 died exits at once (`_exit_when_orphaned`): ending its process ends
 # its kernels.
 #
+# (Session 11: the symmetric-memory variant of that test hung in all four runs on two H200s, with
+# this chapter's previous code too, while the NCCL variant passed. Rank 0's stacks: the engine
+# waits for the step, the release thread waits for its own fills to finish, the abort thread is
+# inside NCCL's abort. `fail` starts the release thread and then at once destroys the graphs and
+# aborts NCCL; those calls may block the release thread's next launches while a kernel still
+# waits for the dead rank. Open: a fix needs a GPU to be tested on.)
+#
 # **On by default, since session 8.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73
 # all-reduces of one decode step in one CUDA graph): 535 µs through symmetric memory against
 # 1,375 µs through NCCL at one sequence, 1,187 against 2,155 µs at 256. In session 4 the
@@ -938,7 +945,13 @@ finally:
 # steps, against 262.7 and 9,893 without (an earlier build); so steps overlap under tensor
 # parallelism by default too, as on one GPU. In one later call: TP=2 W1 355.3 tok/s (2.81 ms a
 # token) and W2 17,870 tok/s against one GPU's 330.3 (3.03 ms) and 13,872: a token comes sooner
-# on two GPUs, but W2 is 1.29 times one GPU's, not twice. (When a worker is killed while steps
+# on two GPUs, but W2 is 1.29 times one GPU's, not twice. Session 11, with the fast all-reduce path,
+# the row-parallel outputs written into its buffer and the prefill kernel compiled once (chapter 09):
+# TP=2 W1 417.9 tok/s and W2 21,417, against one GPU's W2 15,058 in the same call (1.42 times).
+# Rank 0's GPU in a decode step of 256 sequences (`kernels_lab/tp_step_profile.py`, before the
+# staging change): 7.88 ms at TP=2 against 10.38 at TP=1; the attention and the GEMMs split
+# (5.77 → 3.19 and 3.43 → 2.05 ms), the collectives add 1.33 ms, and the rest (sampling over the
+# whole vocabulary on rank 0, the norms, the embedding) does not split. (When a worker is killed while steps
 # overlap, rank 0 may find its pipe broken first; the requests fail with the dead worker's exit
 # code, or, where none is found dead within the wait, naming the worker whose pipe broke.)
 #
