@@ -1,0 +1,40 @@
+"""The engine's decode step on the CPU, 256 greedy sequences of the tiny random model (its vocabulary is Qwen3's
+151,936 words, so the LM head and the sampler are full size): ms a step over 30 steps, then the top functions under
+cProfile (sorted by SORT: tottime or cumtime). Runs anywhere, no GPU needed:
+    PYTHONPATH=. python3 kernels_lab/host_step_profile.py [tottime|cumtime]
+Session 11 (this project's 2-core CI-class machine): 212.8 / 210.4 ms a step before the sampler skipped its float32
+copy of the logits for batches with nothing to adjust (b515a7d), 107.9 / 112.1 ms after."""
+import cProfile
+import pstats
+import sys
+import time
+
+from forge_engine.bench import random_prompts
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+
+STEPS = 30
+
+
+def main():
+    sort = sys.argv[1] if len(sys.argv) > 1 else "tottime"
+    engine = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False),
+                       EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_bytes=2**28))
+    for prompt in random_prompts(256, 20, 60, seed=0):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=STEPS + 50, ignore_eos=True))
+    while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running): engine.step()
+    for _ in range(5): engine.step()
+    start = time.perf_counter()
+    for _ in range(STEPS): engine.step()
+    print(f"{(time.perf_counter() - start) / STEPS * 1e3:.2f} ms a decode step (256 sequences, no profiler)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(STEPS): engine.step()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats(sort).print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
