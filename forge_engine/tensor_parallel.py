@@ -25,10 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
 from .config import EngineConfig, ModelConfig
 from .engine import ModelRunner, PendingTokens, build_runner
+from .kernels import INTERPRETED
 from .kv_cache import to_device
 from .loader import LoadedModel, finish_stats, model_config_of
 from .loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
@@ -38,12 +41,13 @@ from .tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'SYMM_MEM_ROWS', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'ALL_REDUCE_CHOICES',
-           'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan', 'shard_tensors', 'AllReduce', 'RowParallelLinear',
-           'VocabParallelEmbedding', 'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model',
-           'read_checkpoint_shard', 'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending',
-           'received_pending', 'time_collectives', 'tensor_parallel_report', 'all_reduce_choice',
-           'symm_mem_buffer_bytes', 'symm_mem_takes', 'symm_mem_takes_shape', 'SymmMemAllReduce', 'setup_all_reduce',
-           'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
+           'RELEASE_ON_GPU_S', 'RELEASE_LAUNCH_WAIT_S', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan',
+           'shard_tensors', 'AllReduce', 'RowParallelLinear', 'VocabParallelEmbedding', 'all_gather_columns',
+           'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard', 'random_checkpoint', 'load_shard',
+           'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending', 'time_collectives',
+           'tensor_parallel_report', 'all_reduce_choice', 'symm_mem_buffer_bytes', 'symm_mem_takes',
+           'symm_mem_takes_shape', 'release_on_device', 'SymmMemAllReduce', 'setup_all_reduce', 'TensorParallelError',
+           'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
 # %% ../nbs/09c_tensor_parallel.ipynb #2fd8cd65
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
@@ -446,6 +450,45 @@ def symm_mem_takes_shape(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: 
     return dtype in (torch.bfloat16, torch.float32) and 0 < nbytes <= max_bytes and nbytes % 4 == 0
 
 
+RELEASE_ON_GPU_S = 2.0  # how long the release kernel plays a dead rank's side: the steps in flight, an abort's wait
+RELEASE_LAUNCH_WAIT_S = 2.0  # after a failure, how long at most the abort waits for that kernel to be queued
+
+
+@triton.jit
+def _clock_ns(tick, ON_GPU: tl.constexpr):
+    "On the GPU: wait about a microsecond, then read the GPU's global clock (ns). Interpreted: 0 (no clock there)."
+    if ON_GPU:
+        return tl.inline_asm_elementwise("{ nanosleep.u32 1000; mov.u64 $0, %globaltimer; }", "=l,r", [tick],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+    return tick.to(tl.int64) * 0
+
+
+# (no integer argument specialised: the launch at setup, with nothing to do, compiles the one a failure launches)
+@triton.jit(do_not_specialize=["slots", "world", "peer", "rank", "duration_us", "rounds"])
+def _release_kernel(mine_ptr, theirs_ptr, slots, world, peer, rank, duration_us, rounds,
+                    BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
+    """Play dead rank `peer`'s side of every handshake slot (see `release_waiters`) over and over, for `duration_us`
+    of the GPU's clock and at most `rounds` times: "peer has arrived" in our pad, "peer took our signal" in theirs."""
+    i = 0
+    start = _clock_ns(i, ON_GPU)
+    now = start
+    while (i < rounds) & (now - start < duration_us.to(tl.int64) * 1000):
+        for first in range(0, slots, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ok = offs < slots
+            tl.atomic_xchg(mine_ptr + offs * world + peer, 1, mask=ok, sem="relaxed", scope="sys")
+            tl.atomic_xchg(theirs_ptr + offs * world + rank, 0, mask=ok, sem="relaxed", scope="sys")
+        i += 1
+        now = _clock_ns(i, ON_GPU)
+
+
+def release_on_device(mine: torch.Tensor, theirs: torch.Tensor, world: int, peer: int, rank: int,
+                      seconds: float = RELEASE_ON_GPU_S, rounds: int = 2**31 - 1) -> None:
+    "Launch `_release_kernel` (one program) on the current stream over signal pads `mine` (this rank's) and `theirs`."
+    _release_kernel[(1,)](mine, theirs, mine.numel() // world, world, peer, rank, int(seconds * 1e6), rounds,
+                          BLOCK=128, ON_GPU=not INTERPRETED)
+
+
 class SymmMemAllReduce:
     "Sum over the ranks of small CUDA tensors through peer memory (PyTorch symmetric memory). Every rank builds one, together."
     def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
@@ -454,6 +497,9 @@ class SymmMemAllReduce:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+        # compiled and loaded now, with nothing to do: after a failure its launch must not wait for a compiler
+        mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
+        release_on_device(mine, mine, world, rank, rank, seconds=0.0, rounds=0)
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
@@ -480,13 +526,19 @@ class SymmMemAllReduce:
         self._reduce(staged.copy_(x), x)
         return True
 
-    def release_waiters(self, stop) -> None:
+    def release_waiters(self, stop, launched: threading.Event | None = None) -> None:
         """After a rank died: until `stop()`, play every peer's side of the kernels' handshakes, so that none waits
         for ever. A kernel's block b signals peer p by setting slot b * world + rank of p's pad (0 -> 1), and
-        waits until p has set slot b * world + p of its own pad (1 -> 0)."""
-        mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32).view(-1, self.world)
+        waits until p has set slot b * world + p of its own pad (1 -> 0). First on the GPU (`_release_kernel`, for
+        RELEASE_ON_GPU_S; `launched` is set once it is queued), then from here with small fills."""
+        mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32)
         peers = [p for p in range(self.world) if p != self.rank]
-        theirs = [self.handle.get_signal_pad(p, dtype=torch.int32).view(-1, self.world) for p in peers]
+        theirs = [self.handle.get_signal_pad(p, dtype=torch.int32) for p in peers]
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # a stream of its own: it runs for seconds
+            for p, pad in zip(peers, theirs):
+                release_on_device(mine, pad, self.world, p, self.rank)
+        if launched is not None: launched.set()
+        mine, theirs = mine.view(-1, self.world), [pad.view(-1, self.world) for pad in theirs]
         stream = torch.cuda.Stream(self.device)  # beside the stream whose kernels wait
         with torch.cuda.stream(stream):
             while not stop():
@@ -638,9 +690,11 @@ class _Group:
             if self.failure is not None or self.closing: return
             self.failure = why
             if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
-                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing,),
+                launched = threading.Event()
+                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing, launched),
                                                  name="forge-tp-release", daemon=True)
                 self.releaser.start()
+                launched.wait(RELEASE_LAUNCH_WAIT_S)  # the release kernel queued before anything here may block launches
             self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)

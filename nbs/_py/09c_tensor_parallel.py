@@ -93,10 +93,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
 from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import ModelRunner, PendingTokens, build_runner
+from forge_engine.kernels import INTERPRETED
 from forge_engine.kv_cache import to_device
 from forge_engine.loader import LoadedModel, finish_stats, model_config_of
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
@@ -715,12 +718,17 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # A worker whose rank 0 died exits at once (`_exit_when_orphaned`): ending its process ends
 # its kernels.
 #
-# (Session 11: the symmetric-memory variant of that test hung in all four runs on two H200s, with
-# this chapter's previous code too, while the NCCL variant passed. Rank 0's stacks: the engine
-# waits for the step, the release thread waits for its own fills to finish, the abort thread is
-# inside NCCL's abort. `fail` starts the release thread and then at once destroys the graphs and
-# aborts NCCL; those calls may block the release thread's next launches while a kernel still
-# waits for the dead rank. Open: a fix needs a GPU to be tested on.)
+# Releasing from the host needs a launch every round, and a host thread's launches can wait
+# behind another thread's blocking call: in session 11 the symmetric-memory variant of the
+# killed-worker test hung in all four runs on two H200s (the NCCL variant passed), with rank 0's
+# release thread waiting for its own fills, the abort thread inside NCCL's abort, and the engine
+# waiting for the step, while a kernel of the step waited for the dead rank. So the release
+# starts on the GPU: `_release_kernel`, one program, plays the dead rank's side of every slot
+# over and over for `RELEASE_ON_GPU_S` seconds of the GPU's clock (`%globaltimer`, a microsecond's
+# `nanosleep` between rounds), needing no host call while NCCL's abort runs; it is compiled when
+# the fast path is set up, and the abort waits until it is queued. The host's fills take over
+# afterwards. Checked here under the interpreter (its indexing) and compiled for an H200 offline;
+# **not yet run on GPUs** (no GPU time was left in session 11): `tests/test_tp_gpu.py` will say.
 #
 # **On by default, since session 8.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73
 # all-reduces of one decode step in one CUDA graph): 535 µs through symmetric memory against
@@ -766,6 +774,45 @@ def symm_mem_takes_shape(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: 
     return dtype in (torch.bfloat16, torch.float32) and 0 < nbytes <= max_bytes and nbytes % 4 == 0
 
 
+RELEASE_ON_GPU_S = 2.0  # how long the release kernel plays a dead rank's side: the steps in flight, an abort's wait
+RELEASE_LAUNCH_WAIT_S = 2.0  # after a failure, how long at most the abort waits for that kernel to be queued
+
+
+@triton.jit
+def _clock_ns(tick, ON_GPU: tl.constexpr):
+    "On the GPU: wait about a microsecond, then read the GPU's global clock (ns). Interpreted: 0 (no clock there)."
+    if ON_GPU:
+        return tl.inline_asm_elementwise("{ nanosleep.u32 1000; mov.u64 $0, %globaltimer; }", "=l,r", [tick],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+    return tick.to(tl.int64) * 0
+
+
+# (no integer argument specialised: the launch at setup, with nothing to do, compiles the one a failure launches)
+@triton.jit(do_not_specialize=["slots", "world", "peer", "rank", "duration_us", "rounds"])
+def _release_kernel(mine_ptr, theirs_ptr, slots, world, peer, rank, duration_us, rounds,
+                    BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
+    """Play dead rank `peer`'s side of every handshake slot (see `release_waiters`) over and over, for `duration_us`
+    of the GPU's clock and at most `rounds` times: "peer has arrived" in our pad, "peer took our signal" in theirs."""
+    i = 0
+    start = _clock_ns(i, ON_GPU)
+    now = start
+    while (i < rounds) & (now - start < duration_us.to(tl.int64) * 1000):
+        for first in range(0, slots, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ok = offs < slots
+            tl.atomic_xchg(mine_ptr + offs * world + peer, 1, mask=ok, sem="relaxed", scope="sys")
+            tl.atomic_xchg(theirs_ptr + offs * world + rank, 0, mask=ok, sem="relaxed", scope="sys")
+        i += 1
+        now = _clock_ns(i, ON_GPU)
+
+
+def release_on_device(mine: torch.Tensor, theirs: torch.Tensor, world: int, peer: int, rank: int,
+                      seconds: float = RELEASE_ON_GPU_S, rounds: int = 2**31 - 1) -> None:
+    "Launch `_release_kernel` (one program) on the current stream over signal pads `mine` (this rank's) and `theirs`."
+    _release_kernel[(1,)](mine, theirs, mine.numel() // world, world, peer, rank, int(seconds * 1e6), rounds,
+                          BLOCK=128, ON_GPU=not INTERPRETED)
+
+
 class SymmMemAllReduce:
     "Sum over the ranks of small CUDA tensors through peer memory (PyTorch symmetric memory). Every rank builds one, together."
     def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
@@ -774,6 +821,9 @@ class SymmMemAllReduce:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+        # compiled and loaded now, with nothing to do: after a failure its launch must not wait for a compiler
+        mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
+        release_on_device(mine, mine, world, rank, rank, seconds=0.0, rounds=0)
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
@@ -800,13 +850,19 @@ class SymmMemAllReduce:
         self._reduce(staged.copy_(x), x)
         return True
 
-    def release_waiters(self, stop) -> None:
+    def release_waiters(self, stop, launched: threading.Event | None = None) -> None:
         """After a rank died: until `stop()`, play every peer's side of the kernels' handshakes, so that none waits
         for ever. A kernel's block b signals peer p by setting slot b * world + rank of p's pad (0 -> 1), and
-        waits until p has set slot b * world + p of its own pad (1 -> 0)."""
-        mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32).view(-1, self.world)
+        waits until p has set slot b * world + p of its own pad (1 -> 0). First on the GPU (`_release_kernel`, for
+        RELEASE_ON_GPU_S; `launched` is set once it is queued), then from here with small fills."""
+        mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32)
         peers = [p for p in range(self.world) if p != self.rank]
-        theirs = [self.handle.get_signal_pad(p, dtype=torch.int32).view(-1, self.world) for p in peers]
+        theirs = [self.handle.get_signal_pad(p, dtype=torch.int32) for p in peers]
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # a stream of its own: it runs for seconds
+            for p, pad in zip(peers, theirs):
+                release_on_device(mine, pad, self.world, p, self.rank)
+        if launched is not None: launched.set()
+        mine, theirs = mine.view(-1, self.world), [pad.view(-1, self.world) for pad in theirs]
         stream = torch.cuda.Stream(self.device)  # beside the stream whose kernels wait
         with torch.cuda.stream(stream):
             while not stop():
@@ -881,6 +937,14 @@ assert symm_mem_takes(torch.zeros(512, 5120, dtype=torch.bfloat16), symm_mem_buf
 assert not symm_mem_takes(torch.zeros(4, 8, dtype=torch.float16))  # no fp16 kernel
 assert not symm_mem_takes(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes
 assert not symm_mem_takes(torch.zeros(8, 8, dtype=torch.bfloat16).t())  # not contiguous
+if INTERPRETED:  # the release kernel's slots (on a GPU it loops on the clock; here a few rounds): rank 0 of 2, peer 1
+    # (the exported kernel: Triton's interpreter copies its own globals, `__file__` among them, into the kernel's, and
+    # in this notebook's namespace that `__file__` would send the ranks spawned further down to run the interpreter)
+    from forge_engine import tensor_parallel as exported
+    mine, theirs = torch.zeros(10, 2, dtype=torch.int32), torch.ones(10, 2, dtype=torch.int32)
+    exported.release_on_device(mine.view(-1), theirs.view(-1), 2, 1, 0, rounds=2)
+    assert (mine[:, 1] == 1).all() and (mine[:, 0] == 0).all()  # "1 has arrived" in every block's slot, ours untouched
+    assert (theirs[:, 0] == 0).all() and (theirs[:, 1] == 1).all()  # "1 took our signal"; its own slots untouched
 
 # the path asked for in the environment: symmetric memory unless FORGE_TP_ALL_REDUCE=nccl; anything else is an error
 for value, want in (("", "symmetric-memory"), ("NCCL", "nccl"), ("symmetric-memory", "symmetric-memory")):
@@ -1059,9 +1123,11 @@ class _Group:
             if self.failure is not None or self.closing: return
             self.failure = why
             if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
-                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing,),
+                launched = threading.Event()
+                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing, launched),
                                                  name="forge-tp-release", daemon=True)
                 self.releaser.start()
+                launched.wait(RELEASE_LAUNCH_WAIT_S)  # the release kernel queued before anything here may block launches
             self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)
