@@ -821,9 +821,14 @@ class SymmMemAllReduce:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
-        # compiled and loaded now, with nothing to do: after a failure its launch must not wait for a compiler
+        # the release kernel compiled and loaded now, with nothing to do: after a failure its launch must not wait for
+        # a compiler. Where it cannot run, only the release from the host is left (the fast path itself is unaffected)
         mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
-        release_on_device(mine, mine, world, rank, rank, seconds=0.0, rounds=0)
+        try:
+            release_on_device(mine, mine, world, rank, rank, seconds=0.0, rounds=0)
+            self.release_kernel_error = None
+        except Exception as e:
+            self.release_kernel_error = f"{type(e).__name__}: {e}"
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
@@ -858,9 +863,10 @@ class SymmMemAllReduce:
         mine = self.handle.get_signal_pad(self.rank, dtype=torch.int32)
         peers = [p for p in range(self.world) if p != self.rank]
         theirs = [self.handle.get_signal_pad(p, dtype=torch.int32) for p in peers]
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # a stream of its own: it runs for seconds
-            for p, pad in zip(peers, theirs):
-                release_on_device(mine, pad, self.world, p, self.rank)
+        if self.release_kernel_error is None:
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):  # a stream of its own: it runs for seconds
+                for p, pad in zip(peers, theirs):
+                    release_on_device(mine, pad, self.world, p, self.rank)
         if launched is not None: launched.set()
         mine, theirs = mine.view(-1, self.world), [pad.view(-1, self.world) for pad in theirs]
         stream = torch.cuda.Stream(self.device)  # beside the stream whose kernels wait
@@ -922,6 +928,8 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
     reduce.path = (f"symmetric memory up to {reduce.fast.max_bytes // 1024} KiB (one-shot up to "
                    f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
                    if reduce.fast is not None else f"NCCL for every all-reduce ({why})")
+    if reduce.fast is not None and reduce.fast.release_kernel_error is not None:
+        reduce.path += f"; after a failure released from the host only ({reduce.fast.release_kernel_error})"
     return reduce.path
 
 
