@@ -2,8 +2,9 @@
 # Tensor parallelism on a 2-GPU machine in one device call (7 min 50 s at most: the steps' limits add up to 470 s):
 # the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the GPU tests
 # (tests/test_tp_gpu.py), then W1 and W2 on $MODEL (default random:qwen3-4b; random:qwen3-14b for the larger
-# shape) at --tensor-parallel-size 2 (the default symmetric-memory all-reduces, then NCCL) and at 1; steps overlap by
-# default. FORGE_HOME must hold the models' tokenizer (qwen3-tokenizer: `forge-engine models pull qwen3-tokenizer`).
+# shape) at --tensor-parallel-size 2 (the default symmetric-memory all-reduces; FORGE_TP_ALL_REDUCE=nccl in the
+# environment for NCCL) and at 1, and rank 0's GPU time in a 256-sequence decode step at TP=2
+# (kernels_lab/tp_step_profile.py); steps overlap by default. FORGE_HOME must hold the models' tokenizer (qwen3-tokenizer: `forge-engine models pull qwen3-tokenizer`).
 # (kernels_lab/tp_step_message.py needs no GPU: run it anywhere.)
 # Run from the repository root: OUT=/some/dir [MODEL=random:qwen3-14b] bash kernels_lab/tp_gpu_check.sh
 # Logs under $OUT: one per step, summary.txt (exit code and seconds of each), tp_allreduce.json,
@@ -43,8 +44,8 @@ step tp_allreduce 50 python3 kernels_lab/tp_allreduce.py --out "$out"
 step pytest_tp_gpu 130 python3 -m pytest -v -s -p no:cacheprovider -m gpu -o faulthandler_timeout=110 tests/test_tp_gpu.py
 bench=(python3 -m forge_engine bench all --model "${MODEL:-random:qwen3-4b}" --workloads w1,w2)
 step bench_tp2 100 "${bench[@]}" --tensor-parallel-size 2 --out "$out/bench_tp2"
-FORGE_TP_ALL_REDUCE=nccl step bench_tp2_nccl 100 "${bench[@]}" --tensor-parallel-size 2 \
-  --out "$out/bench_tp2_nccl"
+step tp_profile 100 python3 kernels_lab/tp_step_profile.py --tp=2 --model="${MODEL:-random:qwen3-4b}"
 step bench_tp1 90 "${bench[@]}" --out "$out/bench_tp1"
 grep -h "W1 \|W2 " "$out"/bench_tp*.log | tee -a "$out/summary.txt"
 grep -h "decode step:" "$out/tp_allreduce.log" | tee -a "$out/summary.txt"
+grep -h -A6 "seqs=" "$out/tp_profile.log" | tee -a "$out/summary.txt"
