@@ -1430,8 +1430,9 @@ for split_tokens in (64, 10_000):
 # Measured on an H200 (session 11, random Qwen3-4B; `tests/test_kernels.py -m gpu` passes with
 # it): the batch-1 step 2.643 ms against 2.654 / 2.641 without (`kernels_lab/decode_overlap.py`),
 # W1 368.5 / 368.4 tok/s against 368.6 / 368.4, int8 W1 499.9 against 499.3: no gain; and W2 11,222
-# output tok/s against 15,154, where the 256-sequence kernel launched early holds SMs while the
-# projection still runs. Off; kept as a switch beside `GEMV_L2_PREFETCH` and `DEPENDENT_LAUNCHES`.
+# output tok/s against 15,154 (not profiled; likely the 256-sequence kernel, launched early, holds
+# SMs while the projection still runs). Off; kept as a switch beside `GEMV_L2_PREFETCH` and
+# `DEPENDENT_LAUNCHES`.
 
 # %%
 counters = torch.zeros(3 * 2, dtype=torch.int32)
