@@ -206,14 +206,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if logits.device != batch.temperature.device:
         raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
     adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
-    if len(batch.greedy_rows) == batch.size:  # every row greedy: no rows gathered either
-        return SampleResult(token_ids := adjusted.argmax(-1), batch_logprobs(logits, token_ids, batch.logprobs))
+    if not len(batch.sampled_rows):  # every row greedy: the argmax in place, no rows gathered
+        token_ids = adjusted.argmax(-1)
+        return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))
     token_ids = torch.empty(batch.size, dtype=torch.long, device=logits.device)
     if len(batch.greedy_rows):
         token_ids[batch.greedy_rows] = adjusted[batch.greedy_rows].argmax(-1)
-    if len(batch.sampled_rows):
-        rows = batch.sampled_rows
-        probs = torch.softmax(adjusted[rows].float() / batch.temperature[rows, None], dim=-1)
-        probs = filter_probs_batch(probs, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
-        token_ids[rows] = exponential_race(probs, batch.generators)
+    rows = batch.sampled_rows
+    probs = torch.softmax(adjusted[rows].float() / batch.temperature[rows, None], dim=-1)
+    probs = filter_probs_batch(probs, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    token_ids[rows] = exponential_race(probs, batch.generators)
     return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))

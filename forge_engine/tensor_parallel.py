@@ -526,9 +526,8 @@ class SymmMemAllReduce:
 
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
-        staged = self.staging(x.shape, x.dtype) if x.is_contiguous() else None
-        if staged is None: return False
-        self._reduce(staged.copy_(x), x)
+        if not symm_mem_takes(x, self.max_bytes): return False
+        self._reduce(self.staging(x.shape, x.dtype).copy_(x), x)
         return True
 
     def release_waiters(self, stop, launched: threading.Event | None = None) -> None:
