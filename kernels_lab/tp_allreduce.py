@@ -6,7 +6,11 @@ Variants, each an in-place sum over the 2 ranks:
 v0 nccl      `dist.all_reduce` (the reference: what chapter 09c ran before);
 v1 one-shot  copy into the symmetric buffer, `symm_mem.one_shot_all_reduce_out` (every rank reads every buffer);
 v2 two-shot  copy into the symmetric buffer, `symm_mem.two_shot_all_reduce_out` (each rank adds 1/N, then gathers);
-v3 engine    chapter 09c's `AllReduce` with its `SymmMemAllReduce`: one-shot or two-shot by size (what ships).
+v3 engine    chapter 09c's `AllReduce` with its `SymmMemAllReduce`: one-shot or two-shot by size (the embedding's);
+v4 +norm     v3, then chapter 09's residual add + RMSNorm kernel (what the row-parallel layers' sums cost until session 12);
+v5 fused     copy into the symmetric buffer, chapter 09c's all-reduce + residual add + RMSNorm kernel
+             (`SymmMemAllReduce.add_rmsnorm`), then the new residual copied back into x (the in-place contract here):
+             what the row-parallel layers' sums cost now, plus two copies the engine does not make.
 
 Validation, at every size, eager and replayed from a CUDA graph: each result within bf16 rounding of the
 fp32 sum of both ranks' inputs (every rank draws every rank's input from its seed), and bit-identical on
@@ -50,13 +54,31 @@ def variants(fast, group_name: str):
         s = fast.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
         s.copy_(x)
         return s
+    from forge_engine.kernels import add_rmsnorm
     engine = AllReduce()
     engine.fast = fast
+    zeros, ones = {}, {}  # the residual (zero: the new residual is the sum) and the norm weight, by shape
+
+    def constants(x):
+        if x.shape not in zeros:
+            zeros[x.shape], ones[x.shape] = torch.zeros_like(x), torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return zeros[x.shape], ones[x.shape]
+
+    def then_norm(x):
+        engine(x)
+        return add_rmsnorm(x, constants(x)[0], constants(x)[1], 1e-6)
+
+    def fused(x):
+        out = fast.add_rmsnorm(staged(x), *constants(x), 1e-6)
+        x.copy_(out[1])
+        return out
     out = {"v0 nccl": lambda x: dist.all_reduce(x),
            "v1 one-shot": lambda x: torch.ops.symm_mem.one_shot_all_reduce_out(staged(x), "sum", group_name, x)}
     if fast.two_shot:
         out["v2 two-shot"] = lambda x: torch.ops.symm_mem.two_shot_all_reduce_out(staged(x), "sum", group_name, x)
     out["v3 engine"] = engine
+    out["v4 +norm"] = then_norm
+    out["v5 fused"] = fused
     return out
 
 
@@ -128,9 +150,15 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         row = {"rows": rows, "bytes": rows * HIDDEN * 2}
         for name, fn in variants(fast, group_name).items():
             x = parts[rank].clone()
-            fn(x)
+            result = fn(x)
             torch.cuda.synchronize()
             check(name, "eager", x, parts)
+            if name == "v5 fused":  # its normalised rows: those of the unfused path, within bf16 rounding
+                from forge_engine.kernels import add_rmsnorm_reference
+                want = add_rmsnorm_reference(x.float(), None, torch.ones(HIDDEN, device=device), 1e-6)[0]
+                if not torch.allclose(result[0].float(), want, rtol=2e-2, atol=2e-2):
+                    raise AssertionError(f"v5 fused at {rows} rows: the normalised rows are off by "
+                                         f"{(result[0].float() - want).abs().max().item():.3g}")
             row[f"{name} eager_us"] = eager_us(fn, x)
             row[f"{name} graph_us"] = graph_us(fn, x, parts, name, rank)
         table.append(row)
@@ -147,7 +175,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         for r in table:
             print(f"{r['rows']:>5} {r['bytes']:>9} | " + " | ".join(f"{r[n + ' graph_us']:>12.1f}" for n in names)
                   + f"   decode step: nccl {r['v0 nccl graph_us'] * PER_STEP:.0f} us, "
-                    f"engine {r['v3 engine graph_us'] * PER_STEP:.0f} us")
+                    f"+norm {r['v4 +norm graph_us'] * PER_STEP:.0f} us, fused {r['v5 fused graph_us'] * PER_STEP:.0f} us")
         result = {"torch": torch.__version__, "nccl": torch.cuda.nccl.version(), "gpu": torch.cuda.get_device_name(0),
                   "world": WORLD, "hidden": HIDDEN, "dtype": "bfloat16", "per_step": PER_STEP, "table": table}
         os.makedirs(out_dir, exist_ok=True)

@@ -99,11 +99,11 @@ from torch import nn
 
 from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import ModelRunner, PendingTokens, build_runner
-from forge_engine.kernels import INTERPRETED
+from forge_engine.kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from forge_engine.kv_cache import to_device
 from forge_engine.loader import LoadedModel, finish_stats, model_config_of
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
-from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
+from forge_engine.model import RMSNorm, Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
 from forge_engine.registry import ResolvedModel, describe_model
 from forge_engine.tokenizer import Tokenizer
 
@@ -241,12 +241,16 @@ torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-5, atol=1e-6)
 # %% [markdown]
 # ## The parallel modules
 #
-# Three module swaps turn a `Transformer` of the shard config into a rank's part of the whole
+# Four module swaps turn a `Transformer` of the shard config into a rank's part of the whole
 # model. Their parameter names stay those of the modules they replace (`attn.o.weight`,
 # `embed.weight`), so `load_weights` of chapter 03 fills them unchanged, and the layers'
 # `forward` code is not touched at all:
 #
-# - `RowParallelLinear` (for `attn.o` and `mlp.down`): the linear, then an all-reduce;
+# - `RowParallelLinear` (for `attn.o` and `mlp.down`): the linear over this rank's inputs, whose
+#   output is a partial sum;
+# - `ReducingRMSNorm` (every RMSNorm of the residual stream): the layers hand the partial sums to
+#   the norms that add them to the residual (`add_and_norm`), and these finish the all-reduce
+#   first (one kernel for all three on GPUs, see *Small all-reduces* below);
 # - `VocabParallelEmbedding`: look up the ids this rank owns, zeros for the others, all-reduce;
 # - the LM head computes this rank's slice of the logits; an all-gather assembles the row.
 #
@@ -271,13 +275,15 @@ class AllReduce:
         "Where the fast path stages a message of this shape (a layer may write its output there: no copy), or None."
         return self.fast.staging(shape, dtype) if self.fast is not None else None
 
-    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
-        "The sum over the ranks of what each wrote into `staging(...)`, as a new tensor."
-        return self.fast.reduce_staged(staged)
+    def add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        "The fast path's all-reduce + residual add + RMSNorm in one kernel, where it staged `partial`; else None."
+        return self.fast.add_rmsnorm(partial, residual, weight, eps) if self.fast is not None else None
 
 
 class RowParallelLinear(nn.Linear):
-    "A linear layer over this rank's slice of the input features; an all-reduce sums every rank's partial output."
+    """A linear layer over this rank's slice of the input features: this rank's *partial* output. The sum over the
+    ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`)."""
     def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce):
         super().__init__(in_features, out_features, bias=False)
         self.all_reduce = all_reduce
@@ -285,10 +291,19 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
         # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
-        staged = self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype)
-        if staged is None:
-            return self.all_reduce(linear(x, self.weight))
-        return self.all_reduce.reduce_staged(linear(x, self.weight, out=staged))
+        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype))
+
+
+class ReducingRMSNorm(RMSNorm):
+    """The norm after a row-parallel layer: `add_and_norm` gets that layer's partial output, sums it over the ranks,
+    adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first."""
+    def __init__(self, dim: int, eps: float, all_reduce: AllReduce):
+        super().__init__(dim, eps)
+        self.all_reduce = all_reduce
+
+    def add_and_norm(self, partial: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.all_reduce.add_rmsnorm(partial, residual, self.weight, self.eps)
+        return fused if fused is not None else super().add_and_norm(self.all_reduce(partial), residual)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -327,6 +342,10 @@ class ShardedTransformer(Transformer):
         for layer in self.layers:
             layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce)
             layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce)
+            # the norms that take their outputs (the next layer's attn_norm, and the final norm, take down's)
+            layer.attn_norm, layer.mlp_norm = (ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
+                                               for _ in range(2))
+        self.norm = ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> the whole logits [N, vocab] in fp32, on every rank."
@@ -603,8 +622,10 @@ assert same_plan(plan, reader.decode(writer.encode(plan)))
 #
 # A step of `b` decoding sequences runs `2 x layers + 1` all-reduces of `[b, hidden]` and one
 # all-gather of logits. `time_collectives` runs exactly those on every rank, through the
-# model's own `AllReduce` (the path the decode step takes), recorded in a CUDA graph on a GPU
-# as the decode step is, and returns the seconds per step of each kind.
+# model's own `AllReduce` and `ReducingRMSNorm` (the path the decode step takes: where the
+# all-reduce, the residual add and the norm are one kernel, the add and the norm are counted
+# with it), recorded in a CUDA graph on a GPU as the decode step is, and returns the seconds per
+# step of each kind.
 
 # %%
 #| export
@@ -633,8 +654,11 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
     all_reduce, device = all_reduce or AllReduce(group), torch.device(device)
     x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
     logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
-    def all_reduces():
-        for _ in range(2 * config.num_layers + 1): all_reduce(x)
+    norm = ReducingRMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce).to(device, dtype)
+    staged = all_reduce.staging(x.shape, x.dtype)
+    def all_reduces():  # the embedding's, then each row-parallel layer's as its norm finishes it (add and norm included)
+        all_reduce(x)
+        for _ in range(2 * config.num_layers): norm.add_and_norm(x if staged is None else staged, x)
     return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
             "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group), device, repeats, group)}
 
@@ -708,6 +732,20 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # the kernels do not handle (fp16, an odd size, a rank count other than 2, 4 or 8) go
 # through NCCL; every rank decides from the message's shape and dtype alone, so all ranks
 # always take the same path.
+#
+# **The all-reduce, the residual add and the norm in one kernel** (session 12). Each row-parallel
+# layer's sum goes straight into the residual add and the next RMSNorm, so the three are one
+# kernel here: `_all_reduce_add_rmsnorm_kernel`, called by the norm that takes the layer's
+# partial output (`ReducingRMSNorm`). One program a row (up to as many programs as a signal pad
+# has slots): a handshake with its namesake program on every peer (everyone's partial sums are
+# written), then the row of every rank's buffer read over NVLink and added in rank order (so
+# every rank gets the same bits), the residual added, the row normalised, both stored, and a
+# second handshake (everyone has read: the buffers may be written again). The handshakes are
+# PyTorch's protocol, slot for slot, so the release below frees this kernel too. Two reasons it
+# should be faster than PyTorch's kernel followed by the norm: one launch instead of two, and
+# more programs in flight (PyTorch's one- and two-shot kernels launch at most 24 blocks; at 256
+# rows their all-reduce took 15.9 and 16.4 µs of a CUDA graph in session 12's first run of
+# `kernels_lab/tp_allreduce.py`, for 1.25 MiB).
 #
 # **When a rank dies.** An NCCL collective waiting for a dead rank returns once rank 0 aborts
 # the communicator. The symmetric-memory kernels have no abort: they would wait for the dead
@@ -813,6 +851,79 @@ def release_on_device(mine: torch.Tensor, theirs: torch.Tensor, world: int, peer
                           BLOCK=128, ON_GPU=not INTERPRETED)
 
 
+@triton.jit
+def _put_signal(pad_ptr, slot):
+    "Raise flag `slot` of a rank's signal pad (0 -> 1), once the last raise was taken: our writes before it go first."
+    while tl.atomic_cas(pad_ptr + slot, 0, 1, sem="release", scope="sys") != 0:
+        pass
+
+
+@triton.jit
+def _take_signal(pad_ptr, slot):
+    "Wait for flag `slot` of our own pad, and take it (1 -> 0): the raiser's writes before it are visible after."
+    while tl.atomic_cas(pad_ptr + slot, 1, 0, sem="acquire", scope="sys") != 1:
+        pass
+
+
+@triton.jit
+def _handshake(pads_ptr, rank, channel, WORLD: tl.constexpr):
+    """Program `channel` of every rank meets its namesakes: signal each peer p (slot channel * WORLD + rank of p's
+    pad), then wait for each peer's signal (slot channel * WORLD + p of ours), PyTorch's kernels' protocol, which
+    `release_waiters` plays for a dead rank."""
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            _put_signal(tl.load(pads_ptr + p).to(tl.pointer_type(tl.int32)), channel * WORLD + rank)
+    mine = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            _take_signal(mine, channel * WORLD + p)
+
+
+@triton.jit
+def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, H, eps, rank,
+                                   WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
+    """Rows of [rows, H] partial sums, one in each rank's symmetric buffer (`buffers_ptr`: their addresses):
+    res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, between two handshakes."""
+    _let_next_start(PDL, WAIT)
+    channel = tl.program_id(0)
+    _handshake(pads_ptr, rank, channel, WORLD)  # every rank's partial sums are written
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    dtype = res_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(channel, rows, tl.num_programs(0)):
+        total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
+            part = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
+            total += tl.load(part + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        # rounded as the unfused path rounds: the all-reduce's output, the new residual, the normalised row
+        h = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32))
+        h = h.to(dtype)
+        tl.store(res_out_ptr + row * H + offs, h, mask=mask)
+        h = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+        tl.store(out_ptr + row * H + offs, (w * (h * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+    _handshake(pads_ptr, rank, channel, WORLD)  # every rank has read every buffer: they may be written again
+
+
+def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, rows: int,
+                           residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           max_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at the start
+    of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every rank calls it
+    together; at most `max_programs` programs (a pad's slots for each peer)."""
+    hidden = residual.shape[-1]
+    if residual.shape != (rows, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
+        raise ValueError(f"all_reduce_add_rmsnorm needs a contiguous residual [{rows}, H] and a weight [H], "
+                         f"got {tuple(residual.shape)} and {tuple(weight.shape)}")
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    block = _pow2(hidden)
+    _all_reduce_add_rmsnorm_kernel[(max(1, min(rows, max_programs)),)](
+        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
+        BLOCK_H=block, **_pdl_args(residual.device), num_warps=min(8, max(1, block // 512)))
+    return out, res_out
+
+
 class SymmMemAllReduce:
     "Sum over the ranks of small CUDA tensors through peer memory (PyTorch symmetric memory). Every rank builds one, together."
     def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
@@ -821,9 +932,15 @@ class SymmMemAllReduce:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+        # every rank's buffer and signal pad, as this rank addresses them: what the fused kernel reads and signals
+        if self.handle.buffer_ptrs[rank] != self.buffer.data_ptr():
+            raise RuntimeError("the symmetric buffer does not start where the rendezvous says this rank's buffer starts")
+        self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.pad_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
+        self.channels = mine.numel() // world  # slots a peer has in a pad: the programs of one kernel, at most
         # the release kernel compiled and loaded now, with nothing to do: after a failure its launch must not wait for
         # a compiler. Where it cannot run, only the release from the host is left (the fast path itself is unaffected)
-        mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
         try:
             release_on_device(mine, mine, world, rank, rank, seconds=0.0, rounds=0)
             self.release_kernel_error = None
@@ -842,11 +959,16 @@ class SymmMemAllReduce:
         else:
             torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
 
-    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
-        "The sum over the ranks of the message each rank wrote into its `staging` view."
-        out = torch.empty_like(staged)
-        self._reduce(staged, out)
-        return out
+    def add_rmsnorm(self, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of what each wrote into its
+        `staging` view, in one kernel; None (nothing done) where `staged` is not that view."""
+        if staged.data_ptr() != self.buffer.data_ptr(): return None
+        if staged.dim() != 2 or staged.shape != residual.shape or staged.dtype != residual.dtype:
+            raise ValueError(f"a staged message {staged.dtype} {tuple(staged.shape)} cannot be added to a residual "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, staged.shape[0],
+                                      residual.contiguous(), weight, eps, self.channels)
 
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
@@ -965,6 +1087,52 @@ except ValueError as e:
     assert "FORGE_TP_ALL_REDUCE='gloo': expected one of symmetric-memory, nccl" in str(e), e
 finally:
     del os.environ[ALL_REDUCE_ENV]
+
+# %% [markdown]
+# The fused kernel, run by two ranks: two processes forked from this one, over buffers and
+# signal pads in shared CPU memory, under the interpreter (whose atomics are the machine's). Every
+# rank gets the same bits, the sum and the norm are right, and every signal raised was taken
+# (the pads are clean for the next kernel). Then rank 0 alone, its peer dead, released by
+# `_release_kernel` playing the peer's side: it finishes.
+
+# %%
+if INTERPRETED:
+    import multiprocessing
+    from forge_engine.kernels import add_rmsnorm_reference
+    world, rows, hidden, eps, channels = 2, 5, 40, 1e-6, 3  # 3 programs for 5 rows: programs take rows in turn
+    g = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(rows + 2, hidden, generator=g).share_memory_() for _ in range(world)]  # the message at the start
+    pads = [torch.zeros(channels * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    residual, weight = torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
+    results = torch.zeros(world, 2, rows, hidden).share_memory_()
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers])  # (forked: the same addresses in every process)
+    pad_ptrs = torch.tensor([p.data_ptr() for p in pads])
+
+    def fused_rank(rank):
+        out, res_out = exported.all_reduce_add_rmsnorm(buffer_ptrs, pad_ptrs, rank, rows, residual, weight, eps, channels)
+        results[rank, 0], results[rank, 1] = out, res_out
+
+    def run_processes(targets, timeout=120):
+        procs = [multiprocessing.get_context("fork").Process(target=t, args=a) for t, a in targets]
+        for proc in procs: proc.start()
+        for proc in procs: proc.join(timeout)
+        hung = [proc.pid for proc in procs if proc.is_alive()]
+        for proc in procs: proc.kill()
+        assert not hung and all(proc.exitcode == 0 for proc in procs), (hung, [proc.exitcode for proc in procs])
+
+    run_processes([(fused_rank, (r,)) for r in range(world)])
+    want_residual = buffers[0][:rows] + buffers[1][:rows] + residual
+    assert torch.equal(results[0], results[1])  # the same bits on both ranks
+    torch.testing.assert_close(results[0, 1], want_residual)
+    torch.testing.assert_close(results[0, 0], add_rmsnorm_reference(want_residual, None, weight, eps)[0])
+    assert all((pad == 0).all() for pad in pads)  # every raise taken
+    results.zero_()
+
+    def release_until_done():  # rank 1 dead: the release kernel plays its side, ten rounds a launch
+        while results[0, 1].abs().sum() == 0: exported.release_on_device(pads[0], pads[1], world, 1, 0, rounds=10)
+
+    run_processes([(fused_rank, (0,)), (release_until_done, ())])
+    torch.testing.assert_close(results[0, 1], want_residual)  # (rank 1's buffer still holds its message)
 
 
 # %% [markdown]
