@@ -174,15 +174,17 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.all_reduce(F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype))
 
 
-def all_gather_columns(x: torch.Tensor, world: int, group=None) -> torch.Tensor:
-    "[n, v] on every rank -> [n, world * v]: rank r's columns at r * v (the logits row put back together)."
+def all_gather_columns(x: torch.Tensor, world: int, group=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[n, v] on every rank -> [n, world * v] (in `dtype`, default x's): rank r's columns at r * v (the logits row put
+    back together)."""
     x = x.contiguous()
     out = x.new_empty(world, *x.shape)
     if x.is_cuda:
         dist.all_gather_into_tensor(out, x, group=group)  # one NCCL call, safe inside a CUDA graph
     else:
         dist.all_gather(list(out.unbind(0)), x, group=group)
-    return out.permute(1, 0, 2).reshape(x.shape[0], world * x.shape[1])
+    rows = torch.empty(x.shape[0], world, x.shape[1], dtype=dtype or x.dtype, device=x.device)
+    return rows.copy_(out.permute(1, 0, 2)).view(x.shape[0], world * x.shape[1])  # one copy: reorder and convert
 
 
 class ShardedTransformer(Transformer):
@@ -206,7 +208,7 @@ class ShardedTransformer(Transformer):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> the whole logits [N, vocab] in fp32, on every rank."
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return all_gather_columns(linear(hidden, weight), self.plan.world, self.group).float()
+        return all_gather_columns(linear(hidden, weight), self.plan.world, self.group, torch.float32)
 
 
 def empty_sharded_model(plan: ShardPlan, device="cpu", dtype=torch.float32, group=None) -> ShardedTransformer:
@@ -410,7 +412,7 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
         all_reduce(x)
         for _ in range(2 * config.num_layers): norm.add_and_norm(x if staged is None else staged, x)
     return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
-            "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group), device, repeats, group)}
+            "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group, torch.float32), device, repeats, group)}
 
 # %% ../nbs/09c_tensor_parallel.ipynb #3eda146e
 def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: dict) -> dict:
