@@ -127,9 +127,10 @@ class AllReduce:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        "Where the fast path stages a message of this shape (a layer may write its output there: no copy), or None."
-        return self.fast.staging(shape, dtype) if self.fast is not None else None
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+        """Where the fast path stages a message of this shape (a layer may write its output there: no copy), in half
+        `half` (0 or 1) of its buffer; None where it does not take such a message."""
+        return self.fast.staging(shape, dtype, half) if self.fast is not None else None
 
     def add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -139,15 +140,16 @@ class AllReduce:
 
 class RowParallelLinear(nn.Linear):
     """A linear layer over this rank's slice of the input features: this rank's *partial* output. The sum over the
-    ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`)."""
-    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce):
+    ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`). `half`: where in the fast path's
+    buffer it stages (the output projections 0, the down projections 1: consecutive layers alternate)."""
+    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce, half: int):
         super().__init__(in_features, out_features, bias=False)
-        self.all_reduce = all_reduce
+        self.all_reduce, self.half = all_reduce, half
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
         # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
-        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype))
+        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half))
 
 
 class ReducingRMSNorm(RMSNorm):
@@ -198,8 +200,8 @@ class ShardedTransformer(Transformer):
         if self.lm_head is not None:
             self.lm_head = nn.Linear(c.hidden_size, plan.vocab_part, bias=False)
         for layer in self.layers:
-            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce)
-            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce)
+            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce, half=0)
+            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce, half=1)
             # the norms that take their outputs (the next layer's attn_norm, and the final norm, take down's)
             layer.attn_norm, layer.mlp_norm = (ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
                                                for _ in range(2))
@@ -407,10 +409,10 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
     x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
     logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
     norm = ReducingRMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce).to(device, dtype)
-    staged = all_reduce.staging(x.shape, x.dtype)
+    staged = [all_reduce.staging(x.shape, x.dtype, half) for half in (0, 1)]
     def all_reduces():  # the embedding's, then each row-parallel layer's as its norm finishes it (add and norm included)
         all_reduce(x)
-        for _ in range(2 * config.num_layers): norm.add_and_norm(x if staged is None else staged, x)
+        for i in range(2 * config.num_layers): norm.add_and_norm(x if staged[i % 2] is None else staged[i % 2], x)
     return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
             "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group, torch.float32), device, repeats, group)}
 
@@ -455,7 +457,7 @@ def all_reduce_choice() -> str:
 
 
 def symm_mem_buffer_bytes(hidden_size: int, dtype: torch.dtype) -> int:
-    "The fast path's buffer: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
+    "The fast path's largest message: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
     return max(SYMM_MEM_MAX_BYTES, SYMM_MEM_ROWS * hidden_size * dtype.itemsize)
 
 
@@ -538,10 +540,12 @@ def _handshake(pads_ptr, rank, channel, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, H, eps, rank,
-                                   WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
-    """Rows of [rows, H] partial sums, one in each rank's symmetric buffer (`buffers_ptr`: their addresses):
-    res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, between two handshakes."""
+def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, offset, rows, H, eps,
+                                   rank, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+                                   WAIT: tl.constexpr):
+    """Rows of [rows, H] partial sums, one at element `offset` of each rank's symmetric buffer (`buffers_ptr`: their
+    addresses): res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, after a
+    handshake (no second one: see `SymmMemAllReduce.add_rmsnorm`)."""
     _let_next_start(PDL, WAIT)
     channel = tl.program_id(0)
     _handshake(pads_ptr, rank, channel, WORLD)  # every rank's partial sums are written
@@ -553,7 +557,7 @@ def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_pt
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
             part = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
-            total += tl.load(part + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+            total += tl.load(part + offset + row * H + offs, mask=mask, other=0.0).to(tl.float32)
         # rounded as the unfused path rounds: the all-reduce's output, the new residual, the normalised row
         h = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32))
         h = h.to(dtype)
@@ -561,15 +565,14 @@ def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_pt
         h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
         tl.store(out_ptr + row * H + offs, (w * (h * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
-    _handshake(pads_ptr, rank, channel, WORLD)  # every rank has read every buffer: they may be written again
 
 
-def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, rows: int,
+def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, offset: int, rows: int,
                            residual: torch.Tensor, weight: torch.Tensor, eps: float,
                            max_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at the start
-    of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every rank calls it
-    together; at most `max_programs` programs (a pad's slots for each peer)."""
+    """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at element
+    `offset` of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every
+    rank calls it together; at most `max_programs` programs (a pad's slots for each peer)."""
     hidden = residual.shape[-1]
     if residual.shape != (rows, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
         raise ValueError(f"all_reduce_add_rmsnorm needs a contiguous residual [{rows}, H] and a weight [H], "
@@ -577,7 +580,7 @@ def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, ra
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     block = _pow2(hidden)
     _all_reduce_add_rmsnorm_kernel[(max(1, min(rows, max_programs)),)](
-        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
+        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, offset, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
         BLOCK_H=block, **_pdl_args(residual.device), num_warps=min(8, max(1, block // 512)))
     return out, res_out
 
@@ -587,7 +590,7 @@ class SymmMemAllReduce:
     def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
         self.group_name, self.device, self.rank, self.world, self.max_bytes = group_name, device, rank, world, max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)  # two halves (`add_rmsnorm`)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
         # every rank's buffer and signal pad, as this rank addresses them: what the fused kernel reads and signals
@@ -605,10 +608,11 @@ class SymmMemAllReduce:
         except Exception as e:
             self.release_kernel_error = f"{type(e).__name__}: {e}"
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+        "The start of half `half` of the buffer as a tensor of this shape, where this path takes such a message (else None)."
         if not symm_mem_takes_shape(shape, dtype, self.max_bytes): return None
-        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        start = half * self.max_bytes
+        return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         # each kernel ends with a handshake (every rank has read every buffer): the next message may be staged at once
@@ -620,13 +624,19 @@ class SymmMemAllReduce:
     def add_rmsnorm(self, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of what each wrote into its
-        `staging` view, in one kernel; None (nothing done) where `staged` is not that view."""
-        if staged.data_ptr() != self.buffer.data_ptr(): return None
+        `staging` view, in one kernel; None (nothing done) where `staged` is not such a view.
+        The kernel handshakes once, before it reads: a rank may leave it while its peers still read its buffer. That
+        is safe as long as consecutive calls alternate between the buffer's halves, as the output (half 0) and down
+        (half 1) projections do: the next write into a half comes after the next call's handshake, and a peer that
+        has reached that handshake has finished every kernel before it, its reads of the half included. (The
+        embedding's all-reduce, PyTorch's kernel, stages in half 0 and handshakes again at its end.)"""
+        start = staged.data_ptr() - self.buffer.data_ptr()
+        if start not in (0, self.max_bytes): return None
         if staged.dim() != 2 or staged.shape != residual.shape or staged.dtype != residual.dtype:
             raise ValueError(f"a staged message {staged.dtype} {tuple(staged.shape)} cannot be added to a residual "
                              f"{residual.dtype} {tuple(residual.shape)}")
-        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, staged.shape[0],
-                                      residual.contiguous(), weight, eps, self.channels)
+        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, start // staged.element_size(),
+                                      staged.shape[0], residual.contiguous(), weight, eps, self.channels)
 
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."

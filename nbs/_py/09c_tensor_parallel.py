@@ -271,9 +271,10 @@ class AllReduce:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        "Where the fast path stages a message of this shape (a layer may write its output there: no copy), or None."
-        return self.fast.staging(shape, dtype) if self.fast is not None else None
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+        """Where the fast path stages a message of this shape (a layer may write its output there: no copy), in half
+        `half` (0 or 1) of its buffer; None where it does not take such a message."""
+        return self.fast.staging(shape, dtype, half) if self.fast is not None else None
 
     def add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -283,15 +284,16 @@ class AllReduce:
 
 class RowParallelLinear(nn.Linear):
     """A linear layer over this rank's slice of the input features: this rank's *partial* output. The sum over the
-    ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`)."""
-    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce):
+    ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`). `half`: where in the fast path's
+    buffer it stages (the output projections 0, the down projections 1: consecutive layers alternate)."""
+    def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce, half: int):
         super().__init__(in_features, out_features, bias=False)
-        self.all_reduce = all_reduce
+        self.all_reduce, self.half = all_reduce, half
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
         # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
-        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype))
+        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half))
 
 
 class ReducingRMSNorm(RMSNorm):
@@ -342,8 +344,8 @@ class ShardedTransformer(Transformer):
         if self.lm_head is not None:
             self.lm_head = nn.Linear(c.hidden_size, plan.vocab_part, bias=False)
         for layer in self.layers:
-            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce)
-            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce)
+            layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce, half=0)
+            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce, half=1)
             # the norms that take their outputs (the next layer's attn_norm, and the final norm, take down's)
             layer.attn_norm, layer.mlp_norm = (ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
                                                for _ in range(2))
@@ -657,10 +659,10 @@ def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype:
     x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
     logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
     norm = ReducingRMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce).to(device, dtype)
-    staged = all_reduce.staging(x.shape, x.dtype)
+    staged = [all_reduce.staging(x.shape, x.dtype, half) for half in (0, 1)]
     def all_reduces():  # the embedding's, then each row-parallel layer's as its norm finishes it (add and norm included)
         all_reduce(x)
-        for _ in range(2 * config.num_layers): norm.add_and_norm(x if staged is None else staged, x)
+        for i in range(2 * config.num_layers): norm.add_and_norm(x if staged[i % 2] is None else staged[i % 2], x)
     return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
             "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group, torch.float32), device, repeats, group)}
 
@@ -720,9 +722,10 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # bytes, for one more handshake, and wins as messages grow. (Both leave NVLink *multicast*
 # alone: the `multimem_*` operations, which need it, are not used.)
 #
-# The buffer is allocated once, at startup, as large as the largest message the fast path
-# takes, so its address never moves: a CUDA graph that recorded the copy and the kernel replays
-# them as they are. Its size (`symm_mem_buffer_bytes`) is the larger of `SYMM_MEM_MAX_BYTES`
+# The buffer is allocated once, at startup, twice as large as the largest message the fast path
+# takes (two halves, see the fused kernel below), so its address never moves: a CUDA graph that
+# recorded the copy and the kernel replays them as they are. The largest message
+# (`symm_mem_buffer_bytes`) is the larger of `SYMM_MEM_MAX_BYTES`
 # and a decode step of `SYMM_MEM_ROWS` sequences of the model: 256 sequences of Qwen3-4B are
 # 256 x 2560 x 2 bytes = 1.25 MiB, of Qwen3-14B (5,120 wide) 2.5 MiB. With a fixed 2 MiB the
 # 14B's decode steps at 256 sequences went through NCCL: measured on two H200s (session 11,
@@ -741,13 +744,17 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # partial output (`ReducingRMSNorm`). One program a row (up to as many programs as a signal pad
 # has slots): a handshake with its namesake program on every peer (everyone's partial sums are
 # written), then the row of every rank's buffer read over NVLink and added in rank order (so
-# every rank gets the same bits), the residual added, the row normalised, both stored, and a
-# second handshake (everyone has read: the buffers may be written again). The handshakes are
-# PyTorch's protocol, slot for slot, so the release below frees this kernel too. Two reasons it
-# should be faster than PyTorch's kernel followed by the norm: one launch instead of two, and
-# more programs in flight (PyTorch's one- and two-shot kernels launch at most 24 blocks; at 256
-# rows their all-reduce took 15.9 and 16.4 µs of a CUDA graph in session 12's first run of
-# `kernels_lab/tp_allreduce.py`, for 1.25 MiB).
+# every rank gets the same bits), the residual added, the row normalised, both stored. No second
+# handshake ("everyone has read, the buffer may be written again"): the buffer has two halves,
+# the output projections stage in one and the down projections in the other, so consecutive
+# calls alternate, and the next write into a half comes after the next call's handshake, which a
+# peer reaches only once it has finished everything before, its reads of that half included
+# (`SymmMemAllReduce.add_rmsnorm`). The handshakes are PyTorch's protocol, slot for slot, so the
+# release below frees this kernel too. Why it should beat PyTorch's kernel followed by the norm:
+# one launch instead of two, one handshake instead of two, and more programs in flight
+# (PyTorch's one- and two-shot kernels launch at most 24 blocks; at 256 rows their all-reduce
+# took 15.9 and 16.4 µs of a CUDA graph in session 12's first run of `kernels_lab/tp_allreduce.py`,
+# for 1.25 MiB).
 #
 # **When a rank dies.** An NCCL collective waiting for a dead rank returns once rank 0 aborts
 # the communicator. The symmetric-memory kernels have no abort: they would wait for the dead
@@ -799,7 +806,7 @@ def all_reduce_choice() -> str:
 
 
 def symm_mem_buffer_bytes(hidden_size: int, dtype: torch.dtype) -> int:
-    "The fast path's buffer: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
+    "The fast path's largest message: SYMM_MEM_MAX_BYTES, or a decode step's all-reduce of SYMM_MEM_ROWS rows if larger."
     return max(SYMM_MEM_MAX_BYTES, SYMM_MEM_ROWS * hidden_size * dtype.itemsize)
 
 
@@ -882,10 +889,12 @@ def _handshake(pads_ptr, rank, channel, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, H, eps, rank,
-                                   WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
-    """Rows of [rows, H] partial sums, one in each rank's symmetric buffer (`buffers_ptr`: their addresses):
-    res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, between two handshakes."""
+def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, offset, rows, H, eps,
+                                   rank, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+                                   WAIT: tl.constexpr):
+    """Rows of [rows, H] partial sums, one at element `offset` of each rank's symmetric buffer (`buffers_ptr`: their
+    addresses): res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, after a
+    handshake (no second one: see `SymmMemAllReduce.add_rmsnorm`)."""
     _let_next_start(PDL, WAIT)
     channel = tl.program_id(0)
     _handshake(pads_ptr, rank, channel, WORLD)  # every rank's partial sums are written
@@ -897,7 +906,7 @@ def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_pt
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
             part = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
-            total += tl.load(part + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+            total += tl.load(part + offset + row * H + offs, mask=mask, other=0.0).to(tl.float32)
         # rounded as the unfused path rounds: the all-reduce's output, the new residual, the normalised row
         h = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32))
         h = h.to(dtype)
@@ -905,15 +914,14 @@ def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_pt
         h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
         tl.store(out_ptr + row * H + offs, (w * (h * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
-    _handshake(pads_ptr, rank, channel, WORLD)  # every rank has read every buffer: they may be written again
 
 
-def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, rows: int,
+def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, offset: int, rows: int,
                            residual: torch.Tensor, weight: torch.Tensor, eps: float,
                            max_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at the start
-    of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every rank calls it
-    together; at most `max_programs` programs (a pad's slots for each peer)."""
+    """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at element
+    `offset` of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every
+    rank calls it together; at most `max_programs` programs (a pad's slots for each peer)."""
     hidden = residual.shape[-1]
     if residual.shape != (rows, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
         raise ValueError(f"all_reduce_add_rmsnorm needs a contiguous residual [{rows}, H] and a weight [H], "
@@ -921,7 +929,7 @@ def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, ra
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     block = _pow2(hidden)
     _all_reduce_add_rmsnorm_kernel[(max(1, min(rows, max_programs)),)](
-        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
+        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, offset, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
         BLOCK_H=block, **_pdl_args(residual.device), num_warps=min(8, max(1, block // 512)))
     return out, res_out
 
@@ -931,7 +939,7 @@ class SymmMemAllReduce:
     def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
         self.group_name, self.device, self.rank, self.world, self.max_bytes = group_name, device, rank, world, max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)  # two halves (`add_rmsnorm`)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
         # every rank's buffer and signal pad, as this rank addresses them: what the fused kernel reads and signals
@@ -949,10 +957,11 @@ class SymmMemAllReduce:
         except Exception as e:
             self.release_kernel_error = f"{type(e).__name__}: {e}"
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        "The start of the buffer as a tensor of this shape, where this path takes such a message (else None)."
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+        "The start of half `half` of the buffer as a tensor of this shape, where this path takes such a message (else None)."
         if not symm_mem_takes_shape(shape, dtype, self.max_bytes): return None
-        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        start = half * self.max_bytes
+        return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         # each kernel ends with a handshake (every rank has read every buffer): the next message may be staged at once
@@ -964,13 +973,19 @@ class SymmMemAllReduce:
     def add_rmsnorm(self, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of what each wrote into its
-        `staging` view, in one kernel; None (nothing done) where `staged` is not that view."""
-        if staged.data_ptr() != self.buffer.data_ptr(): return None
+        `staging` view, in one kernel; None (nothing done) where `staged` is not such a view.
+        The kernel handshakes once, before it reads: a rank may leave it while its peers still read its buffer. That
+        is safe as long as consecutive calls alternate between the buffer's halves, as the output (half 0) and down
+        (half 1) projections do: the next write into a half comes after the next call's handshake, and a peer that
+        has reached that handshake has finished every kernel before it, its reads of the half included. (The
+        embedding's all-reduce, PyTorch's kernel, stages in half 0 and handshakes again at its end.)"""
+        start = staged.data_ptr() - self.buffer.data_ptr()
+        if start not in (0, self.max_bytes): return None
         if staged.dim() != 2 or staged.shape != residual.shape or staged.dtype != residual.dtype:
             raise ValueError(f"a staged message {staged.dtype} {tuple(staged.shape)} cannot be added to a residual "
                              f"{residual.dtype} {tuple(residual.shape)}")
-        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, staged.shape[0],
-                                      residual.contiguous(), weight, eps, self.channels)
+        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, start // staged.element_size(),
+                                      staged.shape[0], residual.contiguous(), weight, eps, self.channels)
 
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
@@ -1103,15 +1118,17 @@ if INTERPRETED:
     from forge_engine.kernels import add_rmsnorm_reference
     world, rows, hidden, eps, channels = 2, 5, 40, 1e-6, 3  # 3 programs for 5 rows: programs take rows in turn
     g = torch.Generator().manual_seed(0)
-    buffers = [torch.randn(rows + 2, hidden, generator=g).share_memory_() for _ in range(world)]  # the message at the start
+    buffers = [torch.randn(2 * rows, hidden, generator=g).share_memory_() for _ in range(world)]  # two halves of 5 rows
     pads = [torch.zeros(channels * world, dtype=torch.int32).share_memory_() for _ in range(world)]
     residual, weight = torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
     results = torch.zeros(world, 2, rows, hidden).share_memory_()
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers])  # (forked: the same addresses in every process)
     pad_ptrs = torch.tensor([p.data_ptr() for p in pads])
 
-    def fused_rank(rank):
-        out, res_out = exported.all_reduce_add_rmsnorm(buffer_ptrs, pad_ptrs, rank, rows, residual, weight, eps, channels)
+    def fused_rank(rank, halves=(1, 0)):  # (the last call's result kept)
+        for half in halves:
+            out, res_out = exported.all_reduce_add_rmsnorm(buffer_ptrs, pad_ptrs, rank, half * rows * hidden, rows,
+                                                           residual, weight, eps, channels)
         results[rank, 0], results[rank, 1] = out, res_out
 
     def run_processes(targets, timeout=120):
@@ -1133,7 +1150,7 @@ if INTERPRETED:
     def release_until_done():  # rank 1 dead: the release kernel plays its side, ten rounds a launch
         while results[0, 1].abs().sum() == 0: exported.release_on_device(pads[0], pads[1], world, 1, 0, rounds=10)
 
-    run_processes([(fused_rank, (0,)), (release_until_done, ())])
+    run_processes([(fused_rank, (0, (0,))), (release_until_done, ())])
     torch.testing.assert_close(results[0, 1], want_residual)  # (rank 1's buffer still holds its message)
 
 
