@@ -750,11 +750,15 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # calls alternate, and the next write into a half comes after the next call's handshake, which a
 # peer reaches only once it has finished everything before, its reads of that half included
 # (`SymmMemAllReduce.add_rmsnorm`). The handshakes are PyTorch's protocol, slot for slot, so the
-# release below frees this kernel too. Why it should beat PyTorch's kernel followed by the norm:
-# one launch instead of two, one handshake instead of two, and more programs in flight
-# (PyTorch's one- and two-shot kernels launch at most 24 blocks; at 256 rows their all-reduce
-# took 15.9 and 16.4 µs of a CUDA graph in session 12's first run of `kernels_lab/tp_allreduce.py`,
-# for 1.25 MiB).
+# release below frees this kernel too. Against PyTorch's kernel followed by the norm it saves a
+# launch and a handshake, and keeps more programs in flight (PyTorch's one- and two-shot kernels
+# launch at most 24 blocks). Measured on two H200s (session 12, `kernels_lab/tp_allreduce.py`, a
+# decode step's worth in one CUDA graph): at 256 rows 12.1 µs a call against 18.6 for the
+# all-reduce and the norm kernel (15.7 with a second handshake), at one row 7.1 against 9.0.
+# In the engine (`kernels_lab/tp_step_profile.py --tp=2`, 256 sequences) rank 0's decode step
+# went from 7.49 to 6.88 ms, its all-reduces from 1.30 to 0.98 ms plus 0.18 ms of norms gone;
+# W1 at TP=2 from 419 to 460 tok/s; W2 1.50-1.52× TP=1, as at the session's start (what
+# limits it: `docs/benchmarks.md`, session 12).
 #
 # **When a rank dies.** An NCCL collective waiting for a dead rank returns once rank 0 aborts
 # the communicator. The symmetric-memory kernels have no abort: they would wait for the dead
