@@ -34,10 +34,10 @@
 #        k,v rows: kv heads 0..3 (512 rows each)  k,v rows: kv heads 4..7
 #   attention on 16 query heads / 4 kv heads, over this rank's own KV pool (its kv heads only)
 #   o    [2560, 4096] columns 0..2047            columns 2048..4095                  row-parallel
-#   -> all-reduce #1: [tokens, 2560]
+#   -> all-reduce #1: [tokens, 2560], finished by mlp_norm (with the residual add)
 #   gate_up  gate rows 0..4863, up rows 0..4863  gate rows 4864..9727, up rows 4864..9727  column-parallel
 #   down [2560, 9728] columns 0..4863            columns 4864..9727                  row-parallel
-#   -> all-reduce #2: [tokens, 2560]
+#   -> all-reduce #2: [tokens, 2560], finished by the next layer's attn_norm (or the final norm)
 # final norm                                     whole
 # LM head (tied: the embedding's rows)  logits 0 .. 75967   logits 75968 .. 151935   vocab-parallel
 #   -> all-gather: every rank gets [tokens, 151936]; rank 0 samples
