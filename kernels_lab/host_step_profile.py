@@ -1,7 +1,10 @@
-"""The engine's decode step on the CPU, 256 greedy sequences of the tiny random model (its vocabulary is Qwen3's
-151,936 words, so the LM head and the sampler are full size): ms a step over 30 steps, then the top functions under
-cProfile (sorted by SORT: tottime or cumtime). Runs anywhere, no GPU needed:
+"""The engine's decode step, 256 greedy sequences: ms a step over 30 steps, then the top functions under cProfile
+(sorted by SORT: tottime or cumtime). By default on the CPU with the tiny random model (its vocabulary is Qwen3's
+151,936 words, so the LM head and the sampler are full size): runs anywhere, no GPU needed:
     PYTHONPATH=. python3 kernels_lab/host_step_profile.py [tottime|cumtime]
+On a GPU, rank 0's host side of the real step (steps overlapped; the wait for the GPU shows as
+`Event.synchronize`), with tensor parallelism if asked (FORGE_HOME with the qwen3-tokenizer):
+    PYTHONPATH=. python3 kernels_lab/host_step_profile.py tottime --model=random:qwen3-4b --device=cuda [--tp=2]
 Session 11 (this project's 2-core CI-class machine): 212.8 / 210.4 ms a step before the sampler skipped its float32
 copy of the logits for batches with nothing to adjust (b515a7d), 107.9 / 112.1 ms after."""
 import cProfile
@@ -18,10 +21,16 @@ from forge_engine.loader import load_model
 STEPS = 30
 
 
-def main():
-    sort = sys.argv[1] if len(sys.argv) > 1 else "tottime"
-    engine = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False),
-                       EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_bytes=2**28))
+def arg(name: str, default: str) -> str:
+    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
+
+
+def main():  # (with --tp the workers are spawned: they import this file as a module)
+    sort = next((a for a in sys.argv[1:] if not a.startswith("--")), "tottime")
+    device, tp = arg("device", "cpu"), int(arg("tp", "1"))
+    engine = LLMEngine(load_model(arg("model", "random:qwen3-tiny"), device, progress=False, tensor_parallel_size=tp),
+                       EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, tensor_parallel_size=tp,
+                                    **({"kv_cache_bytes": 2**28} if device == "cpu" else {})))
     for prompt in random_prompts(256, 20, 60, seed=0):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=STEPS + 50, ignore_eos=True))
     while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running): engine.step()
@@ -33,7 +42,7 @@ def main():
     profiler.enable()
     for _ in range(STEPS): engine.step()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats(sort).print_stats(20)
+    pstats.Stats(profiler).sort_stats(sort).print_stats(40)
 
 
 if __name__ == "__main__":
