@@ -16,7 +16,7 @@ from .generate import SamplingParams
 from .loader import LoadedModel
 
 # %% auto #0
-__all__ = ['hf_twin', 'hf_generate', 'hf_generate_batch', 'run_peers']
+__all__ = ['hf_twin', 'TokenClock', 'hf_generate', 'hf_generate_batch', 'run_peers']
 
 # %% ../nbs/13b_bench_peers.ipynb #4583a04a
 def hf_twin(loaded: LoadedModel):
@@ -33,35 +33,44 @@ def hf_twin(loaded: LoadedModel):
     return hf
 
 
+class TokenClock:
+    "A `generate` streamer that notes when each `put` arrives: the prompt first, then each new token once it is on the host."
+    def __init__(self): self.times: list[float] = []
+    def put(self, value): self.times.append(time.perf_counter())
+    def end(self): pass
+
+
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, cache: str = "dynamic") -> dict:
     "`generate` on equal-length prompts, greedy, exactly `new_tokens` each: TTFT and decode tok/s of the batch."
     import transformers
     if len({len(p) for p in prompts}) != 1: raise ValueError("hf_generate takes prompts of one length (no padding)")
+    if new_tokens < 2: raise ValueError(f"hf_generate needs new_tokens >= 2 to time decoding, got {new_tokens}")
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts, device=device)
     extra = {"cache_implementation": "static"} if cache == "static" else {}
 
-    def timed(n):
+    def timed() -> tuple[float, float, float]:
+        "One call: (TTFT, decode seconds after the first token, total), all from one clock inside the call."
+        clock = TokenClock()
         sync(device)
         start = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
         sync(device)
-        assert out.shape == (len(prompts), len(prompts[0]) + n), out.shape
-        return time.perf_counter() - start
+        total = time.perf_counter() - start
+        assert out.shape == (len(prompts), len(prompts[0]) + new_tokens), out.shape
+        if len(clock.times) != new_tokens + 1:
+            raise RuntimeError(f"generate streamed {len(clock.times)} puts, expected the prompt + {new_tokens} tokens")
+        return clock.times[1] - start, clock.times[-1] - clock.times[1], total
 
-    timed(new_tokens if cache == "static" else 4)  # warm-up (a static cache is compiled for its length)
-    def best(n):  # decode time is a difference of two calls: a short call is the best of 3, so one stall does not decide it
-        times = [timed(n)]
-        while len(times) < 3 and times[-1] < 1.0: times.append(timed(n))
-        return min(times)
-
-    first, total = best(1), best(new_tokens)
-    if new_tokens < 2 or total <= first:
-        raise RuntimeError(f"cannot time decode: {new_tokens} tokens took {total:.4f} s, the first alone {first:.4f} s")
+    timed()  # warm-up with the same length (a static cache is compiled for it)
+    runs = [timed()]  # the fastest decode of up to 3 calls (while they are short): one stall does not decide it
+    while len(runs) < 3 and runs[-1][2] < 1.0: runs.append(timed())
+    ttft, decode, total = min(runs, key=lambda r: r[1])
     return {"peer": f"transformers generate ({cache} cache)", "transformers": transformers.__version__,
-            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": first,
-            "decode_tok_s": len(prompts) * (new_tokens - 1) / (total - first), "output_tok_s": len(prompts) * new_tokens / total}
+            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": ttft,
+            "decode_tok_s": len(prompts) * (new_tokens - 1) / decode, "output_tok_s": len(prompts) * new_tokens / total}
 
 
 def hf_generate_batch(hf, prompts: list[list[int]], new_tokens: int, cache_sizes: dict | None = None) -> dict:

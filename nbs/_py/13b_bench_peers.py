@@ -16,6 +16,10 @@
 #   same prompts, with EOS disabled as in W2. Its own warm-up happens inside each call.
 # - W4: `generate` on the CPU with 1 and with 8 copies of the prompt (no padding needed).
 #
+# `generate` is timed from inside one call: a streamer (`TokenClock`) notes when each new token reaches
+# the host, so TTFT and the decode rate come from the same run. (Subtracting a 1-token call from an
+# n-token call, as an earlier version did, could come out negative on a busy machine.)
+#
 # Each peer result carries the ratio forge-engine / peer. This module is imported only when
 # peers run (it imports `transformers`); `forge-engine bench ... --peers` runs it (chapter 13).
 
@@ -59,35 +63,44 @@ def hf_twin(loaded: LoadedModel):
     return hf
 
 
+class TokenClock:
+    "A `generate` streamer that notes when each `put` arrives: the prompt first, then each new token once it is on the host."
+    def __init__(self): self.times: list[float] = []
+    def put(self, value): self.times.append(time.perf_counter())
+    def end(self): pass
+
+
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, cache: str = "dynamic") -> dict:
     "`generate` on equal-length prompts, greedy, exactly `new_tokens` each: TTFT and decode tok/s of the batch."
     import transformers
     if len({len(p) for p in prompts}) != 1: raise ValueError("hf_generate takes prompts of one length (no padding)")
+    if new_tokens < 2: raise ValueError(f"hf_generate needs new_tokens >= 2 to time decoding, got {new_tokens}")
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts, device=device)
     extra = {"cache_implementation": "static"} if cache == "static" else {}
 
-    def timed(n):
+    def timed() -> tuple[float, float, float]:
+        "One call: (TTFT, decode seconds after the first token, total), all from one clock inside the call."
+        clock = TokenClock()
         sync(device)
         start = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
         sync(device)
-        assert out.shape == (len(prompts), len(prompts[0]) + n), out.shape
-        return time.perf_counter() - start
+        total = time.perf_counter() - start
+        assert out.shape == (len(prompts), len(prompts[0]) + new_tokens), out.shape
+        if len(clock.times) != new_tokens + 1:
+            raise RuntimeError(f"generate streamed {len(clock.times)} puts, expected the prompt + {new_tokens} tokens")
+        return clock.times[1] - start, clock.times[-1] - clock.times[1], total
 
-    timed(new_tokens if cache == "static" else 4)  # warm-up (a static cache is compiled for its length)
-    def best(n):  # decode time is a difference of two calls: a short call is the best of 3, so one stall does not decide it
-        times = [timed(n)]
-        while len(times) < 3 and times[-1] < 1.0: times.append(timed(n))
-        return min(times)
-
-    first, total = best(1), best(new_tokens)
-    if new_tokens < 2 or total <= first:
-        raise RuntimeError(f"cannot time decode: {new_tokens} tokens took {total:.4f} s, the first alone {first:.4f} s")
+    timed()  # warm-up with the same length (a static cache is compiled for it)
+    runs = [timed()]  # the fastest decode of up to 3 calls (while they are short): one stall does not decide it
+    while len(runs) < 3 and runs[-1][2] < 1.0: runs.append(timed())
+    ttft, decode, total = min(runs, key=lambda r: r[1])
     return {"peer": f"transformers generate ({cache} cache)", "transformers": transformers.__version__,
-            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": first,
-            "decode_tok_s": len(prompts) * (new_tokens - 1) / (total - first), "output_tok_s": len(prompts) * new_tokens / total}
+            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": ttft,
+            "decode_tok_s": len(prompts) * (new_tokens - 1) / decode, "output_tok_s": len(prompts) * new_tokens / total}
 
 
 def hf_generate_batch(hf, prompts: list[list[int]], new_tokens: int, cache_sizes: dict | None = None) -> dict:
@@ -179,8 +192,10 @@ assert finals["check"].token_ids == theirs, (finals["check"].token_ids, theirs)
 # %%
 peers = [hf_generate(hf, [prompt], 32, cache) for cache in ("dynamic", "static")] + [hf_generate(hf, [prompt] * 4, 32)]
 for p in peers: print(p)
-assert all(p["decode_tok_s"] > 0 and p["ttft_s"] > 0 for p in peers) and peers[2]["batch"] == 4
+assert all(p["decode_tok_s"] > 0 and 0 < p["ttft_s"] < p["batch"] * p["new_tokens"] / p["output_tok_s"] for p in peers)
+assert peers[2]["batch"] == 4
 with pytest.raises(ValueError, match="one length"): hf_generate(hf, [[1, 2], [3]], 4)
+with pytest.raises(ValueError, match="new_tokens >= 2"): hf_generate(hf, [prompt], 1)
 
 # %% [markdown]
 # `generate_batch` on three prompts of different lengths, and `run_peers` as the command runs
