@@ -305,6 +305,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool: return bool(self.requests)
 
+    def warm_up(self, prompt_len: int = 40, max_tokens: int = 4) -> float:
+        """Run one throwaway greedy request (a prefill, then decode steps) so that the first real request does not
+        wait for kernels to compile on first use; afterwards the step counters, step records and prefix cache are
+        as if it had never run. Needs an idle engine. Returns the seconds it took."""
+        if self.requests:
+            raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight")
+        start, vocab = time.perf_counter(), self.loaded.config.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))]
+        self.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), "warm-up")
+        while self.has_unfinished(): self.step()
+        self.allocator.reset_prefix_cache()
+        self.recent.clear()
+        self.steps = self.generated_tokens = 0
+        return time.perf_counter() - start
+
     # -- one step --
     def step(self) -> list[RequestOutput]:
         "Schedule and launch a step, then apply the previous one's tokens; outputs for every request that changed."

@@ -178,6 +178,16 @@ class BlockAllocator:
         if held:
             raise RuntimeError(f"{len(held)} blocks are still referenced while idle, e.g. {held[:8]}")
 
+    def reset_prefix_cache(self) -> None:
+        "Forget every cached prefix (an idle allocator only): cached blocks become plain free blocks, hit counts restart."
+        self.check_idle()
+        for block in self._cached:
+            del self._hash_to_block[self._block_hash[block]]
+            self._block_hash[block] = None
+            self._free.append(block)
+        self._cached.clear()
+        self.hit_tokens = self.query_tokens = 0
+
     def _checked(self, block_id: int) -> int:
         if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks):
             raise ValueError(f"unknown block id {block_id!r}; blocks are 0..{self.num_blocks - 1}")

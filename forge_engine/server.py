@@ -773,7 +773,9 @@ def run(args: argparse.Namespace) -> int:
             loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False,
                                 quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
                                 memory_budget=config.gpu_memory_budget)
-            state.engine = AsyncEngine(LLMEngine(loaded, config.replace(device=device)))
+            engine = LLMEngine(loaded, config.replace(device=device))
+            logger.info("warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up())
+            state.engine = AsyncEngine(engine)
             logger.info("%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port)
         except Exception as e:  # say why, then stop: a server that can never serve should not look alive
             state.load_error = f"loading {model!r} failed: {type(e).__name__}: {e}"

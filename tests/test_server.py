@@ -272,6 +272,8 @@ def test_backpressure_429_then_recovery_and_cors(small):
 def test_real_model_answers_paris_and_health_said_loading_first(servers):
     smol = servers["smol"].wait_ready()
     assert smol.health_seen[0] == (503, "loading") and smol.health_seen[-1] == (200, "ok")
+    log = servers["smol"].log_path.read_text()
+    assert "warmed up in" in log and log.index("warmed up in") < log.index("is ready"), log  # before /health said ok
     r = client(smol, api_key="unused").chat.completions.create(
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=16, temperature=0)

@@ -255,6 +255,16 @@ class BlockAllocator:
         if held:
             raise RuntimeError(f"{len(held)} blocks are still referenced while idle, e.g. {held[:8]}")
 
+    def reset_prefix_cache(self) -> None:
+        "Forget every cached prefix (an idle allocator only): cached blocks become plain free blocks, hit counts restart."
+        self.check_idle()
+        for block in self._cached:
+            del self._hash_to_block[self._block_hash[block]]
+            self._block_hash[block] = None
+            self._free.append(block)
+        self._cached.clear()
+        self.hit_tokens = self.query_tokens = 0
+
     def _checked(self, block_id: int) -> int:
         if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks):
             raise ValueError(f"unknown block id {block_id!r}; blocks are 0..{self.num_blocks - 1}")
@@ -335,6 +345,18 @@ with pytest.raises(ValueError, match="a full block has 4 tokens"):
 alloc.free(dup)
 with pytest.raises(ValueError, match="not allocated"):
     alloc.register_full_block(dup[1], None, [1, 2, 3, 4])
+alloc.check_idle()
+
+# `reset_prefix_cache` forgets every cached prefix (the engine's warm-up uses it, chapter 08); only when idle
+held = alloc.allocate(1)
+with pytest.raises(RuntimeError, match="still referenced"):
+    alloc.reset_prefix_cache()
+alloc.free(held)
+assert alloc.stats().cached_blocks == 1 and alloc.hash_of(table_a[0]) == h0
+alloc.reset_prefix_cache()
+s = alloc.stats()
+assert (s.cached_blocks, s.free_blocks, s.hit_tokens, s.query_tokens) == (0, 8, 0, 0)
+assert alloc.hash_of(table_a[0]) is None and alloc.match_prefix(prompt_a) == []
 alloc.check_idle()
 
 off = BlockAllocator(4, 4, enable_prefix_caching=False)

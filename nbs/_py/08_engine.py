@@ -426,6 +426,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool: return bool(self.requests)
 
+    def warm_up(self, prompt_len: int = 40, max_tokens: int = 4) -> float:
+        """Run one throwaway greedy request (a prefill, then decode steps) so that the first real request does not
+        wait for kernels to compile on first use; afterwards the step counters, step records and prefix cache are
+        as if it had never run. Needs an idle engine. Returns the seconds it took."""
+        if self.requests:
+            raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight")
+        start, vocab = time.perf_counter(), self.loaded.config.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))]
+        self.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), "warm-up")
+        while self.has_unfinished(): self.step()
+        self.allocator.reset_prefix_cache()
+        self.recent.clear()
+        self.steps = self.generated_tokens = 0
+        return time.perf_counter() - start
+
     # -- one step --
     def step(self) -> list[RequestOutput]:
         "Schedule and launch a step, then apply the previous one's tokens; outputs for every request that changed."
@@ -632,6 +647,24 @@ assert failed.finish_reason == "error" and "simulated kernel failure" in failed.
 engine.allocator.check_idle()
 engine.add_request([3, 4, 5], greedy, request_id="after")
 assert run_to_end(engine)["after"].finish_reason == "length"
+
+# %% [markdown]
+# `warm_up` runs one throwaway request before serving, so that the first real one does not wait while
+# kernels compile on first use (on a fresh H200 the server's first request waited 1.7 s for its first
+# token, the next ones ~36 ms: W3 in `docs/benchmarks.md`). Afterwards the engine looks as if it never
+# ran: no steps counted, no step records, nothing in the prefix cache; and what it then computes is
+# what a fresh engine computes.
+
+# %%
+warm = tiny_engine(block_size=4)
+assert warm.warm_up() > 0 and warm.steps == 0 and not warm.recent and warm.generated_tokens == 0
+kv = warm.stats().kv
+assert (kv.cached_blocks, kv.used_blocks, kv.hit_tokens, kv.query_tokens) == (0, 0, 0, 0)
+warm.add_request(prompts[1], greedy, request_id="real")
+assert run_to_end(warm)["real"].token_ids == finals["r1"].token_ids and warm.steps > 0
+warm.add_request([1, 2, 3], greedy, request_id="busy")
+with pytest.raises(RuntimeError, match="idle engine; 1 request"):
+    warm.warm_up()
 
 
 # %% [markdown]

@@ -895,7 +895,9 @@ assert plain.get("/v1/models").status_code == 200  # no key set: none needed
 # `ServerThread` runs uvicorn on a background thread, for notebooks and tests.
 # `forge-engine serve` (`run` below) instead runs uvicorn on the main thread and loads the
 # model on another, so `/health` answers 503 from the first second and 200 once the engine
-# is up. It binds to 127.0.0.1 unless told otherwise, and says so loudly when it is told.
+# is up and warmed up (`LLMEngine.warm_up`: one throwaway request, so the first real one does not
+# wait for kernels to compile). It binds to 127.0.0.1 unless told otherwise, and says so loudly
+# when it is told.
 
 # %%
 #| export
@@ -988,7 +990,9 @@ def run(args: argparse.Namespace) -> int:
             loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False,
                                 quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
                                 memory_budget=config.gpu_memory_budget)
-            state.engine = AsyncEngine(LLMEngine(loaded, config.replace(device=device)))
+            engine = LLMEngine(loaded, config.replace(device=device))
+            logger.info("warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up())
+            state.engine = AsyncEngine(engine)
             logger.info("%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port)
         except Exception as e:  # say why, then stop: a server that can never serve should not look alive
             state.load_error = f"loading {model!r} failed: {type(e).__name__}: {e}"
