@@ -255,9 +255,11 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 # %% ../nbs/10_quantization.ipynb #6dc77049
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
-                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None, **constexprs):
+                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None,
+                 maxnreg: int | None = None, **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
-    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked."""
+    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked.
+    `maxnreg`: a cap on registers per thread for the compiler (the lab's knob: more warps resident per SM)."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -266,17 +268,19 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
         kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
                                            PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
-                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps, **constexprs)
+                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps,
+                                           **({"maxnreg": maxnreg} if maxnreg else {}), **constexprs)
     return out
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
-              loop_stages: int | None = None) -> torch.Tensor:
+              loop_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper)."""
+    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
+    a register cap per thread (default: the compiler's choice)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -285,7 +289,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        maxnreg, GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul

@@ -8,8 +8,9 @@ weight (its conversion to float) or by too few bytes in flight per SM, not by by
 
 Variants per shape and weight format (bf16, int8 with a scale per row, int4 in groups: chapter 10): the exported
 configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps); int8 and int4 also
-with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export). Prints per shape
-the exported configuration's time and the best three.
+with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
+register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
+variants, and the best three of the grid.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
 import os
@@ -88,6 +89,9 @@ def main():
         results = {"export " + str(exported(fmt, n, k)): timed()}
         if fmt != "bf16":
             results["export, Triton conversion"] = timed(byte_asm=False)
+        if fmt == "int4":  # a register cap: more warps an SM (gemv_sass.py: 80 spills nothing, 64 spills)
+            for cap in (80, 64):
+                results[f"export, maxnreg={cap}"] = timed(maxnreg=cap)
         for bn, bk, w in GRID_INT4 if fmt == "int4" else GRID:
             if time.monotonic() - start > BUDGET_S: break
             results[f"({bn}, {bk}, {w})"] = timed(block_n=bn, block_k=bk, num_warps=w)

@@ -34,71 +34,96 @@ ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr"
            "stride_qn", "stride_om")
 
 
-def kernel_sass(kernel, signature: dict, constexprs: dict, num_warps: int, aligned=ALIGNED) -> list[tuple[int, str]]:
-    """The kernel compiled for an H200 (sm_90) by Triton and ptxas: its machine code as (address, instruction).
-    `aligned`: the arguments the launchers promise divisible by 16 (as real launches tell the compiler)."""
+def kernel_sass(kernel, signature: dict, constexprs: dict, num_warps: int, aligned=ALIGNED,
+                maxnreg: int | None = None) -> tuple[list[tuple[int, str]], int]:
+    """The kernel compiled for an H200 (sm_90) by Triton and ptxas: its machine code as (address, instruction), and its
+    registers per thread. `aligned`: the arguments the launchers promise divisible by 16 (as real launches tell the
+    compiler); `maxnreg`: a register cap for ptxas (what it cannot keep in registers spills to local memory: STL/LDL)."""
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in signature}
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps})
+                              options=options)
     path = f"/tmp/kernel_sass_{os.getpid()}.cubin"
     with open(path, "wb") as f: f.write(compiled.asm["cubin"])
     sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     os.remove(path)
-    return [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]+);", sass)]
+    code = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]+);", sass)]
+    return code, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int) -> list[str]:
-    "The instructions of the kernel's innermost loop (between the loop's backward branch and its target)."
-    code = kernel_sass(kernel, signature, constexprs, num_warps)
+def loop_sass(kernel, signature: dict, constexprs: dict, num_warps: int,
+              maxnreg: int | None = None) -> tuple[list[str], int]:
+    "The instructions of the kernel's innermost loop (between the loop's backward branch and its target), and registers."
+    code, registers = kernel_sass(kernel, signature, constexprs, num_warps, maxnreg=maxnreg)
     for address, text in code:  # the first backward branch closes the loop
         target = re.search(r"BRA (0x[0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address:
-            return [t for a, t in code if int(target.group(1), 16) <= a <= address]
+            return [t for a, t in code if int(target.group(1), 16) <= a <= address], registers
     raise RuntimeError("no loop found in the compiled kernel")
 
 
+def resident_warps(registers: int, num_warps: int) -> int:
+    """Warps an H200 SM keeps resident for a kernel of `registers` a thread: 64K registers handed out per warp in units
+    of 256, at most 64 warps and 32 programs an SM (shared memory is not the limit for these kernels)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // per_warp // num_warps, 32) * num_warps if per_warp * num_warps <= 65536 else 0
+
+
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
-              stages: int = 1, swiglu: bool = False) -> tuple[list[str], float]:
-    """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, and the weights each thread handles per step.
-    `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's)."""
+              stages: int = 1, swiglu: bool = False, maxnreg: int | None = None) -> tuple[list[str], float, int]:
+    """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
+    registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
                  LOOP_STAGES=stages, SWIGLU=swiglu)
-    body = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
-                     dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps)
-    return body, block_n * block_k / (32 * num_warps)
+    body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
+                                dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
+    return body, block_n * block_k / (32 * num_warps), registers
 
 
 def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, stages: int = 1,
-              group: int = 128) -> tuple[list[str], float]:
+              group: int = 128, maxnreg: int | None = None) -> tuple[list[str], float, int]:
     "chapter 10's int4 GEMV at one row (BLOCK_K in inputs: GROUPS = BLOCK_K / GROUP)."
-    body = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
-                     dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm, PDL=True,
-                          PREFETCH=0, LOOP_STAGES=stages), num_warps)
-    return body, block_n * block_k / (32 * num_warps)
+    body, registers = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
+                                dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm,
+                                     PDL=True, PREFETCH=0, LOOP_STAGES=stages), num_warps, maxnreg)
+    return body, block_n * block_k / (32 * num_warps), registers
 
 
 def main():
-    print(f"{'weights':11s} {'tile':>14s} warps byte_asm stages  instructions/weight  (most frequent in the loop)")
-    cases = [("bf16", gemv_loop, ("*bf16", 8, 512, 4, False)), ("bf16", gemv_loop, ("*bf16", 4, 512, 4, False)),
-             ("int8", gemv_loop, ("*i8", 8, 512, 2, False)), ("int8", gemv_loop, ("*i8", 8, 512, 2, True)),
-             ("int8", gemv_loop, ("*i8", 4, 1024, 4, True)), ("int8", gemv_loop, ("*i8", 4, 2048, 4, True)),
-             ("int4", int4_loop, (8, 1024, 2, False)), ("int4", int4_loop, (8, 1024, 2, True)),
-             ("int4", int4_loop, (8, 512, 2, True)), ("int4", int4_loop, (4, 2048, 4, True)),
+    print(f"{'weights':11s} {'tile':>12s} warps byte_asm stages maxnreg  instr/weight  regs  warps/SM  KB/SM  "
+          f"(most frequent in the loop)")
+    bf16, int8 = dict(weight="*bf16", byte_asm=False), dict(weight="*i8", byte_asm=True)
+    cases = [("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4)), ("bf16", dict(bf16, block_n=4, block_k=512, num_warps=4)),
+             ("int8", dict(int8, block_n=8, block_k=512, num_warps=2, byte_asm=False)),
+             ("int8", dict(int8, block_n=8, block_k=512, num_warps=2)), ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4)),
+             ("int8", dict(int8, block_n=4, block_k=2048, num_warps=4)),
+             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=False)),
+             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=True)),
+             ("int4", dict(block_n=8, block_k=512, num_warps=2, byte_asm=True)),
+             ("int4", dict(block_n=4, block_k=2048, num_warps=4, byte_asm=True)),
              # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
-             ("bf16", gemv_loop, ("*bf16", 8, 512, 4, False, 3)), ("int8", gemv_loop, ("*i8", 4, 1024, 4, True, 3)),
-             ("int4", int4_loop, (8, 1024, 2, True, 3)),
+             ("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4, stages=3)),
+             ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4, stages=3)),
+             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=True, stages=3)),
              # gate-up with SiLU-mul in the epilogue (FUSED_SWIGLU): rows of the gate and the up half in one tile
-             ("bf16", gemv_loop, ("*bf16", 4, 512, 4, False, 1, True)), ("int8", gemv_loop, ("*i8", 8, 512, 2, True, 1, True))]
-    for label, loop, args in cases:
-        body, per_thread = loop(*args)
-        block_n, block_k, num_warps, byte_asm = args[1:5] if label != "int4" else args[:4]
-        stages = (args[5] if label != "int4" else args[4]) if len(args) > (5 if label != "int4" else 4) else 1
-        label += " swiglu" if label != "int4" and len(args) > 6 and args[6] else ""
+             ("bf16 swiglu", dict(bf16, block_n=4, block_k=512, num_warps=4, swiglu=True)),
+             ("int8 swiglu", dict(int8, block_n=8, block_k=512, num_warps=2, swiglu=True)),
+             # int4's exported tiles with a register cap: more warps resident, and what spills (STL/LDL in the loop)
+             *[("int4", dict(block_n=bn, block_k=bk, num_warps=w, byte_asm=True, maxnreg=cap))
+               for bn, bk, w in ((8, 512, 2), (8, 1024, 2), (4, 2048, 4)) for cap in (80, 64)]]
+    for label, case in cases:
+        loop = int4_loop if label == "int4" else gemv_loop
+        body, per_thread, registers = loop(**case)
+        warps = resident_warps(registers, case["num_warps"])
+        # every resident warp with one step's weights requested: the bytes an SM can have on their way from memory
+        in_flight = warps * 32 * per_thread * {"*bf16": 2, "*i8": 1}.get(case.get("weight"), 0.5) / 1024
         ops = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in body)
-        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(7))
-        print(f"{label:11s} {block_n:4d} x {block_k:5d} {num_warps:5d} {byte_asm!s:8s} {stages:6d}  "
-              f"{len(body) / per_thread:6.2f} ({len(body)} for {per_thread:.0f})  {top}")
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+        print(f"{label:11s} {case['block_n']:4d} x {case['block_k']:5d} {case['num_warps']:5d} {case['byte_asm']!s:8s} "
+              f"{case.get('stages', 1):6d} {case.get('maxnreg') or '-':>7}  {len(body) / per_thread:6.2f} ({len(body):3d})"
+              f"  {registers:4d}  {warps:8d}  {in_flight:5.1f}  {top}")
 
 
 if __name__ == "__main__":

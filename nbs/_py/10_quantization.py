@@ -448,7 +448,12 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
 #
 # That is still only 20-29% of the read bandwidth, below int8's 48-74% with the same lab: with
 # the PTX nibbles or the Triton ones the times are within 5% of each other, so the loop is no
-# longer held back by its arithmetic alone (open: loads in flight per SM). End to end, W1 with int4
+# longer held back by its arithmetic alone (open: loads in flight per SM). Compiled offline
+# (`kernels_lab/gemv_sass.py`, no GPU needed), the gate-up tile keeps 96 registers a thread (the
+# converted nibbles of a step live together), so an SM holds 20 of its warps, and with one step's
+# bytes requested each that is 20 KB of weights on their way per SM; BF16's gate-up tile has 40 KB
+# and int8's 36-40 KB. A register cap (`int4_gemv(..., maxnreg=80)`) fits 24 warps with nothing
+# spilled, 64 fits 32 with spills: not measured on a GPU yet. End to end, W1 with int4
 # weights went from 224.8 tok/s (the group-summing version) to 318.3 (`docs/benchmarks.md`). For smaller models
 # (fewer outputs) `BLOCK_N` halves, down to 2, until there are at least 256 programs (two per SM
 # of an H200); the halving itself is a rule, not a measurement.
@@ -478,9 +483,11 @@ assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] 
 # %%
 #| export
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
-                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None, **constexprs):
+                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None,
+                 maxnreg: int | None = None, **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
-    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked."""
+    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked.
+    `maxnreg`: a cap on registers per thread for the compiler (the lab's knob: more warps resident per SM)."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -489,17 +496,19 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
         kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
                                            PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
-                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps, **constexprs)
+                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps,
+                                           **({"maxnreg": maxnreg} if maxnreg else {}), **constexprs)
     return out
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
-              loop_stages: int | None = None) -> torch.Tensor:
+              loop_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper)."""
+    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
+    a register cap per thread (default: the compiler's choice)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -508,7 +517,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        maxnreg, GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
 # %% [markdown]
@@ -651,7 +660,7 @@ for group, k in ((128, 384), (64, 576), (32, 96)):
     reference = lambda x: int4_matmul_reference(x, *q4g)
     for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(block_n=16, block_k=256)),
                              (3, torch.float32, dict(block_n=4, block_k=2 * group)), (4, torch.bfloat16, dict(block_n=1)),
-                             (1, torch.bfloat16, dict(block_k=64))]:
+                             (1, torch.bfloat16, dict(block_k=64)), (2, torch.bfloat16, dict(maxnreg=64))]:
         check_kernel(lambda x, **kw: int4_matmul(x, *q4g, **kw), reference, torch.randn(m, k, dtype=dtype), **launch)
 assert int4_matmul(torch.zeros(0, 96), *q4g, impl="triton").shape == (0, 40)
 with pytest.raises(ValueError, match="the gemv kernels take at most 4 rows, got 5"):
