@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             params = sampling_from_args(args)
             llm = _load_llm(args)
             if args.command == "chat":
+                llm.engine.warm_up()  # kernels compiled now, not during the first reply
                 chat_loop(LocalChat(llm), params, system=args.system)
             else:
                 write = lambda _, delta: (sys.stdout.write(delta), sys.stdout.flush())
