@@ -71,6 +71,7 @@ def test_random_preset_same_tokens_as_one_process():
         assert loaded.config.vocab_size == 151936 and loaded.config.num_heads == 2
         engine = LLMEngine(loaded, EngineConfig(**ENGINE, tensor_parallel_size=2, async_scheduling=True))
         assert engine.overlap  # rank 0 broadcasts the tokens it has not read back yet
+        assert engine.warm_up() > 0 and engine.steps == 0  # as `forge-engine serve` does: the ranks step along
         assert_same_outputs(reference, run_to_end(engine, PROMPTS))
         engine.allocator.check_idle()
         with pytest.raises(ValueError, match="tensor_parallel_size 1"):
