@@ -69,9 +69,12 @@ def environment() -> dict:
         env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
                    driver=driver.splitlines()[0] if driver else None)
     package_dir = os.path.dirname(os.path.abspath(forge_engine.__file__))
-    env["commit"] = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=package_dir)
-    if env["commit"]:  # uncommitted changes to tracked files: the commit alone does not say what ran
-        env["dirty"] = bool(_command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir))
+    if stated := os.environ.get("FORGE_COMMIT"):  # a tree copied without (or with stale) git metadata says it here
+        env["commit"], env["dirty"] = stated.removesuffix("-dirty"), stated.endswith("-dirty")
+    else:
+        env["commit"] = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=package_dir)
+        if env["commit"]:  # uncommitted changes to tracked files: the commit alone does not say what ran
+            env["dirty"] = bool(_command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir))
     env["command"] = " ".join(["forge-engine" if i == 0 and a.endswith(("forge-engine", "__main__.py")) else a
                                for i, a in enumerate(sys.argv)])
     return env

@@ -111,9 +111,12 @@ def environment() -> dict:
         env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
                    driver=driver.splitlines()[0] if driver else None)
     package_dir = os.path.dirname(os.path.abspath(forge_engine.__file__))
-    env["commit"] = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=package_dir)
-    if env["commit"]:  # uncommitted changes to tracked files: the commit alone does not say what ran
-        env["dirty"] = bool(_command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir))
+    if stated := os.environ.get("FORGE_COMMIT"):  # a tree copied without (or with stale) git metadata says it here
+        env["commit"], env["dirty"] = stated.removesuffix("-dirty"), stated.endswith("-dirty")
+    else:
+        env["commit"] = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=package_dir)
+        if env["commit"]:  # uncommitted changes to tracked files: the commit alone does not say what ran
+            env["dirty"] = bool(_command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir))
     env["command"] = " ".join(["forge-engine" if i == 0 and a.endswith(("forge-engine", "__main__.py")) else a
                                for i, a in enumerate(sys.argv)])
     return env
@@ -157,6 +160,13 @@ assert hardware_slug({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2}) == "
 fake = {"workload": "W1", "model": "random:qwen3-4b", "environment": {"gpu": "NVIDIA H200", "forge_engine": "0.1.0",
                                                                        "commit": "abc1234", "dirty": True}}
 assert result_path(fake, "out") == os.path.join("out", "nvidia-h200", "w1-random-qwen3-4b-0.1.0-abc1234-dirty.json")
+# a tree copied to another machine without its git history states its commit (FORGE_COMMIT, `-dirty` optional)
+os.environ["FORGE_COMMIT"] = "abc1234-dirty"
+try:
+    assert (environment()["commit"], environment()["dirty"]) == ("abc1234", True)
+finally:
+    del os.environ["FORGE_COMMIT"]
+assert environment()["commit"] != "abc1234"
 
 
 # %% [markdown]
