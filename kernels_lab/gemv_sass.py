@@ -68,7 +68,8 @@ def resident_warps(registers: int, num_warps: int) -> int:
     """Warps an H200 SM keeps resident for a kernel of `registers` a thread: 64K registers handed out per warp in units
     of 256, at most 64 warps and 32 programs an SM (shared memory is not the limit for these kernels)."""
     per_warp = -(-registers * 32 // 256) * 256
-    return min(65536 // per_warp // num_warps, 32) * num_warps if per_warp * num_warps <= 65536 else 0
+    programs = min(65536 // (per_warp * num_warps), 64 // num_warps, 32)
+    return programs * num_warps
 
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
