@@ -167,91 +167,88 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # %% ../nbs/10_quantization.ipynb #372e2760
 @triton.jit
 def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
-    """A uint8 tile -> (128 + low nibble, 128 + 8 · high nibble) in fp32, exactly, with no conversion or subtraction:
-    the nibble goes into the mantissa of 128 (0x43000000: bits 16-19 count ones, bits 19-22 eights)."""
-    if BYTE_ASM:  # compiled for an NVIDIA GPU: per byte, two byte permutes; per weight, one AND
+    """A uint8 tile -> (128 + low nibble, 128 + high nibble / 16) in fp32, exactly: the low nibble in the mantissa
+    bits 16-19 of 128 (0x43000000), the high one in bits 12-15."""
+    if BYTE_ASM:  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 s, l0, l1, l2, l3, h0, h1, h2, h3;
-            shr.b32 s, $8, 1;
-            prmt.b32 l0, $8, 0x43000000, 0x7044;
-            prmt.b32 l1, $8, 0x43000000, 0x7144;
-            prmt.b32 l2, $8, 0x43000000, 0x7244;
-            prmt.b32 l3, $8, 0x43000000, 0x7344;
-            prmt.b32 h0, s, 0x43000000, 0x7044;
-            prmt.b32 h1, s, 0x43000000, 0x7144;
-            prmt.b32 h2, s, 0x43000000, 0x7244;
-            prmt.b32 h3, s, 0x43000000, 0x7344;
-            and.b32 $0, l0, 0x430F0000;
-            and.b32 $1, l1, 0x430F0000;
-            and.b32 $2, l2, 0x430F0000;
-            and.b32 $3, l3, 0x430F0000;
-            and.b32 $4, h0, 0x43780000;
-            and.b32 $5, h1, 0x43780000;
-            and.b32 $6, h2, 0x43780000;
-            and.b32 $7, h3, 0x43780000;
+            .reg .b32 l, r, t;
+            shl.b32 l, $8, 8;
+            shr.b32 r, $8, 8;
+            prmt.b32 t, $8, 0, 0x1032;
+            lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $4, l, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $5, $8, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $6, r, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $7, t, 0x0000F000, 0x43000000, 0xEA;
             }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
             pack=4)
     b = b.to(tl.int32)
     low = ((b & 0x0F) << 16) | 0x43000000
-    high = ((b >> 4) << 19) | 0x43000000
+    high = ((b >> 4) << 12) | 0x43000000
     return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                      BYTE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                      SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
+                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH)  # as chapter 09's GEMV: a dependent launch, L2 prefetch
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
-    CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
-    CHUNKS: tl.constexpr = GROUPS * HALF // CHUNK
-    n_groups = K // GROUP
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m, offs_c, offs_j = tl.arange(0, ROWS), tl.arange(0, CHUNKS), tl.arange(0, CHUNK)
-    n_ok, m_ok = offs_n < N, offs_m < M
-    rows = offs_n.to(tl.int64)
-    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, CHUNK]; a stride (K/2)
-    # passed in, so Triton sees that a row starts 16-byte aligned and loads 8 bytes at a time
-    acc = tl.zeros((ROWS, BLOCK_N, CHUNKS), dtype=tl.float32)
-    for b0 in tl.range(0, K // 2, CHUNKS * CHUNK, num_stages=LOOP_STAGES):
-        start = tl.multiple_of(b0 + offs_c * CHUNK, CHUNK)  # [CHUNKS] first byte of each chunk in the row (aligned)
-        c_ok = start < K // 2  # K is whole groups; the last step may hold fewer chunks
-        g = start // HALF  # each chunk's group
-        lo = tl.multiple_of(g * GROUP + start % HALF, CHUNK)  # [CHUNKS] input of each chunk's first low nibble
-        b = tl.load(q_rows + start[None, :, None], mask=n_ok[:, None, None] & c_ok[None, :, None], other=0)
-        f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # [BN, CHUNKS, CHUNK]: 128 + q_lo, 128 + 8 q_hi
-        sm_at = rows[:, None] * n_groups + g[None, :]
-        sm_mask = n_ok[:, None] & c_ok[None, :]
-        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)  # [BN, CHUNKS]
-        mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
-        for m in tl.static_range(ROWS):  # the weights are converted once for all rows; each row is a 3-D product
-            x_at = x_ptr + m * K + lo[:, None] + offs_j[None, :]  # [CHUNKS, CHUNK], in the weights' layout
-            x_mask = (m < M) & c_ok[:, None]
-            x_lo = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_at + HALF, mask=x_mask, other=0.0).to(tl.float32)
-            p_lo = tl.sum(x_lo[None, :, :] * f_lo, axis=2)  # [BN, CHUNKS]: a thread's own chunk, no shuffles
-            p_hi = tl.sum(x_hi[None, :, :] * f_hi, axis=2)
-            sum_lo, sum_hi = tl.sum(x_lo, axis=1)[None, :], tl.sum(x_hi, axis=1)[None, :]  # [1, CHUNKS]
-            xq = (p_lo - 128.0 * sum_lo) + (p_hi - 128.0 * sum_hi) * 0.125  # Σ x q over each chunk's 16 weights
-            acc += tl.where(offs_m[:, None, None] == m, (xq * s + (sum_lo + sum_hi) * mn)[None, :, :], 0.0)
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
+    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
+    offs_j = tl.arange(0, CHUNK)[None, None, :]
+    first_row = tl.program_id(0) * BLOCK_N
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
+    for b0 in tl.range(0, K // 2, STEP, num_stages=LOOP_STAGES):
+        start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+        c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
+        g = start // HALF  # the chunk's group (a chunk never straddles two: HALF is a multiple of CHUNK)
+        x_at = x_ptr + (g * GROUP + start % HALF)[:, :, None] + offs_j  # the inputs of the chunk's low nibbles
+        xs = ()
+        for m in tl.static_range(ROWS):  # x's chunk, converted and summed once for all BLOCK_N rows
+            x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
+            x_lo = tl.load(x_at + m * K, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + m * K + HALF, mask=x_ok, other=0.0).to(tl.float32)
+            s_lo, s_hi = tl.sum(x_lo, axis=2), tl.sum(x_hi, axis=2)
+            xs = xs + ((x_lo, x_hi, 128.0 * s_lo + 2048.0 * s_hi, s_lo + s_hi),)
+        new = ()
+        for r in tl.static_range(BLOCK_N):
+            row = first_row + r
+            ok = c_ok & ((row < N) | EVEN)
+            b = tl.load(q_ptr + row * stride_qn + start[:, :, None] + offs_j, mask=ok[:, :, None], other=0)
+            at = row * (K // GROUP) + g
+            s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            mn = tl.load(min_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
+            for m in tl.static_range(ROWS):
+                x_lo, x_hi, offset, x_sum = xs[m]
+                xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
+                new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
+        accs = new
+    for r in tl.static_range(BLOCK_N):
+        row = first_row + r
+        for m in tl.static_range(ROWS):
+            total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
+            tl.store(out_ptr + m * N + row, total.to(out_ptr.dtype.element_ty), mask=(row < N) & (m < M))
 
 # %% ../nbs/10_quantization.ipynb #7425bb5b
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
-    if k >= 4096:  # long rows (o, down): few rows, wide steps
-        block_n, block_k, warps = 4, 2048, 4
+    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 chain lab's winners)."
+    if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps
+        block_n, warps, chunk = 4, 4, 16
     else:
-        block_n, block_k, warps = (8, 1024, 2) if n < 16384 else (8, 512, 2)
-    while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (4, 1, 8)
+    while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
-    return block_n, block_k, warps
+    return block_n, warps, chunk
 
 # %% ../nbs/10_quantization.ipynb #6dc77049
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
@@ -274,10 +271,12 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
+    `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
+    (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
     a register cap per thread (default: the compiler's choice)."""
@@ -286,10 +285,14 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
-    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
-    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
+    block_n = block_n or max(1, default[0] // _pow2(max(m, 1)))
+    num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
+    if chunk not in (8, 16) or (group // 2) % chunk:
+        raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
+    even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        maxnreg, GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        maxnreg, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
+                        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul

@@ -7,7 +7,8 @@ half the bf16 time. In session 3 both took ~2.25 ms for a layer's four matrices:
 weight (its conversion to float) or by too few bytes in flight per SM, not by bytes.
 
 Variants per shape and weight format (bf16, int8 with a scale per row, int4 in groups: chapter 10): the exported
-configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps); int8 and int4 also
+configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps) (int4: (BLOCK_N,
+num_warps, chunk bytes)); int8 and int4 also
 with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
 register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
 variants, and the best three of the grid.
@@ -26,8 +27,7 @@ from forge_engine.quant import dequantize_int4, int4_gemv, quant_gemv_config, qu
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8))
         if 2048 <= bn * bk <= 16384 and (w < 8 if bn * bk <= 4096 else w > 2)]  # 16 tiles, warps by tile size
-GRID_INT4 = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (2, 4, 8))
-             if 4096 <= bn * bk <= 32768 and (w < 8 if bn * bk <= 8192 else w > 2)]  # BLOCK_K in inputs (2 a byte)
+GRID_INT4 = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))  # (BLOCK_N rows, warps, chunk bytes): chapter 10
 BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: the grid stops there (the export always runs)
 LAYERS = 36
 
@@ -67,7 +67,7 @@ def main():
         for m, (n, k) in ((1, (96, 512)), (2, (40, 1024)), (1, (2560, 4096))) if ON_GPU else ((1, (8, 256)),):
             w, x = weights(fmt, n, k), torch.randn(m, k, device=DEVICE).bfloat16()
             for asm in ((True, False) if ON_GPU and fmt != "bf16" else (None,)):
-                got = product(fmt, x, w, block_k=min(512, k), byte_asm=asm)
+                got = product(fmt, x, w, byte_asm=asm, **({} if fmt == "int4" else dict(block_k=min(512, k))))
                 ok &= validate(f"{fmt} M={m} N={n} K={k} byte_asm={asm}", got.float(), reference(fmt, x, w), 1e-2)
     if not ON_GPU:
         finish(ok)
@@ -92,9 +92,10 @@ def main():
         if fmt == "int4":  # a register cap: more warps an SM (gemv_sass.py: 80 spills nothing, 64 spills)
             for cap in (80, 64):
                 results[f"export, maxnreg={cap}"] = timed(maxnreg=cap)
-        for bn, bk, w in GRID_INT4 if fmt == "int4" else GRID:
+        for config in GRID_INT4 if fmt == "int4" else GRID:
             if time.monotonic() - start > BUDGET_S: break
-            results[f"({bn}, {bk}, {w})"] = timed(block_n=bn, block_k=bk, num_warps=w)
+            names = ("block_n", "num_warps", "chunk") if fmt == "int4" else ("block_n", "block_k", "num_warps")
+            results[str(config)] = timed(**dict(zip(names, config)))
         best = sorted(results.items(), key=lambda kv: kv[1])
         for name, ms in [r for r in results.items() if not r[0].startswith("(")] + best[:3]:
             print(f"  {fmt:5s} {label:8s} {name:28s} {ms * 1e3 / LAYERS:7.2f} us/matrix  "

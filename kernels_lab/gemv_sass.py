@@ -28,7 +28,8 @@ GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_p
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
 INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32",
-                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUPS", "GROUP", "BYTE_ASM", "PDL", "PREFETCH", "LOOP_STAGES")}}
+                  **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUP", "CHUNK", "SLABS", "EVEN", "BYTE_ASM", "PDL",
+                                                    "PREFETCH", "LOOP_STAGES")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -83,13 +84,13 @@ def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm:
     return body, block_n * block_k / (32 * num_warps), registers
 
 
-def int4_loop(block_n: int, block_k: int, num_warps: int, byte_asm: bool, stages: int = 1,
+def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: int = 1,
               group: int = 128, maxnreg: int | None = None) -> tuple[list[str], float, int]:
-    "chapter 10's int4 GEMV at one row (BLOCK_K in inputs: GROUPS = BLOCK_K / GROUP)."
+    "chapter 10's int4 GEMV at one row, whole steps (no masks): BLOCK_N rows a program, each thread `chunk` bytes of each."
     body, registers = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
-                                dict(ROWS=1, BLOCK_N=block_n, GROUPS=block_k // group, GROUP=group, BYTE_ASM=byte_asm,
-                                     PDL=True, PREFETCH=0, LOOP_STAGES=stages), num_warps, maxnreg)
-    return body, block_n * block_k / (32 * num_warps), registers
+                                dict(ROWS=1, BLOCK_N=block_n, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=True,
+                                     BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages), num_warps, maxnreg)
+    return body, block_n * chunk * 2, registers
 
 
 def main():
@@ -100,20 +101,21 @@ def main():
              ("int8", dict(int8, block_n=8, block_k=512, num_warps=2, byte_asm=False)),
              ("int8", dict(int8, block_n=8, block_k=512, num_warps=2)), ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4)),
              ("int8", dict(int8, block_n=4, block_k=2048, num_warps=4)),
-             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=False)),
-             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=True)),
-             ("int4", dict(block_n=8, block_k=512, num_warps=2, byte_asm=True)),
-             ("int4", dict(block_n=4, block_k=2048, num_warps=4, byte_asm=True)),
+             ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=False)),
+             ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=True)),
+             ("int4", dict(block_n=4, num_warps=1, chunk=8, byte_asm=True)),
+             ("int4", dict(block_n=4, num_warps=4, chunk=16, byte_asm=True)),
+             ("int4", dict(block_n=8, num_warps=2, chunk=8, byte_asm=True)),
              # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
              ("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4, stages=3)),
              ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4, stages=3)),
-             ("int4", dict(block_n=8, block_k=1024, num_warps=2, byte_asm=True, stages=3)),
+             ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=True, stages=3)),
              # gate-up with SiLU-mul in the epilogue (FUSED_SWIGLU): rows of the gate and the up half in one tile
              ("bf16 swiglu", dict(bf16, block_n=4, block_k=512, num_warps=4, swiglu=True)),
              ("int8 swiglu", dict(int8, block_n=8, block_k=512, num_warps=2, swiglu=True)),
              # int4's exported tiles with a register cap: more warps resident, and what spills (STL/LDL in the loop)
-             *[("int4", dict(block_n=bn, block_k=bk, num_warps=w, byte_asm=True, maxnreg=cap))
-               for bn, bk, w in ((8, 512, 2), (8, 1024, 2), (4, 2048, 4)) for cap in (80, 64)]]
+             *[("int4", dict(block_n=bn, num_warps=w, chunk=c, byte_asm=True, maxnreg=cap))
+               for bn, w, c in ((4, 2, 8), (4, 4, 16)) for cap in (56, 48)]]
     for label, case in cases:
         loop = int4_loop if label == "int4" else gemv_loop
         body, per_thread, registers = loop(**case)
@@ -122,7 +124,8 @@ def main():
         in_flight = warps * 32 * per_thread * {"*bf16": 2, "*i8": 1}.get(case.get("weight"), 0.5) / 1024
         ops = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in body)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"{label:11s} {case['block_n']:4d} x {case['block_k']:5d} {case['num_warps']:5d} {case['byte_asm']!s:8s} "
+        tile = f"{case['block_n']:4d} x {case.get('block_k', str(case.get('chunk')) + 'B'):>5}"
+        print(f"{label:11s} {tile} {case['num_warps']:5d} {case['byte_asm']!s:8s} "
               f"{case.get('stages', 1):6d} {case.get('maxnreg') or '-':>7}  {len(body) / per_thread:6.2f} ({len(body):3d})"
               f"  {registers:4d}  {warps:8d}  {in_flight:5.1f}  {top}")
 

@@ -15,7 +15,7 @@ Variants (times are CUDA-graph replays, L2 flushed)
   v1  bf16 forge_engine.kernels.gemv (chapter 09, the engine's one-row path)
   v2  int4 split-K kernel (`int4_matmul(kernel="split_k")`: what ran at every row count before)
   v3  int4 GEMV, the export (`int4_gemv`, `quant_gemv_config`)
-  v4  int4 GEMV sweep: BLOCK_N x BLOCK_K x num_warps, at M = 1 and 4; the best per shape is printed
+  v4  int4 GEMV sweep: BLOCK_N x num_warps x chunk bytes, at M = 1 and 4; the best per shape is printed
   g1  GGUF split-K kernel (Q8_0, Q6_K, Q4_K: random blocks with sane scales), M = 1 and 4
   g2  GGUF GEMV launch, the export (`gguf_matmul` at <= 4 rows, `gguf_gemv_config`), M = 1 and 4
   g3  GGUF GEMV sweep (M = 1), if time is left
@@ -37,8 +37,7 @@ from forge_engine.quant import KEPT_GGUF_TYPES, gguf_matmul, int4_gemv, int4_mat
 SHAPES = {"qkv 6144x2560": (6144, 2560), "o 2560x4096": (2560, 4096), "gate_up 19456x2560": (19456, 2560),
           "down 2560x9728": (2560, 9728)}
 GGUF_TYPES = {"Q8_0": 8, "Q6_K": 14, "Q4_K": 12}
-INT4_SWEEP = [(bn, bk, nw) for bn, bk, nw in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8))
-              if bn * bk <= 16384]  # (block_n, block_k, num_warps); 16 x 2048 would hold 16 KB of nibbles a step
+INT4_SWEEP = list(itertools.product((1, 2, 4, 8), (8, 16), (1, 2, 4)))  # (block_n, chunk bytes, num_warps)
 GGUF_ROWS = (1, 4)  # the GGUF rows at M = 2 would cost more compile time than they teach
 GGUF_SWEEP = list(itertools.product((2, 4, 8), (512, 1024), (4, 8)))
 START = time.perf_counter()
@@ -139,7 +138,7 @@ def benchmark(gen, rows):
             if prefix.startswith("v4"):
                 packed, scale, minimum = quantize_int4(w)
                 nbytes = packed.numel() + 2 * (scale.numel() + minimum.numel())
-                run = lambda bn, bk, nw: int4_gemv(x, packed, scale, minimum, block_n=bn, block_k=bk, num_warps=nw)
+                run = lambda bn, chunk, nw: int4_gemv(x, packed, scale, minimum, block_n=bn, chunk=chunk, num_warps=nw)
             else:
                 qtype = GGUF_TYPES[prefix.split()[1]]
                 raw = random_gguf(qtype, n, k, gen)
@@ -149,9 +148,10 @@ def benchmark(gen, rows):
                 if not time_left():
                     print(f"  budget of {BUDGET_S:.0f} s spent: {prefix} stops at {label} M={m}")
                     break
-                ms = timed(results, f"{label} M={m}", f"{prefix} bn={bn} bk={bk} w={nw}", lambda: run(bn, bk, nw), nbytes)
+                name = f"bn={bn} {'chunk' if prefix.startswith('v4') else 'bk'}={bk} w={nw}"  # (int4: bk is the chunk)
+                ms = timed(results, f"{label} M={m}", f"{prefix} {name}", lambda: run(bn, bk, nw), nbytes)
                 if ms < best.get((prefix, label, m), (float("inf"),))[0]:
-                    best[prefix, label, m] = (ms, f"bn={bn} bk={bk} w={nw}", nbytes)
+                    best[prefix, label, m] = (ms, name, nbytes)
     results.print()
     print("\n== best sweep configuration per shape (export: forge_engine.quant.quant_gemv_config, gguf_gemv_config)")
     for (prefix, label, m), (ms, config, nbytes) in best.items():

@@ -343,120 +343,131 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # for an H200 (`kernels_lab/gemv_sass.py`) its loop spent 13 instructions per weight, most of
 # them warp shuffles and adds of those sums, and it ran at 0.69 × the BF16 decode speed.
 #
-# So now each thread owns **chunks**: 8 bytes of a row, the 16 weights of one group that a byte
-# `j` pairs as input `j` (low nibble) and `j + GROUP/2` (high). A thread sums its chunk alone;
-# scale and minimum apply per chunk; threads are summed once, at the end. And the nibbles become
-# floats without a conversion or even a subtraction (`_nibbles_to_f32`): the float 128 is
-# 0x43000000, and its mantissa's bit 16 counts ones. A byte placed in bits 16-23 and ANDed with
-# 0x430F0000 is the float 128 + low nibble; the byte shifted right by one, placed the same way
-# and ANDed with 0x43780000 (bits 19-22), is 128 + 8 · high nibble. (Bit 23 is the exponent's:
-# the unshifted high nibble cannot stay there.) The offsets come out per chunk, with the chunk's
-# sum of inputs that the minimum needs anyway: `Σ x q = Σ x (128 + q) − 128 Σ x`, the high half
-# divided by 8 (exact). On the GPU this is PTX: per byte two byte permutes, per weight one AND.
+# A second version gave each thread **chunks**: 8 bytes of a row, the 16 weights of one group
+# that a byte `j` pairs as input `j` (low nibble) and `j + GROUP/2` (high), summed by that thread
+# alone, scale and minimum applied per chunk, threads summed once at the end: 5.5 instructions a
+# weight, 96 registers, and Qwen3-4B's four matrices of a layer in 47.5 µs on an H200 (1.0-1.3
+# TB/s). What it still paid per weight: two byte permutes and an AND to make a float of a nibble,
+# and, since a thread held one row's chunk, a conversion and a running sum of the *x* it
+# multiplies, repeated for every row.
 #
-# `kernels_lab/quant_gemv.py` times it at Qwen3-4B's shapes against the split-K kernel, BF16
-# `gemv` and cuBLAS, and sweeps `BLOCK_N`, `BLOCK_K` and the warps behind `quant_gemv_config`.
+# `_int4_gemv_kernel` now:
+#
+# - gives a program `BLOCK_N` rows and each thread **the same chunk of every one of them**: x's
+#   values are loaded, converted to FP32 and summed once a step for all `BLOCK_N` rows (the rows
+#   are a tuple of tensors in the loop, unrolled: one load and one accumulator each);
+# - lets a warp cover `32 × CHUNK` contiguous bytes of a row per step, the program's warps taking
+#   interleaved slabs of K (summed across warps once, at the end);
+# - makes floats of nibbles in 1.4 instructions a weight (`_nibbles_to_f32`). The float 128 is
+#   0x43000000, and its mantissa's bit 16 counts ones. A byte sitting in bits 16-23, masked with
+#   0x000F0000 and ORed with 0x43000000 (one LOP3), is 128 + its low nibble; a byte in bits 8-15
+#   masked with 0x0000F000 is 128 + its high nibble / 16. The word itself has byte 2 in bits 16-23
+#   and byte 1 in bits 8-15; shifted left by 8, bytes 1 and 0; right by 8, bytes 3 and 2; rotated
+#   by 16, bytes 0 and 3: three shifts and eight LOP3s for eight weights. The offsets come out per
+#   chunk with the sums the minimum needs anyway: `Σ x q = Σ x_lo (128 + q) + 16 Σ x_hi (128 + q/16)
+#   − 128 Σ x_lo − 2048 Σ x_hi`. (The high nibbles sit 2^11 below their float's 128, so FP32 keeps
+#   about 13 of their bits through a chunk's sum: far finer than int4's own steps.)
+#
+# Compiled offline for an H200 (`kernels_lab/int4_rows.py sass`): 4.1 instructions a weight at 4
+# rows and 8-byte chunks (64 registers, 32 warps an SM), 3.6 at 16-byte chunks. In the chain lab
+# on an H200 (36 distinct matrices per shape in one CUDA graph, one row) a layer's four matrices
+# take **34.4 µs against 47.5**:
+#
+# | matrix | N × K | rows, warps, chunk bytes | µs a matrix | before (rows 8/4, K-tile, warps) |
+# |---|---|---|---|---|
+# | qkv | 6144 × 2560 | 4, 2, 8 | 6.93 | 10.30 |
+# | o | 2560 × 4096 | 2, 4, 16 (4, 4, 16: 5.68) | 5.52 | 5.79 |
+# | gate_up | 19456 × 2560 | 4, 1, 8 | 13.46 | 19.73 |
+# | down | 2560 × 9728 | 4, 4, 16 | 8.46 | 11.64 |
+#
+# Still 1.0-2.0 TB/s: at ~4 instructions a weight the loop needs the SMs' whole issue rate to
+# keep up with 4.19 TB/s, so it is now bound by its arithmetic and by the latency it cannot
+# hide. Issuing the next step's loads before this step's arithmetic (registers double-buffered)
+# measured slower (more registers and moves); a tensor-core (`mma`) version, which would leave
+# only the nibble unpacking per weight, is the next step.
 
 # %%
 #| export
 @triton.jit
 def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
-    """A uint8 tile -> (128 + low nibble, 128 + 8 · high nibble) in fp32, exactly, with no conversion or subtraction:
-    the nibble goes into the mantissa of 128 (0x43000000: bits 16-19 count ones, bits 19-22 eights)."""
-    if BYTE_ASM:  # compiled for an NVIDIA GPU: per byte, two byte permutes; per weight, one AND
+    """A uint8 tile -> (128 + low nibble, 128 + high nibble / 16) in fp32, exactly: the low nibble in the mantissa
+    bits 16-19 of 128 (0x43000000), the high one in bits 12-15."""
+    if BYTE_ASM:  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 s, l0, l1, l2, l3, h0, h1, h2, h3;
-            shr.b32 s, $8, 1;
-            prmt.b32 l0, $8, 0x43000000, 0x7044;
-            prmt.b32 l1, $8, 0x43000000, 0x7144;
-            prmt.b32 l2, $8, 0x43000000, 0x7244;
-            prmt.b32 l3, $8, 0x43000000, 0x7344;
-            prmt.b32 h0, s, 0x43000000, 0x7044;
-            prmt.b32 h1, s, 0x43000000, 0x7144;
-            prmt.b32 h2, s, 0x43000000, 0x7244;
-            prmt.b32 h3, s, 0x43000000, 0x7344;
-            and.b32 $0, l0, 0x430F0000;
-            and.b32 $1, l1, 0x430F0000;
-            and.b32 $2, l2, 0x430F0000;
-            and.b32 $3, l3, 0x430F0000;
-            and.b32 $4, h0, 0x43780000;
-            and.b32 $5, h1, 0x43780000;
-            and.b32 $6, h2, 0x43780000;
-            and.b32 $7, h3, 0x43780000;
+            .reg .b32 l, r, t;
+            shl.b32 l, $8, 8;
+            shr.b32 r, $8, 8;
+            prmt.b32 t, $8, 0, 0x1032;
+            lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $4, l, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $5, $8, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $6, r, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $7, t, 0x0000F000, 0x43000000, 0xEA;
             }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
             pack=4)
     b = b.to(tl.int32)
     low = ((b & 0x0F) << 16) | 0x43000000
-    high = ((b >> 4) << 19) | 0x43000000
+    high = ((b >> 4) << 12) | 0x43000000
     return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                      BYTE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                      SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
+                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH)  # as chapter 09's GEMV: a dependent launch, L2 prefetch
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
-    CHUNK: tl.constexpr = 8  # bytes one thread converts and sums alone: 16 weights of one group
-    CHUNKS: tl.constexpr = GROUPS * HALF // CHUNK
-    n_groups = K // GROUP
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m, offs_c, offs_j = tl.arange(0, ROWS), tl.arange(0, CHUNKS), tl.arange(0, CHUNK)
-    n_ok, m_ok = offs_n < N, offs_m < M
-    rows = offs_n.to(tl.int64)
-    q_rows = q_ptr + rows[:, None, None] * stride_qn + offs_j[None, None, :]  # [BN, 1, CHUNK]; a stride (K/2)
-    # passed in, so Triton sees that a row starts 16-byte aligned and loads 8 bytes at a time
-    acc = tl.zeros((ROWS, BLOCK_N, CHUNKS), dtype=tl.float32)
-    for b0 in tl.range(0, K // 2, CHUNKS * CHUNK, num_stages=LOOP_STAGES):
-        start = tl.multiple_of(b0 + offs_c * CHUNK, CHUNK)  # [CHUNKS] first byte of each chunk in the row (aligned)
-        c_ok = start < K // 2  # K is whole groups; the last step may hold fewer chunks
-        g = start // HALF  # each chunk's group
-        lo = tl.multiple_of(g * GROUP + start % HALF, CHUNK)  # [CHUNKS] input of each chunk's first low nibble
-        b = tl.load(q_rows + start[None, :, None], mask=n_ok[:, None, None] & c_ok[None, :, None], other=0)
-        f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # [BN, CHUNKS, CHUNK]: 128 + q_lo, 128 + 8 q_hi
-        sm_at = rows[:, None] * n_groups + g[None, :]
-        sm_mask = n_ok[:, None] & c_ok[None, :]
-        s = tl.load(scale_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)  # [BN, CHUNKS]
-        mn = tl.load(min_ptr + sm_at, mask=sm_mask, other=0.0).to(tl.float32)
-        for m in tl.static_range(ROWS):  # the weights are converted once for all rows; each row is a 3-D product
-            x_at = x_ptr + m * K + lo[:, None] + offs_j[None, :]  # [CHUNKS, CHUNK], in the weights' layout
-            x_mask = (m < M) & c_ok[:, None]
-            x_lo = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_at + HALF, mask=x_mask, other=0.0).to(tl.float32)
-            p_lo = tl.sum(x_lo[None, :, :] * f_lo, axis=2)  # [BN, CHUNKS]: a thread's own chunk, no shuffles
-            p_hi = tl.sum(x_hi[None, :, :] * f_hi, axis=2)
-            sum_lo, sum_hi = tl.sum(x_lo, axis=1)[None, :], tl.sum(x_hi, axis=1)[None, :]  # [1, CHUNKS]
-            xq = (p_lo - 128.0 * sum_lo) + (p_hi - 128.0 * sum_hi) * 0.125  # Σ x q over each chunk's 16 weights
-            acc += tl.where(offs_m[:, None, None] == m, (xq * s + (sum_lo + sum_hi) * mn)[None, :, :], 0.0)
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
+    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
+    offs_j = tl.arange(0, CHUNK)[None, None, :]
+    first_row = tl.program_id(0) * BLOCK_N
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
+    for b0 in tl.range(0, K // 2, STEP, num_stages=LOOP_STAGES):
+        start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+        c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
+        g = start // HALF  # the chunk's group (a chunk never straddles two: HALF is a multiple of CHUNK)
+        x_at = x_ptr + (g * GROUP + start % HALF)[:, :, None] + offs_j  # the inputs of the chunk's low nibbles
+        xs = ()
+        for m in tl.static_range(ROWS):  # x's chunk, converted and summed once for all BLOCK_N rows
+            x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
+            x_lo = tl.load(x_at + m * K, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + m * K + HALF, mask=x_ok, other=0.0).to(tl.float32)
+            s_lo, s_hi = tl.sum(x_lo, axis=2), tl.sum(x_hi, axis=2)
+            xs = xs + ((x_lo, x_hi, 128.0 * s_lo + 2048.0 * s_hi, s_lo + s_hi),)
+        new = ()
+        for r in tl.static_range(BLOCK_N):
+            row = first_row + r
+            ok = c_ok & ((row < N) | EVEN)
+            b = tl.load(q_ptr + row * stride_qn + start[:, :, None] + offs_j, mask=ok[:, :, None], other=0)
+            at = row * (K // GROUP) + g
+            s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            mn = tl.load(min_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
+            for m in tl.static_range(ROWS):
+                x_lo, x_hi, offset, x_sum = xs[m]
+                xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
+                new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
+        accs = new
+    for r in tl.static_range(BLOCK_N):
+        row = first_row + r
+        for m in tl.static_range(ROWS):
+            total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
+            tl.store(out_ptr + m * N + row, total.to(out_ptr.dtype.element_ty), mask=(row < N) & (m < M))
 
 
 # %% [markdown]
 # Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
-# not depend on the batch). The tiles come from `kernels_lab/gemv_chain_sweep.py` on an H200: per
-# Qwen3-4B shape, 36 distinct matrices in one CUDA graph as a decode step runs them, one row:
-#
-# | matrix | N × K | best BLOCK_N, BLOCK_K (inputs), warps | time per matrix | with the earlier tiles (16, 512 / 8, 2048; 4 warps) |
-# |---|---|---|---|---|
-# | qkv | 6144 × 2560 | 8, 1024, 2 | 9.0 µs | 11.0 µs |
-# | gate_up | 19456 × 2560 | 8, 512, 2 | 20.3 µs | 26.9 µs |
-# | o | 2560 × 4096 | 4, 2048, 4 | 6.5 µs | 7.6 µs |
-# | down | 2560 × 9728 | 4, 2048, 4 | 12.3 µs | 14.6 µs |
-#
-# That is still only 20-29% of the read bandwidth, below int8's 48-74% with the same lab: with
-# the PTX nibbles or the Triton ones the times are within 5% of each other, so the loop is no
-# longer held back by its arithmetic alone (open: loads in flight per SM). Compiled offline
-# (`kernels_lab/gemv_sass.py`, no GPU needed), the gate-up tile keeps 96 registers a thread (the
-# converted nibbles of a step live together), so an SM holds 20 of its warps, and with one step's
-# bytes requested each that is 20 KB of weights on their way per SM; BF16's gate-up tile has 40 KB
-# and int8's 36-40 KB. A register cap (`int4_gemv(..., maxnreg=80)`) fits 24 warps with nothing
-# spilled, 64 fits 32 with spills: not measured on a GPU yet. End to end, W1 with int4
-# weights went from 224.8 tok/s (the group-summing version) to 318.3 (`docs/benchmarks.md`). For smaller models
-# (fewer outputs) `BLOCK_N` halves, down to 2, until there are at least 256 programs (two per SM
-# of an H200); the halving itself is a rule, not a measurement.
+# not depend on the batch): the chain lab's winners above, as a rule. Long rows (o, down) take
+# 16-byte chunks over four warps; short ones 8-byte chunks, one warp for the wide gate-up (the
+# most programs), two for qkv. For smaller models (fewer outputs) `BLOCK_N` halves, down to 1,
+# until there are at least 256 programs (two per SM of an H200); the halving itself is a rule,
+# not a measurement. More rows of x (up to 4) take fewer weight rows a program, so the
+# accumulators (`BLOCK_N × ROWS`) stay at four.
 
 # %%
 #| export
@@ -464,20 +475,20 @@ GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, BLOCK_K in inputs, num_warps) for the int4 GEMV of an [n, k] weight at 1-4 rows (the H200 sweep's winners)."
-    if k >= 4096:  # long rows (o, down): few rows, wide steps
-        block_n, block_k, warps = 4, 2048, 4
+    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 chain lab's winners)."
+    if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps
+        block_n, warps, chunk = 4, 4, 16
     else:
-        block_n, block_k, warps = (8, 1024, 2) if n < 16384 else (8, 512, 2)
-    while block_n > 2 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (4, 1, 8)
+    while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
-    return block_n, block_k, warps
+    return block_n, warps, chunk
 
 
 # %%
 assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728))] == \
-    [(8, 1024, 2), (8, 512, 2), (4, 2048, 4), (4, 2048, 4)]  # Qwen3-4B: the sweep's winners
-assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 8  # SmolLM2's o, a 0.6B-sized qkv
+    [(4, 2, 8), (4, 1, 8), (4, 4, 16), (4, 4, 16)]  # Qwen3-4B: the chain lab's winners
+assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 4  # SmolLM2's o, a 0.6B-sized qkv
 
 
 # %%
@@ -502,10 +513,12 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
+    `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
+    (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
     a register cap per thread (default: the compiler's choice)."""
@@ -514,10 +527,14 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
-    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
-    groups = max(1, min(block_k // group, _pow2(k // group)))  # whole groups per step, no more than K has
+    block_n = block_n or max(1, default[0] // _pow2(max(m, 1)))
+    num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
+    if chunk not in (8, 16) or (group // 2) % chunk:
+        raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
+    even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        maxnreg, GROUPS=groups, GROUP=group, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        maxnreg, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
+                        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
 # %% [markdown]
@@ -622,17 +639,17 @@ def int4_matmul_reference(x, packed, scale, minimum):
 # (multiply-and-sum, and `tl.dot` tiles), with and without splits, ragged N and K, FP32 and BF16.
 
 # %%
-def assert_matches(got, want, label):
-    "fp32: elementwise to 1e-4; bf16: 1% of the output's norm (the reference rounds the weights to bf16, the kernels don't)."
+def assert_matches(got, want, label, atol=1e-4):
+    "fp32: elementwise to 1e-4 (or `atol`); bf16: 1% of the output's norm (the reference rounds the weights to bf16, the kernels don't)."
     assert got.dtype == want.dtype and got.shape == want.shape, label
     if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda s: f"{label}: {s}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda s: f"{label}: {s}")
     else:
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert rel < 1e-2, (label, rel)
 
-def check_kernel(fn, reference, x, **launch):
-    assert_matches(fn(x, impl="triton", **launch), reference(x), f"M={x.shape[0]} {x.dtype} {launch}")
+def check_kernel(fn, reference, x, atol=1e-4, **launch):
+    assert_matches(fn(x, impl="triton", **launch), reference(x), f"M={x.shape[0]} {x.dtype} {launch}", atol)
 
 torch.manual_seed(0)
 w = torch.randn(40, 384) * 0.1  # N = 40: not a multiple of the tiles
@@ -652,16 +669,19 @@ assert int8_matmul(torch.randn(2, 200), q8b, s8b).shape == (2, 24)  # impl="auto
 
 # %% [markdown]
 # The int4 GEMV on 0 to 4 rows: groups of 128, 64 and 32; N not a multiple of `BLOCK_N`; K not a
-# multiple of `BLOCK_K` (the last step holds fewer groups); FP32 and BF16.
+# multiple of a step (the last step masked), whole steps (no masks); FP32 and BF16.
 
 # %%
-for group, k in ((128, 384), (64, 576), (32, 96)):
+for group, k in ((128, 384), (128, 512), (64, 576), (32, 96)):  # 512: whole steps at one warp
     q4g = quantize_int4(torch.randn(40, k) * 0.1 + torch.linspace(-0.2, 0.5, k), group)
     reference = lambda x: int4_matmul_reference(x, *q4g)
-    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(block_n=16, block_k=256)),
-                             (3, torch.float32, dict(block_n=4, block_k=2 * group)), (4, torch.bfloat16, dict(block_n=1)),
-                             (1, torch.bfloat16, dict(block_k=64)), (2, torch.bfloat16, dict(maxnreg=64))]:
-        check_kernel(lambda x, **kw: int4_matmul(x, *q4g, **kw), reference, torch.randn(m, k, dtype=dtype), **launch)
+    for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(block_n=16, num_warps=2)),
+                             (3, torch.float32, dict(block_n=4, chunk=16 if group > 32 else 8)),
+                             (4, torch.bfloat16, dict(block_n=1)), (1, torch.bfloat16, dict(block_n=8, num_warps=1)),
+                             (2, torch.bfloat16, dict(maxnreg=64)), (1, torch.float32, dict(block_n=8, chunk=16))]:
+        x = torch.randn(m, k, dtype=dtype)
+        # the GEMV's high nibbles keep ~13 bits in FP32 (above): its error stays under 2^-12 of Σ|x| · scale
+        check_kernel(lambda x, **kw: int4_matmul(x, *q4g, **kw), reference, x, 2**-12 * q4g[1].max().item() * x.abs().sum().item(), **launch)
 assert int4_matmul(torch.zeros(0, 96), *q4g, impl="triton").shape == (0, 40)
 with pytest.raises(ValueError, match="the gemv kernels take at most 4 rows, got 5"):
     int4_matmul(torch.zeros(5, 96), *q4g, impl="triton", kernel="gemv")
