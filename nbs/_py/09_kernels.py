@@ -676,11 +676,10 @@ def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, P
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 stride_rm, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
+                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
@@ -696,7 +695,6 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, norm_ptr, res_ptr, M, 
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: each row's sum of squares, per lane
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         k = k0 + offs_k
         if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
@@ -707,24 +705,15 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, norm_ptr, res_ptr, M, 
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        x = x.to(tl.float32)
-        if NORM:  # x is the residual stream: normalised as it is read, the 1/rms applied to the sums at the end
-            squares += x * x
-            x *= tl.load(norm_ptr + k, mask=(k < K) | EVEN_K, other=0.0).to(tl.float32)[None, :]
         if ROWS == 1:
-            acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+            acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
         else:
-            acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+            acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    if NORM:
-        out *= (1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps))[:, None]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_RESIDUAL:  # the residual stream's add: out = residual + x @ W.T, rounded once
-        out += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                       other=0.0).to(tl.float32)
     if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
         half: tl.constexpr = BLOCK_N // 2
         h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -768,17 +757,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
          prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
-    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
-    `norm` (weight [K], eps): x is the residual stream, RMS-normalised (times weight) by the GEMV as it reads it;
-    `residual` [M, N]: added to the outputs (the residual stream's add), before SiLU-mul."""
+    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -791,21 +777,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
                          f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
-    if norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous()):
-        raise ValueError(f"gemv's norm weight must be a contiguous [{k}], got {tuple(norm[0].shape)}")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv's residual must be [{m}, {n}] with unit stride in the last dimension, got "
-                         f"{tuple(residual.shape)}")
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        if norm is not None: x = rmsnorm(x, norm[0], norm[1], backend)
         result = gemv_reference(x, weight, bias, scale)
-        if residual is not None: result = result + residual
         if swiglu: return silu_mul(result, backend)
         return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages, norm=norm, residual=residual), backend)
+                             prefetch, loop_stages), backend)
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
@@ -815,15 +794,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
-            x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out,
-            norm[0] if norm is not None else weight, residual if residual is not None else weight, m, n, k,
-            x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-            norm[1] if norm is not None else 0.0, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
             PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
-            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, NORM=norm is not None,
-            HAS_RESIDUAL=residual is not None, num_warps=num_warps, **_stages(num_stages))
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, num_warps=num_warps, **_stages(num_stages))
     return out
 
 
@@ -866,22 +842,6 @@ for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100,
     torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(),
                                rtol=4e-2, atol=4e-2)  # (bf16: three roundings apart)
 FUSED_SWIGLU = True
-# `norm` and `residual`: the RMSNorm before a GEMV and the residual add after it, inside it: against the norm and
-# the GEMV of PyTorch (fp32, 1-3 rows, a ragged K, int8 weights, SiLU-mul), and the wrong shapes refused
-for m, n, k, int8, swiglu in ((1, 12, 64, False, False), (3, 10, 100, True, False), (2, 16, 256, False, True)):
-    h, weight = torch.randn(m, k, generator=gen) * 3, torch.randn(n, k, generator=gen)
-    norm_w, res = torch.rand(k, generator=gen) + 0.5, torch.randn(m, n, generator=gen)
-    scale = None
-    if int8: weight, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
-    got = gemv(h, weight, None, scale, impl="triton", block_k=64, norm=(norm_w, 1e-6), residual=res, swiglu=swiglu)
-    want = gemv_reference(rmsnorm(h, norm_w, 1e-6, impl="torch"), weight, None, scale) + res
-    torch.testing.assert_close(got, silu_mul_reference(want) if swiglu else want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(gemv(h, weight, None, scale, impl="torch", norm=(norm_w, 1e-6), residual=res, swiglu=swiglu),
-                       silu_mul_reference(want) if swiglu else want)
-with pytest.raises(ValueError, match=r"norm weight must be a contiguous \[8\]"):
-    gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=(torch.ones(9), 1e-6))
-with pytest.raises(ValueError, match=r"residual must be \[1, 2\]"):
-    gemv(torch.zeros(1, 8), torch.zeros(2, 8), residual=torch.zeros(2))
 with pytest.raises(ValueError, match="even number of rows"):
     gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
 with pytest.raises(ValueError, match="at most 4 rows"):
