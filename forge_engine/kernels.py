@@ -4,14 +4,15 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
-           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
-           'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
-           'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
-           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'GEMV_EARLY_WEIGHTS', 'GEMV_EARLY_INT8_MAX_K', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
+           'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
+           'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
+           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
            'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
-           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'gemv_early_weights', 'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv',
+           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention',
+           'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -381,24 +382,46 @@ def _prefetch_to_l2(w_ptr, first_row, rows, row_bytes, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then wait for this one's
-    input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do not
-    depend on the kernel before, so their reading starts while that kernel is still running."""
+def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                WAIT: tl.constexpr):
+    """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then (WAIT) wait for this
+    one's input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do
+    not depend on the kernel before, so their reading starts while that kernel is still running."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH > 0:
             first = tl.program_id(0) * BLOCK_N
             _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
-        tl.extra.cuda.gdc_wait()
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+               BYTE_ASM: tl.constexpr, w=None):
+    "acc + one step of the GEMV: inputs k of x's rows and of the weight rows (`w`: that tile, already loaded)."
+    if EVEN_K:
+        if w is None:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        if w is None:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+    if ROWS == 1:
+        acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+    else:
+        acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    return acc
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr):
-    _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH)
+                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr):
+    _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
+                not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
         cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
@@ -413,20 +436,18 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
+    first = 0
+    if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
+        k = tl.max_contiguous(offs_k, 8) if w_ptr.dtype.element_ty == tl.int8 else offs_k
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
+        _wait_for_previous(PDL)
+        acc = _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, w)
+        first = BLOCK_K
+    for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         k = k0 + offs_k
         if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
             k = tl.max_contiguous(k, 8)
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        if ROWS == 1:
-            acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
-        else:
-            acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+        acc = _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -464,6 +485,15 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
     return 32 * num_warps if aligned else 0  # the program's threads
 
 
+GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
+GEMV_EARLY_INT8_MAX_K = 4096  # ... int8 only below this row length (its long-row tiles then hold 114 registers, not 96)
+
+
+def gemv_early_weights(k: int, weight_bytes: int) -> bool:
+    "Whether the GEMV of an [N, k] weight of `weight_bytes` an element asks for its first step's weights before the wait."
+    return GEMV_EARLY_WEIGHTS and (weight_bytes == 2 or k < GEMV_EARLY_INT8_MAX_K)
+
+
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
     "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
     if loop_stages is not None and loop_stages < 1:
@@ -475,14 +505,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
          prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early_weights: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
-    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES)."""
+    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
+    `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
+    (default `gemv_early_weights`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -502,7 +534,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages), backend)
+                             prefetch, loop_stages, early_weights=early_weights), backend)
     default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
@@ -517,7 +549,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
             PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
-            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, num_warps=num_warps, **_stages(num_stages))
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu,
+            EARLY_W=pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights),
+            num_warps=num_warps,
+            **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0

@@ -178,8 +178,11 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        if hasattr(self.gate_up, "gemv_operands") and (gemv := decode_gemv(x)) is not None:
-            return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
+        if (gemv := decode_gemv(x)) is not None:
+            if hasattr(self.gate_up, "gemv_operands"):
+                return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
+            if hasattr(self.gate_up, "decode_swiglu"):  # a layer with a GEMV of its own (chapter 10's int4)
+                return self.down(self.gate_up.decode_swiglu(x))
         h = self.gate_up(x)
         if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
             return self.down(fused(h))  # one kernel for silu, the halves and the product

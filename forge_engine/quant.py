@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _start_gemv, gemv,
-                                  gemv_loop_stages, gemv_prefetch, gemv_reference, kernel_backend, pdl_supported, tl,
-                                  triton)
+from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _silu_times, _start_gemv,
+                                  gemv, gemv_loop_stages, gemv_prefetch, gemv_reference, kernel_backend, pdl_supported,
+                                  silu_mul, tl, triton)
 from .model import Transformer, load_weights
 
 # %% auto #0
@@ -193,16 +193,26 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _int4_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
+    "The weight row of a program's r-th row, and whether it exists: with SWIGLU, gate rows then their up rows."
+    if SWIGLU:
+        col = first_col + r % HALF_N
+        return col + (r // HALF_N) * (N // 2), col < N // 2
+    return first_col + r, first_col + r < N
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr):
-    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH)  # as chapter 09's GEMV: a dependent launch, L2 prefetch
+                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr):
+    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, True)  # as chapter 09's GEMV: a dependent launch
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
     offs_j = tl.arange(0, CHUNK)[None, None, :]
-    first_row = tl.program_id(0) * BLOCK_N
+    HALF_N: tl.constexpr = BLOCK_N // 2  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
+    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
     for b0 in tl.range(0, K // 2, STEP, num_stages=LOOP_STAGES):
         start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
@@ -218,8 +228,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
             xs = xs + ((x_lo, x_hi, 128.0 * s_lo + 2048.0 * s_hi, s_lo + s_hi),)
         new = ()
         for r in tl.static_range(BLOCK_N):
-            row = first_row + r
-            ok = c_ok & ((row < N) | EVEN)
+            row, row_ok = _int4_row(first_col, r, N, HALF_N, SWIGLU)
+            ok = c_ok & (row_ok | EVEN)
             b = tl.load(q_ptr + row * stride_qn + start[:, :, None] + offs_j, mask=ok[:, :, None], other=0)
             at = row * (K // GROUP) + g
             s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
@@ -230,11 +240,20 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
                 xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
                 new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
         accs = new
-    for r in tl.static_range(BLOCK_N):
-        row = first_row + r
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
+        row, row_ok = _int4_row(first_col, r, N, HALF_N, SWIGLU)
         for m in tl.static_range(ROWS):
             total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
-            tl.store(out_ptr + m * N + row, total.to(out_ptr.dtype.element_ty), mask=(row < N) & (m < M))
+            if SWIGLU:  # silu(gate) * up, rounded as the GEMV's stores and `silu_mul` round them (chapter 09)
+                up = tl.sum(tl.sum(accs[(r + HALF_N) * ROWS + m], axis=1), axis=0)
+                tl.store(out_ptr + m * (N // 2) + row, _silu_times(total.to(dtype).to(tl.float32),
+                                                                   up.to(dtype).to(tl.float32), dtype),
+                         mask=row_ok & (m < M))
+            else:
+                tl.store(out_ptr + m * N + row, total.to(dtype), mask=row_ok & (m < M))
+
+
 
 # %% ../nbs/10_quantization.ipynb #7425bb5b
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
@@ -253,28 +272,32 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
 # %% ../nbs/10_quantization.ipynb #6dc77049
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
                  pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None,
-                 maxnreg: int | None = None, **constexprs):
+                 maxnreg: int | None = None, swiglu: bool = False, **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
-    -> [M, N]; as a dependent launch where the GPU has it (default) and with chapter 09's L2 prefetch where asked.
+    -> [M, N] (`swiglu`: [M, N / 2], a program's BLOCK_N rows half gate, half up); as a dependent launch where the GPU
+    has it (default) and with chapter 09's L2 prefetch where asked.
     `maxnreg`: a cap on registers per thread for the compiler (the lab's knob: more warps resident per SM)."""
     x = x.contiguous()
     m, k = x.shape
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    out = torch.empty((m, n // 2 if swiglu else n), device=x.device, dtype=x.dtype)
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
-        kernel[(triton.cdiv(n, block_n),)](x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
+        kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
+                                           x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
                                            PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
                                            LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps,
-                                           **({"maxnreg": maxnreg} if maxnreg else {}), **constexprs)
+                                           **({"maxnreg": maxnreg} if maxnreg else {}), SWIGLU=swiglu,
+                                           **constexprs)
     return out
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
-              loop_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
-    """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`.
+              loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
+    the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -285,13 +308,16 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
-    block_n = block_n or max(1, default[0] // _pow2(max(m, 1)))
+    block_n = block_n or max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
+    if swiglu and (n % 2 or block_n % 2):
+        raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
+                         f"{n} and {block_n}")
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        maxnreg, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
+                        maxnreg, swiglu, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
                         BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
@@ -595,6 +621,11 @@ class Int4Linear(QuantLinear):
     def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
+
+    def decode_swiglu(self, x):
+        "As a gate-up layer, silu(gate) * up of a decode step's rows (x on a GPU): SiLU-mul in the int4 GEMV's epilogue."
+        if self.bias is not None: return silu_mul(self(x))
+        return int4_gemv(x, self.qweight, self.scale, self.minimum, swiglu=True)
 
     def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 

@@ -93,13 +93,15 @@ def decode_step_ms(engine) -> float:
 DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
-             "DECODE_EARLY_TILE")}
+             "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K")}
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "defaults": {}, "early tile": dict(DECODE_EARLY_TILE=True), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
     "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
     "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
     "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
-    "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False), "defaults again": {}}
+    "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False),
+    "early weights off": dict(GEMV_EARLY_WEIGHTS=False),
+    "early weights, int8 too at K >= 4096": dict(GEMV_EARLY_INT8_MAX_K=1 << 30), "defaults again": {}}
 
 
 def switch(**changes):

@@ -22,7 +22,7 @@ from forge_engine.kernels import _gemv_kernel
 from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU")
+FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
@@ -74,11 +74,12 @@ def resident_warps(registers: int, num_warps: int) -> int:
 
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
-              stages: int = 1, swiglu: bool = False, maxnreg: int | None = None) -> tuple[list[str], float, int]:
+              stages: int = 1, swiglu: bool = False, maxnreg: int | None = None,
+              early: bool = False) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages, SWIGLU=swiglu)
+                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early)
     body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                                 dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
     return body, block_n * block_k / (32 * num_warps), registers
@@ -113,6 +114,9 @@ def main():
              # gate-up with SiLU-mul in the epilogue (FUSED_SWIGLU): rows of the gate and the up half in one tile
              ("bf16 swiglu", dict(bf16, block_n=4, block_k=512, num_warps=4, swiglu=True)),
              ("int8 swiglu", dict(int8, block_n=8, block_k=512, num_warps=2, swiglu=True)),
+             # the first step's weights asked for before the wait (`early_weights`): the loop should be unchanged
+             ("bf16 early", dict(bf16, block_n=2, block_k=1024, num_warps=4, early=True)),
+             ("int8 early", dict(int8, block_n=4, block_k=2048, num_warps=4, early=True)),
              # int4's exported tiles with a register cap: more warps resident, and what spills (STL/LDL in the loop)
              *[("int4", dict(block_n=bn, num_warps=w, chunk=c, byte_asm=True, maxnreg=cap))
                for bn, w, c in ((4, 2, 8), (4, 4, 16)) for cap in (56, 48)]]

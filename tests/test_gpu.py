@@ -104,7 +104,7 @@ def test_int8_gemv_on_the_gpu(rows, n, k):
 
 @pytest.mark.parametrize("n,k", [(6144, 2560), (1000, 320), (151936, 2560)])
 def test_gemv_l2_prefetch_changes_no_result(n, k):
-    "The GEMVs with their weights prefetched into L2 before the input wait, or with a pipelined loop (chapter 09): the same bits."
+    "The GEMVs with their weights prefetched into L2 (or their first tile loaded) before the input wait, or with a pipelined loop (chapter 09): the same bits."
     from forge_engine.kernels import gemv
     from forge_engine.quant import int4_gemv, quantize_int4
     gen = torch.Generator(device="cuda").manual_seed(k)
@@ -114,6 +114,7 @@ def test_gemv_l2_prefetch_changes_no_result(n, k):
     for args in ((w,), (q, None, scale)):
         assert torch.equal(gemv(x, *args, prefetch=True), gemv(x, *args, prefetch=False))
         assert torch.equal(gemv(x, *args, loop_stages=3), gemv(x, *args, loop_stages=1))  # the same sums, pipelined
+        assert torch.equal(gemv(x, *args, early_weights=True), gemv(x, *args, early_weights=False))  # first tile early
     packed = quantize_int4(w, group=64)
     assert torch.equal(int4_gemv(x, *packed, prefetch=True), int4_gemv(x, *packed, prefetch=False))
     assert torch.equal(int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed))  # and the dependent launch
