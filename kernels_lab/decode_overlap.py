@@ -44,6 +44,7 @@ import sys
 from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may switch on the interpreter
 import torch
 import forge_engine.kernels as kernels
+import forge_engine.quant as quant
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -94,6 +95,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K")}
+DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "defaults": {}, "early tile": dict(DECODE_EARLY_TILE=True), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
     "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
@@ -101,13 +103,14 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
     "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False),
     "early weights off": dict(GEMV_EARLY_WEIGHTS=False),
-    "early weights, int8 too at K >= 4096": dict(GEMV_EARLY_INT8_MAX_K=1 << 30), "defaults again": {}}
+    "early weights, int8 too at K >= 4096": dict(GEMV_EARLY_INT8_MAX_K=1 << 30),
+    "early weights, int4 too": dict(INT4_EARLY_WEIGHTS=True), "defaults again": {}}
 
 
 def switch(**changes):
-    "Chapter 09's switches: their defaults, with `changes`."
+    "Chapter 09's switches (and chapter 10's INT4_EARLY_WEIGHTS): their defaults, with `changes`."
     for name, value in dict(DEFAULTS, **changes).items():
-        setattr(kernels, name, value)
+        setattr(kernels if hasattr(kernels, name) else quant, name, value)
 
 
 def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:

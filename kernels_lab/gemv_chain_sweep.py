@@ -89,8 +89,8 @@ def main():
         results = {"export " + str(exported(fmt, n, k)): timed()}
         if fmt != "bf16":
             results["export, Triton conversion"] = timed(byte_asm=False)
-        if fmt != "int4":  # each program's first weights asked for before it waits for x (chapter 09's early_weights)
-            results["export, first weights early"] = timed(early_weights=True)
+        for early in (True, False):  # each program's first weights asked for before it waits for x, or not
+            results[f"export, first weights early={early}"] = timed(early_weights=early)
         if fmt == "int4":  # a register cap: more warps an SM (gemv_sass.py: 80 spills nothing, 64 spills)
             for cap in (80, 64):
                 results[f"export, maxnreg={cap}"] = timed(maxnreg=cap)

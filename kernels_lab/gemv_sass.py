@@ -29,7 +29,7 @@ GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_p
 INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "out_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUP", "CHUNK", "SLABS", "EVEN", "BYTE_ASM", "PDL",
-                                                    "PREFETCH", "LOOP_STAGES")}}
+                                                    "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -86,11 +86,12 @@ def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm:
 
 
 def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: int = 1,
-              group: int = 128, maxnreg: int | None = None) -> tuple[list[str], float, int]:
+              group: int = 128, maxnreg: int | None = None, early: bool = False) -> tuple[list[str], float, int]:
     "chapter 10's int4 GEMV at one row, whole steps (no masks): BLOCK_N rows a program, each thread `chunk` bytes of each."
     body, registers = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
                                 dict(ROWS=1, BLOCK_N=block_n, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=True,
-                                     BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages), num_warps, maxnreg)
+                                     BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages, SWIGLU=False,
+                                     EARLY_W=early), num_warps, maxnreg)
     return body, block_n * chunk * 2, registers
 
 
@@ -107,6 +108,8 @@ def main():
              ("int4", dict(block_n=4, num_warps=1, chunk=8, byte_asm=True)),
              ("int4", dict(block_n=4, num_warps=4, chunk=16, byte_asm=True)),
              ("int4", dict(block_n=8, num_warps=2, chunk=8, byte_asm=True)),
+             ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=True, early=True)),
+             ("int4", dict(block_n=4, num_warps=4, chunk=16, byte_asm=True, early=True)),
              # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
              ("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4, stages=3)),
              ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4, stages=3)),

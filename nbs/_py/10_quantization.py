@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _silu_times, _start_gemv,
-                                  gemv, gemv_loop_stages, gemv_prefetch, gemv_reference, kernel_backend, pdl_supported,
-                                  silu_mul, tl, triton)
+                                  _wait_for_previous, gemv, gemv_loop_stages, gemv_prefetch, gemv_reference,
+                                  kernel_backend, pdl_supported, silu_mul, tl, triton)
 from forge_engine.model import Transformer, load_weights
 
 # %%
@@ -380,6 +380,12 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # | gate_up | 19456 × 2560 | 4, 1, 8 | 13.46 | 19.73 |
 # | down | 2560 × 9728 | 4, 4, 16 | 8.46 | 11.64 |
 #
+# As chapter 09's GEMV, each program asks for its first step's weights (bytes, scales, minimums)
+# before it waits for x (`early_weights`, `INT4_EARLY_WEIGHTS`; the loop compiles as before, the
+# first step peeled): in the chain lab qkv 7.00 → 5.96 µs, o 5.72 → 3.75, gate-up 13.49 → 12.91,
+# down 10.30 → 8.08 (a layer 36.5 → 30.7 µs); the decode step 1.851 → 1.770 ms
+# (`kernels_lab/decode_overlap.py int4`), W1 522.6 → 545.6 tok/s in one call. On.
+#
 # Still 1.0-2.0 TB/s: at ~4 instructions a weight the loop needs the SMs' whole issue rate to
 # keep up with 4.19 TB/s, so it is now bound by its arithmetic and by the latency it cannot
 # hide. Issuing the next step's loads before this step's arithmetic (registers double-buffered)
@@ -425,44 +431,72 @@ def _int4_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
+def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
+                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr):
+    "A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum)."
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+    c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
+    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
+    ws = ()
+    for r in tl.static_range(BLOCK_N):
+        row, row_ok = _int4_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        ok = c_ok & (row_ok | EVEN)
+        at = row * (K // GROUP) + g
+        ws = ws + ((tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                            mask=ok[:, :, None], other=0),
+                    tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+    return ws
+
+
+@triton.jit
+def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+    "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
+    HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
+    c_ok = (start < K // 2) | EVEN
+    x_at = x_ptr + ((start // HALF) * GROUP + start % HALF)[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    xs = ()  # the inputs of the chunk's low nibbles (and + HALF, the high ones), for each row m of x
+    for m in tl.static_range(ROWS):
+        x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
+        x_lo = tl.load(x_at + m * K, mask=x_ok, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_at + m * K + HALF, mask=x_ok, other=0.0).to(tl.float32)
+        s_lo, s_hi = tl.sum(x_lo, axis=2), tl.sum(x_hi, axis=2)
+        xs = xs + ((x_lo, x_hi, 128.0 * s_lo + 2048.0 * s_hi, s_lo + s_hi),)
+    new = ()
+    for r in tl.static_range(BLOCK_N):
+        b, s, mn = ws[r]
+        s, mn = s.to(tl.float32), mn.to(tl.float32)
+        f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
+        for m in tl.static_range(ROWS):
+            x_lo, x_hi, offset, x_sum = xs[m]
+            xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
+            new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
+    return new
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr):
-    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, True)  # as chapter 09's GEMV: a dependent launch
-    HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr):
+    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
-    offs_j = tl.arange(0, CHUNK)[None, None, :]
     HALF_N: tl.constexpr = BLOCK_N // 2  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
     first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
-    for b0 in tl.range(0, K // 2, STEP, num_stages=LOOP_STAGES):
-        start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
-        c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
-        g = start // HALF  # the chunk's group (a chunk never straddles two: HALF is a multiple of CHUNK)
-        x_at = x_ptr + (g * GROUP + start % HALF)[:, :, None] + offs_j  # the inputs of the chunk's low nibbles
-        xs = ()
-        for m in tl.static_range(ROWS):  # x's chunk, converted and summed once for all BLOCK_N rows
-            x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
-            x_lo = tl.load(x_at + m * K, mask=x_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_at + m * K + HALF, mask=x_ok, other=0.0).to(tl.float32)
-            s_lo, s_hi = tl.sum(x_lo, axis=2), tl.sum(x_hi, axis=2)
-            xs = xs + ((x_lo, x_hi, 128.0 * s_lo + 2048.0 * s_hi, s_lo + s_hi),)
-        new = ()
-        for r in tl.static_range(BLOCK_N):
-            row, row_ok = _int4_row(first_col, r, N, HALF_N, SWIGLU)
-            ok = c_ok & (row_ok | EVEN)
-            b = tl.load(q_ptr + row * stride_qn + start[:, :, None] + offs_j, mask=ok[:, :, None], other=0)
-            at = row * (K // GROUP) + g
-            s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            mn = tl.load(min_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
-            for m in tl.static_range(ROWS):
-                x_lo, x_hi, offset, x_sum = xs[m]
-                xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
-                new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
-        accs = new
+    first = 0
+    if EARLY_W:  # the first step's weights asked for before waiting for x (as chapter 09's GEMV)
+        ws = _int4_weights(q_ptr, scale_ptr, min_ptr, 0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
+                           SWIGLU)
+        _wait_for_previous(PDL)
+        accs = _int4_step(accs, ws, x_ptr, 0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+        first = STEP
+    for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
+        ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
+                           SWIGLU)
+        accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
         row, row_ok = _int4_row(first_col, r, N, HALF_N, SWIGLU)
@@ -490,6 +524,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
 # %%
 #| export
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
+INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -536,9 +571,11 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
-              loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False) -> torch.Tensor:
+              loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
+              early_weights: bool | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
+    `early_weights`: as a dependent launch, the first step's weights asked for before the wait (default INT4_EARLY_WEIGHTS).
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -559,6 +596,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
+                        EARLY_W=(pdl_supported(x.device) if pdl is None else pdl)
+                        and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
                         BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
