@@ -491,7 +491,7 @@ GEMV_EARLY_INT8_MAX_K = 4096  # ... int8 only below this row length (its long-ro
 
 def gemv_early_weights(k: int, weight_bytes: int) -> bool:
     "Whether the GEMV of an [N, k] weight of `weight_bytes` an element asks for its first step's weights before the wait."
-    return GEMV_EARLY_WEIGHTS and (weight_bytes == 2 or k < GEMV_EARLY_INT8_MAX_K)
+    return GEMV_EARLY_WEIGHTS and (weight_bytes != 1 or k < GEMV_EARLY_INT8_MAX_K)
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -551,8 +551,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu,
             EARLY_W=pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights),
-            num_warps=num_warps,
-            **_stages(num_stages))
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0

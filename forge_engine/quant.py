@@ -344,6 +344,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
+    if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
+        raise ValueError(f"int4_gemv takes weights of under 2^31 bytes, got {packed.numel()}: split the matrix")
     if swiglu and (n % 2 or block_n % 2):
         raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
                          f"{n} and {block_n}")

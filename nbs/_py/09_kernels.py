@@ -792,7 +792,7 @@ GEMV_EARLY_INT8_MAX_K = 4096  # ... int8 only below this row length (its long-ro
 
 def gemv_early_weights(k: int, weight_bytes: int) -> bool:
     "Whether the GEMV of an [N, k] weight of `weight_bytes` an element asks for its first step's weights before the wait."
-    return GEMV_EARLY_WEIGHTS and (weight_bytes == 2 or k < GEMV_EARLY_INT8_MAX_K)
+    return GEMV_EARLY_WEIGHTS and (weight_bytes != 1 or k < GEMV_EARLY_INT8_MAX_K)
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -852,8 +852,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu,
             EARLY_W=pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights),
-            num_warps=num_warps,
-            **_stages(num_stages))
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 
@@ -911,6 +910,8 @@ assert gemv_prefetch(w, pdl=False, num_warps=4, prefetch=True) == 0 and gemv_pre
 for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60, dtype=torch.bfloat16)):
     assert gemv_prefetch(unfit, True, 4, prefetch=True) == 0  # a strided view, a misaligned start, 120-byte rows
 assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
+# the first weights early: every BF16 GEMV, int8 only for rows shorter than GEMV_EARLY_INT8_MAX_K (as measured)
+assert gemv_early_weights(9728, 2) and gemv_early_weights(2560, 1) and not gemv_early_weights(4096, 1)
 
 
 # %% [markdown]
