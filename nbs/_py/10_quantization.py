@@ -1072,6 +1072,32 @@ class Int4Linear(QuantLinear):
         self.register_buffer("minimum", minimum)
 
     def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
+
+    def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
+        if x.device.type == "cpu" and (cpu := self.cpu_int4pack()) is not None:
+            # PyTorch's CPU int4 weight-only GEMM (gpt-fast's / torchao's), with bf16 inputs as int8's above
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), *cpu).to(x.dtype)
+        return super().dense(x, tile_weights)
+
+    def cpu_int4pack(self) -> tuple | None:
+        """(the weights in PyTorch's CPU int4 layout, group, scales and zeros [K/group, N, 2] bf16) for
+        `_weight_int4pack_mm_for_cpu`, built from the buffers on the first CPU call and kept (a second copy of the
+        nibbles, in PyTorch's own tiled order); None where PyTorch lacks the kernel or the shape does not suit it
+        (N a multiple of 16, groups of 32-256). Its weights are (q - 8) · scale + zero: zero = minimum + 8 · scale."""
+        if "_cpu_int4pack" not in self.__dict__:
+            group = self.in_features // self.scale.shape[1]
+            fits = self.out_features % 16 == 0 and group in (32, 64, 128, 256) and self.qweight.device.type == "cpu"
+            if not (fits and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+                self.__dict__["_cpu_int4pack"] = None
+            else:
+                b = self.qweight.reshape(self.out_features, -1, group // 2)
+                q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(self.out_features, -1).to(torch.int32)
+                scale, minimum = self.scale.float(), self.minimum.float()
+                scale_zero = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+                self.__dict__["_cpu_int4pack"] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group,
+                                                  scale_zero.to(torch.bfloat16))
+        return self.__dict__["_cpu_int4pack"]
+
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
 
@@ -1106,6 +1132,11 @@ for layer in (Int4Linear(linear, group=16), Int8Linear(linear)):
     # the tiled path itself (int8 on the CPU goes to PyTorch's int8 GEMM, in BF16: hence the loose bound below)
     torch.testing.assert_close(QuantLinear.dense(layer, x, tile_weights=3 * 48), full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), full + linear.bias, rtol=0, atol=2e-2)
+# int4 on the CPU: PyTorch's int4 GEMM where the shape suits it (N a multiple of 16), in BF16, the same weights
+wide, x96 = Int4Linear(nn.Linear(96, 32, bias=False), group=32), torch.randn(5, 96)
+full = F.linear(x96, dequantize_int4(wide.qweight, wide.scale, wide.minimum))
+assert wide.cpu_int4pack() is not None and Int4Linear(linear, group=16).cpu_int4pack() is None  # (N = 10)
+torch.testing.assert_close(wide(x96), full, rtol=0, atol=2e-2 * full.abs().max().item())
 table = nn.Embedding(10, 40)
 head = Int8Linear(table)
 tokens = torch.tensor([[3, 9], [0, 3]])
