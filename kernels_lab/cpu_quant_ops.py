@@ -6,22 +6,14 @@ scales); a 2-core machine reads ~32 GB/s, so at batch 1 the bytes say ~13 / 3.3 
 and the ops' own overhead.
 
 Run anywhere (CPU): PYTHONPATH=. python3 kernels_lab/cpu_quant_ops.py"""
-import time
-
+from common import best_host_s  # first: it may switch on the interpreter (these ops do not care)
 import torch
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate-up, down (N, K)
 LAYERS, GROUP = 30, 64
 
 
-def best_ms(fn, reps: int = 20, rounds: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps): fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e3
+def best_ms(fn) -> float: return best_host_s(fn, reps=20, rounds=3) * 1e3
 
 
 def main():
