@@ -19,12 +19,12 @@ from .model import Transformer, load_weights
 
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS',
-           'KEPT_GGUF_TYPES', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8',
-           'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows',
+           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS',
+           'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows',
            'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
-           'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul', 'QuantLinear',
-           'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized',
-           'perplexity']
+           'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack',
+           'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
+           'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,6 +579,54 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, impl: str = "aut
                           BLOCK_K=block_k)
 
 # %% ../nbs/10_quantization.ipynb #8195ba23
+CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
+
+
+def cpu_int4pack(nibbles: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor) -> tuple | None:
+    """Operands of PyTorch's CPU int4 GEMM for weights (q - 8) · scale + zero: nibbles uint8 [N, K/2] (a group's byte
+    j holds q j and j + group/2), scale and zero [N, K/group] -> (its packed nibbles, group, scale and zero
+    [K/group, N, 2] bf16); None off the CPU, without that kernel, or for a shape it does not take (N a multiple of
+    16, groups of 32-256)."""
+    n = nibbles.shape[0]
+    if (n % 16 or group not in (32, 64, 128, 256) or nibbles.device.type != "cpu"
+            or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+        return None
+    b = nibbles.reshape(n, -1, group // 2)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1).to(torch.int32)
+    scale_zero = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group, scale_zero
+
+
+def cpu_int4pack_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
+    "x [M, K] @ the weights of `cpu_int4pack`'s operands .T -> [M, N] in x's dtype, through PyTorch's CPU int4 GEMM in bf16."
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), *operands).to(x.dtype)
+
+
+def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
+    "x [M, K] @ Q8_0 weights .T: PyTorch's CPU int8 GEMM once a block of 32 inputs (scale 1), each block's sums times its d."
+    q, d, ones = operands  # [K/32, N, 32] int8, [K/32, N] fp32, [N] bf16
+    xb = x.to(torch.bfloat16)
+    out = torch.zeros(x.shape[0], q.shape[1], dtype=torch.float32, device=x.device)
+    for b in range(q.shape[0]):
+        out += torch._weight_int8pack_mm(xb[:, 32 * b:32 * b + 32].contiguous(), q[b], ones).float() * d[b]
+    return out.to(x.dtype)
+
+
+def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
+    "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
+    n, (_, block, size) = raw.shape[0], KEPT_GGUF_TYPES[qtype]
+    blocks = raw.reshape(n, -1, size)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [N, K/32]: every kept 32-block type opens with d
+    if qtype in (2, 3):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
+        zero = torch.zeros_like(d) if qtype == 2 else blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d
+        operands = cpu_int4pack(blocks[..., size - 16:].reshape(n, -1), 32, d, zero)
+        return None if operands is None else (cpu_int4pack_mm, operands)
+    if qtype == 8 and raw.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
+        q = blocks[..., 2:].contiguous().view(torch.int8).permute(1, 0, 2).contiguous()
+        return _q8_0_blocks_mm, (q, d.t().contiguous(), torch.ones(n, dtype=torch.bfloat16))
+    return None
+
+# %% ../nbs/10_quantization.ipynb #33ce4d86
 DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
 
 
@@ -634,7 +682,7 @@ class Int8Linear(QuantLinear):
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16))
             return y.to(x.dtype)
@@ -657,29 +705,18 @@ class Int4Linear(QuantLinear):
     def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and (cpu := self.cpu_int4pack()) is not None:
-            # PyTorch's CPU int4 weight-only GEMM (gpt-fast's / torchao's), with bf16 inputs as int8's above
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), *cpu).to(x.dtype)
+        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (cpu := self.cpu_pack()) is not None:
+            return cpu_int4pack_mm(x, cpu)  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
         return super().dense(x, tile_weights)
 
-    def cpu_int4pack(self) -> tuple | None:
-        """(the weights in PyTorch's CPU int4 layout, group, scales and zeros [K/group, N, 2] bf16) for
-        `_weight_int4pack_mm_for_cpu`, built from the buffers on the first CPU call and kept (a second copy of the
-        nibbles, in PyTorch's own tiled order); None where PyTorch lacks the kernel or the shape does not suit it
-        (N a multiple of 16, groups of 32-256). Its weights are (q - 8) · scale + zero: zero = minimum + 8 · scale."""
-        if "_cpu_int4pack" not in self.__dict__:
-            group = self.in_features // self.scale.shape[1]
-            fits = self.out_features % 16 == 0 and group in (32, 64, 128, 256) and self.qweight.device.type == "cpu"
-            if not (fits and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
-                self.__dict__["_cpu_int4pack"] = None
-            else:
-                b = self.qweight.reshape(self.out_features, -1, group // 2)
-                q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(self.out_features, -1).to(torch.int32)
-                scale, minimum = self.scale.float(), self.minimum.float()
-                scale_zero = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1).contiguous()
-                self.__dict__["_cpu_int4pack"] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group,
-                                                  scale_zero.to(torch.bfloat16))
-        return self.__dict__["_cpu_int4pack"]
+    def cpu_pack(self) -> tuple | None:
+        """The weights as PyTorch's CPU int4 GEMM takes them (`cpu_int4pack`: a second copy of the nibbles, in its own
+        tiled order), built on the first CPU call and kept; None where it does not fit. Its weights are
+        (q - 8) · scale + zero: zero = minimum + 8 · scale."""
+        if "_cpu_pack" not in self.__dict__:
+            self.__dict__["_cpu_pack"] = cpu_int4pack(self.qweight, self.in_features // self.scale.shape[1], self.scale,
+                                                      self.minimum.float() + 8 * self.scale.float())
+        return self.__dict__["_cpu_pack"]
 
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
@@ -731,6 +768,20 @@ class GGUFLinear(QuantLinear):
             self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
 
     def _runs(self): return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
+
+    def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
+        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
+            return torch.cat([matmul(x, operands) for matmul, operands in packs], dim=-1)
+        return super().dense(x, tile_weights)
+
+    def cpu_packs(self) -> list | None:
+        """Each run as PyTorch's CPU GEMMs take it, (matmul, operands), built on the first CPU call and kept (a second
+        copy of the bytes): Q4_0 / Q4_1 through `cpu_int4pack` (scale d; zero 0, or m + 8d), Q8_0 as its int8 blocks
+        [K/32, N, 32] with their scales, a GEMM a block; None if a run is of another type or a shape they do not take."""
+        if "_cpu_packs" not in self.__dict__:
+            packs = [_gguf_cpu_operands(raw, qtype) for qtype, raw in self._runs()]
+            self.__dict__["_cpu_packs"] = None if any(p is None for p in packs) else packs
+        return self.__dict__["_cpu_packs"]
 
     def skinny(self, x):
         return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
