@@ -35,11 +35,13 @@
 # - **many rows** (prefill): dequantize the whole matrix to the compute dtype and call the dense
 #   matmul: then arithmetic, not bytes, is the limit, and cuBLAS is the best at arithmetic.
 #
-# On a CPU, or without Triton, the PyTorch reference runs instead (the same numbers; int8 on a CPU
-# uses PyTorch's int8 weight-only matmul when it has one). Measured on a 2-core CPU with SmolLM2
-# (`forge-engine bench w4 --device cpu --quantization ...`): int8 decodes faster than FP32 (30.1 vs
-# 22.9 tok/s at batch 1, 106 vs 87 with 8 requests); int4 and `gguf` dequantize every matrix on
-# every call there (int4: 2.8 tok/s): on a CPU they save memory, not time.
+# On a CPU, or without Triton, PyTorch runs instead: its own weight-only GEMMs where it has them
+# (`CPU_WEIGHT_GEMMS`: int8 as stored; int4 and GGUF's Q4_0 / Q4_1 in its tiled nibble order;
+# Q8_0 a block at a time; bf16 inputs), else dequantize + matmul. Measured on a 2-core CPU with
+# SmolLM2 (`forge-engine bench w4 --device cpu --quantization ...`, session 14, one machine): FP32
+# 12.4 tok/s at batch 1 (50.1 with 8 requests), int8 19.0 (75.0), int4 21.5 (86.2), `gguf` 17.2
+# (65.3); before int4 and `gguf` used those GEMMs they dequantized every matrix on every call
+# (5.5 and 1.6 tok/s).
 
 # %%
 #| default_exp quant
