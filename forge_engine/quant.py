@@ -614,14 +614,16 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
 
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
-    n, (_, block, size) = raw.shape[0], KEPT_GGUF_TYPES[qtype]
+    if qtype not in (2, 3, 8) or raw.device.type != "cpu":
+        return None
+    n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
     blocks = raw.reshape(n, -1, size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [N, K/32]: every kept 32-block type opens with d
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [N, K/32]: each of these blocks opens with d
     if qtype in (2, 3):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
         zero = torch.zeros_like(d) if qtype == 2 else blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d
         operands = cpu_int4pack(blocks[..., size - 16:].reshape(n, -1), 32, d, zero)
         return None if operands is None else (cpu_int4pack_mm, operands)
-    if qtype == 8 and raw.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
+    if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
         q = blocks[..., 2:].contiguous().view(torch.int8).permute(1, 0, 2).contiguous()
         return _q8_0_blocks_mm, (q, d.t().contiguous(), torch.ones(n, dtype=torch.bfloat16))
     return None
