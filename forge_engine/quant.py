@@ -338,6 +338,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
+    pdl = pdl_supported(x.device) if pdl is None else pdl
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
     block_n = block_n or max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
@@ -352,8 +353,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
-                        EARLY_W=(pdl_supported(x.device) if pdl is None else pdl)
-                        and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
+                        EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
                         BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
@@ -614,17 +614,18 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
 
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
+    from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
     if qtype not in (2, 3, 8) or raw.device.type != "cpu":
         return None
     n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
-    blocks = raw.reshape(n, -1, size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [N, K/32]: each of these blocks opens with d
+    blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
+    d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each of these blocks opens with d
     if qtype in (2, 3):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
-        zero = torch.zeros_like(d) if qtype == 2 else blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d
-        operands = cpu_int4pack(blocks[..., size - 16:].reshape(n, -1), 32, d, zero)
+        zero = torch.zeros_like(d) if qtype == 2 else _f16(blocks, 2).reshape(n, -1) + 8 * d
+        operands = cpu_int4pack(blocks[:, size - 16:].reshape(n, -1), 32, d, zero)
         return None if operands is None else (cpu_int4pack_mm, operands)
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
-        q = blocks[..., 2:].contiguous().view(torch.int8).permute(1, 0, 2).contiguous()
+        q = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, -1, 32).permute(1, 0, 2).contiguous()
         return _q8_0_blocks_mm, (q, d.t().contiguous(), torch.ones(n, dtype=torch.bfloat16))
     return None
 
