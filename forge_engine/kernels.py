@@ -861,12 +861,12 @@ def _merge_counters(counters: torch.Tensor | None, needed: int, device: torch.de
 
 
 def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None = None,
-                     block_n: int = DECODE_BLOCK_N, pairs: int | None = None) -> tuple[int, int]:
+                     block_n: int | None = None, pairs: int | None = None) -> tuple[int, int]:
     """(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only. `split_tokens`:
     a fixed length (a sequence's bits then never depend on its batch). Else, with DECODE_SPLITS_BY_WORK and the
     number of (sequence, KV head) `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most
     DECODE_MAX_WORK_SPLITS, none below DECODE_MIN_SPLIT keys); otherwise DECODE_SPLIT_TOKENS."""
-    width = max(1, max_blocks * block_size)
+    width, block_n = max(1, max_blocks * block_size), block_n or DECODE_BLOCK_N
     if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
         splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
         split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
@@ -882,7 +882,7 @@ FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
-                           split_tokens: int | None = None, block_n: int = DECODE_BLOCK_N,
+                           split_tokens: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
@@ -920,6 +920,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
+    block_n = block_n or DECODE_BLOCK_N
     split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge

@@ -36,6 +36,8 @@ Variants
   v8  v7 with the split length from the batch's size too (DECODE_SPLITS_BY_WORK: splits of 128 keys and up, as many
       as bring the programs to ~256; none for 256 sequences). Session 9, v7 with splits of 128 / 512 / 1,024: one
       sequence of 460 keys 11.6 / 15.1 / 15.0 us; 256 sequences of 600 keys (2K tables) 296 / 197 / 169 us.
+      Its sweep (session 15) asks whether shorter splits and tiles pay at batch 1, where the engine's graph for
+      W1 (tables 512 keys wide) runs 8-24 programs of one 128-key tile each (8.2 us a layer in the step).
 
 Session 7 (one H200, B=1): 256 keys v2 10.9 us, v3 11.2, v5 11.1 (splits of 128); 512 keys v3 15.8, v5 13.4.
 """
@@ -199,14 +201,17 @@ def exported_merging(**knobs):
     return run
 
 
-def split_by_work(fn):
-    "fn with chapter 09's DECODE_SPLITS_BY_WORK on for the call, whatever its default (a graph records the launch)."
+def with_switches(fn, **switches):
+    "fn with chapter 09's module switches set for the call, whatever their defaults (a graph records the launch)."
     def run(*args):
-        default, kernels.DECODE_SPLITS_BY_WORK = kernels.DECODE_SPLITS_BY_WORK, True
+        defaults = {name: getattr(kernels, name) for name in switches}
         try:
+            for name, value in switches.items():
+                setattr(kernels, name, value)
             return fn(*args)
         finally:
-            kernels.DECODE_SPLITS_BY_WORK = default
+            for name, value in defaults.items():
+                setattr(kernels, name, value)
     return run
 
 
@@ -222,7 +227,7 @@ VARIANTS = {"v0 torch padded gather + SDPA": v0_torch_padded, "v1 program per qu
             "v5 splits of 256, last program merges": v5_last_program_merges,
             "v6 v3 with one masked loop": exported(split_tokens=DECODE_SPLIT_TOKENS, merge=False, one_loop=True),
             "v7 export, last split merges": exported_merging(split_tokens=DECODE_SPLIT_TOKENS),
-            "v8 v7, splits by work": split_by_work(exported_merging())}
+            "v8 v7, splits by work": with_switches(exported_merging(), DECODE_SPLITS_BY_WORK=True)}
 SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_tokens=s, block_n=n, num_warps=w,
                                                                      num_stages=st, merge=False)
          for s, n, w, st in [(1024, 64, 4, None), (512, 128, 4, None), (1024, 128, 4, None), (512, 64, 4, 2),
@@ -230,6 +235,9 @@ SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_token
 SWEEP.update({f"v5 split={s} block_n={n}": (lambda s, n: lambda *a: v5_last_program_merges(*a, split_tokens=s, block_n=n))(s, n)
               for s, n in [(128, 64), (128, 128), (256, 128), (512, 128)]})
 SWEEP.update({f"v7 split={s}": exported_merging(split_tokens=s) for s in (128, 256, 1024)})
+SWEEP.update({f"v8 min split={s} block_n={n} warps={w}": with_switches(exported_merging(block_n=n, num_warps=w),
+                                                                       DECODE_SPLITS_BY_WORK=True, DECODE_MIN_SPLIT=s)
+              for s, n, w in [(64, 64, 4), (64, 64, 2), (32, 32, 4), (32, 32, 2), (64, 32, 4), (128, 64, 4)]})
 
 
 def case(lens, q_heads, kv_heads, head_dim, block_size, dtype, seed=0, width=0):

@@ -11,8 +11,8 @@ script, SwiGLU fused): 269 kernels, the GEMVs 2,203 µs, the decode attentions 3
 Run on a GPU from the repository root:
     PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...] [--batch=B] [--prompt=T]
 (--batch=256 --prompt=600: a W2-like decode step, 256 sequences of ~600 tokens.)
-SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH), set before the
-graph is captured."""
+SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH) or sizes
+(DECODE_MIN_SPLIT=64), set before the graph is captured."""
 import collections
 import json
 import os
@@ -77,7 +77,7 @@ def main():
         name, value = item.split("=")
         if name == "--batch": batch = int(value)
         elif name == "--prompt": prompt_tokens = int(value)
-        else: setattr(kernels, name, bool(int(value)))
+        else: setattr(kernels, name, type(getattr(kernels, name))(int(value)))  # a switch (bool) or a size (int)
     engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
                        EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192))  # (kept alive: it owns the graph's buffers)
     graph = decode_graph(engine, batch, prompt_tokens)
