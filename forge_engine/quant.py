@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _silu_times, _start_gemv,
-                                  _wait_for_previous, gemv, gemv_loop_stages, gemv_prefetch, gemv_reference,
-                                  kernel_backend, pdl_supported, silu_mul, tl, triton)
+from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _program_row, _silu_times,
+                                  _start_gemv, _wait_for_previous, gemv, gemv_loop_stages, gemv_prefetch,
+                                  gemv_reference, kernel_backend, pdl_supported, silu_mul, tl, triton)
 from .model import Transformer, load_weights
 
 # %% auto #0
@@ -194,15 +194,6 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
-    "The weight row of a program's r-th row, and whether it exists: with SWIGLU, gate rows then their up rows."
-    if SWIGLU:
-        col = first_col + r % HALF_N
-        return col + (r // HALF_N) * (N // 2), col < N // 2
-    return first_col + r, first_col + r < N
-
-
-@triton.jit
 def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
                   GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr):
     "A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum)."
@@ -211,7 +202,7 @@ def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_q
     g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
     ws = ()
     for r in tl.static_range(BLOCK_N):
-        row, row_ok = _int4_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
         ok = c_ok & (row_ok | EVEN)
         at = row * (K // GROUP) + g
         ws = ws + ((tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
@@ -271,7 +262,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
-        row, row_ok = _int4_row(first_col, r, N, HALF_N, SWIGLU)
+        row, row_ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
         for m in tl.static_range(ROWS):
             total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
             if SWIGLU:  # silu(gate) * up, rounded as the GEMV's stores and `silu_mul` round them (chapter 09)

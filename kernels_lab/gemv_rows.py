@@ -17,6 +17,11 @@ the export's BF16 qkv and o read at 3.3 TB/s in session 14's chain lab, gate-up 
     Σ x q = Σ x (2^15 + 128 + q) − (2^15 + 128) Σ x. The products sit 2^8 below their float's 2^15: fp32 keeps ~16 bits
     of each, against int8's 8: 1.25 instructions a weight instead of 2.25.
 
+Session 15 (one H200, chain below): v1 beat the tile kernel for BF16 gate-up (25.69 -> 23.91 us a matrix) and int8 qkv
+and gate-up (7.06 -> 6.31, 15.13 -> 14.71), lost elsewhere; its layout went into chapter 09 as `_gemv_rows_kernel`
+(`layout="rows"`, int8 converted exactly as the tile kernel does). The chain now sweeps that export's rows layout
+per shape, with v1's best kept for int8 (its byte conversion against the export's).
+
 Run from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_rows.py [int8,bf16]   (on a CPU: validation
 under the interpreter; on a GPU: validation and the chain of gemv_chain_sweep.py, the exported GEMV against v1);
 TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gemv_rows.py sass   (no GPU: instructions a weight, registers)."""
@@ -30,7 +35,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from forge_engine.kernels import INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, pdl_supported
+from forge_engine.kernels import (INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, gemv_layout,
+                                  pdl_supported)
 from forge_engine.quant import quantize_int8
 
 
@@ -136,8 +142,9 @@ def rows_gemv(x, q, scale=None, block_n=4, num_warps=2, chunk=8, early=None, byt
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 LAYERS = 36
-GRID = {"int8": [(bn, w, c) for bn, w, c in itertools.product((2, 4, 8), (1, 2, 4), (8, 16))],
-        "bf16": [(bn, w, c) for bn, w, c in itertools.product((2, 4, 8), (1, 2, 4), (4, 8))]}  # c: weights, 8-16 bytes
+GRID = {"int8": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (8, 16))],
+        "bf16": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (4, 8))]}  # c: weights, 8-16 bytes
+V1_GRID = {"int8": [(4, 4, 8), (4, 2, 16), (2, 4, 16)], "bf16": []}  # session 15: v1's best (int8: its byte conversion)
 
 
 def matrix(fmt: str, n: int, k: int):
@@ -196,18 +203,24 @@ def main():
             ms = graphed_ms(lambda: [fn(x, q, s) for q, s in layers])
             return ms * 1e3 / LAYERS, nbytes / ms / 1e9
         us, tbs = chain(lambda x, q, s: gemv(x, q, None, s))
-        print(f"{fmt} {label:8s} exported {gemv_config(n, k, 1 if fmt == 'int8' else 2)}: {us:6.2f} us a matrix, "
+        print(f"{fmt} {label:8s} exported {gemv_layout(n, k, 1 if fmt == 'int8' else 2)} "
+              f"{gemv_config(n, k, 1 if fmt == 'int8' else 2)}: {us:6.2f} us a matrix, "
               f"{tbs:5.2f} TB/s")
         results = []
-        for bn, w, c in GRID[fmt]:
-            try:
-                us_v, tbs_v = chain(lambda x, q, s: rows_gemv(x, q, s, block_n=bn, num_warps=w, chunk=c))
-            except Exception as e:  # a configuration the compiler refuses
-                print(f"  v1 rows={bn} warps={w} chunk={c}: failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            results.append((us_v, bn, w, c, tbs_v))
-        for us_v, bn, w, c, tbs_v in sorted(results)[:5]:
-            print(f"  v1 rows={bn:2d} warps={w} chunk={c:2d}: {us_v:6.2f} us, {tbs_v:5.2f} TB/s")
+        for variant, grid in (("export rows", GRID[fmt]), ("v1", V1_GRID[fmt])):
+            for bn, w, c in grid:
+                if variant == "v1":
+                    fn = lambda x, q, s: rows_gemv(x, q, s, block_n=bn, num_warps=w, chunk=c)
+                else:  # chapter 09's `_gemv_rows_kernel` (its int8 conversion exact, as the tile kernel's)
+                    fn = lambda x, q, s: gemv(x, q, None, s, layout="rows", block_n=bn, block_k=32 * w * c, num_warps=w)
+                try:
+                    us_v, tbs_v = chain(fn)
+                except Exception as e:  # a configuration the compiler refuses
+                    print(f"  {variant} rows={bn} warps={w} chunk={c}: failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                results.append((us_v, variant, bn, w, c, tbs_v))
+        for us_v, variant, bn, w, c, tbs_v in sorted(results)[:6]:
+            print(f"  {variant:11s} rows={bn:2d} warps={w} chunk={c:2d}: {us_v:6.2f} us, {tbs_v:5.2f} TB/s")
     finish(ok)
 
 

@@ -2,6 +2,8 @@
 
 On a CPU the kernels run under Triton's interpreter (`impl="triton"` forces it), so sizes stay
 small; the `gpu` tests run at Qwen3-4B's shapes on a CUDA device (`pytest -m gpu`)."""
+import itertools
+
 import pytest
 import torch
 
@@ -270,17 +272,33 @@ def test_gpu_tiny_model_through_the_kernel_backend():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
-def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8):
+@pytest.mark.parametrize("layout", ["tile", "rows"])
+def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
     "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
     import forge_engine.kernels as kernels
     from forge_engine.quant import quantize_int8
     x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
     w, scale = quantize_int8(w) if int8 else (w, None)
-    want = kernels.silu_mul(kernels.gemv(x, w, None, scale))
+    want = kernels.silu_mul(kernels.gemv(x, w, None, scale, layout=layout))
     monkeypatch.setattr(kernels, "FUSED_SWIGLU", True)
-    assert torch.equal(kernels.gemv(x, w, None, scale, swiglu=True), want)
+    assert torch.equal(kernels.gemv(x, w, None, scale, swiglu=True, layout=layout), want)
     torch.testing.assert_close(want.float(), kernels.silu_mul_reference(kernels.gemv_reference(x, w, None, scale)).float(),
                                rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
+    "Both GEMV layouts, with the first weights early or not, against the reference at each of a layer's shapes."
+    from forge_engine.kernels import gemv, gemv_reference
+    from forge_engine.quant import quantize_int8
+    for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (100, 2560 + 64)):
+        x, w = randn(1, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k ** 0.5
+        w, scale = quantize_int8(w) if int8 else (w, None)
+        want = gemv_reference(x.float(), w.float(), None, scale)
+        for layout, early in itertools.product(("tile", "rows"), (False, True)):
+            got = gemv(x, w, None, scale, layout=layout, early_weights=early).float()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}x{k} {layout} {early}: {m}")
 
 
 @pytest.mark.gpu

@@ -618,6 +618,18 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 #   against 2.666 / 2.655 with every GEMV early (W1-like 374.8 against 367.1 / 368.6 tok/s), 2.652
 #   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16,
 #   and for int8 below rows of 4096 (`gemv_early_weights`).
+#
+# Session 15: **the rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
+# layout for BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile
+# on threads to Triton. Here it is explicit: a program's `BLOCK_N` rows are a tuple of tensors
+# `[SLABS, 32, CHUNK]`, so each thread takes the *same* CHUNK inputs (16 bytes) of every row of
+# the program, each warp a slab of K. x's chunk is loaded and converted once for all the rows,
+# and a thread has every row's 16-byte load in flight at once. Chain lab (`kernels_lab/gemv_rows.py`,
+# one H200, µs a matrix, tile → best rows): BF16 gate-up 25.69 → **23.91** (4.17 TB/s, 4 rows,
+# 2 warps, 8 inputs), but qkv 9.43 → 9.70, o 6.48 → 7.90, down 13.94 → 16.61; int8 qkv 7.06 →
+# 6.31, gate-up 15.13 → 14.71, o and down slower (with the lab's own byte conversion, not this
+# chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
+# pairs each gate row with its up row as `_gemv_kernel`'s does.
 
 # %%
 #| export
@@ -625,9 +637,23 @@ GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch, measured faster
 
 
-def gemv_config(n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements: the sweeps' winners as a
-    rule (kernels_lab/gemv_chain_sweep.py: 36 matrices of a shape in one graph; the LM head from kernels_lab/gemv.py)."""
+GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
+
+
+def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
+    """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the BF16 gate-up
+    shape, where the chain lab measured it faster, else 'tile' (`_gemv_kernel`)."""
+    if GEMV_ROWS_LAYOUT and weight_bytes == 2 and 16384 <= n < 65536 and 512 <= k < 4096:
+        return "rows"
+    return "tile"
+
+
+def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
+    `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
+    a shape in one graph; the LM head from kernels_lab/gemv.py)."""
+    if (layout or gemv_layout(n, k, weight_bytes)) == "rows":  # 4 rows, 16 bytes of each a thread and step, 2 warps
+        return 4, 2 * 32 * 16 // weight_bytes, 2
     if weight_bytes == 1:
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
@@ -766,6 +792,82 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _program_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """The weight row of a rows-layout program's r-th row, and whether it exists: with SWIGLU, HALF_N gate rows, then
+    their up rows (N // 2 further on). (Chapter 10's int4 GEMV takes the same rows.)"""
+    if SWIGLU:
+        col = first_col + r % HALF_N
+        return col + (r // HALF_N) * (N // 2), col < N // 2
+    return first_col + r, first_col + r < N
+
+
+@triton.jit
+def _rows_weights(w_ptr, rows, row_ok, k0, lane, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """One step's weights of a rows-layout program: for each of its rows (`rows`: their offsets), this thread's CHUNK
+    inputs from k0 + lane * CHUNK on; every row's loads in flight at once."""
+    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    ws = ()
+    for r in tl.static_range(BLOCK_N):
+        ws = ws + (tl.load(w_ptr + rows[r] + at, mask=((at < K) | EVEN) & row_ok[r], other=0),)
+    return ws
+
+
+@triton.jit
+def _rows_step(accs, ws, x_ptr, k0, lane, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
+               BYTE_ASM: tl.constexpr):
+    "accs + one step: x's CHUNK inputs (loaded and converted once for every row) times each row's weights `ws`."
+    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    x = tl.load(x_ptr + at, mask=(at < K) | EVEN, other=0.0).to(tl.float32)
+    new = ()
+    for r in tl.static_range(BLOCK_N):
+        new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
+    return new
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
+                      CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr, SWIGLU: tl.constexpr,
+                      EARLY_W: tl.constexpr):
+    _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
+    STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
+    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
+    rows, row_ok = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        rows, row_ok = rows + (row.to(tl.int64) * stride_wn,), row_ok + (ok | EVEN,)
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * BLOCK_N
+    first = 0
+    if EARLY_W:  # the first step's weights asked for before waiting for x (as `_gemv_kernel`)
+        ws = _rows_weights(w_ptr, rows, row_ok, 0, lane, K, BLOCK_N, CHUNK, EVEN)
+        _wait_for_previous(PDL)
+        accs = _rows_step(accs, ws, x_ptr, 0, lane, K, BLOCK_N, CHUNK, EVEN, BYTE_ASM)
+        first = STEP
+    for k0 in tl.range(first, K, STEP):
+        ws = _rows_weights(w_ptr, rows, row_ok, k0, lane, K, BLOCK_N, CHUNK, EVEN)
+        accs = _rows_step(accs, ws, x_ptr, k0, lane, K, BLOCK_N, CHUNK, EVEN, BYTE_ASM)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    outs = ()
+    for r in tl.static_range(BLOCK_N):
+        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
+        if HAS_SCALE:
+            total *= tl.load(scale_ptr + row, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            total += tl.load(b_ptr + row, mask=ok, other=0.0).to(tl.float32)
+        outs = outs + (total,)
+    for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
+        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        if SWIGLU:  # silu(gate) * up, rounded as `_gemv_kernel`'s epilogue rounds them
+            gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
+            tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=ok)
+        else:
+            tl.store(out_ptr + row, outs[r].to(dtype), mask=ok)
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
     "PyTorch: `F.linear`, the weight converted to x's dtype and each output scaled where it is int8."
     out = F.linear(x, weight.to(x.dtype))
@@ -806,7 +908,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
          prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, early_weights: bool | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
@@ -815,7 +917,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
     `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
-    (default `gemv_early_weights`)."""
+    (default `gemv_early_weights`).
+    `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only; `prefetch` and `loop_stages`
+    are the tile kernel's); default `gemv_layout`'s choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -825,6 +929,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
     (m, k), n = x.shape, weight.shape[0]
+    if layout not in (None, "tile", "rows"):
+        raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
+    if layout == "rows" and m != 1:
+        raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
     if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
                          f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
@@ -835,23 +943,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages, early_weights=early_weights), backend)
-    default = gemv_config(n, k, weight.element_size())  # the measured configuration for this shape, where none is asked for
+                             prefetch, loop_stages, early_weights=early_weights, layout=layout), backend)
+    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 else "tile")
+    default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and block_n < 2:
         raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
+    early = pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights)
+    grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
+    operands = (x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out)
+    byte_asm = not INTERPRETED if byte_asm is None else byte_asm
+    if layout == "rows":
+        chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
+        if chunk < 1 or block_k % (32 * num_warps):
+            raise ValueError(f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
+                             f"is no multiple of 32 x {num_warps}")
+        whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
+        _gemv_rows_kernel[grid](
+            *operands, n, k, weight.stride(0), BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
+            EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
+            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, num_warps=num_warps, **_stages(num_stages))
+        return out
     if m:
-        _gemv_kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
-            x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, m, n, k,
+        _gemv_kernel[grid](
+            *operands, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
-            PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
-            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu,
-            EARLY_W=pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights),
+            BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early,
             num_warps=num_warps, **_stages(num_stages))
     return out
 
@@ -912,6 +1034,28 @@ for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60,
 assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
 # the first weights early: every BF16 GEMV, int8 only for rows shorter than GEMV_EARLY_INT8_MAX_K (as measured)
 assert gemv_early_weights(9728, 2) and gemv_early_weights(2560, 1) and not gemv_early_weights(4096, 1)
+# the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
+# rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
+for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
+                                                     (10, 100, torch.float32, True, False, 64, 1),
+                                                     (16, 512, torch.bfloat16, False, False, 512, 2),
+                                                     (8, 192, torch.bfloat16, True, True, 128, 1)):
+    x, w, scale = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype), None
+    if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol)
+    assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
+                       silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
+assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (4, 512, 2)  # Qwen3-4B's gate-up in BF16
+assert gemv_layout(6144, 2560) == gemv_layout(19456, 2560, 1) == gemv_layout(151936, 2560) == "tile"
+with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
+with pytest.raises(ValueError, match="takes one row of x, got 2"):
+    gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
+with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
+    gemv(torch.zeros(1, 32), torch.zeros(2, 32), impl="triton", layout="rows", block_k=32, num_warps=2)
 
 
 # %% [markdown]
