@@ -760,7 +760,7 @@ DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tok
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
 DECODE_SPLITS_BY_WORK = True  # the split length from the batch's size too (splits only where programs are few): measured faster
 DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
-DECODE_MIN_SPLIT = 128  # keys: one tile
+DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile of its own length (measured faster)
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
@@ -980,6 +980,7 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None 
     if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
         splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
         split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
+        block_n = min(block_n, max(16, _pow2(split_len)))  # a short split: one tile of its length
     else:
         split_len = max(split_tokens or DECODE_SPLIT_TOKENS, -(-width // MAX_DECODE_SPLITS))
     split_len = -(-split_len // block_n) * block_n
@@ -1002,7 +1003,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
     QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
     FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
-    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `merge`: the last
+    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `block_n`: keys per
+    tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
     (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
@@ -1030,8 +1032,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
-    block_n = block_n or DECODE_BLOCK_N
     split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
+    block_n = min(block_n or DECODE_BLOCK_N, split_len)  # (the rule's short splits take tiles of their length)
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop

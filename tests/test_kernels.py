@@ -111,9 +111,9 @@ def test_decode_splits_by_work(monkeypatch):
     "With DECODE_SPLITS_BY_WORK the batch's size sets the split: short ones for one sequence, none for 256."
     import forge_engine.kernels as kernels
     monkeypatch.setattr(kernels, "DECODE_SPLITS_BY_WORK", True)
-    assert decode_split_len(32, 16, pairs=8) == (128, 4) and decode_split_len(128, 16, pairs=2048) == (2048, 1)
+    assert decode_split_len(32, 16, pairs=8) == (64, 8) and decode_split_len(128, 16, pairs=2048) == (2048, 1)
     assert decode_split_len(32, 16, 256, pairs=8) == (256, 2)  # split_tokens: fixed
-    lens = [300, 20, 900]  # 3 x 2 pairs: 16 splits at most, of 128 keys or more
+    lens = [300, 20, 900]  # 3 x 2 pairs: 16 splits at most, of 64 keys or more
     k_cache, v_cache, tables = random_paged_kv(lens, 2, 32, 16, device=DEVICE)
     q, ctx = randn(3, 8, 32, seed=7), torch.tensor(lens, device=DEVICE)
     want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(4, device=DEVICE), ctx, 32**-0.5)

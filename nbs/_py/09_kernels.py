@@ -1230,7 +1230,7 @@ DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tok
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
 DECODE_SPLITS_BY_WORK = True  # the split length from the batch's size too (splits only where programs are few): measured faster
 DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
-DECODE_MIN_SPLIT = 128  # keys: one tile
+DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile of its own length (measured faster)
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
@@ -1450,6 +1450,7 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None 
     if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
         splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
         split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
+        block_n = min(block_n, max(16, _pow2(split_len)))  # a short split: one tile of its length
     else:
         split_len = max(split_tokens or DECODE_SPLIT_TOKENS, -(-width // MAX_DECODE_SPLITS))
     split_len = -(-split_len // block_n) * block_n
@@ -1472,7 +1473,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
     QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
     FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
-    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `merge`: the last
+    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `block_n`: keys per
+    tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
     (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
@@ -1500,8 +1502,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
-    block_n = block_n or DECODE_BLOCK_N
     split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
+    block_n = min(block_n or DECODE_BLOCK_N, split_len)  # (the rule's short splits take tiles of their length)
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
@@ -1605,8 +1607,10 @@ for split_tokens in (64, 10_000):
 # sequences of 600 keys 296 / 197 / 169 µs, of 1,000 keys 392 / 284 / 263. With
 # `DECODE_SPLITS_BY_WORK` the split length comes from the shapes, the batch's too: as many splits
 # as bring the `(sequence, KV head, split)` programs to about two per SM (256), at most 16 (the
-# merging program reads them one after another), none shorter than a tile. One sequence with
-# Qwen3-4B's 8 KV heads gets splits of 128 keys in a 512-wide table, 256 sequences none at all.
+# merging program reads them one after another), none shorter than `DECODE_MIN_SPLIT` keys. One
+# sequence with Qwen3-4B's 8 KV heads gets splits of 64 keys in a 512-wide table (one 64-key
+# tile each: a split shorter than `DECODE_BLOCK_N` takes a tile of its own length), 256
+# sequences none at all.
 # The price: a sequence's bits then depend on the batch's size (as the GEMMs' already do), so
 # a fixed `split_tokens` keeps the old rule, and the tests that compare bits pass one.
 #
@@ -1616,6 +1620,14 @@ for split_tokens in (64, 10_000):
 # 64 sequences of 1,500 keys 117.2 → 120.0 (the one shape that loses). W2, three runs each,
 # alternated: 13,897 / 13,925 / 13,929 → 14,876 / 14,921 / 14,800 output tok/s; W1 364.7 → 367.1
 # tok/s. So the rule is on.
+#
+# Session 15, shorter splits at batch 1 (`DECODE_MIN_SPLIT` 128 → 64, such splits one 64-key tile):
+# the W1 graph's table is 512 keys wide, so one sequence ran 8-24 programs of one 128-key tile,
+# 8.2-9.3 µs a layer in the step's timeline. With 64-key splits, 16-48 programs of half the
+# work: the batch-1 step 2.530 ms against 2.577 / 2.565 (`kernels_lab/decode_overlap.py`, one
+# H200, W1-like 384.9 against 379.7 / 380.8 tok/s), int8 1.860 against 1.875 / 1.880. Longer
+# contexts keep 128-key splits and tiles (one sequence of 1,000 keys: 12.8 µs, against 14.7
+# with 64-key tiles in `kernels_lab/decode_attention.py`).
 #
 # **The first tile early** (`DECODE_EARLY_TILE`: measured, it does not pay, so off). At batch 1
 # the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
@@ -1649,7 +1661,7 @@ for split_tokens, block_n in ((64, 16), (64, 128), (10_000, 128)):
 # the rule: a 512-wide table for one sequence of 8 KV heads, 2K, 4K; 8 sequences; 256 (no split)
 assert DECODE_SPLITS_BY_WORK
 assert [decode_split_len(w // 16, 16, pairs=p) for w, p in ((512, 8), (2048, 8), (4096, 8), (2048, 64), (2048, 2048))] \
-    == [(128, 4), (128, 16), (256, 16), (512, 4), (2048, 1)]
+    == [(64, 8), (128, 16), (256, 16), (512, 4), (2048, 1)]
 assert decode_split_len(32, 16, split_tokens=256, pairs=8) == (256, 2)  # a fixed split stays fixed
 DECODE_SPLITS_BY_WORK = False  # (the module's switch; here the notebook's copy of it): the fixed rule
 assert decode_split_len(128, 16, pairs=8) == (512, 4)
