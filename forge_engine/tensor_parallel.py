@@ -581,7 +581,7 @@ def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, ra
     block = _pow2(hidden)
     _all_reduce_add_rmsnorm_kernel[(max(1, min(rows, max_programs)),)](
         buffer_ptrs, pad_ptrs, residual, weight, out, res_out, offset, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
-        BLOCK_H=block, **_pdl_args(residual.device), num_warps=min(8, max(1, block // 512)))
+        BLOCK_H=block, **_pdl_args(residual.device, rows=rows), num_warps=min(8, max(1, block // 512)))
     return out, res_out
 
 

@@ -10,7 +10,8 @@ are in docs/benchmarks.md. Session 9: FUSED_SWIGLU (the gate-up GEMV applies SiL
 launch) won for BF16 and int8 and is on. Session 10: DECODE_LAST_SPLIT_MERGES and DECODE_SPLITS_BY_WORK won and are
 on; DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV projection, each program asking for
 its first K/V tile before it waits for q) is measured here. Session 15: GEMV_ROWS_LAYOUT (BF16 gate-up through
-`_gemv_rows_kernel`) and decode attention splits of 64 keys at batch 1 (both won: on).
+`_gemv_rows_kernel`) and decode attention splits of 64 keys at batch 1 (both won: on); DEPENDENT_LAUNCHES measured
+again (won: on, for steps of at most 4 rows).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -96,6 +97,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
+             "DEPENDENT_LAUNCH_MAX_ROWS",
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
@@ -108,7 +110,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "early weights, int8 too at K >= 4096": dict(GEMV_EARLY_INT8_MAX_K=1 << 30),
     "early weights, int4 too": dict(INT4_EARLY_WEIGHTS=True),
     "rows layout off": dict(GEMV_ROWS_LAYOUT=False), "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
-    "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches": dict(DEPENDENT_LAUNCHES=True),
+    "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "defaults again": {}}
 
 

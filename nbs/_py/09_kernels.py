@@ -172,15 +172,17 @@ def _wait_for_previous(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = False  # the small decode kernels launched as dependents too: measured, no gain (see the GEMV)
+DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster since session 15 (see the GEMV)
+DEPENDENT_LAUNCH_MAX_ROWS = 4  # ... in steps of at most this many rows (tokens or sequences): the GEMV steps, where measured
 
 
-def _pdl_args(device, waits_late: bool = False) -> dict:
-    """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention):
-    it lets the next kernel start early, and with DEPENDENT_LAUNCHES is launched early itself, waiting for its input.
-    `waits_late`: launched early in any case; the kernel waits itself, further on (DECODE_EARLY_TILE)."""
+def _pdl_args(device, waits_late: bool = False, rows: int = 1) -> dict:
+    """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention) over
+    `rows` rows: it lets the next kernel start early, and with DEPENDENT_LAUNCHES (at most DEPENDENT_LAUNCH_MAX_ROWS
+    rows) is launched early itself, waiting for its input. `waits_late`: launched early in any case; the kernel
+    waits itself, further on (DECODE_EARLY_TILE)."""
     pdl = pdl_supported(device)
-    dependent = pdl and (DEPENDENT_LAUNCHES or waits_late)
+    dependent = pdl and (waits_late or (DEPENDENT_LAUNCHES and rows <= DEPENDENT_LAUNCH_MAX_ROWS))
     return dict(PDL=pdl, WAIT=dependent and not waits_late, launch_pdl=dependent)
 
 
@@ -248,7 +250,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows.shape[0]:
         _add_rmsnorm_kernel[(rows.shape[0],)](
             rows, res, weight, out, res_out, rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, **_pdl_args(x.device),
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, **_pdl_args(x.device, rows=rows.shape[0]),
             num_warps=num_warps or min(8, max(1, block // 512)))
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
@@ -349,7 +351,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         _norm_rope_kernel[(tokens, heads)](
             x, w, k_weight if k_weight is not None else w, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), cos.stride(0), split, eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
-            HAS_NORM=weight is not None, **_pdl_args(x.device), num_warps=1)
+            HAS_NORM=weight is not None, **_pdl_args(x.device, rows=tokens), num_warps=1)
     return out
 
 
@@ -422,7 +424,7 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     block = min(1024, _pow2(inter))
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
-                                                              **_pdl_args(h.device), num_warps=4)
+                                                              **_pdl_args(h.device, rows=tokens), num_warps=4)
     return out
 
 
@@ -475,7 +477,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     if tokens:
         _write_kv_kernel[(tokens, heads)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
                                           v.stride(1), k_cache.stride(1), k_cache.stride(2), HEAD_DIM=dim,
-                                          BLOCK_D=max(16, _pow2(dim)), **_pdl_args(k.device), num_warps=1)
+                                          BLOCK_D=max(16, _pow2(dim)), **_pdl_args(k.device, rows=tokens), num_warps=1)
 
 
 # %%
@@ -547,8 +549,13 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # between the GEMVs are launched the ordinary way: each starts only once the kernel before has
 # finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
 # way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
-# decode step as a CUDA graph) it does not pay for BF16 (2.913 ms against 2.851) and gains 0.7%
-# for int4 (2.353 against 2.370): off.
+# decode step as a CUDA graph) it did not pay for BF16 in session 7 (2.913 ms against 2.851) and
+# gained 0.7% for int4 (2.353 against 2.370). Measured again in session 15, with the GEMVs asking
+# for their first weights before they wait (below) and the rows-layout gate-up: the BF16 step
+# 2.458 ms against 2.548 / 2.543 without (W1-like 395.4 against 382.0 / 382.5 tok/s): on, for
+# steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (the GEMV's steps, where it was measured; a
+# decode kernel of 256 sequences launched early held SMs that the projection before it needed,
+# in session 11's `DECODE_EARLY_TILE`).
 #
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
@@ -1529,13 +1536,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, waits_late=early), STORE=fused, ONE_LOOP=one_loop,
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
-            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), **_pdl_args(q.device),
+            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
+            **_pdl_args(q.device, rows=batch),
             num_warps=4)
     return out
 
