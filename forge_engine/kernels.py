@@ -7,8 +7,8 @@ __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_R
            'GEMV_ROWS_LAYOUT', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'GEMV_EARLY_INT8_MAX_K',
            'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
            'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
-           'DECODE_LAST_SPLIT_MERGES', 'DECODE_MERGE_CHUNK', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
-           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
+           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
            'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_layout', 'gemv_config', 'gemv_reference',
            'gemv_prefetch', 'gemv_early_weights', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
@@ -767,7 +767,6 @@ DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile o
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_MERGE_CHUNK = 8  # splits the merging program reads at once (1: one after another, as before session 15)
 DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
 
 
@@ -793,38 +792,6 @@ def _store_normalised(out_rows, acc, l_i, mask):
     "A finished softmax: acc / l (a row with no visible key: 0) stored in the output's dtype."
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_oh, first_head, part, active,
-                    num_splits, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The output of a (sequence, KV head)'s GROUP query heads from its first `active` splits' partials (each head's
-    first at `part` + its row x num_splits): CHUNK splits a step, their loads in flight together, always in split
-    order (the bits do not depend on which program merges). Written by other SMs: read past L1 (.cg)."""
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < GROUP
-    offs_s, offs_d = tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    first = part + rows * num_splits  # [BLOCK_R]
-    m_all = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_all = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc_all = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, active, CHUNK):
-        at = first[None, :] + (s0 + offs_s)[:, None]  # [CHUNK, BLOCK_R]
-        ok = ((s0 + offs_s) < active)[:, None] & row_ok[None, :]
-        m_s = tl.load(part_m_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, tl.max(m_s, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
-        alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use[None, :])
-        acc_all = acc_all * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
-        l_all = l_all * alpha + tl.sum(l_s * beta, axis=0)
-        m_all = m_new
-    out_rows = out_ptr + (first_head + rows)[:, None] * stride_oh + offs_d[None, :]
-    _store_normalised(out_rows, acc_all, l_all, row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -856,7 +823,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
                    ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, BLOCK_R: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -956,9 +923,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == active - 1:  # the last to finish: every other split's partials are written
                 _fence_gpu(done, FENCE)
-                _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + seq * stride_ob, stride_oh,
-                                kv_head * GROUP, (seq * num_q_heads + kv_head * GROUP) * num_splits, active, num_splits,
-                                GROUP, BLOCK_R, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
+                    m_new = tl.maximum(m_all, m_s)
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
+                    l_all = l_all * alpha + l_s * beta
+                    m_all = m_new
+                _store_normalised(out_rows, acc_all, l_all, mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
 
@@ -1085,8 +1064,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
-        WAIT_LATE=early and pdl_supported(q.device), BLOCK_R=_pow2(group),
-        MERGE_CHUNK=min(DECODE_MERGE_CHUNK, _pow2(num_splits)), num_warps=num_warps, **_stages(num_stages))
+        WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,

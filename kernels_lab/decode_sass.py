@@ -6,8 +6,8 @@ the last program.
 Why: a variant that spills pays a local-memory round trip per spilled value, which a latency-bound kernel (batch 1:
 8-24 programs) cannot hide. Session 10 (no GPU time left): the plain kernel 2,272 instructions at 4 warps and 128-key
 tiles, none spilled; DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with
-76 spilling loads and stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. Session 15:
-the merge reads DECODE_MERGE_CHUNK splits at once (chunk 1: one after another, as before).
+76 spilling loads and stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. (Session 15
+compiled a merge reading 8 splits at once here, commit 942e6c9: no spills; measured slower, not kept.)
 
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""
@@ -30,23 +30,22 @@ SCALARS = dict(eps="fp32", qk_scale="fp32", num_q_heads="i32", split_len="i32", 
 ALIGNED = (*POINTERS, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "stride_kt", "stride_kh")
 
 
-def decode_sass(early: bool, num_warps: int, block_n: int, merge_chunk: int = 8) -> tuple[list[str], int]:
+def decode_sass(early: bool, num_warps: int, block_n: int) -> tuple[list[str], int]:
     "The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings."
     constexprs = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=True,
                       UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ONE_LOOP=True, ROPE=True,
-                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early, BLOCK_R=4,
-                      MERGE_CHUNK=merge_chunk)
+                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early)
     signature = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, **{name: "constexpr" for name in constexprs}}
     code, registers = kernel_sass(_decode_kernel, signature, constexprs, num_warps, ALIGNED)
     return [text for _, text in code], registers
 
 
 def main():
-    print("early tile  warps  tile  merge chunk  instructions  registers  spilling loads/stores (LDL/STL)")
-    for early, num_warps, block_n, chunk in itertools.product((False, True), (4, 8), (64, 128), (1, 8)):
-        code, registers = decode_sass(early, num_warps, block_n, chunk)
+    print("early tile  warps  tile  instructions  registers  spilling loads/stores (LDL/STL)")
+    for early, num_warps, block_n in itertools.product((False, True), (4, 8), (64, 128)):
+        code, registers = decode_sass(early, num_warps, block_n)
         spills = sum(text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL") for text in code)
-        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {chunk:11d}  {len(code):12d}  {registers:9d}  {spills:6d}")
+        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {len(code):12d}  {registers:9d}  {spills:6d}")
 
 
 if __name__ == "__main__":

@@ -1241,7 +1241,6 @@ DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile o
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_MERGE_CHUNK = 8  # splits the merging program reads at once (1: one after another, as before session 15)
 DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
 
 
@@ -1267,38 +1266,6 @@ def _store_normalised(out_rows, acc, l_i, mask):
     "A finished softmax: acc / l (a row with no visible key: 0) stored in the output's dtype."
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_oh, first_head, part, active,
-                    num_splits, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The output of a (sequence, KV head)'s GROUP query heads from its first `active` splits' partials (each head's
-    first at `part` + its row x num_splits): CHUNK splits a step, their loads in flight together, always in split
-    order (the bits do not depend on which program merges). Written by other SMs: read past L1 (.cg)."""
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < GROUP
-    offs_s, offs_d = tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    first = part + rows * num_splits  # [BLOCK_R]
-    m_all = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_all = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc_all = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, active, CHUNK):
-        at = first[None, :] + (s0 + offs_s)[:, None]  # [CHUNK, BLOCK_R]
-        ok = ((s0 + offs_s) < active)[:, None] & row_ok[None, :]
-        m_s = tl.load(part_m_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, tl.max(m_s, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
-        alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use[None, :])
-        acc_all = acc_all * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
-        l_all = l_all * alpha + tl.sum(l_s * beta, axis=0)
-        m_all = m_new
-    out_rows = out_ptr + (first_head + rows)[:, None] * stride_oh + offs_d[None, :]
-    _store_normalised(out_rows, acc_all, l_all, row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -1330,7 +1297,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
                    ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, BLOCK_R: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -1430,9 +1397,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == active - 1:  # the last to finish: every other split's partials are written
                 _fence_gpu(done, FENCE)
-                _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + seq * stride_ob, stride_oh,
-                                kv_head * GROUP, (seq * num_q_heads + kv_head * GROUP) * num_splits, active, num_splits,
-                                GROUP, BLOCK_R, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
+                    m_new = tl.maximum(m_all, m_s)
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
+                    l_all = l_all * alpha + l_s * beta
+                    m_all = m_new
+                _store_normalised(out_rows, acc_all, l_all, mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
 
@@ -1559,8 +1538,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
-        WAIT_LATE=early and pdl_supported(q.device), BLOCK_R=_pow2(group),
-        MERGE_CHUNK=min(DECODE_MERGE_CHUNK, _pow2(num_splits)), num_warps=num_warps, **_stages(num_stages))
+        WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
@@ -1631,9 +1609,13 @@ for split_tokens in (64, 10_000):
 # (`kernels_lab/decode_step_timeline.py none --batch=256 --prompt=600`) 11.96 ms against 12.38;
 # W2 13,784 and 13,703 output tok/s against 11,690 and 13,462, alternated. On.
 #
-# The merging program reads `DECODE_MERGE_CHUNK` splits' partials at once (`_merge_partials`):
-# their loads are in flight together, where one split after another costs a memory round trip
-# each, at the end of the kernel's chain of latencies. The order of the sums stays fixed.
+# Tried in session 15: the merging program reading 8 splits' partials at once, as one
+# `[8 splits, 4 heads, 128]` tile whose loads are all in flight together, instead of one split
+# after another (a memory round trip each, at the end of the kernel's chain of latencies).
+# Compiled for an H200 it spills nothing (`kernels_lab/decode_sass.py` at commit 942e6c9), but
+# the batch-1 step took 2.564 / 2.566 ms against 2.468 reading one split at a time
+# (`kernels_lab/decode_overlap.py`, one H200, same call): the 3-D tile's reductions cost more
+# than the round trips they save. Not kept.
 #
 # **How long a split.** Without a second launch, short splits cost little, and how many a batch
 # wants depends on how many programs it already has: the same lab, splits of 128 / 512 / 1,024
@@ -1692,14 +1674,6 @@ for split_tokens, block_n in ((64, 16), (64, 128), (10_000, 128)):
     alone = paged_decode_attention(q[2:], k_cache, v_cache, tables[2:], ctx[2:], 32**-0.5, impl="triton",
                                    split_tokens=split_tokens, block_n=block_n, merge=True)
     assert torch.equal(alone, got[2:]), split_tokens
-# the merging program reads DECODE_MERGE_CHUNK splits at a time (1: one after another): 150 keys in 10 splits of 16
-for chunk in (1, 2, 8):
-    DECODE_MERGE_CHUNK = chunk  # (the module's switch; here the notebook's copy of it)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=16,
-                                 block_n=16, merge=True, counters=counters)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not counters.any(), (chunk, counters)
-DECODE_MERGE_CHUNK = 8
 # the rule: a 512-wide table for one sequence of 8 KV heads, 2K, 4K; 8 sequences; 256 (no split)
 assert DECODE_SPLITS_BY_WORK
 assert [decode_split_len(w // 16, 16, pairs=p) for w, p in ((512, 8), (2048, 8), (4096, 8), (2048, 64), (2048, 2048))] \
