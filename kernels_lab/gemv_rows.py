@@ -24,7 +24,8 @@ per shape, with v1's best kept for int8 (its byte conversion against the export'
 
 Run from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_rows.py [int8,bf16]   (on a CPU: validation
 under the interpreter; on a GPU: validation and the chain of gemv_chain_sweep.py, the exported GEMV against v1);
-TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gemv_rows.py sass   (no GPU: instructions a weight, registers)."""
+TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gemv_rows.py sass   (no GPU: instructions a weight, registers);
+PYTHONPATH=. python3 kernels_lab/gemv_rows.py head   (on a GPU: the LM head, tile against rows)."""
 import itertools
 import os
 import sys
@@ -153,6 +154,22 @@ def matrix(fmt: str, n: int, k: int):
     return quantize_int8(w) if fmt == "int8" else (w.bfloat16(), None)
 
 
+def head():
+    "The LM head alone (151,936 x 2,560 BF16, 778 MB: no L2 reuse), one row: the tile kernel against the rows layout."
+    q, _ = matrix("bf16", 151936, 2560)
+    x = torch.randn(1, 2560, device=DEVICE).bfloat16()
+    want = F.linear(x.float(), q.float())
+    configs = [("tile", 4, 512, 2), ("tile", 4, 512, 4), ("rows", 4, 512, 2), ("rows", 2, 512, 2), ("rows", 4, 256, 1),
+               ("rows", 8, 512, 2), ("rows", 4, 1024, 4)]
+    ok = True
+    for layout, bn, bk, w in configs:
+        fn = lambda: gemv(x, q, layout=layout, block_n=bn, block_k=bk, num_warps=w)
+        ok &= validate(f"head {layout} ({bn}, {bk}, {w})", fn().float(), want, 1e-2)
+        ms = graphed_ms(fn)
+        print(f"head {layout} ({bn}, {bk}, {w}): {ms * 1e3:7.2f} us, {q.nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+    finish(ok)
+
+
 def sass():
     sys.path.insert(0, os.path.dirname(__file__))
     from gemv_sass import gemv_loop, loop_sass, resident_warps
@@ -225,4 +242,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sass() if sys.argv[1:2] == ["sass"] else main()
+    {"sass": sass, "head": head}.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

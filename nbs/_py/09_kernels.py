@@ -645,12 +645,13 @@ FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swigl
 
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
+GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
     """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the BF16 gate-up
     shape, where the chain lab measured it faster, else 'tile' (`_gemv_kernel`)."""
-    if GEMV_ROWS_LAYOUT and weight_bytes == 2 and 16384 <= n < 65536 and 512 <= k < 4096:
+    if GEMV_ROWS_LAYOUT and weight_bytes == 2 and 16384 <= n < GEMV_ROWS_MAX_N and 512 <= k < 4096:
         return "rows"
     return "tile"
 
