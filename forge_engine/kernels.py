@@ -639,8 +639,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
-    if swiglu and block_n < 2:
-        raise ValueError(f"gemv with swiglu takes a gate row and its up row together: block_n >= 2, got {block_n}")
+    if swiglu and (block_n < 2 or block_n % 2):
+        raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights)
