@@ -494,22 +494,27 @@ def _program_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _rows_weights(w_ptr, rows, row_ok, k0, lane, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr):
-    """One step's weights of a rows-layout program: for each of its rows (`rows`: their offsets), this thread's CHUNK
-    inputs from k0 + lane * CHUNK on; every row's loads in flight at once."""
+def _rows_chunk(k0, lane, K, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """A step's inputs in a rows-layout program: each thread's CHUNK from k0 + lane * CHUNK on ([SLABS, 32, CHUNK]
+    offsets), and which exist."""
     at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    return at, (at < K) | EVEN
+
+
+@triton.jit
+def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
+    """One step's weights: for each of the program's rows (`rows`: their offsets), this thread's inputs `at`; every
+    row's loads in flight at once."""
     ws = ()
     for r in tl.static_range(BLOCK_N):
-        ws = ws + (tl.load(w_ptr + rows[r] + at, mask=((at < K) | EVEN) & row_ok[r], other=0),)
+        ws = ws + (tl.load(w_ptr + rows[r] + at, mask=ok & row_ok[r], other=0),)
     return ws
 
 
 @triton.jit
-def _rows_step(accs, ws, x_ptr, k0, lane, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
-               BYTE_ASM: tl.constexpr):
-    "accs + one step: x's CHUNK inputs (loaded and converted once for every row) times each row's weights `ws`."
-    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
-    x = tl.load(x_ptr + at, mask=(at < K) | EVEN, other=0.0).to(tl.float32)
+def _rows_step(accs, ws, x_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr):
+    "accs + one step: x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`."
+    x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
     new = ()
     for r in tl.static_range(BLOCK_N):
         new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
@@ -533,13 +538,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, N, K, stride_wn, 
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * BLOCK_N
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x (as `_gemv_kernel`)
-        ws = _rows_weights(w_ptr, rows, row_ok, 0, lane, K, BLOCK_N, CHUNK, EVEN)
+        at, ok = _rows_chunk(0, lane, K, CHUNK, EVEN)
+        ws = _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N)
         _wait_for_previous(PDL)
-        accs = _rows_step(accs, ws, x_ptr, 0, lane, K, BLOCK_N, CHUNK, EVEN, BYTE_ASM)
+        accs = _rows_step(accs, ws, x_ptr, at, ok, BLOCK_N, BYTE_ASM)
         first = STEP
     for k0 in tl.range(first, K, STEP):
-        ws = _rows_weights(w_ptr, rows, row_ok, k0, lane, K, BLOCK_N, CHUNK, EVEN)
-        accs = _rows_step(accs, ws, x_ptr, k0, lane, K, BLOCK_N, CHUNK, EVEN, BYTE_ASM)
+        at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
+        accs = _rows_step(accs, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, at, ok, BLOCK_N, BYTE_ASM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     outs = ()
     for r in tl.static_range(BLOCK_N):
