@@ -4,16 +4,16 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_ROWS', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU',
-           'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS',
-           'GEMV_EARLY_INT8_MAX_K', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
+           'FUSED_NORM_GEMV', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
+           'GEMV_EARLY_WEIGHTS', 'GEMV_EARLY_INT8_MAX_K', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
            'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
            'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
            'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
-           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_layout', 'gemv_config', 'gemv_reference',
-           'gemv_prefetch', 'gemv_early_weights', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
-           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
-           'KernelPagedAttention', 'KernelDecodeAttention']
+           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_layout', 'gemv_config',
+           'gemv_reference', 'gemv_prefetch', 'gemv_early_weights', 'gemv_loop_stages', 'gemv',
+           'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
+           'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -327,6 +327,15 @@ GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch, measured faster
 
 
+FUSED_NORM_GEMV = True  # a decode step's add + RMSNorm folded into the BF16 GEMVs around it (`norm`, `residual`; below)
+
+
+def gemv_folds_norms(weight: torch.Tensor) -> bool:
+    """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format: FUSED_NORM_GEMV (read at
+    each call: a lab may switch it between captures), for 2-byte weights (int8's tiles measured slower with it)."""
+    return FUSED_NORM_GEMV and weight.element_size() == 2
+
+
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
 
@@ -415,9 +424,26 @@ def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, P
 
 
 @triton.jit
-def _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, w=None):
-    "acc + one step of the GEMV: inputs k of x's rows and of the weight rows (`w`: that tile, already loaded)."
+def _normed_x(x, sq, g_ptr, at, ok, NORM: tl.constexpr):
+    """A GEMV step's inputs x (fp32) as the matmul takes them. With NORM (an RMSNorm folded in): x's squares added to
+    `sq`, and x times the norm's weight at inputs `at`; the norm's 1 / rms scales the outputs at the end."""
+    if NORM:
+        sq += x * x
+        x = x * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _norm_scale(sq, K, eps):
+    "1 / rms of x from its summed squares (`_normed_x`), as `_add_rmsnorm_kernel` computes it."
+    return 1.0 / tl.sqrt(sq / K + eps)
+
+
+@triton.jit
+def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
+    """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -426,18 +452,20 @@ def _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+    x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
     if ROWS == 1:
-        acc += x.to(tl.float32) * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+        acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
-        acc += x.to(tl.float32)[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
-    return acc
+        acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    return acc, sq
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+                 stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr):
+                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
                 not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -454,19 +482,22 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         k = tl.max_contiguous(offs_k, 8) if w_ptr.dtype.element_ty == tl.int8 else offs_k
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
-        acc = _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, w)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         k = k0 + offs_k
         if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
             k = tl.max_contiguous(k, 8)
-        acc = _gemv_step(acc, x_rows, w_rows, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if NORM:
+        out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -479,8 +510,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
         tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & (cols < N // 2)[None, :])
     else:
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if RESIDUAL:  # added to the output as rounded (as a separate add after the GEMV's store would)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+                res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -512,20 +546,21 @@ def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rows_step(accs, ws, x_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr):
-    "accs + one step: x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`."
-    x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr):
+    """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
+    x, sq = _normed_x(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM)
     new = ()
     for r in tl.static_range(BLOCK_N):
         new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
-    return new
+    return new, sq
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
-                      CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr, SWIGLU: tl.constexpr,
-                      EARLY_W: tl.constexpr):
+def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, N, K, stride_wn, eps,
+                      BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
+                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
@@ -533,36 +568,44 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, out_ptr, N, K, stride_wn, 
     first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
     rows, row_ok = (), ()
     for r in tl.static_range(BLOCK_N):
-        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
-        rows, row_ok = rows + (row.to(tl.int64) * stride_wn,), row_ok + (ok | EVEN,)
+        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        rows, row_ok = rows + (row.to(tl.int64) * stride_wn,), row_ok + (real | EVEN,)
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * BLOCK_N
+    sq = tl.zeros((SLABS, 32, CHUNK), dtype=tl.float32)  # NORM: x's squares
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x (as `_gemv_kernel`)
         at, ok = _rows_chunk(0, lane, K, CHUNK, EVEN)
         ws = _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N)
         _wait_for_previous(PDL)
-        accs = _rows_step(accs, ws, x_ptr, at, ok, BLOCK_N, BYTE_ASM)
+        accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM)
         first = STEP
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
-        accs = _rows_step(accs, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, at, ok, BLOCK_N, BYTE_ASM)
+        accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
+                              BLOCK_N, BYTE_ASM, NORM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
+    rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     outs = ()
     for r in tl.static_range(BLOCK_N):
-        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
         total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
+        if NORM:
+            total *= rstd
         if HAS_SCALE:
-            total *= tl.load(scale_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            total *= tl.load(scale_ptr + row, mask=real, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            total += tl.load(b_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            total += tl.load(b_ptr + row, mask=real, other=0.0).to(tl.float32)
         outs = outs + (total,)
     for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
-        row, ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
         if SWIGLU:  # silu(gate) * up, rounded as `_gemv_kernel`'s epilogue rounds them
             gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
-            tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=ok)
+            tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
+        elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
+            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + tl.load(res_ptr + row, mask=real, other=0.0)
+                                     .to(tl.float32)).to(dtype), mask=real)
         else:
-            tl.store(out_ptr + row, outs[r].to(dtype), mask=ok)
+            tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
@@ -605,9 +648,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
          prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None,
+         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
+    `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
+    `residual` [M, N]: added to the result (rounded to x's dtype first, as a separate add would find it).
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -633,14 +679,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
                          f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"gemv's norm is an RMSNorm weight [{k}], got {tuple(norm.shape)}")
+    if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"gemv's residual must be [{m}, {n}] with unit stride in its last dimension (and no swiglu), "
+                         f"got {tuple(residual.shape)}")
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]
         result = gemv_reference(x, weight, bias, scale)
         if swiglu: return silu_mul(result, backend)
+        if residual is not None: result = residual + result
         return result if out is None else out.copy_(result)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages, early_weights=early_weights, layout=layout), backend)
+                             prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps),
+                        backend)
     layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 else "tile")
     default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
@@ -651,7 +705,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights)
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
-    operands = (x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out)
+    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out)
+    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None)
     byte_asm = not INTERPRETED if byte_asm is None else byte_asm
     if layout == "rows":
         chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
@@ -660,17 +715,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                              f"is no multiple of 32 x {num_warps}")
         whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
         _gemv_rows_kernel[grid](
-            *operands, n, k, weight.stride(0), BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
+            *operands, n, k, weight.stride(0), eps, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
             EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
-            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, num_warps=num_warps, **_stages(num_stages))
+            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds, num_warps=num_warps,
+            **_stages(num_stages))
         return out
     if m:
         _gemv_kernel[grid](
-            *operands, m, n, k,
-            x.stride(0), weight.stride(0), out.stride(0), ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            *operands, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
-            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early,
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
             num_warps=num_warps, **_stages(num_stages))
     return out
 

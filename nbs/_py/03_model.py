@@ -97,16 +97,22 @@ assert torch.equal(residual, a + b) and torch.equal(normed, norm(a + b))
 
 # %%
 #| export
+@functools.lru_cache(maxsize=64)
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
-    "The rotation speed of each of the head_dim/2 pairs, in fp32."
+    """The rotation speed of each of the head_dim/2 pairs, in fp32. Computed once per (head_dim, theta, device) and
+    shared (read-only): a GPU decode step would otherwise spend five small kernel launches on it, every step."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     return 1.0 / (theta ** exponents)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    "cos and sin of every (position, pair) angle: two [T, head_dim/2] fp32 tensors."
-    angles = positions.float()[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
-    return angles.cos(), angles.sin()
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, pair) angle: two [T, head_dim/2] tensors, computed in fp32 and rounded to `dtype`.
+    (Integer positions times the fp32 speeds make fp32 angles in one kernel; cos and sin round as they store: a decode
+    step's three launches, not six.)"""
+    angles = positions[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
+    cos, sin = (torch.empty(angles.shape, dtype=dtype, device=angles.device) for _ in range(2))
+    return torch.cos(angles, out=cos), torch.sin(angles, out=sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,6 +132,9 @@ def rotated(x, pos):
     cos, sin = rope_cos_sin(torch.tensor([pos]), 16, 10000.0)
     return apply_rope(x, cos.double(), sin.double())
 assert torch.allclose(rotated(q, 7).norm(), q.norm())
+# in bf16: the fp32 values rounded once (what `.to(torch.bfloat16)` after them gives)
+assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(rope_cos_sin(torch.arange(300), 128, 1e6),
+                                                                 rope_cos_sin(torch.arange(300), 128, 1e6, torch.bfloat16)))
 # (to fp32 precision: the angles are computed in fp32)
 assert torch.allclose((rotated(q, 10) * rotated(k, 3)).sum(), (rotated(q, 107) * rotated(k, 100)).sum(), atol=1e-5)
 
@@ -247,6 +256,14 @@ class Linear(nn.Linear):
         return self.weight, self.bias, None
 
 
+def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                swiglu: bool = False) -> torch.Tensor:
+    """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of chapter 09's `gemv` (the layer has
+    `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue."""
+    return triton_kernel("gemv")(x, *layer.gemv_operands(), swiglu=swiglu, residual=residual,
+                                 norm=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -257,9 +274,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, attention: AttentionBackend, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        "`norm`, `residual`: a decode step's folds (see DecoderLayer): x normalised by the qkv GEMV, residual added by o's."
         c, t = self.config, x.shape[0]
-        qkv = self.qkv(x)
+        qkv = self.qkv(x) if norm is None else folded_gemv(self.qkv, x, norm)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
@@ -267,7 +286,7 @@ class Attention(nn.Module):
         if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
             rope = NormRope(self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None,
                             c.rms_norm_eps, cos, sin)
-            return self.o(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size))
+            return self.project_out(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size), residual)
         qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
         if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
             qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,
@@ -278,7 +297,11 @@ class Attention(nn.Module):
         else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        return self.o(attention(self.layer, q, k, v).reshape(t, c.q_size))
+        return self.project_out(attention(self.layer, q, k, v).reshape(t, c.q_size), residual)
+
+    def project_out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        "o(out), or with a decode step's `residual`: residual + o(out) by one GEMV."
+        return self.o(out) if residual is None else folded_gemv(self.o, out, residual=residual)
 
 
 class MLP(nn.Module):
@@ -288,7 +311,10 @@ class MLP(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        "`norm`, `residual`: a decode step's folds (see DecoderLayer): residual + down(silu_mul(gate_up(norm(x))))."
+        if norm is not None:  # two GEMVs: the norm and SiLU-mul in the first, the residual add in the second
+            return folded_gemv(self.down, folded_gemv(self.gate_up, x, norm, swiglu=True), residual=residual)
         if (gemv := decode_gemv(x)) is not None:
             if hasattr(self.gate_up, "gemv_operands"):
                 return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
@@ -313,9 +339,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, cos, sin, attention):
+        if residual is None and self.folds_norms(x):  # a decode step of few rows on a GPU: 4 launches, not 6
+            h = self.attn(x, cos, sin, attention, norm=self.attn_norm, residual=x)  # x + attn(norm(x))
+            return self.mlp(h, norm=self.mlp_norm, residual=h), None  # the whole residual stream, nothing left to add
         h, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm.add_and_norm(x, residual)
         h, residual = self.mlp_norm.add_and_norm(self.attn(h, cos, sin, attention), residual)
         return self.mlp(h), residual
+
+    def folds_norms(self, x: torch.Tensor) -> bool:
+        """Whether this step folds the norms and residual adds into the GEMVs (chapter 09's `gemv` with `norm` and
+        `residual`, FUSED_NORM_GEMV): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
+        layers = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
+        return (decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in layers)
+                and triton_kernel("gemv_folds_norms")(self.attn.qkv.gemv_operands()[0]))
 
 
 # %% [markdown]
@@ -341,7 +377,7 @@ class Transformer(nn.Module):
                 attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
         x, residual = self.embed(input_ids), None
-        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
