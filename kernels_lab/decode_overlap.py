@@ -97,7 +97,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV",
+             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_INT8_OFFSET",
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
@@ -113,6 +113,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
+    "int8 offset rows off": dict(GEMV_INT8_OFFSET=False),
     "defaults again": {}}
 
 
