@@ -339,7 +339,8 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-GEMV_INT8_OFFSET = True  # the rows kernel reads int8 as 2^15 + 128 + w (no subtraction), and takes int8 qkv and gate-up
+GEMV_INT8_OFFSET = False  # the rows kernel reads int8 as 2^15 + 128 + w (no subtraction), taking int8 qkv and gate-up
+# (measured: the chain lab faster, the decode step slower; see below)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:

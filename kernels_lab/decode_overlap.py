@@ -113,7 +113,8 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
-    "int8 offset rows off": dict(GEMV_INT8_OFFSET=False),
+    "int8 offset rows": dict(GEMV_INT8_OFFSET=True),
+    "int8 offset rows, qkv only": dict(GEMV_INT8_OFFSET=True, GEMV_ROWS_MAX_N=16384),
     "defaults again": {}}
 
 

@@ -71,6 +71,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %%
 #| hide
+import itertools
 import pytest
 from forge_engine.config import preset
 from forge_engine.model import RMSNorm, causal_attention
@@ -655,7 +656,8 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-GEMV_INT8_OFFSET = True  # the rows kernel reads int8 as 2^15 + 128 + w (no subtraction), and takes int8 qkv and gate-up
+GEMV_INT8_OFFSET = False  # the rows kernel reads int8 as 2^15 + 128 + w (no subtraction), taking int8 qkv and gate-up
+# (measured: the chain lab faster, the decode step slower; see below)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
@@ -1135,25 +1137,26 @@ assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
 assert gemv_early_weights(9728, 2) and gemv_early_weights(2560, 1) and not gemv_early_weights(4096, 1)
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
 # rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
-for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
-                                                     (10, 100, torch.float32, True, False, 64, 1),
-                                                     (16, 512, torch.bfloat16, False, False, 512, 2),
-                                                     (8, 192, torch.bfloat16, True, True, 128, 1)):
+for (n, k, dtype, int8, with_bias, block_k, warps), offset in itertools.product(
+        ((12, 256, torch.float32, False, True, 128, 2), (10, 100, torch.float32, True, False, 64, 1),
+         (16, 512, torch.bfloat16, False, False, 512, 2), (8, 192, torch.bfloat16, True, True, 128, 1)), (False, True)):
+    GEMV_INT8_OFFSET = offset  # (the module's switch; here the notebook's copy): int8 bytes read exactly, or offset
     x, w, scale = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype), None
     if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
     want = gemv_reference(x, w, bias, scale).float()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    if int8 and dtype == torch.float32:  # its bytes carry 2^15 + 128 (GEMV_INT8_OFFSET): fp32 keeps ~1e-5 of the largest
+    if int8 and offset and dtype == torch.float32:  # bytes carrying 2^15 + 128: fp32 keeps ~1e-5 of the largest output
         tol = dict(rtol=0, atol=1e-4 * want.abs().max().item())
     torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), want, **tol)
     assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
                        silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
+GEMV_INT8_OFFSET = False
 assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (4, 512, 2)  # Qwen3-4B's gate-up in BF16
 assert gemv_layout(6144, 2560) == gemv_layout(151936, 2560) == gemv_layout(2560, 9728, 1) == "tile"
-assert gemv_layout(6144, 2560, 1) == gemv_layout(19456, 2560, 1) == "rows"  # int8 qkv and gate-up (GEMV_INT8_OFFSET)
-assert gemv_config(6144, 2560, 1) == (4, 1024, 4) and gemv_config(19456, 2560, 1) == (4, 1024, 2)
+assert gemv_layout(6144, 2560, 1) == gemv_layout(19456, 2560, 1) == "tile"  # int8: rows only with GEMV_INT8_OFFSET
+assert gemv_config(6144, 2560, 1, "rows") == (4, 1024, 4) and gemv_config(19456, 2560, 1, "rows") == (4, 1024, 2)
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
 with pytest.raises(ValueError, match="takes one row of x, got 2"):
@@ -1175,7 +1178,8 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
     launch = dict(impl="triton", layout=layout, block_k=64, num_warps=1, swiglu=swiglu)
     normed = gemv(x, w, bias, scale, norm=g, eps=1e-5, **launch).float()
     want = gemv(rmsnorm(x, g, 1e-5, impl="triton"), w, bias, scale, **launch).float()
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=1e-2 * want.abs().max().item())
+    bf16_tol = (3e-2 if swiglu else 1e-2) * want.abs().max().item()  # (SiLU-mul multiplies two gate / up errors)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=bf16_tol)
     torch.testing.assert_close(normed, want, **tol)  # (bf16: a few units of the largest output's last place)
     if dtype == torch.bfloat16: tol["atol"] *= 3  # the PyTorch path rounds x, x · g and (int8) the scales to bf16 too
     torch.testing.assert_close(normed, gemv(x, w, bias, scale, impl="torch", norm=g, eps=1e-5, swiglu=swiglu).float(), **tol)
