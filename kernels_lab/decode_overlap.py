@@ -11,7 +11,9 @@ launch) won for BF16 and int8 and is on. Session 10: DECODE_LAST_SPLIT_MERGES an
 on; DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV projection, each program asking for
 its first K/V tile before it waits for q) is measured here. Session 15: GEMV_ROWS_LAYOUT (BF16 gate-up through
 `_gemv_rows_kernel`) and decode attention splits of 64 keys at batch 1 (both won: on); DEPENDENT_LAUNCHES measured
-again (won: on, for steps of at most 4 rows).
+again (won: on, for steps of at most 4 rows). Session 16: FUSED_NORM_GEMV (a batch-1 step's add + RMSNorm folded into
+the GEMVs around it) won for BF16 and lost for int8 (on, 2-byte weights only); GEMV_INT8_OFFSET (int8 qkv / gate-up in
+the rows kernel with offset bytes) lost (off); the rows layout for the LM head: no difference.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp

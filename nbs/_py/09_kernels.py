@@ -638,6 +638,31 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # 6.31, gate-up 15.13 → 14.71, o and down slower (with the lab's own byte conversion, not this
 # chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
 # pairs each gate row with its up row as `_gemv_kernel`'s does.
+#
+# Session 16, **the add + RMSNorm folded in, a third time** (`norm`, `residual`, `FUSED_NORM_GEMV`).
+# With every other launch of the step now a programmatic dependent, the 73 one-program
+# add+RMSNorm kernels were among the few left between GEMVs. `gemv(x, w, norm=g, eps=...)`
+# multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
+# program, which reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`).
+# `residual=r` adds r to the output in the epilogue, rounded as the separate add would find it
+# (the bits of the GEMV followed by `add_rmsnorm`'s add: tested below). Chapter 03 then runs a
+# batch-1 layer as four launches: qkv(norm(x)), attention, x + o(·), gate-up(norm(·)) with
+# SiLU-mul, h + down(·). The norm's arithmetic differs from `rmsnorm` followed by the GEMV (x·g
+# is never rounded to bf16), so logits agree within bf16, not bit for bit (tests/test_gpu.py).
+# Measured (`kernels_lab/decode_overlap.py`, one H200): the BF16 step 2.451 / 2.448 ms against
+# 2.464 unfolded, and 2.438 / 2.439 against 2.455 in a second call; int8 **1.842** against 1.795
+# (its (4, 1024) tiles share each x value among only 4 rows: the extra load and multiply per x
+# value cost more than the launches; the compiled loop 4.53 → 5.47 instructions a weight,
+# against bf16's 4.31 → 4.78 in `kernels_lab/gemv_sass.py`). So `gemv_folds_norms`: 2-byte
+# weights only. With RoPE's angles in three launches instead of eleven (chapter 03) the W1
+# bench went from 394.8 (session 15) to **402.9 tok/s**.
+#
+# Also session 16: int8 through this rows kernel with session 15's lab conversion
+# (`GEMV_INT8_OFFSET`: the byte under 2^15's exponent, 2^15 + 128 + w with one permute and no
+# subtraction; the program takes 32,896 · Σx off each row's step sum, x's sum shared by the
+# rows). Compiled: the qkv loop's FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29
+# µs), but the decode step is slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel,
+# for qkv alone too. Off; fp32 sums with it keep ~1e-5 of the largest output (tested both ways).
 
 # %%
 #| export
