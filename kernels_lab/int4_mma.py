@@ -1,0 +1,401 @@
+"""int4 decode GEMV on the tensor cores (CUDA C++, built just in time): the contender to chapter 10's `int4_gemv`.
+
+Why: chapter 10's int4 GEMV spends ~4 instructions a weight unpacking nibbles and multiply-adding them in FP32, and
+an H200 issues ~33 trillion thread-instructions a second: at 4.19 TB/s (8.4 trillion int4 weights a second) that is
+the whole issue rate, so it reads at 1.4-2 TB/s (session 16: the int4 W1 step's 144 GEMVs take 1.14 ms for 1.72 GB).
+An `mma.sync.m16n8k16` multiplies a 16 x 16 BF16 tile by 16 x 8 in one warp instruction: 256 weights. With x in every
+column of the 16 x 8 operand (batch 1: the 8 columns are copies; column 0 is read), the per-weight work is only the
+unpacking into the A operand's registers.
+
+Design (q1, `int4_mma_gemv`): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups (group g to warp
+g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
+a row: chapter 10's packing, byte j = input j low, input j + 64 high): four 32-bit words a row. One word gives four
+A registers of two BF16 each, one LOP3 (and a shift) apiece: (w >> s) & 0x000F000F | 0x43004300 is the BF16 pair
+(128 + nibble at s, 128 + nibble at s + 16). Two mma per word: (low nibbles of bytes 0, 2 | high of 0, 2) and
+(low of 1, 3 | high of 1, 3). The inputs are matched by putting x, once per block, in shared memory in the B
+operand's order (`xp`: per group, t and word, the 4 words of the two mma's B registers: one 16-byte load). Each group's
+sums come out of the accumulators (every column of C holds them); 128 x Σx of the group comes off (the BF16 values
+are 128 + q), then scale and minimum as chapter 10 applies them. Warps' sums meet in shared memory.
+
+Napkin math per mma (256 weights, 128 bytes): ~4 LOP3 + 2 shifts + 1 shared load + 1 HMMA per thread, i.e. ~8 warp
+instructions per 256 weights, ~1/30 of an instruction a weight against ~4 now: memory-bound, if the loads keep enough
+bytes in flight (IN_FLIGHT groups a warp: 2 x 16 bytes a thread each).
+
+Measured (session 16, one H200, `results/h200_session16/call9_int4_mma.log`; µs a matrix in the chain, q1 at its
+best warps / groups in flight against t0): valid everywhere (its first build), but slower: qkv 6.75 vs 5.96, o 6.86 vs
+3.77, gate-up 15.72 vs 12.96, down 13.32 vs 8.06. Its prologue is the suspect: every block rewrites all of x into
+shared memory (for down 19 rounds of two L2 loads a thread, one after another) and waits at a barrier before its
+first mma, and o / down have only 160 blocks of 16 rows.
+
+q2 (`int4_mma_gemv2`) drops the prologue: the A registers take their nibbles in x's own order (`__byte_perm` puts
+bytes (0, 1) or (2, 3) of a word into bytes 0 and 2 before the mask: one PRMT more, one shift less a register), so
+each lane's B registers are x's words as they lie in memory, loaded straight from L1 (4 x 16 bytes a group); the
+group's Σx comes from mma with an A of ones on the same B registers (8 more mma a group, no shared memory, no
+barrier before the loop); a warp may take TILES tiles of 16 rows sharing its x. Compiled offline for sm_90a: 76-125
+registers, no spills; q2's emulation equals the reference like q1's. Not yet run on a GPU.
+
+Variants: t0 the exported Triton `int4_gemv` (chapter 10); qV-W-F-T: kernel V (1, 2) with W warps, F groups in flight
+a warp, T tiles of 16 rows a warp (q1: 1). Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as
+gemv_chain_sweep.py), dependent launches on for both. `emulate` runs each kernel's index arithmetic in PyTorch on a
+CPU (the mma fragments as the PTX manual lays them out) against the reference.
+
+Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [emulate]   (GPU: needs nvcc; the first build takes ~1 minute)"""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from forge_engine.quant import dequantize_int4, quantize_int4
+
+CUDA_SOURCE = r"""
+#include <torch/extension.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <ATen/cuda/CUDAContext.h>
+
+__device__ __forceinline__ uint32_t nibbles(uint32_t w, int shift) {  // BF16 pair (128 + nibble, 128 + nibble 16 bits up)
+  return ((w >> shift) & 0x000F000Fu) | 0x43004300u;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int WARPS, int IN_FLIGHT>
+__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
+    const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, int N, int K) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  extern __shared__ uint32_t smem[];
+  const int G = K / 128;
+  uint32_t* xp = smem;                                        // K / 2 words: x in the B operand's order
+  float* xsum = reinterpret_cast<float*>(smem + K / 2);      // G: each group's sum of x
+  float* part = xsum + G;                                     // WARPS x 16: each warp's row sums
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * 16;
+  const int lo_row = min(row0 + r, N - 1), hi_row = min(row0 + r + 8, N - 1);  // (past N: computed, not stored)
+  const uint8_t* q_lo = q + (size_t)lo_row * (K / 2) + t * 16;
+  const uint8_t* q_hi = q + (size_t)hi_row * (K / 2) + t * 16;
+  uint4 w_lo[IN_FLIGHT], w_hi[IN_FLIGHT];
+  float s_lo[IN_FLIGHT], s_hi[IN_FLIGHT], m_lo[IN_FLIGHT], m_hi[IN_FLIGHT];
+  auto load = [&](int first) {  // the weights, scales and minimums of groups first, first + WARPS, ...
+    #pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) {
+      const int grp = first + u * WARPS;
+      if (grp < G) {
+        w_lo[u] = __ldg(reinterpret_cast<const uint4*>(q_lo + grp * 64));
+        w_hi[u] = __ldg(reinterpret_cast<const uint4*>(q_hi + grp * 64));
+        s_lo[u] = __half2float(scale[(size_t)lo_row * G + grp]); m_lo[u] = __half2float(minimum[(size_t)lo_row * G + grp]);
+        s_hi[u] = __half2float(scale[(size_t)hi_row * G + grp]); m_hi[u] = __half2float(minimum[(size_t)hi_row * G + grp]);
+      }
+    }
+  };
+  load(warp);  // before waiting for x: the weights do not depend on the kernel before
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+  for (int p = threadIdx.x; p < K / 2; p += WARPS * 32) {  // word p = (group, t, word i, mma c, operand register h)
+    const int h = p & 1, c = (p >> 1) & 1, i = (p >> 2) & 3, tt = (p >> 4) & 3, grp = p >> 6;
+    const int k0 = grp * 128 + h * 64 + 16 * tt + 4 * i + c;
+    xp[p] = uint32_t(xb[k0]) | (uint32_t(xb[k0 + 2]) << 16);
+  }
+  for (int grp = warp; grp < G; grp += WARPS) {
+    float s = 0.f;
+    for (int k = lane; k < 128; k += 32) s += __bfloat162float(x[grp * 128 + k]);
+    #pragma unroll
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) xsum[grp] = s;
+  }
+  __syncthreads();
+  float acc_lo = 0.f, acc_hi = 0.f;
+  for (int first = warp; first < G; first += WARPS * IN_FLIGHT) {
+    #pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) {
+      const int grp = first + u * WARPS;
+      if (grp < G) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint32_t lo[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
+        const uint32_t hi[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 b = reinterpret_cast<const uint4*>(xp)[(grp * 4 + t) * 4 + i];
+          mma_bf16(c, nibbles(lo[i], 0), nibbles(hi[i], 0), nibbles(lo[i], 4), nibbles(hi[i], 4), b.x, b.y);
+          mma_bf16(c, nibbles(lo[i], 8), nibbles(hi[i], 8), nibbles(lo[i], 12), nibbles(hi[i], 12), b.z, b.w);
+        }
+        const float xs = xsum[grp];  // c[0]: row r's Σ (128 + q) x over the group, c[2]: row r + 8's
+        acc_lo += s_lo[u] * (c[0] - 128.f * xs) + m_lo[u] * xs;
+        acc_hi += s_hi[u] * (c[2] - 128.f * xs) + m_hi[u] * xs;
+      }
+    }
+    if (first + WARPS * IN_FLIGHT < G) load(first + WARPS * IN_FLIGHT);
+  }
+  if (t == 0) { part[warp * 16 + r] = acc_lo; part[warp * 16 + r + 8] = acc_hi; }
+  __syncthreads();
+  if (threadIdx.x < 16 && row0 + threadIdx.x < N) {
+    float s = 0.f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += part[w * 16 + threadIdx.x];
+    y[row0 + threadIdx.x] = __float2bfloat16(s);
+  }
+}
+
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, uint32_t selector, int shift) {
+  // the two bytes `selector` picks, put in bytes 0 and 2; of each the nibble at `shift`: a BF16 (128 + it) pair
+  return ((__byte_perm(w, 0, selector) >> shift) & 0x000F000Fu) | 0x43004300u;
+}
+
+constexpr uint32_t BF16_ONES = 0x3F803F80u;  // (1.0, 1.0)
+
+// q2: a warp takes TILES x 16 rows and every WARPS-th group; x straight from memory (L1) in its natural order
+template <int WARPS, int IN_FLIGHT, int TILES>
+__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv2(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
+    const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, int N, int K) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  __shared__ float part[WARPS][16 * TILES];
+  const int G = K / 128;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * 16 * TILES;
+  int rows[2 * TILES];  // rows r and r + 8 of each tile (past N: computed, not stored)
+  #pragma unroll
+  for (int j = 0; j < 2 * TILES; ++j) rows[j] = min(row0 + (j / 2) * 16 + (j % 2) * 8 + r, N - 1);
+  uint4 w[IN_FLIGHT][2 * TILES];
+  float s[IN_FLIGHT][2 * TILES], m[IN_FLIGHT][2 * TILES];
+  auto load = [&](int first) {
+    #pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) {
+      const int grp = first + u * WARPS;
+      if (grp < G) {
+        #pragma unroll
+        for (int j = 0; j < 2 * TILES; ++j) {
+          w[u][j] = __ldg(reinterpret_cast<const uint4*>(q + (size_t)rows[j] * (K / 2) + grp * 64 + t * 16));
+          s[u][j] = __half2float(scale[(size_t)rows[j] * G + grp]);
+          m[u][j] = __half2float(minimum[(size_t)rows[j] * G + grp]);
+        }
+      }
+    }
+  };
+  load(warp);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);  // 8 BF16 a load
+  float acc[2 * TILES];
+  #pragma unroll
+  for (int j = 0; j < 2 * TILES; ++j) acc[j] = 0.f;
+  for (int first = warp; first < G; first += WARPS * IN_FLIGHT) {
+    #pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) {
+      const int grp = first + u * WARPS;
+      if (grp < G) {
+        // this thread's inputs of the group: 16t .. 16t + 15 (the low nibbles) and 64 + those (the high ones)
+        const uint4 l0 = __ldg(x8 + grp * 16 + 2 * t), l1 = __ldg(x8 + grp * 16 + 2 * t + 1);
+        const uint4 h0 = __ldg(x8 + grp * 16 + 8 + 2 * t), h1 = __ldg(x8 + grp * 16 + 8 + 2 * t + 1);
+        const uint32_t xl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        const uint32_t xh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        float ones[4] = {0.f, 0.f, 0.f, 0.f}, c[TILES][4];
+        #pragma unroll
+        for (int j = 0; j < TILES; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {  // word i: bytes 16t + 4i .. + 3 of a row, inputs 16t + 4i .. + 3 (and + 64)
+          mma_bf16(ones, BF16_ONES, BF16_ONES, BF16_ONES, BF16_ONES, xl[2 * i], xh[2 * i]);  // the group's Σ x
+          mma_bf16(ones, BF16_ONES, BF16_ONES, BF16_ONES, BF16_ONES, xl[2 * i + 1], xh[2 * i + 1]);
+          #pragma unroll
+          for (int j = 0; j < TILES; ++j) {
+            const uint32_t wl = (&w[u][2 * j].x)[i], wh = (&w[u][2 * j + 1].x)[i];
+            mma_bf16(c[j], nibble_pair(wl, 0x1100, 0), nibble_pair(wh, 0x1100, 0), nibble_pair(wl, 0x1100, 4),
+                     nibble_pair(wh, 0x1100, 4), xl[2 * i], xh[2 * i]);
+            mma_bf16(c[j], nibble_pair(wl, 0x3322, 0), nibble_pair(wh, 0x3322, 0), nibble_pair(wl, 0x3322, 4),
+                     nibble_pair(wh, 0x3322, 4), xl[2 * i + 1], xh[2 * i + 1]);
+          }
+        }
+        const float xs = ones[0];
+        #pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+          acc[2 * j] += s[u][2 * j] * (c[j][0] - 128.f * xs) + m[u][2 * j] * xs;
+          acc[2 * j + 1] += s[u][2 * j + 1] * (c[j][2] - 128.f * xs) + m[u][2 * j + 1] * xs;
+        }
+      }
+    }
+    if (first + WARPS * IN_FLIGHT < G) load(first + WARPS * IN_FLIGHT);
+  }
+  if (t == 0) {
+    #pragma unroll
+    for (int j = 0; j < TILES; ++j) { part[warp][j * 16 + r] = acc[2 * j]; part[warp][j * 16 + r + 8] = acc[2 * j + 1]; }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 * TILES && row0 + threadIdx.x < N) {
+    float sum = 0.f;
+    #pragma unroll
+    for (int v = 0; v < WARPS; ++v) sum += part[v][threadIdx.x];
+    y[row0 + threadIdx.x] = __float2bfloat16(sum);
+  }
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, int rows_a_block, int warps, size_t smem, torch::Tensor x, torch::Tensor q,
+            torch::Tensor scale, torch::Tensor minimum, torch::Tensor y, bool pdl) {
+  const int N = q.size(0), K = x.size(1);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((N + rows_a_block - 1) / rows_a_block);
+  config.blockDim = dim3(warps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel,
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), q.data_ptr<uint8_t>(),
+      reinterpret_cast<const __half*>(scale.data_ptr()), reinterpret_cast<const __half*>(minimum.data_ptr()),
+      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), N, K));
+}
+
+torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
+                       int64_t variant, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x must be one contiguous bf16 row");
+  const int K = x.size(1);
+  TORCH_CHECK(K % 128 == 0 && q.size(1) == K / 2 && scale.size(1) == K / 128 && scale.scalar_type() == torch::kHalf,
+              "groups of 128 inputs, fp16 scales and minimums, two inputs a byte");
+  auto y = torch::empty({1, q.size(0)}, x.options());
+  const size_t q1_smem = (K / 2 + K / 128 + warps * 16) * 4;
+  #define Q1(W, F) if (variant == 1 && warps == W && in_flight == F) { \
+    launch(int4_mma_gemv<W, F>, 16, W, q1_smem, x, q, scale, minimum, y, pdl); return y; }
+  #define Q2(W, F, T) if (variant == 2 && warps == W && in_flight == F && tiles == T) { \
+    launch(int4_mma_gemv2<W, F, T>, 16 * T, W, 0, x, q, scale, minimum, y, pdl); return y; }
+  Q1(4, 5) Q1(8, 3) Q1(8, 5)
+  Q2(4, 3, 1) Q2(4, 5, 1) Q2(8, 3, 1) Q2(8, 2, 1) Q2(4, 3, 2) Q2(8, 3, 2) Q2(8, 2, 2) Q2(2, 5, 2)
+  #undef Q1
+  #undef Q2
+  TORCH_CHECK(false, "no instance of q", variant, " for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
+}
+"""
+CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum, "
+                   "int64_t variant, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);")
+SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+CONFIGS = [(1, 4, 5, 1), (1, 8, 3, 1), (1, 8, 5, 1),  # (variant, warps, groups in flight, tiles of 16 rows)
+           (2, 4, 3, 1), (2, 4, 5, 1), (2, 8, 3, 1), (2, 8, 2, 1), (2, 4, 3, 2), (2, 8, 3, 2), (2, 8, 2, 2), (2, 2, 5, 2)]
+
+
+def build():
+    from torch.utils.cpp_extension import load_inline
+    return load_inline("forge_lab_int4_mma", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
+                       functions=["int4_mma"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+                       verbose=False)
+
+
+def byte_perm(x: int, y: int, selector: int) -> int:
+    "CUDA's __byte_perm: result byte n is byte (selector's nibble n) of the 8 bytes y:x (x's bytes 0-3, y's 4-7)."
+    both = (y << 32) | x
+    return sum(((both >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def a_pairs(variant: int, w_lo: int, w_hi: int, mma: int) -> list[tuple[float, float]]:
+    """The A registers a0..a3 of one mma (rows r, r + 8, r, r + 8) from word i of rows r (w_lo) and r + 8 (w_hi), as
+    the BF16 pairs the kernel builds: q1 `nibbles` (shifts 0 / 4, then 8 / 12), q2 `nibble_pair` (bytes 0, 1, then
+    2, 3; nibbles 0 and 4)."""
+    def value(bits: int) -> tuple[float, float]:  # (bits & 0x000F000F) | 0x43004300 as two BF16: 128 + nibble
+        return 128.0 + (bits & 0xF), 128.0 + ((bits >> 16) & 0xF)
+    if variant == 1:
+        first, second = (0, 4) if mma == 0 else (8, 12)
+        return [value(w_lo >> first), value(w_hi >> first), value(w_lo >> second), value(w_hi >> second)]
+    selector = 0x1100 if mma == 0 else 0x3322
+    lo, hi = byte_perm(w_lo, 0, selector), byte_perm(w_hi, 0, selector)
+    return [value(lo), value(hi), value(lo >> 4), value(hi >> 4)]
+
+
+def b_pairs(variant: int, xd: torch.Tensor, grp: int, t: int, i: int, mma: int) -> tuple[tuple, tuple]:
+    "The B registers b0, b1 of lane t's mma: the x pairs the kernel loads (q1 from `xp`'s order, q2 in x's own)."
+    k0 = grp * 128 + 16 * t + 4 * i + (mma if variant == 1 else 2 * mma)
+    step = 2 if variant == 1 else 1  # q1: (k0, k0 + 2); q2: (k0, k0 + 1)
+    return (xd[k0].item(), xd[k0 + step].item()), (xd[k0 + 64].item(), xd[k0 + 64 + step].item())
+
+
+def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+            variant: int = 1) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (fp64), lane by lane and fragment by fragment: rows in tiles of 16, each
+    group's 8 mma as m16n8k16 lays out its operands (A: a0 (r, 2t..2t+1), a1 (r + 8, 2t..), a2 (r, 2t + 8..),
+    a3 (r + 8, 2t + 8..); B: b0 (k 2t..2t+1, column r), b1 (k 2t + 8.., column r); C: c0 (r, column 2t), c2 (r + 8,
+    column 2t)). The group's Σx: q1 sums x, q2 takes it from mma with A all ones, as the kernels do. y [1, N], fp64."""
+    n, k = packed.shape[0], x.shape[1]
+    xd = x[0].double()
+    words = packed.contiguous().view(torch.int32)  # [N, K / 8]: little-endian, byte 0 in the low bits
+    y = torch.zeros(n, dtype=torch.float64)
+    for row0 in range(0, n, 16):
+        for grp in range(k // 128):  # (the warp that takes it does not change the sums)
+            c_tile, ones = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+            for i in range(4):
+                for mma in range(2):
+                    A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        r, t = lane // 4, lane % 4
+                        w_lo, w_hi = (int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF
+                                      for row in (row0 + r, row0 + r + 8))
+                        for (ar, ac), pair in zip(((r, 2 * t), (r + 8, 2 * t), (r, 2 * t + 8), (r + 8, 2 * t + 8)),
+                                                  a_pairs(variant, w_lo, w_hi, mma)):
+                            A[ar, ac], A[ar, ac + 1] = pair
+                        b0, b1 = b_pairs(variant, xd, grp, t, i, mma)
+                        B[2 * t, r], B[2 * t + 1, r] = b0
+                        B[2 * t + 8, r], B[2 * t + 9, r] = b1
+                    c_tile += A @ B
+                    ones += torch.ones(16, 16, dtype=torch.float64) @ B
+            xs = xd[grp * 128:(grp + 1) * 128].sum() if variant == 1 else ones[0, 0]
+            for rr in range(min(16, n - row0)):  # c0 / c2: column 0 (every column holds the same sums)
+                row = row0 + rr
+                y[row] += scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs) + minimum[row, grp].double() * xs
+    return y[None, :]
+
+
+def check_emulation() -> bool:
+    "emulate() against dequantize-and-multiply at a small shape (CPU, seconds)."
+    gen = torch.Generator().manual_seed(0)
+    n, k = 20, 256  # a partial second tile of rows, two groups
+    w = torch.randn(n, k, generator=gen)
+    packed, scale, minimum = quantize_int4(w)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    want = F.linear(x.double(), dequantize_int4(packed, scale, minimum).double())
+    ok = True
+    for variant in (1, 2):
+        got = emulate(x, packed, scale, minimum, variant)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"emulation of q{variant} against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
+        ok &= err < 1e-6
+    return ok
+
+
+def chain_ms(fn, matrices) -> float:
+    "Median ms of one CUDA-graph replay of fn over the 36 matrices (each a distinct weight: nothing stays in L2)."
+    from common import graphed_ms
+    return graphed_ms(lambda: [fn(m) for m in matrices]) / len(matrices)
+
+
+def main():
+    from common import ON_GPU, finish, validate
+    if not ON_GPU:
+        sys.exit("needs a GPU (and nvcc); `emulate` checks the index arithmetic on a CPU")
+    from forge_engine.quant import int4_gemv
+    ext = build()
+    ok = True
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        mats = [quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()) for _ in range(36)]
+        want = F.linear(x.float(), dequantize_int4(*mats[0]))
+        ok &= validate(f"{name} t0 int4_gemv", int4_gemv(x, *mats[0]).float(), want, 2e-2)
+        t0 = chain_ms(lambda m: int4_gemv(x, *m), mats)
+        nbytes = sum(t.nbytes for t in mats[0])
+        print(f"{name:8s} t0 int4_gemv           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s", flush=True)
+        for config in CONFIGS:
+            label = "q{}-{}-{}-{}".format(*config)
+            ok &= validate(f"{name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
+            ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
+            print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+    finish(ok)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["emulate"]:
+        sys.exit(0 if check_emulation() else 1)
+    main()
