@@ -133,11 +133,12 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             records.append(engine.recent[-1])
     sync(engine.device)
     wall = time.perf_counter() - start
+    engine.allocator.check_idle()  # every run ends with the KV pool free (cached prefixes count as free), or fails here
     output_tokens = sum(len(finals[i].token_ids) for i in ids)
     ttfts = sorted(first[i] for i in ids)
     return {"requests": len(ids), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
             "wall_s": wall, "output_tok_s": output_tokens / wall, "ttft_median_s": ttfts[len(ttfts) // 2],
-            "records": records, "start": start}
+            "kv_used_blocks_after": engine.stats().kv.used_blocks, "records": records, "start": start}
 
 
 def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) -> dict:
@@ -189,11 +190,12 @@ def w1_single_stream(loaded: LoadedModel, config: EngineConfig, prompt_len: int 
         r = run_batch(engine, [prompt], params)
         decode_s = r["wall_s"] - r["ttft_median_s"]
         runs.append({"ttft_s": r["ttft_median_s"], "decode_tok_s": (new_tokens - 1) / decode_s,
+                     "kv_used_blocks_after": r["kv_used_blocks_after"],
                      "timeline": step_timeline(r["records"], r["start"], engine)})
     best = sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2]  # the median run
     step_bytes = weight_bytes(loaded)  # every decode step reads all weights (plus a little KV cache)
     return {"workload": "W1", "prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_s": best["ttft_s"],
-            "decode_tok_s": best["decode_tok_s"], "runs": [{k: r[k] for k in ("ttft_s", "decode_tok_s")} for r in runs],
+            "decode_tok_s": best["decode_tok_s"], "runs": [{k: r[k] for k in ("ttft_s", "decode_tok_s", "kv_used_blocks_after")} for r in runs],
             "weight_bytes": step_bytes, "achieved_bytes_per_s": step_bytes * best["decode_tok_s"],
             "timeline": best["timeline"], "decode_points": [decode_point("W1 batch 1", best["timeline"], loaded, 1)]}
 
@@ -221,7 +223,8 @@ def w4_cpu_classroom(loaded: LoadedModel, config: EngineConfig, concurrency=(1, 
     for n in concurrency:
         r = run_batch(engine, [prompt] * n, params)
         timeline = step_timeline(r["records"], r["start"], engine)
-        result[f"concurrency_{n}"] = {k: r[k] for k in ("output_tok_s", "wall_s", "ttft_median_s", "output_tokens")}
+        result[f"concurrency_{n}"] = {k: r[k] for k in ("output_tok_s", "wall_s", "ttft_median_s", "output_tokens",
+                                                        "kv_used_blocks_after")}
         result["timeline"] = timeline  # the last (largest) run's
         if point := decode_point(f"W4 {n} at once", timeline, loaded, n): result["decode_points"].append(point)
     return result
