@@ -12,8 +12,8 @@ on; DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV p
 its first K/V tile before it waits for q) is measured here. Session 15: GEMV_ROWS_LAYOUT (BF16 gate-up through
 `_gemv_rows_kernel`) and decode attention splits of 64 keys at batch 1 (both won: on); DEPENDENT_LAUNCHES measured
 again (won: on, for steps of at most 4 rows). Session 16: FUSED_NORM_GEMV (a batch-1 step's add + RMSNorm folded into
-the GEMVs around it) won for BF16 and lost for int8 (on, 2-byte weights only); GEMV_INT8_OFFSET (int8 qkv / gate-up in
-the rows kernel with offset bytes) lost (off); the rows layout for the LM head: no difference.
+the GEMVs around it) won for BF16 and lost for int8 (on, 2-byte weights only); int8 qkv / gate-up in the rows kernel with
+offset bytes (`GEMV_INT8_OFFSET`, commit 92c7b73: run this lab there for its rows) lost and was removed; the rows layout for the LM head: no difference.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -99,7 +99,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_INT8_OFFSET",
+             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV",
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
@@ -115,8 +115,6 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
-    "int8 offset rows": dict(GEMV_INT8_OFFSET=True),
-    "int8 offset rows, qkv only": dict(GEMV_INT8_OFFSET=True, GEMV_ROWS_MAX_N=16384),
     "defaults again": {}}
 
 

@@ -38,16 +38,31 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from forge_engine.kernels import (INTERPRETED, _as_f32, _start_gemv, _wait_for_previous, gemv, gemv_config,
-                                  gemv_layout, pdl_supported)
+from forge_engine.kernels import (INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, gemv_layout,
+                                  pdl_supported)
 from forge_engine.quant import quantize_int8
 
 
 @triton.jit
 def _weights_to_f32(w, BYTE_ASM: tl.constexpr):
     """A weight tile in fp32: int8 as 2^15 + 128 + w, exactly (the byte + 128 in bits 8-15 under 2^15's exponent, one
-    permute; exported in session 16 as chapter 09's `_as_f32(..., OFFSET=True)`); other types converted."""
-    return _as_f32(w, BYTE_ASM, w.dtype == tl.int8)
+    permute); other types converted."""
+    if w.dtype != tl.int8:
+        f = w.to(tl.float32)
+    elif BYTE_ASM:
+        f = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u;
+            xor.b32 u, $4, 0x80808080;
+            prmt.b32 $0, u, 0x47000000, 0x7504;
+            prmt.b32 $1, u, 0x47000000, 0x7514;
+            prmt.b32 $2, u, 0x47000000, 0x7524;
+            prmt.b32 $3, u, 0x47000000, 0x7534;
+            }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        bits = ((w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) << 8) | 0x47000000
+        f = bits.to(tl.float32, bitcast=True)
+    return f
 
 
 @triton.jit

@@ -71,7 +71,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %%
 #| hide
-import itertools
 import pytest
 from forge_engine.config import preset
 from forge_engine.model import RMSNorm, causal_attention
@@ -657,12 +656,13 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # weights only. With RoPE's angles in three launches instead of eleven (chapter 03) the W1
 # bench went from 394.8 (session 15) to **402.9 tok/s**.
 #
-# Also session 16: int8 through this rows kernel with session 15's lab conversion
-# (`GEMV_INT8_OFFSET`: the byte under 2^15's exponent, 2^15 + 128 + w with one permute and no
-# subtraction; the program takes 32,896 · Σx off each row's step sum, x's sum shared by the
-# rows). Compiled: the qkv loop's FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29
-# µs), but the decode step is slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel,
-# for qkv alone too. Off; fp32 sums with it keep ~1e-5 of the largest output (tested both ways).
+# Also session 16: int8 through this rows kernel with session 15's lab conversion (the byte
+# under 2^15's exponent, 2^15 + 128 + w with one permute and no subtraction; the program takes
+# 32,896 · Σx off each row's step sum, x's sum shared by the rows). Compiled: the qkv loop's
+# FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29 µs), but the decode step was
+# slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel, for qkv alone too. Removed
+# (commit 92c7b73 has it, as the switch `GEMV_INT8_OFFSET`); `kernels_lab/gemv_rows.py` keeps
+# the conversion.
 
 # %%
 #| export
@@ -681,26 +681,22 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-GEMV_INT8_OFFSET = False  # the rows kernel reads int8 as 2^15 + 128 + w (no subtraction), taking int8 qkv and gate-up
-# (measured: the chain lab faster, the decode step slower; see below)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
     """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the BF16 gate-up
-    shape and, with GEMV_INT8_OFFSET, int8's short rows (qkv, gate-up), where the chain lab measured it faster; else
-    'tile' (`_gemv_kernel`)."""
-    if not (GEMV_ROWS_LAYOUT and n < GEMV_ROWS_MAX_N and 512 <= k < 4096):
-        return "tile"
-    return "rows" if (weight_bytes == 2 and n >= 16384) or (weight_bytes == 1 and GEMV_INT8_OFFSET) else "tile"
+    shape, where the chain lab measured it faster, else 'tile' (`_gemv_kernel`)."""
+    if GEMV_ROWS_LAYOUT and weight_bytes == 2 and 16384 <= n < GEMV_ROWS_MAX_N and 512 <= k < 4096:
+        return "rows"
+    return "tile"
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
     `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
     a shape in one graph; the LM head from kernels_lab/gemv.py)."""
-    if (layout or gemv_layout(n, k, weight_bytes)) == "rows":  # 4 rows; a thread and step: 16 bytes of each, 2 warps
-        return (4, 4 * 32 * 8, 4) if weight_bytes == 1 and n < 16384 else (4, 2 * 32 * 16 // weight_bytes, 2)  # (int8
-        # qkv: 8 bytes, 4 warps)
+    if (layout or gemv_layout(n, k, weight_bytes)) == "rows":  # 4 rows, 16 bytes of each a thread and step, 2 warps
+        return 4, 2 * 32 * 16 // weight_bytes, 2
     if weight_bytes == 1:
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
@@ -711,19 +707,8 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None
 
 
 @triton.jit
-def _int8x4_to_f32(w, OFFSET: tl.constexpr):
-    """int8 -> fp32 on an NVIDIA GPU, four weights a register: w + 128 (XOR of the sign bits) placed under 2^23's
-    exponent, 2^23 + 128 subtracted; with OFFSET placed in bits 8-15 under 2^15's and left there: 2^15 + 128 + w."""
-    if OFFSET:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u;
-            xor.b32 u, $4, 0x80808080;
-            prmt.b32 $0, u, 0x47000000, 0x7504;
-            prmt.b32 $1, u, 0x47000000, 0x7514;
-            prmt.b32 $2, u, 0x47000000, 0x7524;
-            prmt.b32 $3, u, 0x47000000, 0x7534;
-            }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+def _int8x4_to_f32(w):
+    "int8 -> fp32 on an NVIDIA GPU, four weights a register: w + 128 (XOR of the sign bits) placed under 2^23's exponent."
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 u;
@@ -740,21 +725,14 @@ def _int8x4_to_f32(w, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _as_f32(w, BYTE_ASM: tl.constexpr, OFFSET: tl.constexpr = False):
-    """A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a
-    quarter rate. OFFSET: int8 as INT8_OFFSET + w (2^15 + 128 + w, exact; one permute a weight and no subtraction: the
-    caller takes INT8_OFFSET · Σx off its sums)."""
+def _as_f32(w, BYTE_ASM: tl.constexpr):
+    "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
     if w.dtype == tl.int8:
         if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
-            return _int8x4_to_f32(w, OFFSET)
-        byte = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80  # w + 128
-        if OFFSET:
-            return ((byte << 8) | 0x47000000).to(tl.float32, bitcast=True)  # 2^15 + (w + 128)
-        return (byte | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + (w + 128) - (2^23 + 128)
+            return _int8x4_to_f32(w)
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
+        return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
-
-
-INT8_OFFSET: tl.constexpr = tl.constexpr(32896.0)  # 2^15 + 128: what `_as_f32(..., OFFSET=True)` adds to each int8
 
 
 @triton.jit
@@ -911,18 +889,13 @@ def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr,
-               BYTE_OFFSET: tl.constexpr):
+def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr):
     """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
-    `sq`, `g_ptr`, NORM: `_normed_x`. BYTE_OFFSET: int8 weights read as INT8_OFFSET + w (`_as_f32`), so
-    INT8_OFFSET · Σx (once for every row) comes off each row's sum of the step."""
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     x, sq = _normed_x(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM)
-    offset = 0.0
-    if BYTE_OFFSET:
-        offset = INT8_OFFSET * tl.sum(x, axis=2)
     new = ()
     for r in tl.static_range(BLOCK_N):
-        new = new + (accs[r] + (tl.sum(x * _as_f32(ws[r], BYTE_ASM, BYTE_OFFSET), axis=2) - offset),)
+        new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
     return new, sq
 
 
@@ -930,8 +903,7 @@ def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_A
 def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, N, K, stride_wn, eps,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                      BYTE_OFFSET: tl.constexpr):
+                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
@@ -948,12 +920,12 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, N
         at, ok = _rows_chunk(0, lane, K, CHUNK, EVEN)
         ws = _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N)
         _wait_for_previous(PDL)
-        accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM, BYTE_OFFSET)
+        accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM)
         first = STEP
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
         accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
-                              BLOCK_N, BYTE_ASM, NORM, BYTE_OFFSET)
+                              BLOCK_N, BYTE_ASM, NORM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     outs = ()
@@ -1088,8 +1060,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _gemv_rows_kernel[grid](
             *operands, n, k, weight.stride(0), eps, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
             EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
-            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds,
-            BYTE_OFFSET=weight.dtype == torch.int8 and GEMV_INT8_OFFSET, num_warps=num_warps, **_stages(num_stages))
+            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds, num_warps=num_warps,
+            **_stages(num_stages))
         return out
     if m:
         _gemv_kernel[grid](
@@ -1162,26 +1134,20 @@ assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
 assert gemv_early_weights(9728, 2) and gemv_early_weights(2560, 1) and not gemv_early_weights(4096, 1)
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
 # rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
-for (n, k, dtype, int8, with_bias, block_k, warps), offset in itertools.product(
-        ((12, 256, torch.float32, False, True, 128, 2), (10, 100, torch.float32, True, False, 64, 1),
-         (16, 512, torch.bfloat16, False, False, 512, 2), (8, 192, torch.bfloat16, True, True, 128, 1)), (False, True)):
-    GEMV_INT8_OFFSET = offset  # (the module's switch; here the notebook's copy): int8 bytes read exactly, or offset
+for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
+                                                     (10, 100, torch.float32, True, False, 64, 1),
+                                                     (16, 512, torch.bfloat16, False, False, 512, 2),
+                                                     (8, 192, torch.bfloat16, True, True, 128, 1)):
     x, w, scale = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype), None
     if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
-    want = gemv_reference(x, w, bias, scale).float()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    if int8 and offset and dtype == torch.float32:  # bytes carrying 2^15 + 128: fp32 keeps ~1e-5 of the largest output
-        tol = dict(rtol=0, atol=1e-4 * want.abs().max().item())
-    torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), want, **tol)
+    torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol)
     assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
                        silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
-GEMV_INT8_OFFSET = False
 assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (4, 512, 2)  # Qwen3-4B's gate-up in BF16
-assert gemv_layout(6144, 2560) == gemv_layout(151936, 2560) == gemv_layout(2560, 9728, 1) == "tile"
-assert gemv_layout(6144, 2560, 1) == gemv_layout(19456, 2560, 1) == "tile"  # int8: rows only with GEMV_INT8_OFFSET
-assert gemv_config(6144, 2560, 1, "rows") == (4, 1024, 4) and gemv_config(19456, 2560, 1, "rows") == (4, 1024, 2)
+assert gemv_layout(6144, 2560) == gemv_layout(19456, 2560, 1) == gemv_layout(151936, 2560) == "tile"
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
 with pytest.raises(ValueError, match="takes one row of x, got 2"):
