@@ -5,15 +5,15 @@
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_ROWS', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU',
            'FUSED_NORM_GEMV', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES',
-           'GEMV_EARLY_WEIGHTS', 'GEMV_EARLY_INT8_MAX_K', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
-           'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
-           'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
-           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
+           'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
+           'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
+           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
            'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_layout', 'gemv_config',
-           'gemv_reference', 'gemv_prefetch', 'gemv_early_weights', 'gemv_loop_stages', 'gemv',
-           'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
-           'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
+           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
+           'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -461,6 +461,13 @@ def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.cons
 
 
 @triton.jit
+def _step_inputs(w_ptr, k0, offs_k):
+    "The inputs of a GEMV step from k0; int8 weights: loaded 8 bytes at a time, as x's 8 bf16 (both share one layout)."
+    k = k0 + offs_k
+    return tl.max_contiguous(k, 8) if w_ptr.dtype.element_ty == tl.int8 else k
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                  stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
@@ -485,16 +492,16 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
     sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
-        k = tl.max_contiguous(offs_k, 8) if w_ptr.dtype.element_ty == tl.int8 else offs_k
+        # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
+        # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
+        k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
-        k = k0 + offs_k
-        if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
-            k = tl.max_contiguous(k, 8)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
+                             ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -629,12 +636,6 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 
 GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-GEMV_EARLY_INT8_MAX_K = 4096  # ... int8 only below this row length (its long-row tiles then hold 114 registers, not 96)
-
-
-def gemv_early_weights(k: int, weight_bytes: int) -> bool:
-    "Whether the GEMV of an [N, k] weight of `weight_bytes` an element asks for its first step's weights before the wait."
-    return GEMV_EARLY_WEIGHTS and (weight_bytes != 1 or k < GEMV_EARLY_INT8_MAX_K)
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -660,7 +661,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
     `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
-    (default `gemv_early_weights`).
+    (default GEMV_EARLY_WEIGHTS).
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only; `prefetch` and `loop_stages`
     are the tile kernel's); default `gemv_layout`'s choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -703,7 +704,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
-    early = pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights)
+    early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out)
     folds = dict(NORM=norm is not None, RESIDUAL=residual is not None)
@@ -830,7 +831,8 @@ DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile o
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
+DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before waiting for q (at most
+# DEPENDENT_LAUNCH_MAX_ROWS sequences): measured faster since session 17
 
 
 @triton.jit
@@ -1073,8 +1075,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
-    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
-    one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
+    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most DEPENDENT_LAUNCH_MAX_ROWS
+    sequences; with the fused store and one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
     waits for q, and takes the new position's K/V from registers. `num_warps`: default 4, 8 with the early tile (at 4
     its K and V spill registers, compiled for an H200)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
@@ -1103,7 +1105,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
-    early = (DECODE_EARLY_TILE if early_tile is None else early_tile) and fused and one_loop
+    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed: session 11)
+        early_tile = DECODE_EARLY_TILE and batch <= DEPENDENT_LAUNCH_MAX_ROWS
+    early = early_tile and fused and one_loop
     num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)

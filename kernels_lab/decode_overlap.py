@@ -14,6 +14,10 @@ its first K/V tile before it waits for q) is measured here. Session 15: GEMV_ROW
 again (won: on, for steps of at most 4 rows). Session 16: FUSED_NORM_GEMV (a batch-1 step's add + RMSNorm folded into
 the GEMVs around it) won for BF16 and lost for int8 (on, 2-byte weights only); int8 qkv / gate-up in the rows kernel with
 offset bytes (`GEMV_INT8_OFFSET`, commit 92c7b73: run this lab there for its rows) lost and was removed; the rows layout for the LM head: no difference.
+Session 17: DECODE_EARLY_TILE won (on, for steps of at most DEPENDENT_LAUNCH_MAX_ROWS sequences); early weights for
+every int8 GEMV won once the peeled first step's layout was fixed; the L2 prefetch for the o projection only (or o and
+qkv: the lab's PREFETCH_SHAPES), each step's weights loaded a step ahead in registers (removed again), and the
+int8 norm fold lost.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -66,7 +70,7 @@ def validate(formats) -> bool:
     for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096))):
         w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
         plain = product(fmt, x, w, prefetch=False)
-        for launch in (dict(prefetch=True), dict(loop_stages=3)):
+        for launch in (dict(prefetch=True), dict(loop_stages=3), dict(early_weights=True)):
             same = torch.equal(plain, product(fmt, x, w, **launch))
             print(f"  {fmt} N={n} K={k} {launch}: the same as without: {same}")
             ok &= same
@@ -98,28 +102,44 @@ def decode_step_ms(engine) -> float:
 DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
-             "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_EARLY_INT8_MAX_K", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
+             "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
              "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV",
+
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
+O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
+QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
+EXPORTED_PREFETCH = kernels.gemv_prefetch
+
+
+def prefetch_only(shapes):
+    "gemv_prefetch as if GEMV_L2_PREFETCH were on for weights of these shapes only."
+    def gemv_prefetch(weight, pdl, num_warps, prefetch=None):
+        return EXPORTED_PREFETCH(weight, pdl, num_warps, tuple(weight.shape) in shapes)
+    return gemv_prefetch
+
+
 SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "early tile": dict(DECODE_EARLY_TILE=True), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
+    "defaults": {}, "early tile off": dict(DECODE_EARLY_TILE=False), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
     "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
     "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
     "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
     "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False),
     "early weights off": dict(GEMV_EARLY_WEIGHTS=False),
-    "early weights, int8 too at K >= 4096": dict(GEMV_EARLY_INT8_MAX_K=1 << 30),
     "early weights, int4 too": dict(INT4_EARLY_WEIGHTS=True),
     "rows layout off": dict(GEMV_ROWS_LAYOUT=False), "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
+    "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES), "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
+
     "defaults again": {}}
 
 
 def switch(**changes):
     "Chapter 09's switches (and chapter 10's INT4_EARLY_WEIGHTS): their defaults, with `changes`."
+    shapes = changes.pop("PREFETCH_SHAPES", None)  # (a lab-only setting: the prefetch for some GEMVs only)
+    kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)
 

@@ -4,7 +4,7 @@ a subtraction).
 Napkin math: the exported int8 GEMV (chapter 09's `gemv` with int8 weights) spends 4.1-4.5 instructions a weight
 (`gemv_sass.py`), of which 2.25 make a float of a byte: an XOR per four bytes (signed -> 128 + q), a byte permute
 placing the byte under 2^23's exponent (2^23 + 128 + q) and a subtraction of 2^23 + 128 (FSUB), exact. Its long-row
-tiles hold 96 registers (114 with the first weights early: `gemv_early_weights` keeps those late), and session 14's
+tiles hold 96 registers (114 with the first weights early until session 17 fixed their layout), and session 14's
 chain lab reads int8 at 2.0-3.3 TB/s (o 5.08 µs, down 9.13 µs a matrix), against int4's o at 3.75 µs.
 
 This variant (v1), for the next GPU session to measure (BF16 weights take the same layout, their conversion a shift;

@@ -7,7 +7,11 @@ An `mma.sync.m16n8k16` multiplies a 16 x 16 BF16 tile by 16 x 8 in one warp inst
 column of the 16 x 8 operand (batch 1: the 8 columns are copies; column 0 is read), the per-weight work is only the
 unpacking into the A operand's registers.
 
-Design (q1, `int4_mma_gemv`): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups (group g to warp
+(Session 17 counted again: the exported int4 loop at 4 rows, 4 warps, 16-byte chunks is 456 instructions for a
+thread's 256 weights a step, 1.8 a weight (`gemv_sass.py`'s `int4_loop`), so the issue rate allows ~9 TB/s: t0 is
+not issue-bound, and the premise above overstates what the tensor cores can win.)
+
+Design (q1, commit e420964): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups (group g to warp
 g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
 a row: chapter 10's packing, byte j = input j low, input j + 64 high): four 32-bit words a row. One word gives four
 A registers of two BF16 each, one LOP3 (and a shift) apiece: (w >> s) & 0x000F000F | 0x43004300 is the BF16 pair
@@ -27,17 +31,26 @@ best warps / groups in flight against t0): valid everywhere (its first build), b
 shared memory (for down 19 rounds of two L2 loads a thread, one after another) and waits at a barrier before its
 first mma, and o / down have only 160 blocks of 16 rows.
 
-q2 (`int4_mma_gemv2`) drops the prologue: the A registers take their nibbles in x's own order (`__byte_perm` puts
+q2 (commit e420964) dropped the prologue: the A registers take their nibbles in x's own order (`__byte_perm` puts
 bytes (0, 1) or (2, 3) of a word into bytes 0 and 2 before the mask: one PRMT more, one shift less a register), so
 each lane's B registers are x's words as they lie in memory, loaded straight from L1 (4 x 16 bytes a group); the
 group's Σx comes from mma with an A of ones on the same B registers (8 more mma a group, no shared memory, no
-barrier before the loop); a warp may take TILES tiles of 16 rows sharing its x. Compiled offline for sm_90a: 76-125
-registers, no spills; q2's emulation equals the reference like q1's. Not yet run on a GPU.
+barrier before the loop); a warp may take TILES tiles of 16 rows sharing its x. Session 17, its first GPU run
+(`results/h200_session17/call1_int4_mma_q2.log`): valid, slower still (best of 8 configurations, µs a matrix, against
+t0): qkv 5.95 vs 5.93, o 5.76 vs 3.76, gate-up 13.69 vs 12.94, down 13.04 vs 8.05. Its loop refilled all IN_FLIGHT
+groups only after using them all, so a warp waited for each batch of loads in turn.
 
-Variants: t0 the exported Triton `int4_gemv` (chapter 10); qV-W-F-T: kernel V (1, 2) with W warps, F groups in flight
-a warp, T tiles of 16 rows a warp (q1: 1). Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as
-gemv_chain_sweep.py), dependent launches on for both. `emulate` runs each kernel's index arithmetic in PyTorch on a
-CPU (the mma fragments as the PTX manual lays them out) against the reference.
+q3 (`int4_mma_gemv`, this file): q2's arithmetic with each of a warp's IN_FLIGHT slots (weights, scales, minimums and
+x of one group) refilled with its next group as soon as it is used, weights loaded past L1
+(`ld.global.nc.L1::no_allocate`). Session 17 (`results/h200_session17/call2_int4_mma_q3.log`), best configuration
+against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in flight), o 5.02 vs 3.76, gate-up 13.72 vs 12.94, down 11.86 vs
+8.05. Faster only for qkv; o and down have 160 tiles of 16 rows for 132 SMs, each warp a long serial chain of groups
+(split-K over blocks would be next); not taken into chapter 10 (it would also bring a CUDA build step to the package).
+
+Variants: t0 the exported Triton `int4_gemv` (chapter 10); q3-W-F-T: W warps, F groups in flight a warp, T tiles of
+16 rows a warp. Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as gemv_chain_sweep.py),
+dependent launches on for both. `emulate` runs the kernel's index arithmetic in PyTorch on a CPU (the mma
+fragments as the PTX manual lays them out) against the reference.
 
 Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [emulate]   (GPU: needs nvcc; the first build takes ~1 minute)"""
 import sys
@@ -65,83 +78,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int WARPS, int IN_FLIGHT>
-__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
-    const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, int N, int K) {
-  asm volatile("griddepcontrol.launch_dependents;");
-  extern __shared__ uint32_t smem[];
-  const int G = K / 128;
-  uint32_t* xp = smem;                                        // K / 2 words: x in the B operand's order
-  float* xsum = reinterpret_cast<float*>(smem + K / 2);      // G: each group's sum of x
-  float* part = xsum + G;                                     // WARPS x 16: each warp's row sums
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * 16;
-  const int lo_row = min(row0 + r, N - 1), hi_row = min(row0 + r + 8, N - 1);  // (past N: computed, not stored)
-  const uint8_t* q_lo = q + (size_t)lo_row * (K / 2) + t * 16;
-  const uint8_t* q_hi = q + (size_t)hi_row * (K / 2) + t * 16;
-  uint4 w_lo[IN_FLIGHT], w_hi[IN_FLIGHT];
-  float s_lo[IN_FLIGHT], s_hi[IN_FLIGHT], m_lo[IN_FLIGHT], m_hi[IN_FLIGHT];
-  auto load = [&](int first) {  // the weights, scales and minimums of groups first, first + WARPS, ...
-    #pragma unroll
-    for (int u = 0; u < IN_FLIGHT; ++u) {
-      const int grp = first + u * WARPS;
-      if (grp < G) {
-        w_lo[u] = __ldg(reinterpret_cast<const uint4*>(q_lo + grp * 64));
-        w_hi[u] = __ldg(reinterpret_cast<const uint4*>(q_hi + grp * 64));
-        s_lo[u] = __half2float(scale[(size_t)lo_row * G + grp]); m_lo[u] = __half2float(minimum[(size_t)lo_row * G + grp]);
-        s_hi[u] = __half2float(scale[(size_t)hi_row * G + grp]); m_hi[u] = __half2float(minimum[(size_t)hi_row * G + grp]);
-      }
-    }
-  };
-  load(warp);  // before waiting for x: the weights do not depend on the kernel before
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
-  for (int p = threadIdx.x; p < K / 2; p += WARPS * 32) {  // word p = (group, t, word i, mma c, operand register h)
-    const int h = p & 1, c = (p >> 1) & 1, i = (p >> 2) & 3, tt = (p >> 4) & 3, grp = p >> 6;
-    const int k0 = grp * 128 + h * 64 + 16 * tt + 4 * i + c;
-    xp[p] = uint32_t(xb[k0]) | (uint32_t(xb[k0 + 2]) << 16);
-  }
-  for (int grp = warp; grp < G; grp += WARPS) {
-    float s = 0.f;
-    for (int k = lane; k < 128; k += 32) s += __bfloat162float(x[grp * 128 + k]);
-    #pragma unroll
-    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) xsum[grp] = s;
-  }
-  __syncthreads();
-  float acc_lo = 0.f, acc_hi = 0.f;
-  for (int first = warp; first < G; first += WARPS * IN_FLIGHT) {
-    #pragma unroll
-    for (int u = 0; u < IN_FLIGHT; ++u) {
-      const int grp = first + u * WARPS;
-      if (grp < G) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint32_t lo[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
-        const uint32_t hi[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 b = reinterpret_cast<const uint4*>(xp)[(grp * 4 + t) * 4 + i];
-          mma_bf16(c, nibbles(lo[i], 0), nibbles(hi[i], 0), nibbles(lo[i], 4), nibbles(hi[i], 4), b.x, b.y);
-          mma_bf16(c, nibbles(lo[i], 8), nibbles(hi[i], 8), nibbles(lo[i], 12), nibbles(hi[i], 12), b.z, b.w);
-        }
-        const float xs = xsum[grp];  // c[0]: row r's Σ (128 + q) x over the group, c[2]: row r + 8's
-        acc_lo += s_lo[u] * (c[0] - 128.f * xs) + m_lo[u] * xs;
-        acc_hi += s_hi[u] * (c[2] - 128.f * xs) + m_hi[u] * xs;
-      }
-    }
-    if (first + WARPS * IN_FLIGHT < G) load(first + WARPS * IN_FLIGHT);
-  }
-  if (t == 0) { part[warp * 16 + r] = acc_lo; part[warp * 16 + r + 8] = acc_hi; }
-  __syncthreads();
-  if (threadIdx.x < 16 && row0 + threadIdx.x < N) {
-    float s = 0.f;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) s += part[w * 16 + threadIdx.x];
-    y[row0 + threadIdx.x] = __float2bfloat16(s);
-  }
-}
-
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, uint32_t selector, int shift) {
   // the two bytes `selector` picks, put in bytes 0 and 2; of each the nibble at `shift`: a BF16 (128 + it) pair
   return ((__byte_perm(w, 0, selector) >> shift) & 0x000F000Fu) | 0x43004300u;
@@ -149,9 +85,18 @@ __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, uint32_t selector, i
 
 constexpr uint32_t BF16_ONES = 0x3F803F80u;  // (1.0, 1.0)
 
-// q2: a warp takes TILES x 16 rows and every WARPS-th group; x straight from memory (L1) in its natural order
+__device__ __forceinline__ uint4 load_streaming(const void* p) {  // weights: read once, kept out of L1 (x lives there)
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// q3: a warp takes TILES x 16 rows and every WARPS-th group; x straight from memory (L1) in its natural order; a warp's
+// IN_FLIGHT slots each hold one group (weights, scales, minimums, x), a slot refilled with its next group as soon as
+// it is used, so IN_FLIGHT - 1 groups are always on their way
 template <int WARPS, int IN_FLIGHT, int TILES>
-__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv2(
+__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
     const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, int N, int K) {
   asm volatile("griddepcontrol.launch_dependents;");
@@ -162,25 +107,30 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv2(
   int rows[2 * TILES];  // rows r and r + 8 of each tile (past N: computed, not stored)
   #pragma unroll
   for (int j = 0; j < 2 * TILES; ++j) rows[j] = min(row0 + (j / 2) * 16 + (j % 2) * 8 + r, N - 1);
-  uint4 w[IN_FLIGHT][2 * TILES];
-  float s[IN_FLIGHT][2 * TILES], m[IN_FLIGHT][2 * TILES];
-  auto load = [&](int first) {
-    #pragma unroll
-    for (int u = 0; u < IN_FLIGHT; ++u) {
-      const int grp = first + u * WARPS;
-      if (grp < G) {
-        #pragma unroll
-        for (int j = 0; j < 2 * TILES; ++j) {
-          w[u][j] = __ldg(reinterpret_cast<const uint4*>(q + (size_t)rows[j] * (K / 2) + grp * 64 + t * 16));
-          s[u][j] = __half2float(scale[(size_t)rows[j] * G + grp]);
-          m[u][j] = __half2float(minimum[(size_t)rows[j] * G + grp]);
-        }
+  uint4 w[IN_FLIGHT][2 * TILES], xv[IN_FLIGHT][4];
+  __half s[IN_FLIGHT][2 * TILES], m[IN_FLIGHT][2 * TILES];
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);  // 8 BF16 a load
+  auto load_weights = [&](int u, int grp) {
+    if (grp < G) {
+      #pragma unroll
+      for (int j = 0; j < 2 * TILES; ++j) {
+        w[u][j] = load_streaming(q + (size_t)rows[j] * (K / 2) + grp * 64 + t * 16);
+        s[u][j] = scale[(size_t)rows[j] * G + grp];
+        m[u][j] = minimum[(size_t)rows[j] * G + grp];
       }
     }
   };
-  load(warp);
+  auto load_x = [&](int u, int grp) {  // this thread's inputs of the group: 16t .. 16t + 15 (low nibbles), 64 + those
+    if (grp < G) {
+      xv[u][0] = __ldg(x8 + grp * 16 + 2 * t); xv[u][1] = __ldg(x8 + grp * 16 + 2 * t + 1);
+      xv[u][2] = __ldg(x8 + grp * 16 + 8 + 2 * t); xv[u][3] = __ldg(x8 + grp * 16 + 8 + 2 * t + 1);
+    }
+  };
+  #pragma unroll
+  for (int u = 0; u < IN_FLIGHT; ++u) load_weights(u, warp + u * WARPS);  // before the wait: not the last kernel's
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  const uint4* x8 = reinterpret_cast<const uint4*>(x);  // 8 BF16 a load
+  #pragma unroll
+  for (int u = 0; u < IN_FLIGHT; ++u) load_x(u, warp + u * WARPS);
   float acc[2 * TILES];
   #pragma unroll
   for (int j = 0; j < 2 * TILES; ++j) acc[j] = 0.f;
@@ -189,11 +139,10 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv2(
     for (int u = 0; u < IN_FLIGHT; ++u) {
       const int grp = first + u * WARPS;
       if (grp < G) {
-        // this thread's inputs of the group: 16t .. 16t + 15 (the low nibbles) and 64 + those (the high ones)
-        const uint4 l0 = __ldg(x8 + grp * 16 + 2 * t), l1 = __ldg(x8 + grp * 16 + 2 * t + 1);
-        const uint4 h0 = __ldg(x8 + grp * 16 + 8 + 2 * t), h1 = __ldg(x8 + grp * 16 + 8 + 2 * t + 1);
-        const uint32_t xl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
-        const uint32_t xh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const uint32_t xl[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                                xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+        const uint32_t xh[8] = {xv[u][2].x, xv[u][2].y, xv[u][2].z, xv[u][2].w,
+                                xv[u][3].x, xv[u][3].y, xv[u][3].z, xv[u][3].w};
         float ones[4] = {0.f, 0.f, 0.f, 0.f}, c[TILES][4];
         #pragma unroll
         for (int j = 0; j < TILES; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
@@ -213,12 +162,13 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv2(
         const float xs = ones[0];
         #pragma unroll
         for (int j = 0; j < TILES; ++j) {
-          acc[2 * j] += s[u][2 * j] * (c[j][0] - 128.f * xs) + m[u][2 * j] * xs;
-          acc[2 * j + 1] += s[u][2 * j + 1] * (c[j][2] - 128.f * xs) + m[u][2 * j + 1] * xs;
+          acc[2 * j] += __half2float(s[u][2 * j]) * (c[j][0] - 128.f * xs) + __half2float(m[u][2 * j]) * xs;
+          acc[2 * j + 1] += __half2float(s[u][2 * j + 1]) * (c[j][2] - 128.f * xs) + __half2float(m[u][2 * j + 1]) * xs;
         }
+        load_weights(u, grp + WARPS * IN_FLIGHT);  // the slot's next group
+        load_x(u, grp + WARPS * IN_FLIGHT);
       }
     }
-    if (first + WARPS * IN_FLIGHT < G) load(first + WARPS * IN_FLIGHT);
   }
   if (t == 0) {
     #pragma unroll
@@ -254,30 +204,26 @@ void launch(Kernel kernel, int rows_a_block, int warps, size_t smem, torch::Tens
 }
 
 torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
-                       int64_t variant, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl) {
+                       int64_t warps, int64_t in_flight, int64_t tiles, bool pdl) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be one contiguous bf16 row");
   const int K = x.size(1);
   TORCH_CHECK(K % 128 == 0 && q.size(1) == K / 2 && scale.size(1) == K / 128 && scale.scalar_type() == torch::kHalf,
               "groups of 128 inputs, fp16 scales and minimums, two inputs a byte");
   auto y = torch::empty({1, q.size(0)}, x.options());
-  const size_t q1_smem = (K / 2 + K / 128 + warps * 16) * 4;
-  #define Q1(W, F) if (variant == 1 && warps == W && in_flight == F) { \
-    launch(int4_mma_gemv<W, F>, 16, W, q1_smem, x, q, scale, minimum, y, pdl); return y; }
-  #define Q2(W, F, T) if (variant == 2 && warps == W && in_flight == F && tiles == T) { \
-    launch(int4_mma_gemv2<W, F, T>, 16 * T, W, 0, x, q, scale, minimum, y, pdl); return y; }
-  Q1(4, 5) Q1(8, 3) Q1(8, 5)
-  Q2(4, 3, 1) Q2(4, 5, 1) Q2(8, 3, 1) Q2(8, 2, 1) Q2(4, 3, 2) Q2(8, 3, 2) Q2(8, 2, 2) Q2(2, 5, 2)
-  #undef Q1
-  #undef Q2
-  TORCH_CHECK(false, "no instance of q", variant, " for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
+  #define Q(W, F, T) if (warps == W && in_flight == F && tiles == T) { \
+    launch(int4_mma_gemv<W, F, T>, 16 * T, W, 0, x, q, scale, minimum, y, pdl); return y; }
+  Q(4, 2, 1) Q(4, 3, 1) Q(4, 4, 1) Q(8, 2, 1) Q(8, 3, 1) Q(8, 4, 1) Q(16, 2, 1) Q(4, 2, 2) Q(8, 2, 2)
+  Q(4, 3, 2)
+  #undef Q
+  TORCH_CHECK(false, "no instance for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
 }
 """
 CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum, "
-                   "int64_t variant, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);")
+                   "int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);")
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-CONFIGS = [(1, 4, 5, 1), (1, 8, 3, 1), (1, 8, 5, 1),  # (variant, warps, groups in flight, tiles of 16 rows)
-           (2, 4, 3, 1), (2, 4, 5, 1), (2, 8, 3, 1), (2, 8, 2, 1), (2, 4, 3, 2), (2, 8, 3, 2), (2, 8, 2, 2), (2, 2, 5, 2)]
+CONFIGS = [(4, 2, 1), (4, 3, 1), (4, 4, 1), (8, 2, 1), (8, 3, 1), (8, 4, 1), (16, 2, 1),  # (warps,
+           (4, 2, 2), (8, 2, 2), (4, 3, 2)]  # groups in flight a warp, tiles of 16 rows a warp)
 
 
 def build():
@@ -293,33 +239,27 @@ def byte_perm(x: int, y: int, selector: int) -> int:
     return sum(((both >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
 
 
-def a_pairs(variant: int, w_lo: int, w_hi: int, mma: int) -> list[tuple[float, float]]:
+def a_pairs(w_lo: int, w_hi: int, mma: int) -> list[tuple[float, float]]:
     """The A registers a0..a3 of one mma (rows r, r + 8, r, r + 8) from word i of rows r (w_lo) and r + 8 (w_hi), as
-    the BF16 pairs the kernel builds: q1 `nibbles` (shifts 0 / 4, then 8 / 12), q2 `nibble_pair` (bytes 0, 1, then
-    2, 3; nibbles 0 and 4)."""
+    the BF16 pairs `nibble_pair` builds: bytes 0, 1 (mma 0) or 2, 3 (mma 1); their low nibbles, then the high ones."""
     def value(bits: int) -> tuple[float, float]:  # (bits & 0x000F000F) | 0x43004300 as two BF16: 128 + nibble
         return 128.0 + (bits & 0xF), 128.0 + ((bits >> 16) & 0xF)
-    if variant == 1:
-        first, second = (0, 4) if mma == 0 else (8, 12)
-        return [value(w_lo >> first), value(w_hi >> first), value(w_lo >> second), value(w_hi >> second)]
     selector = 0x1100 if mma == 0 else 0x3322
     lo, hi = byte_perm(w_lo, 0, selector), byte_perm(w_hi, 0, selector)
     return [value(lo), value(hi), value(lo >> 4), value(hi >> 4)]
 
 
-def b_pairs(variant: int, xd: torch.Tensor, grp: int, t: int, i: int, mma: int) -> tuple[tuple, tuple]:
-    "The B registers b0, b1 of lane t's mma: the x pairs the kernel loads (q1 from `xp`'s order, q2 in x's own)."
-    k0 = grp * 128 + 16 * t + 4 * i + (mma if variant == 1 else 2 * mma)
-    step = 2 if variant == 1 else 1  # q1: (k0, k0 + 2); q2: (k0, k0 + 1)
-    return (xd[k0].item(), xd[k0 + step].item()), (xd[k0 + 64].item(), xd[k0 + 64 + step].item())
+def b_pairs(xd: torch.Tensor, grp: int, t: int, i: int, mma: int) -> tuple[tuple, tuple]:
+    "The B registers b0, b1 of lane t's mma: x's words as they lie in memory, (k0, k0 + 1) and 64 inputs on."
+    k0 = grp * 128 + 16 * t + 4 * i + 2 * mma
+    return (xd[k0].item(), xd[k0 + 1].item()), (xd[k0 + 64].item(), xd[k0 + 65].item())
 
 
-def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-            variant: int = 1) -> torch.Tensor:
+def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch (fp64), lane by lane and fragment by fragment: rows in tiles of 16, each
     group's 8 mma as m16n8k16 lays out its operands (A: a0 (r, 2t..2t+1), a1 (r + 8, 2t..), a2 (r, 2t + 8..),
     a3 (r + 8, 2t + 8..); B: b0 (k 2t..2t+1, column r), b1 (k 2t + 8.., column r); C: c0 (r, column 2t), c2 (r + 8,
-    column 2t)). The group's Σx: q1 sums x, q2 takes it from mma with A all ones, as the kernels do. y [1, N], fp64."""
+    column 2t)). The group's Σx from mma with A all ones, as the kernel takes it. y [1, N], fp64."""
     n, k = packed.shape[0], x.shape[1]
     xd = x[0].double()
     words = packed.contiguous().view(torch.int32)  # [N, K / 8]: little-endian, byte 0 in the low bits
@@ -335,14 +275,14 @@ def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum:
                         w_lo, w_hi = (int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF
                                       for row in (row0 + r, row0 + r + 8))
                         for (ar, ac), pair in zip(((r, 2 * t), (r + 8, 2 * t), (r, 2 * t + 8), (r + 8, 2 * t + 8)),
-                                                  a_pairs(variant, w_lo, w_hi, mma)):
+                                                  a_pairs(w_lo, w_hi, mma)):
                             A[ar, ac], A[ar, ac + 1] = pair
-                        b0, b1 = b_pairs(variant, xd, grp, t, i, mma)
+                        b0, b1 = b_pairs(xd, grp, t, i, mma)
                         B[2 * t, r], B[2 * t + 1, r] = b0
                         B[2 * t + 8, r], B[2 * t + 9, r] = b1
                     c_tile += A @ B
                     ones += torch.ones(16, 16, dtype=torch.float64) @ B
-            xs = xd[grp * 128:(grp + 1) * 128].sum() if variant == 1 else ones[0, 0]
+            xs = ones[0, 0]
             for rr in range(min(16, n - row0)):  # c0 / c2: column 0 (every column holds the same sums)
                 row = row0 + rr
                 y[row] += scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs) + minimum[row, grp].double() * xs
@@ -357,13 +297,10 @@ def check_emulation() -> bool:
     packed, scale, minimum = quantize_int4(w)
     x = torch.randn(1, k, generator=gen).bfloat16()
     want = F.linear(x.double(), dequantize_int4(packed, scale, minimum).double())
-    ok = True
-    for variant in (1, 2):
-        got = emulate(x, packed, scale, minimum, variant)
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"emulation of q{variant} against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
-        ok &= err < 1e-6
-    return ok
+    got = emulate(x, packed, scale, minimum)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"emulation against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
+    return err < 1e-6
 
 
 def chain_ms(fn, matrices) -> float:
@@ -388,7 +325,7 @@ def main():
         nbytes = sum(t.nbytes for t in mats[0])
         print(f"{name:8s} t0 int4_gemv           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s", flush=True)
         for config in CONFIGS:
-            label = "q{}-{}-{}-{}".format(*config)
+            label = "q3-{}-{}-{}".format(*config)
             ok &= validate(f"{name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
             ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
             print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)

@@ -624,7 +624,19 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 #   registers a thread). In the decode step (`kernels_lab/decode_overlap.py`): BF16 2.608 ms
 #   against 2.666 / 2.655 with every GEMV early (W1-like 374.8 against 367.1 / 368.6 tok/s), 2.652
 #   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16,
-#   and for int8 below rows of 4096 (`gemv_early_weights`).
+#   and for int8 below rows of 4096 (then).
+#   Session 17 found why int8 lost: with the peeled step's inputs written as a plain `0 + offs_k`
+#   the compiler gave that step 16-byte int8 loads, the loop 8-byte ones, and moved every later
+#   step's [BLOCK_N, BLOCK_K] tile through shared memory into the first one's layout (8-16
+#   `BAR.SYNC` + `STS` + `LDS` a step in `kernels_lab/gemv_sass.py`; 114 registers for the o /
+#   down tiles). Written as the loop's steps are, `k0 + offs_k` with a k0 the compiler cannot see
+#   is 0 (`tl.program_id(1) * BLOCK_K`), the loop compiles as without early weights (int8 4x1024:
+#   144 instructions, 56 registers, no shared memory; 4x2048: 96 registers). Then early weights
+#   for every int8 GEMV: the int8 step 1.742 ms against 1.778 / 1.780 (W1-like 551.0 against 540.0
+#   / 539.2 tok/s; `kernels_lab/decode_overlap.py bf16,int8`, one H200). On for all.
+#   (The same session: each step's weights asked for while the step before computes, two
+#   steps' tiles held in registers, lost badly: BF16 2.509 ms against 2.410, int8 2.486 against
+#   1.778; the int8 norm fold, now free of the shared-memory trips, still lost: 1.818 ms.)
 #
 # Session 15: **the rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
 # layout for BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile
@@ -804,6 +816,13 @@ def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.cons
 
 
 @triton.jit
+def _step_inputs(w_ptr, k0, offs_k):
+    "The inputs of a GEMV step from k0; int8 weights: loaded 8 bytes at a time, as x's 8 bf16 (both share one layout)."
+    k = k0 + offs_k
+    return tl.max_contiguous(k, 8) if w_ptr.dtype.element_ty == tl.int8 else k
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                  stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
@@ -828,16 +847,16 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
     sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
-        k = tl.max_contiguous(offs_k, 8) if w_ptr.dtype.element_ty == tl.int8 else offs_k
+        # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
+        # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
+        k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
-        k = k0 + offs_k
-        if w_ptr.dtype.element_ty == tl.int8:  # load 8 bytes at a time, as x's 8 bf16: then both share one layout
-            k = tl.max_contiguous(k, 8)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
+                             ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -972,12 +991,6 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 
 GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-GEMV_EARLY_INT8_MAX_K = 4096  # ... int8 only below this row length (its long-row tiles then hold 114 registers, not 96)
-
-
-def gemv_early_weights(k: int, weight_bytes: int) -> bool:
-    "Whether the GEMV of an [N, k] weight of `weight_bytes` an element asks for its first step's weights before the wait."
-    return GEMV_EARLY_WEIGHTS and (weight_bytes != 1 or k < GEMV_EARLY_INT8_MAX_K)
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -1003,7 +1016,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
     `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
-    (default `gemv_early_weights`).
+    (default GEMV_EARLY_WEIGHTS).
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only; `prefetch` and `loop_stages`
     are the tile kernel's); default `gemv_layout`'s choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -1046,7 +1059,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
-    early = pdl and (gemv_early_weights(k, weight.element_size()) if early_weights is None else early_weights)
+    early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out)
     folds = dict(NORM=norm is not None, RESIDUAL=residual is not None)
@@ -1130,8 +1143,6 @@ assert gemv_prefetch(w, pdl=False, num_warps=4, prefetch=True) == 0 and gemv_pre
 for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60, dtype=torch.bfloat16)):
     assert gemv_prefetch(unfit, True, 4, prefetch=True) == 0  # a strided view, a misaligned start, 120-byte rows
 assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
-# the first weights early: every BF16 GEMV, int8 only for rows shorter than GEMV_EARLY_INT8_MAX_K (as measured)
-assert gemv_early_weights(9728, 2) and gemv_early_weights(2560, 1) and not gemv_early_weights(4096, 1)
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
 # rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
 for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
@@ -1360,7 +1371,8 @@ DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile o
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = False  # launched early; a split's first K/V tile asked for before waiting for q: measured, no gain
+DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before waiting for q (at most
+# DEPENDENT_LAUNCH_MAX_ROWS sequences): measured faster since session 17
 
 
 @triton.jit
@@ -1603,8 +1615,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
-    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE; with the fused store and
-    one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
+    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most DEPENDENT_LAUNCH_MAX_ROWS
+    sequences; with the fused store and one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
     waits for q, and takes the new position's K/V from registers. `num_warps`: default 4, 8 with the early tile (at 4
     its K and V spill registers, compiled for an H200)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
@@ -1633,7 +1645,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
-    early = (DECODE_EARLY_TILE if early_tile is None else early_tile) and fused and one_loop
+    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed: session 11)
+        early_tile = DECODE_EARLY_TILE and batch <= DEPENDENT_LAUNCH_MAX_ROWS
+    early = early_tile and fused and one_loop
     num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
@@ -1764,7 +1778,7 @@ for split_tokens in (64, 10_000):
 # contexts keep 128-key splits and tiles (one sequence of 1,000 keys: 12.8 µs, against 14.7
 # with 64-key tiles in `kernels_lab/decode_attention.py`).
 #
-# **The first tile early** (`DECODE_EARLY_TILE`: measured, it does not pay, so off). At batch 1
+# **The first tile early** (`DECODE_EARLY_TILE`: on, at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences). At batch 1
 # the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
 # context length, the block table, K and V, the partials and the merge. Only q and the new K/V
 # come from the projection; the rest of the pool was written by earlier steps. So the kernel
@@ -1778,8 +1792,12 @@ for split_tokens in (64, 10_000):
 # it): the batch-1 step 2.643 ms against 2.654 / 2.641 without (`kernels_lab/decode_overlap.py`),
 # W1 368.5 / 368.4 tok/s against 368.6 / 368.4, int8 W1 499.9 against 499.3: no gain; and W2 11,222
 # output tok/s against 15,154 (not profiled; likely the 256-sequence kernel, launched early, holds
-# SMs while the projection still runs). Off; kept as a switch beside `GEMV_L2_PREFETCH` and
-# `DEPENDENT_LAUNCHES`.
+# SMs while the projection still runs). Off then. Session 17, with what came since (splits of 64
+# keys at batch 1, so a split's first tile is all of it; the small kernels launched as
+# dependents): the batch-1 step 2.391 ms against 2.429 / 2.430 without (W1-like 406.4 against
+# 400.0 / 399.7 tok/s), int8 1.702 against 1.752 / 1.748 (564.4 against 547.5 / 548.6), int4
+# 1.609 against 1.639 / 1.641 (599.4 against 583.1 / 584.9); `kernels_lab/decode_overlap.py`,
+# one H200. On, for steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences (the W2 loss above).
 
 # %%
 counters = torch.zeros(3 * 2, dtype=torch.int32)
