@@ -5,6 +5,7 @@
 # %% ../nbs/08_engine.ipynb #7066a8ad
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections import deque
@@ -266,6 +267,10 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
+        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations,
+        # after one last collection: a full collection while decoding then scans only what decoding made (below)
+        gc.collect()
+        gc.freeze()
 
     # -- requests --
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:

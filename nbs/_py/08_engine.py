@@ -27,6 +27,7 @@
 #| export
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections import deque
@@ -344,6 +345,16 @@ class EngineStats:
 # tokens to the other ranks on the GPU, so the ranks overlap too (on by default on GPUs there as
 # well, measured in that chapter). The tests below run the CPU engine with
 # `async_scheduling=True` too: the same tokens, whatever the workload.
+#
+# **Python's garbage collector.** Every so often CPython runs a full collection of its cyclic
+# garbage collector, which walks every object that could hold a cycle: the model's modules, the
+# tokenizer's tables, the engine's own. In `forge-engine bench w1 --quantization int8` on an H200
+# (session 17) one decode step in every third run took 120-131 ms instead of 1.76 (the run at
+# 440-448 tok/s instead of 565; `kernels_lab/w1_run_spread.py cli int8`), and with the collector
+# off no step took over 1.91 ms. So the engine, once built, collects once and *freezes* what is
+# alive (`gc.freeze()`): those objects stay out of later collections, which then walk only what
+# the requests made since. (Process-wide, as the collector is; objects freed by reference counts
+# are freed as before.)
 
 # %%
 #| export
@@ -387,6 +398,10 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
+        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations,
+        # after one last collection: a full collection while decoding then scans only what decoding made (below)
+        gc.collect()
+        gc.freeze()
 
     # -- requests --
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -589,7 +604,10 @@ def run_to_end(engine):
             if out.finished: finals[out.request_id] = out
     return finals
 
+probe = []
+probe.append(probe)  # a cycle alive before the engine is built: frozen with the rest, out of later collections
 engine = tiny_engine(block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+assert not any(o is probe for o in gc.get_objects()) and gc.get_freeze_count() > 0
 prompts = [[5, 6, 7], list(range(100, 140)), [9] * 11]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 for i, p in enumerate(prompts): engine.add_request(p, greedy, request_id=f"r{i}")
