@@ -7,9 +7,9 @@ An `mma.sync.m16n8k16` multiplies a 16 x 16 BF16 tile by 16 x 8 in one warp inst
 column of the 16 x 8 operand (batch 1: the 8 columns are copies; column 0 is read), the per-weight work is only the
 unpacking into the A operand's registers.
 
-(Session 17 counted again: the exported int4 loop at 4 rows, 4 warps, 16-byte chunks is 456 instructions for a
-thread's 256 weights a step, 1.8 a weight (`gemv_sass.py`'s `int4_loop`), so the issue rate allows ~9 TB/s: t0 is
-not issue-bound, and the premise above overstates what the tensor cores can win.)
+(Session 17 counted again: the exported int4 loop at 4 rows, 4 warps, 16-byte chunks is 453 instructions for a
+thread's 128 weights a step, 3.5 a weight (`gemv_sass.py`'s `int4_loop`): at 3.7 TB/s that is ~3 of the 4
+warp-instructions an SM issues a cycle.)
 
 Design (q1, commit e420964): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups (group g to warp
 g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
