@@ -831,8 +831,7 @@ DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile o
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before waiting for q (at most
-# DEPENDENT_LAUNCH_MAX_ROWS sequences): measured faster since session 17
+DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
 
 
 @triton.jit
@@ -1075,9 +1074,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
     split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
-    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most DEPENDENT_LAUNCH_MAX_ROWS
-    sequences; with the fused store and one loop only): launched as a dependent of the kernel before, each program asks for its first K/V tile before it
-    waits for q, and takes the new position's K/V from registers. `num_warps`: default 4, 8 with the early tile (at 4
+    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most
+    DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store and one loop only): launched as a dependent of the
+    kernel before, each program asks for its first K/V tile before it waits for q, and takes the new position's K/V
+    from registers. `num_warps`: default 4, 8 with the early tile (at 4
     its K and V spill registers, compiled for an H200)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:

@@ -130,7 +130,8 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "rows layout off": dict(GEMV_ROWS_LAYOUT=False), "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
-    "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES), "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
+    "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
+    "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
 
     "defaults again": {}}

@@ -11,8 +11,8 @@ unpacking into the A operand's registers.
 thread's 128 weights a step, 3.5 a weight (`gemv_sass.py`'s `int4_loop`): at 3.7 TB/s that is ~3 of the 4
 warp-instructions an SM issues a cycle.)
 
-Design (q1, commit e420964): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups (group g to warp
-g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
+Design (q1, commit e420964): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups
+(group g to warp g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
 a row: chapter 10's packing, byte j = input j low, input j + 64 high): four 32-bit words a row. One word gives four
 A registers of two BF16 each, one LOP3 (and a shift) apiece: (w >> s) & 0x000F000F | 0x43004300 is the BF16 pair
 (128 + nibble at s, 128 + nibble at s + 16). Two mma per word: (low nibbles of bytes 0, 2 | high of 0, 2) and
