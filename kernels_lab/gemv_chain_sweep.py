@@ -11,7 +11,8 @@ configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K
 num_warps, chunk bytes)); int8 and int4 also
 with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
 register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
-variants, and the best three of the grid.
+variants, and the best three of the grid. `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold
+(the norm in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
 import os
@@ -29,6 +30,8 @@ GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2
         if 2048 <= bn * bk <= 16384 and (w < 8 if bn * bk <= 4096 else w > 2)]  # 16 tiles, warps by tile size
 GRID_INT4 = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))  # (BLOCK_N rows, warps, chunk bytes): chapter 10
 BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: the grid stops there (the export always runs)
+FOLD = bool(os.environ.get("LAB_FOLD"))  # bf16 / int8: each GEMV with the batch-1 step's fold (chapter 09's `norm` for
+# qkv and gate-up, `residual` for o and down), as the decode step would run it folded
 LAYERS = 36
 
 
@@ -76,10 +79,14 @@ def main():
         layers = [weights(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
         nbytes = LAYERS * n * k * BYTES_PER_WEIGHT[fmt]
+        fold = {}
+        if FOLD and fmt != "int4":  # (chapter 10's int4 GEMV has no fold)
+            fold = dict(norm=1 + 0.1 * torch.randn(k, device=DEVICE).bfloat16()) if label in ("qkv", "gate_up") else \
+                dict(residual=torch.randn(1, n, device=DEVICE).bfloat16())
 
         def timed(**launch):
             try:
-                ms = graphed_ms(lambda: [product(fmt, x, w, **launch) for w in layers])
+                ms = graphed_ms(lambda: [product(fmt, x, w, **fold, **launch) for w in layers])
             except Exception as e:  # (a configuration the compiler refuses: out of registers or shared memory)
                 print(f"  {fmt} {label} {launch}: failed ({type(e).__name__})")
                 return float("inf")
@@ -100,7 +107,7 @@ def main():
             results[str(config)] = timed(**dict(zip(names, config)))
         best = sorted(results.items(), key=lambda kv: kv[1])
         for name, ms in [r for r in results.items() if not r[0].startswith("(")] + best[:3]:
-            print(f"  {fmt:5s} {label:8s} {name:28s} {ms * 1e3 / LAYERS:7.2f} us/matrix  "
+            print(f"  {fmt:5s} {label:8s} {'fold ' if fold else ''}{name:28s} {ms * 1e3 / LAYERS:7.2f} us/matrix  "
                   f"{nbytes / ms / 1e9:6.2f} TB/s  {100 * nbytes / (ms / 1e3) / HBM_BYTES_PER_S:5.1f}%", flush=True)
         del layers
         torch.cuda.empty_cache()
