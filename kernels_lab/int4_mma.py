@@ -47,8 +47,17 @@ against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in flight), o 5.02 vs 3.76, 
 8.05. Faster only for qkv; o and down have 160 tiles of 16 rows for 132 SMs, each warp a long serial chain of groups
 (split-K over blocks would be next); not taken into chapter 10 (it would also bring a CUDA build step to the package).
 
+q4 (`int4_mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 54-56 registers,
+no spills; not yet run): a block per tile of 16 rows and share of K (`splits` blocks a tile); before waiting for x
+it asks for its whole share of weight bytes into shared memory with `cp.async` (no registers held: 16-28 KB a block in
+flight, several blocks an SM), then x's share the same way; the warps take the groups in turn with q3's arithmetic
+(`group_x_sum`, `tile_group_sums`); a tile's last block to finish adds the splits' partial sums in order (a counter a
+tile, as chapter 09's decode attention merges its splits). For o and down (160 tiles) the splits give the grid its
+blocks; for qkv and gate-up the staging replaces q3's register slots.
+
 Variants: t0 the exported Triton `int4_gemv` (chapter 10); q3-W-F-T: W warps, F groups in flight a warp, T tiles of
-16 rows a warp. Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as gemv_chain_sweep.py),
+16 rows a warp; q4-W-S: W warps, K in S splits (first validated at a partial tile with uneven splits, twice: the
+counters must come back to zero). Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as gemv_chain_sweep.py),
 dependent launches on for both. `emulate` runs the kernel's index arithmetic in PyTorch on a CPU (the mma
 fragments as the PTX manual lays them out) against the reference.
 
@@ -64,7 +73,8 @@ CUDA_SOURCE = r"""
 #include <torch/extension.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 
 __device__ __forceinline__ uint32_t nibbles(uint32_t w, int shift) {  // BF16 pair (128 + nibble, 128 + nibble 16 bits up)
   return ((w >> shift) & 0x000F000Fu) | 0x43004300u;
@@ -84,6 +94,29 @@ __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, uint32_t selector, i
 }
 
 constexpr uint32_t BF16_ONES = 0x3F803F80u;  // (1.0, 1.0)
+
+// One group of 128 inputs for a lane (r = lane / 4, t = lane % 4): xl / xh its 16 inputs 16t .. 16t + 15 and the 16
+// from 64 + 16t on, as 8 words of two BF16 each (x's own order); wl / wh the 16 bytes 16t .. of rows r and r + 8.
+__device__ __forceinline__ float group_x_sum(const uint32_t (&xl)[8], const uint32_t (&xh)[8]) {
+  float ones[4] = {0.f, 0.f, 0.f, 0.f};  // A all ones: every C element is the group's Σ x
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) mma_bf16(ones, BF16_ONES, BF16_ONES, BF16_ONES, BF16_ONES, xl[i], xh[i]);
+  return ones[0];
+}
+
+__device__ __forceinline__ void tile_group_sums(float (&c)[4], uint4 wl, uint4 wh, const uint32_t (&xl)[8],
+                                                const uint32_t (&xh)[8]) {
+  // c[0]: row r's Σ (128 + q) x over the group, c[2]: row r + 8's (columns 2t, 2t + 1 of C: every column holds them)
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+  const uint32_t lo[4] = {wl.x, wl.y, wl.z, wl.w}, hi[4] = {wh.x, wh.y, wh.z, wh.w};
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {  // word i: bytes 16t + 4i .. + 3 of a row, inputs 16t + 4i .. + 3 (and + 64)
+    mma_bf16(c, nibble_pair(lo[i], 0x1100, 0), nibble_pair(hi[i], 0x1100, 0), nibble_pair(lo[i], 0x1100, 4),
+             nibble_pair(hi[i], 0x1100, 4), xl[2 * i], xh[2 * i]);
+    mma_bf16(c, nibble_pair(lo[i], 0x3322, 0), nibble_pair(hi[i], 0x3322, 0), nibble_pair(lo[i], 0x3322, 4),
+             nibble_pair(hi[i], 0x3322, 4), xl[2 * i + 1], xh[2 * i + 1]);
+  }
+}
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {  // weights: read once, kept out of L1 (x lives there)
   uint4 v;
@@ -143,27 +176,13 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
                                 xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
         const uint32_t xh[8] = {xv[u][2].x, xv[u][2].y, xv[u][2].z, xv[u][2].w,
                                 xv[u][3].x, xv[u][3].y, xv[u][3].z, xv[u][3].w};
-        float ones[4] = {0.f, 0.f, 0.f, 0.f}, c[TILES][4];
-        #pragma unroll
-        for (int j = 0; j < TILES; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // word i: bytes 16t + 4i .. + 3 of a row, inputs 16t + 4i .. + 3 (and + 64)
-          mma_bf16(ones, BF16_ONES, BF16_ONES, BF16_ONES, BF16_ONES, xl[2 * i], xh[2 * i]);  // the group's Σ x
-          mma_bf16(ones, BF16_ONES, BF16_ONES, BF16_ONES, BF16_ONES, xl[2 * i + 1], xh[2 * i + 1]);
-          #pragma unroll
-          for (int j = 0; j < TILES; ++j) {
-            const uint32_t wl = (&w[u][2 * j].x)[i], wh = (&w[u][2 * j + 1].x)[i];
-            mma_bf16(c[j], nibble_pair(wl, 0x1100, 0), nibble_pair(wh, 0x1100, 0), nibble_pair(wl, 0x1100, 4),
-                     nibble_pair(wh, 0x1100, 4), xl[2 * i], xh[2 * i]);
-            mma_bf16(c[j], nibble_pair(wl, 0x3322, 0), nibble_pair(wh, 0x3322, 0), nibble_pair(wl, 0x3322, 4),
-                     nibble_pair(wh, 0x3322, 4), xl[2 * i + 1], xh[2 * i + 1]);
-          }
-        }
-        const float xs = ones[0];
+        const float xs = group_x_sum(xl, xh);
         #pragma unroll
         for (int j = 0; j < TILES; ++j) {
-          acc[2 * j] += __half2float(s[u][2 * j]) * (c[j][0] - 128.f * xs) + __half2float(m[u][2 * j]) * xs;
-          acc[2 * j + 1] += __half2float(s[u][2 * j + 1]) * (c[j][2] - 128.f * xs) + __half2float(m[u][2 * j + 1]) * xs;
+          float c[4];
+          tile_group_sums(c, w[u][2 * j], w[u][2 * j + 1], xl, xh);
+          acc[2 * j] += __half2float(s[u][2 * j]) * (c[0] - 128.f * xs) + __half2float(m[u][2 * j]) * xs;
+          acc[2 * j + 1] += __half2float(s[u][2 * j + 1]) * (c[2] - 128.f * xs) + __half2float(m[u][2 * j + 1]) * xs;
         }
         load_weights(u, grp + WARPS * IN_FLIGHT);  // the slot's next group
         load_x(u, grp + WARPS * IN_FLIGHT);
@@ -183,53 +202,161 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
   }
 }
 
-template <typename Kernel>
-void launch(Kernel kernel, int rows_a_block, int warps, size_t smem, torch::Tensor x, torch::Tensor q,
-            torch::Tensor scale, torch::Tensor minimum, torch::Tensor y, bool pdl) {
-  const int N = q.size(0), K = x.size(1);
+__device__ __forceinline__ void copy_async16(void* to_shared, const void* from_global) {  // 16 bytes, past L1
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(to_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(to), "l"(from_global));
+}
+
+// q4: a block takes a tile of 16 rows and a share of the K groups (split blockIdx.y of gridDim.y). Before it waits
+// for x it asks for all of its weight bytes at once into shared memory (cp.async: nothing held in registers, the
+// whole share in flight), and reads its scales and minimums; after the wait, x's share the same way. Then the warps
+// take the share's groups in turn (q3's arithmetic). With K split, each block leaves its 16 partial sums in `part`
+// and the last of a tile's blocks to finish (a counter a tile, left at zero for the next call) adds them in split
+// order and writes the rows.
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv_staged(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
+    const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, float* __restrict__ part,
+    int* __restrict__ counters, int N, int K) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int is_last;
+  const int G = K / 128, splits = gridDim.y, split = blockIdx.y, tile = blockIdx.x, row0 = tile * 16;
+  const int g0 = split * G / splits, ng = (split + 1) * G / splits - g0;
+  const int stride = ng * 64 + (ng % 2 ? 0 : 64);  // a row's share, 64 mod 128 bytes: a quarter-warp's two rows
+  uint8_t* w_s = smem;                                                  // [16][stride] the weight bytes
+  __half2* sm_s = reinterpret_cast<__half2*>(smem + 16 * stride);       // [16][ng] (scale, minimum)
+  uint4* x_s = reinterpret_cast<uint4*>(sm_s + 16 * ng);                // [ng][16] x, 8 BF16 a uint4
+  float* red = reinterpret_cast<float*>(x_s + 16 * ng);                 // [WARPS][16] the warps' sums
+  for (int c = threadIdx.x; c < 16 * 4 * ng; c += WARPS * 32) {  // 16-byte chunk c: row c / 4ng, 4 a group
+    const int r = c / (4 * ng), j = c % (4 * ng);
+    copy_async16(w_s + r * stride + j * 16, q + (size_t)min(row0 + r, N - 1) * (K / 2) + g0 * 64 + j * 16);
+  }
+  asm volatile("cp.async.commit_group;");
+  for (int c = threadIdx.x; c < 16 * ng; c += WARPS * 32) {
+    const size_t at = (size_t)min(row0 + c / ng, N - 1) * G + g0 + c % ng;
+    sm_s[c] = __halves2half2(scale[at], minimum[at]);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
+  const uint4* x8 = reinterpret_cast<const uint4*>(x) + g0 * 16;
+  for (int c = threadIdx.x; c < 16 * ng; c += WARPS * 32) copy_async16(x_s + c, x8 + c);
+  asm volatile("cp.async.commit_group;");
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
+  float acc_lo = 0.f, acc_hi = 0.f;
+  for (int g = warp; g < ng; g += WARPS) {
+    const uint4 l0 = x_s[g * 16 + 2 * t], l1 = x_s[g * 16 + 2 * t + 1];
+    const uint4 h0 = x_s[g * 16 + 8 + 2 * t], h1 = x_s[g * 16 + 8 + 2 * t + 1];
+    const uint32_t xl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+    const uint32_t xh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    const float xs = group_x_sum(xl, xh);
+    float c[4];
+    tile_group_sums(c, *reinterpret_cast<const uint4*>(w_s + r * stride + g * 64 + t * 16),
+                    *reinterpret_cast<const uint4*>(w_s + (r + 8) * stride + g * 64 + t * 16), xl, xh);
+    const float2 lo = __half22float2(sm_s[r * ng + g]), hi = __half22float2(sm_s[(r + 8) * ng + g]);
+    acc_lo += lo.x * (c[0] - 128.f * xs) + lo.y * xs;
+    acc_hi += hi.x * (c[2] - 128.f * xs) + hi.y * xs;
+  }
+  if (t == 0) { red[warp * 16 + r] = acc_lo; red[warp * 16 + r + 8] = acc_hi; }
+  __syncthreads();
+  float sum = 0.f;
+  if (threadIdx.x < 16) {
+    #pragma unroll
+    for (int v = 0; v < WARPS; ++v) sum += red[v * 16 + threadIdx.x];
+  }
+  if (splits == 1) {
+    if (threadIdx.x < 16 && row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(sum);
+    return;
+  }
+  if (threadIdx.x < 16) part[((size_t)tile * splits + split) * 16 + threadIdx.x] = sum;
+  __threadfence();  // the partials visible GPU-wide before the count says they are there
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (threadIdx.x < 16) {
+    float total = 0.f;
+    for (int v = 0; v < splits; ++v) total += __ldcg(part + ((size_t)tile * splits + v) * 16 + threadIdx.x);
+    if (row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(total);
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, int warps, size_t smem, bool pdl, Args... args) {
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((N + rows_a_block - 1) / rows_a_block);
+  config.gridDim = grid;
   config.blockDim = dim3(warps * 32);
   config.dynamicSmemBytes = smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
+  config.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel,
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), q.data_ptr<uint8_t>(),
-      reinterpret_cast<const __half*>(scale.data_ptr()), reinterpret_cast<const __half*>(minimum.data_ptr()),
-      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), N, K));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
-torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
-                       int64_t warps, int64_t in_flight, int64_t tiles, bool pdl) {
+#define X_Q_S_M(x, q, scale, minimum) reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), q.data_ptr<uint8_t>(), \
+  reinterpret_cast<const __half*>(scale.data_ptr()), reinterpret_cast<const __half*>(minimum.data_ptr())
+
+void check_operands(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be one contiguous bf16 row");
   const int K = x.size(1);
   TORCH_CHECK(K % 128 == 0 && q.size(1) == K / 2 && scale.size(1) == K / 128 && scale.scalar_type() == torch::kHalf,
               "groups of 128 inputs, fp16 scales and minimums, two inputs a byte");
-  auto y = torch::empty({1, q.size(0)}, x.options());
+}
+
+torch::Tensor int4_mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
+                              torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, bool pdl) {
+  check_operands(x, q, scale);
+  const int N = q.size(0), K = x.size(1), G = K / 128, tiles = (N + 15) / 16;
+  TORCH_CHECK(splits >= 1 && splits <= G, "splits from 1 to the ", G, " groups, got ", splits);
+  TORCH_CHECK(part.scalar_type() == torch::kFloat && part.numel() >= (int64_t)tiles * splits * 16 &&
+              counters.scalar_type() == torch::kInt && counters.numel() >= tiles,
+              "part: fp32 [tiles x splits x 16], counters: int32 zeros [tiles]");
+  auto y = torch::empty({1, N}, x.options());
+  const int most = (G + splits - 1) / splits;  // the largest share of groups
+  const size_t smem = 16 * (most * 64 + 64) + 16 * most * 4 + 16 * most * 16 + warps * 16 * 4;
+  #define S(W) if (warps == W) { launch(int4_mma_gemv_staged<W>, dim3(tiles, splits), W, smem, pdl, \
+    X_Q_S_M(x, q, scale, minimum), reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), part.data_ptr<float>(), \
+    counters.data_ptr<int>(), N, K); return y; }
+  S(2) S(4) S(8)
+  #undef S
+  TORCH_CHECK(false, "no instance for warps ", warps);
+}
+
+torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
+                       int64_t warps, int64_t in_flight, int64_t tiles, bool pdl) {
+  check_operands(x, q, scale);
+  const int N = q.size(0), K = x.size(1);
+  auto y = torch::empty({1, N}, x.options());
   #define Q(W, F, T) if (warps == W && in_flight == F && tiles == T) { \
-    launch(int4_mma_gemv<W, F, T>, 16 * T, W, 0, x, q, scale, minimum, y, pdl); return y; }
-  Q(4, 2, 1) Q(4, 3, 1) Q(4, 4, 1) Q(8, 2, 1) Q(8, 3, 1) Q(8, 4, 1) Q(16, 2, 1) Q(4, 2, 2) Q(8, 2, 2)
-  Q(4, 3, 2)
+    launch(int4_mma_gemv<W, F, T>, dim3((N + 16 * T - 1) / (16 * T)), W, 0, pdl, X_Q_S_M(x, q, scale, minimum), \
+           reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), N, K); return y; }
+  Q(4, 4, 1) Q(8, 2, 1) Q(8, 2, 2)
   #undef Q
   TORCH_CHECK(false, "no instance for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
 }
 """
 CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum, "
-                   "int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);")
+                   "int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
+                   "torch::Tensor int4_mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
+                   "torch::Tensor minimum, torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, "
+                   "bool pdl);")
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-CONFIGS = [(4, 2, 1), (4, 3, 1), (4, 4, 1), (8, 2, 1), (8, 3, 1), (8, 4, 1), (16, 2, 1),  # (warps,
-           (4, 2, 2), (8, 2, 2), (4, 3, 2)]  # groups in flight a warp, tiles of 16 rows a warp)
+CONFIGS = [(4, 4, 1), (8, 2, 1), (8, 2, 2)]  # q3: (warps, groups in flight a warp, tiles of 16 rows a warp)
+STAGED = [(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8)]  # q4: (warps, splits of K)
 
 
 def build():
     from torch.utils.cpp_extension import load_inline
     return load_inline("forge_lab_int4_mma", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
-                       functions=["int4_mma"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+                       functions=["int4_mma", "int4_mma_staged"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
                        verbose=False)
 
 
@@ -316,6 +443,17 @@ def main():
     from forge_engine.quant import int4_gemv
     ext = build()
     ok = True
+    for n, k in ((40, 1152), (2560, 4096)):  # q4 at a partial tile and uneven splits (9 groups in 2-4), then o's shape
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        mat = quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
+        want = F.linear(x.float(), dequantize_int4(*mat))
+        part, counters = staged_buffers(n)
+        for warps, splits in STAGED:
+            if splits <= k // 128:
+                for call in range(2):  # the second call finds the counters back at zero
+                    got = ext.int4_mma_staged(x, *mat, part, counters, warps, splits, True).float()
+                    ok &= validate(f"{n}x{k} q4-{warps}-{splits} call {call}", got, want, 2e-2)
+        ok &= bool((counters == 0).all())
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device="cuda").bfloat16()
         mats = [quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()) for _ in range(36)]
@@ -329,7 +467,20 @@ def main():
             ok &= validate(f"{name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
             ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
             print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+        part, counters = staged_buffers(n)
+        for warps, splits in STAGED:
+            label = f"q4-{warps}-{splits}"
+            ok &= validate(f"{name} {label}", ext.int4_mma_staged(x, *mats[0], part, counters, warps, splits,
+                                                                  True).float(), want, 2e-2)
+            ms = chain_ms(lambda m: ext.int4_mma_staged(x, *m, part, counters, warps, splits, True), mats)
+            print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
     finish(ok)
+
+
+def staged_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "q4's partial sums (fp32, for up to 8 splits of each 16-row tile) and its counters (int32 zeros, one a tile)."
+    tiles = -(-n // 16)
+    return torch.empty(tiles * 8 * 16, device="cuda"), torch.zeros(tiles, device="cuda", dtype=torch.int32)
 
 
 if __name__ == "__main__":
