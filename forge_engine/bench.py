@@ -284,6 +284,7 @@ def engine_config(args, workload: str) -> EngineConfig:
 
 def free_memory():
     "Give back what freed engines and models held (a GPU's KV pool is most of its memory)."
+    gc.unfreeze()  # (an engine froze what was alive when it was built: chapter 08)
     gc.collect()
     if torch.cuda.is_available(): torch.cuda.empty_cache()
 

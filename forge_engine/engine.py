@@ -246,6 +246,8 @@ class _LaunchedStep:
 class LLMEngine:
     "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
+        gc.collect()
         self.loaded, self.config = loaded, config or EngineConfig()
         self.device = next(loaded.model.parameters()).device
         world = loaded.parallel.world if loaded.parallel is not None else 1

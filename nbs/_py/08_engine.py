@@ -353,8 +353,9 @@ class EngineStats:
 # 440-448 tok/s instead of 565; `kernels_lab/w1_run_spread.py cli int8`), and with the collector
 # off no step took over 1.91 ms. So the engine, once built, collects once and *freezes* what is
 # alive (`gc.freeze()`): those objects stay out of later collections, which then walk only what
-# the requests made since. (Process-wide, as the collector is; objects freed by reference counts
-# are freed as before.)
+# the requests made since. Process-wide, as the collector is: objects freed by reference counts
+# are freed as before, but frozen garbage *in cycles* waits for the next `gc.unfreeze()`, which
+# the next engine built (before it allocates anything) and the bench's `free_memory` call.
 
 # %%
 #| export
@@ -377,6 +378,8 @@ class _LaunchedStep:
 class LLMEngine:
     "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
+        gc.collect()
         self.loaded, self.config = loaded, config or EngineConfig()
         self.device = next(loaded.model.parameters()).device
         world = loaded.parallel.world if loaded.parallel is not None else 1
@@ -604,10 +607,21 @@ def run_to_end(engine):
             if out.finished: finals[out.request_id] = out
     return finals
 
+import weakref
 probe = []
 probe.append(probe)  # a cycle alive before the engine is built: frozen with the rest, out of later collections
 engine = tiny_engine(block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
 assert not any(o is probe for o in gc.get_objects()) and gc.get_freeze_count() > 0
+# frozen garbage in a cycle: a plain collection leaves it, the next engine built collects it first
+class Probe: pass
+cycle = Probe()
+cycle.me, cycle_alive = cycle, weakref.ref(cycle)
+gc.freeze()  # (as an engine built now would)
+del probe, cycle
+gc.collect()
+assert cycle_alive() is not None
+tiny_engine()
+assert cycle_alive() is None
 prompts = [[5, 6, 7], list(range(100, 140)), [9] * 11]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 for i, p in enumerate(prompts): engine.add_request(p, greedy, request_id=f"r{i}")
