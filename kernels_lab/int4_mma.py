@@ -47,13 +47,17 @@ against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in flight), o 5.02 vs 3.76, 
 8.05. Faster only for qkv; o and down have 160 tiles of 16 rows for 132 SMs, each warp a long serial chain of groups
 (split-K over blocks would be next); not taken into chapter 10 (it would also bring a CUDA build step to the package).
 
-q4 (`int4_mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 54-56 registers,
-no spills; not yet run): a block per tile of 16 rows and share of K (`splits` blocks a tile); before waiting for x
+q4 (`mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 52-56 registers,
+no spills; not yet run; int4, and int8 weights too, below): a block per tile of 16 rows and share of K (`splits` blocks a tile); before waiting for x
 it asks for its whole share of weight bytes into shared memory with `cp.async` (no registers held: 16-28 KB a block in
 flight, several blocks an SM), then x's share the same way; the warps take the groups in turn with q3's arithmetic
 (`group_x_sum`, `tile_group_sums`); a tile's last block to finish adds the splits' partial sums in order (a counter a
 tile, as chapter 09's decode attention merges its splits). For o and down (160 tiles) the splits give the grid its
-blocks; for qkv and gate-up the staging replaces q3's register slots.
+blocks; for qkv and gate-up the staging replaces q3's register slots. int8 through the same mma: a byte XOR 0x80 is
+u = w + 128 = 16 hi + lo, its nibbles go into A as int4's do, B holds x against the low nibbles and 16 x (exact in
+BF16) against the high ones, so C = Σ w x + 2304 Σ x; against chapter 09's int8 GEMV (t0 for int8). The question for
+int8 is not arithmetic (its chain is ~1.8 µs a launch plus 3.7 TB/s) but whether a whole share in flight before the
+wait for x shortens the launch boundaries.
 
 Variants: t0 the exported Triton `int4_gemv` (chapter 10); q3-W-F-T: W warps, F groups in flight a warp, T tiles of
 16 rows a warp; q4-W-S: W warps, K in S splits (first validated at a partial tile with uneven splits, twice: the
@@ -61,13 +65,14 @@ counters must come back to zero). Each timed as a CUDA graph of 36 distinct matr
 dependent launches on for both. `emulate` runs the kernel's index arithmetic in PyTorch on a CPU (the mma
 fragments as the PTX manual lays them out) against the reference.
 
-Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [emulate]   (GPU: needs nvcc; the first build takes ~1 minute)"""
+Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [int4,int8 | emulate]   (GPU: needs nvcc; the first build takes
+~1 minute)"""
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from forge_engine.quant import dequantize_int4, quantize_int4
+from forge_engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
@@ -209,54 +214,81 @@ __device__ __forceinline__ void copy_async16(void* to_shared, const void* from_g
 
 // q4: a block takes a tile of 16 rows and a share of the K groups (split blockIdx.y of gridDim.y). Before it waits
 // for x it asks for all of its weight bytes at once into shared memory (cp.async: nothing held in registers, the
-// whole share in flight), and reads its scales and minimums; after the wait, x's share the same way. Then the warps
+// whole share in flight), and reads its scales (and minimums); after the wait, x's share the same way. Then the warps
 // take the share's groups in turn (q3's arithmetic). With K split, each block leaves its 16 partial sums in `part`
 // and the last of a tile's blocks to finish (a counter a tile, left at zero for the next call) adds them in split
 // order and writes the rows.
-template <int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv_staged(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const __half* __restrict__ scale,
+// INT8: int8 weights with a scale a row, through the same mma. A group is 64 bytes of a row either way (int8: 64
+// inputs). Each byte XOR 0x80 is u = w + 128 = 16 hi + lo; its two nibbles go into A as int4's do, and B holds x
+// against the low nibbles and 16 x (exact in BF16) against the high ones: C = Σ (128 + lo) x + (128 + hi) 16 x
+// = Σ w x + 2304 Σ x, and the ones-mma gives Σ (x + 16 x) = 17 Σ x.
+template <int WARPS, bool INT8>
+__global__ void __launch_bounds__(WARPS * 32) mma_gemv_staged(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ q, const void* __restrict__ scale,
     const __half* __restrict__ minimum, __nv_bfloat16* __restrict__ y, float* __restrict__ part,
     int* __restrict__ counters, int N, int K) {
   asm volatile("griddepcontrol.launch_dependents;");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int is_last;
-  const int G = K / 128, splits = gridDim.y, split = blockIdx.y, tile = blockIdx.x, row0 = tile * 16;
+  constexpr int INPUTS = INT8 ? 64 : 128;  // inputs a group (64 bytes of a row)
+  const int G = K / INPUTS, splits = gridDim.y, split = blockIdx.y, tile = blockIdx.x, row0 = tile * 16;
   const int g0 = split * G / splits, ng = (split + 1) * G / splits - g0;
   const int stride = ng * 64 + (ng % 2 ? 0 : 64);  // a row's share, 64 mod 128 bytes: a quarter-warp's two rows
   uint8_t* w_s = smem;                                                  // [16][stride] the weight bytes
-  __half2* sm_s = reinterpret_cast<__half2*>(smem + 16 * stride);       // [16][ng] (scale, minimum)
-  uint4* x_s = reinterpret_cast<uint4*>(sm_s + 16 * ng);                // [ng][16] x, 8 BF16 a uint4
+  __half2* sm_s = reinterpret_cast<__half2*>(smem + 16 * stride);       // int4: [16][ng] (scale, minimum)
+  uint4* x_s = reinterpret_cast<uint4*>(sm_s + (INT8 ? 0 : 16 * ng));   // [ng][16] x (int8: [ng][8] x, [ng][8] 16 x)
   float* red = reinterpret_cast<float*>(x_s + 16 * ng);                 // [WARPS][16] the warps' sums
   for (int c = threadIdx.x; c < 16 * 4 * ng; c += WARPS * 32) {  // 16-byte chunk c: row c / 4ng, 4 a group
     const int r = c / (4 * ng), j = c % (4 * ng);
-    copy_async16(w_s + r * stride + j * 16, q + (size_t)min(row0 + r, N - 1) * (K / 2) + g0 * 64 + j * 16);
+    copy_async16(w_s + r * stride + j * 16, q + (size_t)min(row0 + r, N - 1) * (K / (INT8 ? 1 : 2)) + g0 * 64 + j * 16);
   }
   asm volatile("cp.async.commit_group;");
-  for (int c = threadIdx.x; c < 16 * ng; c += WARPS * 32) {
-    const size_t at = (size_t)min(row0 + c / ng, N - 1) * G + g0 + c % ng;
-    sm_s[c] = __halves2half2(scale[at], minimum[at]);
+  if (!INT8) {
+    const __half* s16 = reinterpret_cast<const __half*>(scale);
+    for (int c = threadIdx.x; c < 16 * ng; c += WARPS * 32) {
+      const size_t at = (size_t)min(row0 + c / ng, N - 1) * G + g0 + c % ng;
+      sm_s[c] = __halves2half2(s16[at], minimum[at]);
+    }
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
-  const uint4* x8 = reinterpret_cast<const uint4*>(x) + g0 * 16;
-  for (int c = threadIdx.x; c < 16 * ng; c += WARPS * 32) copy_async16(x_s + c, x8 + c);
+  const uint4* x8 = reinterpret_cast<const uint4*>(x) + g0 * (INPUTS / 8);
+  for (int c = threadIdx.x; c < ng * (INPUTS / 8); c += WARPS * 32) copy_async16(x_s + c, x8 + c);
   asm volatile("cp.async.commit_group;");
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  if (INT8) {  // 16 x beside x: the B operand against the high nibbles
+    for (int c = threadIdx.x; c < ng * 8 * 4; c += WARPS * 32) {
+      const __nv_bfloat162 v = reinterpret_cast<const __nv_bfloat162*>(x_s)[c];
+      reinterpret_cast<__nv_bfloat162*>(x_s + ng * 8)[c] = __hmul2(v, __floats2bfloat162_rn(16.f, 16.f));
+    }
+    __syncthreads();
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
   float acc_lo = 0.f, acc_hi = 0.f;
   for (int g = warp; g < ng; g += WARPS) {
-    const uint4 l0 = x_s[g * 16 + 2 * t], l1 = x_s[g * 16 + 2 * t + 1];
-    const uint4 h0 = x_s[g * 16 + 8 + 2 * t], h1 = x_s[g * 16 + 8 + 2 * t + 1];
+    // xl: this lane's 16 inputs of the group (int4: 16t..; int8: 16t..), xh: those 64 on (int4) or 16 x of xl (int8)
+    const uint4* xlo = x_s + g * (INPUTS / 8) + 2 * t;
+    const uint4* xhi = INT8 ? x_s + ng * 8 + g * 8 + 2 * t : xlo + 8;
+    const uint4 l0 = xlo[0], l1 = xlo[1], h0 = xhi[0], h1 = xhi[1];
     const uint32_t xl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
     const uint32_t xh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-    const float xs = group_x_sum(xl, xh);
+    const float xs = group_x_sum(xl, xh);  // int8: 17 Σ x
+    uint4 wl = *reinterpret_cast<const uint4*>(w_s + r * stride + g * 64 + t * 16);
+    uint4 wh = *reinterpret_cast<const uint4*>(w_s + (r + 8) * stride + g * 64 + t * 16);
+    if (INT8) {  // signed bytes -> w + 128
+      wl.x ^= 0x80808080u; wl.y ^= 0x80808080u; wl.z ^= 0x80808080u; wl.w ^= 0x80808080u;
+      wh.x ^= 0x80808080u; wh.y ^= 0x80808080u; wh.z ^= 0x80808080u; wh.w ^= 0x80808080u;
+    }
     float c[4];
-    tile_group_sums(c, *reinterpret_cast<const uint4*>(w_s + r * stride + g * 64 + t * 16),
-                    *reinterpret_cast<const uint4*>(w_s + (r + 8) * stride + g * 64 + t * 16), xl, xh);
-    const float2 lo = __half22float2(sm_s[r * ng + g]), hi = __half22float2(sm_s[(r + 8) * ng + g]);
-    acc_lo += lo.x * (c[0] - 128.f * xs) + lo.y * xs;
-    acc_hi += hi.x * (c[2] - 128.f * xs) + hi.y * xs;
+    tile_group_sums(c, wl, wh, xl, xh);
+    if (INT8) {  // Σ w x = C - 2304 Σ x; the row's scale at the end
+      acc_lo += c[0] - (2304.f / 17.f) * xs;
+      acc_hi += c[2] - (2304.f / 17.f) * xs;
+    } else {
+      const float2 lo = __half22float2(sm_s[r * ng + g]), hi = __half22float2(sm_s[(r + 8) * ng + g]);
+      acc_lo += lo.x * (c[0] - 128.f * xs) + lo.y * xs;
+      acc_hi += hi.x * (c[2] - 128.f * xs) + hi.y * xs;
+    }
   }
   if (t == 0) { red[warp * 16 + r] = acc_lo; red[warp * 16 + r + 8] = acc_hi; }
   __syncthreads();
@@ -265,8 +297,10 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv_staged(
     #pragma unroll
     for (int v = 0; v < WARPS; ++v) sum += red[v * 16 + threadIdx.x];
   }
+  const float row_scale = INT8 && threadIdx.x < 16 ?  // int8: the row's scale (past N: the last row's, not stored)
+      reinterpret_cast<const float*>(scale)[min(row0 + (int)threadIdx.x, N - 1)] : 1.f;
   if (splits == 1) {
-    if (threadIdx.x < 16 && row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(sum);
+    if (threadIdx.x < 16 && row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(sum * row_scale);
     return;
   }
   if (threadIdx.x < 16) part[((size_t)tile * splits + split) * 16 + threadIdx.x] = sum;
@@ -279,7 +313,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv_staged(
   if (threadIdx.x < 16) {
     float total = 0.f;
     for (int v = 0; v < splits; ++v) total += __ldcg(part + ((size_t)tile * splits + v) * 16 + threadIdx.x);
-    if (row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(total);
+    if (row0 + threadIdx.x < N) y[row0 + threadIdx.x] = __float2bfloat16(total * row_scale);
   }
   if (threadIdx.x == 0) counters[tile] = 0;
 }
@@ -311,21 +345,32 @@ void check_operands(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
               "groups of 128 inputs, fp16 scales and minimums, two inputs a byte");
 }
 
-torch::Tensor int4_mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
-                              torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, bool pdl) {
-  check_operands(x, q, scale);
-  const int N = q.size(0), K = x.size(1), G = K / 128, tiles = (N + 15) / 16;
+torch::Tensor mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum,
+                         torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, bool pdl) {
+  // int4 (q uint8 [N, K / 2], fp16 scale and minimum [N, K / 128]) or int8 (q int8 [N, K], fp32 scale [N], minimum
+  // unused)
+  const bool int8 = q.scalar_type() == torch::kChar;
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x must be one contiguous bf16 row");
+  const int N = q.size(0), K = x.size(1), G = K / (int8 ? 64 : 128), tiles = (N + 15) / 16;
+  if (int8) {
+    TORCH_CHECK(K % 64 == 0 && q.size(1) == K && scale.scalar_type() == torch::kFloat && scale.numel() == N,
+                "int8: weights [N, K], K a multiple of 64, one fp32 scale a row");
+  } else {
+    check_operands(x, q, scale);
+  }
   TORCH_CHECK(splits >= 1 && splits <= G, "splits from 1 to the ", G, " groups, got ", splits);
   TORCH_CHECK(part.scalar_type() == torch::kFloat && part.numel() >= (int64_t)tiles * splits * 16 &&
               counters.scalar_type() == torch::kInt && counters.numel() >= tiles,
               "part: fp32 [tiles x splits x 16], counters: int32 zeros [tiles]");
   auto y = torch::empty({1, N}, x.options());
   const int most = (G + splits - 1) / splits;  // the largest share of groups
-  const size_t smem = 16 * (most * 64 + 64) + 16 * most * 4 + 16 * most * 16 + warps * 16 * 4;
-  #define S(W) if (warps == W) { launch(int4_mma_gemv_staged<W>, dim3(tiles, splits), W, smem, pdl, \
-    X_Q_S_M(x, q, scale, minimum), reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), part.data_ptr<float>(), \
-    counters.data_ptr<int>(), N, K); return y; }
-  S(2) S(4) S(8)
+  const size_t smem = 16 * (most * 64 + 64) + (int8 ? 0 : 16 * most * 4) + 16 * most * 16 + warps * 16 * 4;
+  #define S(W, I8) if (warps == W && int8 == I8) { launch(mma_gemv_staged<W, I8>, dim3(tiles, splits), W, smem, pdl, \
+    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<const uint8_t*>(q.data_ptr()), \
+    static_cast<const void*>(scale.data_ptr()), reinterpret_cast<const __half*>(minimum.data_ptr()), \
+    reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), part.data_ptr<float>(), counters.data_ptr<int>(), N, K); return y; }
+  S(2, false) S(4, false) S(8, false) S(2, true) S(4, true) S(8, true)
   #undef S
   TORCH_CHECK(false, "no instance for warps ", warps);
 }
@@ -345,7 +390,7 @@ torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, to
 """
 CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum, "
                    "int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
-                   "torch::Tensor int4_mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
+                   "torch::Tensor mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
                    "torch::Tensor minimum, torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, "
                    "bool pdl);")
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
@@ -356,7 +401,7 @@ STAGED = [(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8)]  # q4: (warps, splits
 def build():
     from torch.utils.cpp_extension import load_inline
     return load_inline("forge_lab_int4_mma", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
-                       functions=["int4_mma", "int4_mma_staged"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+                       functions=["int4_mma", "mma_staged"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
                        verbose=False)
 
 
@@ -376,35 +421,40 @@ def a_pairs(w_lo: int, w_hi: int, mma: int) -> list[tuple[float, float]]:
     return [value(lo), value(hi), value(lo >> 4), value(hi >> 4)]
 
 
-def b_pairs(xd: torch.Tensor, grp: int, t: int, i: int, mma: int) -> tuple[tuple, tuple]:
-    "The B registers b0, b1 of lane t's mma: x's words as they lie in memory, (k0, k0 + 1) and 64 inputs on."
-    k0 = grp * 128 + 16 * t + 4 * i + 2 * mma
+def b_pairs(xd: torch.Tensor, grp: int, t: int, i: int, mma: int, int8: bool = False) -> tuple[tuple, tuple]:
+    """The B registers b0, b1 of lane t's mma: x's words as they lie in memory, (k0, k0 + 1), and against the high
+    nibbles the inputs 64 on (int4) or 16 x of the same inputs (int8)."""
+    k0 = grp * (64 if int8 else 128) + 16 * t + 4 * i + 2 * mma
+    if int8:
+        return (xd[k0].item(), xd[k0 + 1].item()), (16 * xd[k0].item(), 16 * xd[k0 + 1].item())
     return (xd[k0].item(), xd[k0 + 1].item()), (xd[k0 + 64].item(), xd[k0 + 65].item())
 
 
-def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in PyTorch (fp64), lane by lane and fragment by fragment: rows in tiles of 16, each
+def emulate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' arithmetic in PyTorch (fp64), lane by lane and fragment by fragment: rows in tiles of 16, each
     group's 8 mma as m16n8k16 lays out its operands (A: a0 (r, 2t..2t+1), a1 (r + 8, 2t..), a2 (r, 2t + 8..),
     a3 (r + 8, 2t + 8..); B: b0 (k 2t..2t+1, column r), b1 (k 2t + 8.., column r); C: c0 (r, column 2t), c2 (r + 8,
-    column 2t)). The group's Σx from mma with A all ones, as the kernel takes it. y [1, N], fp64."""
-    n, k = packed.shape[0], x.shape[1]
+    column 2t)). The group's Σx from mma with A all ones, as the kernels take it. int4 (q uint8 packed, scale and
+    minimum a group) or int8 (q int8, a scale a row, `minimum` None: the bytes XOR 0x80). y [1, N], fp64."""
+    int8 = q.dtype == torch.int8
+    n, k = q.shape[0], x.shape[1]
     xd = x[0].double()
-    words = packed.contiguous().view(torch.int32)  # [N, K / 8]: little-endian, byte 0 in the low bits
+    words = q.contiguous().view(torch.int32)  # [N, bytes / 4]: little-endian, byte 0 in the low bits
     y = torch.zeros(n, dtype=torch.float64)
     for row0 in range(0, n, 16):
-        for grp in range(k // 128):  # (the warp that takes it does not change the sums)
+        for grp in range(k // (64 if int8 else 128)):  # (the warp that takes it does not change the sums)
             c_tile, ones = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
             for i in range(4):
                 for mma in range(2):
                     A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
                     for lane in range(32):
                         r, t = lane // 4, lane % 4
-                        w_lo, w_hi = (int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF
-                                      for row in (row0 + r, row0 + r + 8))
+                        w_lo, w_hi = ((int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF)
+                                      ^ (0x80808080 if int8 else 0) for row in (row0 + r, row0 + r + 8))
                         for (ar, ac), pair in zip(((r, 2 * t), (r + 8, 2 * t), (r, 2 * t + 8), (r + 8, 2 * t + 8)),
                                                   a_pairs(w_lo, w_hi, mma)):
                             A[ar, ac], A[ar, ac + 1] = pair
-                        b0, b1 = b_pairs(xd, grp, t, i, mma)
+                        b0, b1 = b_pairs(xd, grp, t, i, mma, int8)
                         B[2 * t, r], B[2 * t + 1, r] = b0
                         B[2 * t + 8, r], B[2 * t + 9, r] = b1
                     c_tile += A @ B
@@ -412,22 +462,28 @@ def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum:
             xs = ones[0, 0]
             for rr in range(min(16, n - row0)):  # c0 / c2: column 0 (every column holds the same sums)
                 row = row0 + rr
-                y[row] += scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs) + minimum[row, grp].double() * xs
-    return y[None, :]
+                if int8:
+                    y[row] += c_tile[rr, 0] - 2304 / 17 * xs
+                else:
+                    y[row] += scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs) + minimum[row, grp].double() * xs
+    return y[None, :] * (scale.double()[None, :] if int8 else 1)
 
 
 def check_emulation() -> bool:
-    "emulate() against dequantize-and-multiply at a small shape (CPU, seconds)."
+    "emulate() against dequantize-and-multiply at a small shape (CPU, seconds), int4 and int8."
     gen = torch.Generator().manual_seed(0)
-    n, k = 20, 256  # a partial second tile of rows, two groups
+    n, k = 20, 256  # a partial second tile of rows, two int4 groups (four int8 ones)
     w = torch.randn(n, k, generator=gen)
-    packed, scale, minimum = quantize_int4(w)
     x = torch.randn(1, k, generator=gen).bfloat16()
-    want = F.linear(x.double(), dequantize_int4(packed, scale, minimum).double())
-    got = emulate(x, packed, scale, minimum)
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"emulation against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
-    return err < 1e-6
+    ok = True
+    for name, quantized, dequantized in (("int4", quantize_int4(w), dequantize_int4),
+                                          ("int8", (*quantize_int8(w), None), dequantize_int8)):
+        want = F.linear(x.double(), dequantized(*[t for t in quantized if t is not None]).double())
+        got = emulate(x, *quantized)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"emulation of {name} against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
+        ok &= err < 1e-6
+    return ok
 
 
 def chain_ms(fn, matrices) -> float:
@@ -436,44 +492,73 @@ def chain_ms(fn, matrices) -> float:
     return graphed_ms(lambda: [fn(m) for m in matrices]) / len(matrices)
 
 
+FORMATS = ("int4", "int8")
+
+
+def quantized(fmt: str, n: int, k: int) -> tuple:
+    "A random [n, k] weight in `fmt`, as `mma_staged` takes it: int4 (packed, scale, minimum); int8 (q, scale, scale)."
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    if fmt == "int4":
+        return quantize_int4(w)
+    q, scale = quantize_int8(w)
+    return q, scale, scale  # (the third: the kernel's unused minimum)
+
+
+def reference(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
+    return F.linear(x.float(), dequantize_int4(*mat) if fmt == "int4" else dequantize_int8(*mat[:2]))
+
+
+def exported(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
+    "t0: chapter 10's Triton int4 GEMV, or chapter 09's GEMV with int8 weights."
+    from forge_engine.kernels import gemv
+    from forge_engine.quant import int4_gemv
+    return int4_gemv(x, *mat) if fmt == "int4" else gemv(x, mat[0], None, mat[1], impl="triton")
+
+
 def main():
     from common import ON_GPU, finish, validate
     if not ON_GPU:
         sys.exit("needs a GPU (and nvcc); `emulate` checks the index arithmetic on a CPU")
-    from forge_engine.quant import int4_gemv
+    formats = (sys.argv[1] if len(sys.argv) > 1 else "int4,int8").split(",")
     ext = build()
     ok = True
-    for n, k in ((40, 1152), (2560, 4096)):  # q4 at a partial tile and uneven splits (9 groups in 2-4), then o's shape
-        x = torch.randn(1, k, device="cuda").bfloat16()
-        mat = quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
-        want = F.linear(x.float(), dequantize_int4(*mat))
-        part, counters = staged_buffers(n)
-        for warps, splits in STAGED:
-            if splits <= k // 128:
+    for fmt in formats:  # q4 at a partial tile and uneven splits (int4: 9 groups, int8: 18), then o's shape
+        for n, k in ((40, 1152), (2560, 4096)):
+            x = torch.randn(1, k, device="cuda").bfloat16()
+            mat = quantized(fmt, n, k)
+            want = reference(fmt, x, mat)
+            part, counters = staged_buffers(n)
+            for warps, splits in STAGED:
                 for call in range(2):  # the second call finds the counters back at zero
-                    got = ext.int4_mma_staged(x, *mat, part, counters, warps, splits, True).float()
-                    ok &= validate(f"{n}x{k} q4-{warps}-{splits} call {call}", got, want, 2e-2)
-        ok &= bool((counters == 0).all())
-    for name, (n, k) in SHAPES.items():
-        x = torch.randn(1, k, device="cuda").bfloat16()
-        mats = [quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()) for _ in range(36)]
-        want = F.linear(x.float(), dequantize_int4(*mats[0]))
-        ok &= validate(f"{name} t0 int4_gemv", int4_gemv(x, *mats[0]).float(), want, 2e-2)
-        t0 = chain_ms(lambda m: int4_gemv(x, *m), mats)
-        nbytes = sum(t.nbytes for t in mats[0])
-        print(f"{name:8s} t0 int4_gemv           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s", flush=True)
-        for config in CONFIGS:
-            label = "q3-{}-{}-{}".format(*config)
-            ok &= validate(f"{name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
-            ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
-            print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
-        part, counters = staged_buffers(n)
-        for warps, splits in STAGED:
-            label = f"q4-{warps}-{splits}"
-            ok &= validate(f"{name} {label}", ext.int4_mma_staged(x, *mats[0], part, counters, warps, splits,
-                                                                  True).float(), want, 2e-2)
-            ms = chain_ms(lambda m: ext.int4_mma_staged(x, *m, part, counters, warps, splits, True), mats)
-            print(f"{name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+                    got = ext.mma_staged(x, *mat, part, counters, warps, splits, True).float()
+                    ok &= validate(f"{fmt} {n}x{k} q4-{warps}-{splits} call {call}", got, want, 2e-2)
+            ok &= bool((counters == 0).all())
+    for fmt in formats:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(1, k, device="cuda").bfloat16()
+            mats = [quantized(fmt, n, k) for _ in range(36)]
+            want = reference(fmt, x, mats[0])
+            ok &= validate(f"{fmt} {name} t0", exported(fmt, x, mats[0]).float(), want, 2e-2)
+            t0 = chain_ms(lambda m: exported(fmt, x, m), mats)
+            nbytes = sum(t.nbytes for t in mats[0][:3 if fmt == "int4" else 2])
+            print(f"{fmt} {name:8s} t0 (export)           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s",
+                  flush=True)
+            for config in CONFIGS if fmt == "int4" else ():
+                label = "q3-{}-{}-{}".format(*config)
+                ok &= validate(f"{fmt} {name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
+                ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
+                print(f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
+                      flush=True)
+            part, counters = staged_buffers(n)
+            for warps, splits in STAGED:
+                label = f"q4-{warps}-{splits}"
+                got = ext.mma_staged(x, *mats[0], part, counters, warps, splits, True).float()
+                ok &= validate(f"{fmt} {name} {label}", got, want, 2e-2)
+                ms = chain_ms(lambda m: ext.mma_staged(x, *m, part, counters, warps, splits, True), mats)
+                print(f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
+                      flush=True)
+            del mats
+            torch.cuda.empty_cache()
     finish(ok)
 
 
