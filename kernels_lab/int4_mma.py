@@ -486,6 +486,50 @@ def check_emulation() -> bool:
     return ok
 
 
+def check_staging() -> bool:
+    """q4's shared-memory indexing, replayed in Python with the kernel's formulas: for every block (tile, split), the
+    bytes its copy loop puts in `w_s` and `x_s` and what its warps then read back must be the global weight bytes,
+    scales and x that q3 reads for the same row, group and lane; the splits must cover every group once."""
+    import numpy as np
+    ok = True
+    for int8, n, k, splits in ((False, 40, 1152, 3), (True, 40, 1152, 5), (False, 2560, 9728, 4), (True, 24, 640, 1)):
+        inputs = 64 if int8 else 128
+        groups, tiles = k // inputs, -(-n // 16)
+        row_bytes = k if int8 else k // 2
+        q = np.random.default_rng(0).integers(0, 256, (n, row_bytes), dtype=np.uint8)
+        x_words = np.arange(k // 8)  # x as 16-byte words: each word's number stands for its contents
+        covered = np.zeros(groups, dtype=int)
+        for tile in range(tiles):
+            for split in range(splits):
+                g0 = split * groups // splits
+                ng = (split + 1) * groups // splits - g0
+                covered[g0:g0 + ng] += tile == 0
+                stride = ng * 64 + (0 if ng % 2 else 64)
+                w_s = np.zeros(16 * stride, dtype=np.uint8)
+                for c in range(16 * 4 * ng):  # the copy loop
+                    r, j = c // (4 * ng), c % (4 * ng)
+                    at = min(tile * 16 + r, n - 1) * row_bytes + g0 * 64 + j * 16
+                    w_s[r * stride + j * 16:][:16] = q.reshape(-1)[at:at + 16]
+                x_s = np.full(16 * ng, -1)
+                for c in range(ng * inputs // 8):
+                    x_s[c] = x_words[g0 * inputs // 8 + c]
+                for g in range(ng):  # what the warps read
+                    for lane in range(32):
+                        r, t = lane // 4, lane % 4
+                        for rr in (r, r + 8):
+                            row = min(tile * 16 + rr, n - 1)
+                            got = w_s[rr * stride + g * 64 + t * 16:][:16]
+                            ok &= bool((got == q[row, (g0 + g) * 64 + t * 16:][:16]).all())
+                        first = g * (inputs // 8) + 2 * t  # xl: words of inputs (g0 + g) * inputs + 16t ..
+                        ok &= bool((x_s[first:first + 2] == x_words[((g0 + g) * inputs + 16 * t) // 8:][:2]).all())
+                        if not int8:  # xh: the inputs 64 on
+                            ok &= bool((x_s[first + 8:first + 10] == x_words[((g0 + g) * 128 + 64 + 16 * t) // 8:][:2]).all())
+                ok &= 16 * stride % 64 == 0 and stride % 128 == 64  # 16-byte aligned sections, conflict-free rows
+        ok &= bool((covered == 1).all())
+        print(f"q4 staging, {'int8' if int8 else 'int4'} {n} x {k} in {splits} splits: {'ok' if ok else 'WRONG'}")
+    return ok
+
+
 def chain_ms(fn, matrices) -> float:
     "Median ms of one CUDA-graph replay of fn over the 36 matrices (each a distinct weight: nothing stays in L2)."
     from common import graphed_ms
@@ -570,5 +614,5 @@ def staged_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["emulate"]:
-        sys.exit(0 if check_emulation() else 1)
+        sys.exit(0 if check_emulation() & check_staging() else 1)
     main()
