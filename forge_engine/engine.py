@@ -269,9 +269,8 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
-        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations,
-        # after one last collection: a full collection while decoding then scans only what decoding made (below)
-        gc.collect()
+        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
+        # a full collection while decoding then scans only what decoding made (below)
         gc.freeze()
 
     # -- requests --

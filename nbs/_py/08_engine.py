@@ -351,11 +351,12 @@ class EngineStats:
 # tokenizer's tables, the engine's own. In `forge-engine bench w1 --quantization int8` on an H200
 # (session 17) one decode step in every third run took 120-131 ms instead of 1.76 (the run at
 # 440-448 tok/s instead of 565; `kernels_lab/w1_run_spread.py cli int8`), and with the collector
-# off no step took over 1.91 ms. So the engine, once built, collects once and *freezes* what is
-# alive (`gc.freeze()`): those objects stay out of later collections, which then walk only what
-# the requests made since. Process-wide, as the collector is: objects freed by reference counts
-# are freed as before, but frozen garbage *in cycles* waits for the next `gc.unfreeze()`, which
-# the next engine built (before it allocates anything) and the bench's `free_memory` call.
+# off no step took over 1.91 ms. So building an engine starts with a full collection and ends by
+# *freezing* what is alive (`gc.freeze()`): those objects stay out of later collections, which
+# then walk only what the requests made since. Process-wide, as the collector is: objects freed
+# by reference counts are freed as before, but frozen garbage *in cycles* waits for the next
+# `gc.unfreeze()`, which the next engine built (before it allocates anything) and the bench's
+# `free_memory` call.
 
 # %%
 #| export
@@ -401,9 +402,8 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
         self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
-        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations,
-        # after one last collection: a full collection while decoding then scans only what decoding made (below)
-        gc.collect()
+        # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
+        # a full collection while decoding then scans only what decoding made (below)
         gc.freeze()
 
     # -- requests --
