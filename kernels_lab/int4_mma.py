@@ -1,4 +1,5 @@
-"""int4 decode GEMV on the tensor cores (CUDA C++, built just in time): the contender to chapter 10's `int4_gemv`.
+"""int4 (and int8) decode GEMV on the tensor cores (CUDA C++, built just in time): the contender to chapter 10's
+`int4_gemv`.
 
 Why: chapter 10's int4 GEMV spends ~4 instructions a weight unpacking nibbles and multiply-adding them in FP32, and
 an H200 issues ~33 trillion thread-instructions a second: at 4.19 TB/s (8.4 trillion int4 weights a second) that is
@@ -12,14 +13,14 @@ thread's 128 weights a step, 3.5 a weight (`gemv_sass.py`'s `int4_loop`): at 3.7
 warp-instructions an SM issues a cycle.)
 
 Design (q1, commit e420964): a thread block per 16 weight rows, WARPS warps, each warp a share of the K groups
-(group g to warp g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128 inputs (64 bytes
-a row: chapter 10's packing, byte j = input j low, input j + 64 high): four 32-bit words a row. One word gives four
-A registers of two BF16 each, one LOP3 (and a shift) apiece: (w >> s) & 0x000F000F | 0x43004300 is the BF16 pair
-(128 + nibble at s, 128 + nibble at s + 16). Two mma per word: (low nibbles of bytes 0, 2 | high of 0, 2) and
-(low of 1, 3 | high of 1, 3). The inputs are matched by putting x, once per block, in shared memory in the B
-operand's order (`xp`: per group, t and word, the 4 words of the two mma's B registers: one 16-byte load). Each group's
-sums come out of the accumulators (every column of C holds them); 128 x Σx of the group comes off (the BF16 values
-are 128 + q), then scale and minimum as chapter 10 applies them. Warps' sums meet in shared memory.
+(group g to warp g % WARPS). Thread (r = lane / 4, t = lane % 4) loads 16 bytes of rows r and r + 8 per group of 128
+inputs (64 bytes a row: chapter 10's packing, byte j = input j low, input j + 64 high): four 32-bit words a row. One
+word gives four A registers of two BF16 each, one LOP3 (and a shift) apiece: (w >> s) & 0x000F000F | 0x43004300 is
+the BF16 pair (128 + nibble at s, 128 + nibble at s + 16). Two mma per word: (low nibbles of bytes 0, 2 | high of 0,
+2) and (low of 1, 3 | high of 1, 3). The inputs are matched by putting x, once per block, in shared memory in the B
+operand's order (`xp`: per group, t and word, the 4 words of the two mma's B registers: one 16-byte load). Each
+group's sums come out of the accumulators (every column of C holds them); 128 x Σx of the group comes off (the BF16
+values are 128 + q), then scale and minimum as chapter 10 applies them. Warps' sums meet in shared memory.
 
 Napkin math per mma (256 weights, 128 bytes): ~4 LOP3 + 2 shifts + 1 shared load + 1 HMMA per thread, i.e. ~8 warp
 instructions per 256 weights, ~1/30 of an instruction a weight against ~4 now: memory-bound, if the loads keep enough
@@ -47,23 +48,23 @@ against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in flight), o 5.02 vs 3.76, 
 8.05. Faster only for qkv; o and down have 160 tiles of 16 rows for 132 SMs, each warp a long serial chain of groups
 (split-K over blocks would be next); not taken into chapter 10 (it would also bring a CUDA build step to the package).
 
-q4 (`mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 52-56 registers,
-no spills; not yet run; int4, and int8 weights too, below): a block per tile of 16 rows and share of K (`splits` blocks a tile); before waiting for x
-it asks for its whole share of weight bytes into shared memory with `cp.async` (no registers held: 16-28 KB a block in
-flight, several blocks an SM), then x's share the same way; the warps take the groups in turn with q3's arithmetic
-(`group_x_sum`, `tile_group_sums`); a tile's last block to finish adds the splits' partial sums in order (a counter a
-tile, as chapter 09's decode attention merges its splits). For o and down (160 tiles) the splits give the grid its
-blocks; for qkv and gate-up the staging replaces q3's register slots. int8 through the same mma: a byte XOR 0x80 is
-u = w + 128 = 16 hi + lo, its nibbles go into A as int4's do, B holds x against the low nibbles and 16 x (exact in
-BF16) against the high ones, so C = Σ w x + 2304 Σ x; against chapter 09's int8 GEMV (t0 for int8). The question for
-int8 is not arithmetic (its chain is ~1.8 µs a launch plus 3.7 TB/s) but whether a whole share in flight before the
-wait for x shortens the launch boundaries.
+q4 (`mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 52-56 registers, no
+spills; not yet run; int4, and int8 weights too, below): a block per tile of 16 rows and share of K (`splits` blocks
+a tile); before waiting for x it asks for its whole share of weight bytes into shared memory with `cp.async` (no
+registers held: 16-28 KB a block in flight, several blocks an SM), then x's share the same way; the warps take the
+groups in turn with q3's arithmetic (`group_x_sum`, `tile_group_sums`); a tile's last block to finish adds the
+splits' partial sums in order (a counter a tile, as chapter 09's decode attention merges its splits). For o and down
+(160 tiles) the splits give the grid its blocks; for qkv and gate-up the staging replaces q3's register slots. int8
+through the same mma: a byte XOR 0x80 is u = w + 128 = 16 hi + lo, its nibbles go into A as int4's do, B holds x
+against the low nibbles and 16 x (exact in BF16) against the high ones, so C = Σ w x + 2304 Σ x; against chapter
+09's int8 GEMV (t0 for int8). The question for int8 is not arithmetic (its chain is ~1.8 µs a launch plus 3.7 TB/s)
+but whether a whole share in flight before the wait for x shortens the launch boundaries.
 
 Variants: t0 the exported Triton `int4_gemv` (chapter 10); q3-W-F-T: W warps, F groups in flight a warp, T tiles of
 16 rows a warp; q4-W-S: W warps, K in S splits (first validated at a partial tile with uneven splits, twice: the
-counters must come back to zero). Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as gemv_chain_sweep.py),
-dependent launches on for both. `emulate` runs the kernel's index arithmetic in PyTorch on a CPU (the mma
-fragments as the PTX manual lays them out) against the reference.
+counters must come back to zero). Each timed as a CUDA graph of 36 distinct matrices of a Qwen3-4B shape (as
+gemv_chain_sweep.py), dependent launches on for both. `emulate` runs the kernel's index arithmetic in PyTorch on a
+CPU (the mma fragments as the PTX manual lays them out) against the reference.
 
 Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [int4,int8 | emulate]   (GPU: needs nvcc; the first build takes
 ~1 minute)"""
@@ -81,9 +82,6 @@ CUDA_SOURCE = r"""
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
-__device__ __forceinline__ uint32_t nibbles(uint32_t w, int shift) {  // BF16 pair (128 + nibble, 128 + nibble 16 bits up)
-  return ((w >> shift) & 0x000F000Fu) | 0x43004300u;
-}
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -196,7 +194,10 @@ __global__ void __launch_bounds__(WARPS * 32) int4_mma_gemv(
   }
   if (t == 0) {
     #pragma unroll
-    for (int j = 0; j < TILES; ++j) { part[warp][j * 16 + r] = acc[2 * j]; part[warp][j * 16 + r + 8] = acc[2 * j + 1]; }
+    for (int j = 0; j < TILES; ++j) {
+      part[warp][j * 16 + r] = acc[2 * j];
+      part[warp][j * 16 + r + 8] = acc[2 * j + 1];
+    }
   }
   __syncthreads();
   if (threadIdx.x < 16 * TILES && row0 + threadIdx.x < N) {
@@ -388,8 +389,8 @@ torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, to
   TORCH_CHECK(false, "no instance for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
 }
 """
-CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minimum, "
-                   "int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
+CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
+                   "torch::Tensor minimum, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
                    "torch::Tensor mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
                    "torch::Tensor minimum, torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, "
                    "bool pdl);")
@@ -401,7 +402,8 @@ STAGED = [(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8)]  # q4: (warps, splits
 def build():
     from torch.utils.cpp_extension import load_inline
     return load_inline("forge_lab_int4_mma", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
-                       functions=["int4_mma", "mma_staged"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+                       functions=["int4_mma", "mma_staged"],
+                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
                        verbose=False)
 
 
@@ -523,7 +525,8 @@ def check_staging() -> bool:
                         first = g * (inputs // 8) + 2 * t  # xl: words of inputs (g0 + g) * inputs + 16t ..
                         ok &= bool((x_s[first:first + 2] == x_words[((g0 + g) * inputs + 16 * t) // 8:][:2]).all())
                         if not int8:  # xh: the inputs 64 on
-                            ok &= bool((x_s[first + 8:first + 10] == x_words[((g0 + g) * 128 + 64 + 16 * t) // 8:][:2]).all())
+                            high = ((g0 + g) * 128 + 64 + 16 * t) // 8
+                            ok &= bool((x_s[first + 8:first + 10] == x_words[high:high + 2]).all())
                 ok &= 16 * stride % 64 == 0 and stride % 128 == 64  # 16-byte aligned sections, conflict-free rows
         ok &= bool((covered == 1).all())
         print(f"q4 staging, {'int8' if int8 else 'int4'} {n} x {k} in {splits} splits: {'ok' if ok else 'WRONG'}")
