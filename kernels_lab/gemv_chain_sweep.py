@@ -11,7 +11,7 @@ configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K
 num_warps, chunk bytes)); int8 and int4 also
 with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
 register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
-variants, and the best three of the grid. `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold
+variants, and the best three of the grid (`LAB_ROWS=1`: the grid of chapter 09's rows layout for bf16 / int8). `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold
 (the norm in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
@@ -32,7 +32,13 @@ GRID_INT4 = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))  # (BLOCK_N r
 BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: the grid stops there (the export always runs)
 FOLD = bool(os.environ.get("LAB_FOLD"))  # bf16 / int8: each GEMV with the batch-1 step's fold (chapter 09's `norm` for
 # qkv and gate-up, `residual` for o and down), as the decode step would run it folded
+ROWS = bool(os.environ.get("LAB_ROWS"))  # bf16 / int8: the grid of chapter 09's rows layout instead of the tile's
+# (BLOCK_N rows, warps, 8 or 16 bytes of each row a thread and step: block_k = 32 x warps x that many weights)
+GRID_ROWS = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))
 LAYERS = 36
+if os.environ.get("LAB_INT8_OFFSET"):  # int8 read plus 2^15 + 128, x's sum taken off at the end (chapter 09's switch)
+    import forge_engine.kernels
+    forge_engine.kernels.GEMV_INT8_OFFSET = True
 
 
 def weights(fmt, n, k):
@@ -101,12 +107,18 @@ def main():
         if fmt == "int4":  # a register cap: more warps an SM (gemv_sass.py: 80 spills nothing, 64 spills)
             for cap in (80, 64):
                 results[f"export, maxnreg={cap}"] = timed(maxnreg=cap)
-        for config in GRID_INT4 if fmt == "int4" else GRID:
+        rows = ROWS and fmt != "int4"
+        for config in GRID_INT4 if fmt == "int4" else GRID_ROWS if rows else GRID:
             if time.monotonic() - start > BUDGET_S: break
+            if rows:  # (block_n, warps, bytes) -> the rows layout's launch
+                block_n, warps, chunk = config
+                results["rows " + str(config)] = timed(layout="rows", block_n=block_n, num_warps=warps,
+                                                       block_k=32 * warps * chunk // int(BYTES_PER_WEIGHT[fmt]))
+                continue
             names = ("block_n", "num_warps", "chunk") if fmt == "int4" else ("block_n", "block_k", "num_warps")
             results[str(config)] = timed(**dict(zip(names, config)))
         best = sorted(results.items(), key=lambda kv: kv[1])
-        for name, ms in [r for r in results.items() if not r[0].startswith("(")] + best[:3]:
+        for name, ms in [r for r in results.items() if not r[0].startswith(("(", "rows"))] + best[:3]:
             print(f"  {fmt:5s} {label:8s} {'fold ' if fold else ''}{name:28s} {ms * 1e3 / LAYERS:7.2f} us/matrix  "
                   f"{nbytes / ms / 1e9:6.2f} TB/s  {100 * nbytes / (ms / 1e3) / HBM_BYTES_PER_S:5.1f}%", flush=True)
         del layers
