@@ -4,12 +4,11 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_ROWS', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU',
-           'FUSED_NORM_GEMV', 'FUSED_NORM_GEMV_INT8', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N',
-           'INT8_OFFSET', 'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'GEMV_INT8_OFFSET',
-           'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK',
-           'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP',
-           'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
-           'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'FUSED_NORM_GEMV', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'GEMV_L2_PREFETCH',
+           'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
+           'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
+           'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
+           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
            'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
            'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_layout', 'gemv_config',
            'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
@@ -329,43 +328,39 @@ FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swigl
 
 
 FUSED_NORM_GEMV = True  # a decode step's add + RMSNorm folded into the BF16 GEMVs around it (`norm`, `residual`; below)
-FUSED_NORM_GEMV_INT8 = False  # ... and into the int8 ones, with the tiles the fold wants (`gemv_config`'s `norm`)
 
 
 def gemv_folds_norms(weight: torch.Tensor) -> bool:
     """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format: FUSED_NORM_GEMV (read at
-    each call: a lab may switch it between captures) for 2-byte weights, and for int8 ones with FUSED_NORM_GEMV_INT8."""
-    return FUSED_NORM_GEMV and (weight.element_size() == 2 or (FUSED_NORM_GEMV_INT8 and weight.dtype == torch.int8))
+    each call: a lab may switch it between captures), for 2-byte weights (int8's tiles measured slower with it)."""
+    return FUSED_NORM_GEMV and weight.element_size() == 2
 
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
 
 
-GEMV_ROWS_INT8_MIN_N = 1 << 30  # int8 weights of short rows (k < 4096) and at least this many through it too (none)
+GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
-    """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the BF16 gate-up
-    shape, and int8 short rows from GEMV_ROWS_INT8_MIN_N outputs on, where the chain lab measured it faster, else
-    'tile' (`_gemv_kernel`)."""
+    """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
+    shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
+    measured it faster, else 'tile' (`_gemv_kernel`)."""
     if GEMV_ROWS_LAYOUT and n < GEMV_ROWS_MAX_N and k < 4096 and (
             (weight_bytes == 2 and 16384 <= n and 512 <= k) or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)):
         return "rows"
     return "tile"
 
 
-def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None,
-                norm: bool = False) -> tuple[int, int, int]:
+def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
-    `gemv_layout`'s), `norm`: with an RMSNorm folded in. The sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py
-    and gemv_rows.py: 36 matrices of a shape in one graph, `LAB_FOLD=1` for `norm`; the LM head from kernels_lab/gemv.py)."""
+    `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
+    a shape in one graph; the LM head from kernels_lab/gemv.py)."""
     if (layout or gemv_layout(n, k, weight_bytes)) == "rows":
-        if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; qkv 2 rows, 16 bytes, 1 warp
+        if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
             return (8, 512, 2) if n >= 16384 else (2, 512, 1)
         return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
-    if weight_bytes == 1 and k < 4096 and norm:  # qkv, gate-up: 512-input steps, which halve x's loads and multiplies
-        return (8, 512, 2) if n < 16384 else (4, 512, 2)
     if weight_bytes == 1:
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
@@ -391,32 +386,6 @@ def _int8x4_to_f32(w):
         sub.f32 $2, $2, 0f4B000080;
         sub.f32 $3, $3, 0f4B000080;
         }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
-
-
-INT8_OFFSET = tl.constexpr(32896.0)  # 2^15 + 128: what `_as_offset_f32` adds to each int8 weight
-
-
-@triton.jit
-def _int8x4_to_offset_f32(w):
-    """int8 -> fp32 plus INT8_OFFSET (2^15 + 128) on an NVIDIA GPU, four weights a register: w + 128 placed in the
-    mantissa under 2^15's exponent, nothing subtracted (the GEMV takes INT8_OFFSET times x's sum off at the end)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u;
-        xor.b32 u, $4, 0x80808080;
-        prmt.b32 $0, u, 0x47000000, 0x7404;
-        prmt.b32 $1, u, 0x47000000, 0x7414;
-        prmt.b32 $2, u, 0x47000000, 0x7424;
-        prmt.b32 $3, u, 0x47000000, 0x7434;
-        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
-
-
-@triton.jit
-def _as_offset_f32(w, BYTE_ASM: tl.constexpr):
-    "An int8 weight tile in fp32 plus INT8_OFFSET: 2^15 + (w + 128), exactly, one byte permute a weight on a GPU."
-    if BYTE_ASM:
-        return _int8x4_to_offset_f32(w)
-    return (((w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) << 8) | 0x47000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -478,10 +447,10 @@ def _norm_scale(sq, K, eps):
 
 
 @triton.jit
-def _gemv_step(acc, sq, xs, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, w=None):
-    """(acc + one step of the GEMV, sq, xs): inputs k of x's rows and of the weight rows (`w`: that tile, already
-    loaded); `sq`, `g_ptr`, NORM: `_normed_x`. OFFSET: int8 weights read plus INT8_OFFSET, x summed into `xs`."""
+def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
+    """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -491,16 +460,11 @@ def _gemv_step(acc, sq, xs, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
-    if OFFSET:
-        xs += x
-        w = _as_offset_f32(w, BYTE_ASM)
-    else:
-        w = _as_f32(w, BYTE_ASM)
     if ROWS == 1:
-        acc += x * w  # x [1, BLOCK_K] broadcast over the rows of w
+        acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
-        acc += x[:, None, :] * w[None, :, :]
-    return acc, sq, xs
+        acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    return acc, sq
 
 
 @triton.jit
@@ -515,7 +479,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
                  stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
                  PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
                 not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -533,7 +497,6 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
-    xs = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # OFFSET: x's sum (as `sq`)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
@@ -541,14 +504,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
         k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
-        acc, sq, xs = _gemv_step(acc, sq, xs, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM,
-                                 OFFSET, w)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
-        acc, sq, xs = _gemv_step(acc, sq, xs, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok,
-                                 EVEN_K, ROWS, BYTE_ASM, NORM, OFFSET)
-    if OFFSET:  # each input's INT8_OFFSET times x off before the sum over inputs (there the offsets would dwarf it)
-        acc -= INT8_OFFSET * (xs if ROWS == 1 else xs[:, None, :])
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
+                             ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -683,7 +643,6 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 
 GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-GEMV_INT8_OFFSET = False  # int8 weights read plus INT8_OFFSET, x's sum times it taken off at the end (`_as_offset_f32`)
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -745,7 +704,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                              prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps),
                         backend)
     layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 else "tile")
-    default = gemv_config(n, k, weight.element_size(), layout, norm is not None)  # measured, where none is asked for
+    default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and (block_n < 2 or block_n % 2):
@@ -776,7 +735,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
-            OFFSET=GEMV_INT8_OFFSET and weight.dtype == torch.int8, num_warps=num_warps, **_stages(num_stages))
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0

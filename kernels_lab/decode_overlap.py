@@ -18,6 +18,9 @@ Session 17: DECODE_EARLY_TILE won (on, for steps of at most DEPENDENT_LAUNCH_MAX
 every int8 GEMV won once the peeled first step's layout was fixed; the L2 prefetch for the o projection only (or o and
 qkv: the lab's PREFETCH_SHAPES), each step's weights loaded a step ahead in registers (removed again), and the
 int8 norm fold lost.
+Session 18: int8's gate-up through the rows kernel (GEMV_ROWS_INT8_MIN_N) won (on; "int8 tile gate-up" is the tile
+kernel again), with qkv as well it lost; int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end)
+and the int8 norm fold with its own tiles lost (commit aed4513 has their switches).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -103,7 +106,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "FUSED_NORM_GEMV_INT8", "GEMV_INT8_OFFSET", "GEMV_ROWS_INT8_MIN_N",
+             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N",
 
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
@@ -133,9 +136,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
     "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
-    "int8 norms folded": dict(FUSED_NORM_GEMV_INT8=True), "int8 offset": dict(GEMV_INT8_OFFSET=True),
-    "int8 offset, norms folded": dict(GEMV_INT8_OFFSET=True, FUSED_NORM_GEMV_INT8=True),
-    "int8 rows, gate-up": dict(GEMV_ROWS_INT8_MIN_N=16384), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
+    "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
 
     "defaults again": {}}
 

@@ -36,9 +36,6 @@ ROWS = bool(os.environ.get("LAB_ROWS"))  # bf16 / int8: the grid of chapter 09's
 # (BLOCK_N rows, warps, 8 or 16 bytes of each row a thread and step: block_k = 32 x warps x that many weights)
 GRID_ROWS = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))
 LAYERS = 36
-if os.environ.get("LAB_INT8_OFFSET"):  # int8 read plus 2^15 + 128, x's sum taken off at the end (chapter 09's switch)
-    import forge_engine.kernels
-    forge_engine.kernels.GEMV_INT8_OFFSET = True
 
 
 def weights(fmt, n, k):
