@@ -34,7 +34,8 @@ FOLD = bool(os.environ.get("LAB_FOLD"))  # bf16 / int8: each GEMV with the batch
 # qkv and gate-up, `residual` for o and down), as the decode step would run it folded
 ROWS = bool(os.environ.get("LAB_ROWS"))  # bf16 / int8: the grid of chapter 09's rows layout instead of the tile's
 # (BLOCK_N rows, warps, 8 or 16 bytes of each row a thread and step: block_k = 32 x warps x that many weights)
-GRID_ROWS = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))
+GRID_ROWS = [(bn, w, c) for bn, w, c in itertools.product((2, 4, 8), (1, 2, 4, 8), (8, 16, 32)) if bn * c <= 128]
+ONLY = os.environ.get("LAB_SHAPES")  # some of SHAPES, by name (comma-separated; default all)
 LAYERS = 36
 
 
@@ -79,6 +80,7 @@ def main():
         finish(ok)
     print(f"\n== {LAYERS} GEMVs of one shape, distinct weights, one CUDA-graph replay; ceiling {HBM_BYTES_PER_S / 1e12:.2f} TB/s")
     for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
+        if ONLY and label not in ONLY.split(","): continue
         layers = [weights(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
         nbytes = LAYERS * n * k * BYTES_PER_WEIGHT[fmt]
