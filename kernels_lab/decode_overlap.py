@@ -107,7 +107,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N",
+             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N", "GEMV_STEP_SUMS",
 
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
@@ -137,7 +137,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
     "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
-    "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
+    "int8 step sums off": dict(GEMV_STEP_SUMS=False), "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
 
     "defaults again": {}}
 
