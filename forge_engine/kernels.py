@@ -5,15 +5,15 @@
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_ROWS', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU',
            'FUSED_NORM_GEMV', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'GEMV_L2_PREFETCH',
-           'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'GEMV_STEP_SUMS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS',
-           'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT',
-           'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE',
-           'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend',
-           'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm',
-           'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv',
-           'gemv_folds_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch', 'gemv_run',
-           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
+           'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
+           'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
+           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
+           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
+           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_layout', 'gemv_config',
+           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
+           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
+           'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -448,9 +448,9 @@ def _norm_scale(sq, K, eps):
 
 @triton.jit
 def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, RUN: tl.constexpr, w=None):
+               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
     """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
-    `sq`, `g_ptr`, NORM: `_normed_x`; RUN: `_gemv_kernel`'s."""
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -460,10 +460,7 @@ def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.cons
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
-    if ROWS == 1 and RUN > 1:  # each thread's RUN neighbouring inputs summed now: a sum per row and run, not per weight
-        prod = x * _as_f32(w, BYTE_ASM)
-        acc += tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // RUN, RUN]), axis=2)
-    elif ROWS == 1:
+    if ROWS == 1:
         acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
         acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
@@ -482,7 +479,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
                  stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
                  PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, RUN: tl.constexpr):
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
                 not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -498,8 +495,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
-    # (RUN > 1, one row: each thread sums its RUN neighbouring inputs every step, [BLOCK_N, BLOCK_K / RUN] sums)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // RUN) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
@@ -508,11 +504,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
         k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, RUN, w)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
-                             ROWS, BYTE_ASM, NORM, RUN)
+                             ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -647,13 +643,6 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 
 GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-GEMV_STEP_SUMS = True  # the tile kernel at one row sums each thread's 8 neighbouring inputs every step (`gemv_run`)
-
-
-def gemv_run(weight: torch.Tensor, rows: int, block_k: int) -> int:
-    """The tile GEMV's RUN: with GEMV_STEP_SUMS, int8 weights and one row of x, 8 (the inputs a thread loads at once:
-    summed every step, 8 times fewer sums kept than weights in the tile), else 1 (a sum kept per weight of the tile)."""
-    return 8 if GEMV_STEP_SUMS and weight.dtype == torch.int8 and rows == 1 and block_k % 8 == 0 else 1
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -746,7 +735,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
-            RUN=gemv_run(weight, m, block_k), num_warps=num_warps, **_stages(num_stages))
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0

@@ -20,7 +20,8 @@ qkv: the lab's PREFETCH_SHAPES), each step's weights loaded a step ahead in regi
 int8 norm fold lost.
 Session 18: int8's gate-up through the rows kernel (GEMV_ROWS_INT8_MIN_N) won (on; "int8 tile gate-up" is the tile
 kernel again), with qkv as well it lost, o and down through it (2 rows, 4 warps, 4,096 inputs a step: a program's
-whole row asked for before the wait) lost by more (1.796 ms against 1.682); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end)
+whole row asked for before the wait) lost by more (1.796 ms against 1.682), the int8 tile GEMVs summing each
+thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40 registers instead of 96) too (1.907 against 1.679); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end)
 and the int8 norm fold with its own tiles lost (commit aed4513 has their switches).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
@@ -107,7 +108,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N", "GEMV_STEP_SUMS",
+             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N",
 
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
@@ -137,7 +138,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
     "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
-    "int8 step sums off": dict(GEMV_STEP_SUMS=False), "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
+    "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
 
     "defaults again": {}}
 

@@ -23,7 +23,7 @@ from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "NORM",
-         "RESIDUAL", "RUN")
+         "RESIDUAL")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "g_ptr": "*bf16",
                   "res_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                   "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "eps": "fp32",
@@ -77,13 +77,12 @@ def resident_warps(registers: int, num_warps: int) -> int:
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
               stages: int = 1, swiglu: bool = False, maxnreg: int | None = None,
-              early: bool = False, norm: bool = False, run: int = 1) -> tuple[list[str], float, int]:
+              early: bool = False, norm: bool = False) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
-    `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop); `run`: each thread's
-    `run` neighbouring inputs summed every step (GEMV_STEP_SUMS: 8 for int8)."""
+    `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=False, RUN=run)
+                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=False)
     body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                                 dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
     return body, block_n * block_k / (32 * num_warps), registers
@@ -128,9 +127,6 @@ def main():
              ("bf16 early", dict(bf16, block_n=8, block_k=512, num_warps=4, early=True)),
              ("bf16 norm", dict(bf16, block_n=8, block_k=512, num_warps=4, early=True, norm=True)),
              ("int8 norm", dict(int8, block_n=4, block_k=1024, num_warps=4, early=True, norm=True)),
-             # int8 with each thread's 8 inputs summed every step (GEMV_STEP_SUMS): the exported tiles, early
-             *[("int8 run 8", dict(int8, block_n=bn, block_k=bk, num_warps=w, early=True, run=8))
-               for bn, bk, w in ((4, 1024, 4), (8, 512, 2), (4, 2048, 4))],
              # int4's exported tiles with a register cap: more warps resident, and what spills (STL/LDL in the loop)
              *[("int4", dict(block_n=bn, num_warps=w, chunk=c, byte_asm=True, maxnreg=cap))
                for bn, w, c in ((4, 2, 8), (4, 4, 16)) for cap in (56, 48)]]

@@ -677,20 +677,23 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # the conversion.
 #
 # Session 18: **int8's gate-up through the rows kernel**, with this chapter's conversion. Nsight
-# Compute (`kernels_lab/ncu_gemv.py`) showed the int8 tile GEMVs short of warps, not of issue
-# slots: 96 registers a thread (the `[BLOCK_N, BLOCK_K]` accumulator tile: 64 sums a thread at
-# 8 × 512 over 2 warps), 20 warps an SM, about 5 of every 8.4 cycles between a warp's
-# instructions waiting on memory. The rows kernel keeps one sum per row a thread: 40-64
-# registers. The chain lab's rows grid (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at
-# 8 rows, 2 warps, 8 bytes against the tile's 15.16; qkv 6.98 against 7.07; o and down slower.
-# In the decode step (`decode_overlap.py`) gate-up alone won, 1.679 ms against 1.702 (W1-like
-# 570.3 against 563.7 tok/s), qkv with it lost (1.708), so `GEMV_ROWS_INT8_MIN_N` takes the
-# gate-up shape only. Two ways of spending fewer instructions lost the same session, both
-# raising registers: int8 read as 2^15 + 128 + w by one byte permute, x's sum taken off at the end
-# (the loop 4.1-4.5 → 3.3-3.8 instructions a weight, 96 → 121-128 registers: o 4.63 → 5.47 µs,
-# gate-up 15.14 → 17.22, the step 1.955 ms), and the norm folded into int8's qkv and gate-up with
-# the tiles its own sweep chose (8 × 512 and 4 × 512: step 1.731 ms against 1.699). Commit
-# aed4513 has both switches (`GEMV_INT8_OFFSET`, `FUSED_NORM_GEMV_INT8`).
+# Compute (`kernels_lab/ncu_gemv.py`) shows the int8 tile GEMVs at 96 registers a thread (the
+# `[BLOCK_N, BLOCK_K]` accumulator tile: 64 sums a thread at 8 × 512 over 2 warps), 20 warps an
+# SM, about 5 of every 8.4 cycles between a warp's instructions waiting on memory. Yet neither
+# fewer instructions nor more warps made them faster. int8 read as 2^15 + 128 + w by one byte
+# permute, x's sum taken off at the end: the loop 4.1-4.5 → 3.3-3.8 instructions a weight but
+# 121-128 registers; o 4.63 → 5.47 µs, gate-up 15.14 → 17.22, the step 1.955 ms against 1.699.
+# Each thread summing its 8 inputs every step (a `[BLOCK_N, BLOCK_K / 8]` tile of sums): 40
+# registers, 48-50 warps an SM, 0.12 instructions a weight more; o 4.61 → 6.04 µs, the step 1.907
+# against 1.679. The norm folded into int8's qkv and gate-up with the tiles its own sweep chose
+# (8 × 512, 4 × 512): the step 1.731 against 1.699. Commits aed4513 (`GEMV_INT8_OFFSET`,
+# `FUSED_NORM_GEMV_INT8`) and f361c9d (`GEMV_STEP_SUMS`) have them. What did win: the rows kernel
+# (one sum per row a thread, every row's loads in flight at once) for the gate-up shape. The chain lab's rows grid
+# (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at 8 rows, 2 warps, 8 bytes against the
+# tile's 15.16; qkv 6.98 against 7.07; o and down slower. In the decode step
+# (`decode_overlap.py`) gate-up alone won, 1.679 ms against 1.702 (W1-like 570.3 against 563.7
+# tok/s); qkv with it lost (1.708), o and down with a whole row a step lost more (1.796). So
+# `GEMV_ROWS_INT8_MIN_N` takes the gate-up shape only.
 
 # %%
 #| export
@@ -819,9 +822,9 @@ def _norm_scale(sq, K, eps):
 
 @triton.jit
 def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, RUN: tl.constexpr, w=None):
+               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
     """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
-    `sq`, `g_ptr`, NORM: `_normed_x`; RUN: `_gemv_kernel`'s."""
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -831,10 +834,7 @@ def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.cons
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
-    if ROWS == 1 and RUN > 1:  # each thread's RUN neighbouring inputs summed now: a sum per row and run, not per weight
-        prod = x * _as_f32(w, BYTE_ASM)
-        acc += tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // RUN, RUN]), axis=2)
-    elif ROWS == 1:
+    if ROWS == 1:
         acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
         acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
@@ -853,7 +853,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
                  stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
                  PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, RUN: tl.constexpr):
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
                 not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -869,8 +869,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
-    # (RUN > 1, one row: each thread sums its RUN neighbouring inputs every step, [BLOCK_N, BLOCK_K / RUN] sums)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // RUN) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
@@ -879,11 +878,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
         k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
         _wait_for_previous(PDL)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, RUN, w)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
-                             ROWS, BYTE_ASM, NORM, RUN)
+                             ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -1018,13 +1017,6 @@ def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: boo
 
 
 GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-GEMV_STEP_SUMS = True  # the tile kernel at one row sums each thread's 8 neighbouring inputs every step (`gemv_run`)
-
-
-def gemv_run(weight: torch.Tensor, rows: int, block_k: int) -> int:
-    """The tile GEMV's RUN: with GEMV_STEP_SUMS, int8 weights and one row of x, 8 (the inputs a thread loads at once:
-    summed every step, 8 times fewer sums kept than weights in the tile), else 1 (a sum kept per weight of the tile)."""
-    return 8 if GEMV_STEP_SUMS and weight.dtype == torch.int8 and rows == 1 and block_k % 8 == 0 else 1
 
 
 def gemv_loop_stages(loop_stages: int | None = None) -> int:
@@ -1117,7 +1109,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
-            RUN=gemv_run(weight, m, block_k), num_warps=num_warps, **_stages(num_stages))
+            num_warps=num_warps, **_stages(num_stages))
     return out
 
 
