@@ -19,10 +19,11 @@ every int8 GEMV won once the peeled first step's layout was fixed; the L2 prefet
 qkv: the lab's PREFETCH_SHAPES), each step's weights loaded a step ahead in registers (removed again), and the
 int8 norm fold lost.
 Session 18: int8's gate-up through the rows kernel (GEMV_ROWS_INT8_MIN_N) won (on; "int8 tile gate-up" is the tile
-kernel again), with qkv as well it lost, o and down through it (2 rows, 4 warps, 4,096 inputs a step: a program's
-whole row asked for before the wait) lost by more (1.796 ms against 1.682), the int8 tile GEMVs summing each
-thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40 registers instead of 96) too (1.907 against 1.679); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end)
-and the int8 norm fold with its own tiles lost (commit aed4513 has their switches).
+kernel again); with qkv as well it lost, o and down through it (2 rows, 4 warps, 4,096 inputs a step: a program's
+whole row asked for before the wait) lost by more (1.796 ms against 1.682), and so did the int8 tile GEMVs summing
+each thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40 registers instead of 96; 1.907 against
+1.679), int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end) and the int8 norm fold with its
+own tiles (commit aed4513 has their switches).
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp

@@ -11,8 +11,9 @@ configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K
 num_warps, chunk bytes)); int8 and int4 also
 with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
 register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
-variants, and the best three of the grid (`LAB_ROWS=1`: the grid of chapter 09's rows layout for bf16 / int8). `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold
-(the norm in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
+variants, and the best three of the grid (`LAB_ROWS=1`: the grid of chapter 09's rows layout for bf16 / int8;
+`LAB_SHAPES=o,down`: some shapes). `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold (the norm
+in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
 import os
@@ -33,7 +34,7 @@ BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: th
 FOLD = bool(os.environ.get("LAB_FOLD"))  # bf16 / int8: each GEMV with the batch-1 step's fold (chapter 09's `norm` for
 # qkv and gate-up, `residual` for o and down), as the decode step would run it folded
 ROWS = bool(os.environ.get("LAB_ROWS"))  # bf16 / int8: the grid of chapter 09's rows layout instead of the tile's
-# (BLOCK_N rows, warps, 8 or 16 bytes of each row a thread and step: block_k = 32 x warps x that many weights)
+# (BLOCK_N rows, warps, 8, 16 or 32 bytes of each row a thread and step: block_k = 32 x warps x that many weights)
 GRID_ROWS = [(bn, w, c) for bn, w, c in itertools.product((2, 4, 8), (1, 2, 4, 8), (8, 16, 32)) if bn * c <= 128]
 ONLY = os.environ.get("LAB_SHAPES")  # some of SHAPES, by name (comma-separated; default all)
 LAYERS = 36
