@@ -10,7 +10,10 @@ at 3.7 TB/s about 3 of an SM's 4 warp-instructions a cycle (`gemv_sass.py`).
 Run on a GPU from the repository root (the counters need Firecracker's runtime, KINDS.md; clocks left alone):
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section LaunchStats python3 kernels_lab/ncu_gemv.py [bf16,int8,int4]
-Without ncu it only launches each GEMV (and checks it against the dequantized matmul)."""
+Without ncu it only launches each GEMV (and checks it against the dequantized matmul). `LAB_LAYOUTS=1`: bf16 and int8
+also in the GEMV layout the export does not take for the shape (tile against rows: the memory side of the choice;
+add `--section MemoryWorkloadAnalysis_Tables` for sectors a request and L2 / DRAM traffic)."""
+import os
 import sys
 
 from common import DEVICE, ON_GPU, finish, validate  # first: it may switch on the interpreter
@@ -20,7 +23,8 @@ from forge_engine.kernels import gemv
 from forge_engine.quant import dequantize_int4, int4_gemv, quantize_int4
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
-          "lm_head": (151936, 2560)} if ON_GPU else {"qkv": (96, 256)}
+          "lm_head": (151936, 2560)} if ON_GPU else {"qkv": (96, 256), "gate_up": (16384, 256)}
+LAYOUTS = bool(os.environ.get("LAB_LAYOUTS"))  # bf16 / int8: each shape in the other layout too (`other_layout`)
 
 
 def matrix(fmt: str, n: int, k: int) -> tuple:
@@ -33,10 +37,20 @@ def matrix(fmt: str, n: int, k: int) -> tuple:
     return (w,)
 
 
-def product(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
+def product(fmt: str, x: torch.Tensor, mat: tuple, **launch) -> torch.Tensor:
     if fmt == "int4":
         return int4_gemv(x, *mat)
-    return gemv(x, mat[0], None, mat[1] if fmt == "int8" else None, impl="triton")
+    return gemv(x, mat[0], None, mat[1] if fmt == "int8" else None, impl="triton", **launch)
+
+
+def other_layout(fmt: str, n: int, k: int) -> dict:
+    """The launch of bf16 / int8's other GEMV layout for this shape (`LAB_LAYOUTS=1`): the rows kernel at 2 rows,
+    4 warps, 16 bytes a thread where the export takes the tile kernel, else the tile kernel's exported setting."""
+    from forge_engine.kernels import gemv_config, gemv_layout
+    width = 1 if fmt == "int8" else 2
+    if gemv_layout(n, k, width) == "rows":
+        return dict(layout="tile", **dict(zip(("block_n", "block_k", "num_warps"), gemv_config(n, k, width, "tile"))))
+    return dict(layout="rows", block_n=2, num_warps=4, block_k=32 * 4 * 16 // width)
 
 
 def reference(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
@@ -54,12 +68,18 @@ def main():
             x = torch.randn(1, k, device=DEVICE).bfloat16()
             mat = matrix(fmt, n, k)
             ok &= validate(f"{fmt} {name}", product(fmt, x, mat).float(), reference(fmt, x, mat), 2e-2)
-            for _ in range(3): product(fmt, x, mat)  # compiled and warm
-            if ON_GPU: torch.cuda.synchronize()
-            if ON_GPU: torch.cuda.nvtx.range_push("profile")  # what ncu profiles (--nvtx-include "profile/")
-            product(fmt, x, mat)
-            if ON_GPU: torch.cuda.nvtx.range_pop()
-            print(f"profiled: {fmt} {name} {n}x{k}", flush=True)
+            launches = [{}]
+            if LAYOUTS and fmt != "int4" and name != "lm_head":
+                launches.append(other_layout(fmt, n, k))
+                ok &= validate(f"{fmt} {name} {launches[1]}", product(fmt, x, mat, **launches[1]).float(),
+                               reference(fmt, x, mat), 2e-2)
+            for launch in launches:
+                for _ in range(3): product(fmt, x, mat, **launch)  # compiled and warm
+                if ON_GPU: torch.cuda.synchronize()
+                if ON_GPU: torch.cuda.nvtx.range_push("profile")  # what ncu profiles (--nvtx-include "profile/")
+                product(fmt, x, mat, **launch)
+                if ON_GPU: torch.cuda.nvtx.range_pop()
+                print(f"profiled: {fmt} {name} {n}x{k} {launch or 'export'}", flush=True)
             del mat
     finish(ok)
 
