@@ -687,10 +687,10 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # registers, 48-50 warps an SM, 0.12 instructions a weight more; o 4.61 → 6.04 µs, the step 1.907
 # against 1.679. The norm folded into int8's qkv and gate-up with the tiles its own sweep chose
 # (8 × 512, 4 × 512): the step 1.731 against 1.699. Commits aed4513 (`GEMV_INT8_OFFSET`,
-# `FUSED_NORM_GEMV_INT8`) and f361c9d (`GEMV_STEP_SUMS`) have them. What did win: the rows kernel
-# (one sum per row a thread, every row's loads in flight at once) for the gate-up shape. The chain lab's rows grid
-# (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at 8 rows, 2 warps, 8 bytes against the
-# tile's 15.16; qkv 6.98 against 7.07; o and down slower. In the decode step
+# `FUSED_NORM_GEMV_INT8`) and f361c9d (`GEMV_STEP_SUMS`) have them. What did win: the rows
+# kernel (one sum per row a thread, every row's loads in flight at once) for the gate-up shape.
+# The chain lab's rows grid (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at 8 rows, 2
+# warps, 8 bytes against the tile's 15.16; qkv 6.98 against 7.07; o and down slower. In the step
 # (`decode_overlap.py`) gate-up alone won, 1.679 ms against 1.702 (W1-like 570.3 against 563.7
 # tok/s); qkv with it lost (1.708), o and down with a whole row a step lost more (1.796). So
 # `GEMV_ROWS_INT8_MIN_N` takes the gate-up shape only.
