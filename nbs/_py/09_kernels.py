@@ -712,8 +712,6 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
 
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-
-
 GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
 
 

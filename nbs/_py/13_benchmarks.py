@@ -208,7 +208,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     ttfts = sorted(first[i] for i in ids)
     return {"requests": len(ids), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
             "wall_s": wall, "output_tok_s": output_tokens / wall, "ttft_median_s": ttfts[len(ttfts) // 2],
-            "kv_used_blocks_after": engine.stats().kv.used_blocks, "records": records, "start": start}
+            "kv_used_blocks_after": engine.allocator.stats().used_blocks, "records": records, "start": start}
 
 
 def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) -> dict:
