@@ -16,7 +16,7 @@ from .model import Transformer
 
 # %% auto #0
 __all__ = ['DecodeAttentionFn', 'decode_buckets', 'context_buckets', 'decode_attention_for', 'StaticDecodeAttention',
-           'DecodeRunner']
+           'decode_inputs_bytes', 'decode_inputs', 'DecodeRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,6 +66,19 @@ class StaticDecodeAttention:
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
 # %% ../nbs/09b_cuda_graphs.ipynb #a0e5295d
+def decode_inputs_bytes(b: int, w: int) -> int:
+    "Bytes of a decode step's inputs for b rows and block tables w wide (see `decode_inputs`)."
+    return 3 * 8 * b + 4 * b + 4 * b * w
+
+
+def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 `buffer` as (ids, positions, slots [b] int64, context lengths [b] int32, block tables
+    [b, w] int32), back to back from its start (every view aligned to its element)."""
+    longs = buffer[:24 * b].view(torch.int64)
+    ints = buffer[24 * b:decode_inputs_bytes(b, w)].view(torch.int32)
+    return longs[:b], longs[b:2 * b], longs[2 * b:], ints[:b], ints[b:].view(b, w)
+
+# %% ../nbs/09b_cuda_graphs.ipynb #4c137cee
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
@@ -76,32 +89,31 @@ class DecodeRunner:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets, self.widths = decode_buckets(max_num_seqs), context_buckets(max_model_len, cache.block_size)
         b, width = self.buckets[-1], self.widths[-1]
-        make = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=self.device)
-        self.ids, self.positions, self.slots = make(b), make(b), make(b)
-        self.tables, self.lens = make(b, width, dtype=torch.int32), make(b, dtype=torch.int32)
         self.scratch_slot = scratch_block * cache.block_size
-        self.tables.fill_(scratch_block)
+        self.inputs = torch.zeros(decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         if self.use_graphs: self.capture()
 
     @torch.no_grad()
     def _forward(self, b: int, w: int) -> torch.Tensor:
-        attention = StaticDecodeAttention(self.cache, self.slots[:b], self.tables[:b, :w], self.lens[:b], self.attention)
-        return self.model.compute_logits(self.model(self.ids[:b], self.positions[:b], attention))
+        ids, positions, slots, lens, tables = decode_inputs(self.inputs, b, w)
+        attention = StaticDecodeAttention(self.cache, slots, tables, lens, self.attention)
+        return self.model.compute_logits(self.model(ids, positions, attention))
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
-        self.lens.fill_(1)
-        self.slots.fill_(self.scratch_slot)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
-            for w in self.widths: self._forward(self.buckets[-1], w)
+            for w in self.widths:
+                self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
+                self._forward(self.buckets[-1], w)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for b in reversed(self.buckets):
             for w in reversed(self.widths):
+                self._write_inputs(b, w, [], [], [], [], [])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[b, w] = self._forward(b, w)
@@ -117,6 +129,23 @@ class DecodeRunner:
         Graphs that recorded NCCL collectives must go before their communicator can (chapter 09c)."""
         self.graphs, self.logits = {}, {}
 
+    def _write_inputs(self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens) -> None:
+        """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
+        one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
+        position 0, written to the scratch slot, attending to itself."""
+        n = len(token_ids)
+        host = torch.empty(decode_inputs_bytes(b, w), dtype=torch.uint8)
+        ids, pos, slot, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
+        ids[:n], pos[:n], slot[:n], lens[:n] = token_ids, positions, slots, context_lens
+        ids[n:], pos[n:], slot[n:], lens[n:] = 0, 0, self.scratch_slot, 1
+        tables[:] = 0
+        tables[n:, 0] = self.scratch_slot // self.cache.block_size
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
+        # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
+        tables[:n][np.arange(w)[None, :] < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
+        copy_to_device(self.inputs[:host.numel()], host)
+
     @torch.no_grad()
     def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
             block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -125,23 +154,9 @@ class DecodeRunner:
         the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
         b = self.bucket_for(n)
-        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
-        width = int(table_lens.max())
-        w = next(x for x in self.widths if x >= width)
-        # small host tensors, queued behind the GPU's work (chapter 05); cheaper than any bookkeeping to avoid them
-        copy_to_device(self.ids[:n], torch.tensor(token_ids))
-        if fill_ids is not None: fill_ids(self.ids[:n])
-        copy_to_device(self.positions[:n], torch.tensor(positions))
-        copy_to_device(self.slots[:n], torch.tensor(slots))
-        copy_to_device(self.lens[:n], torch.tensor(context_lens, dtype=torch.int32))
-        # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
-        rows = np.zeros((n, width), dtype=np.int32)
-        rows[np.arange(width)[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
-        copy_to_device(self.tables[:n, :width], torch.from_numpy(rows))
-        if b > n:  # padding rows: one token at position 0 written to the scratch slot, attending to itself
-            self.ids[n:b].zero_(); self.positions[n:b].zero_(); self.slots[n:b].fill_(self.scratch_slot)
-            self.lens[n:b].fill_(1); self.tables[n:b, 0].fill_(self.scratch_slot // self.cache.block_size)
+        w = next(x for x in self.widths if x >= max(map(len, block_tables)))
+        self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
+        if fill_ids is not None: fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
         if self.use_graphs:
             if not self.graphs: raise RuntimeError("this decode runner's CUDA graphs were released")
             self.graphs[b, w].replay()

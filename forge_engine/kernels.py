@@ -4,16 +4,16 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_ROWS', 'GEMV_MAX_ROWS', 'FUSED_SWIGLU',
-           'FUSED_NORM_GEMV', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'GEMV_L2_PREFETCH',
-           'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS',
-           'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS',
-           'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE',
-           'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
-           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
-           'silu_mul', 'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_layout', 'gemv_config',
-           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'gemv', 'paged_attention_reference',
-           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
-           'KernelPagedAttention', 'KernelDecodeAttention']
+           'FUSED_NORM_GEMV', 'NORM_HANDOFF', 'GEMV_ROWS_LAYOUT', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N',
+           'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS',
+           'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT',
+           'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE',
+           'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend',
+           'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm',
+           'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv',
+           'gemv_folds_norms', 'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
+           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
+           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -336,6 +336,15 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
     return FUSED_NORM_GEMV and weight.element_size() == 2
 
 
+NORM_HANDOFF = True  # int8: each norm of a decode step handed from the GEMV adding the residual to the next (`hand_off`)
+
+
+def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
+    """Whether a decode step hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s `hand_off` and
+    `norm_sums`): NORM_HANDOFF (read at each call, as FUSED_NORM_GEMV), for 1-byte (int8) weights."""
+    return NORM_HANDOFF and weight.element_size() == 1
+
+
 GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
 GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
 GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
@@ -473,11 +482,12 @@ def _step_inputs(w_ptr, k0, offs_k):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                 stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
+                 SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
                 not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -504,12 +514,16 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
         first = BLOCK_K
+    if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
+        handed = tl.load(sums_ptr + offs_m, mask=m_ok, other=0.0)  # for once x is there, used at the end
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
                              ROWS, BYTE_ASM, NORM)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
+    if NORM_SUMS:
+        out *= _norm_scale(handed, K, eps)[:, None]
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -527,6 +541,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, M, N, 
             out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(
                 res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
+        if HAND_OFF:  # the next RMSNorm's work but its 1 / rms: h (as stored) x the norm's weight, and h's squares,
+            h = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # summed over the programs into sums_ptr
+            g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     (h * g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_add(sums_ptr + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), axis=1), mask=m_ok, sem="relaxed")
 
 
 @triton.jit
@@ -569,10 +589,11 @@ def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_A
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, N, K, stride_wn, eps,
+def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, N, K, stride_wn, eps,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                      NORM_SUMS: tl.constexpr):
     _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
@@ -591,17 +612,21 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, N
         _wait_for_previous(PDL)
         accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM)
         first = STEP
+    if NORM_SUMS:  # (as `_gemv_kernel`'s)
+        handed = tl.load(sums_ptr)
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
         accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
                               BLOCK_N, BYTE_ASM, NORM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
+    if NORM_SUMS:
+        rstd = _norm_scale(handed, K, eps)
     outs = ()
     for r in tl.static_range(BLOCK_N):
         row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
         total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
-        if NORM:
+        if NORM or NORM_SUMS:
             total *= rstd
         if HAS_SCALE:
             total *= tl.load(scale_ptr + row, mask=real, other=0.0).to(tl.float32)
@@ -655,11 +680,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
          prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
          out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None,
-         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
+         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+         norm_sums: torch.Tensor | None = None, hand_off: tuple[torch.Tensor, torch.Tensor] | None = None):
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
     `residual` [M, N]: added to the result (rounded to x's dtype first, as a separate add would find it).
+    `hand_off` (with `residual`): (an RMSNorm's weight g [N], sums [M] float32): the norm that follows, handed to the
+    GEMV after: returns (h, h x g) for h the result, h's squares added to `sums` (which must start at 0).
+    `norm_sums` [M] float32: x is such an h x g, and these its h's squares: x is normalised (x 1 / rms) in the GEMV.
     `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
     with FUSED_SWIGLU, else by `silu_mul` after it.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -690,18 +719,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemv's residual must be [{m}, {n}] with unit stride in its last dimension (and no swiglu), "
                          f"got {tuple(residual.shape)}")
+    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
+        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
+            raise ValueError(f"gemv's {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
+                             f"{tuple(sums.shape)} on {sums.device}")
+    if norm_sums is not None and norm is not None:
+        raise ValueError("gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both")
+    if hand_off is not None and (residual is None or hand_off[0].shape != (n,) or (out is not None and out.stride(0) != n)):
+        raise ValueError(f"gemv's hand_off needs a residual, a norm weight [{n}] (got "
+                         f"{tuple(hand_off[0].shape)}) and an out without row padding")
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
         if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]
+        if norm_sums is not None: x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
         result = gemv_reference(x, weight, bias, scale)
         if swiglu: return silu_mul(result, backend)
         if residual is not None: result = residual + result
-        return result if out is None else out.copy_(result)
+        result = result if out is None else out.copy_(result)
+        if hand_off is None: return result
+        hand_off[1].add_(result.float().square().sum(-1))
+        return result, result * hand_off[0].to(result.dtype)
     if swiglu and not FUSED_SWIGLU:
         return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps),
-                        backend)
-    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 else "tile")
+                             prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps,
+                             norm_sums=norm_sums), backend)
+    if hand_off is not None and layout == "rows":
+        raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
+    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile")
     default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
     block_k = min(block_k, max(16, _pow2(k)))
@@ -711,8 +755,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
-    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out)
-    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None)
+    normed = torch.empty_like(out) if hand_off is not None else None
+    sums = norm_sums if hand_off is None else hand_off[1]
+    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out,
+                weight if sums is None else sums)
+    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None)
     byte_asm = not INTERPRETED if byte_asm is None else byte_asm
     if layout == "rows":
         chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
@@ -728,13 +775,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     if m:
         _gemv_kernel[grid](
-            *operands, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            *operands, *((weight, weight) if hand_off is None else (hand_off[0], normed)), m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
             out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
             LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
-            num_warps=num_warps, **_stages(num_stages))
-    return out
+            HAND_OFF=hand_off is not None, num_warps=num_warps, **_stages(num_stages))
+    return out if hand_off is None else (out, normed)
 
 # %% ../nbs/09_kernels.ipynb #4e7d36e0
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

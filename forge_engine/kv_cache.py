@@ -19,8 +19,8 @@ from .model import causal_attention, triton_kernel
 
 # %% auto #0
 __all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'consecutive_from',
-           'copy_to_device', 'to_device', 'StepLayout', 'build_step_layout', 'paged_decode_attention_torch',
-           'single_query_attention', 'PagedAttention']
+           'copy_to_device', 'to_device', 'to_device_together', 'StepLayout', 'build_step_layout',
+           'paged_decode_attention_torch', 'single_query_attention', 'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -261,6 +261,13 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_together(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device` by one copy (each copy queued on a GPU costs a few microseconds, whatever
+    its size): concatenated, copied as `to_device` does, and split again into views of their shapes."""
+    flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 @dataclass
 class StepLayout:
     "Where the tokens of one flattened engine step go and what they attend to. B sequences, T tokens."
@@ -300,12 +307,10 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
     query_start = torch.tensor([0, *num_new]).cumsum(0)
     width = max(len(s[0]) for s in seqs)
     block_tables = torch.tensor([list(s[0]) + [-1] * (width - len(s[0])) for s in seqs])
-    as_device = lambda t: to_device(t.long(), device)
-    return StepLayout(
-        positions=as_device(torch.cat(positions)), slot_mapping=as_device(torch.cat(slots)),
-        query_start=as_device(query_start), context_lens=as_device(torch.tensor(num_computed) + torch.tensor(num_new)),
-        block_tables=as_device(block_tables), last_token_index=as_device(query_start[1:] - 1),
-        num_computed=num_computed, num_new=num_new)
+    parts = to_device_together([t.long() for t in (torch.cat(positions), torch.cat(slots), query_start,
+                                                   torch.tensor(num_computed) + torch.tensor(num_new), block_tables,
+                                                   query_start[1:] - 1)], device)  # one copy, not six
+    return StepLayout(*parts, num_computed=num_computed, num_new=num_new)
 
 # %% ../nbs/05_paged_kv.ipynb #2688634d
 def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,

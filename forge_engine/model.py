@@ -17,9 +17,9 @@ from .config import ModelConfig
 
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'triton_kernel', 'RMSNorm', 'rope_inv_freq', 'rope_cos_sin', 'apply_rope', 'causal_attention',
-           'AttentionBackend', 'NormRope', 'no_cache_attention', 'decode_gemv', 'linear', 'Linear', 'folded_gemv',
-           'Attention', 'MLP', 'DecoderLayer', 'Transformer', 'checkpoint_target', 'load_weights', 'hf_state_dict',
-           'empty_model', 'fill_random_', 'init_random_weights', 'hf_config_dict']
+           'AttentionBackend', 'NormRope', 'no_cache_attention', 'decode_gemv', 'linear', 'Linear', 'HandedNorm',
+           'folded_gemv', 'Attention', 'MLP', 'DecoderLayer', 'Transformer', 'checkpoint_target', 'load_weights',
+           'hf_state_dict', 'empty_model', 'fill_random_', 'init_random_weights', 'hf_config_dict']
 
 # %% ../nbs/03_model.ipynb #55c788c0
 @functools.cache
@@ -142,12 +142,23 @@ class Linear(nn.Linear):
         return self.weight, self.bias, None
 
 
+class HandedNorm(NamedTuple):
+    "An RMSNorm handed from a decode GEMV to the next (chapter 09's `hand_off`, `norm_sums`): the norm, and its sums."
+    norm: RMSNorm
+    sums: torch.Tensor  # [rows] float32: the squares of the norm's input, added up by the GEMV that makes it; from 0
+
+
 def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None):
     """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of chapter 09's `gemv` (the layer has
-    `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue."""
+    `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue.
+    `handed_in`: x is that norm applied but for its 1 / rms, which the GEMV takes from the sums. `hand_off` (with
+    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums."""
+    eps = norm.eps if norm is not None else handed_in.norm.eps if handed_in is not None else 1e-6
     return triton_kernel("gemv")(x, *layer.gemv_operands(), swiglu=swiglu, residual=residual,
-                                 norm=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps)
+                                 norm=None if norm is None else norm.weight, eps=eps,
+                                 norm_sums=None if handed_in is None else handed_in.sums,
+                                 hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
 
 
 class Attention(nn.Module):
@@ -161,10 +172,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, cos, sin, attention: AttentionBackend, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        "`norm`, `residual`: a decode step's folds (see DecoderLayer): x normalised by the qkv GEMV, residual added by o's."
+                residual: torch.Tensor | None = None, handed_in: HandedNorm | None = None,
+                hand_off: HandedNorm | None = None):
+        """`norm`, `residual`: a decode step's folds (see DecoderLayer): x normalised by the qkv GEMV, residual added by
+        o's. `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
         c, t = self.config, x.shape[0]
-        qkv = self.qkv(x) if norm is None else folded_gemv(self.qkv, x, norm)
+        qkv = self.qkv(x) if norm is None and handed_in is None else folded_gemv(self.qkv, x, norm, handed_in=handed_in)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
@@ -172,7 +185,7 @@ class Attention(nn.Module):
         if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
             rope = NormRope(self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None,
                             c.rms_norm_eps, cos, sin)
-            return self.project_out(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size), residual)
+            return self.project_out(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size), residual, hand_off)
         qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
         if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
             qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,
@@ -183,11 +196,11 @@ class Attention(nn.Module):
         else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        return self.project_out(attention(self.layer, q, k, v).reshape(t, c.q_size), residual)
+        return self.project_out(attention(self.layer, q, k, v).reshape(t, c.q_size), residual, hand_off)
 
-    def project_out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        "o(out), or with a decode step's `residual`: residual + o(out) by one GEMV."
-        return self.o(out) if residual is None else folded_gemv(self.o, out, residual=residual)
+    def project_out(self, out: torch.Tensor, residual: torch.Tensor | None, hand_off: HandedNorm | None = None):
+        "o(out), or with a decode step's `residual`: residual + o(out) by one GEMV (handing a norm off: `folded_gemv`)."
+        return self.o(out) if residual is None else folded_gemv(self.o, out, residual=residual, hand_off=hand_off)
 
 
 class MLP(nn.Module):
@@ -197,10 +210,13 @@ class MLP(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
-        "`norm`, `residual`: a decode step's folds (see DecoderLayer): residual + down(silu_mul(gate_up(norm(x))))."
-        if norm is not None:  # two GEMVs: the norm and SiLU-mul in the first, the residual add in the second
-            return folded_gemv(self.down, folded_gemv(self.gate_up, x, norm, swiglu=True), residual=residual)
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None):
+        """`norm`, `residual`: a decode step's folds (see DecoderLayer): residual + down(silu_mul(gate_up(norm(x)))).
+        `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
+        if norm is not None or handed_in is not None:  # two GEMVs: the norm and SiLU-mul in the first, the add in the second
+            return folded_gemv(self.down, folded_gemv(self.gate_up, x, norm, swiglu=True, handed_in=handed_in),
+                               residual=residual, hand_off=hand_off)
         if (gemv := decode_gemv(x)) is not None:
             if hasattr(self.gate_up, "gemv_operands"):
                 return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
@@ -232,12 +248,30 @@ class DecoderLayer(nn.Module):
         h, residual = self.mlp_norm.add_and_norm(self.attn(h, cos, sin, attention), residual)
         return self.mlp(h), residual
 
+    def forward_handing_off(self, h, x, handed_in: HandedNorm | None, cos, sin, attention, sums: torch.Tensor,
+                            hand_off: HandedNorm | None):
+        """`forward` for a decode step whose norms travel between the GEMVs (`hands_off_norms`): h is the residual
+        stream, x its attn_norm as `handed_in` says (None: normalised already). Returns (h after the layer,
+        `hand_off`'s norm of it but for 1 / rms, or None without one). `sums`: zeroed floats [rows] for mlp_norm's."""
+        mlp = HandedNorm(self.mlp_norm, sums)
+        h, x = self.attn(x, cos, sin, attention, residual=h, handed_in=handed_in, hand_off=mlp)
+        out = self.mlp(x, residual=h, handed_in=mlp, hand_off=hand_off)
+        return out if hand_off is not None else (out, None)
+
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step folds the norms and residual adds into the GEMVs (chapter 09's `gemv` with `norm` and
         `residual`, FUSED_NORM_GEMV): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
+        return self._gemv_reads_all(x) and triton_kernel("gemv_folds_norms")(self.attn.qkv.gemv_operands()[0])
+
+    def hands_off_norms(self, x: torch.Tensor) -> bool:
+        """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (chapter 09's
+        `gemv` with `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it."""
+        return self._gemv_reads_all(x) and triton_kernel("gemv_hands_off_norms")(self.attn.qkv.gemv_operands()[0])
+
+    def _gemv_reads_all(self, x: torch.Tensor) -> bool:
+        "x is few enough rows for chapter 09's GEMV, and each of the four layers is one it reads."
         layers = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
-        return (decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in layers)
-                and triton_kernel("gemv_folds_norms")(self.attn.qkv.gemv_operands()[0]))
+        return decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in layers)
 
 # %% ../nbs/03_model.ipynb #17b5ef1a
 class Transformer(nn.Module):
@@ -255,9 +289,23 @@ class Transformer(nn.Module):
         "input_ids, positions [T] -> final hidden states [T, hidden]."
         x, residual = self.embed(input_ids), None
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if self.layers[0].hands_off_norms(x):
+            return self._forward_handing_off(x, cos, sin, attention)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+    def _forward_handing_off(self, h, cos, sin, attention) -> torch.Tensor:
+        """`forward` for a decode step whose norms travel between the GEMVs (DecoderLayer's `hands_off_norms`): the
+        first layer's norm and the final one are kernels of their own, the 71 between are not."""
+        sums = torch.zeros(2 * len(self.layers), h.shape[0], device=h.device)  # per norm and row; one memset a step
+        x, handed = self.layers[0].attn_norm(h), None
+        for i, layer in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
+            hand_off = None if last else HandedNorm(self.layers[i + 1].attn_norm, sums[2 * i + 1])
+            h, x = layer.forward_handing_off(h, x, handed, cos, sin, attention, sums[2 * i], hand_off)
+            handed = hand_off
+        return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> logits [N, vocab] in fp32."

@@ -23,9 +23,10 @@ from forge_engine.quant import _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "NORM",
-         "RESIDUAL")
+         "RESIDUAL", "NORM_SUMS", "HAND_OFF")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "g_ptr": "*bf16",
-                  "res_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                  "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_ptr": "*fp32", "next_g_ptr": "*bf16",
+                  "normed_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                   "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "eps": "fp32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "BLOCK_K") + FLAGS}}
 INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "out_ptr": "*bf16",
@@ -82,7 +83,8 @@ def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm:
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
     `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=False)
+                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=False,
+                 NORM_SUMS=False, HAND_OFF=False)
     body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                                 dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
     return body, block_n * block_k / (32 * num_warps), registers

@@ -66,17 +66,23 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     engine.allocator.check_idle()
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])
-def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, monkeypatch):
+@pytest.mark.parametrize("name,mode", [("qwen3-tiny", "none"), ("qwen2-tiny", "none"), ("llama-tiny", "none"),
+                                       ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8")])
+def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
     """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 03,
-    FUSED_NORM_GEMV) against the same step with the separate kernels and against the PyTorch decode path, all after
-    the same prefill (eager, with PyTorch's attention): logits within BF16, and the folded step's pick scores as the
-    best under the others, within that (random weights leave near-ties among 151,936 logits)."""
+    FUSED_NORM_GEMV; int8: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with the separate kernels and
+    against the PyTorch decode path, all after the same prefill (eager, with PyTorch's attention): logits within BF16,
+    and the folded step's pick scores as the best under the others, within that (random weights leave near-ties among
+    151,936 logits)."""
     import forge_engine.kernels as kernels
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
     config = preset(name)
     model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
+    if mode != "none":
+        from forge_engine.quant import quantize_model
+        quantize_model(model, mode)
+    switch, check = ("FUSED_NORM_GEMV", "folds_norms") if mode == "none" else ("NORM_HANDOFF", "hands_off_norms")
     cache = PagedKVCache(config, 9, 16, "cuda", torch.bfloat16)  # 8 blocks + the scratch block
     prompt, table = list(range(5, 45)), [0, 1, 2]
     with torch.no_grad():
@@ -86,12 +92,13 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, monkeypatc
     step = ([7], [40], [table[2] * 16 + 8], [table], [41])  # token 7 at position 40
     logits = {}
     for label, fold, graphs in (("folded", True, True), ("separate", False, True), ("eager", False, False)):
-        monkeypatch.setattr(kernels, "FUSED_NORM_GEMV", fold)  # read when the graphs are recorded
+        monkeypatch.setattr(kernels, switch, fold)  # read when the graphs are recorded
         cache.k_cache.copy_(prefilled[0]); cache.v_cache.copy_(prefilled[1])
         attention = kernels.KernelDecodeAttention() if graphs else paged_decode_attention_torch
         runner = DecodeRunner(model, cache, 4, 256, scratch_block=8, attention=attention, use_graphs=graphs)
         if graphs:
-            assert model.layers[0].folds_norms(torch.zeros(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)) == fold
+            x = torch.zeros(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+            assert getattr(model.layers[0], check)(x) == fold
         logits[label] = runner.run(*step).float()
     for other in ("separate", "eager"):
         atol = 2e-2 * logits[other].abs().max().item()
