@@ -12,8 +12,9 @@ __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_R
            'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm',
            'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv',
            'gemv_folds_norms', 'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
-           'gemv_loop_stages', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'gemv_loop_stages', 'check_gemv_folds', 'gemv', 'paged_attention_reference', 'random_paged_kv',
+           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention',
+           'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -336,12 +337,13 @@ def gemv_folds_norms(weight: torch.Tensor) -> bool:
     return FUSED_NORM_GEMV and weight.element_size() == 2
 
 
-NORM_HANDOFF = True  # int8: each norm of a decode step handed from the GEMV adding the residual to the next (`hand_off`)
+NORM_HANDOFF = True  # int8, int4: each norm of a decode step handed from the GEMV adding the residual to the next
 
 
 def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
     """Whether a decode step hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s `hand_off` and
-    `norm_sums`): NORM_HANDOFF (read at each call, as FUSED_NORM_GEMV), for 1-byte (int8) weights."""
+    `norm_sums`): NORM_HANDOFF (read at each call, as FUSED_NORM_GEMV), for 1-byte weights (int8; chapter 10's int4,
+    two to a byte, in its own GEMV)."""
     return NORM_HANDOFF and weight.element_size() == 1
 
 
@@ -675,6 +677,23 @@ def gemv_loop_stages(loop_stages: int | None = None) -> int:
     return loop_stages or GEMV_LOOP_STAGES
 
 
+def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None,
+                     norm_sums: torch.Tensor | None, hand_off: tuple | None):
+    """Raise a ValueError naming `kernel` where a GEMV's epilogue folds (`gemv`'s `residual`, `norm_sums`, `hand_off`,
+    also chapter 10's int4 GEMV's) do not fit x [M, K] and N outputs."""
+    m = x.shape[0]
+    if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
+                         f"swiglu), got {tuple(residual.shape)}")
+    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
+        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
+            raise ValueError(f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
+                             f"{tuple(sums.shape)} on {sums.device}")
+    if hand_off is not None and (residual is None or hand_off[0].shape != (n,)):
+        raise ValueError(f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
+                         f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}")
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
@@ -716,18 +735,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
     if norm is not None and norm.shape != (k,):
         raise ValueError(f"gemv's norm is an RMSNorm weight [{k}], got {tuple(norm.shape)}")
-    if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv's residual must be [{m}, {n}] with unit stride in its last dimension (and no swiglu), "
-                         f"got {tuple(residual.shape)}")
-    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
-        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
-            raise ValueError(f"gemv's {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
-                             f"{tuple(sums.shape)} on {sums.device}")
     if norm_sums is not None and norm is not None:
         raise ValueError("gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both")
-    if hand_off is not None and (residual is None or hand_off[0].shape != (n,) or (out is not None and out.stride(0) != n)):
-        raise ValueError(f"gemv's hand_off needs a residual, a norm weight [{n}] (got "
-                         f"{tuple(hand_off[0].shape)}) and an out without row padding")
+    check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
         if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]

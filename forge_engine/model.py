@@ -153,12 +153,14 @@ def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, 
     """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of chapter 09's `gemv` (the layer has
     `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue.
     `handed_in`: x is that norm applied but for its 1 / rms, which the GEMV takes from the sums. `hand_off` (with
-    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums."""
+    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums.
+    A layer with a GEMV of its own (`decode_gemv`: chapter 10's int4) takes the same folds but `norm`."""
     eps = norm.eps if norm is not None else handed_in.norm.eps if handed_in is not None else 1e-6
-    return triton_kernel("gemv")(x, *layer.gemv_operands(), swiglu=swiglu, residual=residual,
-                                 norm=None if norm is None else norm.weight, eps=eps,
-                                 norm_sums=None if handed_in is None else handed_in.sums,
-                                 hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
+    folds = dict(swiglu=swiglu, residual=residual, eps=eps, norm_sums=None if handed_in is None else handed_in.sums,
+                 hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
+    if hasattr(layer, "decode_gemv"):
+        return layer.decode_gemv(x, **folds)
+    return triton_kernel("gemv")(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
 
 
 class Attention(nn.Module):
@@ -220,8 +222,8 @@ class MLP(nn.Module):
         if (gemv := decode_gemv(x)) is not None:
             if hasattr(self.gate_up, "gemv_operands"):
                 return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
-            if hasattr(self.gate_up, "decode_swiglu"):  # a layer with a GEMV of its own (chapter 10's int4)
-                return self.down(self.gate_up.decode_swiglu(x))
+            if hasattr(self.gate_up, "decode_gemv"):  # a layer with a GEMV of its own (chapter 10's int4)
+                return self.down(self.gate_up.decode_gemv(x, swiglu=True))
         h = self.gate_up(x)
         if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
             return self.down(fused(h))  # one kernel for silu, the halves and the product
@@ -265,13 +267,19 @@ class DecoderLayer(nn.Module):
 
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (chapter 09's
-        `gemv` with `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it."""
-        return self._gemv_reads_all(x) and triton_kernel("gemv_hands_off_norms")(self.attn.qkv.gemv_operands()[0])
+        `gemv` with `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it; or
+        each layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
+        if self._gemv_reads_all(x):
+            return triton_kernel("gemv_hands_off_norms")(self.attn.qkv.gemv_operands()[0])
+        return decode_gemv(x) is not None and all(hasattr(layer, "decode_gemv") and layer.hands_off_norms()
+                                                  for layer in self._projections())
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for chapter 09's GEMV, and each of the four layers is one it reads."
-        layers = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
-        return decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in layers)
+        return decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in self._projections())
+
+    def _projections(self) -> tuple[nn.Module, ...]:
+        return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
 
 # %% ../nbs/03_model.ipynb #17b5ef1a
 class Transformer(nn.Module):

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, _program_row, _silu_times,
-                                  _start_gemv, _wait_for_previous, gemv, gemv_loop_stages, gemv_prefetch,
-                                  gemv_reference, kernel_backend, pdl_supported, silu_mul, tl, triton)
+from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_scale, _pow2, _program_row,
+                                  _silu_times, _start_gemv, _wait_for_previous, check_gemv_folds, gemv,
+                                  gemv_hands_off_norms, gemv_loop_stages, gemv_prefetch, gemv_reference,
+                                  kernel_backend, pdl_supported, silu_mul, tl, triton)
 from .model import Transformer, load_weights
 
 # %% auto #0
@@ -239,10 +240,12 @@ def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_qn,
+def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
+                      M, N, K, stride_qn, stride_rm, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr):
+                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
+                      RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
@@ -256,22 +259,38 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride
         _wait_for_previous(PDL)
         accs = _int4_step(accs, ws, x_ptr, 0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
         first = STEP
+    handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
+    for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
+        handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
     for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
                            SWIGLU)
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
-        row, row_ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
-        for m in tl.static_range(ROWS):
-            total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
+    for m in tl.static_range(ROWS):  # chapter 09's `gemv` epilogue, one output at a time
+        rstd = _norm_scale(handed[m], K, eps) if NORM_SUMS else 1.0
+        squares = 0.0  # HAND_OFF: this program's share of h's squares
+        for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
+            row, row_ok = _program_row(first_col, r, N, HALF_N, SWIGLU)
+            ok = row_ok & (m < M)
+            total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0) * rstd
             if SWIGLU:  # silu(gate) * up, rounded as the GEMV's stores and `silu_mul` round them (chapter 09)
-                up = tl.sum(tl.sum(accs[(r + HALF_N) * ROWS + m], axis=1), axis=0)
+                up = tl.sum(tl.sum(accs[(r + HALF_N) * ROWS + m], axis=1), axis=0) * rstd
                 tl.store(out_ptr + m * (N // 2) + row, _silu_times(total.to(dtype).to(tl.float32),
-                                                                   up.to(dtype).to(tl.float32), dtype),
-                         mask=row_ok & (m < M))
+                                                                   up.to(dtype).to(tl.float32), dtype), mask=ok)
             else:
-                tl.store(out_ptr + m * N + row, total.to(dtype), mask=row_ok & (m < M))
+                if RESIDUAL:  # added as rounded, as a separate add would find it
+                    total = total.to(dtype).to(tl.float32) + tl.load(res_ptr + m * stride_rm + row, mask=ok,
+                                                                     other=0.0).to(tl.float32)
+                tl.store(out_ptr + m * N + row, total.to(dtype), mask=ok)
+                if HAND_OFF:  # the next norm but its 1 / rms: h x its weight stored, h's squares summed
+                    h = total.to(dtype).to(tl.float32)
+                    g = tl.load(next_g_ptr + row, mask=ok, other=0.0).to(tl.float32)
+                    tl.store(normed_ptr + m * N + row, (h * g).to(dtype), mask=ok)
+                    squares += tl.where(ok, h * h, 0.0)
+        if HAND_OFF:
+            if m < M:  # (M may be specialised to 1, so m < M a constant: an `if`, not a mask)
+                tl.atomic_add(sums_ptr + m, squares, sem="relaxed")
 
 
 
@@ -293,33 +312,44 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
 # %% ../nbs/10_quantization.ipynb #6dc77049
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
                  pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None,
-                 maxnreg: int | None = None, swiglu: bool = False, **constexprs):
+                 maxnreg: int | None = None, swiglu: bool = False, residual: torch.Tensor | None = None,
+                 norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
+                 **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
     -> [M, N] (`swiglu`: [M, N / 2], a program's BLOCK_N rows half gate, half up); as a dependent launch where the GPU
-    has it (default) and with chapter 09's L2 prefetch where asked.
+    has it (default) and with chapter 09's L2 prefetch where asked. `residual`, `norm_sums`, `hand_off`, `eps`: as
+    chapter 09's `gemv` (with `hand_off`: -> (out, out x the norm's weight)).
     `maxnreg`: a cap on registers per thread for the compiler (the lab's knob: more warps resident per SM)."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n // 2 if swiglu else n), device=x.device, dtype=x.dtype)
+    normed = torch.empty_like(out) if hand_off is not None else None
+    sums = norm_sums if hand_off is None else hand_off[1]
+    folds = (out if residual is None else residual, out if sums is None else sums,
+             *((out, out) if hand_off is None else (hand_off[0], normed)))
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
-                                           x, *weights, out, m, n, k, weights[0].stride(0), ROWS=_pow2(m),
+                                           x, *weights, out, *folds, m, n, k, weights[0].stride(0),
+                                           0 if residual is None else residual.stride(0), eps, ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
                                            PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
                                            LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps,
                                            **({"maxnreg": maxnreg} if maxnreg else {}), SWIGLU=swiglu,
-                                           **constexprs)
-    return out
+                                           RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None,
+                                           HAND_OFF=hand_off is not None, **constexprs)
+    return out if hand_off is None else (out, normed)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
-              early_weights: bool | None = None) -> torch.Tensor:
+              early_weights: bool | None = None, residual: torch.Tensor | None = None,
+              norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6):
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
+    `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
     `early_weights`: as a dependent launch, the first step's weights asked for before the wait (default INT4_EARLY_WEIGHTS).
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
@@ -341,9 +371,11 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     if swiglu and (n % 2 or block_n % 2):
         raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
                          f"{n} and {block_n}")
+    check_gemv_folds("int4_gemv", x, n, swiglu, residual, norm_sums, hand_off)
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
-                        maxnreg, swiglu, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=even,
+                        maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
+                        EVEN=even,
                         EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
                         BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
@@ -715,10 +747,19 @@ class Int4Linear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
 
-    def decode_swiglu(self, x):
-        "As a gate-up layer, silu(gate) * up of a decode step's rows (x on a GPU): SiLU-mul in the int4 GEMV's epilogue."
-        if self.bias is not None: return silu_mul(self(x))
-        return int4_gemv(x, self.qweight, self.scale, self.minimum, swiglu=True)
+    def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
+        """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
+        03's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
+        `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
+        if self.bias is not None and (swiglu or residual is not None):
+            raise ValueError("Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual")
+        out = int4_gemv(x, self.qweight, self.scale, self.minimum, swiglu=swiglu, residual=residual,
+                        norm_sums=norm_sums, hand_off=hand_off, eps=eps)
+        return out if self.bias is None else out + self.bias
+
+    def hands_off_norms(self) -> bool:
+        "Whether a decode step hands its norms between this format's GEMVs (chapter 09's `gemv_hands_off_norms`)."
+        return gemv_hands_off_norms(self.qweight)
 
     def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 

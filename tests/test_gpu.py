@@ -67,10 +67,11 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("name,mode", [("qwen3-tiny", "none"), ("qwen2-tiny", "none"), ("llama-tiny", "none"),
-                                       ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8")])
+                                       ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8"), ("qwen3-tiny", "int4"),
+                                       ("qwen2-tiny", "int4")])
 def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
     """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 03,
-    FUSED_NORM_GEMV; int8: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with the separate kernels and
+    FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with the separate kernels and
     against the PyTorch decode path, all after the same prefill (eager, with PyTorch's attention): logits within BF16,
     and the folded step's pick scores as the best under the others, within that (random weights leave near-ties among
     151,936 logits)."""
