@@ -484,6 +484,18 @@ def _step_inputs(w_ptr, k0, offs_k):
 
 
 @triton.jit
+def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAND_OFF: tl.constexpr):
+    """A tile GEMV's epilogue constants, fp32 [BLOCK_N]: its rows' scales, biases and (HAND_OFF) the next norm's
+    weights (zeros where there are none: unused, compiled away)."""
+    none = tl.zeros([BLOCK_N], dtype=tl.float32)
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_SCALE else none
+    bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else none
+    next_g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAND_OFF else none
+    return scale, bias, next_g
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -501,6 +513,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
         n_ok = offs_n < N
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
+    out_ok = m_ok[:, None] & n_ok[None, :]
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
@@ -521,15 +534,21 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
     for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
                              ROWS, BYTE_ASM, NORM)
+    # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
+    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower, session 20)
+    scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
+                                          HAND_OFF)
+    if RESIDUAL:
+        residual = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
     if NORM_SUMS:
         out *= _norm_scale(handed, K, eps)[:, None]
     if HAS_SCALE:
-        out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out *= scale[None, :]
     if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out += bias[None, :]
     if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
         half: tl.constexpr = BLOCK_N // 2
         h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -538,16 +557,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
         tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & (cols < N // 2)[None, :])
     else:
-        out_ok = m_ok[:, None] & n_ok[None, :]
         if RESIDUAL:  # added to the output as rounded (as a separate add after the GEMV's store would)
-            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(
-                res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
         if HAND_OFF:  # the next RMSNorm's work but its 1 / rms: h (as stored) x the norm's weight, and h's squares,
             h = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # summed over the programs into sums_ptr
-            g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                     (h * g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
+                     (h * next_g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_add(sums_ptr + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), axis=1), mask=m_ok, sem="relaxed")
 
 
@@ -591,6 +607,30 @@ def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_A
 
 
 @triton.jit
+def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    "A rows-layout program's epilogue constants, fp32: (each row's scale, each row's bias), each () where there are none."
+    scales, biases = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row, real = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        if HAS_SCALE:
+            scales = scales + (tl.load(scale_ptr + row, mask=real, other=0.0).to(tl.float32),)
+        if HAS_BIAS:
+            biases = biases + (tl.load(b_ptr + row, mask=real, other=0.0).to(tl.float32),)
+    return scales, biases
+
+
+@triton.jit
+def _rows_residual(res_ptr, first_col, N, BLOCK_N: tl.constexpr):
+    "A rows-layout program's residual, fp32, per row (one row of x; no SwiGLU)."
+    residuals = ()
+    for r in tl.static_range(BLOCK_N):
+        row, real = _program_row(first_col, r, N, BLOCK_N // 2, False)
+        residuals = residuals + (tl.load(res_ptr + row, mask=real, other=0.0).to(tl.float32),)
+    return residuals
+
+
+@triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, N, K, stride_wn, eps,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
@@ -620,20 +660,22 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
         accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
                               BLOCK_N, BYTE_ASM, NORM)
+    scales, biases = _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS)  # together
+    if RESIDUAL:  # (as `_gemv_kernel`'s)
+        residuals = _rows_residual(res_ptr, first_col, N, BLOCK_N)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     if NORM_SUMS:
         rstd = _norm_scale(handed, K, eps)
     outs = ()
     for r in tl.static_range(BLOCK_N):
-        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
         total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
         if NORM or NORM_SUMS:
             total *= rstd
         if HAS_SCALE:
-            total *= tl.load(scale_ptr + row, mask=real, other=0.0).to(tl.float32)
+            total *= scales[r]
         if HAS_BIAS:
-            total += tl.load(b_ptr + row, mask=real, other=0.0).to(tl.float32)
+            total += biases[r]
         outs = outs + (total,)
     for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
         row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
@@ -641,8 +683,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
             gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
             tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
         elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
-            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + tl.load(res_ptr + row, mask=real, other=0.0)
-                                     .to(tl.float32)).to(dtype), mask=real)
+            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype), mask=real)
         else:
             tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
 

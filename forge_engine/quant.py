@@ -19,10 +19,10 @@ from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_sc
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS',
-           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS',
-           'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows',
-           'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
+__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'SKINNY_MAX_ROWS',
+           'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS',
+           'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
+           'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
            'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack',
            'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
            'quantize_model', 'load_gguf_quantized', 'perplexity']
@@ -240,12 +240,29 @@ def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
+    """The int4 GEMV's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m), r * ROWS + m, and
+    (HAND_OFF) the next norm's weight at each row r."""
+    residuals, next_gs = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row = first_col + r
+        if HAND_OFF:
+            next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
+        for m in tl.static_range(ROWS if RESIDUAL else 0):
+            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
+                                     .to(tl.float32),)
+    return residuals, next_gs
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
                       M, N, K, stride_qn, stride_rm, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
                       PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                      RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
+                      RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr,
+                      EARLY_EPI: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
@@ -262,10 +279,16 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
     handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
     for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
         handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
+    if EARLY_EPI:  # the epilogue's residual and norm weights asked for before the loop (as chapter 09's GEMV)
+        residuals, next_gs = _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
+                                                     RESIDUAL, HAND_OFF)
     for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
                            SWIGLU)
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    if not EARLY_EPI:
+        residuals, next_gs = _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
+                                                     RESIDUAL, HAND_OFF)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # chapter 09's `gemv` epilogue, one output at a time
         rstd = _norm_scale(handed[m], K, eps) if NORM_SUMS else 1.0
@@ -280,13 +303,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                                                                    up.to(dtype).to(tl.float32), dtype), mask=ok)
             else:
                 if RESIDUAL:  # added as rounded, as a separate add would find it
-                    total = total.to(dtype).to(tl.float32) + tl.load(res_ptr + m * stride_rm + row, mask=ok,
-                                                                     other=0.0).to(tl.float32)
+                    total = total.to(dtype).to(tl.float32) + residuals[r * ROWS + m]
                 tl.store(out_ptr + m * N + row, total.to(dtype), mask=ok)
                 if HAND_OFF:  # the next norm but its 1 / rms: h x its weight stored, h's squares summed
                     h = total.to(dtype).to(tl.float32)
-                    g = tl.load(next_g_ptr + row, mask=ok, other=0.0).to(tl.float32)
-                    tl.store(normed_ptr + m * N + row, (h * g).to(dtype), mask=ok)
+                    tl.store(normed_ptr + m * N + row, (h * next_gs[r]).to(dtype), mask=ok)
                     squares += tl.where(ok, h * h, 0.0)
         if HAND_OFF:
             if m < M:  # (M may be specialised to 1, so m < M a constant: an `if`, not a mask)
@@ -297,6 +318,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # %% ../nbs/10_quantization.ipynb #7425bb5b
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
+INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -375,9 +397,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
-                        EVEN=even,
-                        EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
-                        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        EVEN=even, EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
+                        EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul

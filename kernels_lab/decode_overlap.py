@@ -114,6 +114,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
 
              "DECODE_MIN_SPLIT")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
+DEFAULTS["INT4_EARLY_EPILOGUE"] = quant.INT4_EARLY_EPILOGUE
 O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
 QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
 EXPORTED_PREFETCH = kernels.gemv_prefetch
@@ -153,6 +154,8 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     # read the un-normalised sum; the layers' add + norm return it unchanged, no launch)
     "add+norm launches skipped (a bound)": dict(SKIP_ADD_NORMS=True),
     "norms not handed off": dict(NORM_HANDOFF=False),
+    # session 20: int4's epilogue operands (residual, norm weights) loaded after the loop again
+    "int4 epilogue operands late": dict(INT4_EARLY_EPILOGUE=False),
 
     "defaults again": {}}
 
