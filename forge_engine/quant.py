@@ -21,10 +21,10 @@ from .model import Transformer, load_weights
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'SKINNY_MAX_ROWS',
            'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS',
-           'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
-           'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack',
-           'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
+           'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul',
+           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
+           'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
            'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
@@ -38,6 +38,32 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return (q.float() * scale[:, None]).to(dtype)
+
+
+@triton.jit
+def _int8_rows_kernel(ids_ptr, q_ptr, scale_ptr, out_ptr, K, stride_qn, BLOCK: tl.constexpr):
+    "Program (i, j): columns j * BLOCK... of row ids[i] of the int8 matrix, times its scale, in out's dtype."
+    i, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(ids_ptr + i).to(tl.int64)
+    q = tl.load(q_ptr + row * stride_qn + cols, mask=cols < K, other=0)
+    out = q.to(tl.float32) * tl.load(scale_ptr + row)  # as `dequantize_int8`: the product in fp32, rounded once
+    tl.store(out_ptr + i.to(tl.int64) * K + cols, out.to(out_ptr.dtype.element_ty), mask=cols < K)
+
+
+def int8_rows(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32,
+              impl: str = "auto") -> torch.Tensor:
+    """`dequantize_int8(q[ids], scale[ids], dtype)` [len(ids), K]: the rows `ids` [n] of an int8 matrix, dequantized
+    (a tied model's embedding read from its int8 LM head). On a GPU one Triton launch instead of five small ones."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"int8_rows takes a 1-D tensor of integer row ids, got {ids.dtype} {tuple(ids.shape)}")
+    if kernel_backend(q.device, impl) == "torch":
+        return dequantize_int8(q[ids], scale[ids], dtype)
+    out = torch.empty(len(ids), q.shape[1], dtype=dtype, device=q.device)
+    block = min(1024, triton.next_power_of_2(q.shape[1]))
+    if len(ids):
+        _int8_rows_kernel[(len(ids), triton.cdiv(q.shape[1], block))](ids.contiguous(), q, scale, out, q.shape[1],
+                                                                      q.stride(0), BLOCK=block, num_warps=4)
+    return out
 
 # %% ../nbs/10_quantization.ipynb #40982ede
 INT4_GROUP = 128  # inputs per scale / minimum
@@ -736,7 +762,7 @@ class Int8Linear(QuantLinear):
         return super().dense(x, tile_weights)
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
-    def rows(self, ids, dtype): return dequantize_int8(self.qweight[ids], self.scale[ids], dtype)
+    def rows(self, ids, dtype): return int8_rows(ids, self.qweight, self.scale, dtype)
     def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as the model's Linear: chapter 09's gemv)
 
 

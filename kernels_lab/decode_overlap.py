@@ -121,6 +121,22 @@ EXPORTED_PREFETCH = kernels.gemv_prefetch
 
 
 EXPORTED_ADD_NORM = RMSNorm.add_and_norm
+EXPORTED_CONFIG = kernels.gemv_config
+
+
+def configs_for(configs: dict):
+    "gemv_config with `configs` ({(n, k, weight bytes, layout): (BLOCK_N, BLOCK_K, warps)}) in place of its answers."
+    def gemv_config(n, k, weight_bytes=2, layout=None):
+        chosen = layout or kernels.gemv_layout(n, k, weight_bytes)
+        return configs.get((n, k, weight_bytes, chosen)) or EXPORTED_CONFIG(n, k, weight_bytes, layout)
+    return gemv_config
+
+
+# session 20: int8 tiles tried in the decode step (the sweeps chose them in a chain of one shape, before the hand-off)
+INT8_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "down": (2560, 9728), "head": (151936, 2560)}
+INT8_TILES = {"qkv": ((8, 512, 2), (8, 512, 4), (4, 512, 2)), "o": ((2, 2048, 4), (4, 1024, 4), (8, 512, 4)),
+              "down": ((4, 1024, 4), (8, 512, 4), (4, 512, 2)),
+              "head": ((4, 512, 2), (8, 1024, 4), (2, 512, 2), (4, 256, 1), (4, 512, 1), (8, 256, 1), (2, 1024, 4), (8, 512, 4))}
 
 
 def skipped_add_norm(self, x, residual):
@@ -157,6 +173,8 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     # session 20: int4's epilogue operands (residual, norm weights) loaded after the loop again
     "int4 epilogue operands late": dict(INT4_EARLY_EPILOGUE=False),
 
+    **{f"int8 {name} {'x'.join(map(str, tile))}": dict(GEMV_CONFIGS={(*INT8_SHAPES[name], 1, "tile"): tile})
+       for name, tiles in INT8_TILES.items() for tile in tiles},
     "defaults again": {}}
 
 
@@ -164,6 +182,8 @@ def switch(**changes):
     "Chapter 09's switches (and chapter 10's INT4_EARLY_WEIGHTS): their defaults, with `changes`."
     shapes = changes.pop("PREFETCH_SHAPES", None)  # (a lab-only setting: the prefetch for some GEMVs only)
     RMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
+    configs = changes.pop("GEMV_CONFIGS", None)  # (lab-only: other tiles for some shapes)
+    kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)

@@ -46,6 +46,16 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     assert rel_error(got, x.float() @ w.T) < 0.2  # 4-bit Gaussian weights: ~10% per weight
 
 
+def test_int8_rows_on_the_gpu_are_the_dequantized_rows_bit_for_bit():
+    "A tied model's embedding read from its int8 head (`int8_rows`): the bits of `dequantize_int8` of the rows."
+    from forge_engine.quant import dequantize_int8, int8_rows
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, s = quantize_int8(torch.randn(151936, 2560, device="cuda", generator=gen))
+    ids = torch.tensor([0, 151935, 7, 7, 98304], device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(int8_rows(ids, q, s, dtype), dequantize_int8(q[ids], s[ids], dtype))
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_gguf_q8_0_kernel_matches_hand_made_blocks(m):
     "Q8_0 blocks built by hand (d as float16, 32 int8): no gguf package needed on this machine."
