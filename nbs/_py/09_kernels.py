@@ -1330,7 +1330,18 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
 # Handed off (int8): the step **1.617-1.625 ms** against 1.678-1.682 without, W1 (bench) 410.6 →
 # **599.8 tok/s** against BF16's 410.6 in the same call. A row's 640 programs adding to one float
 # cost nothing measurable: spread over 32 floats a row, the step was 1.621 against 1.622. The
-# adds' order varies, so the last bits of a norm may differ from run to run (int8 only).
+# adds' order varies, so the last bits of a norm may differ from run to run (int8 and int4).
+#
+# Session 20: chapter 10's int4 GEMV takes the same folds (`check_gemv_folds` checks them for
+# both), so int4 hands its norms on too: its step 1.604 → 1.556 ms. The epilogue's operands (an
+# int8 row's scale, the next norm's weight, the residual) used to be asked for one after another
+# after the loop, each a wait of its own at the very end of the kernel. Asked for before the loop
+# (the constants before the input wait) the int8 step got *slower*, 1.579 → 1.746 ms: held
+# through the loop they took registers (the o GEMV with the hand-off 96 → 113 a thread), so
+# fewer programs fit an SM. Now they are asked for together after the loop (`_tile_constants`,
+# `_rows_constants`): one wait. Measured on W1: no difference (int8 617.3 → 617.2 tok/s). The
+# int8 LM head takes BF16's head tile, (4, 512, 2): the decode step 1.577 → 1.571 ms (a sweep of
+# int8 tiles inside the step; the qkv, o and down tiles held).
 
 # %%
 # h = r + W1·x with norm(h)·g handed to W2: h is the plain residual GEMV's bits, h·g its product
