@@ -160,6 +160,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "early weights off": dict(GEMV_EARLY_WEIGHTS=False),
     "early weights, int4 too": dict(INT4_EARLY_WEIGHTS=True),
     "rows layout off": dict(GEMV_ROWS_LAYOUT=False), "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
+    "decode splits of 256 and up": dict(DECODE_MIN_SPLIT=256), "one decode split": dict(DECODE_MIN_SPLIT=1 << 20),
     "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
     "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
     "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
