@@ -80,13 +80,14 @@ def resident_warps(registers: int, num_warps: int) -> int:
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
               stages: int = 1, swiglu: bool = False, maxnreg: int | None = None,
-              early: bool = False, norm: bool = False) -> tuple[list[str], float, int]:
+              early: bool = False, norm: bool = False, hand_off: bool = False) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
-    `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop)."""
+    `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop); `hand_off`: the residual
+    added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8)."""
     flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=False,
-                 NORM_SUMS=False, HAND_OFF=False)
+                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=hand_off,
+                 NORM_SUMS=False, HAND_OFF=hand_off)
     body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                                 dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
     return body, block_n * block_k / (32 * num_warps), registers
