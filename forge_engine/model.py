@@ -159,6 +159,8 @@ def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, 
     folds = dict(swiglu=swiglu, residual=residual, eps=eps, norm_sums=None if handed_in is None else handed_in.sums,
                  hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
     if hasattr(layer, "decode_gemv"):
+        if norm is not None:
+            raise ValueError(f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)")
         return layer.decode_gemv(x, **folds)
     return triton_kernel("gemv")(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
 

@@ -282,6 +282,8 @@ def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, 
     folds = dict(swiglu=swiglu, residual=residual, eps=eps, norm_sums=None if handed_in is None else handed_in.sums,
                  hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
     if hasattr(layer, "decode_gemv"):
+        if norm is not None:
+            raise ValueError(f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)")
         return layer.decode_gemv(x, **folds)
     return triton_kernel("gemv")(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
 
@@ -403,6 +405,20 @@ class DecoderLayer(nn.Module):
 
     def _projections(self) -> tuple[nn.Module, ...]:
         return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
+
+
+# %% [markdown]
+# A layer with a GEMV of its own (chapter 10's int4) gets the folds as keywords; the norm itself
+# it cannot apply, and says so rather than dropping it:
+
+# %%
+class OwnGemv(nn.Module):
+    def decode_gemv(self, x, **folds): return folds
+norm, sums = RMSNorm(4, 1e-5), torch.zeros(1)
+folds = folded_gemv(OwnGemv(), torch.zeros(1, 4), residual=torch.ones(1, 4), handed_in=HandedNorm(norm, sums))
+assert folds["norm_sums"] is sums and folds["eps"] == 1e-5 and folds["hand_off"] is None and not folds["swiglu"]
+with pytest.raises(ValueError, match="OwnGemv's own GEMV takes no norm to apply"):
+    folded_gemv(OwnGemv(), torch.zeros(1, 4), norm=norm)
 
 
 # %% [markdown]
