@@ -1,0 +1,179 @@
+"""Does the greedy argmax pay to move into the decode step's CUDA graph? (Session 20, written for the next GPU session.)
+
+At batch 1 the engine samples outside the decode graph: for a greedy request that is `torch.argmax` over 151,936
+FP32 logits, one reduction of 512 threads that took 8.2 us a token on an H200 (`step_gaps.py int8`, session 20),
+plus its launch gap, while the step's graph is ~1.58 ms (int8) to ~2.39 ms (BF16). Napkin: 600 KB of logits read
+at even a tenth of the memory bandwidth is ~1.5 us; the reduction is latency, one block walking the row. A row split
+over many programs (each a chunk's max and its first index, then one program merging the chunks) should take two
+short launches, and inside the graph no launch gap of its own. The same microseconds come off BF16's step and
+int8's, so the gain lifts the int8 / BF16 ratio a little ((B - d) / (Q - d)).
+
+What this measures (on a GPU; on a CPU it only validates the kernels under the interpreter):
+1. validation: `triton_argmax` against `torch.argmax` on random rows, ties (the first index wins, as torch's),
+   rows of -inf, BF16 and FP32, several rows;
+2. micro: torch's argmax and `triton_argmax` on one [1, 151936] row, eager and as a CUDA-graph replay;
+3. the engine (`random:qwen3-4b`, bf16 and int8, one engine a variant): W1-like decode tok/s with the sampler's
+   argmax as it is, with `triton_argmax` in the sampler, and with `triton_argmax` captured in the decode graph (the
+   sampler then reads the graph's tokens for an all-greedy batch with nothing to adjust); each variant's greedy
+   tokens must equal the defaults'.
+
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/greedy_in_graph.py [bf16,int8]"""
+import sys
+
+from common import ON_GPU, finish, graphed_ms, median_ms  # first: it may switch on the interpreter
+import torch
+import triton
+import triton.language as tl
+
+import forge_engine.engine as engine_module
+from forge_engine.bench import free_memory, random_prompts, run_batch
+from forge_engine.config import EngineConfig
+from forge_engine.cuda_graphs import DecodeRunner
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+from forge_engine.sampling import SampleResult, batch_logprobs
+
+EXPORTED_SAMPLE, EXPORTED_FORWARD = engine_module.sample, DecodeRunner._forward
+CHUNK = 2048  # logits a program of the first launch reduces
+
+
+@triton.jit
+def _argmax_chunks_kernel(logits_ptr, max_ptr, at_ptr, V, stride_row, CHUNKS, BLOCK: tl.constexpr):
+    "Program (row, chunk): the chunk's largest logit and the first column holding it."
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, axis=0)
+    tl.store(max_ptr + row * CHUNKS + chunk, best)
+    tl.store(at_ptr + row * CHUNKS + chunk, tl.min(tl.where(x == best, cols, V), axis=0))
+
+
+@triton.jit
+def _argmax_merge_kernel(max_ptr, at_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr):
+    "Program row: the chunks' largest logit, at the first column holding it (chunks are in column order)."
+    row, c = tl.program_id(0), tl.arange(0, BLOCK_C)
+    m = tl.load(max_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+    at = tl.load(at_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=2**31 - 1)
+    tl.store(out_ptr + row, tl.min(tl.where(m == tl.max(m, axis=0), at, 2**31 - 1), axis=0).to(tl.int64))
+
+
+def triton_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    "argmax over the last dimension of [rows, V] logits (first index among equal maxima; NaN not handled): int64 [rows]."
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, chunk)
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    at = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _argmax_chunks_kernel[(rows, chunks)](logits, maxima, at, vocab, logits.stride(0), chunks, BLOCK=chunk)
+        _argmax_merge_kernel[(rows,)](maxima, at, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+    return out
+
+
+def validate(device: str, vocab: int, chunk: int) -> bool:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(5, vocab, generator=gen).to(dtype)
+        logits[1, :] = float("-inf")
+        logits[2, 7] = logits[2, vocab - 3] = logits[2].max() + 1  # a tie: the first index wins
+        logits[3, vocab - 1] = 1e4  # the last column
+        logits[4] = logits[4].round()  # many ties at the top
+        logits = logits.to(device)
+        got, want = triton_argmax(logits, chunk), torch.argmax(logits.float(), dim=-1)
+        same = torch.equal(got, want)
+        print(f"  {'ok  ' if same else 'FAIL'} triton_argmax {str(dtype):15s} V={vocab} chunk={chunk}: "
+              f"{got.tolist()} against {want.tolist()}")
+        ok &= same
+    return ok
+
+
+def greedy_sample(logits, batch):
+    "The sampler with `triton_argmax` for an all-greedy batch with nothing to adjust (else the exported one)."
+    if batch.adjusts or len(batch.sampled_rows):
+        return EXPORTED_SAMPLE(logits, batch)
+    tokens = triton_argmax(logits)
+    return SampleResult(tokens, batch_logprobs(logits, tokens, batch.logprobs))
+
+
+GRAPH_TOKENS: dict[int, torch.Tensor] = {}  # the decode graphs' logits (data pointer) -> their argmax, captured too
+
+
+def forward_with_argmax(self, b, w):
+    "DecodeRunner._forward, and when recorded into a graph, the argmax too (registered by the logits' address)."
+    logits = EXPORTED_FORWARD(self, b, w)
+    if torch.cuda.is_current_stream_capturing():  # (a warm-up's logits are freed: their address may come back)
+        GRAPH_TOKENS[logits.data_ptr()] = triton_argmax(logits)
+    return logits
+
+
+def graph_sample(logits, batch):
+    "The decode graph's argmax for an all-greedy batch of its logits with nothing to adjust (else the exported sampler)."
+    tokens = GRAPH_TOKENS.get(logits.data_ptr())
+    if tokens is None or batch.adjusts or len(batch.sampled_rows):
+        return EXPORTED_SAMPLE(logits, batch)
+    tokens = tokens[:logits.shape[0]]
+    return SampleResult(tokens, batch_logprobs(logits, tokens, batch.logprobs))
+
+
+VARIANTS = {"torch argmax (defaults)": (EXPORTED_SAMPLE, EXPORTED_FORWARD),
+            "triton argmax in the sampler": (greedy_sample, EXPORTED_FORWARD),
+            "triton argmax in the decode graph": (graph_sample, forward_with_argmax),
+            "defaults again": (EXPORTED_SAMPLE, EXPORTED_FORWARD)}
+
+
+def greedy_tokens(engine, prompt: list[int], n: int = 64) -> list[int]:
+    "The token ids of one greedy request of n tokens, run to its end."
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    tokens = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == request: tokens = list(out.token_ids)
+    return tokens
+
+
+def engine_runs(formats) -> bool:
+    print("\n== random:qwen3-4b: W1-like decode tok/s (128-token prompt, 256 greedy tokens), one engine a variant")
+    ok = True
+    prompt = random_prompts(1, 128, 128, seed=1)[0]
+    for fmt in formats:
+        loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
+        want = None
+        for name, (sampler, forward) in VARIANTS.items():
+            engine_module.sample, DecodeRunner._forward = sampler, forward
+            GRAPH_TOKENS.clear()
+            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))  # (its graphs recorded now, with `forward`)
+            run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+            r = run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+            tokens = greedy_tokens(engine, prompt)
+            assert tokens is not None and len(tokens) == 64, tokens
+            same = want is None or tokens == want
+            want = want if want is not None else tokens
+            ok &= same
+            print(f"  {fmt:5s} {name:36s}: {255 / (r['wall_s'] - r['ttft_median_s']):7.1f} tok/s"
+                  f"{'' if same else '  TOKENS DIFFER'}", flush=True)
+            del engine
+            free_memory()
+        engine_module.sample, DecodeRunner._forward = EXPORTED_SAMPLE, EXPORTED_FORWARD
+        del loaded
+        free_memory()
+    return ok
+
+
+def main():
+    formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8").split(",")
+    ok = validate("cpu" if not ON_GPU else "cuda", 1000, 128)
+    if not ON_GPU:
+        finish(ok)
+    ok &= validate("cuda", 151936, CHUNK)
+    row = torch.randn(1, 151936, device="cuda")
+    print("\n== one row of 151,936 FP32 logits, us (median, L2 flushed)")
+    for name, fn in (("torch.argmax", lambda: torch.argmax(row, dim=-1)), ("triton_argmax", lambda: triton_argmax(row))):
+        print(f"  {name:14s} eager {median_ms(fn) * 1e3:6.1f}   graph replay {graphed_ms(fn) * 1e3:6.1f}")
+    ok &= engine_runs(formats)
+    finish(ok)
+
+
+if __name__ == "__main__":
+    main()
