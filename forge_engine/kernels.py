@@ -12,9 +12,9 @@ __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_R
            'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm',
            'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv',
            'gemv_folds_norms', 'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
-           'gemv_loop_stages', 'check_gemv_folds', 'gemv', 'paged_attention_reference', 'random_paged_kv',
-           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention',
-           'KernelDecodeAttention']
+           'gemv_loop_stages', 'hand_off_operands', 'check_gemv_folds', 'gemv', 'paged_attention_reference',
+           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
+           'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -621,13 +621,19 @@ def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGL
 
 
 @triton.jit
-def _rows_residual(res_ptr, first_col, N, BLOCK_N: tl.constexpr):
-    "A rows-layout program's residual, fp32, per row (one row of x; no SwiGLU)."
-    residuals = ()
+def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
+    """A rows-layout program's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m),
+    r * ROWS + m, and (HAND_OFF) the next norm's weight at each row r. (Chapter 10's int4 GEMV's too.)"""
+    residuals, next_gs = (), ()
     for r in tl.static_range(BLOCK_N):
-        row, real = _program_row(first_col, r, N, BLOCK_N // 2, False)
-        residuals = residuals + (tl.load(res_ptr + row, mask=real, other=0.0).to(tl.float32),)
-    return residuals
+        row = first_col + r
+        if HAND_OFF:
+            next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
+        for m in tl.static_range(ROWS if RESIDUAL else 0):
+            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
+                                     .to(tl.float32),)
+    return residuals, next_gs
 
 
 @triton.jit
@@ -662,7 +668,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
                               BLOCK_N, BYTE_ASM, NORM)
     scales, biases = _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS)  # together
     if RESIDUAL:  # (as `_gemv_kernel`'s)
-        residuals = _rows_residual(res_ptr, first_col, N, BLOCK_N)
+        residuals = _rows_epilogue_operands(res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False)[0]
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     if NORM_SUMS:
@@ -716,6 +722,15 @@ def gemv_loop_stages(loop_stages: int | None = None) -> int:
     if loop_stages is not None and loop_stages < 1:
         raise ValueError(f"loop_stages is how many steps of the GEMV loop are in flight: 1 or more, got {loop_stages}")
     return loop_stages or GEMV_LOOP_STAGES
+
+
+def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None,
+                      unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMV launch's (sums, next norm's weight, normed output) for its folds `norm_sums` / `hand_off` (the normed
+    output new, shaped as `out`); `unused` in the places the launch does not read (also chapter 10's int4 GEMV)."""
+    if hand_off is None:
+        return (unused if norm_sums is None else norm_sums), unused, unused
+    return hand_off[1], hand_off[0], torch.empty_like(out)
 
 
 def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None,
@@ -806,10 +821,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
-    normed = torch.empty_like(out) if hand_off is not None else None
-    sums = norm_sums if hand_off is None else hand_off[1]
-    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out,
-                weight if sums is None else sums)
+    sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
+    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out, sums)
     folds = dict(NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None)
     byte_asm = not INTERPRETED if byte_asm is None else byte_asm
     if layout == "rows":
@@ -826,7 +839,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     if m:
         _gemv_kernel[grid](
-            *operands, *((weight, weight) if hand_off is None else (hand_off[0], normed)), m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            *operands, next_g, normed, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
             out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
             BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),

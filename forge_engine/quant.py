@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_scale, _pow2, _program_row,
-                                  _silu_times, _start_gemv, _wait_for_previous, check_gemv_folds, gemv,
-                                  gemv_hands_off_norms, gemv_loop_stages, gemv_prefetch, gemv_reference,
-                                  kernel_backend, pdl_supported, silu_mul, tl, triton)
+                                  _rows_epilogue_operands, _silu_times, _start_gemv, _wait_for_previous,
+                                  check_gemv_folds, gemv, gemv_hands_off_norms, gemv_loop_stages, gemv_prefetch,
+                                  gemv_reference, hand_off_operands, kernel_backend, pdl_supported, silu_mul, tl,
+                                  triton)
 from .model import Transformer, load_weights
 
 # %% auto #0
@@ -266,22 +267,6 @@ def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                            RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
-    """The int4 GEMV's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m), r * ROWS + m, and
-    (HAND_OFF) the next norm's weight at each row r."""
-    residuals, next_gs = (), ()
-    for r in tl.static_range(BLOCK_N):
-        row = first_col + r
-        if HAND_OFF:
-            next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
-        for m in tl.static_range(ROWS if RESIDUAL else 0):
-            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
-                                     .to(tl.float32),)
-    return residuals, next_gs
-
-
-@triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
                       M, N, K, stride_qn, stride_rm, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
@@ -306,14 +291,14 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
     for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
         handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
     if EARLY_EPI:  # the epilogue's residual and norm weights asked for before the loop (as chapter 09's GEMV)
-        residuals, next_gs = _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
+        residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
                                                      RESIDUAL, HAND_OFF)
     for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
                            SWIGLU)
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
     if not EARLY_EPI:
-        residuals, next_gs = _int4_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
+        residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
                                                      RESIDUAL, HAND_OFF)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # chapter 09's `gemv` epilogue, one output at a time
@@ -371,10 +356,8 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty((m, n // 2 if swiglu else n), device=x.device, dtype=x.dtype)
-    normed = torch.empty_like(out) if hand_off is not None else None
-    sums = norm_sums if hand_off is None else hand_off[1]
-    folds = (out if residual is None else residual, out if sums is None else sums,
-             *((out, out) if hand_off is None else (hand_off[0], normed)))
+    sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, out)
+    folds = (out if residual is None else residual, sums, next_g, normed)
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
