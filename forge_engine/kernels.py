@@ -8,13 +8,13 @@ __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_R
            'GEMV_L2_PREFETCH', 'GEMV_LOOP_STAGES', 'GEMV_EARLY_WEIGHTS', 'DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS',
            'MAX_DECODE_SPLITS', 'DECODE_SPLITS_BY_WORK', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT',
            'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES', 'DECODE_EARLY_TILE',
-           'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N', 'kernel_backend',
-           'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm',
-           'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv',
-           'gemv_folds_norms', 'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch',
-           'gemv_loop_stages', 'hand_off_operands', 'check_gemv_folds', 'gemv', 'paged_attention_reference',
-           'random_paged_kv', 'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention',
-           'KernelPagedAttention', 'KernelDecodeAttention']
+           'DECODE_UNROLL_MERGE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS', 'PREFILL_BLOCK_N',
+           'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported', 'add_rmsnorm_reference',
+           'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference', 'silu_mul',
+           'write_kv_reference', 'write_kv', 'gemv_folds_norms', 'gemv_hands_off_norms', 'gemv_layout', 'gemv_config',
+           'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'hand_off_operands', 'check_gemv_folds', 'gemv',
+           'paged_attention_reference', 'random_paged_kv', 'decode_split_len', 'paged_decode_attention',
+           'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
@@ -948,6 +948,7 @@ DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the spl
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
 DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
+DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
 @triton.jit
@@ -965,6 +966,20 @@ def _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, acc, m_i, l_i, o
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
     tl.store(part_l_ptr + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr, part_l_ptr, part, offs_d, row_mask, mask,
+                 HEAD_DIM: tl.constexpr):
+    "The running merge (acc, m, l) with one more split's partials (at `part`); a split masked out changes nothing."
+    m_s = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_l_ptr + part, mask=row_mask, other=0.0, cache_modifier=".cg")
+    a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                  cache_modifier=".cg")  # past L1: written by other SMs
+    m_new = tl.maximum(m_all, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+    return acc_all * alpha[:, None] + a_s * beta[:, None], m_new, l_all * alpha + l_s * beta
 
 
 @triton.jit
@@ -1003,7 +1018,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
                    ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr):
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -1106,17 +1121,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                 m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
                 l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
                 acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
-                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
-                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
-                    m_new = tl.maximum(m_all, m_s)
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
-                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
-                    l_all = l_all * alpha + l_s * beta
-                    m_all = m_new
+                if UNROLL_MERGE > 0:  # every split's loads in one unrolled run: none waits for the one before
+                    for s in tl.static_range(UNROLL_MERGE):  # (past `active`: masked, they change nothing)
+                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
+                                                             part_l_ptr, part + s, offs_d, row_mask & (s < active),
+                                                             mask & (s < active), HEAD_DIM)
+                else:
+                    for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
+                                                             part_l_ptr, part + s, offs_d, row_mask, mask, HEAD_DIM)
                 _store_normalised(out_rows, acc_all, l_all, mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
@@ -1247,7 +1260,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
-        WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
+        WAIT_LATE=early and pdl_supported(q.device),
+        UNROLL_MERGE=_pow2(num_splits) if num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
+        **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,

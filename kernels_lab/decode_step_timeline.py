@@ -10,6 +10,8 @@ script, SwiGLU fused): 269 kernels, the GEMVs 2,203 µs, the decode attentions 3
 
 Run on a GPU from the repository root:
     PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...] [--batch=B] [--prompt=T]
+        [--positions]
+(--positions: a middle layer's kernels and the step's last five, one by one.)
 (--batch=256 --prompt=600: a W2-like decode step, 256 sequences of ~600 tokens.)
 SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH) or sizes
 (DECODE_MIN_SPLIT=64), set before the graph is captured."""
@@ -70,10 +72,25 @@ def kernel_events(graph) -> list[list[dict]]:
     return [events[r * per:(r + 1) * per] for r in range(REPLAYS)]
 
 
+def print_positions(replays):
+    """The kernels of a middle layer (its QKV GEMV to its down GEMV, found from the decode attentions) and the step's
+    last five, one by one: mean duration, gap before and their sum (what the kernel adds after the one before), grid."""
+    run = replays[0]
+    attentions = [i for i, e in enumerate(run) if e["name"].startswith("_decode_kernel")]
+    middle = attentions[len(attentions) // 2]
+    for i in [*range(middle - 1, middle + 4), *range(len(run) - 5, len(run))]:
+        durs = [r[i]["dur"] for r in replays]
+        gaps = [r[i]["ts"] - (r[i - 1]["ts"] + r[i - 1]["dur"]) for r in replays]
+        dur, gap = sum(durs) / REPLAYS, sum(gaps) / REPLAYS
+        print(f"  #{i:3d}  {dur:7.2f} µs  gap before {gap:6.2f} µs  adds {dur + gap:6.2f} µs  "
+              f"grid {run[i].get('args', {}).get('grid')}  {run[i]['name'].split('(')[0][:50]}")
+
+
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
-    batch, prompt_tokens = 1, 256
+    batch, prompt_tokens, positions = 1, 256, "--positions" in sys.argv
     for item in sys.argv[2:]:
+        if item == "--positions": continue
         name, value = item.split("=")
         if name == "--batch": batch = int(value)
         elif name == "--prompt": prompt_tokens = int(value)
@@ -95,6 +112,7 @@ def main():
     for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         print(f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
               f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}")
+    if positions: print_positions(replays)
     del engine
 
 

@@ -1573,6 +1573,7 @@ DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the spl
 DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
 DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
+DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
 @triton.jit
@@ -1590,6 +1591,20 @@ def _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, acc, m_i, l_i, o
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
     tl.store(part_l_ptr + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr, part_l_ptr, part, offs_d, row_mask, mask,
+                 HEAD_DIM: tl.constexpr):
+    "The running merge (acc, m, l) with one more split's partials (at `part`); a split masked out changes nothing."
+    m_s = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_l_ptr + part, mask=row_mask, other=0.0, cache_modifier=".cg")
+    a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                  cache_modifier=".cg")  # past L1: written by other SMs
+    m_new = tl.maximum(m_all, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
+    return acc_all * alpha[:, None] + a_s * beta[:, None], m_new, l_all * alpha + l_s * beta
 
 
 @triton.jit
@@ -1628,7 +1643,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
                    ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr):
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -1731,17 +1746,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                 m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
                 l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
                 acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
-                    m_s = tl.load(part_m_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + part + s, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
-                                  other=0.0, cache_modifier=".cg")  # past L1: written by other SMs
-                    m_new = tl.maximum(m_all, m_s)
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
-                    acc_all = acc_all * alpha[:, None] + a_s * beta[:, None]
-                    l_all = l_all * alpha + l_s * beta
-                    m_all = m_new
+                if UNROLL_MERGE > 0:  # every split's loads in one unrolled run: none waits for the one before
+                    for s in tl.static_range(UNROLL_MERGE):  # (past `active`: masked, they change nothing)
+                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
+                                                             part_l_ptr, part + s, offs_d, row_mask & (s < active),
+                                                             mask & (s < active), HEAD_DIM)
+                else:
+                    for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
+                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
+                                                             part_l_ptr, part + s, offs_d, row_mask, mask, HEAD_DIM)
                 _store_normalised(out_rows, acc_all, l_all, mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
 
@@ -1872,7 +1885,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
-        WAIT_LATE=early and pdl_supported(q.device), num_warps=num_warps, **_stages(num_stages))
+        WAIT_LATE=early and pdl_supported(q.device),
+        UNROLL_MERGE=_pow2(num_splits) if num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
+        **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
@@ -1951,6 +1966,16 @@ for split_tokens in (64, 10_000):
 # (`kernels_lab/decode_overlap.py`, one H200, same call): the 3-D tile's reductions cost more
 # than the round trips they save. Not kept.
 #
+# Session 21, the same idea without the 3-D tile (`DECODE_UNROLL_MERGE`, on): the merging
+# program's loop over the splits unrolled (`tl.static_range` over the table's splits rounded up
+# to a power of two, up to 16; the splits past `active` masked, so they change nothing). Each
+# split is still merged into the running (acc, m, l) as before, in split order, the same bits;
+# but none of its loads waits for the split before, so the compiler asks for all of them at
+# once: one round trip where there were `active` (2-6 at W1's contexts). Measured on an H200
+# (`LAB_NO_CHAIN=1 LAB_VARIANTS="defaults,merge unrolled,defaults again" kernels_lab/decode_overlap.py int8,bf16`,
+# one call): int8 step 1.548 ms against 1.563 / 1.563 (W1-like 632.4 tok/s against 621.5 /
+# 621.4), BF16 2.364 against 2.378 / 2.377 (417.3 against 412.7 / 413.0).
+#
 # **How long a split.** Without a second launch, short splits cost little, and how many a batch
 # wants depends on how many programs it already has: the same lab, splits of 128 / 512 / 1,024
 # keys: one sequence of 460 keys 11.6 / 15.1 / 15.0 µs, of 1,000 keys 13.1 / 17.9 / 24.0; 256
@@ -2012,6 +2037,13 @@ for split_tokens, block_n in ((64, 16), (64, 128), (10_000, 128)):
     alone = paged_decode_attention(q[2:], k_cache, v_cache, tables[2:], ctx[2:], 32**-0.5, impl="triton",
                                    split_tokens=split_tokens, block_n=block_n, merge=True)
     assert torch.equal(alone, got[2:]), split_tokens
+# the merging program's loop unrolled (DECODE_UNROLL_MERGE, here the notebook's copy of the switch): the same bits
+merged = {}
+for unroll in (0, 16):  # (ends on the default)
+    DECODE_UNROLL_MERGE = unroll
+    merged[unroll] = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=64,
+                                            block_n=16, merge=True)
+assert torch.equal(merged[0], merged[16])
 # the rule: a 512-wide table for one sequence of 8 KV heads, 2K, 4K; 8 sequences; 256 (no split)
 assert DECODE_SPLITS_BY_WORK
 assert [decode_split_len(w // 16, 16, pairs=p) for w, p in ((512, 8), (2048, 8), (4096, 8), (2048, 64), (2048, 2048))] \
