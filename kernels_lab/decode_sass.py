@@ -7,7 +7,8 @@ Why: a variant that spills pays a local-memory round trip per spilled value, whi
 8-24 programs) cannot hide. Session 10 (no GPU time left): the plain kernel 2,272 instructions at 4 warps and 128-key
 tiles, none spilled; DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with
 76 spilling loads and stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. (Session 15
-compiled a merge reading 8 splits at once here, commit 942e6c9: no spills; measured slower, not kept.)
+compiled a merge reading 8 splits at once here, commit 942e6c9: no spills; measured slower, not kept. Session 21: the
+merge's loop unrolled instead, UNROLL_MERGE.)
 
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""
@@ -30,22 +31,25 @@ SCALARS = dict(eps="fp32", qk_scale="fp32", num_q_heads="i32", split_len="i32", 
 ALIGNED = (*POINTERS, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "stride_kt", "stride_kh")
 
 
-def decode_sass(early: bool, num_warps: int, block_n: int) -> tuple[list[str], int]:
-    "The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings."
+def decode_sass(early: bool, num_warps: int, block_n: int, unroll: int = 0) -> tuple[list[str], int]:
+    """The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings;
+    `unroll`: the merge's loop unrolled over that many splits (UNROLL_MERGE; 0: a loop)."""
     constexprs = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=True,
                       UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ONE_LOOP=True, ROPE=True,
-                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early)
+                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early,
+                      UNROLL_MERGE=unroll)
     signature = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, **{name: "constexpr" for name in constexprs}}
     code, registers = kernel_sass(_decode_kernel, signature, constexprs, num_warps, ALIGNED)
     return [text for _, text in code], registers
 
 
 def main():
-    print("early tile  warps  tile  instructions  registers  spilling loads/stores (LDL/STL)")
-    for early, num_warps, block_n in itertools.product((False, True), (4, 8), (64, 128)):
-        code, registers = decode_sass(early, num_warps, block_n)
+    print("early tile  warps  tile  merge unrolled  instructions  registers  spilling loads/stores (LDL/STL)")
+    settings = [(*s, 0) for s in itertools.product((False, True), (4, 8), (64, 128))]
+    for early, num_warps, block_n, unroll in settings + [(True, 8, 64, 8), (True, 8, 64, 16)]:  # (W1's: 8 splits)
+        code, registers = decode_sass(early, num_warps, block_n, unroll)
         spills = sum(text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL") for text in code)
-        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {len(code):12d}  {registers:9d}  {spills:6d}")
+        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {unroll:14d}  {len(code):12d}  {registers:9d}  {spills:6d}")
 
 
 if __name__ == "__main__":
