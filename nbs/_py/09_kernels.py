@@ -1826,7 +1826,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
     DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `block_n`: keys per
     tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
-    split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES);
+    split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES;
+    its loop over up to DECODE_UNROLL_MERGE splits unrolled, all their loads at once);
     it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
     (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most
     DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store and one loop only): launched as a dependent of the
@@ -1886,7 +1887,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
-        UNROLL_MERGE=_pow2(num_splits) if num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
+        UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
         **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
