@@ -11,12 +11,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .kernels import argmax_rows
 from .kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['DecodeAttentionFn', 'decode_buckets', 'context_buckets', 'decode_attention_for', 'StaticDecodeAttention',
-           'decode_inputs_bytes', 'decode_inputs', 'DecodeRunner']
+__all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'decode_buckets', 'context_buckets',
+           'decode_attention_for', 'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs', 'DecodeRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,6 +80,11 @@ def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, .
     return longs[:b], longs[b:2 * b], longs[2 * b:], ints[:b], ints[b:].view(b, w)
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4c137cee
+GREEDY_IN_GRAPH = True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
+GREEDY_IN_GRAPH_MAX_ROWS = 8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+#                                would pay for it too)
+
+
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
@@ -93,6 +99,7 @@ class DecodeRunner:
         self.inputs = torch.zeros(decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # a graph's logits (their address) -> their argmax, recorded too
         if self.use_graphs: self.capture()
 
     @torch.no_grad()
@@ -117,6 +124,8 @@ class DecodeRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[b, w] = self._forward(b, w)
+                    if GREEDY_IN_GRAPH and b <= GREEDY_IN_GRAPH_MAX_ROWS:
+                        self.greedy[self.logits[b, w].data_ptr()] = argmax_rows(self.logits[b, w])
                 pool = graph.pool()
                 self.graphs[b, w] = graph
         torch.cuda.synchronize(self.device)
@@ -127,7 +136,13 @@ class DecodeRunner:
     def release_graphs(self) -> None:
         """Destroy the graphs now (their memory pool goes back to PyTorch's cache); `run` refuses from then on.
         Graphs that recorded NCCL collectives must go before their communicator can (chapter 09c)."""
-        self.graphs, self.logits = {}, {}
+        self.graphs, self.logits, self.greedy = {}, {}, {}
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `logits` as `run` returned them from a graph (GREEDY_IN_GRAPH: taken in the same
+        replay, no launch of its own); None for logits of an eager run."""
+        tokens = self.greedy.get(logits.data_ptr())
+        return None if tokens is None else tokens[:logits.shape[0]]
 
     def _write_inputs(self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens) -> None:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with

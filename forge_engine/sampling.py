@@ -200,16 +200,20 @@ class SampleResult:
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    "Pick one token per row of `[B, V]` logits under the batch's per-row parameters."
+def sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row of `[B, V]` logits under the batch's per-row parameters. `greedy`: each row's argmax
+    of these logits, already taken (chapter 09b's decode graphs): the tokens where every row is greedy and nothing
+    adjusts the logits."""
     if logits.ndim != 2 or tuple(logits.shape) != (batch.size, batch.vocab_size):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the batch: "
                          f"{batch.size} rows x vocab {batch.vocab_size}")
     if logits.device != batch.temperature.device:
         raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
+    if greedy is not None and greedy.shape != (batch.size,):
+        raise ValueError(f"greedy holds one token per row: {batch.size}, got {tuple(greedy.shape)}")
     adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
     if not len(batch.sampled_rows):  # every row greedy: the argmax in place, no rows gathered
-        token_ids = adjusted.argmax(-1)
+        token_ids = greedy if greedy is not None and not batch.adjusts else adjusted.argmax(-1)
         return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))
     token_ids = torch.empty(batch.size, dtype=torch.long, device=logits.device)
     if len(batch.greedy_rows):

@@ -915,6 +915,8 @@ class ParallelRunner:
         self.writer = StepWriter()
         self.step_ends: deque[torch.cuda.Event] = deque()  # the end of each launched step's GPU work, oldest first
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None: return self.inner.greedy_tokens(logits)
+
     def run(self, plan, pending: PendingTokens | None = None) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
             raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")

@@ -1,4 +1,4 @@
-"""Does the greedy argmax pay to move into the decode step's CUDA graph? (Session 20, written for the next GPU session.)
+"""Does the greedy argmax pay to move into the decode step's CUDA graph? (Session 20; ported in session 21.)
 
 At batch 1 the engine samples outside the decode graph: for a greedy request that is `torch.argmax` over 151,936
 FP32 logits, one reduction of 512 threads that took 8.2 us a token on an H200 (`step_gaps.py int8`, session 20),
@@ -9,74 +9,40 @@ short launches, and inside the graph no launch gap of its own. The same microsec
 int8's, so the gain lifts the int8 / BF16 ratio a little ((B - d) / (Q - d)).
 
 What this measures (on a GPU; on a CPU it only validates the kernels under the interpreter):
-1. validation: `triton_argmax` against `torch.argmax` on random rows, ties (the first index wins, as torch's),
-   rows of -inf, BF16 and FP32, several rows;
-2. micro: torch's argmax and `triton_argmax` on one [1, 151936] row, eager and as a CUDA-graph replay;
-3. the engine (`random:qwen3-4b`, bf16 and int8, one engine a variant): W1-like decode tok/s with the sampler's
-   argmax as it is, with `triton_argmax` in the sampler, and with `triton_argmax` captured in the decode graph (the
-   sampler then reads the graph's tokens for an all-greedy batch with nothing to adjust); each variant's greedy
-   tokens must equal the defaults'.
+1. validation: chapter 09's `argmax_rows` against `torch.argmax` on random rows, ties (the first index wins, as
+   torch's), rows of -inf, BF16 and FP32, several rows;
+2. micro: torch's argmax and `argmax_rows` on one [1, 151936] row, eager and as a CUDA-graph replay;
+3. the engine (`random:qwen3-4b`, bf16 and int8, one engine a variant): W1-like decode tok/s with torch's argmax in
+   the sampler, with `argmax_rows` in the sampler, and with `argmax_rows` recorded in the decode graph (chapter 09b's
+   `GREEDY_IN_GRAPH`: the sampler then takes the graph's tokens for an all-greedy batch with nothing to adjust);
+   BF16's greedy tokens must equal the first variant's.
 
 Session 21 on one H200 (`kernels_lab/results/h200_session21/call1_greedy.txt`): one row, torch.argmax 11.9 us eager /
-12.0 as a graph replay, triton_argmax 28.6 / 7.0; W1-like bf16 411.6 (defaults), 412.2 (in the sampler), 413.4 (in
+12.0 as a graph replay, the two launches 28.6 / 7.0; W1-like bf16 411.6 (defaults), 412.2 (in the sampler), 413.4 (in
 the graph), 412.5 (defaults again); int8 620.8, 623.1, 623.5, 620.8. About +0.4% in the graph, the same for both
-formats; not ported yet (it needs the runner, engine and sampler to pass the graph's tokens through).
+formats. Since ported: chapter 09's `argmax_rows` (these two kernels), recorded into the decode graphs by chapter
+09b (`GREEDY_IN_GRAPH`, on) and taken by chapter 06's `sample(..., greedy=)`; this lab now switches that.
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/greedy_in_graph.py [bf16,int8]"""
 import sys
 
 from common import ON_GPU, finish, graphed_ms, median_ms  # first: it may switch on the interpreter
 import torch
-import triton
-import triton.language as tl
 
+import forge_engine.cuda_graphs as cuda_graphs
 import forge_engine.engine as engine_module
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
-from forge_engine.cuda_graphs import DecodeRunner
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
+from forge_engine.kernels import argmax_rows
 from forge_engine.loader import load_model
 from forge_engine.sampling import SampleResult, batch_logprobs
 
-EXPORTED_SAMPLE, EXPORTED_FORWARD = engine_module.sample, DecodeRunner._forward
-CHUNK = 2048  # logits a program of the first launch reduces
+EXPORTED_SAMPLE = engine_module.sample
 
 
-@triton.jit
-def _argmax_chunks_kernel(logits_ptr, max_ptr, at_ptr, V, stride_row, CHUNKS, BLOCK: tl.constexpr):
-    "Program (row, chunk): the chunk's largest logit and the first column holding it."
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    best = tl.max(x, axis=0)
-    tl.store(max_ptr + row * CHUNKS + chunk, best)
-    tl.store(at_ptr + row * CHUNKS + chunk, tl.min(tl.where(x == best, cols, V), axis=0))
-
-
-@triton.jit
-def _argmax_merge_kernel(max_ptr, at_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr):
-    "Program row: the chunks' largest logit, at the first column holding it (chunks are in column order)."
-    row, c = tl.program_id(0), tl.arange(0, BLOCK_C)
-    m = tl.load(max_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
-    at = tl.load(at_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=2**31 - 1)
-    tl.store(out_ptr + row, tl.min(tl.where(m == tl.max(m, axis=0), at, 2**31 - 1), axis=0).to(tl.int64))
-
-
-def triton_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    "argmax over the last dimension of [rows, V] logits (first index among equal maxima; NaN not handled): int64 [rows]."
-    rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, chunk)
-    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    at = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _argmax_chunks_kernel[(rows, chunks)](logits, maxima, at, vocab, logits.stride(0), chunks, BLOCK=chunk)
-        _argmax_merge_kernel[(rows,)](maxima, at, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
-    return out
-
-
-def validate(device: str, vocab: int, chunk: int) -> bool:
+def validate(device: str, vocab: int) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(0)
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
@@ -86,46 +52,27 @@ def validate(device: str, vocab: int, chunk: int) -> bool:
         logits[3, vocab - 1] = 1e4  # the last column
         logits[4] = logits[4].round()  # many ties at the top
         logits = logits.to(device)
-        got, want = triton_argmax(logits, chunk), torch.argmax(logits.float(), dim=-1)
+        got, want = argmax_rows(logits, impl="triton"), torch.argmax(logits.float(), dim=-1)
         same = torch.equal(got, want)
-        print(f"  {'ok  ' if same else 'FAIL'} triton_argmax {str(dtype):15s} V={vocab} chunk={chunk}: "
+        print(f"  {'ok  ' if same else 'FAIL'} argmax_rows {str(dtype):15s} V={vocab}: "
               f"{got.tolist()} against {want.tolist()}")
         ok &= same
     return ok
 
 
-def greedy_sample(logits, batch):
-    "The sampler with `triton_argmax` for an all-greedy batch with nothing to adjust (else the exported one)."
+def greedy_sample(logits, batch, greedy=None):
+    "The sampler with `argmax_rows` for an all-greedy batch with nothing to adjust (else the exported one)."
     if batch.adjusts or len(batch.sampled_rows):
-        return EXPORTED_SAMPLE(logits, batch)
-    tokens = triton_argmax(logits)
+        return EXPORTED_SAMPLE(logits, batch, greedy)
+    tokens = argmax_rows(logits)
     return SampleResult(tokens, batch_logprobs(logits, tokens, batch.logprobs))
 
 
-GRAPH_TOKENS: dict[int, torch.Tensor] = {}  # the decode graphs' logits (data pointer) -> their argmax, captured too
-
-
-def forward_with_argmax(self, b, w):
-    "DecodeRunner._forward, and when recorded into a graph, the argmax too (registered by the logits' address)."
-    logits = EXPORTED_FORWARD(self, b, w)
-    if torch.cuda.is_current_stream_capturing():  # (a warm-up's logits are freed: their address may come back)
-        GRAPH_TOKENS[logits.data_ptr()] = triton_argmax(logits)
-    return logits
-
-
-def graph_sample(logits, batch):
-    "The decode graph's argmax for an all-greedy batch of its logits with nothing to adjust (else the exported sampler)."
-    tokens = GRAPH_TOKENS.get(logits.data_ptr())
-    if tokens is None or batch.adjusts or len(batch.sampled_rows):
-        return EXPORTED_SAMPLE(logits, batch)
-    tokens = tokens[:logits.shape[0]]
-    return SampleResult(tokens, batch_logprobs(logits, tokens, batch.logprobs))
-
-
-VARIANTS = {"torch argmax (defaults)": (EXPORTED_SAMPLE, EXPORTED_FORWARD),
-            "triton argmax in the sampler": (greedy_sample, EXPORTED_FORWARD),
-            "triton argmax in the decode graph": (graph_sample, forward_with_argmax),
-            "defaults again": (EXPORTED_SAMPLE, EXPORTED_FORWARD)}
+VARIANTS = {  # name: (the engine's sampler, GREEDY_IN_GRAPH)
+    "torch argmax (in the sampler)": (EXPORTED_SAMPLE, False),
+    "argmax_rows in the sampler": (greedy_sample, False),
+    "argmax_rows in the decode graph (defaults)": (EXPORTED_SAMPLE, True),
+    "torch argmax again": (EXPORTED_SAMPLE, False)}
 
 
 def greedy_tokens(engine, prompt: list[int], n: int = 64) -> list[int]:
@@ -145,10 +92,9 @@ def engine_runs(formats) -> bool:
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
         want = None
-        for name, (sampler, forward) in VARIANTS.items():
-            engine_module.sample, DecodeRunner._forward = sampler, forward
-            GRAPH_TOKENS.clear()
-            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))  # (its graphs recorded now, with `forward`)
+        for name, (sampler, in_graph) in VARIANTS.items():
+            engine_module.sample, cuda_graphs.GREEDY_IN_GRAPH = sampler, in_graph
+            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))  # (its graphs recorded now, with the switch)
             run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
             r = run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
             tokens = greedy_tokens(engine, prompt)
@@ -163,7 +109,7 @@ def engine_runs(formats) -> bool:
                   f"{'' if same else f'  TOKENS DIFFER from token {agree} on'}", flush=True)
             del engine
             free_memory()
-        engine_module.sample, DecodeRunner._forward = EXPORTED_SAMPLE, EXPORTED_FORWARD
+        engine_module.sample, cuda_graphs.GREEDY_IN_GRAPH = EXPORTED_SAMPLE, True
         del loaded
         free_memory()
     return ok
@@ -171,13 +117,13 @@ def engine_runs(formats) -> bool:
 
 def main():
     formats = (sys.argv[1] if len(sys.argv) > 1 else "bf16,int8").split(",")
-    ok = validate("cpu" if not ON_GPU else "cuda", 1000, 128)
+    ok = validate("cpu" if not ON_GPU else "cuda", 5000)
     if not ON_GPU:
         finish(ok)
-    ok &= validate("cuda", 151936, CHUNK)
+    ok &= validate("cuda", 151936)
     row = torch.randn(1, 151936, device="cuda")
     print("\n== one row of 151,936 FP32 logits, us (median, L2 flushed)")
-    for name, fn in (("torch.argmax", lambda: torch.argmax(row, dim=-1)), ("triton_argmax", lambda: triton_argmax(row))):
+    for name, fn in (("torch.argmax", lambda: torch.argmax(row, dim=-1)), ("argmax_rows", lambda: argmax_rows(row))):
         print(f"  {name:14s} eager {median_ms(fn) * 1e3:6.1f}   graph replay {graphed_ms(fn) * 1e3:6.1f}")
     ok &= engine_runs(formats)
     finish(ok)

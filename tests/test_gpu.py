@@ -66,6 +66,32 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     engine.allocator.check_idle()
 
 
+def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
+    """Chapter 09b's GREEDY_IN_GRAPH: the small decode graphs take each row's argmax, the sampler uses it for
+    all-greedy steps (seen by a spy on chapter 06's `sample`), and the tokens and logprobs are those without it."""
+    import forge_engine.cuda_graphs as cuda_graphs
+    import forge_engine.engine as engine_module
+    model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
+    loaded = LoadedModel("qwen3-tiny", model, None, None)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 300)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
+    handed, exported = [], engine_module.sample
+    def spy(logits, batch, greedy=None):
+        handed.append(greedy is not None)
+        return exported(logits, batch, greedy)
+    monkeypatch.setattr(engine_module, "sample", spy)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(cuda_graphs, "GREEDY_IN_GRAPH", on)
+        handed.clear()
+        engine = LLMEngine(loaded, config)
+        outs[on] = run_all(engine, prompts, params)
+        assert any(handed) == on, handed  # with it, decode steps got the graph's tokens
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 @pytest.mark.parametrize("name,mode", [("qwen3-tiny", "none"), ("qwen2-tiny", "none"), ("llama-tiny", "none"),
                                        ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8"), ("qwen3-tiny", "int4"),
                                        ("qwen2-tiny", "int4")])

@@ -422,16 +422,20 @@ class SampleResult:
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    "Pick one token per row of `[B, V]` logits under the batch's per-row parameters."
+def sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row of `[B, V]` logits under the batch's per-row parameters. `greedy`: each row's argmax
+    of these logits, already taken (chapter 09b's decode graphs): the tokens where every row is greedy and nothing
+    adjusts the logits."""
     if logits.ndim != 2 or tuple(logits.shape) != (batch.size, batch.vocab_size):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the batch: "
                          f"{batch.size} rows x vocab {batch.vocab_size}")
     if logits.device != batch.temperature.device:
         raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
+    if greedy is not None and greedy.shape != (batch.size,):
+        raise ValueError(f"greedy holds one token per row: {batch.size}, got {tuple(greedy.shape)}")
     adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
     if not len(batch.sampled_rows):  # every row greedy: the argmax in place, no rows gathered
-        token_ids = adjusted.argmax(-1)
+        token_ids = greedy if greedy is not None and not batch.adjusts else adjusted.argmax(-1)
         return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))
     token_ids = torch.empty(batch.size, dtype=torch.long, device=logits.device)
     if len(batch.greedy_rows):
@@ -487,6 +491,18 @@ for rows in (plain, mixed):
     assert torch.equal(got.token_ids[:2], logits16[:2].float().argmax(-1))
 with pytest.raises(ValueError, match=r"logits of shape \(5, 299\) do not match the batch: 5 rows x vocab 300"):
     sample(logits[:, :299], SamplingBatch.build(seeded_rows(specs), V))
+# `greedy` (the decode graph's argmax, taken already): the tokens of an all-greedy batch with nothing to adjust,
+# logprobs as for them; ignored where a row samples or the logits are adjusted (a penalty)
+logits2 = torch.randn(2, V)
+handed = torch.tensor([3, 5])
+got = sample(logits2, SamplingBatch.build(seeded_rows(plain), V), greedy=handed)
+assert got.token_ids.tolist() == [3, 5] and got.logprobs[0] == token_logprobs(logits2[0], 3, 1)
+penalised = [(SamplingParams(temperature=0, repetition_penalty=1.3), [4], []), plain[1]]
+for rows in (mixed[1:], penalised):
+    want = sample(logits2, SamplingBatch.build(seeded_rows(rows), V)).token_ids
+    assert torch.equal(sample(logits2, SamplingBatch.build(seeded_rows(rows), V), greedy=handed).token_ids, want)
+with pytest.raises(ValueError, match=r"greedy holds one token per row: 2, got \(3,\)"):
+    sample(logits2, SamplingBatch.build(seeded_rows(plain), V), greedy=torch.zeros(3, dtype=torch.long))
 
 # %% [markdown]
 # `min_tokens` and `logit_bias` do what they say: with a huge bias on the eos token, a row

@@ -195,6 +195,10 @@ class ModelRunner:
         hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[rows])
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        "Each row's argmax of `run`'s logits where a decode graph took it with them (chapter 09b), else None."
+        return None if self.decode is None else self.decode.greedy_tokens(logits)
+
     def check_step(self) -> None:
         "Raise if a finished step's device work cannot be trusted; alone, nothing fails behind the host's back (chapter 09c)."
 
@@ -505,7 +509,8 @@ class LLMEngine:
         pending = self._launched.pending if self._launched is not None else None
         logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
-        result = sample(logits, SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)) \
+        batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device) if due else None
+        result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits)) \
             if due else SampleResult(torch.empty(0, dtype=torch.long), None)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here

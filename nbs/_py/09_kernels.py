@@ -493,6 +493,77 @@ with pytest.raises(ValueError, match="do not fit a pool"):
     write_kv(kc, vc, slots[:2], k_new, v_new)
 
 # %% [markdown]
+# ## The greedy pick: argmax over each row
+#
+# A greedy request's next token is the argmax of its logits: at Qwen3's 151,936 words one
+# reduction per row. PyTorch's `argmax` runs it as one block of 512 threads walking the row:
+# 12.0 µs on an H200 even replayed in a graph, outside the decode step's graph besides
+# (`kernels_lab/greedy_in_graph.py`, session 21). Here the row is cut in chunks of 2,048, one
+# program a chunk finds its largest logit and the first column holding it, and one program a
+# row keeps the best of the chunks (the chunks in column order, so the first index wins a tie,
+# as PyTorch's): 7.0 µs as a graph replay. Chapter 09b records it into the decode graphs, where
+# it costs no launch of its own. (A NaN logit is not handled: PyTorch would pick it.)
+
+# %%
+#| export
+ARGMAX_CHUNK = 2048  # logits a program of the first launch reduces
+
+
+@triton.jit
+def _argmax_chunks_kernel(logits_ptr, max_ptr, at_ptr, V, stride_row, CHUNKS, BLOCK: tl.constexpr):
+    "Program (row, chunk): the chunk's largest logit and the first column holding it."
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, axis=0)
+    tl.store(max_ptr + row * CHUNKS + chunk, best)
+    tl.store(at_ptr + row * CHUNKS + chunk, tl.min(tl.where(x == best, cols, V), axis=0))
+
+
+@triton.jit
+def _argmax_merge_kernel(max_ptr, at_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr):
+    "Program row: the chunks' largest logit, at the first column holding it (the chunks are in column order)."
+    row, c = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_C)
+    m = tl.load(max_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+    at = tl.load(at_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=2**31 - 1)
+    tl.store(out_ptr + row, tl.min(tl.where(m == tl.max(m, axis=0), at, 2**31 - 1), axis=0).to(tl.int64))
+
+
+def argmax_rows(logits: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """The argmax of each row of [rows, V] logits (the first column among equal maxima, as `torch.argmax`): int64
+    [rows]. A row of -inf gives 0. Two launches (chunks, then each row's best chunk) where Triton runs."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"argmax_rows takes [rows, V] logits with V > 0, got {tuple(logits.shape)}")
+    if kernel_backend(logits.device, impl) == "torch" or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, ARGMAX_CHUNK)
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    at = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _argmax_chunks_kernel[(rows, chunks)](logits, maxima, at, vocab, logits.stride(0), chunks, BLOCK=ARGMAX_CHUNK)
+        _argmax_merge_kernel[(rows,)](maxima, at, out, chunks, BLOCK_C=_pow2(chunks))
+    return out
+
+
+# %% [markdown]
+# Against `torch.argmax`: random rows, a row of -inf, a tie (the first index wins), the last
+# column, many ties at the top; FP32 and BF16; a vocabulary that is no multiple of the chunk.
+
+# %%
+for vocab, dtype in ((5000, torch.float32), (4099, torch.bfloat16)):
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[1] = float("-inf")
+    logits[2, 7] = logits[2, vocab - 3] = logits[2].max() + 1
+    logits[3, vocab - 1] = 1e4
+    logits[4] = logits[4].round()
+    assert torch.equal(argmax_rows(logits, impl="triton"), logits.float().argmax(-1)), (vocab, dtype)
+assert argmax_rows(torch.zeros(0, 10), impl="triton").shape == (0,)
+with pytest.raises(ValueError, match="argmax_rows takes"):
+    argmax_rows(torch.zeros(3))
+
+# %% [markdown]
 # ## Matrix-vector products for small batches
 #
 # At batch 1 a decode step is four matrix-*vector* products per layer, and their time is the

@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from forge_engine.kernels import argmax_rows
 from forge_engine.kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
 from forge_engine.model import Transformer
 
@@ -149,9 +150,24 @@ ids[:], slots[:], tables[:] = 7, -1, 5
 assert positions.eq(0).all() and lens.eq(0).all() and tables.shape == (4, 3)  # no view overlaps another
 assert buffer.numel() == ids.numel() * 8 * 3 + lens.numel() * 4 + tables.numel() * 4
 
+# %% [markdown]
+# A greedy request's token is the argmax of its logits. Taken by the sampler after the replay,
+# that is one more launch per step, outside the graph; recorded into the graph (chapter 09's
+# `argmax_rows`, two short launches), it rides with the replay, and the sampler takes it where
+# every row of the step is greedy and nothing adjusts the logits (`greedy_tokens`, chapter 06's
+# `sample(..., greedy=)`). Measured on an H200 in `kernels_lab/greedy_in_graph.py` (session 21,
+# one W1 request of random Qwen3-4B, the lab's version of this): 413.4 tok/s against 411.6 /
+# 412.5 (BF16), 623.5 against 620.8 / 620.8 (int8). A step that samples pays for the argmax
+# without using it (not measured; the two launches read the logits once, a few µs at a few
+# rows), so only the graphs of up to `GREEDY_IN_GRAPH_MAX_ROWS` rows take it.
 
 # %%
 #| export
+GREEDY_IN_GRAPH = True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
+GREEDY_IN_GRAPH_MAX_ROWS = 8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+#                                would pay for it too)
+
+
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
@@ -166,6 +182,7 @@ class DecodeRunner:
         self.inputs = torch.zeros(decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # a graph's logits (their address) -> their argmax, recorded too
         if self.use_graphs: self.capture()
 
     @torch.no_grad()
@@ -190,6 +207,8 @@ class DecodeRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[b, w] = self._forward(b, w)
+                    if GREEDY_IN_GRAPH and b <= GREEDY_IN_GRAPH_MAX_ROWS:
+                        self.greedy[self.logits[b, w].data_ptr()] = argmax_rows(self.logits[b, w])
                 pool = graph.pool()
                 self.graphs[b, w] = graph
         torch.cuda.synchronize(self.device)
@@ -200,7 +219,13 @@ class DecodeRunner:
     def release_graphs(self) -> None:
         """Destroy the graphs now (their memory pool goes back to PyTorch's cache); `run` refuses from then on.
         Graphs that recorded NCCL collectives must go before their communicator can (chapter 09c)."""
-        self.graphs, self.logits = {}, {}
+        self.graphs, self.logits, self.greedy = {}, {}, {}
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `logits` as `run` returned them from a graph (GREEDY_IN_GRAPH: taken in the same
+        replay, no launch of its own); None for logits of an eager run."""
+        tokens = self.greedy.get(logits.data_ptr())
+        return None if tokens is None else tokens[:logits.shape[0]]
 
     def _write_inputs(self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens) -> None:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
@@ -268,6 +293,7 @@ with torch.no_grad():
     layout = build_step_layout([(t, pos, 1) for t, pos in zip(tables, positions)], block_size)
     reference = model.compute_logits(model(torch.tensor(next_tokens), layout.positions, PagedAttention(cache, layout)))
 torch.testing.assert_close(static_logits, reference, rtol=1e-5, atol=1e-5)
+assert runner.greedy_tokens(static_logits) is None  # (no graph recorded an argmax: the sampler takes its own)
 
 # %% [markdown]
 # With chapter 09's decode kernel (here interpreted), which is handed the new K/V and stores
