@@ -50,7 +50,10 @@ def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor
 
 @dataclass
 class SamplingBatch:
-    "The per-row sampling parameters of one engine step, as tensors on the logits' device."
+    """The per-row sampling parameters of one engine step, as tensors on the logits' `device`. A batch of greedy rows
+    only keeps temperature, top_k, top_p, min_p and the row lists on the host: only sampled rows read them, and a GPU
+    step spares two copies."""
+    device: torch.device
     vocab_size: int
     temperature: torch.Tensor  # [B] float32; 0 for greedy rows
     top_k: torch.Tensor  # [B] long; 0 = off
@@ -109,16 +112,18 @@ class SamplingBatch:
                                    for i in early])
             forbidden = to_device(forbidden, device)
 
-        # two copies to the device (one per dtype), not six: each queued copy costs a GPU a few microseconds
+        # two copies to the device (one per dtype), not six: each queued copy costs a GPU a few microseconds; none
+        # where every row is greedy (nothing reads them then)
+        to = device if sampled else torch.device("cpu")
         temperature, top_p, min_p = to_device_together(
             [torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
-             for name in ("temperature", "top_p", "min_p")], device)
+             for name in ("temperature", "top_p", "min_p")], to)
         top_k, greedy_rows, sampled_rows = to_device_together(
             [torch.tensor(values, dtype=torch.long) for values in ([max(p.top_k, 0) for p in params],  # -1, 0: off
                                                                   [i for i, p in enumerate(params) if p.greedy], sampled)],
-            device)
+            to)
         return cls(
-            vocab_size=V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            device=device, vocab_size=V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             greedy_rows=greedy_rows, sampled_rows=sampled_rows,
             generators=[rows[i].generator for i in sampled],
             logprobs=[p.logprobs for p in params],
@@ -207,8 +212,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | No
     if logits.ndim != 2 or tuple(logits.shape) != (batch.size, batch.vocab_size):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the batch: "
                          f"{batch.size} rows x vocab {batch.vocab_size}")
-    if logits.device != batch.temperature.device:
-        raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
+    if logits.device != batch.device:
+        raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.device}")
     if greedy is not None and greedy.shape != (batch.size,):
         raise ValueError(f"greedy holds one token per row: {batch.size}, got {tuple(greedy.shape)}")
     adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)

@@ -103,7 +103,10 @@ def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor
 
 @dataclass
 class SamplingBatch:
-    "The per-row sampling parameters of one engine step, as tensors on the logits' device."
+    """The per-row sampling parameters of one engine step, as tensors on the logits' `device`. A batch of greedy rows
+    only keeps temperature, top_k, top_p, min_p and the row lists on the host: only sampled rows read them, and a GPU
+    step spares two copies."""
+    device: torch.device
     vocab_size: int
     temperature: torch.Tensor  # [B] float32; 0 for greedy rows
     top_k: torch.Tensor  # [B] long; 0 = off
@@ -162,16 +165,18 @@ class SamplingBatch:
                                    for i in early])
             forbidden = to_device(forbidden, device)
 
-        # two copies to the device (one per dtype), not six: each queued copy costs a GPU a few microseconds
+        # two copies to the device (one per dtype), not six: each queued copy costs a GPU a few microseconds; none
+        # where every row is greedy (nothing reads them then)
+        to = device if sampled else torch.device("cpu")
         temperature, top_p, min_p = to_device_together(
             [torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
-             for name in ("temperature", "top_p", "min_p")], device)
+             for name in ("temperature", "top_p", "min_p")], to)
         top_k, greedy_rows, sampled_rows = to_device_together(
             [torch.tensor(values, dtype=torch.long) for values in ([max(p.top_k, 0) for p in params],  # -1, 0: off
                                                                   [i for i, p in enumerate(params) if p.greedy], sampled)],
-            device)
+            to)
         return cls(
-            vocab_size=V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            device=device, vocab_size=V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             greedy_rows=greedy_rows, sampled_rows=sampled_rows,
             generators=[rows[i].generator for i in sampled],
             logprobs=[p.logprobs for p in params],
@@ -191,6 +196,14 @@ assert batch.output_penalty.index.tolist() == [29] and batch.output_penalty.valu
 assert batch.forbidden.tolist() == [22]  # row 2 has 2 < min_tokens outputs: eos 2 forbidden
 plain = SamplingBatch.build([SamplingRow(SamplingParams(), [1], [2])], vocab_size=10)
 assert plain.bias is plain.repetition is plain.output_penalty is plain.forbidden is None
+# for another device ("meta" stands in for a GPU): greedy rows only keep the per-row tensors on the host, no copy
+for greedy_or_not, on_device in (([SamplingRow(SamplingParams(temperature=0), [1], [])] * 2, False),
+                                 ([SamplingRow(SamplingParams(temperature=0), [1], []),
+                                   SamplingRow(SamplingParams(), [1], [])], True)):
+    elsewhere = SamplingBatch.build(greedy_or_not, vocab_size=10, device="meta")
+    assert elsewhere.device == torch.device("meta")
+    assert all((t.device.type == "meta") == on_device for t in (elsewhere.temperature, elsewhere.top_k,
+                                                                 elsewhere.sampled_rows))
 with pytest.raises(ValueError, match=r"logit_bias of row 0 has token id 10, outside the vocabulary \[0, 10\)"):
     SamplingBatch.build([SamplingRow(SamplingParams(logit_bias={10: 1.0}), [1], [])], vocab_size=10)
 with pytest.raises(ValueError, match="logit_bias of row 0 has token id -1"):  # would silently bias the last token
@@ -429,8 +442,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | No
     if logits.ndim != 2 or tuple(logits.shape) != (batch.size, batch.vocab_size):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the batch: "
                          f"{batch.size} rows x vocab {batch.vocab_size}")
-    if logits.device != batch.temperature.device:
-        raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.temperature.device}")
+    if logits.device != batch.device:
+        raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.device}")
     if greedy is not None and greedy.shape != (batch.size,):
         raise ValueError(f"greedy holds one token per row: {batch.size}, got {tuple(greedy.shape)}")
     adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
