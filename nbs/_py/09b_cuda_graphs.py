@@ -46,7 +46,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from forge_engine.kernels import argmax_rows
 from forge_engine.kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
 from forge_engine.model import Transformer
 
@@ -193,6 +192,7 @@ class DecodeRunner:
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
+        from forge_engine.kernels import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
