@@ -509,9 +509,11 @@ class LLMEngine:
         pending = self._launched.pending if self._launched is not None else None
         logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
-        batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device) if due else None
-        result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits)) \
-            if due else SampleResult(torch.empty(0, dtype=torch.long), None)
+        if due:  # (greedy: the decode graph's argmax, where it took one)
+            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)
+            result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits))
+        else:
+            result = SampleResult(torch.empty(0, dtype=torch.long), None)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here
         if ready is not None: ready.record()

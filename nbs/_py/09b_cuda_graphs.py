@@ -202,7 +202,8 @@ class DecodeRunner:
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
             for w in self.widths:
                 self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
-                self._forward(self.buckets[-1], w)
+                logits = self._forward(self.buckets[-1], w)
+                if GREEDY_IN_GRAPH: argmax_rows(logits)  # (compiled and loaded here: no module loads while recording)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for b in reversed(self.buckets):
