@@ -991,8 +991,8 @@ DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole 
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
 DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
-DECODE_ROPE_FROM_POSITIONS = True  # with `rope` from positions (no tables): the kernel computes the new token's cos
-#                                    and sin itself, no launches before it (not measured on a GPU yet, session 21)
+DECODE_ROPE_FROM_POSITIONS = False  # with `rope` from positions (no tables): the kernel computes the new token's cos
+#                                     and sin itself, no launches before it: measured slower (libdevice's cos / sin)
 
 
 @triton.jit

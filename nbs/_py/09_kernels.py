@@ -1645,8 +1645,8 @@ DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole 
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
 DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
-DECODE_ROPE_FROM_POSITIONS = True  # with `rope` from positions (no tables): the kernel computes the new token's cos
-#                                    and sin itself, no launches before it (not measured on a GPU yet, session 21)
+DECODE_ROPE_FROM_POSITIONS = False  # with `rope` from positions (no tables): the kernel computes the new token's cos
+#                                     and sin itself, no launches before it: measured slower (libdevice's cos / sin)
 
 
 @triton.jit
@@ -2215,6 +2215,7 @@ for name, rope_arg, from_positions in (("tables", tabled, True), ("made", positi
     pools = (k_cache.clone(), v_cache.clone())
     outs[name] = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=16, block_n=16,
                                         new_kv=(new_k, new_v, slots), rope=rope_arg, early_tile=True)
+DECODE_ROPE_FROM_POSITIONS = False  # (the exported default)
 assert torch.equal(outs["made"], outs["tables"])
 torch.testing.assert_close(outs["kernel"], outs["tables"], rtol=1e-6, atol=1e-6)
 with pytest.raises(ValueError, match="or neither and inv_freq"):
