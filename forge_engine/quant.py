@@ -333,11 +333,11 @@ INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue aske
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 chain lab's winners)."
+    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 labs' winners)."
     if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps
         block_n, warps, chunk = 4, 4, 16
     else:
-        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (4, 1, 8)
+        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (8, 1, 8)
     while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
     return block_n, warps, chunk
@@ -393,7 +393,9 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     pdl = pdl_supported(x.device) if pdl is None else pdl
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
-    block_n = block_n or max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
+    if not block_n:
+        block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
+        block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")

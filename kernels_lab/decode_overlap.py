@@ -122,6 +122,7 @@ EXPORTED_PREFETCH = kernels.gemv_prefetch
 
 EXPORTED_ADD_NORM = RMSNorm.add_and_norm
 EXPORTED_CONFIG = kernels.gemv_config
+EXPORTED_INT4_CONFIG = quant.quant_gemv_config
 
 
 def configs_for(configs: dict):
@@ -180,6 +181,9 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "merge split by split": dict(DECODE_UNROLL_MERGE=0),
     # ... and RoPE's cos / sin tables made by the model again (three launches a step) instead of in the decode kernel
     "RoPE tables": dict(DECODE_ROPE_FROM_POSITIONS=False),
+    # session 22: int4's gate-up in one wave of one-warp programs (4 rows: 4,864 programs, 1.15 waves of 32 an SM)
+    **{f"int4 gate-up {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={(19456, 2560): tile})
+       for tile in ((6, 1, 8), (6, 2, 8), (6, 1, 16), (8, 1, 8))},
     "defaults again": {}}
 
 
@@ -189,6 +193,8 @@ def switch(**changes):
     RMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
     configs = changes.pop("GEMV_CONFIGS", None)  # (lab-only: other tiles for some shapes)
     kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
+    int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
+    quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
     kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)

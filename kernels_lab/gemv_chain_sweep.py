@@ -10,7 +10,7 @@ Variants per shape and weight format (bf16, int8 with a scale per row, int4 in g
 configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps) (int4: (BLOCK_N,
 num_warps, chunk bytes)); int8 and int4 also
 with their conversions written in Triton (byte_asm=False) against the PTX byte permutes (export), int4 also under a
-register cap (maxnreg 80 and 64: more warps resident an SM). Prints per shape the exported configuration's time, its
+register cap (maxnreg 80 and 64, or `LAB_INT4_CAPS`: more warps resident an SM; `LAB_INT4_GRID`: int4's grid). Prints per shape the exported configuration's time, its
 variants, and the best three of the grid (`LAB_ROWS=1`: the grid of chapter 09's rows layout for bf16 / int8;
 `LAB_SHAPES=o,down`: some shapes). `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold (the norm
 in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
@@ -30,6 +30,9 @@ SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "dow
 GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8))
         if 2048 <= bn * bk <= 16384 and (w < 8 if bn * bk <= 4096 else w > 2)]  # 16 tiles, warps by tile size
 GRID_INT4 = list(itertools.product((2, 4, 8), (1, 2, 4), (8, 16)))  # (BLOCK_N rows, warps, chunk bytes): chapter 10
+if os.environ.get("LAB_INT4_GRID"):  # e.g. "6:1:8,4:2:8": another grid (BLOCK_N need not be a power of two)
+    GRID_INT4 = [tuple(int(v) for v in c.split(":")) for c in os.environ["LAB_INT4_GRID"].split(",")]
+INT4_CAPS = [int(c) for c in os.environ.get("LAB_INT4_CAPS", "80,64").split(",")]  # the export under register caps
 BUDGET_S = float(os.environ.get("LAB_BUDGET_S", 25))  # per shape and format: the grid stops there (the export always runs)
 FOLD = bool(os.environ.get("LAB_FOLD"))  # bf16 / int8: each GEMV with the batch-1 step's fold (chapter 09's `norm` for
 # qkv and gate-up, `residual` for o and down), as the decode step would run it folded
@@ -105,7 +108,7 @@ def main():
         for early in (True, False):  # each program's first weights asked for before it waits for x, or not
             results[f"export, first weights early={early}"] = timed(early_weights=early)
         if fmt == "int4":  # a register cap: more warps an SM (gemv_sass.py: 80 spills nothing, 64 spills)
-            for cap in (80, 64):
+            for cap in INT4_CAPS:
                 results[f"export, maxnreg={cap}"] = timed(maxnreg=cap)
         rows = ROWS and fmt != "int4"
         for config in GRID_INT4 if fmt == "int4" else GRID_ROWS if rows else GRID:

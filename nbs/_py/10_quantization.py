@@ -569,10 +569,15 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # Its configuration, like chapter 09's `gemv_config`, depends on the shape only (so results do
 # not depend on the batch): the chain lab's winners above, as a rule. Long rows (o, down) take
 # 16-byte chunks over four warps; short ones 8-byte chunks, one warp for the wide gate-up (the
-# most programs), two for qkv. For smaller models (fewer outputs) `BLOCK_N` halves, down to 1,
-# until there are at least 256 programs (two per SM of an H200); the halving itself is a rule,
-# not a measurement. More rows of x (up to 4) take fewer weight rows a program, so the
-# accumulators (`BLOCK_N × ROWS`) stay at four.
+# most programs), two for qkv. The gate-up takes 8 rows a program (4 gate rows with their up
+# rows): in a chain of plain GEMVs 4 and 8 rows tie (12.88 and 12.98 µs a matrix), but inside the
+# decode step, as the SiLU-mul GEMV it is there, 8 rows made the int4 step 1.469 ms against
+# 1.496 / 1.494 with 4 (session 22, `kernels_lab/decode_overlap.py`; 6 rows 1.477). Compiled
+# offline, 8 rows take 3.78 instructions a weight against 4.19 and have 64 bytes of weights a
+# thread on their way against 32, at 128 registers a thread against 64. For smaller
+# models (fewer outputs) `BLOCK_N` halves, down to 1, until there are at least 256 programs
+# (two per SM of an H200); the halving itself is a rule, not a measurement. More rows of x (up
+# to 4) take fewer weight rows a program, so the accumulators (`BLOCK_N × ROWS`) stay as many.
 
 # %%
 #| export
@@ -582,11 +587,11 @@ INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue aske
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 chain lab's winners)."
+    "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 labs' winners)."
     if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps
         block_n, warps, chunk = 4, 4, 16
     else:
-        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (4, 1, 8)
+        block_n, warps, chunk = (4, 2, 8) if n < 16384 else (8, 1, 8)
     while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
         block_n //= 2
     return block_n, warps, chunk
@@ -594,7 +599,7 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 # %%
 assert [quant_gemv_config(n, k) for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728))] == \
-    [(4, 2, 8), (4, 1, 8), (4, 4, 16), (4, 4, 16)]  # Qwen3-4B: the chain lab's winners
+    [(4, 2, 8), (8, 1, 8), (4, 4, 16), (4, 4, 16)]  # Qwen3-4B: the labs' winners
 assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] == 4  # SmolLM2's o, a 0.6B-sized qkv
 
 
@@ -650,7 +655,9 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     pdl = pdl_supported(x.device) if pdl is None else pdl
     group = k // scale.shape[1]
     default = quant_gemv_config(n, k)
-    block_n = block_n or max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
+    if not block_n:
+        block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
+        block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
