@@ -140,6 +140,13 @@ INT8_TILES = {"qkv": ((8, 512, 2), (8, 512, 4), (4, 512, 2)), "o": ((2, 2048, 4)
               "head": ((4, 512, 2), (8, 1024, 4), (2, 512, 2), (4, 256, 1), (4, 512, 1), (8, 256, 1), (2, 1024, 4), (8, 512, 4))}
 
 
+# session 22: int4 tiles tried in the decode step (the chain's winners and the gate-up's lesson: more rows a program)
+INT4_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate-up": (19456, 2560), "down": (2560, 9728)}
+INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 16), (2, 4, 16), (4, 2, 16), (4, 8, 16)),
+              "gate-up": ((6, 1, 8), (6, 2, 8), (6, 1, 16), (4, 1, 8), (16, 1, 8), (8, 2, 8)),
+              "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
+
+
 def skipped_add_norm(self, x, residual):
     "A lab-only bound: the add + RMSNorm's launch gone (x returned as the normalised input and the residual)."
     return x, residual
@@ -181,9 +188,9 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "merge split by split": dict(DECODE_UNROLL_MERGE=0),
     # ... and RoPE's cos / sin tables made by the model again (three launches a step) instead of in the decode kernel
     "RoPE tables": dict(DECODE_ROPE_FROM_POSITIONS=False),
-    # session 22: int4's gate-up in one wave of one-warp programs (4 rows: 4,864 programs, 1.15 waves of 32 an SM)
-    **{f"int4 gate-up {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={(19456, 2560): tile})
-       for tile in ((6, 1, 8), (6, 2, 8), (6, 1, 16), (8, 1, 8))},
+    # session 22: int4 tiles in the decode step ((BLOCK_N, warps, chunk bytes); gate-up: 8 rows measured faster)
+    **{f"int4 {name} {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={INT4_SHAPES[name]: tile})
+       for name, tiles in INT4_TILES.items() for tile in tiles},
     "defaults again": {}}
 
 
