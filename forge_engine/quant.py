@@ -246,7 +246,9 @@ def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     c_ok = (start < K // 2) | EVEN
-    x_at = x_ptr + ((start // HALF) * GROUP + start % HALF)[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    # x's chunk starts at a multiple of CHUNK: said, so it comes in vector loads (one-warp tiles lost that: 2-byte loads)
+    x_first = tl.multiple_of((start // HALF) * GROUP + start % HALF, [CHUNK, CHUNK])
+    x_at = x_ptr + x_first[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
     xs = ()  # the inputs of the chunk's low nibbles (and + HALF, the high ones), for each row m of x
     for m in tl.static_range(ROWS):
         x_ok = c_ok[:, :, None] & ((m < M) | EVEN)

@@ -60,3 +60,34 @@ def test_the_hand_off_epilogue_costs_the_int8_gemv_no_registers():
     assert run.returncode == 0, run.stderr[-3000:]
     registers = json.loads(run.stdout.strip().splitlines()[-1])
     assert registers["true"] <= registers["false"], registers
+
+
+INT4_SCRIPT = """
+import collections, json, sys
+sys.path.insert(0, "kernels_lab")
+from gemv_sass import int4_loop
+from forge_engine.quant import quant_gemv_config
+loads = {}
+for n, k in ((6144, 2560), (19456, 2560), (2560, 4096)):  # Qwen3-4B's qkv, gate-up, o / down
+    block_n, warps, chunk = quant_gemv_config(n, k)
+    body, _, _ = int4_loop(block_n=block_n, num_warps=warps, chunk=chunk, byte_asm=True, early=True)
+    ops = collections.Counter(text.split()[1 if text.startswith("@") else 0] for text in body)
+    loads[f"{block_n}x{warps}x{chunk}"] = dict(block_n=block_n, chunk=chunk, **{op: count for op, count in ops.items()
+                                                                             if op.startswith("LDG")})
+print(json.dumps(loads))
+"""
+
+
+def test_the_int4_gemv_loads_x_in_vectors():
+    """Chapter 10's int4 GEMV at its exported tiles: per step a thread loads x's two chunks (the low and the high
+    nibbles' inputs) as 16-byte vectors; its only 2-byte loads are each row's group scale and minimum. Session 22
+    found the one-warp tiles (the gate-up's) loading x two bytes at a time: 16 loads a step instead of 2."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", INT4_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for tile, loop in json.loads(run.stdout.strip().splitlines()[-1]).items():
+        assert loop.get("LDG.E.U16", 0) == 2 * loop["block_n"], (tile, loop)  # a scale and a minimum a row
+        x_vectors = 2 * loop["chunk"] * 2 // 16  # two chunks of bf16 inputs, 16 bytes a load
+        weight_vectors = loop["block_n"] * max(1, loop["chunk"] // 16)
+        assert loop.get("LDG.E.128", 0) == x_vectors + (weight_vectors if loop["chunk"] == 16 else 0), (tile, loop)
