@@ -123,6 +123,7 @@ EXPORTED_PREFETCH = kernels.gemv_prefetch
 EXPORTED_ADD_NORM = RMSNorm.add_and_norm
 EXPORTED_CONFIG = kernels.gemv_config
 EXPORTED_INT4_CONFIG = quant.quant_gemv_config
+EXPORTED_INT4_GEMV = quant.int4_gemv
 
 
 def configs_for(configs: dict):
@@ -145,6 +146,16 @@ INT4_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate-up": (19456, 2560),
 INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 16), (2, 4, 16), (4, 2, 16), (4, 8, 16)),
               "gate-up": ((6, 1, 8), (6, 2, 8), (6, 1, 16), (4, 1, 8), (16, 1, 8), (8, 2, 8)),
               "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
+
+INT4_CAPS = {"qkv": (56,), "o": (64,), "gate-up": (104, 96), "down": (64,)}
+
+
+def capped_int4_gemv(caps: dict):
+    "int4_gemv with a register cap for some weight shapes ({(n, k): maxnreg}; a lab-only setting)."
+    def int4_gemv(x, packed, *args, **kwargs):
+        kwargs.setdefault("maxnreg", caps.get((packed.shape[0], 2 * packed.shape[1])))
+        return EXPORTED_INT4_GEMV(x, packed, *args, **kwargs)
+    return int4_gemv
 
 
 def skipped_add_norm(self, x, residual):
@@ -191,6 +202,10 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     # session 22: int4 tiles in the decode step ((BLOCK_N, warps, chunk bytes); gate-up: 8 rows measured faster)
     **{f"int4 {name} {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={INT4_SHAPES[name]: tile})
        for name, tiles in INT4_TILES.items() for tile in tiles},
+    # ... and the exported tiles under a register cap (`int4_gemv`'s maxnreg; offline: the gate-up's 8 x 1 x 8 at 96
+    # registers spills nothing, 21 warps an SM instead of 16)
+    **{f"int4 {name} maxnreg {cap}": dict(INT4_MAXNREG={INT4_SHAPES[name]: cap})
+       for name, caps in INT4_CAPS.items() for cap in caps},
     "defaults again": {}}
 
 
@@ -202,6 +217,8 @@ def switch(**changes):
     kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
     quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
+    int4_caps = changes.pop("INT4_MAXNREG", None)  # (lab-only: register caps for some int4 shapes)
+    quant.int4_gemv = capped_int4_gemv(int4_caps) if int4_caps else EXPORTED_INT4_GEMV
     kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)

@@ -3,8 +3,9 @@
 # FORGE_HOME holding the Qwen3 tokenizer, logs and JSON to $OUT):
 #   bash kernels_lab/w1_checks.sh tests        # the GPU suite (~370 s on an H200)
 #   bash kernels_lab/w1_checks.sh perf         # the bench's W1 for BF16 / int8 / int4, two rounds interleaved
-#   bash kernels_lab/w1_checks.sh int4-tiles   # int4's qkv / o / down tiles in the decode step (session 22 found the
-#                                              # gate-up's best tile there, not in a chain of plain GEMVs)
+#   bash kernels_lab/w1_checks.sh int4-tiles   # int4's qkv / o / down tiles and every shape's register caps in the
+#                                              # decode step (session 22 found the gate-up's best tile there, not in
+#                                              # a chain of plain GEMVs)
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,8 +24,9 @@ case "${1:-}" in
       done
     done ;;
   int4-tiles)
-    variants=$(cd kernels_lab && python3 -c "from decode_overlap import INT4_TILES as t
-print(','.join(f'int4 {n} ' + 'x'.join(map(str, c)) for n in ('qkv', 'o', 'down') for c in t[n]))")
+    variants=$(cd kernels_lab && python3 -c "from decode_overlap import INT4_CAPS as caps, INT4_TILES as t
+print(','.join([f'int4 {n} ' + 'x'.join(map(str, c)) for n in ('qkv', 'o', 'down') for c in t[n]]
+               + [f'int4 {n} maxnreg {c}' for n in caps for c in caps[n]]))")
     (cd kernels_lab && LAB_NO_CHAIN=1 LAB_VARIANTS="defaults,$variants,defaults again" \
       timeout 540 python3 decode_overlap.py int4 > "$out/int4_tiles.txt" 2>&1); grep "step graph\|VALID" "$out/int4_tiles.txt" ;;
   *) echo "usage: bash kernels_lab/w1_checks.sh tests|perf|int4-tiles" >&2; exit 2 ;;
