@@ -88,6 +88,6 @@ def test_the_int4_gemv_loads_x_in_vectors():
     assert run.returncode == 0, run.stderr[-3000:]
     for tile, loop in json.loads(run.stdout.strip().splitlines()[-1]).items():
         assert loop.get("LDG.E.U16", 0) == 2 * loop["block_n"], (tile, loop)  # a scale and a minimum a row
-        x_vectors = 2 * loop["chunk"] * 2 // 16  # two chunks of bf16 inputs, 16 bytes a load
-        weight_vectors = loop["block_n"] * max(1, loop["chunk"] // 16)
-        assert loop.get("LDG.E.128", 0) == x_vectors + (weight_vectors if loop["chunk"] == 16 else 0), (tile, loop)
+        x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
+        weight_vectors = loop["block_n"] if loop["chunk"] == 16 else 0  # (8-byte chunks of weights: 8-byte loads)
+        assert loop.get("LDG.E.128", 0) == x_vectors + weight_vectors, (tile, loop)
