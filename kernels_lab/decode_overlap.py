@@ -111,8 +111,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
              "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N", "NORM_HANDOFF",
-             "DECODE_MIN_SPLIT", "DECODE_UNROLL_MERGE",
-             "DECODE_ROPE_FROM_POSITIONS")}
+             "DECODE_MIN_SPLIT", "DECODE_UNROLL_MERGE")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 DEFAULTS["INT4_EARLY_EPILOGUE"] = quant.INT4_EARLY_EPILOGUE
 O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
@@ -197,8 +196,6 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
        for name, tiles in INT8_TILES.items() for tile in tiles},
     # session 21: the merging program's loop over the splits as a loop again (one split's loads a trip)
     "merge split by split": dict(DECODE_UNROLL_MERGE=0),
-    # ... and RoPE's cos / sin tables made by the model again (three launches a step) instead of in the decode kernel
-    "RoPE tables": dict(DECODE_ROPE_FROM_POSITIONS=False),
     # session 22: int4 tiles in the decode step ((BLOCK_N, warps, chunk bytes); gate-up: 8 rows measured faster)
     **{f"int4 {name} {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={INT4_SHAPES[name]: tile})
        for name, tiles in INT4_TILES.items() for tile in tiles},

@@ -107,14 +107,10 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    "cos and sin of every (position, pair) angle: two [T, head_dim/2] tensors, computed in fp32 and rounded to `dtype`."
-    return rope_tables(positions, rope_inv_freq(head_dim, theta, positions.device), dtype)
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_cos_sin` from the pairs' speeds. (Integer positions times the fp32 speeds make fp32 angles in one kernel;
-    cos and sin round as they store: three launches, not six.)"""
-    angles = positions[:, None] * inv_freq[None, :]
+    """cos and sin of every (position, pair) angle: two [T, head_dim/2] tensors, computed in fp32 and rounded to `dtype`.
+    (Integer positions times the fp32 speeds make fp32 angles in one kernel; cos and sin round as they store: a decode
+    step's three launches, not six.)"""
+    angles = positions[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
     cos, sin = (torch.empty(angles.shape, dtype=dtype, device=angles.device) for _ in range(2))
     return torch.cos(angles, out=cos), torch.sin(angles, out=sin)
 
@@ -180,20 +176,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 class AttentionBackend(Protocol):
     """Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache. A backend
     with a true `rope_inside` (chapter 09's decode kernel) is handed q and k as the QKV projection left them, with a
-    `rope=NormRope(...)` to normalise and rotate them itself; with a true `rope_from_positions` too, that NormRope
-    has no cos / sin tables but the pairs' speeds (the kernel takes each row's position from its context length)."""
+    `rope=NormRope(...)` to normalise and rotate them itself."""
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class NormRope(NamedTuple):
-    """What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin;
-    or, for a decode step (a row's position: its sequence's context length - 1), no tables but `inv_freq`."""
+    "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
     q_weight: torch.Tensor | None
     k_weight: torch.Tensor | None
     eps: float
-    cos: torch.Tensor | None  # [tokens, head_dim / 2]
-    sin: torch.Tensor | None
-    inv_freq: torch.Tensor | None = None  # [head_dim / 2] fp32 (`rope_inv_freq`): with cos = sin = None
+    cos: torch.Tensor  # [tokens, head_dim / 2]
+    sin: torch.Tensor
 
 
 def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
@@ -318,8 +311,7 @@ class Attention(nn.Module):
         v = v.view(t, c.num_kv_heads, c.head_dim)
         if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
             rope = NormRope(self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None,
-                            c.rms_norm_eps, cos, sin,
-                            rope_inv_freq(c.head_dim, c.rope_theta, x.device) if cos is None else None)
+                            c.rms_norm_eps, cos, sin)
             return self.project_out(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size), residual, hand_off)
         qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
         if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
@@ -452,10 +444,7 @@ class Transformer(nn.Module):
                 attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
         x, residual = self.embed(input_ids), None
-        if getattr(attention, "rope_inside", False) and getattr(attention, "rope_from_positions", False):
-            cos = sin = None  # (the decode kernel computes them from the positions: no launches here)
-        else:
-            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         if self.layers[0].hands_off_norms(x):
             return self._forward_handing_off(x, cos, sin, attention)
         for layer in self.layers:

@@ -50,7 +50,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from forge_engine.model import NormRope, rope_tables
+from forge_engine.model import NormRope
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -73,7 +73,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #| hide
 import pytest
 from forge_engine.config import preset
-from forge_engine.model import RMSNorm, causal_attention, rope_inv_freq
+from forge_engine.model import RMSNorm, causal_attention
 
 # %% [markdown]
 # `kernel_backend` is the one place that decides which implementation runs; `kernels_report`
@@ -1645,8 +1645,6 @@ DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole 
 DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
 DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
-DECODE_ROPE_FROM_POSITIONS = False  # with `rope` from positions (no tables): the kernel computes the new token's cos
-#                                     and sin itself, no launches before it: measured slower (libdevice's cos / sin)
 
 
 @triton.jit
@@ -1709,16 +1707,14 @@ def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   count_ptr, new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, inv_freq_ptr,
-                   stride_qb, stride_qh,
+                   count_ptr, new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
                    stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb,
                    stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
                    ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr,
-                   ROPE_FROM_POS: tl.constexpr):
+                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -1753,13 +1749,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         if half % 8 == 0:  # runs of 8 stay contiguous: vector loads
             pair, in_half = tl.max_contiguous(tl.multiple_of(pair, 8), 8), tl.max_contiguous(tl.multiple_of(in_half, 8), 8)
         pair, in_half, d_row = pair[None, :], in_half[None, :], d_mask[None, :]  # [1, BLOCK_D]: q's 2-D layout
-        if ROPE_FROM_POS:  # the new token's angles from its position, ctx - 1, as `rope_tables` computes and rounds them
-            angle = (ctx - 1).to(tl.float32) * tl.load(inv_freq_ptr + in_half, mask=d_row, other=0.0)
-            cos = tl.cos(angle).to(q_ptr.dtype.element_ty).to(tl.float32)
-            sin = tl.sin(angle).to(q_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            cos = tl.load(cos_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
         q_pair = tl.load(q_rows + pair, mask=q_mask, other=0.0)
         q_w, q_w_pair = _pair_weights(q_norm_ptr, offs_d[None, :], pair, d_row, QK_NORM)
     if STORE:  # the step's new K/V, stored by the program whose split holds the new (last) position, before it reads
@@ -1921,14 +1912,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("rope: q/k-norm and RoPE apply to the step's new K too, so they need new_kv")
     backend = kernel_backend(q.device, impl)
     fused = new_kv is not None and FUSED_KV_STORE and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
-    from_positions = rope is not None and rope.cos is None  # (a decode row's position: its context length - 1)
-    if from_positions and (rope.inv_freq is None or rope.sin is not None):
-        raise ValueError("rope: cos and sin tables, or neither and inv_freq (the positions' angles from it)")
-    if from_positions and not (fused and FUSED_NORM_ROPE and DECODE_ROPE_FROM_POSITIONS):  # the tables, for the
-        cos, sin = rope_tables(context_lens - 1, rope.inv_freq, q.dtype)  # launches below
-        rope, from_positions = rope._replace(cos=cos, sin=sin), False
-    rope_inside = fused and rope is not None and FUSED_NORM_ROPE and (from_positions or (
-        rope.cos.stride(-1) == 1 and rope.cos.stride() == rope.sin.stride()))
+    rope_inside = fused and rope is not None and FUSED_NORM_ROPE and rope.cos.stride(-1) == 1 \
+        and rope.cos.stride() == rope.sin.stride()
     if rope is not None and not rope_inside:
         q, k = (norm_rope(x, w, rope.eps, rope.cos, rope.sin, impl)
                 for x, w in ((q, rope.q_weight), (new_kv[0], rope.k_weight)))
@@ -1962,21 +1947,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
-    cos, sin = (q, q) if from_positions else (rope.cos, rope.sin)  # (unused from the positions; inv_freq unused else)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters, new_k, new_v, slots,
-        q_weight, rope.k_weight if rope.k_weight is not None else q_weight, cos, sin,
-        rope.inv_freq if from_positions else q, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0),
-        new_k.stride(1), new_v.stride(0), new_v.stride(1), 0 if from_positions else cos.stride(0), rope.eps,
-        scale * math.log2(math.e), q_heads, split_len, num_splits,
+        q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
+        new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
-        UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
-        ROPE_FROM_POS=from_positions, num_warps=num_warps, **_stages(num_stages))
+        UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
+        **_stages(num_stages))
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
@@ -2011,16 +1994,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # its `rope_inside` and hands it q and k as the QKV projection left them (chapter 03). Measured
 # on an H200: step 2.715 ms against 2.742 with `norm_rope` launched (BF16), 1.996 against 2.024
 # (int8), 2.272 against 2.302 (int4). On.
-#
-# The cos and sin it loads were still three launches at the start of each decode step (the
-# angles, their cos, their sin: ~6 µs of the batch-1 step's graph, session 21's timeline). A
-# decode row's position is its context length - 1, which the kernel reads anyway; so a
-# `NormRope` may carry the pairs' speeds (`inv_freq`) instead of tables, and the kernel
-# computes the 64 angles of its row, their cos and sin in fp32 (libdevice's, the CUDA math
-# library's, as PyTorch's), rounded as `rope_tables` rounds them (`DECODE_ROPE_FROM_POSITIONS`).
-# A backend says so by `rope_from_positions`, and the model then computes no tables for the
-# step (chapter 03). Not measured on a GPU yet (session 21); elsewhere (another backend, the
-# switch off) the tables are made from the positions first.
 
 # %%
 lens = [1, 37, 150]
@@ -2203,24 +2176,6 @@ for norm_weights in ((torch.rand(32, generator=gen) + 0.5, torch.rand(32, genera
         torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
         assert torch.equal(pools[1], by_hand[1])
 FUSED_NORM_ROPE = True
-# `rope` from the positions (a NormRope with `inv_freq` and no tables: each row at its context length - 1): the kernel
-# computes the angles, cos and sin itself (DECODE_ROPE_FROM_POSITIONS), else the tables are made first; both give the
-# tables' result (the tables' cos and sin come from PyTorch: within a rounding of the kernel's)
-inv_freq = rope_inv_freq(32, 10_000.0)
-tabled = NormRope(*norm_weights, 1e-6, *rope_tables(ctx - 1, inv_freq, torch.float32))
-positioned = NormRope(*norm_weights, 1e-6, None, None, inv_freq)
-outs = {}
-for name, rope_arg, from_positions in (("tables", tabled, True), ("made", positioned, False), ("kernel", positioned, True)):
-    DECODE_ROPE_FROM_POSITIONS = from_positions  # (the notebook's copy of the switch)
-    pools = (k_cache.clone(), v_cache.clone())
-    outs[name] = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=16, block_n=16,
-                                        new_kv=(new_k, new_v, slots), rope=rope_arg, early_tile=True)
-DECODE_ROPE_FROM_POSITIONS = False  # (the exported default)
-assert torch.equal(outs["made"], outs["tables"])
-torch.testing.assert_close(outs["kernel"], outs["tables"], rtol=1e-6, atol=1e-6)
-with pytest.raises(ValueError, match="or neither and inv_freq"):
-    paged_decode_attention(q, k_cache.clone(), v_cache.clone(), tables, ctx, 1.0, new_kv=(new_k, new_v, slots),
-                           rope=NormRope(None, None, 1e-6, None, None))
 with pytest.raises(ValueError, match="need new_kv"):
     paged_decode_attention(q, k_cache, v_cache, tables, ctx, 1.0, rope=rope)
 with pytest.raises(ValueError, match="one query per sequence"):
@@ -2393,10 +2348,6 @@ class KernelDecodeAttention:
 
     @property
     def rope_inside(self) -> bool: return FUSED_NORM_ROPE  # read when a graph is recorded
-
-    @property
-    def rope_from_positions(self) -> bool:  # ... and the model then computes no cos / sin tables for the step
-        return FUSED_NORM_ROPE and DECODE_ROPE_FROM_POSITIONS
 
     def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
                  rope: NormRope | None = None) -> torch.Tensor:

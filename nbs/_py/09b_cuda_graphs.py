@@ -97,10 +97,6 @@ class StaticDecodeAttention:
     def rope_inside(self) -> bool:  # the model then hands over q and k unrotated, with `rope` (chapter 09)
         return getattr(self.attention, "rope_inside", False)
 
-    @property
-    def rope_from_positions(self) -> bool:  # ... and without cos / sin tables: the kernel computes them
-        return getattr(self.attention, "rope_from_positions", False)
-
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if getattr(self.attention, "stores_kv", False):
