@@ -20,13 +20,13 @@ from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_sc
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'SKINNY_MAX_ROWS',
-           'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS',
-           'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul',
-           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
-           'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'INT4_TILE_MAXNREG',
+           'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS',
+           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size',
+           'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul',
+           'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference',
+           'gguf_matmul', 'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding',
+           'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,6 +332,9 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
+# register caps a thread for tiles (BLOCK_N, warps, CHUNK) at one row of x: the gate-up's 8 x 1 x 8 compiles to 128,
+# 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster (below)
+INT4_TILE_MAXNREG = {(8, 1, 8): 96}
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -388,7 +391,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
-    a register cap per thread (default: the compiler's choice)."""
+    a register cap per thread (default: `INT4_TILE_MAXNREG`'s for the tile at one row, else the compiler's choice)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -399,6 +402,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
         block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
+    if maxnreg is None and m == 1 and not INTERPRETED:
+        maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit

@@ -25,7 +25,7 @@ case "${1:-}" in
     done ;;
   int4-tiles)
     variants=$(cd kernels_lab && python3 -c "from decode_overlap import INT4_CAPS as caps, INT4_TILES as t
-print(','.join([f'int4 {n} ' + 'x'.join(map(str, c)) for n in ('qkv', 'o', 'down') for c in t[n]]
+print(','.join([f'int4 {n} ' + 'x'.join(map(str, c)) for n in t for c in t[n]]
                + [f'int4 {n} maxnreg {c}' for n in caps for c in caps[n]]))")
     (cd kernels_lab && LAB_NO_CHAIN=1 LAB_VARIANTS="defaults,$variants,defaults again" \
       timeout 540 python3 decode_overlap.py int4 > "$out/int4_tiles.txt" 2>&1); grep "step graph\|VALID" "$out/int4_tiles.txt" ;;

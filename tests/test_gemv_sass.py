@@ -91,3 +91,34 @@ def test_the_int4_gemv_loads_x_in_vectors():
         x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
         weight_vectors = loop["block_n"] if loop["chunk"] == 16 else 0  # (8-byte chunks of weights: 8-byte loads)
         assert loop.get("LDG.E.128", 0) == x_vectors + weight_vectors, (tile, loop)
+
+
+CAPS_SCRIPT = """
+import json, sys
+sys.path.insert(0, "kernels_lab")
+from gemv_sass import INT4_SIGNATURE, kernel_sass
+from forge_engine.quant import INT4_TILE_MAXNREG, _int4_gemv_kernel
+found = {}
+for (block_n, warps, chunk), cap in INT4_TILE_MAXNREG.items():
+    for swiglu in (False, True):
+        flags = dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True, PDL=True,
+                     PREFETCH=0, LOOP_STAGES=1, SWIGLU=swiglu, EARLY_W=True, RESIDUAL=False, NORM_SUMS=False,
+                     HAND_OFF=False, EARLY_EPI=True)
+        code, registers = kernel_sass(_int4_gemv_kernel, INT4_SIGNATURE, flags, warps, maxnreg=cap)
+        found[f"{block_n}x{warps}x{chunk} swiglu={swiglu}"] = dict(
+            cap=cap, registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))
+print(json.dumps(found))
+"""
+
+
+def test_the_int4_register_caps_spill_nothing():
+    """Chapter 10's `INT4_TILE_MAXNREG`: each capped tile compiles (sm_90) to at most its cap of registers with no
+    spills to local memory (a cap that spilled would trade the extra resident warps for local loads and stores)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", CAPS_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found, "no capped tiles"
+    for tile, compiled in found.items():
+        assert compiled["registers"] <= compiled["cap"] and compiled["spills"] == 0, (tile, compiled)

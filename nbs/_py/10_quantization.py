@@ -580,12 +580,21 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # models (fewer outputs) `BLOCK_N` halves, down to 1, until there are at least 256 programs
 # (two per SM of an H200); the halving itself is a rule, not a measurement. More rows of x (up
 # to 4) take fewer weight rows a program, so the accumulators (`BLOCK_N × ROWS`) stay as many.
+#
+# One tile takes a register cap (`INT4_TILE_MAXNREG`): the gate-up's 8 × 1 × 8 compiles to 128
+# registers a thread, so 16 warps fit an SM; capped at 96 it spills nothing and 21 fit, and the int4
+# decode step took 1.426 ms against 1.470 / 1.467 uncapped (session 23; 104 registers: 1.505). Caps
+# that spill were slower (qkv at 56, o and down at 64). The cap holds at one row of x only, where it
+# was measured.
 
 # %%
 #| export
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
+# register caps a thread for tiles (BLOCK_N, warps, CHUNK) at one row of x: the gate-up's 8 x 1 x 8 compiles to 128,
+# 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster (below)
+INT4_TILE_MAXNREG = {(8, 1, 8): 96}
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -650,7 +659,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
-    a register cap per thread (default: the compiler's choice)."""
+    a register cap per thread (default: `INT4_TILE_MAXNREG`'s for the tile at one row, else the compiler's choice)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -661,6 +670,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
         block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
+    if maxnreg is None and m == 1 and not INTERPRETED:
+        maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
