@@ -587,12 +587,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # that spill were slower (qkv at 56, o and down at 64). The cap holds at one row of x only, where it
 # was measured. The bench's W1 with it: int4 690.8 / 690.3 tok/s against BF16 422.8 / 423.2 (1.63×).
 #
-# Fewer registers are not the aim in themselves. With K a constant of the kernel (each row a fixed
+# Fewer registers are not a win in themselves. With K a constant of the kernel (each row a fixed
 # offset from the first, no row stride) the gate-up compiled to 80 registers instead of 128 and o's
-# to 56 instead of 96, with fewer instructions, yet the int4 step took 1.518 ms against 1.470: the
-# compiler, with registers to spare, moved each step's scale and minimum loads from the top of the
-# loop into the middle of its arithmetic, where every step then waited for them (session 23,
-# `kernels_lab/results/h200_session23/`). What this loop needs is loads in flight.
+# to 56 instead of 96, with fewer instructions, yet the int4 step took 1.518 ms against 1.470 (1.812
+# with each step's scales asked for a step ahead; session 23, `kernels_lab/results/h200_session23/`).
+# Why is still open; only the measurement in the step decides.
 
 # %%
 #| export
