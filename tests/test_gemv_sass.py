@@ -10,6 +10,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def compiled_offline(script: str):
+    "Run `script` in a fresh process with the interpreter off (it compiles for sm_90) -> the JSON of its last line."
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 CONFIGS = (("*i8", 4, 1024, 4), ("*i8", 8, 512, 2), ("*i8", 4, 2048, 4), ("*bf16", 2, 1024, 4))  # int8 qkv, gate-up,
 # o / down; bf16 o / down (gemv_config's tiles)
 SCRIPT = f"""
@@ -28,10 +38,7 @@ print(json.dumps(loops))
 
 
 def test_early_weights_leave_the_gemv_loop_as_it_was():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loops = json.loads(run.stdout.strip().splitlines()[-1])
+    loops = compiled_offline(SCRIPT)
     assert len(loops) == 2 * len(CONFIGS)
     for name, loop in loops.items():
         assert loop["shared"] == 0, f"{name}: the loop goes through shared memory ({loop})"
@@ -54,11 +61,7 @@ def test_the_hand_off_epilogue_costs_the_int8_gemv_no_registers():
     """int8's o / down GEMV (gemv_config's (4, 2048, 4)) adding the residual and handing the next norm off: no more
     registers than without. Session 20 measured the epilogue's operands asked for before the loop: 96 -> 113 registers
     a thread, fewer programs an SM, the decode step 1.579 -> 1.746 ms."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", HAND_OFF_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    registers = json.loads(run.stdout.strip().splitlines()[-1])
+    registers = compiled_offline(HAND_OFF_SCRIPT)
     assert registers["true"] <= registers["false"], registers
 
 
@@ -82,11 +85,7 @@ def test_the_int4_gemv_loads_x_in_vectors():
     """Chapter 10's int4 GEMV at its exported tiles: per step a thread loads x's two chunks (the low and the high
     nibbles' inputs) as 16-byte vectors; its only 2-byte loads are each row's group scale and minimum. Session 22
     found the one-warp tiles (the gate-up's) loading x two bytes at a time: 16 loads a step instead of 2."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", INT4_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for tile, loop in json.loads(run.stdout.strip().splitlines()[-1]).items():
+    for tile, loop in compiled_offline(INT4_SCRIPT).items():
         assert loop.get("LDG.E.U16", 0) == 2 * loop["block_n"], (tile, loop)  # a scale and a minimum a row
         x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
         weight_vectors = loop["block_n"] if loop["chunk"] == 16 else 0  # (8-byte chunks of weights: 8-byte loads)
@@ -114,11 +113,7 @@ print(json.dumps(found))
 def test_the_int4_register_caps_spill_nothing():
     """Chapter 10's `INT4_TILE_MAXNREG`: each capped tile compiles (sm_90) to at most its cap of registers with no
     spills to local memory (a cap that spilled would trade the extra resident warps for local loads and stores)."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", CAPS_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = compiled_offline(CAPS_SCRIPT)
     assert found, "no capped tiles"
     for tile, compiled in found.items():
         assert compiled["registers"] <= compiled["cap"] and compiled["spills"] == 0, (tile, compiled)
