@@ -21,12 +21,12 @@ from .model import Transformer, load_weights
 
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'INT4_TILE_MAXNREG',
-           'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS',
-           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size',
-           'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul',
-           'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference',
-           'gguf_matmul', 'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding',
-           'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+           'INT4_TILE_EARLY_STEPS', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS',
+           'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows',
+           'int4_group_size', 'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'int4_gemv',
+           'int8_matmul', 'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config',
+           'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear',
+           'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,12 +283,15 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
     first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
     first = 0
-    if EARLY_W:  # the first step's weights asked for before waiting for x (as chapter 09's GEMV)
-        ws = _int4_weights(q_ptr, scale_ptr, min_ptr, 0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
-                           SWIGLU)
+    if EARLY_W:  # the first EARLY_W steps' weights asked for before waiting for x (as chapter 09's GEMV)
+        early = ()
+        for e in tl.static_range(EARLY_W):
+            early = early + (_int4_weights(q_ptr, scale_ptr, min_ptr, e * STEP, lane, first_col, N, K, stride_qn,
+                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU),)
         _wait_for_previous(PDL)
-        accs = _int4_step(accs, ws, x_ptr, 0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-        first = STEP
+        for e in tl.static_range(EARLY_W):
+            accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+        first = EARLY_W * STEP
     handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
     for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
         handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
@@ -330,11 +333,14 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 
 # %% ../nbs/10_quantization.ipynb #7425bb5b
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
-INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
+INT4_EARLY_WEIGHTS = 1  # steps of a program's weights asked for before it waits for x: the first measured faster (below)
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
 # register caps a thread for tiles (BLOCK_N, warps, CHUNK) at one row of x: the gate-up's 8 x 1 x 8 compiles to 128,
 # 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster (below)
 INT4_TILE_MAXNREG = {(8, 1, 8): 96}
+# steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK) at one row of x (others:
+# INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three (below)
+INT4_TILE_EARLY_STEPS = {(4, 2, 8): 3, (4, 4, 16): 2}
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -377,16 +383,25 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
     return out if hand_off is None else (out, normed)
 
 
+def _early_steps(pdl: bool, early_weights: int | None, row_bytes: int, step_bytes: int) -> int:
+    "Steps of weights a program asks for before its wait: none unless launched as a dependent, at most a row's steps."
+    steps = INT4_EARLY_WEIGHTS if early_weights is None else int(early_weights)
+    if steps < 0:
+        raise ValueError(f"int4_gemv's early_weights is a number of steps, 0 or more, got {early_weights}")
+    return min(steps, triton.cdiv(row_bytes, step_bytes)) if pdl else 0
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
-              early_weights: bool | None = None, residual: torch.Tensor | None = None,
+              early_weights: int | None = None, residual: torch.Tensor | None = None,
               norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6):
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
-    `early_weights`: as a dependent launch, the first step's weights asked for before the wait (default INT4_EARLY_WEIGHTS).
+    `early_weights`: as a dependent launch, the steps of weights asked for before the wait (True: the first; default:
+    `INT4_TILE_EARLY_STEPS`'s for the tile at one row, else INT4_EARLY_WEIGHTS)
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -404,6 +419,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if maxnreg is None and m == 1 and not INTERPRETED:
         maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk))
+    if early_weights is None and m == 1:
+        early_weights = INT4_TILE_EARLY_STEPS.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
@@ -415,7 +432,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
-                        EVEN=even, EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
+                        EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, 32 * chunk * num_warps),
                         EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c

@@ -77,7 +77,8 @@ def validate(formats) -> bool:
     for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096))):
         w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
         plain = product(fmt, x, w, prefetch=False)
-        for launch in (dict(prefetch=True), dict(loop_stages=3), dict(early_weights=True)):
+        more = (dict(early_weights=2), dict(early_weights=3)) if fmt == "int4" else ()  # (int4: steps before the wait)
+        for launch in (dict(prefetch=True), dict(loop_stages=3), dict(early_weights=True), *more):
             same = torch.equal(plain, product(fmt, x, w, **launch))
             print(f"  {fmt} N={n} K={k} {launch}: the same as without: {same}")
             ok &= same
@@ -148,14 +149,19 @@ INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 
               "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
 
 # session 22: qkv 56, o 64, down 64 (they spill) and gate-up 104 slower, gate-up 96 faster (chapter 10's
-# INT4_TILE_MAXNREG since); session 23: caps that spill nothing or little offline
+# INT4_TILE_MAXNREG since); session 23: caps that spill nothing or little offline; session 24: qkv 64, o 80, gate-up
+# 88, down 80 all slower (results/h200_session24/call1_int4_caps.log)
 INT4_CAPS = {"qkv": (64,), "o": (80,), "gate-up": (88,), "down": (80,)}
+# session 24: more of a program's steps of weights asked for before its wait (`early_weights`; qkv and down have
+# three steps a row, o one; the gate-up's five spill under its cap of 96 from two on: also tried uncapped, maxnreg 0)
+INT4_EARLY = {"qkv": ((2, None), (3, None)), "down": ((2, None), (3, None)), "gate-up": ((2, 0), (3, 0), (1, 0))}
 
 
-def capped_int4_gemv(caps: dict):
-    "int4_gemv with a register cap for some weight shapes ({(n, k): maxnreg}; a lab-only setting)."
+def int4_gemv_for(launches: dict):
+    "int4_gemv with other launch settings for some weight shapes ({(n, k): {maxnreg: ..., ...}}; lab-only)."
     def int4_gemv(x, packed, *args, **kwargs):
-        kwargs.setdefault("maxnreg", caps.get((packed.shape[0], 2 * packed.shape[1])))
+        for name, value in launches.get((packed.shape[0], 2 * packed.shape[1]), {}).items():
+            kwargs.setdefault(name, value)
         return EXPORTED_INT4_GEMV(x, packed, *args, **kwargs)
     return int4_gemv
 
@@ -204,8 +210,16 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
        for name, tiles in INT4_TILES.items() for tile in tiles},
     # ... and the exported tiles under a register cap (`int4_gemv`'s maxnreg; offline: the gate-up's 8 x 1 x 8 at 96
     # registers spills nothing, 21 warps an SM instead of 16)
-    **{f"int4 {name} maxnreg {cap}": dict(INT4_MAXNREG={INT4_SHAPES[name]: cap})
+    **{f"int4 {name} maxnreg {cap}": dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(maxnreg=cap)})
        for name, caps in INT4_CAPS.items() for cap in caps},
+    # session 24: more steps of weights before the wait (maxnreg None: chapter 10's cap; 0: none)
+    **{f"int4 {name} early {steps}" + (" uncapped" if cap == 0 else ""):
+       dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(early_weights=steps, maxnreg=cap)})
+       for name, settings in INT4_EARLY.items() for steps, cap in settings},
+    "int4 qkv and down early 3": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(early_weights=3),
+                                                   INT4_SHAPES["down"]: dict(early_weights=3)}),
+    "int4 qkv early 3, down early 2": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(early_weights=3),
+                                                        INT4_SHAPES["down"]: dict(early_weights=2)}),
     "int4 tiles uncapped": dict(INT4_TILE_MAXNREG={}),  # session 23: chapter 10's register caps off
     "defaults again": {}}
 
@@ -218,8 +232,8 @@ def switch(**changes):
     kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
     quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
-    int4_caps = changes.pop("INT4_MAXNREG", None)  # (lab-only: register caps for some int4 shapes)
-    quant.int4_gemv = capped_int4_gemv(int4_caps) if int4_caps else EXPORTED_INT4_GEMV
+    int4_launch = changes.pop("INT4_LAUNCH", None)  # (lab-only: register caps, early steps for some int4 shapes)
+    quant.int4_gemv = int4_gemv_for(int4_launch) if int4_launch else EXPORTED_INT4_GEMV
     kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)

@@ -96,24 +96,31 @@ CAPS_SCRIPT = """
 import json, sys
 sys.path.insert(0, "kernels_lab")
 from gemv_sass import INT4_SIGNATURE, kernel_sass
-from forge_engine.quant import INT4_TILE_MAXNREG, _int4_gemv_kernel
+from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_gemv_kernel
+# what Qwen3-4B's batch-1 step asks of each tile besides the plain product: qkv the norm handed to it, o and down the
+# residual added and the next norm handed off, the gate-up SiLU-mul and the norm handed to it (chapter 03)
+STEP_FOLDS = {(4, 2, 8): dict(NORM_SUMS=True), (4, 4, 16): dict(RESIDUAL=True, HAND_OFF=True),
+              (8, 1, 8): dict(SWIGLU=True, NORM_SUMS=True)}
 found = {}
-for (block_n, warps, chunk), cap in INT4_TILE_MAXNREG.items():
-    for swiglu in (False, True):
-        flags = dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True, PDL=True,
-                     PREFETCH=0, LOOP_STAGES=1, SWIGLU=swiglu, EARLY_W=True, RESIDUAL=False, NORM_SUMS=False,
-                     HAND_OFF=False, EARLY_EPI=True)
+for tile in {**INT4_TILE_MAXNREG, **INT4_TILE_EARLY_STEPS}:
+    block_n, warps, chunk = tile
+    cap, early = INT4_TILE_MAXNREG.get(tile), INT4_TILE_EARLY_STEPS.get(tile, 1)
+    for folds in ({}, {"SWIGLU": True}, STEP_FOLDS.get(tile, {})):
+        flags = dict(dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True,
+                          PDL=True, PREFETCH=0, LOOP_STAGES=1, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
+                          NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True), **folds)
         code, registers = kernel_sass(_int4_gemv_kernel, INT4_SIGNATURE, flags, warps, maxnreg=cap)
-        found[f"{block_n}x{warps}x{chunk} swiglu={swiglu}"] = dict(
-            cap=cap, registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))
+        found[f"{block_n}x{warps}x{chunk} early={early} {sorted(folds)}"] = dict(
+            cap=cap or 255, registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))
 print(json.dumps(found))
 """
 
 
-def test_the_int4_register_caps_spill_nothing():
-    """Chapter 10's `INT4_TILE_MAXNREG`: each capped tile compiles (sm_90) to at most its cap of registers with no
-    spills to local memory (a cap that spilled would trade the extra resident warps for local loads and stores)."""
+def test_the_int4_tile_settings_spill_nothing():
+    """Chapter 10's `INT4_TILE_MAXNREG` and `INT4_TILE_EARLY_STEPS`: each tile compiles (sm_90) with its early steps to
+    at most its cap of registers with no spills to local memory (a cap that spilled would trade the extra resident
+    warps for local loads and stores; early steps that spilled would hold their weights in local memory)."""
     found = compiled_offline(CAPS_SCRIPT)
-    assert found, "no capped tiles"
+    assert any("early=1" in tile for tile in found) and any("early=1" not in tile for tile in found), found
     for tile, compiled in found.items():
         assert compiled["registers"] <= compiled["cap"] and compiled["spills"] == 0, (tile, compiled)

@@ -522,12 +522,15 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
     first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
     accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
     first = 0
-    if EARLY_W:  # the first step's weights asked for before waiting for x (as chapter 09's GEMV)
-        ws = _int4_weights(q_ptr, scale_ptr, min_ptr, 0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
-                           SWIGLU)
+    if EARLY_W:  # the first EARLY_W steps' weights asked for before waiting for x (as chapter 09's GEMV)
+        early = ()
+        for e in tl.static_range(EARLY_W):
+            early = early + (_int4_weights(q_ptr, scale_ptr, min_ptr, e * STEP, lane, first_col, N, K, stride_qn,
+                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU),)
         _wait_for_previous(PDL)
-        accs = _int4_step(accs, ws, x_ptr, 0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-        first = STEP
+        for e in tl.static_range(EARLY_W):
+            accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+        first = EARLY_W * STEP
     handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
     for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
         handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
@@ -592,15 +595,29 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # to 56 instead of 96, with fewer instructions, yet the int4 step took 1.518 ms against 1.470 (1.812
 # with each step's scales asked for a step ahead; session 23, `kernels_lab/results/h200_session23/`).
 # Why is still open; only the measurement in the step decides.
+#
+# Two tiles ask for more than their first step of weights before they wait for x
+# (`INT4_TILE_EARLY_STEPS`): qkv's 4 × 2 × 8 its whole row (three steps of 512 bytes: 95 registers,
+# 20 warps an SM), down's 4 × 4 × 16 two of its three. A program that starts while the kernel before
+# it still runs then has all (or most) of its weights on their way when x is ready, not one step of
+# them. The int4 decode step: 1.417 / 1.420 ms against 1.429 / 1.429 / 1.428 / 1.429 without, the
+# bench's W1 696.8 / 696.6 tok/s against BF16 419.4 (1.66×; session 24). More was not better: down's
+# three steps 1.489 ms, the gate-up's five do not fit under its cap (they spill from two on), uncapped
+# 1.431 at three. How much any of this can win is bounded: with the int4 GEMVs never waiting for the
+# kernel before (wrong values, same work: `kernels_lab/int4_step_bounds.py`) the step takes 1.276 ms,
+# with their nibbles also left unpacked 1.060; either alone saves about a tenth of the step.
 
 # %%
 #| export
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
-INT4_EARLY_WEIGHTS = True  # a program's first step of weights asked for before it waits for x: measured faster (below)
+INT4_EARLY_WEIGHTS = 1  # steps of a program's weights asked for before it waits for x: the first measured faster (below)
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
 # register caps a thread for tiles (BLOCK_N, warps, CHUNK) at one row of x: the gate-up's 8 x 1 x 8 compiles to 128,
 # 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster (below)
 INT4_TILE_MAXNREG = {(8, 1, 8): 96}
+# steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK) at one row of x (others:
+# INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three (below)
+INT4_TILE_EARLY_STEPS = {(4, 2, 8): 3, (4, 4, 16): 2}
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -651,16 +668,25 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
     return out if hand_off is None else (out, normed)
 
 
+def _early_steps(pdl: bool, early_weights: int | None, row_bytes: int, step_bytes: int) -> int:
+    "Steps of weights a program asks for before its wait: none unless launched as a dependent, at most a row's steps."
+    steps = INT4_EARLY_WEIGHTS if early_weights is None else int(early_weights)
+    if steps < 0:
+        raise ValueError(f"int4_gemv's early_weights is a number of steps, 0 or more, got {early_weights}")
+    return min(steps, triton.cdiv(row_bytes, step_bytes)) if pdl else 0
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
-              early_weights: bool | None = None, residual: torch.Tensor | None = None,
+              early_weights: int | None = None, residual: torch.Tensor | None = None,
               norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6):
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
-    `early_weights`: as a dependent launch, the first step's weights asked for before the wait (default INT4_EARLY_WEIGHTS).
+    `early_weights`: as a dependent launch, the steps of weights asked for before the wait (True: the first; default:
+    `INT4_TILE_EARLY_STEPS`'s for the tile at one row, else INT4_EARLY_WEIGHTS)
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -678,6 +704,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
     if maxnreg is None and m == 1 and not INTERPRETED:
         maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk))
+    if early_weights is None and m == 1:
+        early_weights = INT4_TILE_EARLY_STEPS.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
@@ -689,7 +717,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
-                        EVEN=even, EARLY_W=pdl and (INT4_EARLY_WEIGHTS if early_weights is None else early_weights),
+                        EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, 32 * chunk * num_warps),
                         EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
@@ -883,6 +911,8 @@ with pytest.raises(ValueError, match=r"int4_gemv's hand_off needs a residual and
     int4_gemv(torch.zeros(1, 96), *q4g, hand_off=(torch.ones(40), torch.zeros(1)))
 with pytest.raises(ValueError, match=r"int4_gemv's norm_sums must be float32 \[2\] on cpu"):
     int4_gemv(torch.zeros(2, 96), *q4g, norm_sums=torch.zeros(1))
+with pytest.raises(ValueError, match=r"int4_gemv's early_weights is a number of steps, 0 or more, got -1"):
+    int4_gemv(torch.zeros(1, 96), *q4g, early_weights=-1)
 
 # %% [markdown]
 # ## GGUF blocks, kept as they are

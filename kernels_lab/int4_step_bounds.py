@@ -1,0 +1,105 @@
+"""How much of the int4 decode step's time is the int4 GEMVs' unpacking, and how much their waits at the launch
+boundaries? Bounds, not kernels: variants that compute wrong values with the same loads.
+
+Why: the int4 GEMVs read their bytes at 1.1-2.0 TB/s in the decode step where int8's reach 3-4 (session 22's
+timeline), and 2x BF16 needs the int4 step near 1.17 ms against 1.43. If the unpacking is what holds them, packed
+half-precision arithmetic (two weights an instruction) or the tensor cores are worth building into the Triton kernel;
+if the step barely moves without it, the time is in the loads and the launch boundaries, and they are not.
+
+Variants (each in its own process: a jitted function's globals are fixed once it compiles):
+  export       chapter 10's unpacking
+  no-unpack    the four bytes' 32-bit word taken as each of the eight floats: no instruction (wrong products; the
+               loads and FFMAs the same)
+  half-unpack  the low nibbles unpacked as chapter 10 does, the high ones the same floats (half the LOP3s, the same
+               shifts)
+  no-wait      the int4 GEMVs launched as dependents as ever but never waiting for the kernel before (their inputs
+               read whenever they are; chapter 09's kernels still wait): what the int4 GEMVs' boundaries cost at most
+  no-unpack+no-wait  both: the floor of what the int4 GEMV alone can be brought to without fewer bytes
+Each prints the chain of 36 GEMVs of each Qwen3-4B shape (µs a matrix, one CUDA-graph replay) and random:qwen3-4b's
+batch-1 int4 decode step (graph replay, ms; twice).
+Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant]  (none: all, one process each)"""
+import os
+import subprocess
+import sys
+
+import forge_engine.quant as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
+import triton
+import triton.language as tl
+
+VARIANTS = ("export", "no-unpack", "half-unpack", "no-wait", "no-unpack+no-wait", "export")
+
+
+@triton.jit
+def no_wait(WAIT: tl.constexpr):
+    pass
+
+
+@triton.jit
+def no_unpack(b, BYTE_ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        asm="mov.b32 $0, $8; mov.b32 $1, $8; mov.b32 $2, $8; mov.b32 $3, $8; mov.b32 $4, $8; mov.b32 $5, $8; "
+            "mov.b32 $6, $8; mov.b32 $7, $8;",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
+@triton.jit
+def half_unpack(b, BYTE_ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 l, r, t;
+        shl.b32 l, $8, 8;
+        shr.b32 r, $8, 8;
+        prmt.b32 t, $8, 0, 0x1032;
+        lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
+        lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
+        lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
+        lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
+        mov.b32 $4, $0; mov.b32 $5, $1; mov.b32 $6, $2; mov.b32 $7, $3;
+        }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
+        pack=4)
+
+
+def patch(variant: str):
+    "Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before anything compiles."
+    if "no-wait" in variant:
+        quant._wait_for_previous = no_wait
+    unpack = variant.replace("+no-wait", "").replace("no-wait", "export")
+    if unpack != "export":
+        quant._nibbles_to_f32 = {"no-unpack": no_unpack, "half-unpack": half_unpack}[unpack]
+
+
+def run(variant: str):
+    patch(variant)
+    import torch
+    from common import DEVICE
+    from decode_overlap import decode_step_ms
+    from forge_engine.bench import free_memory
+    from forge_engine.config import EngineConfig
+    from forge_engine.engine import LLMEngine
+    from forge_engine.loader import load_model
+    from gemv_chain_sweep import LAYERS, SHAPES, product, weights
+    from common import graphed_ms
+    chain = {}
+    for label, (n, k) in SHAPES.items():
+        layers = [weights("int4", n, k) for _ in range(LAYERS)]
+        x = torch.randn(1, k, device=DEVICE).bfloat16()
+        chain[label] = graphed_ms(lambda: [product("int4", x, w) for w in layers]) * 1e3 / LAYERS
+        del layers
+        torch.cuda.empty_cache()
+    loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int4")
+    steps = []
+    for _ in range(2):
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
+        steps.append(decode_step_ms(engine))
+        del engine
+        free_memory()
+    print(f"{variant:12s} chain " + "  ".join(f"{k} {v:6.2f}" for k, v in chain.items())
+          + "  | step graph " + " / ".join(f"{s:.3f}" for s in steps) + " ms", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        run(sys.argv[1])
+    else:
+        for v in VARIANTS:
+            subprocess.run([sys.executable, __file__, v], env=os.environ, timeout=150)
