@@ -2,7 +2,7 @@
 boundaries? Bounds, not kernels: variants that compute wrong values with the same loads.
 
 Why: the int4 GEMVs read their bytes at 1.1-2.0 TB/s in the decode step where int8's reach 3-4 (session 22's
-timeline), and 2x BF16 needs the int4 step near 1.17 ms against 1.43. If the unpacking is what holds them, packed
+timeline), and 2x BF16 needs the int4 step near 1.19 ms against 1.43. If the unpacking is what holds them, packed
 half-precision arithmetic (two weights an instruction) or the tensor cores are worth building into the Triton kernel;
 if the step barely moves without it, the time is in the loads and the launch boundaries, and they are not.
 
@@ -17,6 +17,8 @@ Variants (each in its own process: a jitted function's globals are fixed once it
   no-unpack+no-wait  both: the floor of what the int4 GEMV alone can be brought to without fewer bytes
 Each prints the chain of 36 GEMVs of each Qwen3-4B shape (µs a matrix, one CUDA-graph replay) and random:qwen3-4b's
 batch-1 int4 decode step (graph replay, ms; twice).
+Measured (session 24, one H200, `results/h200_session24/call2_int4_step_bounds.log`): step 1.429 ms; no-unpack 1.305,
+half-unpack 1.490 (slower: more registers at 4 x 4 x 16), no-wait 1.276, both 1.060. Neither alone reaches 2x.
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant]  (none: all, one process each)"""
 import os
 import subprocess
