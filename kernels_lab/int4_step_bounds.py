@@ -28,6 +28,8 @@ import forge_engine.quant as quant  # first: on a CPU it switches on the interpr
 import triton
 import triton.language as tl
 
+EXPORTED_UNPACK = quant._nibbles_to_f32
+
 VARIANTS = ("export", "no-unpack", "half-unpack", "no-wait", "no-unpack+no-wait", "export")
 
 
@@ -46,19 +48,8 @@ def no_unpack(b, BYTE_ASM: tl.constexpr):
 
 @triton.jit
 def half_unpack(b, BYTE_ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 l, r, t;
-        shl.b32 l, $8, 8;
-        shr.b32 r, $8, 8;
-        prmt.b32 t, $8, 0, 0x1032;
-        lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
-        lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
-        lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
-        lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
-        mov.b32 $4, $0; mov.b32 $5, $1; mov.b32 $6, $2; mov.b32 $7, $3;
-        }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
-        pack=4)
+    low, high = EXPORTED_UNPACK(b, BYTE_ASM)  # (ptxas drops the high nibbles' LOP3s: their results go unused)
+    return low, low
 
 
 def patch(variant: str):
