@@ -15,11 +15,13 @@ Variants (each in its own process: a jitted function's globals are fixed once it
   no-wait      the int4 GEMVs launched as dependents as ever but never waiting for the kernel before (their inputs
                read whenever they are; chapter 09's kernels still wait): what the int4 GEMVs' boundaries cost at most
   no-unpack+no-wait  both: the floor of what the int4 GEMV alone can be brought to without fewer bytes
+  no-wait:SHAPE  only the GEMVs of one shape (qkv, o, gate_up, down) skip their wait: which boundary costs what
 Each prints the chain of 36 GEMVs of each Qwen3-4B shape (µs a matrix, one CUDA-graph replay) and random:qwen3-4b's
 batch-1 int4 decode step (graph replay, ms; twice).
 Measured (session 24, one H200, `results/h200_session24/call2_int4_step_bounds.log`): step 1.429 ms; no-unpack 1.305,
 half-unpack 1.490 (slower: more registers at 4 x 4 x 16), no-wait 1.276, both 1.060. Neither alone reaches 2x.
-Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant]  (none: all, one process each)"""
+Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant[,variant...]]  (default: VARIANTS;
+each in its own process)"""
 import os
 import subprocess
 import sys
@@ -39,6 +41,22 @@ def no_wait(WAIT: tl.constexpr):
 
 
 @triton.jit
+def wait_unless_marked(WAIT: tl.constexpr):
+    if WAIT == 1:  # a launch marked PDL=2 (`unwaited`) skips its wait; True == 1 waits as ever
+        tl.extra.cuda.gdc_wait()
+
+
+def unwaited(shape: tuple):
+    "Chapter 10's int4_gemv, launched for weights of `shape` (n, k) with PDL=2: as a dependent, but without its wait."
+    exported = quant.int4_gemv
+    def int4_gemv(x, packed, *args, **kwargs):
+        if (packed.shape[0], 2 * packed.shape[1]) == shape:
+            kwargs["pdl"] = 2
+        return exported(x, packed, *args, **kwargs)
+    return int4_gemv
+
+
+@triton.jit
 def no_unpack(b, BYTE_ASM: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm="mov.b32 $0, $8; mov.b32 $1, $8; mov.b32 $2, $8; mov.b32 $3, $8; mov.b32 $4, $8; mov.b32 $5, $8; "
@@ -54,6 +72,11 @@ def half_unpack(b, BYTE_ASM: tl.constexpr):
 
 def patch(variant: str):
     "Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before anything compiles."
+    if variant.startswith("no-wait:"):  # one shape's GEMVs only
+        import gemv_chain_sweep
+        quant._wait_for_previous = wait_unless_marked
+        quant.int4_gemv = gemv_chain_sweep.int4_gemv = unwaited(gemv_chain_sweep.SHAPES[variant.split(":")[1]])
+        return
     if "no-wait" in variant:
         quant._wait_for_previous = no_wait
     unpack = variant.replace("+no-wait", "").replace("no-wait", "export")
@@ -91,8 +114,9 @@ def run(variant: str):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        run(sys.argv[1])
+    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else VARIANTS
+    if len(variants) == 1:
+        run(variants[0])
     else:
-        for v in VARIANTS:
+        for v in variants:
             subprocess.run([sys.executable, __file__, v], env=os.environ, timeout=150)
