@@ -1310,8 +1310,10 @@ class _Group:
     def death_report(self, wait_s: float = 0.0) -> str | None:
         "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
         from multiprocessing.connection import wait
-        wait([p.sentinel for p in self.processes], timeout=wait_s)
+        ended = wait([p.sentinel for p in self.processes], timeout=wait_s)
         with self.reaping:
+            for p in self.processes:  # an exiting worker's pipe closes a moment before it can be reaped: wait that out
+                if p.sentinel in ended: p.join()  # (or rank 0, failing at the same moment, names the socket, not it)
             dead = next((p for p in self.processes if p.exitcode is not None), None)
         return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
 
