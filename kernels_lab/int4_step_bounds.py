@@ -42,18 +42,8 @@ def no_wait(WAIT: tl.constexpr):
 
 @triton.jit
 def wait_unless_marked(WAIT: tl.constexpr):
-    if WAIT == 1:  # a launch marked PDL=2 (`unwaited`) skips its wait; True == 1 waits as ever
+    if WAIT == 1:  # a launch marked PDL=2 (`patch`'s no-wait:SHAPE) skips its wait; True == 1 waits as ever
         tl.extra.cuda.gdc_wait()
-
-
-def unwaited(shape: tuple):
-    "Chapter 10's int4_gemv, launched for weights of `shape` (n, k) with PDL=2: as a dependent, but without its wait."
-    exported = quant.int4_gemv
-    def int4_gemv(x, packed, *args, **kwargs):
-        if (packed.shape[0], 2 * packed.shape[1]) == shape:
-            kwargs["pdl"] = 2
-        return exported(x, packed, *args, **kwargs)
-    return int4_gemv
 
 
 @triton.jit
@@ -74,8 +64,10 @@ def patch(variant: str):
     "Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before anything compiles."
     if variant.startswith("no-wait:"):  # one shape's GEMVs only
         import gemv_chain_sweep
+        from decode_overlap import int4_gemv_for  # (its per-shape launch override: PDL=2 there, dependent without the wait)
         quant._wait_for_previous = wait_unless_marked
-        quant.int4_gemv = gemv_chain_sweep.int4_gemv = unwaited(gemv_chain_sweep.SHAPES[variant.split(":")[1]])
+        shape = gemv_chain_sweep.SHAPES[variant.split(":")[1]]
+        quant.int4_gemv = gemv_chain_sweep.int4_gemv = int4_gemv_for({shape: dict(pdl=2)})
         return
     if "no-wait" in variant:
         quant._wait_for_previous = no_wait

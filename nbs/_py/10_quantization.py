@@ -714,10 +714,11 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
                          f"{n} and {block_n}")
     check_gemv_folds("int4_gemv", x, n, swiglu, residual, norm_sums, hand_off)
-    even = n % block_n == 0 and (k // 2) % (32 * chunk * num_warps) == 0 and m == _pow2(max(m, 1))
+    step_bytes = 32 * chunk * num_warps  # of a row, per loop step
+    even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
-                        EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, 32 * chunk * num_warps),
+                        EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
                         EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
 
 
