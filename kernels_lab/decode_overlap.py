@@ -115,6 +115,7 @@ DEFAULTS = {name: getattr(kernels, name) for name in
              "DECODE_MIN_SPLIT", "DECODE_UNROLL_MERGE")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 DEFAULTS["INT4_EARLY_EPILOGUE"] = quant.INT4_EARLY_EPILOGUE
+DEFAULTS["INT4_INT_DOT"] = quant.INT4_INT_DOT
 DEFAULTS["INT4_TILE_MAXNREG"] = quant.INT4_TILE_MAXNREG
 O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
 QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
@@ -144,6 +145,7 @@ INT8_TILES = {"qkv": ((8, 512, 2), (8, 512, 4), (4, 512, 2)), "o": ((2, 2048, 4)
 
 # session 22: int4 tiles tried in the decode step (the chain's winners and the gate-up's lesson: more rows a program)
 INT4_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate-up": (19456, 2560), "down": (2560, 9728)}
+INT4_PACKED = {name: (n, k // 2) for name, (n, k) in INT4_SHAPES.items()}  # the packed weights' shapes
 INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 16), (2, 4, 16), (4, 2, 16), (4, 8, 16)),
               "gate-up": ((6, 1, 8), (6, 2, 8), (6, 1, 16), (4, 1, 8), (16, 1, 8), (8, 2, 8)),
               "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
@@ -221,6 +223,18 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "int4 qkv early 3, down early 2": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(early_weights=3),
                                                         INT4_SHAPES["down"]: dict(early_weights=2)}),
     "int4 tiles uncapped": dict(INT4_TILE_MAXNREG={}),  # session 23: chapter 10's register caps off
+    # session 25: the L2 prefetch for one int4 shape's GEMVs only (int4 packed [N, K / 2]): the gate-up reads four of
+    # its five steps of weights after the wait, one DRAM trip each; down one of three
+    "int4 L2 prefetch gate-up": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]}),
+    "int4 L2 prefetch down": dict(PREFETCH_SHAPES={INT4_PACKED["down"]}),
+    "int4 L2 prefetch gate-up+down": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"], INT4_PACKED["down"]}),
+    "int4 L2 prefetch gate-up, no early step": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]},
+                                                     INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=0)}),
+    # session 25: the int4 GEMV's arithmetic in FP32 again (chapter 10's `INT4_INT_DOT`); qkv's 4 x 2 x 8 in integers
+    # under a cap (uncapped, ptxas takes 72 registers and spills six values around the early steps; at 80, 78, none)
+    "int4 floats": dict(INT4_INT_DOT=False),
+    "int4 qkv integers maxnreg 80": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=80)}),
+    "int4 qkv integers maxnreg 96": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=96)}),
     "defaults again": {}}
 
 

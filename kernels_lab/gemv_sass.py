@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from forge_engine.kernels import _gemv_kernel
-from forge_engine.quant import _int4_gemv_kernel
+from forge_engine.quant import INT4_INT_DOT, _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "NORM",
@@ -34,7 +34,7 @@ INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_p
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32", "stride_rm": "i32", "eps": "fp32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUP", "CHUNK", "SLABS", "EVEN", "BYTE_ASM", "PDL",
                                                     "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "RESIDUAL",
-                                                    "NORM_SUMS", "HAND_OFF", "EARLY_EPI")}}
+                                                    "NORM_SUMS", "HAND_OFF", "EARLY_EPI", "INT_DOT")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "g_ptr", "res_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -94,13 +94,16 @@ def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm:
 
 
 def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: int = 1,
-              group: int = 128, maxnreg: int | None = None, early: bool = False) -> tuple[list[str], float, int]:
-    "chapter 10's int4 GEMV at one row, whole steps (no masks): BLOCK_N rows a program, each thread `chunk` bytes of each."
+              group: int = 128, maxnreg: int | None = None, early: bool = False,
+              int_dot: bool | None = None) -> tuple[list[str], float, int]:
+    """chapter 10's int4 GEMV at one row, whole steps (no masks): BLOCK_N rows a program, each thread `chunk` bytes of
+    each; `int_dot`: its arithmetic in integers or FP32 (default: the export's INT4_INT_DOT)."""
     body, registers = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
                                 dict(ROWS=1, BLOCK_N=block_n, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=True,
                                      BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages, SWIGLU=False,
                                      EARLY_W=early, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False,
-                                     EARLY_EPI=True), num_warps, maxnreg)
+                                     EARLY_EPI=True, INT_DOT=INT4_INT_DOT if int_dot is None else int_dot),
+                                num_warps, maxnreg)
     return body, block_n * chunk * 2, registers
 
 

@@ -61,7 +61,10 @@ def half_unpack(b, BYTE_ASM: tl.constexpr):
 
 
 def patch(variant: str):
-    "Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before anything compiles."
+    """Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before
+    anything compiles. The GEMV's arithmetic in FP32, as measured in session 24 (`INT4_INT_DOT` off: the integers of
+    session 25 have no nibbles made floats)."""
+    quant.INT4_INT_DOT = False
     if variant.startswith("no-wait:"):  # one shape's GEMVs only
         import gemv_chain_sweep
         from decode_overlap import int4_gemv_for  # (its per-shape launch override: PDL=2 there, dependent without the wait)
@@ -78,6 +81,11 @@ def patch(variant: str):
 
 def run(variant: str):
     patch(variant)
+    measure(variant)
+
+
+def measure(label: str):
+    "The chain of 36 int4 GEMVs of each Qwen3-4B shape (µs a matrix) and the int4 decode step (ms, twice), printed."
     import torch
     from common import DEVICE
     from decode_overlap import decode_step_ms
@@ -88,10 +96,10 @@ def run(variant: str):
     from gemv_chain_sweep import LAYERS, SHAPES, product, weights
     from common import graphed_ms
     chain = {}
-    for label, (n, k) in SHAPES.items():
+    for shape, (n, k) in SHAPES.items():
         layers = [weights("int4", n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
-        chain[label] = graphed_ms(lambda: [product("int4", x, w) for w in layers]) * 1e3 / LAYERS
+        chain[shape] = graphed_ms(lambda: [product("int4", x, w) for w in layers]) * 1e3 / LAYERS
         del layers
         torch.cuda.empty_cache()
     loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int4")
@@ -101,7 +109,7 @@ def run(variant: str):
         steps.append(decode_step_ms(engine))
         del engine
         free_memory()
-    print(f"{variant:12s} chain " + "  ".join(f"{k} {v:6.2f}" for k, v in chain.items())
+    print(f"{label:12s} chain " + "  ".join(f"{k} {v:6.2f}" for k, v in chain.items())
           + "  | step graph " + " / ".join(f"{s:.3f}" for s in steps) + " ms", flush=True)
 
 

@@ -73,27 +73,33 @@ from forge_engine.quant import quant_gemv_config
 loads = {}
 for n, k in ((6144, 2560), (19456, 2560), (2560, 4096)):  # Qwen3-4B's qkv, gate-up, o / down
     block_n, warps, chunk = quant_gemv_config(n, k)
-    body, _, _ = int4_loop(block_n=block_n, num_warps=warps, chunk=chunk, byte_asm=True, early=True)
-    ops = collections.Counter(text.split()[1 if text.startswith("@") else 0] for text in body)
-    loads[f"{block_n}x{warps}x{chunk}"] = dict(block_n=block_n, chunk=chunk, **{op: count for op, count in ops.items()
-                                                                             if op.startswith("LDG")})
+    for int_dot in (True, False):
+        body, _, _ = int4_loop(block_n=block_n, num_warps=warps, chunk=chunk, byte_asm=True, early=True, int_dot=int_dot)
+        ops = collections.Counter(text.split()[1 if text.startswith("@") else 0] for text in body)
+        loads[f"{block_n}x{warps}x{chunk} int_dot={int_dot}"] = dict(
+            block_n=block_n, chunk=chunk, int_dot=int_dot, **{op: count for op, count in ops.items() if op.startswith("LDG")})
 print(json.dumps(loads))
 """
 
 
 def test_the_int4_gemv_loads_x_in_vectors():
-    """Chapter 10's int4 GEMV at its exported tiles: per step a thread loads x's two chunks (the low and the high
-    nibbles' inputs) as 16-byte vectors; its only 2-byte loads are each row's group scale and minimum. Session 22
-    found the one-warp tiles (the gate-up's) loading x two bytes at a time: 16 loads a step instead of 2."""
-    for tile, loop in compiled_offline(INT4_SCRIPT).items():
+    """Chapter 10's int4 GEMV at its exported tiles, in integers and in FP32: per step a thread loads x's two chunks
+    (the low and the high nibbles' inputs) as 16-byte vectors; its only 2-byte loads are each row's group scale and
+    minimum. Session 22 found the one-warp tiles (the gate-up's) loading x two bytes at a time: 16 loads a step
+    instead of 2. A row's chunk of weights comes in one vector (FP32) or in 8-byte words (integers: a 16-byte tile of
+    words would be laid out over two threads and moved through shared memory every step)."""
+    found = compiled_offline(INT4_SCRIPT)
+    assert {loop["int_dot"] for loop in found.values()} == {True, False}, found
+    for tile, loop in found.items():
         assert loop.get("LDG.E.U16", 0) == 2 * loop["block_n"], (tile, loop)  # a scale and a minimum a row
         x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
-        weight_vectors = loop["block_n"] if loop["chunk"] == 16 else 0  # (8-byte chunks of weights: 8-byte loads)
-        assert loop.get("LDG.E.128", 0) == x_vectors + weight_vectors, (tile, loop)
+        wide = loop["chunk"] == 16 and not loop["int_dot"]
+        assert loop.get("LDG.E.128", 0) == x_vectors + (loop["block_n"] if wide else 0), (tile, loop)
+        assert loop.get("LDG.E.64", 0) == (0 if wide else loop["block_n"] * loop["chunk"] // 8), (tile, loop)
 
 
 CAPS_SCRIPT = """
-import json, sys
+import itertools, json, sys
 sys.path.insert(0, "kernels_lab")
 from gemv_sass import INT4_SIGNATURE, kernel_sass
 from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_gemv_kernel
@@ -102,23 +108,24 @@ from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_g
 STEP_FOLDS = {(4, 2, 8): dict(NORM_SUMS=True), (4, 4, 16): dict(RESIDUAL=True, HAND_OFF=True),
               (8, 1, 8): dict(SWIGLU=True, NORM_SUMS=True)}
 found = {}
-for tile in {**INT4_TILE_MAXNREG, **INT4_TILE_EARLY_STEPS}:
+for tile in {key[:3] for key in INT4_TILE_MAXNREG} | set(INT4_TILE_EARLY_STEPS):
     block_n, warps, chunk = tile
-    cap, early = INT4_TILE_MAXNREG.get(tile), INT4_TILE_EARLY_STEPS.get(tile, 1)
-    for folds in ({}, {"SWIGLU": True}, STEP_FOLDS.get(tile, {})):
+    early = INT4_TILE_EARLY_STEPS.get(tile, 1)
+    for int_dot, folds in itertools.product((True, False), ({}, {"SWIGLU": True}, STEP_FOLDS.get(tile, {}))):
+        cap = INT4_TILE_MAXNREG.get((*tile, int_dot))
         flags = dict(dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True,
                           PDL=True, PREFETCH=0, LOOP_STAGES=1, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
-                          NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True), **folds)
+                          NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True, INT_DOT=int_dot), **folds)
         code, registers = kernel_sass(_int4_gemv_kernel, INT4_SIGNATURE, flags, warps, maxnreg=cap)
-        found[f"{block_n}x{warps}x{chunk} early={early} {sorted(folds)}"] = dict(
+        found[f"{block_n}x{warps}x{chunk} early={early} int_dot={int_dot} {sorted(folds)}"] = dict(
             cap=cap or 255, registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))
 print(json.dumps(found))
 """
 
 
 def test_the_int4_tile_settings_spill_nothing():
-    """Chapter 10's `INT4_TILE_MAXNREG` and `INT4_TILE_EARLY_STEPS`: each tile compiles (sm_90) with its early steps to
-    at most its cap of registers with no spills to local memory (a cap that spilled would trade the extra resident
+    """Chapter 10's `INT4_TILE_MAXNREG` and `INT4_TILE_EARLY_STEPS`: each tile compiles (sm_90) with its early steps,
+    in integers and in FP32, to at most its cap of registers with no spills to local memory (a cap that spilled would trade the extra resident
     warps for local loads and stores; early steps that spilled would hold their weights in local memory)."""
     found = compiled_offline(CAPS_SCRIPT)
     assert any("early=1" in tile for tile in found) and any("early=1" not in tile for tile in found), found

@@ -187,7 +187,12 @@ def test_gemv_l2_prefetch_changes_no_result(n, k):
     assert torch.equal(int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed))  # and the dependent launch
     assert torch.equal(int4_gemv(x, *packed, loop_stages=3), int4_gemv(x, *packed, loop_stages=1))
     for steps in (True, 2, 3):  # the first steps of weights before the wait: the same sums in the same order
-        assert torch.equal(int4_gemv(x, *packed, early_weights=steps), int4_gemv(x, *packed, early_weights=False))
+        for int_dot in (True, False):  # in integers and in FP32
+            assert torch.equal(int4_gemv(x, *packed, early_weights=steps, int_dot=int_dot),
+                               int4_gemv(x, *packed, early_weights=False, int_dot=int_dot))
+    # a SiLU-mul GEMV's program prefetches its gate rows and their up rows (two runs): the same bits
+    assert torch.equal(gemv(x, w, swiglu=True, prefetch=True), gemv(x, w, swiglu=True, prefetch=False))
+    assert torch.equal(int4_gemv(x, *packed, swiglu=True, prefetch=True), int4_gemv(x, *packed, swiglu=True, prefetch=False))
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny"])

@@ -16,7 +16,7 @@ from forge_engine.generate import SamplingParams
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.memory_plan import load_peak_bytes, parse_bytes, weight_bytes
 from forge_engine.model import empty_model, init_random_weights
-from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_matmul,
+from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_gemv, int4_matmul,
                                 int4_matmul_reference, int8_matmul, int8_matmul_reference, quantize_int4,
                                 quantize_int8, quantize_model, quantize_rows)
 
@@ -44,6 +44,9 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     got, want = int4_matmul(x, packed, scale, minimum, impl="triton"), int4_matmul_reference(x, packed, scale, minimum)
     assert rel_error(got, want) < 1e-2
     assert rel_error(got, x.float() @ w.T) < 0.2  # 4-bit Gaussian weights: ~10% per weight
+    if m <= 4:  # the GEMV's arithmetic in FP32 too (its default is in integers: chapter 10's INT4_INT_DOT)
+        floats = int4_gemv(x, packed, scale, minimum, int_dot=False)
+        assert rel_error(floats, want) < 1e-2 and rel_error(got, floats) < 1e-2
 
 
 def test_int8_rows_on_the_gpu_are_the_dequantized_rows_bit_for_bit():

@@ -870,15 +870,22 @@ def _prefetch_to_l2(w_ptr, first_row, rows, row_bytes, THREADS: tl.constexpr):
 
 @triton.jit
 def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                WAIT: tl.constexpr):
+                WAIT: tl.constexpr, SWIGLU: tl.constexpr = False):
     """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then (WAIT) wait for this
     one's input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do
-    not depend on the kernel before, so their reading starts while that kernel is still running."""
+    not depend on the kernel before, so their reading starts while that kernel is still running. (SWIGLU: the rows
+    are BLOCK_N / 2 gate rows and their up rows, N / 2 further on: two runs.)"""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH > 0:
-            first = tl.program_id(0) * BLOCK_N
-            _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
+            if SWIGLU:
+                first = tl.program_id(0) * (BLOCK_N // 2)
+                rows = tl.minimum(N // 2 - first, BLOCK_N // 2)
+                _prefetch_to_l2(w_ptr, first, rows, row_bytes, PREFETCH)
+                _prefetch_to_l2(w_ptr, N // 2 + first, rows, row_bytes, PREFETCH)
+            else:
+                first = tl.program_id(0) * BLOCK_N
+                _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
         if WAIT:
             tl.extra.cuda.gdc_wait()
 
@@ -947,7 +954,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
                  SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                  NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
     _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
-                not EARLY_W)
+                not EARLY_W, SWIGLU)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
         cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)

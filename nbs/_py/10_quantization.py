@@ -462,26 +462,47 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 @triton.jit
 def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
-                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr):
-    "A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum)."
+                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
+                  INT_DOT: tl.constexpr):
+    """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
+    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
     c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
     g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
+    words = q_ptr.to(tl.pointer_type(tl.int32))
     ws = ()
     for r in tl.static_range(BLOCK_N):
         row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
         ok = c_ok & (row_ok | EVEN)
         at = row * (K // GROUP) + g
-        ws = ws + ((tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                            mask=ok[:, :, None], other=0),
-                    tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
+            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
+            chunk = ()
+            for h in tl.static_range(CHUNK // 8):
+                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
+                                         mask=ok[:, :, None], other=0),)
+        else:
+            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                            mask=ok[:, :, None], other=0)
+        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
     return ws
 
 
 @triton.jit
 def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
     "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
+    if INT_DOT:
+        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    else:
+        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    return new
+
+
+@triton.jit
+def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+    "`_int4_step` in FP32: nibbles made floats (`_nibbles_to_f32`), multiplied and added one by one."
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     c_ok = (start < K // 2) | EVEN
@@ -507,6 +528,97 @@ def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
     return new
 
 
+ROUND_TO_INTEGER = tl.constexpr(1.5 * 2**23)  # v + this (|v| < 2^22) holds v rounded to an integer in its low bits
+
+
+@triton.jit
+def _int16_pairs(x, scale, BYTE_ASM: tl.constexpr):
+    """x [SLABS, 32, 8] (fp32) times scale [SLABS, 32], rounded to integers, as 16-bit pairs in 32-bit words:
+    (inputs 4i and 4i + 1, inputs 4i + 2 and 4i + 3), each [SLABS, 32, 2]."""
+    bits = (x * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)  # the integer in the low 16 bits
+    even, odd = tl.split(tl.reshape(bits, (bits.shape[0], 32, 4, 2)))
+    if BYTE_ASM:  # one PRMT: the low halves of both
+        pairs = tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, $2, 0x5410;", constraints="=r,r,r", args=[even, odd],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        pairs = (even & 0xFFFF) | (odd << 16)
+    return tl.split(tl.reshape(pairs, (bits.shape[0], 32, 2, 2)))
+
+
+@triton.jit
+def _nibbles_dot(w, lo01, lo23, hi01, hi23, BYTE_ASM: tl.constexpr):
+    """Σ over a 32-bit word's 8 nibbles (byte j: input j low, input j + HALF high) times x's 16-bit integers
+    (`_int16_pairs` of the low inputs, of the high ones): an int32."""
+    if BYTE_ASM:  # the nibbles as bytes in three instructions, then four dp2a (two bytes times two int16, added)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, t;
+            and.b32 lo, $1, 0x0F0F0F0F;
+            shr.u32 t, $1, 4;
+            and.b32 hi, t, 0x0F0F0F0F;
+            dp2a.lo.s32.u32 t, $2, lo, 0;
+            dp2a.hi.s32.u32 t, $3, lo, t;
+            dp2a.lo.s32.u32 t, $4, hi, t;
+            dp2a.hi.s32.u32 $0, $5, hi, t;
+            }""", constraints="=r,r,r,r,r,r", args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True,
+            pack=1)
+    lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+    return (_pair_dot(lo01, lo & 0xFFFF) + _pair_dot(lo23, (lo >> 16) & 0xFFFF)
+            + _pair_dot(hi01, hi & 0xFFFF) + _pair_dot(hi23, (hi >> 16) & 0xFFFF))
+
+
+@triton.jit
+def _pair_dot(pair, two_bytes):
+    "dp2a without the instruction: a word's two int16 times the two low bytes of `two_bytes`, added."
+    return ((pair << 16) >> 16) * (two_bytes & 0xFF) + (pair >> 16) * (two_bytes >> 8)
+
+
+@triton.jit
+def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+    """`_int4_step` in integers: x's chunk scaled by a power of two to 16-bit integers (once for all rows), each
+    weight word's nibbles multiplied and added by `_nibbles_dot`, 8 bytes of a chunk at a time."""
+    HALF: tl.constexpr = GROUP // 2
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
+    c_ok = (start < K // 2) | EVEN
+    x_first = tl.multiple_of((start // HALF) * GROUP + start % HALF, [CHUNK, CHUNK])
+    xs = ()
+    for m in tl.static_range(ROWS):
+        x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
+        loaded = ()  # (low inputs, high inputs) of each 8 bytes of the chunk
+        big = tl.zeros_like(c_ok.to(tl.float32))  # max |x| over the chunk
+        x_sum = tl.zeros_like(big)
+        for h in tl.static_range(CHUNK // 8):
+            x_at = x_ptr + m * K + x_first[:, :, None] + 8 * h + tl.arange(0, 8)[None, None, :]
+            x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + HALF, mask=x_ok, other=0.0).to(tl.float32)
+            big = tl.maximum(big, tl.maximum(tl.max(tl.abs(x_lo), axis=2), tl.max(tl.abs(x_hi), axis=2)))
+            x_sum += tl.sum(x_lo, axis=2) + tl.sum(x_hi, axis=2)
+            loaded = loaded + ((x_lo, x_hi),)
+        # 2^e <= max |x| with e >= -100 (a chunk of zeros, or below 2^-100: zeros); x * 2^(13 - e) is under 2^14
+        power = tl.maximum(big.to(tl.int32, bitcast=True) & 0x7F800000, 27 << 23)
+        scale = ((140 << 23) - (power - (127 << 23))).to(tl.float32, bitcast=True)
+        pairs = ()
+        for h in tl.static_range(CHUNK // 8):
+            x_lo, x_hi = loaded[h]
+            pairs = pairs + (_int16_pairs(x_lo, scale, BYTE_ASM) + _int16_pairs(x_hi, scale, BYTE_ASM),)
+        xs = xs + ((pairs, power.to(tl.float32, bitcast=True) * (1.0 / 8192.0), x_sum),)
+    new = ()
+    for r in tl.static_range(BLOCK_N):
+        chunk, s, mn = ws[r]
+        s, mn = s.to(tl.float32), mn.to(tl.float32)
+        for m in tl.static_range(ROWS):
+            pairs, unscale, x_sum = xs[m]
+            dots = tl.zeros_like(lane)
+            for h in tl.static_range(CHUNK // 8):
+                lo01, lo23, hi01, hi23 = pairs[h]
+                dots += tl.sum(_nibbles_dot(chunk[h], lo01, lo23, hi01, hi23, BYTE_ASM), axis=2)
+            # Σ (x scaled) q of the chunk, |.| < 2^22: a float by the rounding trick backwards
+            xq = (dots + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER
+            new = new + (accs[r * ROWS + m] + xq * (s * unscale) + x_sum * mn,)
+    return new
+
+
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
                       M, N, K, stride_qn, stride_rm, eps,
@@ -514,8 +626,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
                       PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
                       RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr,
-                      EARLY_EPI: tl.constexpr):
-    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
+                      EARLY_EPI: tl.constexpr, INT_DOT: tl.constexpr):
+    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W, SWIGLU)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
     HALF_N: tl.constexpr = BLOCK_N // 2  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
@@ -526,10 +638,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
         early = ()
         for e in tl.static_range(EARLY_W):
             early = early + (_int4_weights(q_ptr, scale_ptr, min_ptr, e * STEP, lane, first_col, N, K, stride_qn,
-                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU),)
+                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU, INT_DOT),)
         _wait_for_previous(PDL)
         for e in tl.static_range(EARLY_W):
-            accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+            accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM,
+                              INT_DOT)
         first = EARLY_W * STEP
     handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
     for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
@@ -539,8 +652,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                                                      RESIDUAL, HAND_OFF)
     for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
-                           SWIGLU)
-        accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+                           SWIGLU, INT_DOT)
+        accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM, INT_DOT)
     if not EARLY_EPI:
         residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
                                                      RESIDUAL, HAND_OFF)
@@ -612,12 +725,16 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
 INT4_EARLY_WEIGHTS = 1  # steps of a program's weights asked for before it waits for x: the first measured faster (below)
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
-# register caps a thread for tiles (BLOCK_N, warps, CHUNK) at one row of x: the gate-up's 8 x 1 x 8 compiles to 128,
-# 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster (below)
-INT4_TILE_MAXNREG = {(8, 1, 8): 96}
+# register caps a thread for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x: in FP32 the gate-up's 8 x 1 x 8
+# compiles to 128, 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster; in
+# integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same)
+INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80}
 # steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK) at one row of x (others:
 # INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three (below)
 INT4_TILE_EARLY_STEPS = {(4, 2, 8): 3, (4, 4, 16): 2}
+# the GEMV's arithmetic in integers (x as 16-bit integers, nibbles as bytes, dp2a: `_int4_step_integers`) where the
+# packed rows are whole 32-bit words; else in FP32 (`_int4_step_floats`): measured faster (below)
+INT4_INT_DOT = True
 
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -681,7 +798,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
               byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
               loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
               early_weights: int | None = None, residual: torch.Tensor | None = None,
-              norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6):
+              norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
+              int_dot: bool | None = None):
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
@@ -691,7 +809,10 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
-    a register cap per thread (default: `INT4_TILE_MAXNREG`'s for the tile at one row, else the compiler's choice)."""
+    a register cap per thread (default: `INT4_TILE_MAXNREG`'s for the tile and arithmetic at one row, else the
+    compiler's choice).
+    `int_dot`: the arithmetic in integers (`_int4_step_integers`) or in FP32 (default: INT4_INT_DOT, where the packed
+    rows start at whole 32-bit words)."""
     (m, k), n = x.shape, packed.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"int4_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}: use int4_matmul")
@@ -702,8 +823,6 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
         block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
-    if maxnreg is None and m == 1 and not INTERPRETED:
-        maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk))
     if early_weights is None and m == 1:
         early_weights = INT4_TILE_EARLY_STEPS.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
@@ -714,12 +833,20 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
                          f"{n} and {block_n}")
     check_gemv_folds("int4_gemv", x, n, swiglu, residual, norm_sums, hand_off)
+    whole_words = packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0
+    if int_dot and not whole_words:
+        raise ValueError(f"int4_gemv's int_dot reads the packed rows as 32-bit words: they must start at multiples of "
+                         f"4 bytes, got address {packed.data_ptr()} and row stride {packed.stride(0)}")
+    int_dot = (INT4_INT_DOT and whole_words) if int_dot is None else int_dot
+    if maxnreg is None and m == 1 and not INTERPRETED:
+        maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk, bool(int_dot)))
     step_bytes = 32 * chunk * num_warps  # of a row, per loop step
     even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
                         EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
-                        EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm)
+                        EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
+                        INT_DOT=bool(int_dot))
 
 
 # %% [markdown]
@@ -863,11 +990,29 @@ for group, k in ((128, 384), (128, 512), (64, 576), (32, 96)):  # 512: whole ste
     for m, dtype, launch in [(1, torch.float32, {}), (2, torch.float32, dict(block_n=16, num_warps=2)),
                              (3, torch.float32, dict(block_n=4, chunk=16 if group > 32 else 8)),
                              (4, torch.bfloat16, dict(block_n=1)), (1, torch.bfloat16, dict(block_n=8, num_warps=1)),
-                             (2, torch.bfloat16, dict(maxnreg=64)), (1, torch.float32, dict(block_n=8, chunk=16))]:
+                             (2, torch.bfloat16, dict(maxnreg=64)), (1, torch.float32, dict(block_n=8, chunk=16)),
+                             (1, torch.bfloat16, dict(int_dot=False)), (3, torch.float32, dict(int_dot=False, chunk=8))]:
         x = torch.randn(m, k, dtype=dtype)
-        # the GEMV's high nibbles keep ~13 bits in FP32 (above): its error stays under 2^-12 of Σ|x| · scale
+        # in FP32 the high nibbles keep ~13 bits (above); in integers x keeps 14 bits of its chunk's largest input, with
+        # errors of either sign: on these inputs both stay under 2^-12 of Σ|x| · scale
         check_kernel(lambda x, **kw: int4_matmul(x, *q4g, **kw), reference, x, 2**-12 * q4g[1].max().item() * x.abs().sum().item(), **launch)
 assert int4_matmul(torch.zeros(0, 96), *q4g, impl="triton").shape == (0, 40)
+# the integers' rounding: an input far below its chunk's largest keeps only its top bits (here none: 2^-30 of it), so
+# the result moves by at most 2^-14 of that largest input per weight: int4's own steps are far coarser
+x = torch.randn(1, 96)
+x[0, ::16] = 1000.0  # one large input in every chunk
+x[0, 1::16] = 1000.0 * 2**-30
+floats, integers = int4_gemv(x, *q4g, int_dot=False), int4_gemv(x, *q4g, int_dot=True)
+want = int4_matmul_reference(x, *q4g)
+for got in (floats, integers):  # (FP32 too loses bits of the small inputs next to 1000: the high nibbles' offsets)
+    assert (got - want).abs().max() <= 2**-14 * 1000.0 * 15 * q4g[1].float().max() * 96
+assert not torch.equal(integers, floats)
+# packed rows that do not start at whole 32-bit words: FP32 (the default), or an error that says so
+shifted = torch.empty(q4g[0].numel() + 1, dtype=torch.uint8)[1:].view(q4g[0].shape)
+shifted.copy_(q4g[0])
+assert torch.equal(int4_gemv(x, shifted, *q4g[1:]), floats)
+with pytest.raises(ValueError, match="int_dot reads the packed rows as 32-bit words: they must start at multiples of 4"):
+    int4_gemv(x, shifted, *q4g[1:], int_dot=True)
 with pytest.raises(ValueError, match="the gemv kernels take at most 4 rows, got 5"):
     int4_matmul(torch.zeros(5, 96), *q4g, impl="triton", kernel="gemv")
 with pytest.raises(ValueError, match="unknown kernel 'splitk'; choose one of gemv, split_k"):
