@@ -223,45 +223,6 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
-                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
-                  INT_DOT: tl.constexpr):
-    """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
-    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
-    c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
-    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
-    words = q_ptr.to(tl.pointer_type(tl.int32))
-    ws = ()
-    for r in tl.static_range(BLOCK_N):
-        row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
-        ok = c_ok & (row_ok | EVEN)
-        at = row * (K // GROUP) + g
-        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
-            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
-            chunk = ()
-            for h in tl.static_range(CHUNK // 8):
-                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
-                                         mask=ok[:, :, None], other=0),)
-        else:
-            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                            mask=ok[:, :, None], other=0)
-        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
-    return ws
-
-
-@triton.jit
-def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
-    "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
-    if INT_DOT:
-        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-    else:
-        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-    return new
-
-
-@triton.jit
 def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
     "`_int4_step` in FP32: nibbles made floats (`_nibbles_to_f32`), multiplied and added one by one."
@@ -289,7 +250,7 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
             new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
     return new
 
-
+# %% ../nbs/10_quantization.ipynb #de5cf5db
 ROUND_TO_INTEGER = tl.constexpr(1.5 * 2**23)  # v + this (|v| < 2^22) holds v rounded to an integer in its low bits
 
 
@@ -378,6 +339,45 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
             # Σ (x scaled) q of the chunk, |.| < 2^22: a float by the rounding trick backwards
             xq = (dots + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER
             new = new + (accs[r * ROWS + m] + xq * (s * unscale) + x_sum * mn,)
+    return new
+
+# %% ../nbs/10_quantization.ipynb #95f8427f
+@triton.jit
+def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
+                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
+                  INT_DOT: tl.constexpr):
+    """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
+    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+    c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
+    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
+    words = q_ptr.to(tl.pointer_type(tl.int32))
+    ws = ()
+    for r in tl.static_range(BLOCK_N):
+        row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        ok = c_ok & (row_ok | EVEN)
+        at = row * (K // GROUP) + g
+        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
+            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
+            chunk = ()
+            for h in tl.static_range(CHUNK // 8):
+                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
+                                         mask=ok[:, :, None], other=0),)
+        else:
+            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                            mask=ok[:, :, None], other=0)
+        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+    return ws
+
+
+@triton.jit
+def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
+    "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
+    if INT_DOT:
+        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    else:
+        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
     return new
 
 

@@ -235,6 +235,12 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "int4 floats": dict(INT4_INT_DOT=False),
     "int4 qkv integers maxnreg 80": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=80)}),
     "int4 qkv integers maxnreg 96": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=96)}),
+    # queued after session 25's GPU time (offline, with the step's folds): the gate-up in integers uncapped (64 registers,
+    # 32 warps an SM, against 80 and 25 under FP32's cap of 96), or with two early steps (96, no spills); o in FP32
+    # (slower in integers in the chain: 3.88 against 3.73 µs)
+    "int4 gate-up integers uncapped": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(maxnreg=0)}),
+    "int4 gate-up integers early 2": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
+    "int4 o floats": dict(INT4_LAUNCH={INT4_SHAPES["o"]: dict(int_dot=False)}),
     "defaults again": {}}
 
 

@@ -29,11 +29,8 @@ Variants (each in its own process, as `int4_step_bounds.py`):
 Each first checks the GEMV against the dequantized matmul (plain, SiLU-mul, with a residual; every Qwen3-4B shape),
 then prints the chain of 36 GEMVs of each shape (µs a matrix) and random:qwen3-4b's batch-1 int4 decode step (ms).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_dp2a.py [floats,integers,floats,integers]"""
-import os
-import subprocess
-import sys
-
 import forge_engine.quant as quant
+from int4_step_bounds import main, measure
 
 VARIANTS = ("floats", "integers", "floats", "integers")
 
@@ -70,14 +67,8 @@ def validate(variant: str):
 def run(variant: str):
     patch(variant)
     validate(variant)
-    from int4_step_bounds import measure
     measure(variant)
 
 
 if __name__ == "__main__":
-    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else VARIANTS
-    if len(variants) == 1:
-        run(variants[0])
-    else:
-        for v in variants:
-            subprocess.run([sys.executable, __file__, v], env=os.environ, timeout=170)
+    main(__file__, run, VARIANTS, 170)

@@ -113,10 +113,15 @@ def measure(label: str):
           + "  | step graph " + " / ".join(f"{s:.3f}" for s in steps) + " ms", flush=True)
 
 
-if __name__ == "__main__":
-    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else VARIANTS
+def main(script: str, run, default: tuple, timeout: int):
+    "`script [variant[,variant...]]`: one variant runs here (`run`), several each in a fresh process of `script`."
+    variants = sys.argv[1].split(",") if len(sys.argv) > 1 else default
     if len(variants) == 1:
         run(variants[0])
     else:
         for v in variants:
-            subprocess.run([sys.executable, __file__, v], env=os.environ, timeout=150)
+            subprocess.run([sys.executable, script, v], env=os.environ, timeout=timeout)
+
+
+if __name__ == "__main__":
+    main(__file__, run, VARIANTS, 150)

@@ -426,10 +426,11 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
 # (`kernels_lab/decode_overlap.py int4`), W1 522.6 → 545.6 tok/s in one call. On.
 #
 # Still 1.0-2.0 TB/s: at ~4 instructions a weight the loop needs the SMs' whole issue rate to
-# keep up with 4.19 TB/s, so it is now bound by its arithmetic and by the latency it cannot
-# hide. Issuing the next step's loads before this step's arithmetic (registers double-buffered)
-# measured slower (more registers and moves); a tensor-core (`mma`) version, which would leave
-# only the nibble unpacking per weight, is the next step.
+# keep up with 4.19 TB/s, so it is bound by its arithmetic and by the latency it cannot hide.
+# Issuing the next step's loads before this step's arithmetic (registers double-buffered)
+# measured slower (more registers and moves), and so did tensor-core (`mma`) versions in CUDA C++
+# (`kernels_lab/int4_mma.py`: slower for every shape but qkv). What won is the same loop in
+# integers (next section); the FP32 loop below stays as its reference (`int_dot=False`).
 
 # %%
 #| export
@@ -461,45 +462,6 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
-                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
-                  INT_DOT: tl.constexpr):
-    """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
-    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
-    c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
-    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
-    words = q_ptr.to(tl.pointer_type(tl.int32))
-    ws = ()
-    for r in tl.static_range(BLOCK_N):
-        row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
-        ok = c_ok & (row_ok | EVEN)
-        at = row * (K // GROUP) + g
-        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
-            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
-            chunk = ()
-            for h in tl.static_range(CHUNK // 8):
-                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
-                                         mask=ok[:, :, None], other=0),)
-        else:
-            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                            mask=ok[:, :, None], other=0)
-        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
-    return ws
-
-
-@triton.jit
-def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
-    "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
-    if INT_DOT:
-        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-    else:
-        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
-    return new
-
-
-@triton.jit
 def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
     "`_int4_step` in FP32: nibbles made floats (`_nibbles_to_f32`), multiplied and added one by one."
@@ -528,6 +490,42 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
     return new
 
 
+# %% [markdown]
+# ### In integers
+#
+# Those ~3.8 instructions a weight were the limit: the FP32 loop could not issue fast enough to
+# read its bytes (the gate-up at ~2 TB/s), and with its nibbles left unconverted (wrong values,
+# the same loads: `kernels_lab/int4_step_bounds.py`) the decode step took 1.305 ms instead of
+# 1.429. Integers make both halves of the per-weight work cheaper (`_int4_step_integers`):
+#
+# - a 32-bit word of eight nibbles becomes two words of four bytes, `w & 0x0F0F0F0F` and
+#   `(w >> 4) & 0x0F0F0F0F`: three instructions for eight weights, against eleven;
+# - `dp2a` multiplies two bytes by two 16-bit integers and adds both products to an int32: one
+#   instruction for two weights, against two FFMAs (`_nibbles_dot`: four per word).
+#
+# x must then be 16-bit integers. Each thread takes its step's 2 × CHUNK inputs (the low and the
+# high nibbles' halves of x), finds the largest power of two 2^e at most their largest magnitude,
+# and multiplies them by 2^(13 − e): every value is now under 2^14. Adding 1.5 × 2^23 rounds it to
+# an integer that sits in the float's low bits (the float's unit is 1 there), and a PRMT packs the
+# low halves of two such floats into one word: the pairs `dp2a` takes (`_int16_pairs`). That is
+# done once a step for all the program's rows (8 for the gate-up, 4 for the others). Each input
+# keeps 14 bits of its chunk's largest; a row's int32 sum for the chunk (at most 16 × 15 × 2^14 <
+# 2^22) becomes a float by the same trick backwards, and is scaled by `s × 2^(e − 13)`; the
+# minimum multiplies the exact FP32 `Σx` as before.
+#
+# Compiled offline (`kernels_lab/gemv_sass.py`'s `int4_loop`): 2.73 instructions a weight at the
+# gate-up's 8 × 1 × 8 against 3.77, 3.45 at qkv's 4 × 2 × 8 against 4.09, 2.88 at 4 × 4 × 16
+# against 3.56. A 16-byte chunk is taken as two 8-byte tiles: in one tile of 16 BF16 inputs Triton
+# spread x over two threads and moved the weights through shared memory every step to match.
+# Measured on an H200 (session 25, `kernels_lab/int4_dp2a.py`, 36-matrix chains, µs a matrix, FP32
+# → integers): qkv 5.74 → 4.93, o 3.73 → 3.88, gate-up 12.04 → 9.90, down 7.91 → 7.00; the
+# int4 decode step **1.418 → 1.250 ms**; the bench's W1 786.5 / 787.4 tok/s against BF16's 423.0
+# (1.86×; FP32: 1.66×). The relative error against the dequantized matmul moved from 3.37e-3 to
+# 3.42e-3 (BF16 outputs). `INT4_INT_DOT` (on) or `int_dot=` chooses; packed rows that do not start
+# at whole 32-bit words take the FP32 loop.
+
+# %%
+#| export
 ROUND_TO_INTEGER = tl.constexpr(1.5 * 2**23)  # v + this (|v| < 2^22) holds v rounded to an integer in its low bits
 
 
@@ -619,6 +617,51 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
     return new
 
 
+# %% [markdown]
+# The kernel itself: a step's weights (bytes, or the same bytes as words for the integers), the
+# step in either arithmetic, and chapter 09's epilogue.
+
+# %%
+#| export
+@triton.jit
+def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
+                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
+                  INT_DOT: tl.constexpr):
+    """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
+    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+    c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
+    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
+    words = q_ptr.to(tl.pointer_type(tl.int32))
+    ws = ()
+    for r in tl.static_range(BLOCK_N):
+        row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        ok = c_ok & (row_ok | EVEN)
+        at = row * (K // GROUP) + g
+        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
+            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
+            chunk = ()
+            for h in tl.static_range(CHUNK // 8):
+                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
+                                         mask=ok[:, :, None], other=0),)
+        else:
+            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                            mask=ok[:, :, None], other=0)
+        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+    return ws
+
+
+@triton.jit
+def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
+    "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
+    if INT_DOT:
+        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    else:
+        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+    return new
+
+
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
                       M, N, K, stride_qn, stride_rm, eps,
@@ -697,11 +740,14 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # (two per SM of an H200); the halving itself is a rule, not a measurement. More rows of x (up
 # to 4) take fewer weight rows a program, so the accumulators (`BLOCK_N × ROWS`) stay as many.
 #
-# One tile takes a register cap (`INT4_TILE_MAXNREG`): the gate-up's 8 × 1 × 8 compiles to 128
-# registers a thread, so 16 warps fit an SM; capped at 96 it spills nothing and 21 fit, and the int4
-# decode step took 1.426 ms against 1.470 / 1.467 uncapped (session 23; 104 registers: 1.505). Caps
-# that spill were slower (qkv at 56, o and down at 64). The cap holds at one row of x only, where it
-# was measured. The bench's W1 with it: int4 690.8 / 690.3 tok/s against BF16 422.8 / 423.2 (1.63×).
+# Tiles take register caps (`INT4_TILE_MAXNREG`, by tile and arithmetic). In FP32 the gate-up's
+# 8 × 1 × 8 compiles to 128 registers a thread, so 16 warps fit an SM; capped at 96 it spills
+# nothing and 21 fit, and the int4 decode step took 1.426 ms against 1.470 / 1.467 uncapped
+# (session 23; 104 registers: 1.505). Caps that spill were slower (qkv at 56, o and down at 64).
+# In integers the gate-up keeps that cap as measured (80 registers under it; uncapped 64, not yet
+# measured), and qkv's 4 × 2 × 8 takes 80: uncapped, ptxas chose 72 registers and spilled six
+# values around its early steps; at 80 it spills none and the step measured the same (1.254 ms
+# against 1.250 / 1.254; at 96, 1.311). The caps hold at one row of x only, where they were measured.
 #
 # Fewer registers are not a win in themselves. With K a constant of the kernel (each row a fixed
 # offset from the first, no row stride) the gate-up compiled to 80 registers instead of 128 and o's
