@@ -462,14 +462,20 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_chunk(b0, lane, K, GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """For a step at byte b0 of the rows: whether each thread's chunk is inside the row, and the first of x's inputs
+    its low nibbles multiply (the high ones': GROUP / 2 further on)."""
+    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
+    # x's chunk starts at a multiple of CHUNK: said, so it comes in vector loads (one-warp tiles lost that: 2-byte loads)
+    return (start < K // 2) | EVEN, tl.multiple_of((start // (GROUP // 2)) * GROUP + start % (GROUP // 2), [CHUNK, CHUNK])
+
+
+@triton.jit
 def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
     "`_int4_step` in FP32: nibbles made floats (`_nibbles_to_f32`), multiplied and added one by one."
     HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
-    c_ok = (start < K // 2) | EVEN
-    # x's chunk starts at a multiple of CHUNK: said, so it comes in vector loads (one-warp tiles lost that: 2-byte loads)
-    x_first = tl.multiple_of((start // HALF) * GROUP + start % HALF, [CHUNK, CHUNK])
+    c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
     x_at = x_ptr + x_first[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
     xs = ()  # the inputs of the chunk's low nibbles (and + HALF, the high ones), for each row m of x
     for m in tl.static_range(ROWS):
@@ -577,9 +583,7 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
     """`_int4_step` in integers: x's chunk scaled by a power of two to 16-bit integers (once for all rows), each
     weight word's nibbles multiplied and added by `_nibbles_dot`, 8 bytes of a chunk at a time."""
     HALF: tl.constexpr = GROUP // 2
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
-    c_ok = (start < K // 2) | EVEN
-    x_first = tl.multiple_of((start // HALF) * GROUP + start % HALF, [CHUNK, CHUNK])
+    c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
     xs = ()
     for m in tl.static_range(ROWS):
         x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
@@ -632,17 +636,16 @@ def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_q
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
     c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
     g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
-    words = q_ptr.to(tl.pointer_type(tl.int32))
     ws = ()
     for r in tl.static_range(BLOCK_N):
         row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
         ok = c_ok & (row_ok | EVEN)
         at = row * (K // GROUP) + g
         if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
-            first = tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
+            words = q_ptr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
             chunk = ()
             for h in tl.static_range(CHUNK // 8):
-                chunk = chunk + (tl.load(words + first[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
+                chunk = chunk + (tl.load(words[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
                                          mask=ok[:, :, None], other=0),)
         else:
             chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
