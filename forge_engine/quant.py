@@ -456,9 +456,11 @@ INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue aske
 # compiles to 128, 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster; in
 # integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same)
 INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80}
-# steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK) at one row of x (others:
-# INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three (below)
-INT4_TILE_EARLY_STEPS = {(4, 2, 8): 3, (4, 4, 16): 2}
+# steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x
+# (others: INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three; in
+# integers the gate-up's 8 x 1 x 8 two of its five (96 registers, no spills; in FP32 they spill under its cap) (below)
+INT4_TILE_EARLY_STEPS = {(4, 2, 8, False): 3, (4, 2, 8, True): 3, (4, 4, 16, False): 2, (4, 4, 16, True): 2,
+                         (8, 1, 8, True): 2}
 # the GEMV's arithmetic in integers (x as 16-bit integers, nibbles as bytes, dp2a: `_int4_step_integers`) where the
 # packed rows are whole 32-bit words; else in FP32 (`_int4_step_floats`): measured faster (below)
 INT4_INT_DOT = True
@@ -466,8 +468,8 @@ INT4_INT_DOT = True
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 labs' winners)."
-    if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps
-        block_n, warps, chunk = 4, 4, 16
+    if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps; o's 4,096 inputs over two
+        block_n, warps, chunk = 4, 4 if k > 4096 else 2, 16
     else:
         block_n, warps, chunk = (4, 2, 8) if n < 16384 else (8, 1, 8)
     while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
@@ -523,7 +525,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
     `early_weights`: as a dependent launch, the steps of weights asked for before the wait (True: the first; default:
-    `INT4_TILE_EARLY_STEPS`'s for the tile at one row, else INT4_EARLY_WEIGHTS)
+    `INT4_TILE_EARLY_STEPS`'s for the tile and arithmetic at one row, else INT4_EARLY_WEIGHTS)
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
@@ -542,8 +544,6 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
         block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
     num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
-    if early_weights is None and m == 1:
-        early_weights = INT4_TILE_EARLY_STEPS.get((block_n, num_warps, chunk))
     if chunk not in (8, 16) or (group // 2) % chunk:
         raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
@@ -557,8 +557,11 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         raise ValueError(f"int4_gemv's int_dot reads the packed rows as 32-bit words: they must start at multiples of "
                          f"4 bytes, got address {packed.data_ptr()} and row stride {packed.stride(0)}")
     int_dot = (INT4_INT_DOT and whole_words) if int_dot is None else int_dot
+    tile = (block_n, num_warps, chunk, bool(int_dot))
     if maxnreg is None and m == 1 and not INTERPRETED:
-        maxnreg = INT4_TILE_MAXNREG.get((block_n, num_warps, chunk, bool(int_dot)))
+        maxnreg = INT4_TILE_MAXNREG.get(tile)
+    if early_weights is None and m == 1:
+        early_weights = INT4_TILE_EARLY_STEPS.get(tile)
     step_bytes = 32 * chunk * num_warps  # of a row, per loop step
     even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,

@@ -67,6 +67,7 @@ from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
 from decode_step_timeline import decode_graph, replay_ms
 from gemv_chain_sweep import LAYERS, SHAPES, product, weights
+from int4_head import int4_head
 
 if not ON_GPU:
     sys.exit("needs a GPU: the prefetch is sm_90 PTX, issued only by a dependent launch")
@@ -74,7 +75,7 @@ if not ON_GPU:
 
 def validate(formats) -> bool:
     ok = True
-    for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096))):
+    for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096), (512, 2560), (256, 9728))):
         w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
         plain = product(fmt, x, w, prefetch=False)
         more = (dict(early_weights=2), dict(early_weights=3)) if fmt == "int4" else ()  # (int4: steps before the wait)
@@ -241,6 +242,20 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "int4 gate-up integers uncapped": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(maxnreg=0)}),
     "int4 gate-up integers early 2": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
     "int4 o floats": dict(INT4_LAUNCH={INT4_SHAPES["o"]: dict(int_dot=False)}),
+    # session 26: the integer tiles and early steps in the step (call 1: o's 4 x 2 x 16 and the gate-up's two early
+    # steps each faster alone), together (call 2: 1.225 ms against 1.252 / 1.247; taken into chapter 10); the LM head
+    # in int4 (lab-only: the int8 head re-quantized, its embedding tied to it): 1.234 ms, 18 µs for more error, not
+    # taken. (Call 2 also ran each loop step's weights asked for a step ahead, registers double-buffered, a kernel
+    # option since removed: the gate-up 1.254 / 1.267 uncapped / 1.239 with two early steps, down 1.349: not taken;
+    # results/h200_session26/ahead_not_taken.diff)
+    "int4 o 4x2x16, gate-up early 2": dict(INT4_CONFIGS={INT4_SHAPES["o"]: (4, 2, 16)},
+                                           INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
+    "int4 o 4x2x16 early 2, gate-up early 2": dict(INT4_CONFIGS={INT4_SHAPES["o"]: (4, 2, 16)},
+                                                   INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2),
+                                                                INT4_SHAPES["o"]: dict(early_weights=2)}),
+    "int4 head": dict(INT4_HEAD=True),
+    "int4 head, o 4x2x16, gate-up early 2": dict(INT4_HEAD=True, INT4_CONFIGS={INT4_SHAPES["o"]: (4, 2, 16)},
+                                                 INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
     "defaults again": {}}
 
 
@@ -271,12 +286,16 @@ def engine_runs(formats):
     print("\n== random:qwen3-4b: batch-1 decode graph replay, W1-like decode tok/s (one engine a setting, max_num_seqs 8)")
     for fmt in formats:
         loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
+        int8_head = (loaded.model.lm_head, loaded.model.embed)
         for name, setting in selected(SWITCHES).items():  # $LAB_VARIANTS: some of them, by name
+            setting = dict(setting)
+            if setting.pop("INT4_HEAD", False): int4_head(loaded.model)
             switch(**setting)
             engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))
             step = decode_step_ms(engine)
             print(f"  {fmt:5s} {name:31s}: step graph {step:.3f} ms, W1 {w1_decode_tok_s(engine):.1f} tok/s", flush=True)
             del engine
+            loaded.model.lm_head, loaded.model.embed = int8_head
             free_memory()
         switch()
         del loaded

@@ -19,7 +19,7 @@ case "${1:-}" in
   perf)
     for round in 1 2; do
       for q in none int8 int4; do
-        FORGE_COMMIT=${FORGE_COMMIT:-checks} timeout 80 python3 -m forge_engine bench w1 --model random:qwen3-4b \
+        FORGE_COMMIT=${FORGE_COMMIT:-checks} timeout 200 python3 -m forge_engine bench w1 --model random:qwen3-4b \
           --quantization "$q" --json "$out/w1_${q}_$round.json" > "$out/w1_${q}_$round.log" 2>&1
         python3 -c "import json, sys; print(sys.argv[1], json.load(open(sys.argv[2]))['decode_tok_s'])" "$q" \
           "$out/w1_${q}_$round.json" 2>/dev/null || tail -3 "$out/w1_${q}_$round.log"
@@ -48,7 +48,7 @@ print(min(ms, key=ms.get))")
     # (run from $dir: `python3 -m` puts the working directory before PYTHONPATH; session 23's first `ab` call lost
     # its W1 and tests to that, running the repository's package both times)
     for q in int4 none int4; do
-      (cd "$dir" && PYTHONPATH=$dir FORGE_COMMIT=$best timeout 80 python3 -m forge_engine bench w1 \
+      (cd "$dir" && PYTHONPATH=$dir FORGE_COMMIT=$best timeout 200 python3 -m forge_engine bench w1 \
         --model random:qwen3-4b --quantization $q --json "$out/w1_$q.json" > "$out/w1_$q.log" 2>&1)
       python3 -c "import json, sys; print(sys.argv[1], json.load(open(sys.argv[2]))['decode_tok_s'])" $q \
         "$out/w1_$q.json" 2>/dev/null || tail -3 "$out/w1_$q.log"

@@ -71,7 +71,7 @@ sys.path.insert(0, "kernels_lab")
 from gemv_sass import int4_loop
 from forge_engine.quant import quant_gemv_config
 loads = {}
-for n, k in ((6144, 2560), (19456, 2560), (2560, 4096)):  # Qwen3-4B's qkv, gate-up, o / down
+for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)):  # Qwen3-4B's qkv, gate-up, o, down
     block_n, warps, chunk = quant_gemv_config(n, k)
     for int_dot in (True, False):
         body, _, _ = int4_loop(block_n=block_n, num_warps=warps, chunk=chunk, byte_asm=True, early=True, int_dot=int_dot)
@@ -108,11 +108,10 @@ from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_g
 STEP_FOLDS = {(4, 2, 8): dict(NORM_SUMS=True), (4, 4, 16): dict(RESIDUAL=True, HAND_OFF=True),
               (8, 1, 8): dict(SWIGLU=True, NORM_SUMS=True)}
 found = {}
-for tile in {key[:3] for key in INT4_TILE_MAXNREG} | set(INT4_TILE_EARLY_STEPS):
+for tile in {key[:3] for key in [*INT4_TILE_MAXNREG, *INT4_TILE_EARLY_STEPS]}:
     block_n, warps, chunk = tile
-    early = INT4_TILE_EARLY_STEPS.get(tile, 1)
     for int_dot, folds in itertools.product((True, False), ({}, {"SWIGLU": True}, STEP_FOLDS.get(tile, {}))):
-        cap = INT4_TILE_MAXNREG.get((*tile, int_dot))
+        cap, early = INT4_TILE_MAXNREG.get((*tile, int_dot)), INT4_TILE_EARLY_STEPS.get((*tile, int_dot), 1)
         flags = dict(dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True,
                           PDL=True, PREFETCH=0, LOOP_STAGES=1, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
                           NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True, INT_DOT=int_dot), **folds)
