@@ -769,7 +769,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # kernel before (wrong values, same work: `kernels_lab/int4_step_bounds.py`) the step takes 1.276 ms,
 # with their nibbles also left unpacked 1.060; either alone saves about a tenth of the step.
 #
-# The tiles were chosen in FP32; in integers (the next section) they were measured again in the
+# The tiles were chosen in FP32; in integers (the section above) they were measured again in the
 # step (session 26, `bash kernels_lab/w1_checks.sh int4-tiles`). Offline, more rows a program pay
 # off more in integers (x's conversion is shared by all of them: qkv's 8 × 2 × 8 2.75 instructions
 # a weight against 4 × 2 × 8's 3.42), yet in the step every larger tile was slower (qkv 8 × 2 × 8
