@@ -16,8 +16,7 @@ Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_gemv_bound.py"""
 import torch
 
 from common import DEVICE, ON_GPU, graphed_ms
-import forge_engine.quant as quant
-from gemv_chain_sweep import LAYERS, SHAPES, weights
+from gemv_chain_sweep import LAYERS, SHAPES, product, weights
 
 
 def matrix_bytes(w) -> int:
@@ -27,7 +26,7 @@ def matrix_bytes(w) -> int:
 
 def chain_us(x, layers, int_dot: bool) -> float:
     "µs a matrix of a CUDA-graph replay of the chain: one int4 GEMV for each matrix of `layers`, in turn."
-    return graphed_ms(lambda: [quant.int4_gemv(x, *w, int_dot=int_dot) for w in layers]) * 1e3 / len(layers)
+    return graphed_ms(lambda: [product("int4", x, w, int_dot=int_dot) for w in layers]) * 1e3 / len(layers)
 
 
 def main():
