@@ -20,14 +20,14 @@ from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_sc
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'ROUND_TO_INTEGER', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE',
-           'INT4_TILE_MAXNREG', 'INT4_TILE_EARLY_STEPS', 'INT4_INT_DOT', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS',
-           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS',
-           'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'quantize_rows', 'quant_gemv_config', 'int4_gemv', 'int8_matmul', 'int4_matmul', 'int8_matmul_reference',
-           'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack',
-           'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'ROUND_TO_INTEGER', 'NIBBLES_DOT_ASM', 'NIBBLES_IN_PLACE_DOT_ASM', 'GEMV_MIN_PROGRAMS',
+           'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'INT4_TILE_MAXNREG', 'INT4_TILE_EARLY_STEPS', 'INT4_INT_DOT',
+           'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS',
+           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size',
+           'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'pair_scales', 'int4_gemv',
+           'int8_matmul', 'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config',
+           'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear',
+           'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +174,10 @@ def _int8_matmul_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, k_per_split,
 @triton.jit
 def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr):
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     offs_j = tl.arange(0, GROUP // 2)
+    STRIDE: tl.constexpr = 2 if PAIRED else 1  # PAIRED: scales and minimums side by side (`pair_scales`)
     m_mask, n_mask = offs_m < M, offs_n < N
     groups = K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -189,8 +190,8 @@ def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_pe
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         xq = _accumulate(_accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION), x_hi, b >> 4, USE_DOT, UPCAST, PRECISION)
         x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-        scale = tl.load(scale_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(min_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(min_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(tl.float32)
         acc += xq * scale[None, :] + x_sum[:, None] * minimum[None, :]
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
@@ -261,37 +262,68 @@ ROUND_TO_INTEGER = tl.constexpr(1.5 * 2**23)  # v + this (|v| < 2^22) holds v ro
 
 
 @triton.jit
-def _int16_pairs(x, scale, BYTE_ASM: tl.constexpr):
-    """x [SLABS, 32, 8] (fp32) times scale [SLABS, 32], rounded to integers, as 16-bit pairs in 32-bit words:
+def _x_as_floats(x_ptr, first, ok):
+    """x's 8 inputs from `first` [SLABS, 32, 1] (a multiple of 8) as FP32 halves (inputs 0, 2, 4, 6; inputs 1, 3, 5,
+    7), each [SLABS, 32, 4]. BF16 x comes as 32-bit words whose halves a shift and a mask make floats (Triton's own
+    conversion spent a PRMT and a shift on each high half)."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        at = tl.multiple_of(first // 2, [4, 4, 4]) + tl.arange(0, 4)[None, None, :]
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + at, mask=ok, other=0)
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+    x = tl.load(x_ptr + first + tl.arange(0, 8)[None, None, :], mask=ok, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (x.shape[0], 32, 4, 2)))
+
+
+@triton.jit
+def _int16_pairs(even, odd, scale, BYTE_ASM: tl.constexpr):
+    """x's halves (`_x_as_floats`) times scale [SLABS, 32], rounded to integers, as 16-bit pairs in 32-bit words:
     (inputs 4i and 4i + 1, inputs 4i + 2 and 4i + 3), each [SLABS, 32, 2]."""
-    bits = (x * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)  # the integer in the low 16 bits
-    even, odd = tl.split(tl.reshape(bits, (bits.shape[0], 32, 4, 2)))
+    even = (even * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)  # the integer in the low 16 bits
+    odd = (odd * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)
     if BYTE_ASM:  # one PRMT: the low halves of both
         pairs = tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, $2, 0x5410;", constraints="=r,r,r", args=[even, odd],
                                           dtype=tl.int32, is_pure=True, pack=1)
     else:
         pairs = (even & 0xFFFF) | (odd << 16)
-    return tl.split(tl.reshape(pairs, (bits.shape[0], 32, 2, 2)))
+    return tl.split(tl.reshape(pairs, (pairs.shape[0], 32, 2, 2)))
 
 
 @triton.jit
-def _nibbles_dot(w, lo01, lo23, hi01, hi23, BYTE_ASM: tl.constexpr):
+def _pairs_sum(pair, SIXTEEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+    "A word's two int16 added (SIXTEEN: each times 16), by one dp2a with the bytes (1, 1) or (16, 16)."
+    if BYTE_ASM:
+        if SIXTEEN:
+            return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, 4112, 0;", constraints="=r,r", args=[pair],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, 257, 0;", constraints="=r,r", args=[pair],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return _pair_dot(pair, 4112 if SIXTEEN else 257)
+
+
+# a word's nibbles as two words of bytes (the high ones shifted down, or IN_PLACE as bytes of 16 q), then four dp2a
+# (two bytes times two int16, added): `_nibbles_dot`'s PTX
+_NIBBLE_BYTES = {False: "and.b32 lo, $1, 0x0F0F0F0F; shr.u32 t, $1, 4; and.b32 hi, t, 0x0F0F0F0F;",
+                 True: "and.b32 lo, $1, 0x0F0F0F0F; and.b32 hi, $1, 0xF0F0F0F0;"}
+_FOUR_DP2A = ("dp2a.lo.s32.u32 t, $2, lo, 0; dp2a.hi.s32.u32 t, $3, lo, t; dp2a.lo.s32.u32 t, $4, hi, t; "
+              "dp2a.hi.s32.u32 $0, $5, hi, t;")
+NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
+NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
+
+
+@triton.jit
+def _nibbles_dot(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl.constexpr):
     """Σ over a 32-bit word's 8 nibbles (byte j: input j low, input j + HALF high) times x's 16-bit integers
-    (`_int16_pairs` of the low inputs, of the high ones): an int32."""
-    if BYTE_ASM:  # the nibbles as bytes in three instructions, then four dp2a (two bytes times two int16, added)
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, t;
-            and.b32 lo, $1, 0x0F0F0F0F;
-            shr.u32 t, $1, 4;
-            and.b32 hi, t, 0x0F0F0F0F;
-            dp2a.lo.s32.u32 t, $2, lo, 0;
-            dp2a.hi.s32.u32 t, $3, lo, t;
-            dp2a.lo.s32.u32 t, $4, hi, t;
-            dp2a.hi.s32.u32 $0, $5, hi, t;
-            }""", constraints="=r,r,r,r,r,r", args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True,
-            pack=1)
+    (`_int16_pairs` of the low inputs, of the high ones): an int32. IN_PLACE: the high nibbles taken where they sit,
+    as bytes of 16 q (their inputs scaled by a further 1/16): two instructions for the bytes instead of three."""
+    if BYTE_ASM:
+        if IN_PLACE:
+            return tl.inline_asm_elementwise(asm=NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
+                                             args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(asm=NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
+                                         args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
     lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+    if IN_PLACE:
+        hi = hi << 4
     return (_pair_dot(lo01, lo & 0xFFFF) + _pair_dot(lo23, (lo >> 16) & 0xFFFF)
             + _pair_dot(hi01, hi & 0xFFFF) + _pair_dot(hi23, (hi >> 16) & 0xFFFF))
 
@@ -299,37 +331,56 @@ def _nibbles_dot(w, lo01, lo23, hi01, hi23, BYTE_ASM: tl.constexpr):
 @triton.jit
 def _pair_dot(pair, two_bytes):
     "dp2a without the instruction: a word's two int16 times the two low bytes of `two_bytes`, added."
-    return ((pair << 16) >> 16) * (two_bytes & 0xFF) + (pair >> 16) * (two_bytes >> 8)
+    return ((pair << 16) >> 16) * (two_bytes & 0xFF) + (pair >> 16) * ((two_bytes >> 8) & 0xFF)
+
+
+@triton.jit
+def _x_integers(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                EVEN: tl.constexpr, IN_PLACE: tl.constexpr, BYTE_ASM: tl.constexpr):
+    """For each row m of x, this thread's chunk of a step as `_int4_step_integers` takes it: (its 16-bit pairs per 8
+    bytes of weights (low inputs 01, 23, high inputs 01, 23), 2^e / 2^SHIFT, Σx): scaled by a power of two (IN_PLACE:
+    the high inputs by a further 1/16), summed from the same integers."""
+    HALF: tl.constexpr = GROUP // 2
+    # x * 2^(SHIFT - e) is under 2^(SHIFT + 1): a row's sum of the chunk's 2 x CHUNK products by q <= 15 stays under 2^22
+    SHIFT: tl.constexpr = 13 if CHUNK == 8 else 12
+    c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
+    xs = ()
+    for m in tl.static_range(ROWS):
+        x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
+        loaded = ()  # the halves (`_x_as_floats`) of the low inputs and of the high ones, for each 8 bytes of the chunk
+        big = tl.zeros_like(c_ok.to(tl.float32))  # max |x| over the chunk
+        for h in tl.static_range(CHUNK // 8):
+            first = m * K + x_first[:, :, None] + 8 * h
+            lo = _x_as_floats(x_ptr, first, x_ok)
+            hi = _x_as_floats(x_ptr, first + HALF, x_ok)
+            for half in tl.static_range(2):
+                big = tl.maximum(big, tl.maximum(tl.max(tl.abs(lo[half]), axis=2), tl.max(tl.abs(hi[half]), axis=2)))
+            loaded = loaded + ((lo, hi),)
+        # 2^e <= max |x| with e >= -100 (a chunk of zeros, or below 2^-100: zeros); x * 2^(SHIFT - e) < 2^(SHIFT + 1)
+        power = tl.maximum(big.to(tl.int32, bitcast=True) & 0x7F800000, 27 << 23)
+        scale = (((127 + SHIFT) << 23) - (power - (127 << 23))).to(tl.float32, bitcast=True)
+        unscale = power.to(tl.float32, bitcast=True) * (1.0 / (1 << SHIFT))
+        pairs = ()
+        sums = tl.zeros_like(lane)  # Σ x of the chunk as the dot takes it: its integers (IN_PLACE: the high ones' x 16)
+        for h in tl.static_range(CHUNK // 8):
+            lo, hi = loaded[h]
+            lo01, lo23 = _int16_pairs(lo[0], lo[1], scale, BYTE_ASM)
+            hi01, hi23 = _int16_pairs(hi[0], hi[1], scale * 0.0625 if IN_PLACE else scale, BYTE_ASM)
+            sums += tl.sum(_pairs_sum(lo01, False, BYTE_ASM) + _pairs_sum(lo23, False, BYTE_ASM)
+                           + _pairs_sum(hi01, IN_PLACE, BYTE_ASM) + _pairs_sum(hi23, IN_PLACE, BYTE_ASM), axis=2)
+            pairs = pairs + ((lo01, lo23, hi01, hi23),)
+        x_sum = ((sums + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER) * unscale
+        xs = xs + ((pairs, unscale, x_sum),)
+    return xs
 
 
 @triton.jit
 def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
-    """`_int4_step` in integers: x's chunk scaled by a power of two to 16-bit integers (once for all rows), each
-    weight word's nibbles multiplied and added by `_nibbles_dot`, 8 bytes of a chunk at a time."""
-    HALF: tl.constexpr = GROUP // 2
-    c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
-    xs = ()
-    for m in tl.static_range(ROWS):
-        x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
-        loaded = ()  # (low inputs, high inputs) of each 8 bytes of the chunk
-        big = tl.zeros_like(c_ok.to(tl.float32))  # max |x| over the chunk
-        x_sum = tl.zeros_like(big)
-        for h in tl.static_range(CHUNK // 8):
-            x_at = x_ptr + m * K + x_first[:, :, None] + 8 * h + tl.arange(0, 8)[None, None, :]
-            x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_at + HALF, mask=x_ok, other=0.0).to(tl.float32)
-            big = tl.maximum(big, tl.maximum(tl.max(tl.abs(x_lo), axis=2), tl.max(tl.abs(x_hi), axis=2)))
-            x_sum += tl.sum(x_lo, axis=2) + tl.sum(x_hi, axis=2)
-            loaded = loaded + ((x_lo, x_hi),)
-        # 2^e <= max |x| with e >= -100 (a chunk of zeros, or below 2^-100: zeros); x * 2^(13 - e) is under 2^14
-        power = tl.maximum(big.to(tl.int32, bitcast=True) & 0x7F800000, 27 << 23)
-        scale = ((140 << 23) - (power - (127 << 23))).to(tl.float32, bitcast=True)
-        pairs = ()
-        for h in tl.static_range(CHUNK // 8):
-            x_lo, x_hi = loaded[h]
-            pairs = pairs + (_int16_pairs(x_lo, scale, BYTE_ASM) + _int16_pairs(x_hi, scale, BYTE_ASM),)
-        xs = xs + ((pairs, power.to(tl.float32, bitcast=True) * (1.0 / 8192.0), x_sum),)
+    """`_int4_step` in integers: x's chunk as 16-bit integers once for all rows (`_x_integers`), each weight word's
+    nibbles multiplied and added by `_nibbles_dot`, 8 bytes of a chunk at a time."""
+    IN_PLACE: tl.constexpr = CHUNK == 8  # (16-byte chunks would keep 9 bits of their high inputs: they shift instead)
+    xs = _x_integers(x_ptr, b0, lane, M, K, ROWS, GROUP, CHUNK, EVEN, IN_PLACE, BYTE_ASM)
     new = ()
     for r in tl.static_range(BLOCK_N):
         chunk, s, mn = ws[r]
@@ -339,7 +390,7 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
             dots = tl.zeros_like(lane)
             for h in tl.static_range(CHUNK // 8):
                 lo01, lo23, hi01, hi23 = pairs[h]
-                dots += tl.sum(_nibbles_dot(chunk[h], lo01, lo23, hi01, hi23, BYTE_ASM), axis=2)
+                dots += tl.sum(_nibbles_dot(chunk[h], lo01, lo23, hi01, hi23, IN_PLACE, BYTE_ASM), axis=2)
             # Σ (x scaled) q of the chunk, |.| < 2^22: a float by the rounding trick backwards
             xq = (dots + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER
             new = new + (accs[r * ROWS + m] + xq * (s * unscale) + x_sum * mn,)
@@ -349,9 +400,10 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
 @triton.jit
 def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
                   GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
-                  INT_DOT: tl.constexpr):
+                  INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
     """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
-    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`)."""
+    INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`). PAIRED: each scale
+    followed by its minimum (`pair_scales`), both in one 4-byte load."""
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
     c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
     g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
@@ -369,7 +421,13 @@ def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_q
         else:
             chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
                             mask=ok[:, :, None], other=0)
-        ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+        if PAIRED:
+            pair = tl.load(scale_ptr + tl.multiple_of(2 * at, [2, 2])[:, :, None] + tl.arange(0, 2)[None, None, :],
+                           mask=ok[:, :, None], other=0.0)
+            s, mn = tl.split(pair)
+            ws = ws + ((chunk, s, mn),)
+        else:
+            ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
     return ws
 
 
@@ -391,7 +449,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
                       PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
                       RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr,
-                      EARLY_EPI: tl.constexpr, INT_DOT: tl.constexpr):
+                      EARLY_EPI: tl.constexpr, INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
     _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W, SWIGLU)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
@@ -403,7 +461,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
         early = ()
         for e in tl.static_range(EARLY_W):
             early = early + (_int4_weights(q_ptr, scale_ptr, min_ptr, e * STEP, lane, first_col, N, K, stride_qn,
-                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU, INT_DOT),)
+                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU, INT_DOT, PAIRED),)
         _wait_for_previous(PDL)
         for e in tl.static_range(EARLY_W):
             accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM,
@@ -417,7 +475,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                                                      RESIDUAL, HAND_OFF)
     for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
-                           SWIGLU, INT_DOT)
+                           SWIGLU, INT_DOT, PAIRED)
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM, INT_DOT)
     if not EARLY_EPI:
         residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
@@ -506,6 +564,21 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
     return out if hand_off is None else (out, normed)
 
 
+def pair_scales(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """[N, groups, 2]: each group's scale followed by its minimum (`Int4Linear` keeps them so, and its `scale` and
+    `minimum` are the two views): the GEMV then reads a row's pair with one 4-byte load instead of two 2-byte ones."""
+    return torch.stack((scale, minimum), dim=-1)
+
+
+def _scales_as_kernels_read(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(scale, minimum, paired): the two views of one `pair_scales` tensor as they are (paired), else each contiguous
+    [N, groups], the layout the kernels index."""
+    n, groups = scale.shape
+    paired = (scale.dtype == minimum.dtype and scale.stride() == minimum.stride() == (2 * groups, 2)
+              and minimum.data_ptr() - scale.data_ptr() == scale.element_size())
+    return (scale, minimum, True) if paired else (scale.contiguous(), minimum.contiguous(), False)
+
+
 def _early_steps(pdl: bool, early_weights: int | None, row_bytes: int, step_bytes: int) -> int:
     "Steps of weights a program asks for before its wait: none unless launched as a dependent, at most a row's steps."
     steps = INT4_EARLY_WEIGHTS if early_weights is None else int(early_weights)
@@ -564,11 +637,12 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
         early_weights = INT4_TILE_EARLY_STEPS.get(tile)
     step_bytes = 32 * chunk * num_warps  # of a row, per loop step
     even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
+    scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
     return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
                         EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
                         EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
-                        INT_DOT=bool(int_dot))
+                        INT_DOT=bool(int_dot), PAIRED=paired)
 
 # %% ../nbs/10_quantization.ipynb #5235b87c
 SKINNY_MAX_ROWS = 16  # up to this many rows the fused kernel runs; above, dequantize + dense matmul
@@ -645,7 +719,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     if _skinny_kernel(kernel, x.shape[0]) == "gemv":
         return int4_gemv(x, packed, scale, minimum, **launch)
     group = x.shape[1] // scale.shape[1]
-    return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group, **launch)
+    scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
+    return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group,
+                          PAIRED=paired, **launch)
 
 
 def int8_matmul_reference(x, q, scale):
@@ -916,8 +992,13 @@ class Int4Linear(QuantLinear):
         super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
         packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
-        self.register_buffer("scale", scale)
-        self.register_buffer("minimum", minimum)
+        self.register_buffer("scale_minimum", pair_scales(scale, minimum))  # one 4-byte load a group in the GEMV
+
+    @property
+    def scale(self) -> torch.Tensor: return self.scale_minimum[..., 0]
+
+    @property
+    def minimum(self) -> torch.Tensor: return self.scale_minimum[..., 1]
 
     def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 

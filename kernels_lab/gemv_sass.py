@@ -34,7 +34,7 @@ INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_p
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32", "stride_rm": "i32", "eps": "fp32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUP", "CHUNK", "SLABS", "EVEN", "BYTE_ASM", "PDL",
                                                     "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "RESIDUAL",
-                                                    "NORM_SUMS", "HAND_OFF", "EARLY_EPI", "INT_DOT")}}
+                                                    "NORM_SUMS", "HAND_OFF", "EARLY_EPI", "INT_DOT", "PAIRED")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "g_ptr", "res_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
            "stride_qn", "stride_om")
@@ -102,7 +102,7 @@ def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: 
                                 dict(ROWS=1, BLOCK_N=block_n, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=True,
                                      BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages, SWIGLU=False,
                                      EARLY_W=early, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False,
-                                     EARLY_EPI=True, INT_DOT=INT4_INT_DOT if int_dot is None else int_dot),
+                                     EARLY_EPI=True, INT_DOT=INT4_INT_DOT if int_dot is None else int_dot, PAIRED=True),
                                 num_warps, maxnreg)
     return body, block_n * chunk * 2, registers
 

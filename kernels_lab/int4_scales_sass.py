@@ -9,6 +9,8 @@ Session 22 (Triton 3.7 here, sm_90): the gate-up's (8, 1, 8) 475 -> 451 instruct
 128 registers either way; (4, 2, 8) 68 -> 64 registers (28 -> 32 warps an SM); (4, 4, 16) 80 -> 72 (24 -> 28 warps).
 The 2-byte loads stay 2 a row (not merged into vectors).
 
+Both in the FP32 loop (`int_dot=False`) with chapter 10's row-major pairs of session 27 (`pair_scales`) as the
+row-major side: not re-run since.
 Run: PYTHONPATH=. python3 kernels_lab/int4_scales_sass.py row-major|group-major   (TRITON_ALWAYS_COMPILE is set)"""
 import os
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"
@@ -30,7 +32,9 @@ if LAYOUT not in ("row-major", "group-major"):
 
 @triton.jit
 def _int4_weights_group_major(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
-                              GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr):
+                              GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
+                              INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
+    "(the FP32 loop's weights: INT_DOT and PAIRED, chapter 10's since sessions 25 and 27, are not taken here)"
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     c_ok = (start < K // 2) | EVEN
     g = start // (GROUP // 2)
@@ -48,7 +52,7 @@ def _int4_weights_group_major(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N,
 for tile in ((8, 1, 8), (4, 2, 8), (4, 4, 16), (4, 1, 8)):
     for name, fn in [(n, f) for n, f in (("row-major", ROW_MAJOR), ("group-major", _int4_weights_group_major)) if n == LAYOUT]:
         quant._int4_weights = fn
-        body, per, regs = int4_loop(*tile, byte_asm=True, early=True)
+        body, per, regs = int4_loop(*tile, byte_asm=True, early=True, int_dot=False)
         ops = collections.Counter(t.split()[1 if t.startswith("@") else 0] for t in body)
         top = {k: v for k, v in ops.items() if k.startswith(("LDG", "IMAD", "IADD"))}
         print(tile, f"{name:12s} regs {regs:3d} warps/SM {resident_warps(regs, tile[1]):2d} instr {len(body):3d} "

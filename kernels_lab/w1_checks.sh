@@ -7,7 +7,7 @@
 #                                              # decode step (session 22 found the gate-up's best tile there, not in
 #                                              # a chain of plain GEMVs)
 #   bash kernels_lab/w1_checks.sh ab DIR [V]   # this tree's int4 step against the package in DIR (and variants V),
-#                                              # then W1 and the int4 GPU tests on the faster
+#                                              # then W1 (int4, BF16, int8, int4) and the int4 GPU tests on the faster
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ print(','.join([f'int4 {n} ' + 'x'.join(map(str, c)) for n in t for c in t[n]]
     (cd kernels_lab && LAB_NO_CHAIN=1 LAB_VARIANTS="defaults,$variants,defaults again" \
       timeout 540 python3 decode_overlap.py int4 > "$out/int4_tiles.txt" 2>&1); grep "step graph\|VALID" "$out/int4_tiles.txt" ;;
   ab)  # this tree's int4 step against the package in $2 (e.g. `git archive C forge_engine | tar -x -C .device_old`),
-       # old / new / old; then the bench's W1 (int4, BF16, int4) and the int4 GPU tests on the faster one
+       # old / new / old; then the bench's W1 (int4, BF16, int8, int4) and the int4 GPU tests on the faster one
     old=$(cd "$2" && pwd); new=$PWD
     for tree in old new old; do
       dir=$([ $tree = old ] && echo "$old" || echo "$new")
@@ -47,7 +47,7 @@ print(min(ms, key=ms.get))")
     dir=$([ $best = old ] && echo "$old" || echo "$new"); echo "faster: $best ($dir)"
     # (run from $dir: `python3 -m` puts the working directory before PYTHONPATH; session 23's first `ab` call lost
     # its W1 and tests to that, running the repository's package both times)
-    for q in int4 none int4; do
+    for q in int4 none int8 int4; do
       (cd "$dir" && PYTHONPATH=$dir FORGE_COMMIT=$best timeout 200 python3 -m forge_engine bench w1 \
         --model random:qwen3-4b --quantization $q --json "$out/w1_$q.json" > "$out/w1_$q.log" 2>&1)
       python3 -c "import json, sys; print(sys.argv[1], json.load(open(sys.argv[2]))['decode_tok_s'])" $q \

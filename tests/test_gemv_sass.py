@@ -84,14 +84,15 @@ print(json.dumps(loads))
 
 def test_the_int4_gemv_loads_x_in_vectors():
     """Chapter 10's int4 GEMV at its exported tiles, in integers and in FP32: per step a thread loads x's two chunks
-    (the low and the high nibbles' inputs) as 16-byte vectors; its only 2-byte loads are each row's group scale and
-    minimum. Session 22 found the one-warp tiles (the gate-up's) loading x two bytes at a time: 16 loads a step
-    instead of 2. A row's chunk of weights comes in one vector (FP32) or in 8-byte words (integers: a 16-byte tile of
+    (the low and the high nibbles' inputs) as 16-byte vectors; its only 4-byte loads are each row's group scale and
+    minimum, side by side (session 27: two 2-byte loads before). Session 22 found the one-warp tiles (the gate-up's)
+    loading x two bytes at a time: 16 loads a step instead of 2. A row's chunk of weights comes in one vector (FP32) or in 8-byte words (integers: a 16-byte tile of
     words would be laid out over two threads and moved through shared memory every step)."""
     found = compiled_offline(INT4_SCRIPT)
     assert {loop["int_dot"] for loop in found.values()} == {True, False}, found
     for tile, loop in found.items():
-        assert loop.get("LDG.E.U16", 0) == 2 * loop["block_n"], (tile, loop)  # a scale and a minimum a row
+        assert loop.get("LDG.E", 0) == loop["block_n"] and "LDG.E.U16" not in loop, (tile, loop)  # a scale and its
+        # minimum a row, side by side (`pair_scales`): one 4-byte load
         x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
         wide = loop["chunk"] == 16 and not loop["int_dot"]
         assert loop.get("LDG.E.128", 0) == x_vectors + (loop["block_n"] if wide else 0), (tile, loop)
@@ -114,7 +115,7 @@ for tile in {key[:3] for key in [*INT4_TILE_MAXNREG, *INT4_TILE_EARLY_STEPS]}:
         cap, early = INT4_TILE_MAXNREG.get((*tile, int_dot)), INT4_TILE_EARLY_STEPS.get((*tile, int_dot), 1)
         flags = dict(dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True,
                           PDL=True, PREFETCH=0, LOOP_STAGES=1, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
-                          NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True, INT_DOT=int_dot), **folds)
+                          NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True, INT_DOT=int_dot, PAIRED=True), **folds)
         code, registers = kernel_sass(_int4_gemv_kernel, INT4_SIGNATURE, flags, warps, maxnreg=cap)
         found[f"{block_n}x{warps}x{chunk} early={early} int_dot={int_dot} {sorted(folds)}"] = dict(
             cap=cap or 255, registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))

@@ -16,7 +16,7 @@ from forge_engine.generate import SamplingParams
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.memory_plan import load_peak_bytes, parse_bytes, weight_bytes
 from forge_engine.model import empty_model, init_random_weights
-from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_gemv, int4_matmul,
+from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_gemv, int4_matmul, pair_scales,
                                 int4_matmul_reference, int8_matmul, int8_matmul_reference, quantize_int4,
                                 quantize_int8, quantize_model, quantize_rows)
 
@@ -47,6 +47,8 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     if m <= 4:  # the GEMV's arithmetic in FP32 too (its default is in integers: chapter 10's INT4_INT_DOT)
         floats = int4_gemv(x, packed, scale, minimum, int_dot=False)
         assert rel_error(floats, want) < 1e-2 and rel_error(got, floats) < 1e-2
+    paired = pair_scales(scale, minimum)  # as Int4Linear keeps them: one 4-byte load a row and group, the same bits
+    assert torch.equal(int4_matmul(x, packed, paired[..., 0], paired[..., 1], impl="triton"), got)
 
 
 def test_int8_rows_on_the_gpu_are_the_dequantized_rows_bit_for_bit():
@@ -123,8 +125,8 @@ def test_quantizing_on_the_gpu_gives_the_cpu_bytes(mode):
     assert on_gpu.layers[0].mlp.gate_up.qweight.is_cuda and on_gpu.lm_head.qweight.is_cuda
     assert not on_gpu.norm.weight.is_cuda  # the rest stays put
     cpu_buffers, gpu_buffers = dict(on_cpu.named_buffers()), dict(on_gpu.named_buffers())
-    quantized = [n for n in cpu_buffers if n.endswith(("qweight", "scale", "minimum"))]
-    assert len(quantized) == (2 if mode == "int8" else 3) * 4 * config.num_layers + 2  # and the int8 head
+    quantized = [n for n in cpu_buffers if n.endswith(("qweight", "scale", "scale_minimum"))]
+    assert len(quantized) == 2 * 4 * config.num_layers + 2  # codes and scales (int4: scale-minimum pairs); the int8 head
     for name in quantized:
         assert_same_quantization(cpu_buffers[name], gpu_buffers[name].cpu(), name)
     w = staged.layers[0].mlp.gate_up.weight  # and in slices of 5 rows, CPU weight to GPU
