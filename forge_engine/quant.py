@@ -20,14 +20,14 @@ from .kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _norm_sc
 from .model import Transformer, load_weights
 
 # %% auto #0
-__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'ROUND_TO_INTEGER', 'NIBBLES_DOT_ASM', 'NIBBLES_IN_PLACE_DOT_ASM', 'GEMV_MIN_PROGRAMS',
-           'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE', 'INT4_TILE_MAXNREG', 'INT4_TILE_EARLY_STEPS', 'INT4_INT_DOT',
-           'SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS',
-           'QUANTIZED_LINEARS', 'QUANTIZERS', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size',
-           'quantize_int4', 'dequantize_int4', 'quantize_rows', 'quant_gemv_config', 'pair_scales', 'int4_gemv',
-           'int8_matmul', 'int4_matmul', 'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config',
-           'gguf_matmul_reference', 'gguf_matmul', 'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear',
-           'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'ROUND_TO_INTEGER', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE',
+           'INT4_TILE_MAXNREG', 'INT4_TILE_EARLY_STEPS', 'INT4_INT_DOT', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS',
+           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS',
+           'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
+           'quantize_rows', 'quant_gemv_config', 'pair_scales', 'int4_gemv', 'int8_matmul', 'int4_matmul',
+           'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
+           'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
+           'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../nbs/10_quantization.ipynb #be8a9d2b
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,8 +306,8 @@ _NIBBLE_BYTES = {False: "and.b32 lo, $1, 0x0F0F0F0F; shr.u32 t, $1, 4; and.b32 h
                  True: "and.b32 lo, $1, 0x0F0F0F0F; and.b32 hi, $1, 0xF0F0F0F0;"}
 _FOUR_DP2A = ("dp2a.lo.s32.u32 t, $2, lo, 0; dp2a.hi.s32.u32 t, $3, lo, t; dp2a.lo.s32.u32 t, $4, hi, t; "
               "dp2a.hi.s32.u32 $0, $5, hi, t;")
-NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
-NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
+_NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
+_NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
 
 
 @triton.jit
@@ -317,9 +317,9 @@ def _nibbles_dot(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl
     as bytes of 16 q (their inputs scaled by a further 1/16): two instructions for the bytes instead of three."""
     if BYTE_ASM:
         if IN_PLACE:
-            return tl.inline_asm_elementwise(asm=NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
+            return tl.inline_asm_elementwise(asm=_NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
                                              args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise(asm=NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(asm=_NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
                                          args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
     lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
     if IN_PLACE:

@@ -606,8 +606,8 @@ _NIBBLE_BYTES = {False: "and.b32 lo, $1, 0x0F0F0F0F; shr.u32 t, $1, 4; and.b32 h
                  True: "and.b32 lo, $1, 0x0F0F0F0F; and.b32 hi, $1, 0xF0F0F0F0;"}
 _FOUR_DP2A = ("dp2a.lo.s32.u32 t, $2, lo, 0; dp2a.hi.s32.u32 t, $3, lo, t; dp2a.lo.s32.u32 t, $4, hi, t; "
               "dp2a.hi.s32.u32 $0, $5, hi, t;")
-NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
-NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
+_NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
+_NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
 
 
 @triton.jit
@@ -617,9 +617,9 @@ def _nibbles_dot(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl
     as bytes of 16 q (their inputs scaled by a further 1/16): two instructions for the bytes instead of three."""
     if BYTE_ASM:
         if IN_PLACE:
-            return tl.inline_asm_elementwise(asm=NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
+            return tl.inline_asm_elementwise(asm=_NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
                                              args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise(asm=NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(asm=_NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
                                          args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
     lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
     if IN_PLACE:
