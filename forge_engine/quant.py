@@ -512,8 +512,9 @@ INT4_EARLY_WEIGHTS = 1  # steps of a program's weights asked for before it waits
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
 # register caps a thread for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x: in FP32 the gate-up's 8 x 1 x 8
 # compiles to 128, 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster; in
-# integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same)
-INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80}
+# integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same);
+# o's 4 x 2 x 16 in integers takes 66 uncapped, 87 under a cap of 96: fewer warps an SM, yet the step measured faster
+INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80, (4, 2, 16, True): 96}
 # steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x
 # (others: INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three; in
 # integers the gate-up's 8 x 1 x 8 two of its five (96 registers, no spills; in FP32 they spill under its cap) (below)

@@ -157,7 +157,8 @@ INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 
 # step needs fewer registers; offline, with the step's folds and early steps, no spills at any of these): qkv 72 (28
 # warps an SM against 24 at 80) and 64 (63 registers, 32), o 64 (32 against 28), gate-up 80 (80 registers, 25 warps:
 # under its cap of 96 ptxas takes 95, 21 warps; uncapped it takes 80 too), down 80 (24 against 20)
-INT4_CAPS = {"qkv": (64, 72), "o": (64, 80), "gate-up": (80, 88), "down": (80,)}
+# session 28 (results/h200_session28/): o at 80 faster, at 96 faster still (chapter 10's cap since); the rest slower
+INT4_CAPS = {"qkv": (64, 72), "o": (64, 80, 96), "gate-up": (80, 88), "down": (80,)}
 # session 24: more of a program's steps of weights asked for before its wait (`early_weights`; qkv and down have
 # three steps a row, o one; the gate-up's five spill under its cap of 96 from two on: also tried uncapped, maxnreg 0)
 INT4_EARLY = {"qkv": ((2, None), (3, None)), "down": ((2, None), (3, None)), "gate-up": ((2, 0), (3, 0), (1, 0))}
@@ -218,6 +219,10 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     # registers spills nothing, 21 warps an SM instead of 16)
     **{f"int4 {name} maxnreg {cap}": dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(maxnreg=cap)})
        for name, caps in INT4_CAPS.items() for cap in caps},
+    # session 28: the lower caps together (qkv at 72 or 64; o 64, gate-up 80, down 80)
+    **{f"int4 caps {qkv}/64/80/80": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=qkv), INT4_SHAPES["o"]:
+       dict(maxnreg=64), INT4_SHAPES["gate-up"]: dict(maxnreg=80), INT4_SHAPES["down"]: dict(maxnreg=80)})
+       for qkv in (72, 64)},
     # session 24: more steps of weights before the wait (maxnreg None: chapter 10's cap; 0: none)
     **{f"int4 {name} early {steps}" + (" uncapped" if cap == 0 else ""):
        dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(early_weights=steps, maxnreg=cap)})

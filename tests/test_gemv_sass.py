@@ -107,6 +107,7 @@ from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_g
 # what Qwen3-4B's batch-1 step asks of each tile besides the plain product: qkv the norm handed to it, o and down the
 # residual added and the next norm handed off, the gate-up SiLU-mul and the norm handed to it (chapter 03)
 STEP_FOLDS = {(4, 2, 8): dict(NORM_SUMS=True), (4, 4, 16): dict(RESIDUAL=True, HAND_OFF=True),
+              (4, 2, 16): dict(RESIDUAL=True, HAND_OFF=True),
               (8, 1, 8): dict(SWIGLU=True, NORM_SUMS=True)}
 found = {}
 for tile in {key[:3] for key in [*INT4_TILE_MAXNREG, *INT4_TILE_EARLY_STEPS]}:

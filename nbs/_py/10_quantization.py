@@ -834,6 +834,13 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # measured), and qkv's 4 × 2 × 8 takes 80: uncapped, ptxas chose 72 registers and spilled six
 # values around its early steps; at 80 it spills none and the step measured the same (1.254 ms
 # against 1.250 / 1.254; at 96, 1.311). The caps hold at one row of x only, where they were measured.
+# o's 4 × 2 × 16 in integers takes 66 registers uncapped (28 warps an SM). Under a cap of 80 ptxas
+# uses 79 (25 warps) for the same 952 instructions a thread, under 96 it uses 87 (23 warps) for 928,
+# and the step was faster for fewer warps: 1.174 ms at 80 against 1.183 / 1.181 uncapped (64: 1.180);
+# then 1.173 at 96 against 1.182 / 1.181 / 1.183 uncapped and 1.176 / 1.177 at 80 (session 28,
+# `kernels_lab/results/h200_session28/`); the bench's W1 then 839.4 / 838.9 tok/s against BF16's
+# 419.1 / 419.1 in the same call (2.00×). Lower caps elsewhere, which spill nothing since the integer
+# step, were all slower: qkv at 64 or 72 1.215, the gate-up at 80 1.212 (88: 1.181), down at 80 1.207.
 #
 # Fewer registers are not a win in themselves. With K a constant of the kernel (each row a fixed
 # offset from the first, no row stride) the gate-up compiled to 80 registers instead of 128 and o's
@@ -869,8 +876,9 @@ INT4_EARLY_WEIGHTS = 1  # steps of a program's weights asked for before it waits
 INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue asked for before the loop (chapter 09's GEMV)
 # register caps a thread for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x: in FP32 the gate-up's 8 x 1 x 8
 # compiles to 128, 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster; in
-# integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same)
-INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80}
+# integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same);
+# o's 4 x 2 x 16 in integers takes 66 uncapped, 87 under a cap of 96: fewer warps an SM, yet the step measured faster
+INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80, (4, 2, 16, True): 96}
 # steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x
 # (others: INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three; in
 # integers the gate-up's 8 x 1 x 8 two of its five (96 registers, no spills; in FP32 they spill under its cap) (below)
