@@ -291,13 +291,11 @@ def _int16_pairs(even, odd, scale, BYTE_ASM: tl.constexpr):
 @triton.jit
 def _pairs_sum(pair, SIXTEEN: tl.constexpr, BYTE_ASM: tl.constexpr):
     "A word's two int16 added (SIXTEEN: each times 16), by one dp2a with the bytes (1, 1) or (16, 16)."
+    ones = tl.full(pair.shape, 4112 if SIXTEEN else 257, tl.int32)  # (ptxas takes the constant as an immediate)
     if BYTE_ASM:
-        if SIXTEEN:
-            return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, 4112, 0;", constraints="=r,r", args=[pair],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, 257, 0;", constraints="=r,r", args=[pair],
+        return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, $2, 0;", constraints="=r,r,r", args=[pair, ones],
                                          dtype=tl.int32, is_pure=True, pack=1)
-    return _pair_dot(pair, 4112 if SIXTEEN else 257)
+    return _pair_dot(pair, ones)
 
 
 # a word's nibbles as two words of bytes (the high ones shifted down, or IN_PLACE as bytes of 16 q), then four dp2a
@@ -316,11 +314,9 @@ def _nibbles_dot(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl
     (`_int16_pairs` of the low inputs, of the high ones): an int32. IN_PLACE: the high nibbles taken where they sit,
     as bytes of 16 q (their inputs scaled by a further 1/16): two instructions for the bytes instead of three."""
     if BYTE_ASM:
-        if IN_PLACE:
-            return tl.inline_asm_elementwise(asm=_NIBBLES_IN_PLACE_DOT_ASM, constraints="=r,r,r,r,r,r",
-                                             args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise(asm=_NIBBLES_DOT_ASM, constraints="=r,r,r,r,r,r",
-                                         args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(asm=_NIBBLES_IN_PLACE_DOT_ASM if IN_PLACE else _NIBBLES_DOT_ASM,
+                                         constraints="=r,r,r,r,r,r", args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32,
+                                         is_pure=True, pack=1)
     lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
     if IN_PLACE:
         hi = hi << 4

@@ -86,8 +86,9 @@ def test_the_int4_gemv_loads_x_in_vectors():
     """Chapter 10's int4 GEMV at its exported tiles, in integers and in FP32: per step a thread loads x's two chunks
     (the low and the high nibbles' inputs) as 16-byte vectors; its only 4-byte loads are each row's group scale and
     minimum, side by side (session 27: two 2-byte loads before). Session 22 found the one-warp tiles (the gate-up's)
-    loading x two bytes at a time: 16 loads a step instead of 2. A row's chunk of weights comes in one vector (FP32) or in 8-byte words (integers: a 16-byte tile of
-    words would be laid out over two threads and moved through shared memory every step)."""
+    loading x two bytes at a time: 16 loads a step instead of 2. A row's chunk of weights comes in one vector (FP32)
+    or in 8-byte words (integers: a 16-byte tile of words would be laid out over two threads and moved through shared
+    memory every step)."""
     found = compiled_offline(INT4_SCRIPT)
     assert {loop["int_dot"] for loop in found.values()} == {True, False}, found
     for tile, loop in found.items():
