@@ -22,7 +22,7 @@ from .model import Transformer, load_weights
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'ROUND_TO_INTEGER', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_EARLY_EPILOGUE',
            'INT4_TILE_MAXNREG', 'INT4_TILE_EARLY_STEPS', 'INT4_INT_DOT', 'SKINNY_MAX_ROWS', 'SKINNY_KERNELS',
-           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS',
+           'KEPT_GGUF_TYPES', 'CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT',
            'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
            'quantize_rows', 'quant_gemv_config', 'pair_scales', 'int4_gemv', 'int8_matmul', 'int4_matmul',
            'int8_matmul_reference', 'int4_matmul_reference', 'gguf_gemv_config', 'gguf_matmul_reference', 'gguf_matmul',
@@ -1198,3 +1198,17 @@ def perplexity(model: Transformer, token_ids) -> float:
     if ids.numel() < 2: raise ValueError("perplexity needs at least 2 tokens")
     logits = model.compute_logits(model(ids[:-1], torch.arange(ids.numel() - 1, device=device)))
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
+
+# %% ../nbs/10_quantization.ipynb #8ed8ace1
+FIXED_TEXT = """The river begins as snow on the northern slopes, melts in late spring, and runs for three hundred
+kilometres before it reaches the sea. For most of that distance it is shallow and quick, and the towns along its
+banks were built where the water slows: at a bend, below a rapid, or where a smaller stream joins it. Each town kept
+a mill, and each mill kept a record of the water's height, so that today we know, almost year by year, when the
+floods came and how high they rose. The records show a pattern that the millers themselves noticed. A dry winter was
+followed by a calm spring, but a winter of heavy snow did not always bring a flood; what mattered was how fast the
+warm weather arrived. When the thaw was slow, the river carried the water away as it came. When a week of warm rain
+fell on deep snow, the river rose by two metres in a night, and the lower streets of every town were under water by
+morning. Engineers in the last century built three dams in the upper valley. They were meant to hold back the spring
+water and release it slowly through the summer, when the fields needed it most. The dams worked, but they changed the
+river in ways nobody had planned. Fish that had swum upstream to spawn for thousands of years could no longer pass,
+and the gravel that the floods used to carry down to the coast stayed behind the walls."""
