@@ -3,22 +3,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT
+stage() { echo "== $1 (at $((SECONDS / 60))m$((SECONDS % 60))s)"; }
 
-echo "== 1. the package is what the notebooks export"
+stage "1. the package is what the notebooks export"
 cp -r forge_engine "$scratch/lib_before"
 nbdev_export
 if ! diff -r -x __pycache__ -x _modidx.py "$scratch/lib_before" forge_engine; then
   echo "FAIL: forge_engine/ differs from the notebooks' export: edit nbs/_py, run make sync, commit all three"; exit 1
 fi
 
-echo "== 2. notebooks are clean"
+stage "2. notebooks are clean"
 cp -r nbs "$scratch/nbs_before"
 nbdev_clean
 if ! diff -r "$scratch/nbs_before" nbs; then
   echo "FAIL: nbdev_clean changed notebooks: run make sync and commit"; exit 1
 fi
 
-echo "== 3. every notebook has its jupytext twin, in sync"
+stage "3. every notebook has its jupytext twin, in sync"
 for nb in nbs/*.ipynb; do
   name=$(basename "$nb" .ipynb)
   twin="nbs/_py/$name.py"
@@ -33,8 +34,8 @@ done
 # Without a GPU, Triton kernels run in its interpreter; that must be decided before anything imports triton.
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || export TRITON_INTERPRET=1
 
-echo "== 4. every notebook runs (cells flagged gpu are skipped on CPU)"
+stage "4. every notebook runs (cells flagged gpu are skipped on CPU)"
 nbdev_test --do_print --timing
 
-echo "== 5. pytest"
-python -m pytest -q -p no:cacheprovider
+stage "5. pytest"
+python -m pytest -q -p no:cacheprovider --durations=15
