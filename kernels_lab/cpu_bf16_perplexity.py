@@ -2,7 +2,7 @@
 
 The kept layers multiply through PyTorch's CPU weight-only GEMMs, which take BF16 (their FP32 variants are scalar
 loops, ~40x slower): x, each block's scale and zero point, and the output are rounded to BF16's 8 significant bits,
-a relative error of at most u = 2^-9 each; the Q8_0 head rounds each 32-input block's partial sum. Which kernel runs,
+a relative error of at most u = 2^-8 each; the Q8_0 head rounds each 32-input block's partial sum. Which kernel runs,
 and so where exactly it rounds, depends on the CPU (AVX-512, AVX2 or the generic build).
 
 This lab measures the perplexity ratio kept / dequantized FP32 on chapter 10's text:
