@@ -1478,7 +1478,7 @@ for m, n, k, dtype, int8, layout in ((1, 48, 96, torch.bfloat16, True, "rows"), 
     torch_sums = torch.zeros(m)  # the PyTorch path: the same three results as the kernels
     h_t, hg_t = gemv(x, w1, None, scale1, impl="torch", residual=r, hand_off=(g, torch_sums))
     # h_t is PyTorch's GEMV + r, h the kernel's: in bf16 (truncated here) W·x and the sum h each an ulp apart, 2^-7 of
-    # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24s
+    # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24
     fp32 = dtype == torch.float32
     torch.testing.assert_close(torch_sums, sums, rtol=1e-5 if fp32 else 3e-2, atol=0)
     torch.testing.assert_close(hg_t, hg, rtol=1e-5 if fp32 else 0, atol=1e-5 if fp32 else 2e-2 * hg.float().abs().max().item())
@@ -2410,7 +2410,7 @@ with torch.no_grad():
             layout = build_step_layout(seqs, 4)
             hidden = model(torch.tensor(ids), layout.positions, backends[name](cache, layout))
             logits[name] = model.compute_logits(hidden)
-        # fp32: attention's sums in another order (~1e-7 relative) through 2 layers, logits of O(1): measured 2.4e-6
+        # fp32: attention's sums in another order (~1e-7 relative) through 2 layers, logits of O(4): measured 2.4e-6
         torch.testing.assert_close(logits["kernels"], logits["reference"], rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
