@@ -219,6 +219,8 @@ def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
         assert finals[str(i)].token_ids == reference.token_ids, QUESTIONS[i]
         paged_lp = torch.tensor([lp[t] for lp, t in zip(finals[str(i)].logprobs, reference.token_ids)])
         contiguous_lp = torch.tensor([lp[t] for lp, t in zip(reference.logprobs, reference.token_ids)])
+        # fp32: paged and contiguous attention sum in another order (~1e-7 relative), compounding over 30 layers:
+        # ~1e-5 on logprobs of O(1) (measured: 6e-6)
         torch.testing.assert_close(paged_lp, contiguous_lp, rtol=1e-4, atol=1e-4)
     assert "Paris" in finals["0"].text
     engine.allocator.check_idle()

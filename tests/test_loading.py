@@ -35,7 +35,7 @@ def test_sharded_checkpoint_loads_every_weight(tmp_path, name):
     loaded = load_model(str(tmp_path), device="cpu", dtype="float32", progress=False)
     assert loaded.tokenizer is None and loaded.stats.tensors == len(hf_state_dict(model))
     for (n, ours), (_, theirs) in zip(loaded.model.named_parameters(), model.named_parameters()):
-        torch.testing.assert_close(ours, theirs.to(torch.bfloat16).float(), msg=n)
+        torch.testing.assert_close(ours, theirs.to(torch.bfloat16).float(), rtol=0, atol=0, msg=n)  # bf16 -> fp32 is exact
 
 
 def test_a_missing_shard_is_named(tmp_path):
@@ -67,5 +67,6 @@ def test_peak_host_memory_stays_near_one_model(tmp_path):
     print(f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB, "
           f"after {(stats['after'] - stats['before']) / 2**20:.0f} MiB")
     assert stats["bytes"] == model_bytes
-    # the model, one staging buffer (the largest tensor) and a fixed allowance; a naive load holds 2x the model
+    # the model, one staging buffer (the largest tensor) and a fixed allowance for the process's own pages (measured:
+    # 873 MiB against the bound's 975); a naive load holds 2x the model
     assert growth < model_bytes + largest + 256 * 2**20 < 2 * model_bytes, (growth, model_bytes)

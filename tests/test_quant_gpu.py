@@ -26,6 +26,7 @@ SHAPES = [(2560, 6144), (2560, 19456), (9728, 2560), (4096, 2560)]  # (K, N): qk
 
 
 def rel_error(got, want) -> float:
+    "The error's norm over the result's: a rounding to bf16 of every element gives 2^-8 / sqrt(3) = 2.3e-3 (its RMS)."
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
@@ -38,15 +39,19 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
     q, s = quantize_int8(w)
     got, want = int8_matmul(x, q, s, impl="triton"), int8_matmul_reference(x, q, s)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    assert rel_error(got, want) < 1e-2
-    assert rel_error(got, x.float() @ w.T) < 2e-2  # and the int8 weights are close to the originals
+    assert rel_error(got, want) < 1e-2  # the reference rounds the scale and its output twice to bf16: ~2^-8 in all
+    # and the int8 weights are close to the originals: a code's rounding error has RMS step / sqrt(12), the step
+    # max|w| / 127 of a row, ~4.2 sigma / 127 for these rows: 9.5e-3 of the weights' RMS, and so of the products
+    assert rel_error(got, x.float() @ w.T) < 2e-2
     packed, scale, minimum = quantize_int4(w)
     got, want = int4_matmul(x, packed, scale, minimum, impl="triton"), int4_matmul_reference(x, packed, scale, minimum)
-    assert rel_error(got, want) < 1e-2
-    assert rel_error(got, x.float() @ w.T) < 0.2  # 4-bit Gaussian weights: ~10% per weight
+    assert rel_error(got, want) < 1e-2  # bf16 weights (2^-8 each) and output against the kernel's one rounding
+    # 4-bit Gaussian weights: a group of 128 spans ~5.2 sigma, so a step of 0.35 sigma and an error of step / sqrt(12):
+    # ~10% per weight
+    assert rel_error(got, x.float() @ w.T) < 0.2
     if m <= 4:  # the GEMV's arithmetic in FP32 too (its default is in integers: chapter 10's INT4_INT_DOT)
         floats = int4_gemv(x, packed, scale, minimum, int_dot=False)
-        assert rel_error(floats, want) < 1e-2 and rel_error(got, floats) < 1e-2
+        assert rel_error(floats, want) < 1e-2 and rel_error(got, floats) < 1e-2  # as above: a few bf16 roundings
     paired = pair_scales(scale, minimum)  # as Int4Linear keeps them: one 4-byte load a row and group, the same bits
     assert torch.equal(int4_matmul(x, packed, paired[..., 0], paired[..., 1], impl="triton"), got)
 
@@ -71,7 +76,7 @@ def test_gguf_q8_0_kernel_matches_hand_made_blocks(m):
     raw = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     want = x.float() @ (d.float() * q.float()).reshape(n, k).T
-    assert rel_error(gguf_matmul(x, raw, 8, impl="triton"), want) < 1e-2
+    assert rel_error(gguf_matmul(x, raw, 8, impl="triton"), want) < 1e-2  # exact weights, fp32 sums, one bf16 rounding
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
@@ -90,7 +95,7 @@ def test_gguf_kernels_match_the_dequantizers(qtype):
     w = DEQUANTIZERS[t](raw.reshape(-1, type_size)).reshape(n, k)
     for m in (1, 3, 9):  # the GEMV launch, then split-K
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        assert rel_error(gguf_matmul(x, raw, int(t), impl="triton"), x.float() @ w.T) < 1e-2, m
+        assert rel_error(gguf_matmul(x, raw, int(t), impl="triton"), x.float() @ w.T) < 1e-2, m  # as for Q8_0
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -139,9 +144,9 @@ def assert_same_quantization(cpu: torch.Tensor, gpu: torch.Tensor, name: str):
     """Scales within an ulp; codes equal but for rare off-by-one roundings (measured on an H200: a few int8 codes of
     the tiny model's qkv differ by 1 between the devices, a value a hair from a rounding boundary)."""
     assert cpu.shape == gpu.shape and cpu.dtype == gpu.dtype, name
-    if cpu.is_floating_point():
+    if cpu.is_floating_point():  # one fp32 ulp is 2^-24 to 2^-23 (1.2e-7) of the value: rtol 2e-7
         torch.testing.assert_close(gpu, cpu, rtol=2e-7, atol=0, msg=name)
-    elif cpu.dtype == torch.int8:
+    elif cpu.dtype == torch.int8:  # a code flips only where w / scale is an fp32 ulp or two (<= 2^-17) from a half: ~1e-5
         diff = (gpu.int() - cpu.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3, (name, int((diff > 0).sum()))
     else:  # packed nibbles: compare each nibble
@@ -171,7 +176,7 @@ def test_qwen3_4b_int4_staged_load_is_quick_and_its_peak_stays_low():
     config = loaded.config
     print(f"staged int4 load: {loaded.stats.seconds:.1f} s, GPU peak {peak / 2**30:.2f} GiB "
           f"(planned {load_peak_bytes(config, 'int4') / 2**30:.2f}, bf16 weights {weight_bytes(config) / 2**30:.2f})")
-    assert peak <= load_peak_bytes(config, "int4") + 64 * 2**20
+    assert peak <= load_peak_bytes(config, "int4") + 64 * 2**20  # the plan counts tensors; the allocator rounds blocks up
     assert peak < weight_bytes(config) / 2
     assert loaded.stats.seconds < 45  # it took over 75 s quantizing on the CPU
     del loaded

@@ -1182,4 +1182,4 @@ with pytest.raises(HubUnreachable, match=r"model hub .* is not reachable: Connec
 t0 = time.monotonic()
 with pytest.raises(HubUnreachable, match=r"not reachable: no answer within 0 s"):
     search_hub("qwen", api=FakeHubApi(hang_s=2), deadline_s=0.2)
-assert time.monotonic() - t0 < 1.5
+assert time.monotonic() - t0 < 1.5  # the 0.2 s deadline and slack for a busy machine, well before the 2 s hang ends

@@ -81,7 +81,8 @@ class RMSNorm(nn.Module):
 # %%
 norm = RMSNorm(8, 1e-6)
 y = norm(torch.randn(3, 8) * 5)
-assert torch.allclose(y.pow(2).mean(-1), torch.ones(3), atol=1e-4)
+# fp32: eps / mean square (< 1e-6 here) and some 20 roundings of 2^-24: under 2e-6
+assert torch.allclose(y.pow(2).mean(-1), torch.ones(3), rtol=1e-5, atol=0)
 a, b = torch.randn(3, 8), torch.randn(3, 8)
 normed, residual = norm.add_and_norm(a, b)
 assert torch.equal(residual, a + b) and torch.equal(normed, norm(a + b))
@@ -131,11 +132,11 @@ q, k = torch.randn(1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 16, dtype=t
 def rotated(x, pos):
     cos, sin = rope_cos_sin(torch.tensor([pos]), 16, 10000.0)
     return apply_rope(x, cos.double(), sin.double())
-assert torch.allclose(rotated(q, 7).norm(), q.norm())
+assert torch.allclose(rotated(q, 7).norm(), q.norm(), rtol=2e-7, atol=0)  # fp32 cos and sin within an ulp (2^-23) each
 # in bf16: the fp32 values rounded once (what `.to(torch.bfloat16)` after them gives)
 assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(rope_cos_sin(torch.arange(300), 128, 1e6),
                                                                  rope_cos_sin(torch.arange(300), 128, 1e6, torch.bfloat16)))
-# (to fp32 precision: the angles are computed in fp32)
+# (to fp32 precision: the angles are computed in fp32, those near 100 rad within half an ulp, 2^-18 = 4e-6)
 assert torch.allclose((rotated(q, 10) * rotated(k, 3)).sum(), (rotated(q, 107) * rotated(k, 100)).sum(), atol=1e-5)
 
 # %%
@@ -204,7 +205,8 @@ mask = torch.arange(7)[None, :] <= (torch.arange(3)[:, None] + 4)
 assert mask.sum().item() == 5 + 6 + 7
 v = torch.eye(7)[:, None, :4].repeat(1, 1, 1)  # value j is a one-hot of j (first 4 dims)
 out = causal_attention(q, k, torch.arange(7.0)[:, None, None].expand(7, 1, 4), q_offset=4)
-assert torch.allclose(out[:, 0, 0], torch.tensor([2.0, 2.5, 3.0]))  # mean of visible positions
+# mean of visible positions; fp32: weights 1/n rounded and <= 7 products summed, 8 roundings of 2^-24 at most
+assert torch.allclose(out[:, 0, 0], torch.tensor([2.0, 2.5, 3.0]), rtol=1e-6, atol=0)
 fig, ax = plt.subplots(figsize=(3, 1.6)); ax.imshow(mask, cmap="Greens")
 ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"); plt.show()
 
@@ -667,6 +669,7 @@ with torch.no_grad():
         hf, ours = hf_reference(cfg)
         hf_logits = hf(torch.tensor([prompt])).logits[0]
         our_logits = ours.compute_logits(ours(torch.tensor(prompt), torch.arange(len(prompt))))
+        # fp32: the same arithmetic as transformers' but for the order of the sums (~1e-7 relative): ~1e-6 on the logits
         torch.testing.assert_close(our_logits, hf_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}")
         hf_greedy = greedy_tokens(lambda x: hf(x[None]).logits[0, -1], prompt, 12)
         our_greedy = greedy_tokens(lambda x: ours.compute_logits(ours(x, torch.arange(len(x)))[-1:])[0], prompt, 12)

@@ -250,7 +250,7 @@ adjusted = adjust_logits(logits, batch)
 for i, row in enumerate(rows):
     expected = apply_penalties(logits[i], row.params, row.prompt_ids, row.output_ids)
     if len(row.output_ids) < row.params.min_tokens: expected[[2, *row.params.stop_token_ids]] = -math.inf
-    torch.testing.assert_close(adjusted[i], expected, rtol=0, atol=0)
+    torch.testing.assert_close(adjusted[i], expected, rtol=0, atol=0)  # the same float32 operations in the same order
 assert not torch.equal(adjusted[1:], logits[1:]) and torch.equal(adjusted[0], logits[0])
 
 
@@ -315,7 +315,7 @@ settings = [(2, 1.0, 0.0), (0, 0.5, 0.0), (-1, 0.55, 0.2), (3, 0.9, 0.15)]  # (t
 got = filter_probs_batch(p, torch.tensor([max(k, 0) for k, _, _ in settings]), torch.tensor([t for _, t, _ in settings]),
                          torch.tensor([m for _, _, m in settings]))
 for row, (k, tp, mp) in enumerate(settings):
-    torch.testing.assert_close(got[row], filter_probs(p[row], k, tp, mp))
+    torch.testing.assert_close(got[row], filter_probs(p[row], k, tp, mp))  # (default fp32: the renormalising sums)
 assert torch.equal(got[0] > 0, torch.tensor([True, True, False, False]))
 unfiltered = filter_probs_batch(p, torch.zeros(4, dtype=torch.long), torch.ones(4), torch.zeros(4))
 assert torch.equal(unfiltered, p / p.sum(-1, keepdim=True))  # all filters off: only the renormalisation

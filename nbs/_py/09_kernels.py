@@ -270,8 +270,11 @@ norm = RMSNorm(96, 1e-6)
 with torch.no_grad():
     norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=gen))
     out, new_res = add_rmsnorm(x, r, norm.weight, 1e-6, impl="triton")
-    torch.testing.assert_close(new_res, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(new_res, x + r, rtol=0, atol=0)  # the same one rounded add
+    # fp32: 96 squares summed in another order, each rounding 2^-24: ~1e-7 relative (measured 2e-7), so 1e-5
     torch.testing.assert_close(out, norm(x + r), rtol=1e-5, atol=1e-5)
+    # bf16: the interpreter truncates the new residual, the normalised row and the output where PyTorch rounds to
+    # nearest: up to three ulps apart, 3 x 2^-7 = 2.3e-2 relative (on a GPU the same bits almost everywhere)
     xb, rb, wb = x.bfloat16(), r.bfloat16(), norm.weight.bfloat16()
     torch.testing.assert_close(add_rmsnorm(xb, rb, wb, 1e-6, impl="triton")[0], norm.bfloat16()(xb + rb), rtol=5e-2, atol=1e-2)
     torch.testing.assert_close(rmsnorm(xb, wb, 1e-6, impl="triton"), add_rmsnorm_reference(xb, None, wb, 1e-6)[0],
@@ -361,9 +364,11 @@ qkv = torch.randn(6, 3 * 4 * 32, generator=gen)
 q = qkv[:, :4 * 32].view(6, 4, 32)  # a strided view, as the model has it
 angles = torch.arange(6.0)[:, None] * torch.rand(16, generator=gen)[None, :]
 w = 1 + 0.1 * torch.randn(32, generator=gen)
-for weight in (w, None):
+for weight in (w, None):  # fp32: 32 squares summed in another order, then the same products: a few 2^-24 of O(1)
     torch.testing.assert_close(norm_rope(q, weight, 1e-6, angles.cos(), angles.sin(), impl="triton"),
                                norm_rope_reference(q, weight, 1e-6, angles.cos(), angles.sin()), rtol=1e-5, atol=1e-5)
+# bf16: the reference rounds after the norm, the weight and the rotation, the kernel once at the end (truncating here):
+# up to four ulps, 2^-7 each, of |x1·c| + |x2·s|, which x1·c - x2·s may cancel: 5e-2, relative and absolute
 qb, wb = q.bfloat16(), w.bfloat16()
 torch.testing.assert_close(norm_rope(qb, wb, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16(), impl="triton"),
                            norm_rope_reference(qb, wb, 1e-6, angles.cos(), angles.sin()), rtol=5e-2, atol=5e-2)
@@ -375,6 +380,7 @@ torch.testing.assert_close(norm_rope(qb, wb, 1e-6, angles.cos().bfloat16(), angl
 qk = qkv[:, :6 * 32].view(6, 6, 32)
 wk = 1 + 0.1 * torch.randn(32, generator=gen)
 both = norm_rope(qk, w, 1e-6, angles.cos(), angles.sin(), impl="triton", k_weight=wk, num_q_heads=4)
+# (the default fp32 tolerance, rtol 1.3e-6 and atol 1e-5: as above, differences of a few 1e-7)
 torch.testing.assert_close(both[:, :4], norm_rope_reference(qk[:, :4], w, 1e-6, angles.cos(), angles.sin()))
 torch.testing.assert_close(both[:, 4:], norm_rope_reference(qk[:, 4:], wk, 1e-6, angles.cos(), angles.sin()))
 torch.testing.assert_close(norm_rope(qk, w, 1e-6, angles.cos(), angles.sin(), k_weight=wk, num_q_heads=4), both)
@@ -430,6 +436,8 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
 
 # %%
 h = torch.randn(3, 2 * 40, generator=gen)
+# fp32: the same formula, exp's last bit apart: the default tolerance. bf16: SiLU and the product each truncated here
+# (rounded by PyTorch): two ulps, 2 x 2^-7 = 1.6e-2
 torch.testing.assert_close(silu_mul(h, impl="triton"), silu_mul_reference(h))
 torch.testing.assert_close(silu_mul(h.bfloat16(), impl="triton"), silu_mul_reference(h.bfloat16()), rtol=2e-2, atol=2e-2)
 
@@ -1304,6 +1312,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 # bf16, and with int8 weights and their scales.
 
 # %%
+# fp32: K <= 1,024 products summed in another order, each add rounding 2^-24 of a partial sum of O(sqrt(K)): ~1e-5 on
+# outputs of O(30) (measured 1.9e-5), so 1e-4. bf16: the interpreter truncates the output, PyTorch rounds it: one ulp,
+# 2^-7 relative, on outputs of O(16): rtol 2e-2, atol 5e-2
 for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, False)):
     x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -1335,8 +1346,9 @@ for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100,
     for fused in (True, False):
         FUSED_SWIGLU = fused  # (the module's switch; here the notebook's copy of it)
         assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter, fused)
-    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(),
-                               rtol=4e-2, atol=4e-2)  # (bf16: three roundings apart)
+    # fp32: as the GEMV above; bf16: the GEMV's output, SiLU and the product each truncated here: three ulps, 2.3e-2
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(), **tol)
 FUSED_SWIGLU = True
 with pytest.raises(ValueError, match="even number of rows"):
     gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
@@ -1365,7 +1377,7 @@ for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, Fa
     if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)  # as for the tile GEMV
     torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol)
     assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
                        silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
@@ -1394,6 +1406,8 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
     launch = dict(impl="triton", layout=layout, block_k=64, num_warps=1, swiglu=swiglu)
     normed = gemv(x, w, bias, scale, norm=g, eps=1e-5, **launch).float()
     want = gemv(rmsnorm(x, g, 1e-5, impl="triton"), w, bias, scale, **launch).float()
+    # bf16: here x is normalised in fp32, there `rmsnorm` rounds it twice (2^-7 each, truncating): errors of random sign
+    # that add up over K as the outputs do, ~2^-7 of a typical output, plus the output's own rounding: 1e-2 of the largest
     bf16_tol = (3e-2 if swiglu else 1e-2) * want.abs().max().item()  # (SiLU-mul multiplies two gate / up errors)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=bf16_tol)
     torch.testing.assert_close(normed, want, **tol)  # (bf16: a few units of the largest output's last place)
@@ -1402,7 +1416,8 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
     if not swiglu:
         added = add_rmsnorm(gemv(x, w, bias, scale, **launch), res, torch.ones(n, dtype=dtype), 1e-6, impl="triton")[1]
         assert torch.equal(gemv(x, w, bias, scale, residual=res, **launch), added), layout  # (the add it replaces)
-        assert torch.equal(gemv(x, w, bias, scale, impl="torch", residual=res), res + gemv_reference(x, w, bias, scale))
+        added = add_rmsnorm(gemv(x, w, bias, scale, impl="torch"), res, torch.ones(n, dtype=dtype), 1e-6, impl="torch")[1]
+        assert torch.equal(gemv(x, w, bias, scale, impl="torch", residual=res), added)  # (and on the PyTorch path)
 with pytest.raises(ValueError, match=r"norm is an RMSNorm weight \[8\], got \(4,\)"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(4))
 with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swiglu\), got \(1, 2\)"):
@@ -1451,16 +1466,23 @@ for m, n, k, dtype, int8, layout in ((1, 48, 96, torch.bfloat16, True, "rows"), 
     tile = dict(impl="triton", block_k=32, num_warps=1, block_n=8)
     h, hg = gemv(x, w1, None, scale1, residual=r, hand_off=(g, sums), **tile)
     assert torch.equal(h, gemv(x, w1, None, scale1, residual=r, **tile))
-    torch.testing.assert_close(hg, h * g)  # (bit for bit on a GPU; the interpreter rounds to bf16 its own way)
-    torch.testing.assert_close(sums, h.float().square().sum(-1))
+    # (bit for bit on a GPU; the interpreter truncates to bf16: one ulp, 2^-7, within the default bf16 rtol 1.6e-2)
+    torch.testing.assert_close(hg, h * g)
+    torch.testing.assert_close(sums, h.float().square().sum(-1))  # (default fp32 tolerance: 40-48 squares, another order)
     got = gemv(hg, w2, None, scale2, impl="triton", norm_sums=sums, eps=1e-5, layout=layout, block_k=64, num_warps=1)
     want = gemv(rmsnorm(h, g, 1e-5, impl="triton"), w2, None, scale2, impl="triton", layout=layout, block_k=64, num_warps=1)
+    # fp32: sums in another order (as the GEMV above); bf16: the consumer's x·g·(1/rms) not rounded in between, h·g
+    # truncated: a couple of ulps of the largest output, 2^-7 of it each
     tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=tol if dtype == torch.float32 else 0, atol=tol)
-    torch_sums = torch.zeros(m)  # the PyTorch path: the same three results
+    torch_sums = torch.zeros(m)  # the PyTorch path: the same three results as the kernels
     h_t, hg_t = gemv(x, w1, None, scale1, impl="torch", residual=r, hand_off=(g, torch_sums))
-    torch.testing.assert_close(torch_sums, h_t.float().square().sum(-1))
-    torch.testing.assert_close(hg_t, h_t * g)
+    # h_t is PyTorch's GEMV + r, h the kernel's: in bf16 (truncated here) W·x and the sum h each an ulp apart, 2^-7 of
+    # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24
+    fp32 = dtype == torch.float32
+    torch.testing.assert_close(torch_sums, sums, rtol=1e-5 if fp32 else 3e-2, atol=0)
+    torch.testing.assert_close(hg_t, hg, rtol=1e-5 if fp32 else 0, atol=1e-5 if fp32 else 2e-2 * hg.float().abs().max().item())
+    # (the PyTorch path rounds x·(1/rms) to the dtype before its GEMV, and its h·g differs as above: three times the bound)
     torch.testing.assert_close(gemv(hg_t, w2, None, scale2, impl="torch", norm_sums=torch_sums, eps=1e-5).float(),
                                want.float(), rtol=3 * tol if dtype == torch.float32 else 0, atol=3 * tol)
 with pytest.raises(ValueError, match=r"norm_sums must be float32 \[1\] on cpu, got torch.float16 \(1,\)"):
@@ -1536,6 +1558,7 @@ k_cache, v_cache, tables = random_paged_kv([8, 3], num_kv_heads=2, head_dim=16, 
 q = torch.randn(3 + 1, 4, 16, generator=gen)  # sequence 0: 3 new tokens, sequence 1: 1 (a decode)
 out = paged_attention_reference(q, k_cache, v_cache, tables, torch.tensor([0, 3, 4]), torch.tensor([8, 3]), 16**-0.5)
 k0 = k_cache[tables[0, :2].long()].flatten(0, 1)
+# (the default fp32 tolerance, rtol 1.3e-6 and atol 1e-5: PyTorch's attention sums the same products in another order)
 torch.testing.assert_close(out[:3], causal_attention(q[:3], k0, v_cache[tables[0, :2].long()].flatten(0, 1), q_offset=5))
 assert tables[1].tolist()[1:] == [-1, -1] and out.shape == q.shape
 
@@ -2011,6 +2034,8 @@ want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(4), c
 assert decode_split_len(tables.shape[1], 8, split_tokens=64) == (128, 2)  # rounded up to whole tiles
 for split_tokens in (64, 10_000):
     got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens)
+    # fp32: the scores and the softmax's sums over <= 150 keys in another order (tiles, splits): ~1e-7 on outputs of
+    # O(1) (measured 3e-7), so 1e-5; the same below
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # every tile in one masked loop (tiles of 16: 37 and 150 keys end in a partial one): the same sums
     assert torch.equal(*(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton",
@@ -2149,7 +2174,7 @@ for fused, split_tokens, merge in ((False, 64, False), (True, 64, False), (True,
     pools = (k_cache.clone(), v_cache.clone())
     got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
                                  new_kv=(new_k, new_v, slots), merge=merge)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: as above, sums in another order
     assert torch.equal(pools[0], by_hand[0]) and torch.equal(pools[1], by_hand[1]), (fused, split_tokens)
 FUSED_KV_STORE = True
 # `early_tile`: a split's first tile read before the new K/V is stored, the new position's K/V taken from registers;
@@ -2180,6 +2205,7 @@ for norm_weights in ((torch.rand(32, generator=gen) + 0.5, torch.rand(32, genera
         got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
                                      block_n=16, new_kv=(new_k, new_v, slots), rope=rope, early_tile=early)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the new K normalised and rotated in the kernel, 32 squares summed in another order: a few 2^-24 of O(1)
         torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
         assert torch.equal(pools[1], by_hand[1])
 FUSED_NORM_ROPE = True
@@ -2292,7 +2318,7 @@ q = torch.randn(sum(num_new), 8, 32, generator=gen)
 query_start, ctx = torch.tensor([0, 20, 27, 28]), torch.tensor(lens)
 want = paged_attention_reference(q, k_cache, v_cache, tables, query_start, ctx, 32**-0.5)
 got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 32**-0.5, impl="triton")
-torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: as for decode, sums in another order
 with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[4\]"):
     paged_prefill_attention(q, k_cache, v_cache, tables, query_start[:3], ctx, 20, 1.0)
 
@@ -2384,7 +2410,8 @@ with torch.no_grad():
             layout = build_step_layout(seqs, 4)
             hidden = model(torch.tensor(ids), layout.positions, backends[name](cache, layout))
             logits[name] = model.compute_logits(hidden)
-        torch.testing.assert_close(logits["kernels"], logits["reference"], rtol=1e-4, atol=1e-4)
+        # fp32: attention's sums in another order (~1e-7 relative) through 2 layers, logits of O(4): measured 2.4e-6
+        torch.testing.assert_close(logits["kernels"], logits["reference"], rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
 # ## What they are worth, measured
@@ -2432,6 +2459,8 @@ if torch.cuda.is_available():  # also harmless where the `gpu` flag is not skipp
     ctx = torch.tensor(lens, device="cuda")
     want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"),
                                      ctx, 128**-0.5)
+    # bf16: the softmax weights rounded before P·V and the output rounded (2^-8 each); the norm: the normalised row
+    # and the output rounded: as in tests/test_kernels.py's TOL
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5), want,
                                rtol=5e-2, atol=1e-2)
     x, r, w = (torch.randn(n, q4b.hidden_size, device="cuda", dtype=torch.bfloat16) for n in (64, 64, 1))

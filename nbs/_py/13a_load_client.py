@@ -110,10 +110,11 @@ def synthetic_workload(count: int, rate: float, words: int = 64, max_tokens: int
 # %%
 times = arrival_times(4000, rate=8.0, seed=1)
 gaps = [b - a for a, b in zip(times, times[1:])]
-assert times[0] == 0 and all(g >= 0 for g in gaps) and abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01  # mean gap 1/rate
+# mean gap 1/rate: 3,999 exponential gaps, a standard error of 0.125 / sqrt(3999) = 0.002; 0.01 is five of them
+assert times[0] == 0 and all(g >= 0 for g in gaps) and abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01
 cv = (sum((g - 1 / 8) ** 2 for g in gaps) / len(gaps)) ** 0.5 * 8
-assert 0.9 < cv < 1.1  # exponential gaps: spread equal to the mean
-bursty = arrival_times(4000, 8.0, seed=1, burstiness=0.25)
+assert 0.9 < cv < 1.1  # exponential gaps: spread equal to the mean (standard error sqrt(8 / (4 x 3999)) = 0.022)
+bursty = arrival_times(4000, 8.0, seed=1, burstiness=0.25)  # gamma gaps of shape 1/4: sd 0.25, the mean's 0.004
 assert abs(bursty[-1] / 3999 - 1 / 8) < 0.02 and max(b - a for a, b in zip(bursty, bursty[1:])) > max(gaps)
 assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0] and arrival_times(5, 2.0, seed=7) == arrival_times(5, 2.0, seed=7)
 with pytest.raises(ValueError, match="rate must be > 0"): arrival_times(3, 0)
@@ -334,7 +335,8 @@ def request_records(result: LoadResult) -> list[dict]:
 
 
 # %%
-assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([0, 10], 99) == pytest.approx(9.9)
+# (approx: 0.99 x 10 in float64, a rounding of ~1e-16 relative)
+assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([0, 10], 99) == pytest.approx(9.9, rel=1e-12)
 with pytest.raises(ValueError): percentile([], 50)
 
 def fake_reply(ttft, gaps, tokens=None, error=None):
@@ -349,9 +351,11 @@ fake = LoadResult([WorkloadRequest(0.0)] * 3, [fake_reply(0.1, [0.02, 0.02, 0.02
 s = summarize(fake)
 assert (s["completed"], s["failed"], s["failures"]) == (2, 1, {"HTTP 503: busy": 1})
 assert s["total_output_tokens"] == 6 and s["output_throughput"] == 3.0 and s["request_throughput"] == 1.0
-assert s["ttft_ms"]["mean"] == pytest.approx(200) and s["itl_ms"]["count"] == 4 and s["itl_ms"]["p50"] == pytest.approx(20)
+# (approx: a few float64 roundings of the times, ~1e-15 relative)
+assert s["ttft_ms"]["mean"] == pytest.approx(200, rel=1e-12) and s["itl_ms"]["count"] == 4
+assert s["itl_ms"]["p50"] == pytest.approx(20, rel=1e-12)
 tpots = [(0.161 - 0.1) / 3 * 1000, (0.341 - 0.3) / 1 * 1000]  # (E2E - TTFT) / (tokens - 1), usage says 4 tokens
-assert s["tpot_ms"]["count"] == 2 and s["tpot_ms"]["p99"] == pytest.approx(tpots[0] + 0.99 * (tpots[1] - tpots[0]))
+assert s["tpot_ms"]["count"] == 2 and s["tpot_ms"]["p99"] == pytest.approx(tpots[0] + 0.99 * (tpots[1] - tpots[0]), rel=1e-12)
 assert s["total_input_tokens"] is None  # one reply came without usage
 assert len(request_records(fake)) == 3 and request_records(fake)[2]["error"] == "HTTP 503: busy"
 
