@@ -35,7 +35,8 @@ done
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || export TRITON_INTERPRET=1
 
 stage "4. every notebook runs (cells flagged gpu are skipped on CPU)"
-nbdev_test --do_print --timing
+# nbdev_test runs one notebook a core at a time: one thread each (two-thread pools on two cores spin against each other)
+OMP_NUM_THREADS=1 nbdev_test --do_print --timing
 
 stage "5. pytest"
 python -m pytest -q -p no:cacheprovider --durations=15
