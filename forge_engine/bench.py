@@ -90,10 +90,11 @@ def hardware_slug(env: dict) -> str:
 
 
 def result_stem(result: dict) -> str:
-    "`<model>-<version>-<commit>`: what a result's file name says after its workload."
+    "`<model>[-<quantization>]-<version>-<commit>`: what a result's file name says after its workload."
     env = result["environment"]
     commit = (env.get("commit") or "nocommit") + ("-dirty" if env.get("dirty") else "")
-    return f"{_slug(result['model'])}-{env['forge_engine']}-{commit}"
+    weights = "" if result.get("quantization", "none") == "none" else f"-{result['quantization']}"
+    return f"{_slug(result['model'])}{weights}-{env['forge_engine']}-{commit}"
 
 
 def result_path(result: dict, root: str = "docs/benchmarks") -> str:

@@ -132,10 +132,11 @@ def hardware_slug(env: dict) -> str:
 
 
 def result_stem(result: dict) -> str:
-    "`<model>-<version>-<commit>`: what a result's file name says after its workload."
+    "`<model>[-<quantization>]-<version>-<commit>`: what a result's file name says after its workload."
     env = result["environment"]
     commit = (env.get("commit") or "nocommit") + ("-dirty" if env.get("dirty") else "")
-    return f"{_slug(result['model'])}-{env['forge_engine']}-{commit}"
+    weights = "" if result.get("quantization", "none") == "none" else f"-{result['quantization']}"
+    return f"{_slug(result['model'])}{weights}-{env['forge_engine']}-{commit}"
 
 
 def result_path(result: dict, root: str = "docs/benchmarks") -> str:
@@ -160,6 +161,7 @@ assert hardware_slug({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2}) == "
 fake = {"workload": "W1", "model": "random:qwen3-4b", "environment": {"gpu": "NVIDIA H200", "forge_engine": "0.1.0",
                                                                        "commit": "abc1234", "dirty": True}}
 assert result_path(fake, "out") == os.path.join("out", "nvidia-h200", "w1-random-qwen3-4b-0.1.0-abc1234-dirty.json")
+assert result_path({**fake, "quantization": "int4"}, "out").endswith("w1-random-qwen3-4b-int4-0.1.0-abc1234-dirty.json")
 # a tree copied to another machine without its git history states its commit (FORGE_COMMIT, `-dirty` optional)
 os.environ["FORGE_COMMIT"] = "abc1234-dirty"
 try:
