@@ -25,7 +25,7 @@ from .scheduler import Scheduler, Sequence as Seq, StepPlan
 
 # %% auto #0
 __all__ = ['CPU_DEFAULT_KV_BYTES', 'PENDING', 'ROW_TILE', 'budgeted_kv_bytes', 'kv_cache_budget', 'PendingTokens', 'ModelRunner',
-           'build_runner', 'RequestOutput', 'StepRecord', 'EngineStats', 'LLMEngine', 'LLM']
+           'build_runner', 'RequestOutput', 'StepRecord', 'EngineStats', 'SerialEngine', 'LLMEngine', 'LLM']
 
 # %% ../nbs/08_engine.ipynb #706997e9
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
@@ -251,8 +251,9 @@ class _LaunchedStep:
         return PendingTokens(self.result.token_ids, {seq: row for row, seq in enumerate(self.due)})
 
 # %% ../nbs/08_engine.ipynb #4dcddc75
-class LLMEngine:
-    "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
+class SerialEngine:
+    """Requests in, `RequestOutput`s out, one `step()` at a time: schedule → run → sample → postprocess.
+    Not thread-safe: one thread owns it."""
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
         gc.collect()
@@ -274,11 +275,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
-        overlap = self.config.async_scheduling
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
-        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
-        # a full collection while decoding then scans only what decoding made (below)
+        # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
 
     # -- requests --
@@ -336,44 +334,30 @@ class LLMEngine:
 
     # -- one step --
     def step(self) -> list[RequestOutput]:
-        "Schedule and launch a step, then apply the previous one's tokens; outputs for every request that changed."
+        "Schedule, run the model, sample, apply the tokens: outputs for every request that changed."
         start = time.perf_counter()
-        outputs = self._land() if self._must_land_first() else []
-        plan = self.scheduler.schedule()
-        outputs += [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
-        if not plan: return outputs + self._land()
-        for item in plan.scheduled:
-            request = self.requests[item.seq.request_id]
-            request.first_scheduled = request.first_scheduled or start
+        plan, outputs = self._schedule(start)
+        if not plan: return outputs
         try:
-            launched = self._launch(plan)
+            launched = self._launch(plan)  # run + sample
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
-            outputs += self._land()  # (which may already have ended some of them)
-            return outputs + [self._fail(item.seq, e) for item in plan.scheduled if not item.seq.finished]
-        outputs += self._land()  # the previous step's tokens, while the GPU computes this one
-        self.scheduler.step_done(plan)  # after the landing: newly full blocks hold real tokens only
-        for seq in launched.due:
-            if not seq.finished: seq.output_ids.append(PENDING)  # (ended while landing: its token will be dropped)
-        self._launched = launched
-        if not self.overlap: outputs += self._land()
+            return outputs + self._fail_step(plan, e)
+        self._step_done(plan, launched)
+        outputs += self._land(launched)  # postprocess
         self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
 
-    def _must_land_first(self) -> bool:
-        "Whether the next schedule needs the launched step's tokens on the host (see above)."
-        if self._launched is None: return False
-        if not self.overlap: return True
-        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
-            p = s.params
-            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
-                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
-                or self.scheduler.outgrows_pool(s)
-        return any(not s.finished and needs_its_token(s) for s in self._launched.due)
+    def _schedule(self, start: float) -> tuple[StepPlan, list[RequestOutput]]:
+        "The next step's plan, and the outputs of the sequences the scheduler ended instead of running."
+        plan = self.scheduler.schedule()
+        for item in plan.scheduled:
+            request = self.requests[item.seq.request_id]
+            request.first_scheduled = request.first_scheduled or start
+        return plan, [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
 
-    def _launch(self, plan: StepPlan) -> _LaunchedStep:
+    def _launch(self, plan: StepPlan, pending: PendingTokens | None = None) -> _LaunchedStep:
         "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
         due = [item.seq for item in plan.scheduled if item.samples]
-        pending = self._launched.pending if self._launched is not None else None
         logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
@@ -386,9 +370,14 @@ class LLMEngine:
         if ready is not None: ready.record()
         return _LaunchedStep(plan, due, result, tokens, ready)
 
-    def _land(self) -> list[RequestOutput]:
-        "Read the launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
-        launched, self._launched = self._launched, None
+    def _step_done(self, plan: StepPlan, launched: _LaunchedStep) -> None:
+        "The step's tokens count as computed; each sampling sequence holds a place for its token."
+        self.scheduler.step_done(plan)  # (before any token lands: newly full blocks hold real tokens only)
+        for seq in launched.due:
+            if not seq.finished: seq.output_ids.append(PENDING)  # (ended meanwhile: its token will be dropped)
+
+    def _land(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
+        "Read a launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
         if launched is None: return []
         try:
             if launched.ready is not None: launched.ready.synchronize()
@@ -405,6 +394,9 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+        return [self._fail(item.seq, error) for item in plan.scheduled if not item.seq.finished]
 
     def _apply_token(self, seq: Seq, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
         "The sampled token in place of its placeholder, the token rules and stop strings, the text delta."
@@ -463,6 +455,49 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.stats(),
                            self.block_map(), self.steps, self.generated_tokens,
                            sum(r.sampled for r in window) / seconds if seconds else 0.0, tuple(self.recent))
+
+# %% ../nbs/08_engine.ipynb #aed8535f
+class LLMEngine(SerialEngine):
+    """The engine the server, the bench and `LLM` use: `SerialEngine`'s step, but on a GPU (or when
+    `async_scheduling` says so) each step is launched before the previous one's tokens are applied."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        super().__init__(loaded, config)
+        overlap = self.config.async_scheduling
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
+        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
+
+    def step(self) -> list[RequestOutput]:
+        "Schedule and launch a step, then apply the previous one's tokens while the device computes this one."
+        if not self.overlap: return super().step()
+        start = time.perf_counter()
+        outputs = self._land(self._take_launched()) if self._must_land_first() else []
+        plan, ended = self._schedule(start)
+        outputs += ended
+        if not plan: return outputs + self._land(self._take_launched())
+        try:
+            launched = self._launch(plan, self._launched.pending if self._launched is not None else None)
+        except Exception as e:  # fail the requests of this step only; the engine keeps serving
+            outputs += self._land(self._take_launched())  # (which may already have ended some of them)
+            return outputs + self._fail_step(plan, e)
+        outputs += self._land(self._take_launched())  # the previous step's tokens, while the device computes this one
+        self._step_done(plan, launched)
+        self._launched = launched
+        self._record(plan, len(launched.due), time.perf_counter() - start)
+        return outputs
+
+    def _take_launched(self) -> _LaunchedStep | None:
+        launched, self._launched = self._launched, None
+        return launched
+
+    def _must_land_first(self) -> bool:
+        "Whether the next schedule needs the launched step's tokens on the host (see above)."
+        if self._launched is None: return False
+        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
+            p = s.params
+            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
+                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
+                or self.scheduler.outgrows_pool(s)
+        return any(not s.finished and needs_its_token(s) for s in self._launched.due)
 
 # %% ../nbs/08_engine.ipynb #bf851220
 class LLM:

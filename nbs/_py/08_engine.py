@@ -324,47 +324,34 @@ class EngineStats:
 # %% [markdown]
 # ## The engine
 #
-# A step has a GPU part (the forward and the sampler) and a host part (schedule, build the
-# inputs, then for every sampled token: append it, detokenize, match stop strings, build the
-# output). Run one after the other, the GPU waits for the host: on an H200 with Qwen3-4B, at
-# one sequence, launching a step takes the host 0.7 ms against the GPU's 3.0 ms, and W1 went
-# from 300 to 324 tokens/s once they overlapped, in the same run (W2, 256 sequences: 13,844,
-# up from 11,260-12,275 in earlier builds; commands in `docs/benchmarks.md`). So the engine **overlaps steps** (`async_scheduling`,
-# on by default on one GPU): each `step()`
+# One step is the whole idea of a serving engine, in four parts:
 #
-# 1. schedules step N+1 and queues it on the GPU behind step N. Step N's tokens are still on
-#    the GPU: each is a `PENDING` placeholder on the host, and the runner copies it into step
-#    N+1's inputs on the device (above);
-# 2. **while the GPU runs**, reads step N's tokens (waiting only if step N is not done), puts
-#    them in place of the placeholders and applies the token rules (end token, stop tokens,
-#    stop strings, `max_tokens`, the context), turns them into text and outputs;
-# 3. marks step N+1's tokens computed (registering the blocks they filled with the prefix
-#    cache: after step 2, so a block is hashed with its real tokens).
+# 1. **schedule**: the scheduler (chapter 07) picks the sequences that run and how many tokens
+#    each brings (a prefill chunk, or one decode token), within the token budget and the free
+#    KV blocks;
+# 2. **run**: the runner (above) runs the model over those tokens, writing their K and V into
+#    the paged cache, and returns the logits of the rows that sample;
+# 3. **sample**: one batched sampler call (chapter 06) turns the logits into one token per
+#    sequence;
+# 4. **postprocess**: each token takes its place in its sequence and meets the token rules (end
+#    token, stop tokens, stop strings, `max_tokens`, the context), then becomes text and an
+#    output.
 #
-# So a sequence that step N ended has one more token in flight in step N+1. That token is
-# dropped when it lands, so what a request returns is exactly what it would be without the
-# overlap; its blocks are freed at once (the GPU runs step N+1's writes before any later
-# step's, so a block handed to another sequence is never overwritten behind its back).
-# The host reads step N's tokens *before* scheduling when the next step needs them there: a
-# sequence with a repetition, presence or frequency penalty (the sampler counts its output
-# tokens) or one whose next token is surely its last (`max_tokens`, the context, the pool). Without
-# overlap (the CPU, where the forward runs on the calling thread anyway) step 2 simply
-# follows step 3 at once. With tensor parallelism (chapter 09c) rank 0 broadcasts the pending
-# tokens to the other ranks on the GPU, so the ranks overlap too (on by default on GPUs there as
-# well, measured in that chapter). The tests below run the CPU engine with
-# `async_scheduling=True` too: the same tokens, whatever the workload.
+# `SerialEngine.step` is exactly these four, in order. The rest of the class keeps the books of
+# requests: adding one (refused with a clear error, nothing queued, when it cannot run),
+# aborting one in any state, and reporting what each step did. A failure inside a step fails
+# that step's requests only: the engine keeps serving the others.
 #
 # **Python's garbage collector.** Every so often CPython runs a full collection of its cyclic
 # garbage collector, which walks every object that could hold a cycle: the model's modules, the
-# tokenizer's tables, the engine's own. In `forge-engine bench w1 --quantization int8` on an H200
-# (session 17) one decode step in every third run took 120-131 ms instead of 1.76 (the run at
-# 440-448 tok/s instead of 565; `kernels_lab/w1_run_spread.py cli int8`), and with the collector
-# off no step took over 1.91 ms. So building an engine starts with a full collection and ends by
-# *freezing* what is alive (`gc.freeze()`): those objects stay out of later collections, which
-# then walk only what the requests made since. Process-wide, as the collector is: objects freed
-# by reference counts are freed as before, but frozen garbage *in cycles* waits for the next
-# `gc.unfreeze()`, which the next engine built (before it allocates anything) and the bench's
-# `free_memory` call.
+# tokenizer's tables, the engine's own. On an H200, one W1 decode step in every third run took
+# 120-131 ms instead of 1.76 (`PYTHONPATH=. python3 kernels_lab/w1_run_spread.py cli int8`), and
+# with the collector off no step took over 1.91 ms. So building an engine starts with a full
+# collection and ends by *freezing* what is alive (`gc.freeze()`): those objects stay out of
+# later collections, which then walk only what the requests made since. Process-wide, as the
+# collector is: objects freed by reference counts are freed as before, but frozen garbage *in
+# cycles* waits for the next `gc.unfreeze()`, which the next engine built (before it allocates
+# anything) and the bench's `free_memory` call.
 
 # %%
 #| export
@@ -384,8 +371,9 @@ class _LaunchedStep:
 
 # %%
 #| export
-class LLMEngine:
-    "Requests in, `RequestOutput`s out, one `step()` at a time. Not thread-safe: one thread owns it."
+class SerialEngine:
+    """Requests in, `RequestOutput`s out, one `step()` at a time: schedule → run → sample → postprocess.
+    Not thread-safe: one thread owns it."""
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
         gc.collect()
@@ -407,11 +395,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
-        overlap = self.config.async_scheduling
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
-        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
-        # a full collection while decoding then scans only what decoding made (below)
+        # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
 
     # -- requests --
@@ -469,44 +454,30 @@ class LLMEngine:
 
     # -- one step --
     def step(self) -> list[RequestOutput]:
-        "Schedule and launch a step, then apply the previous one's tokens; outputs for every request that changed."
+        "Schedule, run the model, sample, apply the tokens: outputs for every request that changed."
         start = time.perf_counter()
-        outputs = self._land() if self._must_land_first() else []
-        plan = self.scheduler.schedule()
-        outputs += [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
-        if not plan: return outputs + self._land()
-        for item in plan.scheduled:
-            request = self.requests[item.seq.request_id]
-            request.first_scheduled = request.first_scheduled or start
+        plan, outputs = self._schedule(start)
+        if not plan: return outputs
         try:
-            launched = self._launch(plan)
+            launched = self._launch(plan)  # run + sample
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
-            outputs += self._land()  # (which may already have ended some of them)
-            return outputs + [self._fail(item.seq, e) for item in plan.scheduled if not item.seq.finished]
-        outputs += self._land()  # the previous step's tokens, while the GPU computes this one
-        self.scheduler.step_done(plan)  # after the landing: newly full blocks hold real tokens only
-        for seq in launched.due:
-            if not seq.finished: seq.output_ids.append(PENDING)  # (ended while landing: its token will be dropped)
-        self._launched = launched
-        if not self.overlap: outputs += self._land()
+            return outputs + self._fail_step(plan, e)
+        self._step_done(plan, launched)
+        outputs += self._land(launched)  # postprocess
         self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
 
-    def _must_land_first(self) -> bool:
-        "Whether the next schedule needs the launched step's tokens on the host (see above)."
-        if self._launched is None: return False
-        if not self.overlap: return True
-        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
-            p = s.params
-            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
-                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
-                or self.scheduler.outgrows_pool(s)
-        return any(not s.finished and needs_its_token(s) for s in self._launched.due)
+    def _schedule(self, start: float) -> tuple[StepPlan, list[RequestOutput]]:
+        "The next step's plan, and the outputs of the sequences the scheduler ended instead of running."
+        plan = self.scheduler.schedule()
+        for item in plan.scheduled:
+            request = self.requests[item.seq.request_id]
+            request.first_scheduled = request.first_scheduled or start
+        return plan, [self._output(self.requests[s.request_id], "", []) for s in plan.finished]
 
-    def _launch(self, plan: StepPlan) -> _LaunchedStep:
+    def _launch(self, plan: StepPlan, pending: PendingTokens | None = None) -> _LaunchedStep:
         "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
         due = [item.seq for item in plan.scheduled if item.samples]
-        pending = self._launched.pending if self._launched is not None else None
         logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
@@ -519,9 +490,14 @@ class LLMEngine:
         if ready is not None: ready.record()
         return _LaunchedStep(plan, due, result, tokens, ready)
 
-    def _land(self) -> list[RequestOutput]:
-        "Read the launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
-        launched, self._launched = self._launched, None
+    def _step_done(self, plan: StepPlan, launched: _LaunchedStep) -> None:
+        "The step's tokens count as computed; each sampling sequence holds a place for its token."
+        self.scheduler.step_done(plan)  # (before any token lands: newly full blocks hold real tokens only)
+        for seq in launched.due:
+            if not seq.finished: seq.output_ids.append(PENDING)  # (ended meanwhile: its token will be dropped)
+
+    def _land(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
+        "Read a launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
         if launched is None: return []
         try:
             if launched.ready is not None: launched.ready.synchronize()
@@ -538,6 +514,9 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+        return [self._fail(item.seq, error) for item in plan.scheduled if not item.seq.finished]
 
     def _apply_token(self, seq: Seq, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
         "The sampled token in place of its placeholder, the token rules and stop strings, the text delta."
@@ -606,10 +585,10 @@ class LLMEngine:
 # plain contiguous loop of chapter 04.
 
 # %%
-def tiny_engine(name="qwen3-tiny", **config):
+def tiny_engine(name="qwen3-tiny", engine=SerialEngine, **config):
     model = init_random_weights(empty_model(preset(name)), seed=0, std=0.1)
     loaded = LoadedModel(name, model, None, None)
-    return LLMEngine(loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config))
+    return engine(loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config))
 
 def run_to_end(engine):
     finals = {}
@@ -708,6 +687,111 @@ assert run_to_end(warm)["real"].token_ids == finals["r1"].token_ids and warm.ste
 warm.add_request([1, 2, 3], greedy, request_id="busy")
 with pytest.raises(RuntimeError, match="idle engine; 1 request"):
     warm.warm_up()
+
+
+# %% [markdown]
+# ## Overlapped steps
+#
+# A step has a device part (the forward and the sampler) and a host part (schedule, build the
+# inputs, then for every sampled token: append it, detokenize, match stop strings, build the
+# output). Run one after the other, the GPU waits for the host: on an H200 with Qwen3-4B at one
+# sequence, launching a step takes the host 0.7 ms against the GPU's 3.0 ms. So on a GPU the
+# engine **overlaps steps** (`async_scheduling`, on by default there): each `step()`
+#
+# 1. schedules step N+1 and queues it on the GPU behind step N. Step N's tokens are still on
+#    the GPU: each is a `PENDING` placeholder on the host, and the runner copies it into step
+#    N+1's inputs on the device (`PendingTokens`, above);
+# 2. **while the GPU runs**, reads step N's tokens (waiting only if step N is not done), puts
+#    them in place of the placeholders and applies the token rules, text and outputs;
+# 3. marks step N+1's tokens computed (registering the blocks they filled with the prefix
+#    cache: after step 2, so a block is hashed with its real tokens).
+#
+# So a sequence that step N ended has one more token in flight in step N+1. That token is
+# dropped when it lands, so what a request returns is exactly what it would be without the
+# overlap; its blocks are freed at once (the GPU runs step N+1's writes before any later
+# step's, so a block handed to another sequence is never overwritten behind its back).
+# The host reads step N's tokens *before* scheduling when the next step needs them there: a
+# sequence with a repetition, presence or frequency penalty (the sampler counts its output
+# tokens) or one whose next token is surely its last (`max_tokens`, the context, the pool).
+# With tensor parallelism (chapter 09c) rank 0 broadcasts the pending tokens to the other ranks
+# on the GPU, so the ranks overlap too. On the CPU, where the forward runs on the calling thread
+# anyway, `LLMEngine` steps serially unless asked (`async_scheduling=True`).
+#
+# `forge-engine bench w1 --model random:qwen3-4b --no-async-scheduling` against the same command
+# without the flag measures what the overlap is worth on a GPU.
+
+# %%
+#| export
+class LLMEngine(SerialEngine):
+    """The engine the server, the bench and `LLM` use: `SerialEngine`'s step, but on a GPU (or when
+    `async_scheduling` says so) each step is launched before the previous one's tokens are applied."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        super().__init__(loaded, config)
+        overlap = self.config.async_scheduling
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
+        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
+
+    def step(self) -> list[RequestOutput]:
+        "Schedule and launch a step, then apply the previous one's tokens while the device computes this one."
+        if not self.overlap: return super().step()
+        start = time.perf_counter()
+        outputs = self._land(self._take_launched()) if self._must_land_first() else []
+        plan, ended = self._schedule(start)
+        outputs += ended
+        if not plan: return outputs + self._land(self._take_launched())
+        try:
+            launched = self._launch(plan, self._launched.pending if self._launched is not None else None)
+        except Exception as e:  # fail the requests of this step only; the engine keeps serving
+            outputs += self._land(self._take_launched())  # (which may already have ended some of them)
+            return outputs + self._fail_step(plan, e)
+        outputs += self._land(self._take_launched())  # the previous step's tokens, while the device computes this one
+        self._step_done(plan, launched)
+        self._launched = launched
+        self._record(plan, len(launched.due), time.perf_counter() - start)
+        return outputs
+
+    def _take_launched(self) -> _LaunchedStep | None:
+        launched, self._launched = self._launched, None
+        return launched
+
+    def _must_land_first(self) -> bool:
+        "Whether the next schedule needs the launched step's tokens on the host (see above)."
+        if self._launched is None: return False
+        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
+            p = s.params
+            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
+                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
+                or self.scheduler.outgrows_pool(s)
+        return any(not s.finished and needs_its_token(s) for s in self._launched.due)
+
+
+# %% [markdown]
+# The bridge between the two: requests arriving between steps, with every sampling option that
+# changes when the host must read a token (penalties, `max_tokens`, the context's end), give
+# exactly the same tokens, reasons and log-probabilities overlapped as serial.
+
+# %%
+def run_arrivals(engine, arrivals):
+    "Step the engine until idle, adding the requests of `arrivals[i]` before step i; the final outputs."
+    finals, i = {}, 0
+    while engine.has_unfinished() or i <= max(arrivals):
+        for request_id, prompt, params in arrivals.get(i, []): engine.add_request(prompt, params, request_id)
+        for out in engine.step():
+            if out.finished: finals[out.request_id] = (out.token_ids, out.finish_reason, out.logprobs)
+        i += 1
+    engine.allocator.check_idle()
+    return finals
+
+mixed = {0: [("greedy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
+             ("penalised", list(range(20, 31)), SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.3,
+                                                                ignore_eos=True))],
+         2: [("sampled", [9] * 6, SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2, ignore_eos=True))],
+         3: [("to the context", list(range(40, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))]}
+serial = run_arrivals(tiny_engine(block_size=4, max_model_len=24), mixed)
+overlapped_engine = tiny_engine(engine=LLMEngine, block_size=4, max_model_len=24, async_scheduling=True)
+assert type(overlapped_engine) is LLMEngine and overlapped_engine.overlap
+assert run_arrivals(overlapped_engine, mixed) == serial and len(serial) == 4
+assert serial["to the context"][1] == "length" and len(serial["to the context"][0]) == 24 - 10
 
 
 # %% [markdown]
