@@ -510,6 +510,9 @@ def add_arguments(workloads) -> None:
             w.add_argument("--workloads", default=None, help="comma-separated (default: w1,w2,w3 on a GPU, w3,w4 on a CPU)")
     plot = workloads.add_parser("plot", help="draw the plots of saved results (PNG next to each JSON)")
     plot.add_argument("results", nargs="+", help="result JSON files")
+    report = workloads.add_parser("report", help="rewrite the result tables of markdown files from their result files")
+    report.add_argument("docs", nargs="+", help="markdown files with '<!-- bench report: GLOB -->' blocks")
+    report.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is stale")
     load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against a running server (--url)"))
 
 
@@ -539,6 +542,11 @@ def run_from_args(args) -> int:
         from forge_engine.bench_plots import save_plots
         for path in save_plots(args.results): print(path)
         return 0
+    if args.workload == "report":
+        from forge_engine.bench_report import update_report_blocks
+        stale = [doc for doc in args.docs if update_report_blocks(doc, check=args.check)]
+        for doc in stale: log(f"{doc}: " + ("stale (run without --check)" if args.check else "rewritten"))
+        return 1 if args.check and stale else 0
     from forge_engine.cli import pick_model
     from forge_engine.loader import load_model
     args.model, args.device = pick_model(args.model, args.device, log)
