@@ -357,7 +357,7 @@ class EngineStats:
 # **Python's garbage collector.** Every so often CPython runs a full collection of its cyclic
 # garbage collector, which walks every object that could hold a cycle: the model's modules, the
 # tokenizer's tables, the engine's own. In `forge-engine bench w1 --quantization int8` on an H200
-# (session 17) one decode step in every third run took 120-131 ms instead of 1.76 (the run at
+# one decode step in every third run took 120-131 ms instead of 1.76 (the run at
 # 440-448 tok/s instead of 565; `kernels_lab/w1_run_spread.py cli int8`), and with the collector
 # off no step took over 1.91 ms. So building an engine starts with a full collection and ends by
 # *freezing* what is alive (`gc.freeze()`): those objects stay out of later collections, which
