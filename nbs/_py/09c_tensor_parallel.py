@@ -1208,7 +1208,7 @@ if INTERPRETED:
 # the host, and each worker copies them into its inputs as rank 0 does. Measured on 2 H200s
 # (`random:qwen3-4b`, TP=2, NCCL all-reduces): W1 355.2 tok/s and W2 15,958 tok/s with overlapped
 # steps, against 262.7 and 9,893 without (an earlier build); so steps overlap under tensor
-# parallelism by default too, as on one GPU. In one later call: TP=2 W1 355.3 tok/s (2.81 ms a
+# parallelism by default too, as on one GPU. Against one GPU in one run: TP=2 W1 355.3 tok/s (2.81 ms a
 # token) and W2 17,870 tok/s against one GPU's 330.3 (3.03 ms) and 13,872: a token comes sooner
 # on two GPUs, but W2 is 1.29 times one GPU's, not twice. With the fast all-reduce path,
 # the row-parallel outputs written into its buffer and the prefill kernel compiled once (chapter 09):
