@@ -114,7 +114,7 @@ def _wait_for_previous(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster since session 15 (see the GEMV)
+DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster (see the GEMV)
 DEPENDENT_LAUNCH_MAX_ROWS = 4  # ... in steps of at most this many rows (tokens or sequences): the GEMV steps, where measured
 
 
@@ -411,7 +411,7 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None
         if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
             return (8, 512, 2) if n >= 16384 else (2, 512, 1)
         return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
-    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep, session 20)
+    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep)
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
@@ -583,7 +583,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
                              ROWS, BYTE_ASM, NORM)
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
-    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower, session 20)
+    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
     scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
                                           HAND_OFF)
     if RESIDUAL:
@@ -1283,7 +1283,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
-    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed: session 11)
+    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed)
         early_tile = DECODE_EARLY_TILE and batch <= DEPENDENT_LAUNCH_MAX_ROWS
     early = early_tile and fused and one_loop
     num_warps = num_warps or (8 if early else 4)

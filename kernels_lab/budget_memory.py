@@ -1,6 +1,6 @@
-"""What the caching allocator holds on the way to an 8 GiB-budget engine (issue 6's capped run), step by step as the
-bench goes: load int8 under the budget, measure the ceilings, build the engine. Prints allocated / reserved at each
-step, and the allocator's segments when the engine refuses.
+"""What the caching allocator holds on the way to an 8 GiB-budget engine (the bench's capped W1 run), step by step as
+the bench goes: load int8 under the budget, measure the ceilings, build the engine. Prints allocated / reserved at
+each step, and the allocator's segments when the engine refuses.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/budget_memory.py [--ceilings-first]"""
 import sys
 import torch

@@ -13,7 +13,7 @@ import torch
 
 import forge_engine.kernels  # noqa: F401  on a CPU it sets TRITON_INTERPRET=1, which must precede `import triton`
 
-# H200 ceilings measured in ../shared/guide/performance.md
+# H200 ceilings, as chapter 13's `ceilings` measures them
 HBM_BYTES_PER_S = 4.19e12  # read bandwidth, x.sum() over 4 GiB
 BF16_FLOP_PER_S = 790e12  # dense bf16 matmul
 ON_GPU = torch.cuda.is_available()

@@ -10,7 +10,7 @@ below the ~190 FLOP/byte where an H200 turns compute-bound, so every variant is 
 bytes / time against the 4.19 TB/s read ceiling.
 
 Variants
-  v0  PyTorch, the engine's batched path today: gather every table into a padded copy, masked SDPA
+  v0  PyTorch, the engine's batched path without Triton: gather every table into a padded copy, masked SDPA
   v1  Triton, one program per (sequence, query head), dot products by multiply-and-sum:
       each KV head is read once per query head of its group (4x the bytes at GQA 4)
   v2  Triton, one program per (sequence, KV head) with the group's queries as rows of a tensor-core
@@ -21,25 +21,26 @@ Variants
   v5  v3's splits with no merge kernel: the last program of a (sequence, KV head) to finish merges every
       split's partials (an atomic counter per pair, reset by that program for the next call). At batch 1 and a
       few hundred keys v2 runs 8 programs, one per KV head, walking the context tile after tile (7 us a layer in
-      the engine, session 5), and v3's splits pay a second launch; v5 asks whether short splits (128-256 keys)
+      the engine), and v3's splits pay a second launch; v5 asks whether short splits (128-256 keys)
       in one launch beat both. Memory order: every thread fences its partials (fence.acq_rel.gpu) before the
       CTA barrier and the acq_rel atomic; the merging program reads the partials past L1 (.cg).
   v6  v3 with every tile of a split in one masked loop (`one_loop=True`): v3 walks the whole tiles, then the
       last partial tile in a second loop, whose table and K/V loads the software pipeliner cannot issue during
-      the first; contexts of 300 and 460 keys end in a partial tile (session 7: v3 ~6 us fixed + ~2.4 us per
+      the first; contexts of 300 and 460 keys end in a partial tile (v3: ~6 us fixed + ~2.4 us per
       128 keys at batch 1).
   v7  the export with `merge=True` (DECODE_LAST_SPLIT_MERGES), fixed 512-key splits: v5's last-program merge inside
-      the exported kernel, and only the splits that hold keys count in (a sequence within one split writes its
-      output directly, empty splits write nothing). Session 9's W2-like timeline (256 sequences of 600 keys, tables 2K wide in the engine's
-      graphs: 4 splits, 2 of them empty) spent 202 us a layer in the decode kernel and 24 in the merge, against
-      ~150 for the bytes: the "xW" cases below pad the tables to that width, as the engine's graphs do.
+      the exported kernel, and only the splits that hold keys count in (a sequence within one split writes its output
+      directly, empty splits write nothing). The W2-like step's timeline (256 sequences of 600 keys, tables 2K wide in
+      the engine's graphs: 4 splits, 2 of them empty) spent 202 us a layer in the decode kernel and 24 in the merge,
+      against ~150 for the bytes: the "xW" cases below pad the tables to that width, as the engine's graphs do.
   v8  v7 with the split length from the batch's size too (DECODE_SPLITS_BY_WORK: splits of 128 keys and up, as many
-      as bring the programs to ~256; none for 256 sequences). Session 9, v7 with splits of 128 / 512 / 1,024: one
+      as bring the programs to ~256; none for 256 sequences). v7 with splits of 128 / 512 / 1,024: one
       sequence of 460 keys 11.6 / 15.1 / 15.0 us; 256 sequences of 600 keys (2K tables) 296 / 197 / 169 us.
-      Its sweep (session 15) asks whether shorter splits and tiles pay at batch 1, where the engine's graph for
-      W1 (tables 512 keys wide) runs 8-24 programs of one 128-key tile each (8.2 us a layer in the step).
+      Its sweep asks whether shorter splits and tiles pay at batch 1, where the engine's graph for W1 (tables 512
+      keys wide) runs 8-24 programs of one 128-key tile each (8.2 us a layer in the step): 64-key splits do
+      (chapter 09's DECODE_MIN_SPLIT).
 
-Session 7 (one H200, B=1): 256 keys v2 10.9 us, v3 11.2, v5 11.1 (splits of 128); 512 keys v3 15.8, v5 13.4.
+Measured (one H200, B=1): 256 keys v2 10.9 us, v3 11.2, v5 11.1 (splits of 128); 512 keys v3 15.8, v5 13.4.
 """
 import math
 import os

@@ -12,7 +12,7 @@ Variants (one CUDA-graph replay of the whole chain, distinct weights per layer, 
   c2  c1 with the GEMVs launched as programmatic dependents (exported on Hopper)
   c3  c1 on int8 weights with per-row scales (chapter 10's int8); c4 the same with PDL
 
-Measured on one H200 before (session 3, other builds of the kernel): the residual add + norm
+Measured on one H200 (earlier builds of the GEMV kernel): the residual add + norm
 folded into the qkv / gate-up GEMVs and SiLU-mul into down (4 launches a layer) took 3.05 ms
 against 2.79 ms unfused (2.58 ms with the best tile sizes and PDL); double-buffered weight tiles
 took 2.79 ms against 2.29 ms for the single-load loop. Neither is in the package.

@@ -1,29 +1,27 @@
-"""What may overlap between the kernels of a decode step, and does it pay? Four switches of chapter 09, measured here
-(session 7, one H200: FUSED_KV_STORE won and is on; the other three lose for BF16 and stay off): GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait,
-`_start_gemv`), GEMV_LOOP_STAGES (the GEMV loops software-pipelined: later steps' loads in flight through shared
-memory), DEPENDENT_LAUNCHES (the small kernels between the GEMVs launched as programmatic dependents too) and
-FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer).
-Session 8 added two more, both won and are on: DECODE_ONE_LOOP (the decode attention walks a split's tiles, the
-partial last one too, in one masked loop) and FUSED_NORM_ROPE (it also applies q/k-norm and RoPE to q and the new K:
-no norm_rope launch). SWITCHES now holds the settings still worth comparing; session 7's prefetch / dependents rows
-are in docs/benchmarks.md. Session 9: FUSED_SWIGLU (the gate-up GEMV applies SiLU-mul in its epilogue: no silu_mul
-launch) won for BF16 and int8 and is on. Session 10: DECODE_LAST_SPLIT_MERGES and DECODE_SPLITS_BY_WORK won and are
-on; DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV projection, each program asking for
-its first K/V tile before it waits for q) is measured here. Session 15: GEMV_ROWS_LAYOUT (BF16 gate-up through
-`_gemv_rows_kernel`) and decode attention splits of 64 keys at batch 1 (both won: on); DEPENDENT_LAUNCHES measured
-again (won: on, for steps of at most 4 rows). Session 16: FUSED_NORM_GEMV (a batch-1 step's add + RMSNorm folded into
-the GEMVs around it) won for BF16 and lost for int8 (on, 2-byte weights only); int8 qkv / gate-up in the rows kernel with
-offset bytes (`GEMV_INT8_OFFSET`, commit 92c7b73: run this lab there for its rows) lost and was removed; the rows layout for the LM head: no difference.
-Session 17: DECODE_EARLY_TILE won (on, for steps of at most DEPENDENT_LAUNCH_MAX_ROWS sequences); early weights for
-every int8 GEMV won once the peeled first step's layout was fixed; the L2 prefetch for the o projection only (or o and
-qkv: the lab's PREFETCH_SHAPES), each step's weights loaded a step ahead in registers (removed again), and the
-int8 norm fold lost.
-Session 18: int8's gate-up through the rows kernel (GEMV_ROWS_INT8_MIN_N) won (on; "int8 tile gate-up" is the tile
-kernel again); with qkv as well it lost, o and down through it (2 rows, 4 warps, 4,096 inputs a step: a program's
-whole row asked for before the wait) lost by more (1.796 ms against 1.682), and so did the int8 tile GEMVs summing
-each thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40 registers instead of 96; 1.907 against
-1.679), int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end) and the int8 norm fold with its
-own tiles (commit aed4513 has their switches).
+"""What may overlap between the kernels of a decode step, and does it pay? Chapter 09's switches (and chapter 10's
+int4 settings), each measured here in the decode step against the defaults. What the measurements decided (chapter 09's
+and chapter 10's prose give each one's figures):
+- on: FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer),
+  DECODE_ONE_LOOP (the decode attention walks a split's tiles, the partial last one too, in one masked loop),
+  FUSED_NORM_ROPE (it also applies q/k-norm and RoPE to q and the new K: no norm_rope launch), FUSED_SWIGLU (the
+  gate-up GEMV applies SiLU-mul in its epilogue: no silu_mul launch), DECODE_LAST_SPLIT_MERGES,
+  DECODE_SPLITS_BY_WORK, decode splits of 64 keys at batch 1 (DECODE_MIN_SPLIT), GEMV_ROWS_LAYOUT (BF16 gate-up
+  through `_gemv_rows_kernel`), GEMV_ROWS_INT8_MIN_N (int8's gate-up through it; "int8 tile gate-up" is the tile
+  kernel again), DEPENDENT_LAUNCHES and DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV
+  projection, each program asking for its first K/V tile before it waits for q; both for steps of at most
+  DEPENDENT_LAUNCH_MAX_ROWS rows), early weights for every GEMV (GEMV_EARLY_WEIGHTS), FUSED_NORM_GEMV (a batch-1
+  step's add + RMSNorm folded into the GEMVs around it: 2-byte weights only, it lost for int8), NORM_HANDOFF,
+  DECODE_UNROLL_MERGE;
+- off: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait, `_start_gemv`; also for the o
+  projection only, or o and qkv: the lab's PREFETCH_SHAPES), GEMV_LOOP_STAGES > 1 (the GEMV loops software-pipelined:
+  later steps' loads in flight through shared memory), the rows layout for the LM head (no difference);
+- lost, and not in the package: int8 qkv / gate-up in the rows kernel with offset bytes (`GEMV_INT8_OFFSET`, commit
+  92c7b73: run this lab there for its rows; 1.815 ms against 1.780); int8 qkv through the rows kernel too, o and down
+  through it (2 rows, 4 warps, 4,096 inputs a step: a program's whole row asked for before the wait: 1.796 ms against
+  1.682); the int8 tile GEMVs summing each thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40
+  registers instead of 96; 1.907 against 1.679); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at
+  the end) and the int8 norm fold with its own tiles (commit aed4513 has their switches); each step's weights loaded
+  a step ahead in registers.
 
 A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
 (`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
@@ -41,14 +39,14 @@ it all hid).
 For each weight format (bf16; int8 and int4 quantized, chapter 10):
 1. validation: the prefetch and the pipelined loop give the same outputs as the plain GEMV (no arithmetic changes);
 2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
-   dependent launch (int4's GEMV had none before this lab), with it, with the prefetch, with 2 / 3 loop stages;
+   dependent launch, with it, with the prefetch, with 2 / 3 loop stages;
 3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and one W1-like request (128-token prompt,
    256 greedy tokens: decode tok/s) under the switch settings of SWITCHES (each from the defaults), in one process
    (the switches are read when a graph is captured).
 
-Session 7 (docs/benchmarks.md): BF16 step 2.851 ms plain, 3.326 with the prefetch, 2.913 with dependents, 2.883 at
-3 stages, 2.818 with the fused K/V store; int4 2.370 at the defaults, 2.476 with the prefetch, 2.272 with the prefetch
-and dependents together.
+Measured with the plain GEMVs and ordinary launches (one H200): BF16 step 2.851 ms plain, 3.326 with the prefetch,
+2.913 with dependents, 2.883 at 3 stages, 2.818 with the fused K/V store; int4 2.370 at the defaults, 2.476 with
+the prefetch, 2.272 with the prefetch and dependents together.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
 import itertools
@@ -137,29 +135,28 @@ def configs_for(configs: dict):
     return gemv_config
 
 
-# session 20: int8 tiles tried in the decode step (the sweeps chose them in a chain of one shape, before the hand-off)
+# int8 tiles tried in the decode step (the sweeps chose them in a chain of one shape, without the norms' hand-off)
 INT8_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "down": (2560, 9728), "head": (151936, 2560)}
 INT8_TILES = {"qkv": ((8, 512, 2), (8, 512, 4), (4, 512, 2)), "o": ((2, 2048, 4), (4, 1024, 4), (8, 512, 4)),
               "down": ((4, 1024, 4), (8, 512, 4), (4, 512, 2)),
               "head": ((4, 512, 2), (8, 1024, 4), (2, 512, 2), (4, 256, 1), (4, 512, 1), (8, 256, 1), (2, 1024, 4), (8, 512, 4))}
 
 
-# session 22: int4 tiles tried in the decode step (the chain's winners and the gate-up's lesson: more rows a program)
+# int4 tiles tried in the decode step (the chain's winners, and more rows a program: the gate-up's 8 rows won here)
 INT4_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate-up": (19456, 2560), "down": (2560, 9728)}
 INT4_PACKED = {name: (n, k // 2) for name, (n, k) in INT4_SHAPES.items()}  # the packed weights' shapes
 INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 16), (2, 4, 16), (4, 2, 16), (4, 8, 16)),
               "gate-up": ((6, 1, 8), (6, 2, 8), (6, 1, 16), (4, 1, 8), (16, 1, 8), (8, 2, 8)),
               "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
 
-# session 22: qkv 56, o 64, down 64 (they spill) and gate-up 104 slower, gate-up 96 faster (chapter 10's
-# INT4_TILE_MAXNREG since); session 23: caps that spill nothing or little offline; session 24: qkv 64, o 80, gate-up
-# 88, down 80 all slower (results/h200_session24/call1_int4_caps.log); queued after session 27's GPU time (its integer
-# step needs fewer registers; offline, with the step's folds and early steps, no spills at any of these): qkv 72 (28
-# warps an SM against 24 at 80) and 64 (63 registers, 32), o 64 (32 against 28), gate-up 80 (80 registers, 25 warps:
-# under its cap of 96 ptxas takes 95, 21 warps; uncapped it takes 80 too), down 80 (24 against 20)
-# session 28 (results/h200_session28/): o at 80 faster, at 96 faster still (chapter 10's cap since); the rest slower
+# register caps on the int4 tiles, in the step. In FP32: qkv 56, o 64, down 64 (they spill) and gate-up 104 slower,
+# gate-up 96 faster (chapter 10's INT4_TILE_MAXNREG); caps that spill nothing or little offline, qkv 64, o 80, gate-up
+# 88, down 80, all slower. In integers (fewer registers; offline, with the step's folds and early steps, no spills at
+# any of these): qkv 72 (28 warps an SM against 24 at 80) and 64 (63 registers, 32), o 64 (32 against 28), gate-up 80
+# (80 registers, 25 warps: under its cap of 96 ptxas takes 95, 21 warps; uncapped it takes 80 too), down 80 (24
+# against 20): o at 80 faster, at 96 faster still (chapter 10's cap), the rest slower
 INT4_CAPS = {"qkv": (64, 72), "o": (64, 80, 96), "gate-up": (80, 88), "down": (80,)}
-# session 24: more of a program's steps of weights asked for before its wait (`early_weights`; qkv and down have
+# more of a program's steps of weights asked for before its wait (`early_weights`; qkv and down have
 # three steps a row, o one; the gate-up's five spill under its cap of 96 from two on: also tried uncapped, maxnreg 0)
 INT4_EARLY = {"qkv": ((2, None), (3, None)), "down": ((2, None), (3, None)), "gate-up": ((2, 0), (3, 0), (1, 0))}
 
@@ -201,29 +198,29 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
     "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
     "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
-    # session 19: what the add + RMSNorm launches between the quantized GEMVs cost at most (wrong values: the GEMVs
+    # what the add + RMSNorm launches between the quantized GEMVs cost at most (wrong values: the GEMVs
     # read the un-normalised sum; the layers' add + norm return it unchanged, no launch)
     "add+norm launches skipped (a bound)": dict(SKIP_ADD_NORMS=True),
     "norms not handed off": dict(NORM_HANDOFF=False),
-    # session 20: int4's epilogue operands (residual, norm weights) loaded after the loop again
+    # int4's epilogue operands (residual, norm weights) loaded after the loop
     "int4 epilogue operands late": dict(INT4_EARLY_EPILOGUE=False),
 
     **{f"int8 {name} {'x'.join(map(str, tile))}": dict(GEMV_CONFIGS={(*INT8_SHAPES[name], 1, "tile"): tile})
        for name, tiles in INT8_TILES.items() for tile in tiles},
-    # session 21: the merging program's loop over the splits as a loop again (one split's loads a trip)
+    # the merging program's loop over the splits not unrolled (one split's loads a trip)
     "merge split by split": dict(DECODE_UNROLL_MERGE=0),
-    # session 22: int4 tiles in the decode step ((BLOCK_N, warps, chunk bytes); gate-up: 8 rows measured faster)
+    # int4 tiles in the decode step ((BLOCK_N, warps, chunk bytes); gate-up: 8 rows measured faster)
     **{f"int4 {name} {'x'.join(map(str, tile))}": dict(INT4_CONFIGS={INT4_SHAPES[name]: tile})
        for name, tiles in INT4_TILES.items() for tile in tiles},
     # ... and the exported tiles under a register cap (`int4_gemv`'s maxnreg; offline: the gate-up's 8 x 1 x 8 at 96
     # registers spills nothing, 21 warps an SM instead of 16)
     **{f"int4 {name} maxnreg {cap}": dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(maxnreg=cap)})
        for name, caps in INT4_CAPS.items() for cap in caps},
-    # session 28: the lower caps together (qkv at 72 or 64; o 64, gate-up 80, down 80)
+    # the lower caps together (qkv at 72 or 64; o 64, gate-up 80, down 80): 1.281 / 1.324 ms, slower
     **{f"int4 caps {qkv}/64/80/80": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=qkv), INT4_SHAPES["o"]:
        dict(maxnreg=64), INT4_SHAPES["gate-up"]: dict(maxnreg=80), INT4_SHAPES["down"]: dict(maxnreg=80)})
        for qkv in (72, 64)},
-    # session 24: more steps of weights before the wait (maxnreg None: chapter 10's cap; 0: none)
+    # more steps of weights before the wait (maxnreg None: chapter 10's cap; 0: none)
     **{f"int4 {name} early {steps}" + (" uncapped" if cap == 0 else ""):
        dict(INT4_LAUNCH={INT4_SHAPES[name]: dict(early_weights=steps, maxnreg=cap)})
        for name, settings in INT4_EARLY.items() for steps, cap in settings},
@@ -231,31 +228,30 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
                                                    INT4_SHAPES["down"]: dict(early_weights=3)}),
     "int4 qkv early 3, down early 2": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(early_weights=3),
                                                         INT4_SHAPES["down"]: dict(early_weights=2)}),
-    "int4 tiles uncapped": dict(INT4_TILE_MAXNREG={}),  # session 23: chapter 10's register caps off
-    # session 25: the L2 prefetch for one int4 shape's GEMVs only (int4 packed [N, K / 2]): the gate-up reads four of
+    "int4 tiles uncapped": dict(INT4_TILE_MAXNREG={}),  # chapter 10's register caps off
+    # the L2 prefetch for one int4 shape's GEMVs only (int4 packed [N, K / 2]): the gate-up reads four of
     # its five steps of weights after the wait, one DRAM trip each; down one of three
     "int4 L2 prefetch gate-up": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]}),
     "int4 L2 prefetch down": dict(PREFETCH_SHAPES={INT4_PACKED["down"]}),
     "int4 L2 prefetch gate-up+down": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"], INT4_PACKED["down"]}),
     "int4 L2 prefetch gate-up, no early step": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]},
                                                      INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=0)}),
-    # session 25: the int4 GEMV's arithmetic in FP32 again (chapter 10's `INT4_INT_DOT`); qkv's 4 x 2 x 8 in integers
+    # the int4 GEMV's arithmetic in FP32 (chapter 10's `INT4_INT_DOT` off); qkv's 4 x 2 x 8 in integers
     # under a cap (uncapped, ptxas takes 72 registers and spills six values around the early steps; at 80, 78, none)
     "int4 floats": dict(INT4_INT_DOT=False),
     "int4 qkv integers maxnreg 80": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=80)}),
     "int4 qkv integers maxnreg 96": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(maxnreg=96)}),
-    # queued after session 25's GPU time (offline, with the step's folds): the gate-up in integers uncapped (64 registers,
+    # offline, with the step's folds: the gate-up in integers uncapped (64 registers,
     # 32 warps an SM, against 80 and 25 under FP32's cap of 96), or with two early steps (96, no spills); o in FP32
     # (slower in integers in the chain: 3.88 against 3.73 µs)
     "int4 gate-up integers uncapped": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(maxnreg=0)}),
     "int4 gate-up integers early 2": dict(INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
     "int4 o floats": dict(INT4_LAUNCH={INT4_SHAPES["o"]: dict(int_dot=False)}),
-    # session 26: the integer tiles and early steps in the step (call 1: o's 4 x 2 x 16 and the gate-up's two early
-    # steps each faster alone), together (call 2: 1.225 ms against 1.252 / 1.247; taken into chapter 10); the LM head
-    # in int4 (lab-only: the int8 head re-quantized, its embedding tied to it): 1.234 ms, 18 µs for more error, not
-    # taken. (Call 2 also ran each loop step's weights asked for a step ahead, registers double-buffered, a kernel
-    # option since removed: the gate-up 1.254 / 1.267 uncapped / 1.239 with two early steps, down 1.349: not taken;
-    # results/h200_session26/ahead_not_taken.diff)
+    # the integer tiles and early steps in the step: o's 4 x 2 x 16 and the gate-up's two early steps each faster
+    # alone, together 1.225 ms against 1.252 / 1.247 (chapter 10's tiles); the LM head in int4 (lab-only: the int8
+    # head re-quantized, its embedding tied to it): 1.234 ms, 18 µs for more error, not taken. (Each loop step's
+    # weights asked for a step ahead, registers double-buffered, lost too: the gate-up 1.254 / 1.267 uncapped / 1.239
+    # with two early steps, down 1.349; not in chapter 10.)
     "int4 o 4x2x16, gate-up early 2": dict(INT4_CONFIGS={INT4_SHAPES["o"]: (4, 2, 16)},
                                            INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=2)}),
     "int4 o 4x2x16 early 2, gate-up early 2": dict(INT4_CONFIGS={INT4_SHAPES["o"]: (4, 2, 16)},

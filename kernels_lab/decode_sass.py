@@ -4,11 +4,11 @@ and register spills (local-memory loads and stores, LDL / STL) for each setting 
 the last program.
 
 Why: a variant that spills pays a local-memory round trip per spilled value, which a latency-bound kernel (batch 1:
-8-24 programs) cannot hide. Session 10 (no GPU time left): the plain kernel 2,272 instructions at 4 warps and 128-key
-tiles, none spilled; DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with
-76 spilling loads and stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. (Session 15
-compiled a merge reading 8 splits at once here, commit 942e6c9: no spills; measured slower, not kept. Session 21: the
-merge's loop unrolled instead, UNROLL_MERGE.)
+8-24 programs) cannot hide. The plain kernel: 2,272 instructions at 4 warps and 128-key tiles, none spilled;
+DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with 76 spilling loads and
+stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. (A merge reading 8 splits at once,
+commit 942e6c9, compiled here without spills but measured slower; the merge's loop unrolled instead, UNROLL_MERGE,
+108 registers, as the loop.)
 
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""

@@ -4,9 +4,9 @@ whose trace gives every kernel's start and duration inside the graph. Printed pe
 duration, mean gap since the kernel before ended (negative: they overlapped, programmatic dependent launch), and
 their total a step.
 
-Session 7 on one H200 (docs/benchmarks.md; a first version of this script), with FUSED_KV_STORE=0: 2.93 ms a BF16
-step of which the 145 GEMVs 2,220 µs, the 36 decode attentions 364 µs, the 73 add+RMSNorms 180 µs. Session 9 (this
-script, SwiGLU fused): 269 kernels, the GEMVs 2,203 µs, the decode attentions 350 µs, add+RMSNorm 166 µs.
+On one H200, with FUSED_KV_STORE=0: 2.93 ms a BF16 step of which the 145 GEMVs 2,220 µs, the 36 decode attentions
+364 µs, the 73 add+RMSNorms 180 µs; with SwiGLU fused: 269 kernels, the GEMVs 2,203 µs, the decode attentions
+350 µs, add+RMSNorm 166 µs: what chapter 09's fusions (the K/V store, SwiGLU, the norms) cut.
 
 Run on a GPU from the repository root:
     PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...] [--batch=B] [--prompt=T]

@@ -8,7 +8,7 @@ the LM head 151936 x 2560 (778 MB). All 36 layers + LM head = 8.04 GB: 1.92 ms a
 which is the batch-1 decode ceiling of 521 tok/s. cuBLAS reaches 2.95 ms over the same chain.
 
 Variants
-  v0  cuBLAS through F.linear (what the engine ran before)
+  v0  cuBLAS through F.linear (the baseline)
   v1  forge_engine.kernels.gemv, the exported defaults
   v2  the same kernel over a sweep of (BLOCK_N, BLOCK_K, num_warps, num_stages): the best per shape is
       printed at the end, and the exported defaults come from it

@@ -2,9 +2,10 @@
 layer after another, so a configuration is timed as one CUDA-graph replay of 36 GEMVs over 36 distinct weights of
 one Qwen3-4B shape (nothing stays in the 50 MB L2), not as one matrix alone with the L2 flushed (kernels_lab/gemv.py).
 
-Napkin math: bf16 reads 2 bytes a weight, int8 one, so at the 4.19 TB/s read ceiling an int8 chain should take
-half the bf16 time. In session 3 both took ~2.25 ms for a layer's four matrices: int8 is held back by the work per
-weight (its conversion to float) or by too few bytes in flight per SM, not by bytes.
+Napkin math: bf16 reads 2 bytes a weight, int8 one, so at the 4.19 TB/s read ceiling an int8 chain should take half
+the bf16 time. With int8's conversion written in Triton (`byte_asm=False`) both took ~2.25 ms for a layer's four
+matrices: int8 was held back by the work per weight (its conversion to float) or by too few bytes in flight per SM,
+not by bytes.
 
 Variants per shape and weight format (bf16, int8 with a scale per row, int4 in groups: chapter 10): the exported
 configuration (gemv_config, quant_gemv_config), then a grid of (BLOCK_N, BLOCK_K, num_warps) (int4: (BLOCK_N,
@@ -13,7 +14,7 @@ with their conversions written in Triton (byte_asm=False) against the PTX byte p
 register cap (maxnreg 80 and 64, or `LAB_INT4_CAPS`: more warps resident an SM; `LAB_INT4_GRID`: int4's grid). Prints per shape the exported configuration's time, its
 variants, and the best three of the grid (`LAB_ROWS=1`: the grid of chapter 09's rows layout for bf16 / int8;
 `LAB_SHAPES=o,down`: some shapes). `LAB_FOLD=1`: bf16 and int8 with the batch-1 step's add + RMSNorm fold (the norm
-in qkv and gate-up, the residual in o and down; session 17's question: which int8 tiles would the fold want).
+in qkv and gate-up, the residual in o and down: which int8 tiles would the fold want).
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_chain_sweep.py [bf16,int8,int4]"""
 import itertools
 import os

@@ -4,11 +4,11 @@ a subtraction).
 Napkin math: the exported int8 GEMV (chapter 09's `gemv` with int8 weights) spends 4.1-4.5 instructions a weight
 (`gemv_sass.py`), of which 2.25 make a float of a byte: an XOR per four bytes (signed -> 128 + q), a byte permute
 placing the byte under 2^23's exponent (2^23 + 128 + q) and a subtraction of 2^23 + 128 (FSUB), exact. Its long-row
-tiles hold 96 registers (114 with the first weights early until session 17 fixed their layout), and session 14's
+tiles hold 96 registers (114 with the first weights early when the peeled step has a layout of its own), and the
 chain lab reads int8 at 2.0-3.3 TB/s (o 5.08 µs, down 9.13 µs a matrix), against int4's o at 3.75 µs.
 
-This variant (v1), for the next GPU session to measure (BF16 weights take the same layout, their conversion a shift;
-the export's BF16 qkv and o read at 3.3 TB/s in session 14's chain lab, gate-up at 3.9):
+This variant (v1) (BF16 weights take the same layout, their conversion a shift; the export's BF16 qkv and o read at
+3.3 TB/s in the chain lab, gate-up at 3.9):
   * int4's layout (chapter 10): a program owns BLOCK_N rows, each thread the same CHUNK bytes of every one of them,
     the program's warps interleaved slabs of K; x's CHUNK values loaded, converted and summed once a step for all
     rows; the first step's weights asked for before the input wait (EARLY_W);
@@ -17,17 +17,17 @@ the export's BF16 qkv and o read at 3.3 TB/s in session 14's chain lab, gate-up 
     Σ x q = Σ x (2^15 + 128 + q) − (2^15 + 128) Σ x. The products sit 2^8 below their float's 2^15: fp32 keeps ~16 bits
     of each, against int8's 8: 1.25 instructions a weight instead of 2.25.
 
-Session 15 (one H200, chain below): v1 beat the tile kernel for BF16 gate-up (25.69 -> 23.91 us a matrix) and int8 qkv
-and gate-up (7.06 -> 6.31, 15.13 -> 14.71), lost elsewhere; its layout went into chapter 09 as `_gemv_rows_kernel`
-(`layout="rows"`, int8 converted exactly as the tile kernel does). The chain now sweeps that export's rows layout
+Measured (one H200, chain below): v1 beat the tile kernel for BF16 gate-up (25.69 -> 23.91 us a matrix) and int8 qkv
+and gate-up (7.06 -> 6.31, 15.13 -> 14.71), lost elsewhere; its layout is chapter 09's `_gemv_rows_kernel`
+(`layout="rows"`, int8 converted exactly as the tile kernel does). The chain sweeps that export's rows layout
 per shape, with v1's best kept for int8 (its byte conversion against the export's).
 
 Run from the repository root: PYTHONPATH=. python3 kernels_lab/gemv_rows.py [int8,bf16]   (on a CPU: validation
 under the interpreter; on a GPU: validation and the chain of gemv_chain_sweep.py, the exported GEMV against v1);
 TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gemv_rows.py sass   (no GPU: instructions a weight, registers);
 PYTHONPATH=. python3 kernels_lab/gemv_rows.py head   (on a GPU: the LM head, tile against rows);
-PYTHONPATH=. python3 kernels_lab/gemv_rows.py precision   (on a CPU: v1's int8 conversion against the exact one; session
-15: fp32 outputs 4-7e-5 against 1e-7, bf16 outputs 3.5-5.1e-3 either way: its error is ~100x below bf16's rounding)."""
+PYTHONPATH=. python3 kernels_lab/gemv_rows.py precision   (on a CPU: v1's int8 conversion against the exact one:
+fp32 outputs 4-7e-5 against 1e-7, bf16 outputs 3.5-5.1e-3 either way: its error is ~100x below bf16's rounding)."""
 import itertools
 import os
 import sys
@@ -147,7 +147,7 @@ SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "dow
 LAYERS = 36
 GRID = {"int8": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (8, 16))],
         "bf16": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (4, 8))]}  # c: weights, 8-16 bytes
-V1_GRID = {"int8": [(4, 4, 8), (4, 2, 16), (2, 4, 16)], "bf16": []}  # session 15: v1's best (int8: its byte conversion)
+V1_GRID = {"int8": [(4, 4, 8), (4, 2, 16), (2, 4, 16)], "bf16": []}  # v1's best (int8: its byte conversion)
 
 
 def matrix(fmt: str, n: int, k: int):

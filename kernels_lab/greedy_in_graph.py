@@ -1,7 +1,7 @@
-"""Does the greedy argmax pay to move into the decode step's CUDA graph? (Session 20; ported in session 21.)
+"""Does the greedy argmax pay to move into the decode step's CUDA graph? (It does: chapter 09b's `GREEDY_IN_GRAPH`.)
 
 At batch 1 the engine samples outside the decode graph: for a greedy request that is `torch.argmax` over 151,936
-FP32 logits, one reduction of 512 threads that took 8.2 us a token on an H200 (`step_gaps.py int8`, session 20),
+FP32 logits, one reduction of 512 threads that took 8.2 us a token on an H200 (`step_gaps.py int8`),
 plus its launch gap, while the step's graph is ~1.58 ms (int8) to ~2.39 ms (BF16). Napkin: 600 KB of logits read
 at even a tenth of the memory bandwidth is ~1.5 us; the reduction is latency, one block walking the row. A row split
 over many programs (each a chunk's max and its first index, then one program merging the chunks) should take two
@@ -17,11 +17,11 @@ What this measures (on a GPU; on a CPU it only validates the kernels under the i
    `GREEDY_IN_GRAPH`: the sampler then takes the graph's tokens for an all-greedy batch with nothing to adjust);
    BF16's greedy tokens must equal the first variant's.
 
-Session 21 on one H200 (`kernels_lab/results/h200_session21/call1_greedy.txt`): one row, torch.argmax 11.9 us eager /
+Measured on one H200: one row, torch.argmax 11.9 us eager /
 12.0 as a graph replay, the two launches 28.6 / 7.0; W1-like bf16 411.6 (defaults), 412.2 (in the sampler), 413.4 (in
 the graph), 412.5 (defaults again); int8 620.8, 623.1, 623.5, 620.8. About +0.4% in the graph, the same for both
-formats. Since ported: chapter 09's `argmax_rows` (these two kernels), recorded into the decode graphs by chapter
-09b (`GREEDY_IN_GRAPH`, on) and taken by chapter 06's `sample(..., greedy=)`; this lab now switches that.
+formats. So chapter 09's `argmax_rows` (these two kernels) is recorded into the decode graphs by chapter 09b
+(`GREEDY_IN_GRAPH`, on) and taken by chapter 06's `sample(..., greedy=)`; this lab switches that.
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/greedy_in_graph.py [bf16,int8]"""
 import sys
@@ -102,7 +102,7 @@ def engine_runs(formats) -> bool:
             same = want is None or tokens == want
             want = want if want is not None else tokens
             # (int8's step is not bit-reproducible run to run: its handed norms are float atomic adds, so its greedy
-            # tokens may part from the defaults' after a near-tie; session 21 saw "defaults again" differ too)
+            # tokens may part from the defaults' after a near-tie, "defaults again" too)
             ok &= same or fmt != "bf16"
             agree = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), len(tokens))
             print(f"  {fmt:5s} {name:36s}: {255 / (r['wall_s'] - r['ttft_median_s']):7.1f} tok/s"

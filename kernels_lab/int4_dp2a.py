@@ -1,5 +1,5 @@
-"""The int4 GEMV's arithmetic in integers: nibbles as bytes, x as 16-bit integers, `dp2a` (session 25; now chapter
-10's `_int4_step_integers`, `INT4_INT_DOT`).
+"""The int4 GEMV's arithmetic in integers: nibbles as bytes, x as 16-bit integers, `dp2a` (chapter 10's
+`_int4_step_integers`, `INT4_INT_DOT`, on).
 
 Why: chapter 10's int4 GEMV in FP32 is bound by its instructions (~3.6-4.1 a weight: a LOP3 and 3/8 of a shift to make
 a float of each nibble, an FFMA to multiply-add it, the rest per chunk), not by its bytes: the gate-up read at ~2 TB/s.
@@ -18,7 +18,7 @@ times the exact Σx, as in FP32. Compiled offline (`gemv_sass.py`'s `int4_loop`)
 16-byte chunks taken as two 8-byte tiles: in one tile of 16 bf16 inputs Triton lays x over two threads and moved
 the weights through shared memory every step).
 
-Measured (session 25, call 4, one H200; this lab's first version patched chapter 10's kernel; same arithmetic):
+Measured (one H200, on chapter 10's kernel patched to the same arithmetic):
 relative error against the dequantized matmul 3.42e-3 (FP32: 3.37e-3; bf16 outputs); chain of 36 (µs a matrix, FP32
 -> integers) qkv 5.74 -> 4.93, o 3.73 -> 3.88, gate-up 12.04 -> 9.90, down 7.91 -> 7.00; the int4 decode step
 1.420 / 1.417 / 1.420 / 1.419 -> 1.250 / 1.248 / 1.249 / 1.249 ms.

@@ -1,11 +1,13 @@
-"""The LM head in int4 (session 26): what its fewer bytes cost in quality.
+"""The LM head in int4: what its fewer bytes cost in quality.
 
 Chapter 10's int8 and int4 modes keep the LM head (for a tied model also the embedding, the same table) in int8. An
 int4 head reads half the bytes: `decode_overlap.py`'s "int4 head" variants measure the step with it (1.234 ms against
-1.252 / 1.247 on an H200, session 26). This script measures the quality side on a CPU: SmolLM2-135M-Instruct's
+1.252 / 1.247 on an H200). This script measures the quality side on a CPU: SmolLM2-135M-Instruct's
 perplexity on chapter 10's fixed text, its layers in int4, with the int8 head and with an int4 one.
 
     PYTHONPATH=.. python3 int4_head.py      (in kernels_lab/; FORGE_HOME holding smollm2-135m-instruct)
+Measured: perplexity +7.52% with the int4 head against +0.67% with the int8 one, to save 18 µs a token: chapter 10
+keeps the head in int8.
 """
 import copy
 import os

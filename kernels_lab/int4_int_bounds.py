@@ -1,7 +1,7 @@
 """The int4 GEMV in integers (chapter 10's `_int4_step_integers`): what its x conversion and its nibble arithmetic cost
 in the decode step. Bounds, not kernels: variants that compute wrong values with the same loads.
 
-Why (session 27): `int4_gemv_bound.py` ran each shape's chain of 36 int4 GEMVs with its weights in L2 instead of DRAM
+Why: `int4_gemv_bound.py` ran each shape's chain of 36 int4 GEMVs with its weights in L2 instead of DRAM
 and gained only 7-19% (gate-up 9.16 -> 7.43 µs, 3.56 TB/s from L2): the int4 GEMV is held by its SM, not by DRAM
 latency. At ~2.7 instructions a weight the gate-up's 50 M weights are ~4 M warp instructions, ~4 µs of an H200's
 issue at its best. So instructions a weight are what to cut, and these bounds say where they are.
@@ -10,13 +10,13 @@ Variants (each in its own process: a jitted function's globals are fixed once it
   int          chapter 10's kernel
   no-x         x's words taken as the 16-bit pairs: no conversion, no sum, no scale (wrong values)
   no-dot       one dp2a a word, no nibbles split (wrong values)
-  no-wait      the int4 GEMVs never wait for the kernel before (session 24's bound, in integers; wrong values)
+  no-wait      the int4 GEMVs never wait for the kernel before (`int4_step_bounds.py`'s, in integers; wrong values)
 Each prints the relative error of each Qwen3-4B shape's GEMV against the dequantized matmul, the chain of 36 GEMVs a
 shape (µs a matrix) and random:qwen3-4b's batch-1 int4 decode step (graph replay, ms; twice).
-Measured (session 27, one H200, on d96dc57's kernel; `results/h200_session27/call2_int_bounds.log`): step 1.220 /
-1.220 ms; no-x 1.151 / 1.149; no-dot 1.149 / 1.148. Two real variants of that call, both since in chapter 10: the
-high nibbles used in place ("lean") 1.210 / 1.209, and with x's sum by dp2a 1.202 / 1.199 (relative error qkv 1.66e-3
--> 1.71e-3, o 1.61e-3 -> 2.05e-3, gate-up 1.67e-3 -> 1.72e-3, down 1.62e-3 -> 2.06e-3).
+Measured (one H200, on chapter 10's kernel before the two changes below): step 1.220 / 1.220 ms; no-x 1.151 / 1.149;
+no-dot 1.149 / 1.148. Two real variants, both in chapter 10: the high nibbles used in place ("lean") 1.210 / 1.209,
+and with x's sum by dp2a 1.202 / 1.199 (relative error qkv 1.66e-3 -> 1.71e-3, o 1.61e-3 -> 2.05e-3, gate-up 1.67e-3
+-> 1.72e-3, down 1.62e-3 -> 2.06e-3).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_int_bounds.py [variant[,variant...]]"""
 import forge_engine.quant as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
 import triton

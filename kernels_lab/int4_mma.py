@@ -3,12 +3,12 @@
 
 Why: chapter 10's int4 GEMV spends ~4 instructions a weight unpacking nibbles and multiply-adding them in FP32, and
 an H200 issues ~33 trillion thread-instructions a second: at 4.19 TB/s (8.4 trillion int4 weights a second) that is
-the whole issue rate, so it reads at 1.4-2 TB/s (session 16: the int4 W1 step's 144 GEMVs take 1.14 ms for 1.72 GB).
+the whole issue rate, so it reads at 1.4-2 TB/s (the int4 W1 step's 144 GEMVs took 1.14 ms for 1.72 GB).
 An `mma.sync.m16n8k16` multiplies a 16 x 16 BF16 tile by 16 x 8 in one warp instruction: 256 weights. With x in every
 column of the 16 x 8 operand (batch 1: the 8 columns are copies; column 0 is read), the per-weight work is only the
 unpacking into the A operand's registers.
 
-(Session 17 counted again: the exported int4 loop at 4 rows, 4 warps, 16-byte chunks is 453 instructions for a
+(Counted offline: the exported int4 loop at 4 rows, 4 warps, 16-byte chunks is 453 instructions for a
 thread's 128 weights a step, 3.5 a weight (`gemv_sass.py`'s `int4_loop`): at 3.7 TB/s that is ~3 of the 4
 warp-instructions an SM issues a cycle.)
 
@@ -23,42 +23,41 @@ group's sums come out of the accumulators (every column of C holds them); 128 x 
 values are 128 + q), then scale and minimum as chapter 10 applies them. Warps' sums meet in shared memory.
 
 Napkin math per mma (256 weights, 128 bytes): ~4 LOP3 + 2 shifts + 1 shared load + 1 HMMA per thread, i.e. ~8 warp
-instructions per 256 weights, ~1/30 of an instruction a weight against ~4 now: memory-bound, if the loads keep enough
-bytes in flight (IN_FLIGHT groups a warp: 2 x 16 bytes a thread each).
+instructions per 256 weights, ~1/30 of an instruction a weight against ~4 in chapter 10's loop: memory-bound, if the
+loads keep enough bytes in flight (IN_FLIGHT groups a warp: 2 x 16 bytes a thread each).
 
-Measured (session 16, one H200, `results/h200_session16/call9_int4_mma.log`; µs a matrix in the chain, q1 at its
-best warps / groups in flight against t0): valid everywhere (its first build), but slower: qkv 6.75 vs 5.96, o 6.86 vs
-3.77, gate-up 15.72 vs 12.96, down 13.32 vs 8.06. Its prologue is the suspect: every block rewrites all of x into
-shared memory (for down 19 rounds of two L2 loads a thread, one after another) and waits at a barrier before its
-first mma, and o / down have only 160 blocks of 16 rows.
+Measured (one H200; µs a matrix in the chain, q1 at its best warps / groups in flight against t0): valid everywhere,
+but slower: qkv 6.75 vs 5.96, o 6.86 vs 3.77, gate-up 15.72 vs 12.96, down 13.32 vs 8.06. Its prologue is the suspect:
+every block rewrites all of x into shared memory (for down 19 rounds of two L2 loads a thread, one after another) and
+waits at a barrier before its first mma, and o / down have only 160 blocks of 16 rows.
 
 q2 (commit e420964) dropped the prologue: the A registers take their nibbles in x's own order (`__byte_perm` puts
 bytes (0, 1) or (2, 3) of a word into bytes 0 and 2 before the mask: one PRMT more, one shift less a register), so
 each lane's B registers are x's words as they lie in memory, loaded straight from L1 (4 x 16 bytes a group); the
-group's Σx comes from mma with an A of ones on the same B registers (8 more mma a group, no shared memory, no
-barrier before the loop); a warp may take TILES tiles of 16 rows sharing its x. Session 17, its first GPU run
-(`results/h200_session17/call1_int4_mma_q2.log`): valid, slower still (best of 8 configurations, µs a matrix, against
-t0): qkv 5.95 vs 5.93, o 5.76 vs 3.76, gate-up 13.69 vs 12.94, down 13.04 vs 8.05. Its loop refilled all IN_FLIGHT
-groups only after using them all, so a warp waited for each batch of loads in turn.
+group's Σx comes from mma with an A of ones on the same B registers (8 more mma a group, no shared memory, no barrier
+before the loop); a warp may take TILES tiles of 16 rows sharing its x. Measured: valid, slower still (best of 8
+configurations, µs a matrix, against t0): qkv 5.95 vs 5.93, o 5.76 vs 3.76, gate-up 13.69 vs 12.94, down 13.04 vs
+8.05. Its loop refilled all IN_FLIGHT groups only after using them all, so a warp waited for each batch of loads in
+turn.
 
 q3 (`int4_mma_gemv`, this file): q2's arithmetic with each of a warp's IN_FLIGHT slots (weights, scales, minimums and
 x of one group) refilled with its next group as soon as it is used, weights loaded past L1
-(`ld.global.nc.L1::no_allocate`). Session 17 (`results/h200_session17/call2_int4_mma_q3.log`), best configuration
-against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in flight), o 5.02 vs 3.76, gate-up 13.72 vs 12.94, down 11.86 vs
-8.05. Faster only for qkv; o and down have 160 tiles of 16 rows for 132 SMs, each warp a long serial chain of groups
-(split-K over blocks would be next); not taken into chapter 10 (it would also bring a CUDA build step to the package).
+(`ld.global.nc.L1::no_allocate`). Measured, best configuration against t0: qkv **5.07** vs 5.93 (4 warps, 4 groups in
+flight), o 5.02 vs 3.76, gate-up 13.72 vs 12.94, down 11.86 vs 8.05. Faster only for qkv; o and down have 160 tiles of
+16 rows for 132 SMs, each warp a long serial chain of groups (q4 splits K over blocks); not taken into chapter 10 (it
+would also bring a CUDA build step to the package).
 
-q4 (`mma_gemv_staged`, written in session 17 after its GPU time was spent; compiled offline: 52-56 registers, no
-spills; not yet run; int4, and int8 weights too, below): a block per tile of 16 rows and share of K (`splits` blocks
-a tile); before waiting for x it asks for its whole share of weight bytes into shared memory with `cp.async` (no
-registers held: 16-28 KB a block in flight, several blocks an SM), then x's share the same way; the warps take the
-groups in turn with q3's arithmetic (`group_x_sum`, `tile_group_sums`); a tile's last block to finish adds the
-splits' partial sums in order (a counter a tile, as chapter 09's decode attention merges its splits). For o and down
-(160 tiles) the splits give the grid its blocks; for qkv and gate-up the staging replaces q3's register slots. int8
-through the same mma: a byte XOR 0x80 is u = w + 128 = 16 hi + lo, its nibbles go into A as int4's do, B holds x
-against the low nibbles and 16 x (exact in BF16) against the high ones, so C = Σ w x + 2304 Σ x; against chapter
-09's int8 GEMV (t0 for int8). The question for int8 is not arithmetic (its chain is ~1.8 µs a launch plus 3.7 TB/s)
-but whether a whole share in flight before the wait for x shortens the launch boundaries.
+q4 (`mma_gemv_staged`; compiled: 52-56 registers, no spills; int4, and int8 weights too, below): a block per tile of
+16 rows and share of K (`splits` blocks a tile); before waiting for x it asks for its whole share of weight bytes into
+shared memory with `cp.async` (no registers held: 16-28 KB a block in flight, several blocks an SM), then x's share
+the same way; the warps take the groups in turn with q3's arithmetic (`group_x_sum`, `tile_group_sums`); a tile's last
+block to finish adds the splits' partial sums in order (a counter a tile, as chapter 09's decode attention merges its
+splits). For o and down (160 tiles) the splits give the grid its blocks; for qkv and gate-up the staging replaces q3's
+register slots. int8 through the same mma: a byte XOR 0x80 is u = w + 128 = 16 hi + lo, its nibbles go into A as
+int4's do, B holds x against the low nibbles and 16 x (exact in BF16) against the high ones, so C = Σ w x + 2304 Σ x;
+against chapter 09's int8 GEMV (t0 for int8). The question for int8 is not arithmetic (its chain is ~1.8 µs a launch
+plus 3.7 TB/s) but whether a whole share in flight before the wait for x shortens the launch boundaries. Measured:
+valid, slower than t0 everywhere, int8 too; not taken.
 
 Variants: t0 the exported Triton `int4_gemv` (chapter 10); q3-W-F-T: W warps, F groups in flight a warp, T tiles of
 16 rows a warp; q4-W-S: W warps, K in S splits (first validated at a partial tile with uneven splits, twice: the

@@ -5,12 +5,12 @@ layout compiled in its own process (Triton caches a kernel's dependencies): regi
 loads and integer arithmetic. Not a kernel of the package: the layout would change `Int4Linear`'s buffers (and the
 prefill's `int4_matmul`), so it is measured here first.
 
-Session 22 (Triton 3.7 here, sm_90): the gate-up's (8, 1, 8) 475 -> 451 instructions a step (3.71 -> 3.52 a weight),
+Compiled (Triton 3.7, sm_90): the gate-up's (8, 1, 8) 475 -> 451 instructions a step (3.71 -> 3.52 a weight),
 128 registers either way; (4, 2, 8) 68 -> 64 registers (28 -> 32 warps an SM); (4, 4, 16) 80 -> 72 (24 -> 28 warps).
 The 2-byte loads stay 2 a row (not merged into vectors).
 
-Both in the FP32 loop (`int_dot=False`) with chapter 10's row-major pairs of session 27 (`pair_scales`) as the
-row-major side: not re-run since.
+Both in the FP32 loop (`int_dot=False`), before chapter 10 stored its row-major scales and minimums in pairs
+(`pair_scales`); not compiled against that layout.
 Run: PYTHONPATH=. python3 kernels_lab/int4_scales_sass.py row-major|group-major   (TRITON_ALWAYS_COMPILE is set)"""
 import os
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"
@@ -34,7 +34,7 @@ if LAYOUT not in ("row-major", "group-major"):
 def _int4_weights_group_major(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
                               GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
                               INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
-    "(the FP32 loop's weights: INT_DOT and PAIRED, chapter 10's since sessions 25 and 27, are not taken here)"
+    "(the FP32 loop's weights: chapter 10's INT_DOT and PAIRED are not taken here)"
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     c_ok = (start < K // 2) | EVEN
     g = start // (GROUP // 2)

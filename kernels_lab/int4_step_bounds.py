@@ -1,10 +1,11 @@
 """How much of the int4 decode step's time is the int4 GEMVs' unpacking, and how much their waits at the launch
 boundaries? Bounds, not kernels: variants that compute wrong values with the same loads.
 
-Why: the int4 GEMVs read their bytes at 1.1-2.0 TB/s in the decode step where int8's reach 3-4 (session 22's
-timeline), and 2x BF16 needs the int4 step near 1.19 ms against 1.43. If the unpacking is what holds them, packed
-half-precision arithmetic (two weights an instruction) or the tensor cores are worth building into the Triton kernel;
-if the step barely moves without it, the time is in the loads and the launch boundaries, and they are not.
+Why: the int4 GEMVs read their bytes at 1.1-2.0 TB/s in the decode step where int8's reach 3-4
+(`decode_step_timeline.py int4 --positions`), and 2x BF16 needs the int4 step near 1.19 ms against 1.43. If the
+unpacking is what holds them, packed half-precision arithmetic (two weights an instruction) or the tensor cores are
+worth building into the Triton kernel; if the step barely moves without it, the time is in the loads and the launch
+boundaries, and they are not.
 
 Variants (each in its own process: a jitted function's globals are fixed once it compiles):
   export       chapter 10's unpacking
@@ -18,7 +19,7 @@ Variants (each in its own process: a jitted function's globals are fixed once it
   no-wait:SHAPE  only the GEMVs of one shape (qkv, o, gate_up, down) skip their wait: which boundary costs what
 Each prints the chain of 36 GEMVs of each Qwen3-4B shape (µs a matrix, one CUDA-graph replay) and random:qwen3-4b's
 batch-1 int4 decode step (graph replay, ms; twice).
-Measured (session 24, one H200, `results/h200_session24/call2_int4_step_bounds.log`): step 1.429 ms; no-unpack 1.305,
+Measured (one H200, the GEMV in FP32): step 1.429 ms; no-unpack 1.305,
 half-unpack 1.490 (slower: more registers at 4 x 4 x 16), no-wait 1.276, both 1.060. Neither alone reaches 2x.
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant[,variant...]]  (default: VARIANTS;
 each in its own process)"""
@@ -62,8 +63,8 @@ def half_unpack(b, BYTE_ASM: tl.constexpr):
 
 def patch(variant: str):
     """Chapter 10's `_nibbles_to_f32` (and the int4 GEMV's `_wait_for_previous`) replaced for this process, before
-    anything compiles. The GEMV's arithmetic in FP32, as measured in session 24 (`INT4_INT_DOT` off: the integers of
-    session 25 have no nibbles made floats)."""
+    anything compiles. The GEMV's arithmetic in FP32, as measured (`INT4_INT_DOT` off: chapter 10's integer loop has no
+    nibbles made floats)."""
     quant.INT4_INT_DOT = False
     if variant.startswith("no-wait:"):  # one shape's GEMVs only
         import gemv_chain_sweep

@@ -11,7 +11,7 @@ has 2.1M visible (query, key) pairs: 34 GFLOP per layer, 43 us at 790 TFLOP/s. I
 causal kernel also wastes the masked half of its diagonal tiles.
 
 Variants
-  v0    PyTorch, the engine's path today: per sequence, gather its K/V and run SDPA with a mask
+  v0    PyTorch, the engine's path without Triton: per sequence, gather its K/V and run SDPA with a mask
   v1    Triton, one program per (query token, query head), multiply-and-sum (no tensor cores)
   v2    Triton, tiled flash attention: one program per (BLOCK_M query tokens, query head), tensor cores;
         each KV head is read by each of the 4 query heads of its group; every tile masked

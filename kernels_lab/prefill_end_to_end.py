@@ -1,7 +1,7 @@
 """Prefill through the whole engine: one prompt of 2,048 (and 8,192) random tokens, max_tokens=1, prefix cache off.
 Median of five timed runs after one warm-up; FLOPs = 2 x layer matrix parameters x tokens + causal attention
 (2 x layers x heads x head_dim x tokens^2) + the LM head for the last token; ratio to the 790 TFLOP/s bf16 ceiling.
-Run on the GPU machine: PYTHONPATH=. python3 kernels_lab/prefill_end_to_end.py  (random:qwen3-4b, no download)."""
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/prefill_end_to_end.py  (random:qwen3-4b, no download)."""
 import time, torch, statistics
 from forge_engine.loader import load_model
 from forge_engine.engine import LLMEngine

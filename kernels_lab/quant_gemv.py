@@ -13,7 +13,7 @@ Shapes (N x K, the weight): qkv 6144x2560, o 2560x4096, gate_up 19456x2560, down
 Variants (times are CUDA-graph replays, L2 flushed)
   v0  bf16 F.linear (cuBLAS)
   v1  bf16 forge_engine.kernels.gemv (chapter 09, the engine's one-row path)
-  v2  int4 split-K kernel (`int4_matmul(kernel="split_k")`: what ran at every row count before)
+  v2  int4 split-K kernel (`int4_matmul(kernel="split_k")`)
   v3  int4 GEMV, the export (`int4_gemv`, `quant_gemv_config`)
   v4  int4 GEMV sweep: BLOCK_N x num_warps x chunk bytes, at M = 1 and 4; the best per shape is printed
   g1  GGUF split-K kernel (Q8_0, Q6_K, Q4_K: random blocks with sane scales), M = 1 and 4

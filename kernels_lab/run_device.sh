@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the lab measures on a GPU in one go (one device call): the GPU tests, then each lab
+# Everything the lab measures on a GPU in one go: the GPU tests, then each lab
 # file. Run from the repository root; logs go to $OUT (or /tmp), results also as JSON lines.
 # LAB_VARIANTS=v0,v3 keeps only variants with those prefixes; LAB_TIMEOUT bounds each lab file.
 set -uo pipefail

@@ -3,9 +3,9 @@
 event of a step to the next step's), the time the GPU was busy in it (the union of kernels, copies and memsets), the
 idle time, the largest idle gaps, and every GPU activity name with its count and time a token.
 
-Session 18: the bench's int8 decode step is 1.733 ms a token against 1.679 for the decode graph replayed alone
+Measured (one H200): the bench's int8 decode step is 1.733 ms a token against 1.679 for the decode graph replayed alone
 (`decode_overlap.py`), BF16 ~2.44 against ~2.39: ~55 us a token outside the graph, the same in every format. Under the
-profiler (call 11): int8 1,780.7 us a token, idle 60.0 (some of it the profiler's own host time), ~28 us of GPU work
+profiler: int8 1,780.7 us a token, idle 60.0 (some of it the profiler's own host time), ~28 us of GPU work
 outside the graph (12 host-to-device copies, the greedy argmax, two index kernels, a copy back, a memset).
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/step_gaps.py [none|int8|int4]"""

@@ -3,11 +3,11 @@
 A tensor-parallel decode step of b sequences runs 73 all-reduces of [b, 2560] bf16 (Qwen3-4B).
 Variants, each an in-place sum over the 2 ranks:
 
-v0 nccl      `dist.all_reduce` (the reference: what chapter 09c ran before);
+v0 nccl      `dist.all_reduce` (the reference; chapter 09c's path for what the fast one does not take);
 v1 one-shot  copy into the symmetric buffer, `symm_mem.one_shot_all_reduce_out` (every rank reads every buffer);
 v2 two-shot  copy into the symmetric buffer, `symm_mem.two_shot_all_reduce_out` (each rank adds 1/N, then gathers);
 v3 engine    chapter 09c's `AllReduce` with its `SymmMemAllReduce`: one-shot or two-shot by size (the embedding's);
-v4 +norm     v3, then chapter 09's residual add + RMSNorm kernel (what the row-parallel layers' sums cost until session 12);
+v4 +norm     v3, then chapter 09's residual add + RMSNorm kernel (what v5 replaces);
 v5 fused     as a decode step runs them: 72 of chapter 09c's all-reduce + residual add + RMSNorm kernel
              (`SymmMemAllReduce.add_rmsnorm`, staged in alternating halves of the buffer: it handshakes only before it
              reads), each with a copy into the buffer before and the new residual copied back into x after (the
@@ -197,7 +197,7 @@ def free_port() -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="kernels_lab/results/tp_allreduce", help="directory for tp_allreduce.json")
+    parser.add_argument("--out", default="/tmp/tp_allreduce", help="directory for tp_allreduce.json")
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         sys.exit(f"tp_allreduce: needs {WORLD} CUDA GPUs, torch sees {torch.cuda.device_count()}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU machine in one device call (7 min 50 s at most: the steps' limits add up to 470 s):
+# Tensor parallelism on a 2-GPU machine in one command (7 min 50 s at most: the steps' limits add up to 470 s):
 # the all-reduce lab (kernels_lab/tp_allreduce.py: symmetric memory against NCCL, validated and timed), the GPU tests
 # (tests/test_tp_gpu.py), then W1 and W2 on $MODEL (default random:qwen3-4b; random:qwen3-14b for the larger
 # shape) at --tensor-parallel-size 2 (the default symmetric-memory all-reduces; FORGE_TP_ALL_REDUCE=nccl in the
@@ -12,7 +12,7 @@
 # Every step runs under `timeout` in its own process group: at its limit every process of it, the
 # tensor-parallel workers too, gets SIGUSR1 and dumps its Python stacks (FORGE_TP_STACKS registers the
 # handler; a worker also dumps by itself when one message takes over FORGE_TP_STACKS seconds), then
-# SIGKILL 5 s later, and the next step starts on free GPUs (whatever a step started in a session of its own,
+# SIGKILL 5 s later, and the next step starts on free GPUs (whatever a step started in a process session of its own,
 # as the killed-worker test does, is killed too: a leftover process spinning on a GPU slows every later step).
 # NVLink multicast stays off (nothing here uses it).
 set -uo pipefail

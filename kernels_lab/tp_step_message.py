@@ -2,7 +2,7 @@
 100-1024 tokens, block size 16): rank 0's encode + pickle + pipe send, and a worker's receive + decode.
 
 v0: every sequence's (new tokens, cached count, whole block table, samples?) as pickled Python tuples
-    (what chapter 09c sent before the step deltas);
+    (the simple message the step deltas replace);
 v1: `StepWriter` / `StepReader` (chapter 09c): what changed since the last step, as numpy arrays.
 
 CPU only, no GPU needed: `PYTHONPATH=. python3 kernels_lab/tp_step_message.py`."""

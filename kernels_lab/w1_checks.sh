@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# What a GPU session of issue 6 starts with, one device call each (under 600 s; run from the repository root,
+# The batch-1 checks on a GPU, one command each (each under 600 s; run from the repository root,
 # FORGE_HOME holding the Qwen3 tokenizer, logs and JSON to $OUT):
 #   bash kernels_lab/w1_checks.sh tests        # the GPU suite (~370 s on an H200)
 #   bash kernels_lab/w1_checks.sh perf         # the bench's W1 for BF16 / int8 / int4, two rounds interleaved
 #   bash kernels_lab/w1_checks.sh int4-tiles   # int4's qkv / o / down tiles and every shape's register caps in the
-#                                              # decode step (session 22 found the gate-up's best tile there, not in
+#                                              # decode step (the gate-up's best tile is found there, not in
 #                                              # a chain of plain GEMVs)
 #   bash kernels_lab/w1_checks.sh ab DIR [V]   # this tree's int4 step against the package in DIR (and variants V),
 #                                              # then W1 (int4, BF16, int8, int4) and the int4 GPU tests on the faster
@@ -45,8 +45,8 @@ ms = {t: st.median(map(float, re.findall(r'defaults\s*: step graph ([0-9.]+)', o
       for t in ('old', 'new')}
 print(min(ms, key=ms.get))")
     dir=$([ $best = old ] && echo "$old" || echo "$new"); echo "faster: $best ($dir)"
-    # (run from $dir: `python3 -m` puts the working directory before PYTHONPATH; session 23's first `ab` call lost
-    # its W1 and tests to that, running the repository's package both times)
+    # (run from $dir: `python3 -m` puts the working directory before PYTHONPATH, so run from elsewhere it would
+    # measure the repository's package both times)
     for q in int4 none int8 int4; do
       (cd "$dir" && PYTHONPATH=$dir FORGE_COMMIT=$best timeout 200 python3 -m forge_engine bench w1 \
         --model random:qwen3-4b --quantization $q --json "$out/w1_$q.json" > "$out/w1_$q.log" 2>&1)

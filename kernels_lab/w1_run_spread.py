@@ -1,4 +1,6 @@
-"""Why one W1 run in three decodes slower (int8: sessions 16 and 17 saw a third run at 407-444 tok/s against ~565).
+"""Why one W1 run in three decoded slower (int8: a third run at 407-444 tok/s against ~565). The answer: a full
+collection of Python's garbage collector stalled one step (chapter 08 freezes what is alive after building an engine;
+`cli int8 --gc-off` shows the difference).
 
 The bench (`w1_single_stream`) runs the same 128-token prompt again and again on one engine. Here: more runs, and per
 run the step times (median, 90th percentile, max, steps over 1.5x the median), so that a slow run shows whether every

@@ -1,6 +1,6 @@
 """The GEMV loops as compiled for an H200 (Triton and ptxas for sm_90; no GPU needed): what the notebooks, run under
-the interpreter, cannot see. Session 17 found the int8 loop with early weights moving every step's weight tile
-through shared memory (the peeled first step had a layout of its own); these keep such trips out of the loop.
+the interpreter, cannot see. An int8 loop with early weights whose peeled first step has a layout of its own moves
+every step's weight tile through shared memory; these keep such trips out of the loop.
 
 The kernels are compiled in a fresh process with the interpreter off (CI sets TRITON_INTERPRET=1 for the rest)."""
 import json
@@ -59,7 +59,7 @@ print(json.dumps(registers))
 
 def test_the_hand_off_epilogue_costs_the_int8_gemv_no_registers():
     """int8's o / down GEMV (gemv_config's (4, 2048, 4)) adding the residual and handing the next norm off: no more
-    registers than without. Session 20 measured the epilogue's operands asked for before the loop: 96 -> 113 registers
+    registers than without. Asked for before the loop, the epilogue's operands took 96 -> 113 registers
     a thread, fewer programs an SM, the decode step 1.579 -> 1.746 ms."""
     registers = compiled_offline(HAND_OFF_SCRIPT)
     assert registers["true"] <= registers["false"], registers
@@ -85,10 +85,10 @@ print(json.dumps(loads))
 def test_the_int4_gemv_loads_x_in_vectors():
     """Chapter 10's int4 GEMV at its exported tiles, in integers and in FP32: per step a thread loads x's two chunks
     (the low and the high nibbles' inputs) as 16-byte vectors; its only 4-byte loads are each row's group scale and
-    minimum, side by side (session 27: two 2-byte loads before). Session 22 found the one-warp tiles (the gate-up's)
-    loading x two bytes at a time: 16 loads a step instead of 2. A row's chunk of weights comes in one vector (FP32)
-    or in 8-byte words (integers: a 16-byte tile of words would be laid out over two threads and moved through shared
-    memory every step)."""
+    minimum, side by side (`pair_scales`; stored apart they take two 2-byte loads). Without offsets known to be
+    multiples of the chunk the one-warp tiles (the gate-up's) load x two bytes at a time: 16 loads a step instead of
+    2. A row's chunk of weights comes in one vector (FP32) or in 8-byte words (integers: a 16-byte tile of words would
+    be laid out over two threads and moved through shared memory every step)."""
     found = compiled_offline(INT4_SCRIPT)
     assert {loop["int_dot"] for loop in found.values()} == {True, False}, found
     for tile, loop in found.items():

@@ -17,7 +17,7 @@
 # - **prefill attention** loops over sequences in Python, one gather each.
 #
 # What each is worth is napkin math against the H200's measured ceilings
-# (`../shared/guide/performance.md`): 4.19 TB/s of HBM read, ~790 TFLOP/s of dense bf16.
+# (chapter 13's `ceilings`): 4.19 TB/s of HBM read, ~790 TFLOP/s of dense bf16.
 # Decode attention is pure bandwidth: Qwen3-4B keeps 16 KiB of K/V per token and layer
 # (8 heads x 128 x 2 bytes x K,V), so 64 sequences of 1,024 tokens are 1 GiB per layer,
 # 256 µs at the ceiling. Prefill is arithmetic: 4 x tokens x context x heads x head_dim FLOPs.
@@ -172,7 +172,7 @@ def _wait_for_previous(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster since session 15 (see the GEMV)
+DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster (see the GEMV)
 DEPENDENT_LAUNCH_MAX_ROWS = 4  # ... in steps of at most this many rows (tokens or sequences): the GEMV steps, where measured
 
 
@@ -506,7 +506,7 @@ with pytest.raises(ValueError, match="do not fit a pool"):
 # A greedy request's next token is the argmax of its logits: at Qwen3's 151,936 words one
 # reduction per row. PyTorch's `argmax` runs it as one block of 512 threads walking the row:
 # 12.0 µs on an H200 even replayed in a graph, outside the decode step's graph besides
-# (`kernels_lab/greedy_in_graph.py`, session 21). Here the row is cut in chunks of 2,048, one
+# (`kernels_lab/greedy_in_graph.py`). Here the row is cut in chunks of 2,048, one
 # program a chunk finds its largest logit and the first column holding it, and one program a
 # row keeps the best of the chunks (the chunks in column order, so the first index wins a tie,
 # as PyTorch's): 7.0 µs as a graph replay. Chapter 09b records it into the decode graphs, where
@@ -628,13 +628,13 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # between the GEMVs are launched the ordinary way: each starts only once the kernel before has
 # finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
 # way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
-# decode step as a CUDA graph) it did not pay for BF16 in session 7 (2.913 ms against 2.851) and
-# gained 0.7% for int4 (2.353 against 2.370). Measured again in session 15, with the GEMVs asking
+# decode step as a CUDA graph) with plain GEMVs it did not pay for BF16 (2.913 ms against 2.851) and
+# gained 0.7% for int4 (2.353 against 2.370). With the GEMVs asking
 # for their first weights before they wait (below) and the rows-layout gate-up: the BF16 step
 # 2.458 ms against 2.548 / 2.543 without (W1-like 395.4 against 382.0 / 382.5 tok/s): on, for
 # steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (the GEMV's steps, where it was measured; a
 # decode kernel of 256 sequences launched early held SMs that the projection before it needed,
-# in session 11's `DECODE_EARLY_TILE`).
+# with `DECODE_EARLY_TILE`).
 #
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
@@ -663,7 +663,7 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # not found in time, so it is not shipped. Software double-buffering of the weight tiles made the
 # chain 22% slower (2.79 vs 2.29 ms): the loop below loads one tile per step.
 #
-# Both tried again in session 7, in the engine's decode step (`kernels_lab/decode_overlap.py`).
+# Both tried again in the engine's decode step (`kernels_lab/decode_overlap.py`).
 # The norm without a pass of its own — each program adds the residual, multiplies by the norm
 # weight and sums the squares as it reads its steps, the 1/rms scaling each output at the end —
 # and SiLU-mul read by the down GEMV from the gate-up output: 3.122 ms against 2.811 with the
@@ -680,12 +680,12 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # launch, and the down projection reads half as many numbers. The rounding follows the two
 # launches it replaces step by step (the GEMV's bf16 store, then SiLU rounded like `F.silu`), so
 # the bits are theirs (tested below). The compiled loop is the plain one's (`kernels_lab/gemv_sass.py`:
-# 4.75 instructions a weight for bf16, 4.14 for int8, with or without). Measured (session 9, H200,
+# 4.75 instructions a weight for bf16, 4.14 for int8, with or without). Measured (H200,
 # `kernels_lab/decode_overlap.py bf16,int8,int4`): the Qwen3-4B step 2.631 ms against 2.706 (W1-like
 # 365.7 against 356.0 tok/s), int8 1.901 against 1.987; int4, whose gate-up keeps `silu_mul`, 2.259
 # against 2.268 (the control). On.
 #
-# Session 14, the same idea in two smaller pieces, measured one at a time:
+# The same idea in two smaller pieces, measured one at a time:
 #
 # - The residual add in the epilogue of the GEMV before it (o, down) and the norm in the GEMV
 #   after it (each program multiplies x by the norm weight as it loads it, sums x² on the side,
@@ -702,9 +702,8 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 #   16.13 → 15.10, but o 5.08 → 5.47 and down 9.13 → 11.24 (those long-row tiles go from 96 to 114
 #   registers a thread). In the decode step (`kernels_lab/decode_overlap.py`): BF16 2.608 ms
 #   against 2.666 / 2.655 with every GEMV early (W1-like 374.8 against 367.1 / 368.6 tok/s), 2.652
-#   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16,
-#   and for int8 below rows of 4096 (then).
-#   Session 17 found why int8 lost: with the peeled step's inputs written as a plain `0 + offs_k`
+#   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16.
+#   Why int8 lost: with the peeled step's inputs written as a plain `0 + offs_k`
 #   the compiler gave that step 16-byte int8 loads, the loop 8-byte ones, and moved every later
 #   step's [BLOCK_N, BLOCK_K] tile through shared memory into the first one's layout (8-16
 #   `BAR.SYNC` + `STS` + `LDS` a step in `kernels_lab/gemv_sass.py`; 114 registers for the o /
@@ -713,11 +712,11 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 #   144 instructions, 56 registers, no shared memory; 4x2048: 96 registers). Then early weights
 #   for every int8 GEMV: the int8 step 1.742 ms against 1.778 / 1.780 (W1-like 551.0 against 540.0
 #   / 539.2 tok/s; `kernels_lab/decode_overlap.py bf16,int8`, one H200). On for all.
-#   (The same session: each step's weights asked for while the step before computes, two
+#   (Also tried: each step's weights asked for while the step before computes, two
 #   steps' tiles held in registers, lost badly: BF16 2.509 ms against 2.410, int8 2.486 against
 #   1.778; the int8 norm fold, now free of the shared-memory trips, still lost: 1.818 ms.)
 #
-# Session 15: **the rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
+# **The rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
 # layout for BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile
 # on threads to Triton. Here it is explicit: a program's `BLOCK_N` rows are a tuple of tensors
 # `[SLABS, 32, CHUNK]`, so each thread takes the *same* CHUNK inputs (16 bytes) of every row of
@@ -729,7 +728,7 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
 # pairs each gate row with its up row as `_gemv_kernel`'s does.
 #
-# Session 16, **the add + RMSNorm folded in, a third time** (`norm`, `residual`, `FUSED_NORM_GEMV`).
+# **The add + RMSNorm folded in, a third time** (`norm`, `residual`, `FUSED_NORM_GEMV`).
 # With every other launch of the step now a programmatic dependent, the 73 one-program
 # add+RMSNorm kernels were among the few left between GEMVs. `gemv(x, w, norm=g, eps=...)`
 # multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
@@ -745,17 +744,17 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # value cost more than the launches; the compiled loop 4.53 → 5.47 instructions a weight,
 # against bf16's 4.31 → 4.78 in `kernels_lab/gemv_sass.py`). So `gemv_folds_norms`: 2-byte
 # weights only. With RoPE's angles in three launches instead of eleven (chapter 03) the W1
-# bench went from 394.8 (session 15) to **402.9 tok/s**.
+# bench went from 394.8 to **402.9 tok/s**.
 #
-# Also session 16: int8 through this rows kernel with session 15's lab conversion (the byte
+# Also tried: int8 through this rows kernel with `kernels_lab/gemv_rows.py`'s conversion (the byte
 # under 2^15's exponent, 2^15 + 128 + w with one permute and no subtraction; the program takes
 # 32,896 · Σx off each row's step sum, x's sum shared by the rows). Compiled: the qkv loop's
 # FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29 µs), but the decode step was
-# slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel, for qkv alone too. Removed
+# slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel, for qkv alone too. Not kept
 # (commit 92c7b73 has it, as the switch `GEMV_INT8_OFFSET`); `kernels_lab/gemv_rows.py` keeps
 # the conversion.
 #
-# Session 18: **int8's gate-up through the rows kernel**, with this chapter's conversion. Nsight
+# **int8's gate-up through the rows kernel**, with this chapter's conversion. Nsight
 # Compute (`kernels_lab/ncu_gemv.py`) shows the int8 tile GEMVs at 96 registers a thread (the
 # `[BLOCK_N, BLOCK_K]` accumulator tile: 64 sums a thread at 8 × 512 over 2 warps), 20 warps an
 # SM, about 5 of every 8.4 cycles between a warp's instructions waiting on memory. Yet neither
@@ -822,7 +821,7 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None
         if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
             return (8, 512, 2) if n >= 16384 else (2, 512, 1)
         return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
-    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep, session 20)
+    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep)
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
@@ -994,7 +993,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
                              ROWS, BYTE_ASM, NORM)
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
-    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower, session 20)
+    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
     scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
                                           HAND_OFF)
     if RESIDUAL:
@@ -1424,13 +1423,13 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
     gemv(torch.zeros(1, 8), torch.zeros(4, 8), residual=torch.zeros(1, 2))
 
 # %% [markdown]
-# Session 19: **the norm handed off** (`hand_off`, `norm_sums`; `NORM_HANDOFF` below). For int8
+# **The norm handed off** (`hand_off`, `norm_sums`; `NORM_HANDOFF` below). For int8
 # the fold above costs the loop more than the launches it saves. But the RMSNorm between two
 # GEMVs splits in two: the GEMV that adds the residual (o, down) has h = r + W·x in its epilogue
 # anyway, so it also stores h·g (the next norm's weight) and adds h's squares, one atomic add a
 # program, to a float in memory; the GEMV after (qkv, gate-up) reads h·g as its x and scales its
 # sums by 1/rms from that float at the end, nothing added to its loop. (The float must start at 0:
-# chapter 03 zeroes one per norm at the start of a step.) Measured before it was written, with
+# chapter 03 zeroes one per norm at the start of a step.) Its bound, with
 # the add + RMSNorm launches simply skipped (wrong values, a bound; `kernels_lab/decode_overlap.py`,
 # one H200): the int8 step 1.678 → 1.589 ms, W1-like 580.1 → 610.6 tok/s; int4 1.600 → 1.493.
 # Handed off (int8): the step **1.617-1.625 ms** against 1.678-1.682 without, W1 (bench) 410.6 →
@@ -1438,14 +1437,14 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
 # cost nothing measurable: spread over 32 floats a row, the step was 1.621 against 1.622. The
 # adds' order varies, so the last bits of a norm may differ from run to run (int8 and int4).
 #
-# Session 20: chapter 10's int4 GEMV takes the same folds (`check_gemv_folds` checks them for
+# Chapter 10's int4 GEMV takes the same folds (`check_gemv_folds` checks them for
 # both), so int4 hands its norms on too: its step 1.604 → 1.556 ms. The epilogue's operands (an
-# int8 row's scale, the next norm's weight, the residual) used to be asked for one after another
-# after the loop, each a wait of its own at the very end of the kernel. Asked for before the loop
+# int8 row's scale, the next norm's weight, the residual), asked for one after another
+# after the loop, would each be a wait of its own at the very end of the kernel. Asked for before the loop
 # (the constants before the input wait) the int8 step got *slower*, 1.579 → 1.746 ms: held
 # through the loop they took registers (the o GEMV with the hand-off 96 → 113 a thread), so
-# fewer programs fit an SM. Now they are asked for together after the loop (`_tile_constants`,
-# `_rows_constants`): one wait. Measured on W1: no difference (int8 617.3 → 617.2 tok/s). The
+# fewer programs fit an SM. So they are asked for together after the loop (`_tile_constants`,
+# `_rows_constants`): one wait. Measured on W1 against one after another: no difference (int8 617.3 → 617.2 tok/s). The
 # int8 LM head takes BF16's head tile, (4, 512, 2): the decode step 1.577 → 1.571 ms (a sweep of
 # int8 tiles inside the step; the qkv, o and down tiles held).
 
@@ -1656,7 +1655,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # H200 it costs ~6 µs plus ~2.4 µs per 128 keys (`kernels_lab/decode_attention.py`), 0.36 ms of
 # a 2.8 ms Qwen3-4B step. So what depends on nothing is loaded first, all at once (q, the new
 # K/V), and `DECODE_ONE_LOOP` walks every tile in one masked loop, so the compiler's software
-# pipeline can fetch a partial last tile while the whole ones are summed. Measured (session 8,
+# pipeline can fetch a partial last tile while the whole ones are summed. Measured (one
 # H200): one sequence at 300 keys 12.7 µs against 13.8 with the partial tile after the loop, 460
 # keys 15.1 against 16.1 (`kernels_lab/decode_attention.py`, v6 against v3); the Qwen3-4B step
 # 2.739 ms against 2.777 (`kernels_lab/decode_overlap.py bf16`). On. (Loading q and the new K/V
@@ -1961,7 +1960,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
     one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
-    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed: session 11)
+    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed)
         early_tile = DECODE_EARLY_TILE and batch <= DEPENDENT_LAUNCH_MAX_ROWS
     early = early_tile and fused and one_loop
     num_warps = num_warps or (8 if early else 4)
@@ -2056,13 +2055,13 @@ for split_tokens in (64, 10_000):
 #
 # Memory order: every thread fences its partials (`fence.acq_rel.gpu`) before the program's
 # barrier and the acquire-release atomic, and the merging program reads the partials past its
-# L1 (`.cg`). Measured (session 9, H200, `kernels_lab/decode_attention.py`, v7 against v3): 256
+# L1 (`.cg`). Measured (H200, `kernels_lab/decode_attention.py`, v7 against v3): 256
 # sequences of 600 keys in 2K-wide tables 197 µs against 210, of 1,000 keys 284 against 303; at
 # batch 1 no different (12.1 against 12.0 µs at 300 keys). The W2-like step
 # (`kernels_lab/decode_step_timeline.py none --batch=256 --prompt=600`) 11.96 ms against 12.38;
 # W2 13,784 and 13,703 output tok/s against 11,690 and 13,462, alternated. On.
 #
-# Tried in session 15: the merging program reading 8 splits' partials at once, as one
+# Tried: the merging program reading 8 splits' partials at once, as one
 # `[8 splits, 4 heads, 128]` tile whose loads are all in flight together, instead of one split
 # after another (a memory round trip each, at the end of the kernel's chain of latencies).
 # Compiled for an H200 it spills nothing (`kernels_lab/decode_sass.py` at commit 942e6c9), but
@@ -2070,7 +2069,7 @@ for split_tokens in (64, 10_000):
 # (`kernels_lab/decode_overlap.py`, one H200, same call): the 3-D tile's reductions cost more
 # than the round trips they save. Not kept.
 #
-# Session 21, the same idea without the 3-D tile (`DECODE_UNROLL_MERGE`, on): the merging
+# The same idea without the 3-D tile (`DECODE_UNROLL_MERGE`, on): the merging
 # program's loop over the splits unrolled (`tl.static_range` over the table's splits rounded up
 # to a power of two, up to 16; the splits past `active` masked, so they change nothing). Each
 # split is still merged into the running (acc, m, l) as before, in split order, the same bits;
@@ -2091,16 +2090,16 @@ for split_tokens in (64, 10_000):
 # tile each: a split shorter than `DECODE_BLOCK_N` takes a tile of its own length), 256
 # sequences none at all.
 # The price: a sequence's bits then depend on the batch's size (as the GEMMs' already do), so
-# a fixed `split_tokens` keeps the old rule, and the tests that compare bits pass one.
+# a fixed `split_tokens` turns the rule off, and the tests that compare bits pass one.
 #
-# Measured on an H200 (session 10, random Qwen3-4B, fixed 512-key splits against the rule, both
+# Measured on an H200 (random Qwen3-4B, fixed 512-key splits against the rule, both
 # merging in the kernel): lab, one sequence of 1,000 keys in a 2K table 17.9 → 13.1 µs, of 4,096
 # keys 21.7 → 20.4; 256 sequences of 600 keys 197.1 → 166.9 µs, of 2,048 keys 538.7 → 502.6;
 # 64 sequences of 1,500 keys 117.2 → 120.0 (the one shape that loses). W2, three runs each,
 # alternated: 13,897 / 13,925 / 13,929 → 14,876 / 14,921 / 14,800 output tok/s; W1 364.7 → 367.1
 # tok/s. So the rule is on.
 #
-# Session 15, shorter splits at batch 1 (`DECODE_MIN_SPLIT` 128 → 64, such splits one 64-key tile):
+# Shorter splits at batch 1 (`DECODE_MIN_SPLIT` 128 → 64, such splits one 64-key tile):
 # the W1 graph's table is 512 keys wide, so one sequence ran 8-24 programs of one 128-key tile,
 # 8.2-9.3 µs a layer in the step's timeline. With 64-key splits, 16-48 programs of half the
 # work: the batch-1 step 2.530 ms against 2.577 / 2.565 (`kernels_lab/decode_overlap.py`, one
@@ -2118,13 +2117,14 @@ for split_tokens in (64, 10_000):
 # tiles are read after the store, as before. The tests check the bits against the plain launch.
 # Compiled for an H200 without one (`kernels_lab/decode_sass.py`), the held tiles spill
 # registers at 4 warps (76 local loads and stores), none at 8: this variant launches with 8.
-# Measured on an H200 (session 11, random Qwen3-4B; `tests/test_kernels.py -m gpu` passes with
+# Measured on an H200 (random Qwen3-4B, 128-key splits, the small kernels launched plainly;
+# `tests/test_kernels.py -m gpu` passes with
 # it): the batch-1 step 2.643 ms against 2.654 / 2.641 without (`kernels_lab/decode_overlap.py`),
 # W1 368.5 / 368.4 tok/s against 368.6 / 368.4, int8 W1 499.9 against 499.3: no gain; and W2 11,222
 # output tok/s against 15,154 (not profiled; likely the 256-sequence kernel, launched early, holds
-# SMs while the projection still runs). Off then. Session 17, with what came since (splits of 64
-# keys at batch 1, so a split's first tile is all of it; the small kernels launched as
-# dependents): the batch-1 step 2.391 ms against 2.429 / 2.430 without (W1-like 406.4 against
+# SMs while the projection still runs). With splits of 64
+# keys at batch 1 (so a split's first tile is all of it) and the small kernels launched as
+# dependents: the batch-1 step 2.391 ms against 2.429 / 2.430 without (W1-like 406.4 against
 # 400.0 / 399.7 tok/s), int8 1.702 against 1.752 / 1.748 (564.4 against 547.5 / 548.6), int4
 # 1.609 against 1.639 / 1.641 (599.4 against 583.1 / 584.9); `kernels_lab/decode_overlap.py`,
 # one H200. On, for steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences (the W2 loss above).
@@ -2231,7 +2231,7 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # multiple of 16, each get their own compiled code. The block table's row stride is its width,
 # which follows the longest sequence of the step: 1 in a warm-up of short prompts, then a multiple
 # of 16 or not in a real batch, so the first steps of a run compiled the kernel twice more, over a
-# second each, inside the run (session 11, two H200s: a W2 run's prefill steps of 1.48 s and 1.31 s
+# second each, inside the run (two H200s: a W2 run's prefill steps of 1.48 s and 1.31 s
 # against ~0.1 s). `do_not_specialize` keeps one compiled kernel for every width.
 
 # %%

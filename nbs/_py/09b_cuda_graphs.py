@@ -154,8 +154,8 @@ assert buffer.numel() == ids.numel() * 8 * 3 + lens.numel() * 4 + tables.numel()
 # that is one more launch per step, outside the graph; recorded into the graph (chapter 09's
 # `argmax_rows`, two short launches), it rides with the replay, and the sampler takes it where
 # every row of the step is greedy and nothing adjusts the logits (`greedy_tokens`, chapter 06's
-# `sample(..., greedy=)`). Measured on an H200 in `kernels_lab/greedy_in_graph.py` (session 21,
-# one W1 request of random Qwen3-4B, the lab's version of this): 413.4 tok/s against 411.6 /
+# `sample(..., greedy=)`). Measured on an H200 in `kernels_lab/greedy_in_graph.py` (one
+# W1 request of random Qwen3-4B, the lab's version of this): 413.4 tok/s against 411.6 /
 # 412.5 (BF16), 623.5 against 620.8 / 620.8 (int8). A step that samples pays for the argmax
 # without using it (not measured; the two launches read the logits once, a few µs at a few
 # rows), so only the graphs of up to `GREEDY_IN_GRAPH_MAX_ROWS` rows take it.

@@ -730,8 +730,8 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # (`symm_mem_buffer_bytes`) is the larger of `SYMM_MEM_MAX_BYTES`
 # and a decode step of `SYMM_MEM_ROWS` sequences of the model: 256 sequences of Qwen3-4B are
 # 256 x 2560 x 2 bytes = 1.25 MiB, of Qwen3-14B (5,120 wide) 2.5 MiB. With a fixed 2 MiB the
-# 14B's decode steps at 256 sequences went through NCCL: measured on two H200s (session 11,
-# `forge-engine bench all --model random:qwen3-14b --workloads w1,w2 --tensor-parallel-size 2`),
+# 14B's decode steps at 256 sequences went through NCCL: measured on two H200s
+# (`forge-engine bench all --model random:qwen3-14b --workloads w1,w2 --tensor-parallel-size 2`),
 # 3.70 ms of all-reduces a step at 256 rows against 0.61 ms at one; with the buffer sized by the model,
 # 1.71 ms, and W2 10,563 → 10,841 output tok/s. The row-parallel layers (output and down projections)
 # write their partial sums straight into the buffer (`AllReduce.staging`: the GEMV kernel or the GEMM
@@ -740,7 +740,7 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # through NCCL; every rank decides from the message's shape and dtype alone, so all ranks
 # always take the same path.
 #
-# **The all-reduce, the residual add and the norm in one kernel** (session 12). Each row-parallel
+# **The all-reduce, the residual add and the norm in one kernel.** Each row-parallel
 # layer's sum goes straight into the residual add and the next RMSNorm, so the three are one
 # kernel here: `_all_reduce_add_rmsnorm_kernel`, called by the norm that takes the layer's
 # partial output (`ReducingRMSNorm`). One program a row (up to as many programs as a signal pad
@@ -754,13 +754,13 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # (`SymmMemAllReduce.add_rmsnorm`). The handshakes are PyTorch's protocol, slot for slot, so the
 # release below frees this kernel too. Against PyTorch's kernel followed by the norm it saves a
 # launch and a handshake, and keeps more programs in flight (PyTorch's one- and two-shot kernels
-# launch at most 24 blocks). Measured on two H200s (session 12, `kernels_lab/tp_allreduce.py`, a
+# launch at most 24 blocks). Measured on two H200s (`kernels_lab/tp_allreduce.py`, a
 # decode step's worth in one CUDA graph): at 256 rows 12.1 µs a call against 18.6 for the
 # all-reduce and the norm kernel (15.7 with a second handshake), at one row 7.1 against 9.0.
 # In the engine (`kernels_lab/tp_step_profile.py --tp=2`, 256 sequences) rank 0's decode step
 # went from 7.49 to 6.88 ms, its all-reduces from 1.30 to 0.98 ms plus 0.18 ms of norms gone;
-# W1 at TP=2 from 419 to 460 tok/s; W2 1.50-1.52× TP=1, as at the session's start (what
-# limits it: `docs/benchmarks.md`, session 12).
+# W1 at TP=2 from 419 to 460 tok/s; W2 1.50-1.52× TP=1, unchanged (what
+# limits it: `docs/benchmarks.md`).
 #
 # **When a rank dies.** An NCCL collective waiting for a dead rank returns once rank 0 aborts
 # the communicator. The symmetric-memory kernels have no abort: they would wait for the dead
@@ -772,7 +772,7 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # its kernels.
 #
 # Releasing from the host needs a launch every round, and a host thread's launches can wait
-# behind another thread's blocking call: in session 11 the symmetric-memory variant of the
+# behind another thread's blocking call: with the host's fills alone the symmetric-memory variant of the
 # killed-worker test hung in all four runs on two H200s (the NCCL variant passed), with rank 0's
 # release thread waiting for its own fills, the abort thread inside NCCL's abort, and the engine
 # waiting for the step, while a kernel of the step waited for the dead rank. So the release
@@ -780,14 +780,14 @@ def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: di
 # over and over for `RELEASE_ON_GPU_S` seconds of the GPU's clock (`%globaltimer`, a microsecond's
 # `nanosleep` between rounds), needing no host call while NCCL's abort runs; it is compiled when
 # the fast path is set up, and the abort waits until it is queued. The host's fills take over
-# afterwards. Checked here under the interpreter (its indexing) and compiled for an H200 offline;
-# **not yet run on GPUs** (no GPU time was left in session 11): `tests/test_tp_gpu.py` will say.
+# afterwards. Checked here under the interpreter (its indexing); on two H200s the killed-worker
+# test (`tests/test_tp_gpu.py`) passes with it under both paths.
 #
-# **On by default, since session 8.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73
+# **On by default.** Measured on two H200s (`kernels_lab/tp_allreduce.py`, 73
 # all-reduces of one decode step in one CUDA graph): 535 µs through symmetric memory against
-# 1,375 µs through NCCL at one sequence, 1,187 against 2,155 µs at 256. In session 4 the
-# killed-worker test (`tests/test_tp_gpu.py`) hung with it, so it stayed opt-in; with the
-# release above it fails cleanly under both paths (session 8, both variants of the test on
+# 1,375 µs through NCCL at one sequence, 1,187 against 2,155 µs at 256. Without the
+# release above the killed-worker test (`tests/test_tp_gpu.py`) hangs with it; with the
+# release it fails cleanly under both paths (both variants of the test on
 # two H200s), and the engine's W1 with TP=2 went from 382.7-383.1 tok/s (NCCL) to 393.0-393.4
 # (the all-reduces 0.54 ms of a 2.54 ms step, 21%, against NCCL's 1.86 ms of 2.61, 71%). So the
 # small all-reduces take the fast path wherever every rank can; `FORGE_TP_ALL_REDUCE=nccl` in
@@ -1208,9 +1208,9 @@ if INTERPRETED:
 # the host, and each worker copies them into its inputs as rank 0 does. Measured on 2 H200s
 # (`random:qwen3-4b`, TP=2, NCCL all-reduces): W1 355.2 tok/s and W2 15,958 tok/s with overlapped
 # steps, against 262.7 and 9,893 without (an earlier build); so steps overlap under tensor
-# parallelism by default too, as on one GPU. In one later call: TP=2 W1 355.3 tok/s (2.81 ms a
+# parallelism by default too, as on one GPU. Against one GPU in one run: TP=2 W1 355.3 tok/s (2.81 ms a
 # token) and W2 17,870 tok/s against one GPU's 330.3 (3.03 ms) and 13,872: a token comes sooner
-# on two GPUs, but W2 is 1.29 times one GPU's, not twice. Session 11, with the fast all-reduce path,
+# on two GPUs, but W2 is 1.29 times one GPU's, not twice. With the fast all-reduce path,
 # the row-parallel outputs written into its buffer and the prefill kernel compiled once (chapter 09):
 # TP=2 W1 417.9 tok/s and W2 21,417, against one GPU's W2 15,058 in the same call (1.42 times).
 # Rank 0's GPU in a decode step of 256 sequences (`kernels_lab/tp_step_profile.py`, before the

@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # Decoding one token reads every weight once and does two FLOPs per weight: it is limited by
-# memory bandwidth, not arithmetic (`../shared/guide/performance.md`: 8.045 GB of BF16 weights at
+# memory bandwidth, not arithmetic (chapter 13's ceilings: 8.045 GB of BF16 weights at
 # 4.19 TB/s is 1.92 ms per token on an H200). Storing the weights in fewer bits and turning them
 # back into numbers *in registers*, inside the matmul, cuts the bytes read per token. The
 # activations stay in the compute dtype (BF16 on a GPU, FP32 on a CPU): this is *weight-only*
@@ -38,10 +38,10 @@
 # On a CPU, or without Triton, PyTorch runs instead: its own weight-only GEMMs where it has them
 # (`CPU_WEIGHT_GEMMS`: int8 as stored; int4 and GGUF's Q4_0 / Q4_1 in its tiled nibble order;
 # Q8_0 a block at a time; bf16 inputs), else dequantize + matmul. Measured on a 2-core CPU with
-# SmolLM2 (`forge-engine bench w4 --device cpu --quantization ...`, session 14, one machine): FP32
+# SmolLM2 (`forge-engine bench w4 --device cpu --quantization ...`, one machine): FP32
 # 12.4 tok/s at batch 1 (50.1 with 8 requests), int8 19.0 (75.0), int4 21.5 (86.2), `gguf` 17.2
-# (65.3); before int4 and `gguf` used those GEMMs they dequantized every matrix on every call
-# (5.5 and 1.6 tok/s).
+# (65.3); dequantizing every matrix on every call instead, int4 and `gguf` ran at
+# 5.5 and 1.6 tok/s.
 
 # %%
 #| default_exp quant
@@ -521,7 +521,7 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
 # keeps 14 bits of its chunk's largest; a row's int32 sum for the chunk (at most 16 × 15 × 2^14 <
 # 2^22) becomes a float by the same trick backwards, and is scaled by `s × 2^(e − 13)`; the
 # minimum multiplies the exact FP32 `Σx` as before. (A 16-byte chunk has twice the products: its
-# inputs are scaled to under 2^13, one bit fewer. Session 27 found that bound broken before: 32
+# inputs are scaled to under 2^13, one bit fewer. Under 2^14 the bound would break: 32
 # products of inputs near 2^14 by nibbles of 15 pass 2^22, and the float trick then returns
 # garbage; the test below feeds exactly that.)
 #
@@ -529,18 +529,18 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
 # gate-up's 8 × 1 × 8 against 3.77, 3.45 at qkv's 4 × 2 × 8 against 4.09, 2.88 at 4 × 4 × 16
 # against 3.56. A 16-byte chunk is taken as two 8-byte tiles: in one tile of 16 BF16 inputs Triton
 # spread x over two threads and moved the weights through shared memory every step to match.
-# Measured on an H200 (session 25, `kernels_lab/int4_dp2a.py`, 36-matrix chains, µs a matrix, FP32
+# Measured on an H200 (`kernels_lab/int4_dp2a.py`, 36-matrix chains, µs a matrix, FP32
 # → integers): qkv 5.74 → 4.93, o 3.73 → 3.88, gate-up 12.04 → 9.90, down 7.91 → 7.00; the
 # int4 decode step **1.418 → 1.250 ms**; the bench's W1 786.5 / 787.4 tok/s against BF16's 423.0
 # (1.86×; FP32: 1.66×). The relative error against the dequantized matmul moved from 3.37e-3 to
 # 3.42e-3 (BF16 outputs). `INT4_INT_DOT` (on) or `int_dot=` chooses; packed rows that do not start
 # at whole 32-bit words take the FP32 loop.
 #
-# Session 27 took more instructions out of the step. In 8-byte chunks (qkv, gate-up) the high
+# More instructions come out of the step. In 8-byte chunks (qkv, gate-up) the high
 # nibbles are used where they sit, `w & 0xF0F0F0F0` (bytes of 16·q), with the high inputs scaled
 # by a further 1/16 to match: two LOP3 and four `dp2a` a word instead of three and four, at the
 # price of four bits of the high inputs (10 bits of their chunk's largest; 16-byte chunks would
-# keep 9, and shift as before). `Σx` is summed from the same 16-bit integers by one `dp2a` a pair
+# keep 9, so they shift). `Σx` is summed from the same 16-bit integers by one `dp2a` a pair
 # (bytes (1, 1), or (16, 16) for the high pairs) instead of FP32 adds (`_x_integers`), and BF16 x
 # is read as 32-bit words whose halves become floats by a shift and a mask (`_x_as_floats`).
 # `Int4Linear` also keeps each group's scale and minimum side by side (`pair_scales`), so a row's
@@ -552,9 +552,9 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
 # conversion left out, or the nibbles' split (bounds with wrong values,
 # `kernels_lab/int4_int_bounds.py`), the decode step took ~1.15 ms against 1.22. Offline the
 # gate-up's loop went from 350 to 319 instructions a step (2.73 → 2.49 a weight). Measured on an
-# H200 (session 27, `bash kernels_lab/w1_checks.sh ab`, this kernel against the one before, each
+# H200 (`bash kernels_lab/w1_checks.sh ab`, this kernel against one without these changes, each
 # in its own process): the int4 decode step **1.223 / 1.225 / 1.223 / 1.224 → 1.182 / 1.179 ms**;
-# the bench's W1 834.9 / 834.3 tok/s against BF16's 419.4 in the same call (1.99×; before:
+# the bench's W1 834.9 / 834.3 tok/s against BF16's 419.4 in the same call (1.99×; without them:
 # 807.5, 1.93×). The relative error against the dequantized matmul (one row, BF16, random
 # weights): qkv 1.66e-3 → 1.71e-3, gate-up 1.67e-3 → 1.72e-3.
 
@@ -817,7 +817,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # most programs), two for qkv. The gate-up takes 8 rows a program (4 gate rows with their up
 # rows): in a chain of plain GEMVs 4 and 8 rows tie (12.88 and 12.98 µs a matrix), but inside the
 # decode step, as the SiLU-mul GEMV it is there, 8 rows made the int4 step 1.469 ms against
-# 1.496 / 1.494 with 4 (session 22, `kernels_lab/decode_overlap.py`; 6 rows 1.477). Compiled
+# 1.496 / 1.494 with 4 (`kernels_lab/decode_overlap.py`; 6 rows 1.477). Compiled
 # offline, 8 rows take 3.78 instructions a weight against 4.19 and have 64 bytes of weights a
 # thread on their way against 32, at 128 registers a thread against 64. For smaller
 # models (fewer outputs) `BLOCK_N` halves, down to 1, until there are at least 256 programs
@@ -827,23 +827,23 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # Tiles take register caps (`INT4_TILE_MAXNREG`, by tile and arithmetic). In FP32 the gate-up's
 # 8 × 1 × 8 compiles to 128 registers a thread, so 16 warps fit an SM; capped at 96 it spills
 # nothing and 21 fit, and the int4 decode step took 1.426 ms against 1.470 / 1.467 uncapped
-# (session 23; 104 registers: 1.505). Caps that spill were slower (qkv at 56, o and down at 64).
-# In integers the gate-up keeps that cap as measured (80 registers under it; uncapped 64, not yet
+# (104 registers: 1.505). Caps that spill were slower (qkv at 56, o and down at 64).
+# In integers the gate-up keeps that cap as measured (80 registers under it; uncapped 64, not
 # measured), and qkv's 4 × 2 × 8 takes 80: uncapped, ptxas chose 72 registers and spilled six
 # values around its early steps; at 80 it spills none and the step measured the same (1.254 ms
 # against 1.250 / 1.254; at 96, 1.311). The caps hold at one row of x only, where they were measured.
 # o's 4 × 2 × 16 in integers takes 66 registers uncapped (28 warps an SM). Under a cap of 80 ptxas
 # uses 79 (25 warps) for the same 952 instructions a thread, under 96 it uses 87 (23 warps) for 928,
 # and the step was faster for fewer warps: 1.174 ms at 80 against 1.183 / 1.181 uncapped (64: 1.180);
-# then 1.173 at 96 against 1.182 / 1.181 / 1.183 uncapped and 1.176 / 1.177 at 80 (session 28,
-# `kernels_lab/results/h200_session28/`); the bench's W1 then 839.4 / 838.9 tok/s against BF16's
-# 419.1 / 419.1 in the same call (2.00×). Lower caps elsewhere, which spill nothing since the integer
+# then 1.173 at 96 against 1.182 / 1.181 / 1.183 uncapped and 1.176 / 1.177 at 80 (`kernels_lab/decode_overlap.py`,
+# `bash kernels_lab/w1_checks.sh ab`); the bench's W1 at 96: 839.4 / 838.9 tok/s against BF16's
+# 419.1 / 419.1 in the same call (2.00×). Lower caps elsewhere, which spill nothing in the integer
 # step, were all slower: qkv at 64 or 72 1.215, the gate-up at 80 1.212 (88: 1.181), down at 80 1.207.
 #
 # Fewer registers are not a win in themselves. With K a constant of the kernel (each row a fixed
 # offset from the first, no row stride) the gate-up compiled to 80 registers instead of 128 and o's
 # to 56 instead of 96, with fewer instructions, yet the int4 step took 1.518 ms against 1.470 (1.812
-# with each step's scales asked for a step ahead; session 23, `kernels_lab/results/h200_session23/`).
+# with each step's scales asked for a step ahead; `kernels_lab/decode_overlap.py`).
 # Why is still open; only the measurement in the step decides.
 #
 # Two tiles ask for more than their first step of weights before they wait for x
@@ -851,14 +851,14 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
 # 20 warps an SM), down's 4 × 4 × 16 two of its three. A program that starts while the kernel before
 # it still runs then has all (or most) of its weights on their way when x is ready, not one step of
 # them. The int4 decode step: 1.417 / 1.420 ms against 1.429 / 1.429 / 1.428 / 1.429 without, the
-# bench's W1 696.8 / 696.6 tok/s against BF16 419.4 (1.66×; session 24). More was not better: down's
+# bench's W1 696.8 / 696.6 tok/s against BF16 419.4 (1.66×). More was not better: down's
 # three steps 1.489 ms, the gate-up's five do not fit under its cap (they spill from two on), uncapped
 # 1.431 at three. How much any of this can win is bounded: with the int4 GEMVs never waiting for the
 # kernel before (wrong values, same work: `kernels_lab/int4_step_bounds.py`) the step takes 1.276 ms,
 # with their nibbles also left unpacked 1.060; either alone saves about a tenth of the step.
 #
 # The tiles were chosen in FP32; in integers (the section above) they were measured again in the
-# step (session 26, `bash kernels_lab/w1_checks.sh int4-tiles`). Offline, more rows a program pay
+# step (`bash kernels_lab/w1_checks.sh int4-tiles`). Offline, more rows a program pay
 # off more in integers (x's conversion is shared by all of them: qkv's 8 × 2 × 8 2.75 instructions
 # a weight against 4 × 2 × 8's 3.42), yet in the step every larger tile was slower (qkv 8 × 2 × 8
 # 1.307 ms against 1.253 / 1.256). Two changes won: o's rows over two warps, 4 × 2 × 16 (two steps
@@ -1222,7 +1222,7 @@ with pytest.raises(ValueError, match="an even N and block_n, got 12 and 3"):
 
 # %% [markdown]
 # The int4 GEMV takes chapter 09's epilogue folds too (`residual`, `hand_off`, `norm_sums`), so a
-# decode step in int4 hands its norms from GEMV to GEMV as int8's does (chapter 03, session 20):
+# decode step in int4 hands its norms from GEMV to GEMV as int8's does (chapter 03):
 # o and down add the residual and store h·g with h's squares summed; qkv and gate-up take h·g and
 # scale by 1/rms at the end. The same bits as the plain GEMV plus chapter 09's separate kernels
 # where nothing is reassociated; the consumer within rounding of `rmsnorm` then the GEMV.
