@@ -100,10 +100,10 @@ def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
                                        ("qwen2-tiny", "int4")])
 def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
     """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 09a's
-    fused layers, FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with the separate kernels and
-    against the PyTorch decode path, all after the same prefill (eager, with PyTorch's attention): logits within BF16,
-    and the folded step's pick scores as the best under the others, within that (random weights leave near-ties among
-    151,936 logits)."""
+    fused layers, FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with
+    the separate kernels and against the PyTorch decode path, all after the same prefill (eager, with PyTorch's
+    attention): logits within BF16, and the folded step's pick scores as the best under the others, within that
+    (random weights leave near-ties among 151,936 logits)."""
     import forge_engine.kernels as kernels
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.fused_layers import install_fused_layers

@@ -42,7 +42,7 @@ from forge_engine.config import preset
 # when the model runs in bf16: the mean of squares is where low precision hurts.
 #
 # A pre-norm layer always adds a block's output to the residual stream and then normalises
-# the sum: `add_and_norm` does both. (On a GPU, chapter 09 swaps in a subclass that does the
+# the sum: `add_and_norm` does both. (On a GPU, chapter 09a swaps in a subclass that does the
 # same arithmetic as one Triton kernel, reading each row once, instead of eight small ones.)
 
 # %%
@@ -196,9 +196,9 @@ ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"
 # big matmul reads the input once instead of three times. The loader below fills the slices
 # of these merged weights from the separate tensors of a checkpoint.
 #
-# The layers read exactly as the formulas. On a GPU, chapter 09 swaps each of them for a
-# subclass that runs the same arithmetic through its Triton kernels, with fewer launches
-# (`install_fused_layers`); nothing here knows about it.
+# The layers read exactly as the formulas. On a GPU, chapter 09a swaps each of them for a
+# subclass that runs the same arithmetic through chapter 09's Triton kernels, with fewer
+# launches (`install_fused_layers`); nothing here knows about it.
 
 # %%
 #| export
