@@ -55,7 +55,7 @@ class StaticDecodeAttention:
         self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
 
     @property
-    def rope_inside(self) -> bool:  # the model then hands over q and k unrotated, with `rope` (chapter 09)
+    def rope_inside(self) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
         return getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:

@@ -10,21 +10,21 @@ __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCHES', 'DEPENDENT_LAUNCH_MAX_R
            'DECODE_MIN_SPLIT', 'DECODE_MAX_WORK_SPLITS', 'DECODE_ONE_LOOP', 'DECODE_LAST_SPLIT_MERGES',
            'DECODE_EARLY_TILE', 'DECODE_UNROLL_MERGE', 'FUSED_KV_STORE', 'FUSED_NORM_ROPE', 'PREFILL_ROWS',
            'PREFILL_BLOCK_N', 'kernel_backend', 'kernels_available', 'kernels_report', 'pdl_supported',
-           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'norm_rope_reference', 'norm_rope', 'silu_mul_reference',
-           'silu_mul', 'write_kv_reference', 'write_kv', 'argmax_rows', 'gemv_folds_norms', 'gemv_hands_off_norms',
-           'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages', 'hand_off_operands',
-           'check_gemv_folds', 'gemv', 'paged_attention_reference', 'random_paged_kv', 'decode_split_len',
-           'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention', 'KernelDecodeAttention']
+           'add_rmsnorm_reference', 'add_rmsnorm', 'rmsnorm', 'NormRope', 'norm_rope_reference', 'norm_rope',
+           'silu_mul_reference', 'silu_mul', 'write_kv_reference', 'write_kv', 'argmax_rows', 'gemv_folds_norms',
+           'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_prefetch', 'gemv_loop_stages',
+           'hand_off_operands', 'check_gemv_folds', 'gemv', 'paged_attention_reference', 'random_paged_kv',
+           'decode_split_len', 'paged_decode_attention', 'paged_prefill_attention', 'KernelPagedAttention',
+           'KernelDecodeAttention']
 
 # %% ../nbs/09_kernels.ipynb #317f947e
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from .model import NormRope
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -189,6 +189,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto
     return add_rmsnorm(x, None, weight, eps, impl)[0]
 
 # %% ../nbs/09_kernels.ipynb #5bd7469f
+class NormRope(NamedTuple):
+    "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor  # [tokens, head_dim / 2]
+    sin: torch.Tensor
+
+
 def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                         sin: torch.Tensor) -> torch.Tensor:
     "x [T, H, D] -> RoPE(rmsnorm(x) * weight) (weight None: RoPE only), as chapter 03 computes it."
@@ -1401,7 +1410,7 @@ class KernelPagedAttention:
 
     @property
     def rope_inside(self) -> bool:
-        "Decodes only: the decode kernel applies q/k-norm and RoPE too (the model hands over q and k unrotated)."
+        "Decodes only: the decode kernel applies q/k-norm and RoPE too (chapter 09a hands over q and k unrotated)."
         return self.max_query_len == 1 and FUSED_NORM_ROPE
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -5,6 +5,7 @@
 # %% ../nbs/05_paged_kv.ipynb #25f5e214
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import Counter, OrderedDict, deque
@@ -15,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .model import causal_attention, triton_kernel
+from .model import causal_attention
 
 # %% auto #0
-__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'PagedKVCache', 'consecutive_from',
-           'copy_to_device', 'to_device', 'to_device_together', 'StepLayout', 'build_step_layout',
+__all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'triton_kernel', 'PagedKVCache',
+           'consecutive_from', 'copy_to_device', 'to_device', 'to_device_together', 'StepLayout', 'build_step_layout',
            'paged_decode_attention_torch', 'single_query_attention', 'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
@@ -194,6 +195,16 @@ class BlockAllocator:
         return block_id
 
 # %% ../nbs/05_paged_kv.ipynb #d16fb8cb
+@functools.cache
+def triton_kernel(name: str):
+    "A Triton kernel of chapter 09 (`write_kv`) when it runs natively here (a CUDA GPU), else None."
+    try:
+        import forge_engine.kernels as kernels
+    except ImportError:
+        return None
+    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
+
+
 class PagedKVCache:
     "The K/V pool: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device="cpu", dtype=torch.float32):

@@ -153,6 +153,9 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         from forge_engine.quant import quantize_model
         quantize_model(model, quantization, device=device)
     model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
+    if device.type == "cuda":  # chapter 09a: the layers through the kernels, where they run compiled
+        from forge_engine.fused_layers import install_fused_layers
+        install_fused_layers(model)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)

@@ -980,7 +980,7 @@ class Int8Linear(QuantLinear):
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
     def rows(self, ids, dtype): return int8_rows(ids, self.qweight, self.scale, dtype)
-    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as the model's Linear: chapter 09's gemv)
+    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
 
 
 class Int4Linear(QuantLinear):
@@ -1018,7 +1018,7 @@ class Int4Linear(QuantLinear):
 
     def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
         """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
-        03's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
+        09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
         `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
         if self.bias is not None and (swiglu or residual is not None):
             raise ValueError("Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual")

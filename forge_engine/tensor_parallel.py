@@ -31,11 +31,12 @@ from torch import nn
 
 from .config import EngineConfig, ModelConfig
 from .engine import ModelRunner, PendingTokens, build_runner
+from .fused_layers import FusedRMSNorm, linear
 from .kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from .kv_cache import to_device
 from .loader import LoadedModel, finish_stats, model_config_of
 from .loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
-from .model import RMSNorm, Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
+from .model import Transformer, checkpoint_target, fill_random_, hf_state_dict, load_weights
 from .registry import ResolvedModel, describe_model
 from .tokenizer import Tokenizer
 
@@ -152,9 +153,10 @@ class RowParallelLinear(nn.Linear):
         return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half))
 
 
-class ReducingRMSNorm(RMSNorm):
+class ReducingRMSNorm(FusedRMSNorm):
     """The norm after a row-parallel layer: `add_and_norm` gets that layer's partial output, sums it over the ranks,
-    adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first."""
+    adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first,
+    then chapter 09a's fused add + norm (its PyTorch path on a CPU)."""
     def __init__(self, dim: int, eps: float, all_reduce: AllReduce):
         super().__init__(dim, eps)
         self.all_reduce = all_reduce

@@ -56,7 +56,7 @@ import sys
 from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may switch on the interpreter
 import torch
 import forge_engine.kernels as kernels
-from forge_engine.model import RMSNorm
+from forge_engine.fused_layers import FusedRMSNorm
 import forge_engine.quant as quant
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
@@ -121,7 +121,7 @@ QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
 EXPORTED_PREFETCH = kernels.gemv_prefetch
 
 
-EXPORTED_ADD_NORM = RMSNorm.add_and_norm
+EXPORTED_ADD_NORM = FusedRMSNorm.add_and_norm
 EXPORTED_CONFIG = kernels.gemv_config
 EXPORTED_INT4_CONFIG = quant.quant_gemv_config
 EXPORTED_INT4_GEMV = quant.int4_gemv
@@ -266,7 +266,7 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
 def switch(**changes):
     "Chapter 09's switches (and chapter 10's INT4_EARLY_WEIGHTS): their defaults, with `changes`."
     shapes = changes.pop("PREFETCH_SHAPES", None)  # (a lab-only setting: the prefetch for some GEMVs only)
-    RMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
+    FusedRMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
     configs = changes.pop("GEMV_CONFIGS", None)  # (lab-only: other tiles for some shapes)
     kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})

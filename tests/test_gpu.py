@@ -32,6 +32,7 @@ def test_gpu_engine_matches_the_reference_path(name):
     config = dict(kv_cache_bytes=64 * 2**20, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
     fast = LLMEngine(loaded, EngineConfig(**config))
     assert fast.runner.decode is not None and fast.runner.decode.use_graphs
+    assert type(model).__name__ == "FusedTransformer"  # the engine swapped in chapter 09a's fused layers
     reference = LLMEngine(loaded, EngineConfig(**config, cuda_graphs=False))
     got, want = run_all(fast, prompts, params), run_all(reference, prompts, params)
     for g, w in zip(got, want):
@@ -98,19 +99,21 @@ def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
                                        ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8"), ("qwen3-tiny", "int4"),
                                        ("qwen2-tiny", "int4")])
 def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
-    """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 03,
-    FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with the separate kernels and
-    against the PyTorch decode path, all after the same prefill (eager, with PyTorch's attention): logits within BF16,
-    and the folded step's pick scores as the best under the others, within that (random weights leave near-ties among
-    151,936 logits)."""
+    """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 09a's
+    fused layers, FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with
+    the separate kernels and against the PyTorch decode path, all after the same prefill (eager, with PyTorch's
+    attention): logits within BF16, and the folded step's pick scores as the best under the others, within that
+    (random weights leave near-ties among 151,936 logits)."""
     import forge_engine.kernels as kernels
     from forge_engine.cuda_graphs import DecodeRunner
+    from forge_engine.fused_layers import install_fused_layers
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
     config = preset(name)
     model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
         from forge_engine.quant import quantize_model
         quantize_model(model, mode)
+    install_fused_layers(model)  # (as the loader and the engine do; a DecodeRunner alone runs what it is given)
     switch, check = ("FUSED_NORM_GEMV", "folds_norms") if mode == "none" else ("NORM_HANDOFF", "hands_off_norms")
     cache = PagedKVCache(config, 9, 16, "cuda", torch.bfloat16)  # 8 blocks + the scratch block
     prompt, table = list(range(5, 45)), [0, 1, 2]
@@ -261,6 +264,7 @@ def test_qwen3_4b_int8_serves_under_an_8_gib_budget():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     loaded = load_model("random:qwen3-4b", "cuda", quantization="int8", memory_budget=budget, progress=False)
+    assert type(loaded.model.layers[0]).__name__ == "FusedDecoderLayer"  # the loader swapped in the fused layers
     engine = LLMEngine(loaded, EngineConfig(gpu_memory_budget=budget))
     try:
         assert engine.cache.nbytes >= MIN_KV_BYTES

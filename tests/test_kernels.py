@@ -202,6 +202,47 @@ def test_prefill_rejects_bad_arguments():
         paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 4, 8]), ctx, 0, 1.0)
 
 
+# ---- the model's layers, fused
+
+@pytest.mark.parametrize("name", ["qwen2-tiny", "llama-tiny"])
+def test_fused_layers_give_the_plain_models_logits(name):
+    """Chapter 09a's fused layers (forced where no GPU runs them: the kernels' PyTorch paths, the attention interpreted)
+    with the kernel backend against the plain model with the reference one, over a prompt, a mixed step and decodes
+    (whose q and k the decode kernel rotates): a qkv bias (qwen2), no q/k norm (llama)."""
+    import copy
+    from forge_engine.config import preset
+    from forge_engine.fused_layers import FusedDecoderLayer, install_fused_layers
+    from forge_engine.kernels import KernelPagedAttention
+    from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
+    from forge_engine.model import empty_model, init_random_weights
+    plain = init_random_weights(empty_model(preset(name), device=DEVICE), seed=0, std=0.1)
+    fused = install_fused_layers(copy.deepcopy(plain), force=True)
+    assert all(type(layer) is FusedDecoderLayer for layer in fused.layers)
+    caches = [PagedKVCache(plain.config, num_blocks=16, block_size=4, device=DEVICE) for _ in range(2)]
+    steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
+             ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
+             ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26])]
+    with torch.no_grad():
+        for seqs, ids in steps:
+            layout = build_step_layout(seqs, 4, device=DEVICE)
+            ids = torch.tensor(ids, device=DEVICE)
+            want = plain.compute_logits(plain(ids, layout.positions, PagedAttention(caches[0], layout)))
+            got = fused.compute_logits(fused(ids, layout.positions, KernelPagedAttention(caches[1], layout, "triton")))
+            torch.testing.assert_close(got, want, **TOL[torch.float32])  # (fp32: attention's sums in another order)
+
+
+def test_layers_stay_plain_where_no_gpu_runs_the_kernels():
+    "On a CPU neither the loader nor the engine swaps in the fused layers: chapter 03's layers run as written."
+    from forge_engine.config import EngineConfig
+    from forge_engine.engine import LLMEngine
+    from forge_engine.loader import load_model
+    from forge_engine.model import DecoderLayer, Transformer
+    loaded = load_model("random:qwen3-tiny", "cpu", progress=False)
+    LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**22))
+    assert type(loaded.model) is Transformer and all(type(layer) is DecoderLayer for layer in loaded.model.layers)
+    assert type(loaded.model.layers[0].attn.qkv) is torch.nn.Linear
+
+
 # ---- on a GPU, at Qwen3-4B's shapes (32 query heads, 8 KV heads, head_dim 128, block 16, bf16)
 
 @pytest.mark.gpu
@@ -266,8 +307,10 @@ def test_gpu_tiny_model_through_the_kernel_backend():
     from forge_engine.config import preset
     from forge_engine.kernels import KernelPagedAttention
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
+    from forge_engine.fused_layers import install_fused_layers
     from forge_engine.model import empty_model, init_random_weights
     model = init_random_weights(empty_model(preset("qwen3-tiny"), device="cuda"), seed=0, std=0.1)
+    install_fused_layers(model)  # (as the engine does: the layers through the kernels too)
     caches = [PagedKVCache(model.config, num_blocks=16, block_size=4, device="cuda") for _ in range(2)]
     steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
              ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),

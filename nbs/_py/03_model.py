@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable, NamedTuple, Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,24 +39,14 @@ from forge_engine.config import preset
 # ## RMSNorm
 #
 # Scale each vector to unit root-mean-square, then by a learned weight. Computed in fp32 even
-# when the model runs in bf16: the mean of squares is where low precision hurts. On a GPU the
-# same arithmetic runs as one fused Triton kernel (chapter 09) instead of eight small ones.
+# when the model runs in bf16: the mean of squares is where low precision hurts.
 #
 # A pre-norm layer always adds a block's output to the residual stream and then normalises
-# the sum: `add_and_norm` does both, and on a GPU in one kernel that reads each row once.
+# the sum: `add_and_norm` does both. (On a GPU, chapter 09a swaps in a subclass that does the
+# same arithmetic as one Triton kernel, reading each row once, instead of eight small ones.)
 
 # %%
 #| export
-@functools.cache
-def triton_kernel(name: str):
-    "A fused Triton kernel of chapter 09 (`add_rmsnorm`, `norm_rope`, `gemv`, ...) when it runs natively here (a CUDA GPU), else None."
-    try:
-        import forge_engine.kernels as kernels
-    except ImportError:
-        return None
-    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -64,16 +54,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (fused := triton_kernel("rmsnorm")) is not None:
-            return fused(x, self.weight, self.eps)  # one kernel instead of eight: the same arithmetic
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "(norm(x + residual), x + residual): the residual add and the next norm."
-        if x.is_cuda and (fused := triton_kernel("add_rmsnorm")) is not None:
-            return fused(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
 
@@ -178,19 +164,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 
 
 class AttentionBackend(Protocol):
-    """Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache. A backend
-    with a true `rope_inside` (chapter 09's decode kernel) is handed q and k as the QKV projection left them, with a
-    `rope=NormRope(...)` to normalise and rotate them itself."""
+    "Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache."
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-class NormRope(NamedTuple):
-    "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor  # [tokens, head_dim / 2]
-    sin: torch.Tensor
 
 
 def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
@@ -213,6 +188,7 @@ assert torch.allclose(out[:, 0, 0], torch.tensor([2.0, 2.5, 3.0]), rtol=1e-6, at
 fig, ax = plt.subplots(figsize=(3, 1.6)); ax.imshow(mask, cmap="Greens")
 ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"); plt.show()
 
+
 # %% [markdown]
 # ## The layers
 #
@@ -220,144 +196,55 @@ ax.set(xlabel="key position", ylabel="new query", title="who may attend to whom"
 # big matmul reads the input once instead of three times. The loader below fills the slices
 # of these merged weights from the separate tensors of a checkpoint.
 #
-# `Linear` is `nn.Linear` with one GPU shortcut: for the single row of a batch-1 decode step
-# it runs chapter 09's GEMV kernel, which reads the weight at closer to the memory bandwidth
-# than the general matmul does. The arithmetic is the same (fp32 sums of the same
-# products, in another order).
-#
-# Two more GPU shortcuts, both for a decode step and both explained in chapter 09: the MLP asks
-# that GEMV for `silu(gate) * up` straight away (`swiglu=True`: one launch fewer), and an
-# attention backend that says `rope_inside` gets q and k as the QKV projection left them,
-# with a `NormRope` to normalise and rotate them itself (again one launch fewer). On a CPU
-# neither applies and the layers below read exactly as the formulas.
-#
-# A third, for a decode step of one row on a GPU, with BF16 weights (`DecoderLayer.folds_norms`):
-# each add + RMSNorm disappears into the GEMVs around it (`folded_gemv`, chapter 09's `gemv`
-# with `norm` and `residual`). qkv and gate-up normalise x as they read it; o and down add the
-# residual stream in their epilogue. The layer then hands on the whole residual stream, with
-# nothing left to add (its second output is None, as the embedding's). Four launches a layer
-# where the step had six; measured faster for BF16 only (chapter 09). A tensor-parallel layer,
-# whose o and down give partial sums that its norms finish (chapter 09c), never folds: its o and
-# down are not layers chapter 09's GEMV reads.
+# The layers read exactly as the formulas. On a GPU, chapter 09a swaps each of them for a
+# subclass that runs the same arithmetic through chapter 09's Triton kernels, with fewer
+# launches (`install_fused_layers`); nothing here knows about it.
 
 # %%
 #| export
-GEMV_ROWS = 1  # steps of up to this many tokens use chapter 09's `gemv` on a GPU (measured: one row only pays)
-
-
-def decode_gemv(x: torch.Tensor):
-    "Chapter 09's `gemv` when x is a decode step's few rows (up to GEMV_ROWS) on a GPU that runs it, else None."
-    return triton_kernel("gemv") if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS else None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on a GPU, up to GEMV_ROWS input rows go through the small-batch GEMV kernel. `out`: a contiguous
-    [rows, out_features] tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
-    if (gemv := decode_gemv(x)) is not None:
-        return gemv(x, weight, bias, out=out)
-    if out is None:
-        return F.linear(x, weight, bias)
-    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
-
-
-class Linear(nn.Linear):
-    "nn.Linear through `linear`."
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
-
-    def gemv_operands(self) -> tuple:
-        "(weight, bias, scale) as chapter 09's `gemv` takes them: what its decode rows read."
-        return self.weight, self.bias, None
-
-
-class HandedNorm(NamedTuple):
-    "An RMSNorm handed from a decode GEMV to the next (chapter 09's `hand_off`, `norm_sums`): the norm, and its sums."
-    norm: RMSNorm
-    sums: torch.Tensor  # [rows] float32: the squares of the norm's input, added up by the GEMV that makes it; from 0
-
-
-def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                swiglu: bool = False, handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None):
-    """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of chapter 09's `gemv` (the layer has
-    `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue.
-    `handed_in`: x is that norm applied but for its 1 / rms, which the GEMV takes from the sums. `hand_off` (with
-    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums.
-    A layer with a GEMV of its own (`decode_gemv`: chapter 10's int4) takes the same folds but `norm`."""
-    eps = norm.eps if norm is not None else handed_in.norm.eps if handed_in is not None else 1e-6
-    folds = dict(swiglu=swiglu, residual=residual, eps=eps, norm_sums=None if handed_in is None else handed_in.sums,
-                 hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
-    if hasattr(layer, "decode_gemv"):
-        if norm is not None:
-            raise ValueError(f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)")
-        return layer.decode_gemv(x, **folds)
-    return triton_kernel("gemv")(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.config = layer, config
         c = config
-        self.qkv = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
-        self.o = Linear(c.q_size, c.hidden_size, bias=False)
+        self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o = nn.Linear(c.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x, cos, sin, attention: AttentionBackend, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None, handed_in: HandedNorm | None = None,
-                hand_off: HandedNorm | None = None):
-        """`norm`, `residual`: a decode step's folds (see DecoderLayer): x normalised by the qkv GEMV, residual added by
-        o's. `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
-        c, t = self.config, x.shape[0]
-        qkv = self.qkv(x) if norm is None and handed_in is None else folded_gemv(self.qkv, x, norm, handed_in=handed_in)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
-        v = v.view(t, c.num_kv_heads, c.head_dim)
-        if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
-            rope = NormRope(self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None,
-                            c.rms_norm_eps, cos, sin)
-            return self.project_out(attention(self.layer, q, k, v, rope=rope).reshape(t, c.q_size), residual, hand_off)
-        qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)  # q heads, then k's
-        if x.is_cuda and (fused := triton_kernel("norm_rope")) is not None:  # q and k in one kernel on a GPU
-            qk = fused(qk, self.q_norm.weight if self.q_norm else None, c.rms_norm_eps, cos, sin,
-                       k_weight=self.k_norm.weight if self.k_norm else None, num_q_heads=c.num_heads)
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        elif self.q_norm is not None:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionBackend) -> torch.Tensor:
+        qkv = self.qkv(x)
+        q, k, v = self.heads(qkv)
+        if self.q_norm is not None:
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        return self.project_out(attention(self.layer, q, k, v).reshape(t, c.q_size), residual, hand_off)
+            qk = apply_rope(self.qk_heads(qkv), cos, sin)
+            q, k = qk[:, :self.config.num_heads], qk[:, self.config.num_heads:]
+        return self.o(attention(self.layer, q, k, v).reshape(x.shape[0], self.config.q_size))
 
-    def project_out(self, out: torch.Tensor, residual: torch.Tensor | None, hand_off: HandedNorm | None = None):
-        "o(out), or with a decode step's `residual`: residual + o(out) by one GEMV (handing a norm off: `folded_gemv`)."
-        return self.o(out) if residual is None else folded_gemv(self.o, out, residual=residual, hand_off=hand_off)
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        "qkv's output [T, q_size + 2 kv_size] as views: q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."
+        c, t = self.config, qkv.shape[0]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        kv_shape = (t, c.num_kv_heads, c.head_dim)
+        return q.view(t, c.num_heads, c.head_dim), k.view(kv_shape), v.view(kv_shape)
+
+    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        "q's heads, then k's, as one view [T, heads + kv_heads, head_dim] of the QKV projection's output."
+        c = self.config
+        return qkv[:, :c.q_size + c.kv_size].view(qkv.shape[0], c.num_heads + c.num_kv_heads, c.head_dim)
 
 
 class MLP(nn.Module):
     "SwiGLU: down(silu(gate(x)) * up(x))."
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None):
-        """`norm`, `residual`: a decode step's folds (see DecoderLayer): residual + down(silu_mul(gate_up(norm(x)))).
-        `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
-        if norm is not None or handed_in is not None:  # two GEMVs: the norm and SiLU-mul in the first, the add in the second
-            return folded_gemv(self.down, folded_gemv(self.gate_up, x, norm, swiglu=True, handed_in=handed_in),
-                               residual=residual, hand_off=hand_off)
-        if (gemv := decode_gemv(x)) is not None:
-            if hasattr(self.gate_up, "gemv_operands"):
-                return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV (chapter 09)
-            if hasattr(self.gate_up, "decode_gemv"):  # a layer with a GEMV of its own (chapter 10's int4)
-                return self.down(self.gate_up.decode_gemv(x, swiglu=True))
-        h = self.gate_up(x)
-        if x.is_cuda and (fused := triton_kernel("silu_mul")) is not None:
-            return self.down(fused(h))  # one kernel for silu, the halves and the product
-        gate, up = h.chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -373,57 +260,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, cos, sin, attention):
-        if residual is None and self.folds_norms(x):  # a decode step of few rows on a GPU: 4 launches, not 6
-            h = self.attn(x, cos, sin, attention, norm=self.attn_norm, residual=x)  # x + attn(norm(x))
-            return self.mlp(h, norm=self.mlp_norm, residual=h), None  # the whole residual stream, nothing left to add
         h, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm.add_and_norm(x, residual)
         h, residual = self.mlp_norm.add_and_norm(self.attn(h, cos, sin, attention), residual)
         return self.mlp(h), residual
-
-    def forward_handing_off(self, h, x, handed_in: HandedNorm | None, cos, sin, attention, sums: torch.Tensor,
-                            hand_off: HandedNorm | None):
-        """`forward` for a decode step whose norms travel between the GEMVs (`hands_off_norms`): h is the residual
-        stream, x its attn_norm as `handed_in` says (None: normalised already). Returns (h after the layer,
-        `hand_off`'s norm of it but for 1 / rms, or None without one). `sums`: zeroed floats [rows] for mlp_norm's."""
-        mlp = HandedNorm(self.mlp_norm, sums)
-        h, x = self.attn(x, cos, sin, attention, residual=h, handed_in=handed_in, hand_off=mlp)
-        out = self.mlp(x, residual=h, handed_in=mlp, hand_off=hand_off)
-        return out if hand_off is not None else (out, None)
-
-    def folds_norms(self, x: torch.Tensor) -> bool:
-        """Whether this step folds the norms and residual adds into the GEMVs (chapter 09's `gemv` with `norm` and
-        `residual`, FUSED_NORM_GEMV): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
-        return self._gemv_reads_all(x) and triton_kernel("gemv_folds_norms")(self.attn.qkv.gemv_operands()[0])
-
-    def hands_off_norms(self, x: torch.Tensor) -> bool:
-        """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (chapter 09's
-        `gemv` with `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it; or
-        each layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
-        if self._gemv_reads_all(x):
-            return triton_kernel("gemv_hands_off_norms")(self.attn.qkv.gemv_operands()[0])
-        return decode_gemv(x) is not None and all(hasattr(layer, "decode_gemv") and layer.hands_off_norms()
-                                                  for layer in self._projections())
-
-    def _gemv_reads_all(self, x: torch.Tensor) -> bool:
-        "x is few enough rows for chapter 09's GEMV, and each of the four layers is one it reads."
-        return decode_gemv(x) is not None and all(hasattr(layer, "gemv_operands") for layer in self._projections())
-
-    def _projections(self) -> tuple[nn.Module, ...]:
-        return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
-
-
-# %% [markdown]
-# A layer with a GEMV of its own (chapter 10's int4) gets the folds as keywords; the norm itself
-# it cannot apply, and says so rather than dropping it:
-
-# %%
-class OwnGemv(nn.Module):
-    def decode_gemv(self, x, **folds): return folds
-norm, sums = RMSNorm(4, 1e-5), torch.zeros(1)
-folds = folded_gemv(OwnGemv(), torch.zeros(1, 4), residual=torch.ones(1, 4), handed_in=HandedNorm(norm, sums))
-assert folds["norm_sums"] is sums and folds["eps"] == 1e-5 and folds["hand_off"] is None and not folds["swiglu"]
-with pytest.raises(ValueError, match="OwnGemv's own GEMV takes no norm to apply"):
-    folded_gemv(OwnGemv(), torch.zeros(1, 4), norm=norm)
 
 
 # %% [markdown]
@@ -443,36 +282,28 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
-        x, residual = self.embed(input_ids), None
+        x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        if self.layers[0].hands_off_norms(x):
-            return self._forward_handing_off(x, cos, sin, attention)
+        return self.run_layers(x, cos, sin, attention)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attention: AttentionBackend) -> torch.Tensor:
+        "The embedded tokens x [T, hidden] through every layer and the final norm."
+        residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
-
-    def _forward_handing_off(self, h, cos, sin, attention) -> torch.Tensor:
-        """`forward` for a decode step whose norms travel between the GEMVs (DecoderLayer's `hands_off_norms`): the
-        first layer's norm and the final one are kernels of their own, the 71 between are not."""
-        sums = torch.zeros(2 * len(self.layers), h.shape[0], device=h.device)  # per norm and row; one memset a step
-        x, handed = self.layers[0].attn_norm(h), None
-        for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            hand_off = None if last else HandedNorm(self.layers[i + 1].attn_norm, sums[2 * i + 1])
-            h, x = layer.forward_handing_off(h, x, handed, cos, sin, attention, sums[2 * i], hand_off)
-            handed = hand_off
-        return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> logits [N, vocab] in fp32."
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return linear(hidden, self.embed.weight).float()  # tied: the embedding matrix is the head
+        return F.linear(hidden, self.embed.weight).float()  # tied: the embedding matrix is the head
 
 
 # %% [markdown]

@@ -83,7 +83,8 @@ def choose_auto_model() -> tuple[str, str | None, str]:
 #
 # The registry (chapter 01b) says what a name is: a safetensors directory, a GGUF file or a
 # random preset. Each format yields `(hf_name, tensor)` pairs one at a time, and
-# `load_weights` (chapter 03) copies them into a model allocated on the target device.
+# `load_weights` (chapter 03) copies them into a model allocated on the target device. On a
+# GPU the model's layers are then swapped for chapter 09a's fused ones (`install_fused_layers`).
 
 # %%
 #| export
@@ -181,6 +182,9 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         from forge_engine.quant import quantize_model
         quantize_model(model, quantization, device=device)
     model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
+    if device.type == "cuda":  # chapter 09a: the layers through the kernels, where they run compiled
+        from forge_engine.fused_layers import install_fused_layers
+        install_fused_layers(model)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)

@@ -34,6 +34,7 @@
 #| export
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import Counter, OrderedDict, deque
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_engine.config import ModelConfig
-from forge_engine.model import causal_attention, triton_kernel
+from forge_engine.model import causal_attention
 
 # %%
 #| hide
@@ -381,6 +382,16 @@ assert off.stats().cached_blocks == 0 and off.stats().free_blocks == 4
 
 # %%
 #| export
+@functools.cache
+def triton_kernel(name: str):
+    "A Triton kernel of chapter 09 (`write_kv`) when it runs natively here (a CUDA GPU), else None."
+    try:
+        import forge_engine.kernels as kernels
+    except ImportError:
+        return None
+    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
+
+
 class PagedKVCache:
     "The K/V pool: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device="cpu", dtype=torch.float32):

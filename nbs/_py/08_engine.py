@@ -240,6 +240,9 @@ def build_runner(model: Transformer, config: EngineConfig,
                  agree_num_blocks: Callable[[int], int] = lambda n: n) -> ModelRunner:
     "The KV pool (one scratch block more than the allocator hands out), the decode runner and the model runner."
     param = next(model.parameters())
+    if param.device.type == "cuda":  # chapter 09a's fused layers (a model built by hand too), before the KV budget's run
+        from forge_engine.fused_layers import install_fused_layers
+        install_fused_layers(model)
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype))
     # one block more than the allocator hands out: padded rows of a graphed decode write there

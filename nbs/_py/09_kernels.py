@@ -46,11 +46,10 @@
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from forge_engine.model import NormRope
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -298,6 +297,15 @@ with pytest.raises(ValueError, match=r"weight must be \[96\]"):
 
 # %%
 #| export
+class NormRope(NamedTuple):
+    "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor  # [tokens, head_dim / 2]
+    sin: torch.Tensor
+
+
 def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                         sin: torch.Tensor) -> torch.Tensor:
     "x [T, H, D] -> RoPE(rmsnorm(x) * weight) (weight None: RoPE only), as chapter 03 computes it."
@@ -734,7 +742,7 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 # multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
 # program, which reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`).
 # `residual=r` adds r to the output in the epilogue, rounded as the separate add would find it
-# (the bits of the GEMV followed by `add_rmsnorm`'s add: tested below). Chapter 03 then runs a
+# (the bits of the GEMV followed by `add_rmsnorm`'s add: tested below). Chapter 09a then runs a
 # batch-1 layer as four launches: qkv(norm(x)), attention, x + o(·), gate-up(norm(·)) with
 # SiLU-mul, h + down(·). The norm's arithmetic differs from `rmsnorm` followed by the GEMV (x·g
 # is never rounded to bf16), so logits agree within bf16, not bit for bit (tests/test_gpu.py).
@@ -1429,7 +1437,7 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
 # anyway, so it also stores h·g (the next norm's weight) and adds h's squares, one atomic add a
 # program, to a float in memory; the GEMV after (qkv, gate-up) reads h·g as its x and scales its
 # sums by 1/rms from that float at the end, nothing added to its loop. (The float must start at 0:
-# chapter 03 zeroes one per norm at the start of a step.) Its bound, with
+# chapter 09a zeroes one per norm at the start of a step.) Its bound, with
 # the add + RMSNorm launches simply skipped (wrong values, a bound; `kernels_lab/decode_overlap.py`,
 # one H200): the int8 step 1.678 → 1.589 ms, W1-like 580.1 → 610.6 tok/s; int4 1.600 → 1.493.
 # Handed off (int8): the step **1.617-1.625 ms** against 1.678-1.682 without, W1 (bench) 410.6 →
@@ -2020,7 +2028,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # q heads (4 rows of 128 for Qwen3-4B), cheaper than a launch. All of it is asked for before the
 # first reduction: the compiler moves no load over the barriers a reduction brings, and each
 # load behind one would be another round trip. The model learns that a backend does this from
-# its `rope_inside` and hands it q and k as the QKV projection left them (chapter 03). Measured
+# its `rope_inside` and hands it q and k as the QKV projection left them (chapter 09a). Measured
 # on an H200: step 2.715 ms against 2.742 with `norm_rope` launched (BF16), 1.996 against 2.024
 # (int8), 2.272 against 2.302 (int4). On.
 
@@ -2342,7 +2350,7 @@ class KernelPagedAttention:
 
     @property
     def rope_inside(self) -> bool:
-        "Decodes only: the decode kernel applies q/k-norm and RoPE too (the model hands over q and k unrotated)."
+        "Decodes only: the decode kernel applies q/k-norm and RoPE too (chapter 09a hands over q and k unrotated)."
         return self.max_query_len == 1 and FUSED_NORM_ROPE
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

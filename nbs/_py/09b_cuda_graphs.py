@@ -94,7 +94,7 @@ class StaticDecodeAttention:
         self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
 
     @property
-    def rope_inside(self) -> bool:  # the model then hands over q and k unrotated, with `rope` (chapter 09)
+    def rope_inside(self) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
         return getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
@@ -301,16 +301,21 @@ assert runner.greedy_tokens(static_logits) is None  # (no graph recorded an argm
 # %% [markdown]
 # With chapter 09's decode kernel (here interpreted), which is handed the new K/V and stores
 # them itself: by `write_kv` first, or with `FUSED_KV_STORE` inside the attention kernel (one
-# launch fewer a layer). Both give the reference's logits and write the same slots.
+# launch fewer a layer). The model's layers are chapter 09a's fused ones, as on a GPU: they hand
+# the kernel q and k unrotated, to normalise and rotate itself. Both give the reference's
+# logits and write the same slots.
 
 # %%
+import copy
 import forge_engine.kernels as kernels
+from forge_engine.fused_layers import install_fused_layers
 from forge_engine.kernels import KernelDecodeAttention
 
+fused_model = install_fused_layers(copy.deepcopy(model), force=True)  # (forced: on a CPU, their PyTorch paths)
 for fused in (False, True):
     kernels.FUSED_KV_STORE = fused
     cache.k_cache.copy_(before)
-    kernel_runner = DecodeRunner(model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks,
+    kernel_runner = DecodeRunner(fused_model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks,
                                  attention=KernelDecodeAttention(impl="triton"), use_graphs=False)
     logits = kernel_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
@@ -322,7 +327,7 @@ kernels.FUSED_KV_STORE = True  # (the default)
 
 # %%
 #| gpu
-gpu_model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
+gpu_model = install_fused_layers(init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1))
 gpu_cache = PagedKVCache(config, num_blocks + 1, block_size, "cuda", torch.bfloat16)
 gpu_cache.k_cache.copy_(cache.k_cache); gpu_cache.v_cache.copy_(cache.v_cache)
 graphed = DecodeRunner(gpu_model, gpu_cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks)

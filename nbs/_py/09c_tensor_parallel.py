@@ -99,11 +99,12 @@ from torch import nn
 
 from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import ModelRunner, PendingTokens, build_runner
+from forge_engine.fused_layers import FusedRMSNorm, linear
 from forge_engine.kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from forge_engine.kv_cache import to_device
 from forge_engine.loader import LoadedModel, finish_stats, model_config_of
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
-from forge_engine.model import RMSNorm, Transformer, checkpoint_target, fill_random_, hf_state_dict, linear, load_weights
+from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, load_weights
 from forge_engine.registry import ResolvedModel, describe_model
 from forge_engine.tokenizer import Tokenizer
 
@@ -256,6 +257,10 @@ torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-5, atol=1e-6)
 # - `VocabParallelEmbedding`: look up the ids this rank owns, zeros for the others, all-reduce;
 # - the LM head computes this rank's slice of the logits; an all-gather assembles the row.
 #
+# On a GPU the engine swaps the layers chapter 03 made for chapter 09a's fused ones
+# (`install_fused_layers`). These four are not among them and stay; they run the same kernels
+# themselves (the GEMV for a decode row through `linear`, the norms as `FusedRMSNorm`s).
+#
 # The model's all-reduces all go through one `AllReduce` object: `torch.distributed` (NCCL on
 # GPUs, gloo on CPUs), or, for small messages between GPUs that can reach each other's memory,
 # the faster path of *Small all-reduces through peer memory* below, once it is set up.
@@ -298,9 +303,10 @@ class RowParallelLinear(nn.Linear):
         return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half))
 
 
-class ReducingRMSNorm(RMSNorm):
+class ReducingRMSNorm(FusedRMSNorm):
     """The norm after a row-parallel layer: `add_and_norm` gets that layer's partial output, sums it over the ranks,
-    adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first."""
+    adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first,
+    then chapter 09a's fused add + norm (its PyTorch path on a CPU)."""
     def __init__(self, dim: int, eps: float, all_reduce: AllReduce):
         super().__init__(dim, eps)
         self.all_reduce = all_reduce

@@ -1222,7 +1222,7 @@ with pytest.raises(ValueError, match="an even N and block_n, got 12 and 3"):
 
 # %% [markdown]
 # The int4 GEMV takes chapter 09's epilogue folds too (`residual`, `hand_off`, `norm_sums`), so a
-# decode step in int4 hands its norms from GEMV to GEMV as int8's does (chapter 03):
+# decode step in int4 hands its norms from GEMV to GEMV as int8's does (chapter 09a):
 # o and down add the residual and store h·g with h's squares summed; qkv and gate-up take h·g and
 # scale by 1/rms at the end. The same bits as the plain GEMV plus chapter 09's separate kernels
 # where nothing is reassociated; the consumer within rounding of `rmsnorm` then the GEMV.
@@ -1622,7 +1622,7 @@ class Int8Linear(QuantLinear):
 
     def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
     def rows(self, ids, dtype): return int8_rows(ids, self.qweight, self.scale, dtype)
-    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as the model's Linear: chapter 09's gemv)
+    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
 
 
 class Int4Linear(QuantLinear):
@@ -1660,7 +1660,7 @@ class Int4Linear(QuantLinear):
 
     def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
         """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
-        03's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
+        09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
         `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
         if self.bias is not None and (swiglu or residual is not None):
             raise ValueError("Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual")

@@ -31,6 +31,7 @@
 # | 08_engine | `engine` | one step: schedule, run, sample, stop; `LLM` |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
 # | 09_kernels | `kernels` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV, paged decode and prefill attention |
+# | 09a_fused_layers | `fused_layers` | the model's layers through those kernels on a GPU, swapped in by class |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
 # | 09c_tensor_parallel | `tensor_parallel` | one model over N GPUs: sharded weights, all-reduces, worker processes |
 # | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
