@@ -12,14 +12,17 @@ if ! diff -r -x __pycache__ -x _modidx.py "$scratch/lib_before" forge_engine; th
   echo "FAIL: forge_engine/ differs from the notebooks' export: edit nbs/_py, run make sync, commit all three"; exit 1
 fi
 
-stage "2. notebooks are clean"
+stage "2. modules import only the layers below their own (pyproject.toml's contract)"
+lint-imports --no-cache
+
+stage "3. notebooks are clean"
 cp -r nbs "$scratch/nbs_before"
 nbdev_clean
 if ! diff -r "$scratch/nbs_before" nbs; then
   echo "FAIL: nbdev_clean changed notebooks: run make sync and commit"; exit 1
 fi
 
-stage "3. every notebook has its jupytext twin, in sync"
+stage "4. every notebook has its jupytext twin, in sync"
 for nb in nbs/*.ipynb; do
   name=$(basename "$nb" .ipynb)
   twin="nbs/_py/$name.py"
@@ -34,9 +37,9 @@ done
 # Without a GPU, Triton kernels run in its interpreter; that must be decided before anything imports triton.
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || export TRITON_INTERPRET=1
 
-stage "4. every notebook runs (cells flagged gpu are skipped on CPU)"
+stage "5. every notebook runs (cells flagged gpu are skipped on CPU)"
 # nbdev_test runs one notebook a core at a time: one thread each (two-thread pools on two cores spin against each other)
 OMP_NUM_THREADS=1 nbdev_test --do_print --timing
 
-stage "5. pytest"
+stage "6. pytest"
 python -m pytest -q -p no:cacheprovider --durations=15

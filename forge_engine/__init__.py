@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 # The public API, imported on first use so `import forge_engine.config` stays light.
-_PUBLIC = {"LLM": "forge_engine.engine", "RequestOutput": "forge_engine.engine", "SamplingParams": "forge_engine.generate"}
+_PUBLIC = {"LLM": "forge_engine.llm", "RequestOutput": "forge_engine.engine", "SamplingParams": "forge_engine.generate"}
 __all__ = [*_PUBLIC, "__version__"]
 
 

@@ -167,7 +167,7 @@ class Reply:
 
 # %% ../nbs/12_chat.ipynb #2ff675fd
 class LocalChat:
-    "A chat source over an in-process `LLM` (chapter 08)."
+    "A chat source over an in-process `LLM` (chapter 08b)."
     def __init__(self, llm):
         if getattr(llm, "tokenizer", None) is None:
             raise ValueError("this LLM has no tokenizer, so no chat template: load a model with one")

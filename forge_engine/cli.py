@@ -9,19 +9,16 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Callable
 
 import torch
 
 from . import load_client
 from .chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
-from .config import QUANTIZATIONS
-from .memory_plan import parse_bytes
 from .generate import SamplingParams
+from .loader import add_memory_budget_flag, add_quantization_flag, pick_model
 
 # %% auto #0
-__all__ = ['doctor_report', 'pick_model', 'add_memory_budget_flag', 'add_quantization_flag', 'build_parser', 'sampling_from_args',
-           'run_models', 'main']
+__all__ = ['doctor_report', 'build_parser', 'sampling_from_args', 'run_models', 'main']
 
 # %% ../nbs/14_cli.ipynb #64842eed
 def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
@@ -57,19 +54,6 @@ def _model_summary(name: str) -> str:
     except (ValueError, FileNotFoundError) as e:
         return f"{name}: {e}"
 
-# %% ../nbs/14_cli.ipynb #9df275a9
-def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tuple[str, str | None]:
-    "Resolve `--model auto` (saying what was chosen and why); other names pass through."
-    if model != "auto":
-        return model, device
-    from forge_engine.loader import AUTO_CPU_MODEL, choose_auto_model
-    if device == "cpu":
-        log(f"model auto -> {AUTO_CPU_MODEL} (--device cpu)")
-        return AUTO_CPU_MODEL, device
-    name, auto_device, why = choose_auto_model()
-    log(f"model auto -> {name} on {auto_device}: {why}")
-    return name, device or auto_device
-
 # %% ../nbs/14_cli.ipynb #bf5d5073
 def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--model", default="auto", help="registry name, local path, random:<preset>, or auto")
@@ -82,20 +66,8 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
-    add_quantization_flag(p)
+    add_quantization_flag(p)  # (these two and `pick_model`: chapter 04a, shared with serve and bench)
     add_memory_budget_flag(p)
-
-
-def add_memory_budget_flag(p: argparse.ArgumentParser):
-    "`--gpu-memory-budget 8GiB` (chapter 10a): plan before loading, refuse with the numbers, cap the GPU memory."
-    p.add_argument("--gpu-memory-budget", type=parse_bytes, default=None, metavar="SIZE",
-                   help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)")
-
-
-def add_quantization_flag(p: argparse.ArgumentParser):
-    "`--quantization` (chapter 10), for every command that loads a model."
-    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -118,8 +90,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         server.add_arguments(serve)
     bench = sub.add_parser("bench", help="benchmark workloads W1-W4 (see chapter 13), and their plots")
     if argv and argv[0] == "bench":
-        from forge_engine import bench as bench_module
-        bench_module.add_arguments(bench.add_subparsers(dest="workload", required=True))
+        from forge_engine import bench_command
+        bench_command.add_arguments(bench.add_subparsers(dest="workload", required=True))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
@@ -139,7 +111,7 @@ def sampling_from_args(args) -> SamplingParams:
 
 
 def _load_llm(args):
-    from forge_engine.engine import LLM
+    from forge_engine.llm import LLM
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
     llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
@@ -192,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "models":
             return run_models(args)
         elif args.command == "bench":
-            from forge_engine import bench
-            return load_client.run(args) if args.workload == "serve" else bench.run_from_args(args)
+            from forge_engine import bench_command
+            return load_client.run(args) if args.workload == "serve" else bench_command.run_from_args(args)
         elif args.command == "serve":
             from forge_engine import server
             return server.run(args)

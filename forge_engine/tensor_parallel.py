@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -34,19 +34,19 @@ from .engine import ModelRunner, PendingTokens, build_runner
 from .fused_layers import FusedRMSNorm, linear
 from .kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from .kv_cache import to_device
-from .loader import LoadedModel, finish_stats, model_config_of
+from .loader import LoadedModel, finish_stats, model_config_of, random_checkpoint, resolve_device, resolve_dtype
 from .loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
-from .model import Transformer, checkpoint_target, fill_random_, hf_state_dict, load_weights
-from .registry import ResolvedModel, describe_model
+from .model import Transformer, checkpoint_target, load_weights
+from .registry import ResolvedModel, describe_model, resolve
 from .tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['StepMessage', 'SYMM_MEM_MAX_BYTES', 'SYMM_MEM_ROWS', 'ONE_SHOT_MAX_BYTES', 'ALL_REDUCE_ENV', 'ALL_REDUCE_CHOICES',
            'RELEASE_ON_GPU_S', 'RELEASE_LAUNCH_WAIT_S', 'STACKS_ENV', 'COLLECTIVE_TIMEOUT', 'ShardPlan',
            'shard_tensors', 'AllReduce', 'RowParallelLinear', 'ReducingRMSNorm', 'VocabParallelEmbedding',
-           'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard',
-           'random_checkpoint', 'load_shard', 'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending',
-           'time_collectives', 'tensor_parallel_report', 'all_reduce_choice', 'symm_mem_buffer_bytes', 'symm_mem_takes',
+           'all_gather_columns', 'ShardedTransformer', 'empty_sharded_model', 'read_checkpoint_shard', 'load_shard',
+           'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending', 'time_collectives',
+           'tensor_parallel_report', 'all_reduce_choice', 'symm_mem_buffer_bytes', 'symm_mem_takes',
            'symm_mem_takes_shape', 'release_on_device', 'all_reduce_add_rmsnorm', 'SymmMemAllReduce',
            'setup_all_reduce', 'TensorParallelError', 'TensorParallel', 'ParallelRunner', 'load_model_parallel']
 
@@ -241,23 +241,6 @@ def read_checkpoint_shard(directory, plan: ShardPlan, stats: LoadStats | None = 
                 stats.bytes_read += entry.nbytes
                 stats.tensors += 1
                 yield entry.name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
-
-
-def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype,
-                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    "The tensors of `init_random_weights(empty_model(config, device, dtype), seed)`, one full tensor at a time, HF-named."
-    with torch.device("meta"):
-        layout = Transformer(config)
-    pieces = defaultdict(list)  # our parameter -> the checkpoint tensors that are row slices of it
-    for hf_name in hf_state_dict(layout):
-        name, rows = checkpoint_target(config, hf_name)
-        pieces[name].append((hf_name, rows))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in layout.named_parameters():
-        value = torch.empty(p.shape, dtype=dtype, device=device)
-        fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
-        for hf_name, rows in pieces[name]:
-            yield hf_name, value[rows]
 
 
 def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
@@ -1028,10 +1011,13 @@ def _release(runner: ModelRunner | None) -> None:
     if runner is not None and runner.decode is not None: runner.decode.release_graphs()
 
 
-def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, seed: int,
-                        world: int) -> LoadedModel:
-    "Start ranks 1..world-1, load rank 0's slices here, and return rank 0's model with the handle on the others."
+def load_model_parallel(name: str, device: str | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
+                        world: int = 2) -> LoadedModel:
+    """`load_model` (chapter 04a) split over `world` processes: start ranks 1..world-1, load rank 0's slices here,
+    and return rank 0's model with the handle on the others."""
     import torch.multiprocessing as mp
+    device = resolve_device(device)
+    dtype, resolved = resolve_dtype(dtype, device), resolve(name)
     if world < 1: raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")

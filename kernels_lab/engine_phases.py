@@ -4,7 +4,7 @@ Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/engine_p
 step after which every sequence decodes); with --tp=N the phases are rank 0's."""
 import sys, time, torch, collections
 from common import host_timer
-from forge_engine.loader import load_model
+from forge_engine.llm import load_model_over
 from forge_engine.engine import LLMEngine
 from forge_engine.config import EngineConfig
 from forge_engine.generate import SamplingParams
@@ -16,7 +16,7 @@ def main():  # (the tensor-parallel workers are spawned: they import this file a
     n, new = int(sys.argv[1]), int(sys.argv[2])
     overlap = "--no-async" not in sys.argv
     tp = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tp=")), 1))
-    lm = load_model("random:qwen3-4b", "cuda", progress=False, tensor_parallel_size=tp)
+    lm = load_model_over("random:qwen3-4b", "cuda", progress=False, tensor_parallel_size=tp)
     eng = LLMEngine(lm, EngineConfig(max_num_seqs=max(n, 64), max_num_batched_tokens=8192, async_scheduling=overlap,
                                      tensor_parallel_size=tp))
     acc = collections.Counter()

@@ -16,7 +16,7 @@ from forge_engine.bench import random_prompts
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.loader import load_model
+from forge_engine.llm import load_model_over
 
 STEPS = 30
 
@@ -28,7 +28,7 @@ def arg(name: str, default: str) -> str:
 def main():  # (with --tp the workers are spawned: they import this file as a module)
     sort = next((a for a in sys.argv[1:] if not a.startswith("--")), "tottime")
     device, tp = arg("device", "cpu"), int(arg("tp", "1"))
-    engine = LLMEngine(load_model(arg("model", "random:qwen3-tiny"), device, progress=False, tensor_parallel_size=tp),
+    engine = LLMEngine(load_model_over(arg("model", "random:qwen3-tiny"), device, progress=False, tensor_parallel_size=tp),
                        EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, tensor_parallel_size=tp,
                                     **({"kv_cache_bytes": 2**28} if device == "cpu" else {})))
     for prompt in random_prompts(256, 20, 60, seed=0):

@@ -21,7 +21,7 @@ from forge_engine.bench import random_prompts
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.loader import load_model
+from forge_engine.llm import load_model_over
 
 STEPS = 20
 FAMILIES = (("decode attention", ("_decode_kernel", "_merge_splits")), ("all-reduce / gather", ("all_reduce", "allreduce",
@@ -40,7 +40,7 @@ def arg(name: str, default: str) -> str:
 
 def main():  # (the tensor-parallel workers are spawned: they import this file as a module)
     tp, seqs, model = int(arg("tp", "1")), int(arg("seqs", "256")), arg("model", "random:qwen3-4b")
-    lm = load_model(model, "cuda", progress=False, tensor_parallel_size=tp)
+    lm = load_model_over(model, "cuda", progress=False, tensor_parallel_size=tp)
     eng = LLMEngine(lm, EngineConfig(max_num_seqs=max(seqs, 64), max_num_batched_tokens=8192, tensor_parallel_size=tp))
     for p in random_prompts(seqs, 100, 1024, seed=0):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=STEPS + 40, ignore_eos=True))

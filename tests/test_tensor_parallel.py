@@ -15,7 +15,7 @@ from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
 from forge_engine.model import empty_model, hf_config_dict, hf_state_dict, init_random_weights
-from forge_engine.tensor_parallel import TensorParallelError
+from forge_engine.tensor_parallel import TensorParallelError, load_model_parallel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 11, list(range(300, 321))]
@@ -82,7 +82,7 @@ def test_random_preset_same_tokens_as_one_process():
     "random:qwen3-tiny (2 KV heads = 2 ranks): the same weights as one process, the same greedy tokens."
     one = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False), EngineConfig(**ENGINE))
     reference = run_to_end(one, PROMPTS)
-    loaded = load_model("random:qwen3-tiny", "cpu", progress=False, tensor_parallel_size=2)
+    loaded = load_model_parallel("random:qwen3-tiny", "cpu", world=2)
     try:
         assert loaded.config.vocab_size == 151936 and loaded.config.num_heads == 2
         engine = LLMEngine(loaded, EngineConfig(**ENGINE, tensor_parallel_size=2, async_scheduling=True))
@@ -109,7 +109,7 @@ def test_preemption_and_shared_prefixes_keep_the_workers_in_step(overlap):
     prompts = PROMPTS + [PROMPTS[1]]
     one = LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False), EngineConfig(**ENGINE))
     reference = run_to_end(one, prompts)
-    loaded = load_model("random:qwen3-tiny", "cpu", progress=False, tensor_parallel_size=2)
+    loaded = load_model_parallel("random:qwen3-tiny", "cpu", world=2)
     try:  # 2 KiB blocks per rank (1 KV head of 32 fp32 dims x 2 layers, K and V, 4 tokens): 24 blocks for ~130 tokens
         engine = LLMEngine(loaded, EngineConfig(**{**ENGINE, "kv_cache_bytes": 24 * 2048}, tensor_parallel_size=2,
                                                 async_scheduling=overlap))
@@ -121,6 +121,20 @@ def test_preemption_and_shared_prefixes_keep_the_workers_in_step(overlap):
     assert_no_workers(loaded.parallel)
 
 
+def test_llm_splits_the_model_when_asked():
+    "`LLM(..., tensor_parallel_size=2)`: `load_model_over` (chapter 08b) picks chapter 09c's loader; the same tokens."
+    from forge_engine.llm import LLM
+    one = LLM("random:qwen3-tiny", device="cpu", progress=False, **ENGINE)
+    reference = one.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    llm = LLM("random:qwen3-tiny", device="cpu", progress=False, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert one.loaded.parallel is None and llm.loaded.parallel.world == 2
+        assert_same_outputs(reference, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+    finally:
+        llm.loaded.parallel.close()
+    assert_no_workers(llm.loaded.parallel)
+
+
 def test_sharded_safetensors_and_a_killed_worker(tmp_path):
     """qwen2-tiny (1 KV head on 2 ranks: replicated; q/k/v biases; untied LM head) from a 2-shard checkpoint:
     each rank reads its slices, tokens match one process; then a worker is killed mid-generation."""
@@ -129,7 +143,7 @@ def test_sharded_safetensors_and_a_killed_worker(tmp_path):
     one = LLMEngine(load_model(str(tmp_path), "cpu", progress=False), EngineConfig(**ENGINE))
     reference = run_to_end(one, PROMPTS)
     assert len({tuple(o.token_ids) for o in reference}) > 1 and len(set(reference[1].token_ids)) > 1  # varied tokens
-    loaded = load_model(str(tmp_path), "cpu", progress=False, tensor_parallel_size=2)
+    loaded = load_model_parallel(str(tmp_path), "cpu", world=2)
     try:
         # rank 0 read its row slices only (q/k/v/gate/up/embed/lm_head halves); o/down/norms whole
         assert loaded.stats.bytes_read < 0.7 * full_bytes  # its slices and the small tensors whole: 0.50 of the bytes
@@ -163,7 +177,7 @@ def test_sharded_safetensors_and_a_killed_worker(tmp_path):
 
 def test_refuses_what_cannot_be_split():
     with pytest.raises(ValueError, match="does not divide the model's num_heads"):
-        load_model("random:llama-tiny", "cpu", progress=False, tensor_parallel_size=4)
+        load_model_parallel("random:llama-tiny", "cpu", world=4)
     assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
 
 

@@ -16,6 +16,7 @@ from forge_engine.config import EngineConfig, preset
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
+from forge_engine.tensor_parallel import load_model_parallel
 from test_tensor_parallel import PROMPTS, run_to_end, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -33,7 +34,7 @@ def test_two_gpus_match_one(tmp_path, monkeypatch, dtype, all_reduce, overlap):
     write_checkpoint(tmp_path, preset("qwen2-tiny"), seed=7)
     one = LLMEngine(load_model(str(tmp_path), "cuda", dtype, progress=False), EngineConfig(**CONFIG))
     reference = run_to_end(one, PROMPTS, PARAMS)
-    loaded = load_model(str(tmp_path), "cuda", dtype, progress=False, tensor_parallel_size=2)
+    loaded = load_model_parallel(str(tmp_path), "cuda", dtype, world=2)
     try:
         engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2, async_scheduling=overlap))
         assert engine.overlap == overlap
@@ -72,9 +73,9 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly(all_reduce):
         from forge_engine.config import EngineConfig
         from forge_engine.engine import LLMEngine
         from forge_engine.generate import SamplingParams
-        from forge_engine.loader import load_model
+        from forge_engine.tensor_parallel import load_model_parallel
         if __name__ == "__main__":
-            loaded = load_model("random:qwen3-tiny", "cuda", progress=False, tensor_parallel_size=2)
+            loaded = load_model_parallel("random:qwen3-tiny", "cuda", world=2)
             path = loaded.parallel.all_reduce_path
             assert path.startswith("symmetric memory" if os.environ["FORGE_TP_ALL_REDUCE"] == "symmetric-memory"
                                    else "NCCL"), path

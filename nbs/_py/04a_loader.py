@@ -16,16 +16,20 @@
 #| export
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
 from forge_engine.config import QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
 from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
-from forge_engine.model import Transformer, empty_model, init_random_weights, load_weights
+from forge_engine.model import (Transformer, checkpoint_target, empty_model, fill_random_, hf_state_dict,
+                                init_random_weights, load_weights)
 from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
 
@@ -76,6 +80,53 @@ def choose_auto_model() -> tuple[str, str | None, str]:
         return AUTO_CPU_MODEL, "cpu", (f"the GPU has {free / 2**30:.1f} GiB free, Qwen3-4B needs "
                                        f"{AUTO_MIN_FREE_GPU_BYTES / 2**30:.0f} GiB, so SmolLM2 on the CPU")
     return AUTO_GPU_MODEL, "cuda", f"a CUDA GPU with {free / 2**30:.0f} GiB free, so Qwen3-4B in BF16"
+
+
+# %% [markdown]
+# ## The flags that choose a model
+#
+# Every command that loads a model (`generate`, `chat`, `serve`, `bench`: chapters 11, 13, 14)
+# takes `--model` (where `auto` means the choice above), `--quantization` and
+# `--gpu-memory-budget`, the last two passed on to `load_model` below. They are defined here,
+# once, beside what they choose.
+
+# %%
+#| export
+def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tuple[str, str | None]:
+    "Resolve `--model auto` (saying what was chosen and why); other names pass through."
+    if model != "auto":
+        return model, device
+    if device == "cpu":
+        log(f"model auto -> {AUTO_CPU_MODEL} (--device cpu)")
+        return AUTO_CPU_MODEL, device
+    name, auto_device, why = choose_auto_model()
+    log(f"model auto -> {name} on {auto_device}: {why}")
+    return name, device or auto_device
+
+
+def add_quantization_flag(p: argparse.ArgumentParser):
+    "`--quantization` (chapter 10), for every command that loads a model."
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
+
+
+def add_memory_budget_flag(p: argparse.ArgumentParser):
+    "`--gpu-memory-budget 8GiB` (chapter 10a): plan before loading, refuse with the numbers, cap the GPU memory."
+    from forge_engine.memory_plan import parse_bytes
+    p.add_argument("--gpu-memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)")
+
+
+# %%
+picked, dev = pick_model("auto", "cpu", log=print)
+assert (picked, dev) == ("smollm2-135m-instruct", "cpu")
+assert pick_model("random:qwen3-tiny", None, log=print) == ("random:qwen3-tiny", None)
+flags = argparse.ArgumentParser()
+add_quantization_flag(flags)
+add_memory_budget_flag(flags)
+assert vars(flags.parse_args(["--quantization", "int4", "--gpu-memory-budget", "8GiB"])) == \
+    {"quantization": "int4", "gpu_memory_budget": 8 * 2**30}
+assert vars(flags.parse_args([])) == {"quantization": "none", "gpu_memory_budget": None}
 
 
 # %% [markdown]
@@ -130,10 +181,10 @@ def finish_stats(stats: LoadStats, model: torch.nn.Module, start: float, device:
 
 def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, progress: bool = True, quantization: str = "none",
-               tensor_parallel_size: int = 1, memory_budget: int | None = None) -> LoadedModel:
-    """Resolve `name` through the registry, fetch what is missing, and load it onto `device`.
+               memory_budget: int | None = None) -> LoadedModel:
+    """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
-    "gguf" keeps a GGUF file's quantized blocks as they are. `tensor_parallel_size` > 1: chapter 09c.
+    "gguf" keeps a GGUF file's quantized blocks as they are. Over several processes: chapter 09c.
     `memory_budget` (bytes, on a GPU): plan first and refuse with the numbers when it does not fit (chapter 10a);
     int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
     so the GPU never holds more than the quantized matrices and one slice."""
@@ -145,11 +196,6 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     if quantization == "gguf" and resolved.format != "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
                          f"use int8 or int4")
-    if tensor_parallel_size != 1:  # one slice of every weight per process (chapter 09c)
-        if quantization != "none":
-            raise ValueError("tensor parallelism runs unquantized weights: use --quantization none with it")
-        from forge_engine.tensor_parallel import load_model_parallel
-        return load_model_parallel(resolved, device, dtype, seed, tensor_parallel_size)
     staging = device
     if memory_budget is not None and device.type == "cuda":
         from forge_engine.memory_plan import plan_memory
@@ -162,7 +208,6 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     if resolved.format == "random" and staging == device:
         model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
     elif resolved.format == "random":  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
-        from forge_engine.tensor_parallel import random_checkpoint
         model = empty_model(preset(resolved.preset), staging, dtype)
         load_weights(model, random_checkpoint(preset(resolved.preset), seed, device, dtype))
     elif resolved.format == "gguf":
@@ -192,6 +237,40 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     if quantization != "none": metadata["quantization"] = quantization  # what runs, not what the file holds
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
 
+
+# %% [markdown]
+# A `random:` preset staged on the CPU (under a memory budget, chapter 10a) still draws its
+# weights on the target device, one full tensor at a time, and hands them over as a checkpoint
+# would: `random_checkpoint`. Chapter 09c draws them the same way and keeps each rank's slices.
+
+# %%
+#| export
+def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype,
+                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    "The tensors of `init_random_weights(empty_model(config, device, dtype), seed)`, one full tensor at a time, HF-named."
+    with torch.device("meta"):
+        layout = Transformer(config)
+    pieces = defaultdict(list)  # our parameter -> the checkpoint tensors that are row slices of it
+    for hf_name in hf_state_dict(layout):
+        name, rows = checkpoint_target(config, hf_name)
+        pieces[name].append((hf_name, rows))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in layout.named_parameters():
+        value = torch.empty(p.shape, dtype=dtype, device=device)
+        fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
+        for hf_name, rows in pieces[name]:
+            yield hf_name, value[rows]
+
+
+# %% [markdown]
+# The random checkpoint is the random model, tensor for tensor:
+
+# %%
+tiny = preset("qwen2-tiny")
+whole = init_random_weights(empty_model(tiny), seed=5)
+drawn = dict(random_checkpoint(tiny, 5, "cpu", torch.float32))
+assert drawn.keys() == hf_state_dict(whole).keys()
+assert all(torch.equal(hf_state_dict(whole)[name], t) for name, t in drawn.items())
 
 # %% [markdown]
 # ## A real model on the CPU

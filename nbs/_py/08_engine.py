@@ -1,7 +1,7 @@
 # %% [markdown]
 # # The engine
 #
-# > One step: schedule, run, sample, stop. `LLMEngine` owns the model, the paged KV cache and the scheduler; `LLM` drives it offline.
+# > One step: schedule, run, sample, stop. `LLMEngine` owns the model, the paged KV cache and the scheduler.
 
 # %% [markdown]
 # The engine knows nothing about HTTP or terminals. It takes requests (token ids plus
@@ -15,7 +15,7 @@
 #    (chapter 04); finished sequences give their blocks back at once.
 #
 # It returns a `RequestOutput` for every request that changed, with the text delta, so the
-# same loop serves offline generation (`LLM.generate`) and streaming (chapter 08a).
+# same loop serves offline generation (`LLM.generate`, chapter 08b) and streaming (chapter 08a).
 #
 # An exception while running a step fails only the requests in that step, with the reason,
 # and frees their blocks; the engine goes on serving the others.
@@ -40,7 +40,7 @@ from forge_engine.config import EngineConfig
 from forge_engine.cuda_graphs import DecodeRunner, decode_attention_for
 from forge_engine.generate import SamplingParams, TextStream, finish_reason_for
 from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout, to_device
-from forge_engine.loader import LoadedModel, load_model
+from forge_engine.loader import LoadedModel
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.sampling import SampleResult, SamplingBatch, SamplingRow, make_generator, sample
 from forge_engine.scheduler import Scheduler, Sequence as Seq, StepPlan
@@ -795,97 +795,3 @@ overlapped_engine = tiny_engine(engine=LLMEngine, block_size=4, max_model_len=24
 assert type(overlapped_engine) is LLMEngine and overlapped_engine.overlap
 assert run_arrivals(overlapped_engine, mixed) == serial and len(serial) == 4
 assert serial["to the context"][1] == "length" and len(serial["to the context"][0]) == 24 - 10
-
-
-# %% [markdown]
-# ## `LLM`: offline generation through the engine
-#
-# `generate` queues all prompts (as many as the waiting queue takes, the rest as it drains)
-# and steps the engine until every one is done. Continuous batching does the rest.
-
-# %%
-#| export
-class LLM:
-    "Offline generation: `LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages, ...)`."
-    def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
-                 seed: int = 0, progress: bool = True, **engine_options):
-        self.loaded = load_model(model, device, dtype, seed=seed, progress=progress,
-                                 memory_budget=engine_options.get("gpu_memory_budget"),
-                                 quantization=engine_options.get("quantization", "none"),
-                                 tensor_parallel_size=engine_options.get("tensor_parallel_size", 1))
-        self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))
-
-    def _prompt_ids(self, prompt: str | None, ids: Sequence[int] | None) -> list[int]:
-        if ids is not None: return list(ids)
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.loaded.name!r} has no tokenizer: pass prompt_token_ids instead of text")
-        return self.tokenizer.encode(prompt)
-
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
-        "Generate for each prompt (text, or token ids), batched. `on_text(index, delta)` streams text as it comes."
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass either prompts or prompt_token_ids")
-        if isinstance(prompts, str): prompts = [prompts]
-        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
-        ids = [self._prompt_ids(t, prompt_token_ids[i] if prompt_token_ids is not None else None)
-               for i, t in enumerate(texts)]
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(ids)
-        if len(params) != len(ids):
-            raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
-        for i, p in enumerate(ids):  # refuse bad prompts before queueing any
-            try:
-                self.engine.check_prompt(p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        pending = deque(range(len(ids)))
-        index_of, results = {}, [None] * len(ids)
-        while pending or self.engine.has_unfinished():
-            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_waiting:
-                i = pending.popleft()
-                index_of[self.engine.add_request(ids[i], params[i], prompt=texts[i])] = i
-            for out in self.engine.step():
-                i = index_of[out.request_id]
-                if on_text is not None and out.delta_text: on_text(i, out.delta_text)
-                if out.finished: results[i] = out
-        return results
-
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
-        "Apply the model's chat template to one conversation (or a list of them) and generate."
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.loaded.name!r} has no tokenizer, so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode_chat(c) for c in conversations]
-        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, on_text=on_text)
-
-
-# %% [markdown]
-# ## SmolLM2 on the CPU, eight at a time
-
-# %%
-llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
-questions = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
-streamed = {}
-outs = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(temperature=0, max_tokens=24),
-                on_text=lambda i, d: streamed.__setitem__(i, streamed.get(i, "") + d))
-for q, o in zip(questions, outs): print(f"{q} -> {o.text!r} ({o.finish_reason})")
-assert "Paris" in outs[0].text and all(streamed.get(i, "") == o.text for i, o in enumerate(outs))
-llm.engine.allocator.check_idle()
-
-# %% [markdown]
-# The engine at work: tokens per step, split into prefill and decode, and the block map.
-
-# %%
-import matplotlib.pyplot as plt
-steps = llm.engine.stats().recent_steps
-fig, ax = plt.subplots(figsize=(9, 2))
-ax.bar([s.index for s in steps], [s.prefill_tokens for s in steps], color="tab:orange", label="prefill tokens")
-ax.bar([s.index for s in steps], [s.decode_seqs for s in steps], bottom=[s.prefill_tokens for s in steps],
-       color="tab:blue", label="decode tokens")
-ax.set(xlabel="engine step", ylabel="tokens", yscale="log"); ax.legend(); plt.show()
-print(llm.engine.stats().block_map[:120])

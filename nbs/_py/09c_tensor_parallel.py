@@ -84,7 +84,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -102,10 +102,10 @@ from forge_engine.engine import ModelRunner, PendingTokens, build_runner
 from forge_engine.fused_layers import FusedRMSNorm, linear
 from forge_engine.kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from forge_engine.kv_cache import to_device
-from forge_engine.loader import LoadedModel, finish_stats, model_config_of
+from forge_engine.loader import LoadedModel, finish_stats, model_config_of, random_checkpoint, resolve_device, resolve_dtype
 from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor, rss_bytes
-from forge_engine.model import Transformer, checkpoint_target, fill_random_, hf_state_dict, load_weights
-from forge_engine.registry import ResolvedModel, describe_model
+from forge_engine.model import Transformer, checkpoint_target, load_weights
+from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
 
 # %%
@@ -115,7 +115,7 @@ from pathlib import Path
 import pytest
 from forge_engine.config import preset
 from forge_engine.generate import SamplingParams
-from forge_engine.model import causal_attention, empty_model, init_random_weights, rope_cos_sin
+from forge_engine.model import causal_attention, empty_model, hf_state_dict, init_random_weights, rope_cos_sin
 
 # %% [markdown]
 # ## The plan: which slice a rank holds
@@ -408,23 +408,6 @@ def read_checkpoint_shard(directory, plan: ShardPlan, stats: LoadStats | None = 
                 yield entry.name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
 
 
-def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype,
-                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    "The tensors of `init_random_weights(empty_model(config, device, dtype), seed)`, one full tensor at a time, HF-named."
-    with torch.device("meta"):
-        layout = Transformer(config)
-    pieces = defaultdict(list)  # our parameter -> the checkpoint tensors that are row slices of it
-    for hf_name in hf_state_dict(layout):
-        name, rows = checkpoint_target(config, hf_name)
-        pieces[name].append((hf_name, rows))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in layout.named_parameters():
-        value = torch.empty(p.shape, dtype=dtype, device=device)
-        fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
-        for hf_name, rows in pieces[name]:
-            yield hf_name, value[rows]
-
-
 def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
                group=None, stats: LoadStats | None = None) -> ShardedTransformer:
     "This rank's part of the model, filled from its slices of the checkpoint."
@@ -439,14 +422,6 @@ def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dt
     load_weights(model, tensors)
     return model
 
-
-# %% [markdown]
-# The random checkpoint is the single-process random model, tensor for tensor:
-
-# %%
-tiny = preset("qwen2-tiny")
-whole = init_random_weights(empty_model(tiny), seed=5)
-assert all(torch.equal(hf_state_dict(whole)[name], t) for name, t in random_checkpoint(tiny, 5, "cpu", torch.float32))
 
 # %% [markdown]
 # ## The step, as the workers see it
@@ -1554,10 +1529,13 @@ def _release(runner: ModelRunner | None) -> None:
     if runner is not None and runner.decode is not None: runner.decode.release_graphs()
 
 
-def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, seed: int,
-                        world: int) -> LoadedModel:
-    "Start ranks 1..world-1, load rank 0's slices here, and return rank 0's model with the handle on the others."
+def load_model_parallel(name: str, device: str | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
+                        world: int = 2) -> LoadedModel:
+    """`load_model` (chapter 04a) split over `world` processes: start ranks 1..world-1, load rank 0's slices here,
+    and return rank 0's model with the handle on the others."""
     import torch.multiprocessing as mp
+    device = resolve_device(device)
+    dtype, resolved = resolve_dtype(dtype, device), resolve(name)
     if world < 1: raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
@@ -1615,6 +1593,7 @@ def load_model_parallel(resolved: ResolvedModel, device: torch.device, dtype: to
 # %%
 from forge_engine.engine import LLMEngine
 from forge_engine.loader import load_model
+from forge_engine.tensor_parallel import load_model_parallel  # the module's: spawned workers find their code there
 
 def run_all(engine, prompts, params):
     ids = [engine.add_request(p, params) for p in prompts]
@@ -1628,7 +1607,7 @@ prompts = [[5, 6, 7], list(range(100, 130)), [9] * 11]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 small = dict(kv_cache_bytes=2**20, block_size=4, max_num_batched_tokens=16, max_num_seqs=8, cuda_graphs=True)
 alone = run_all(LLMEngine(load_model("random:llama-tiny", "cpu", progress=False), EngineConfig(**small)), prompts, greedy)
-split = load_model("random:llama-tiny", "cpu", progress=False, tensor_parallel_size=2)
+split = load_model_parallel("random:llama-tiny", "cpu", world=2)
 engine = LLMEngine(split, EngineConfig(**small, tensor_parallel_size=2))
 together = run_all(engine, prompts, greedy)
 for a, b in zip(alone, together):

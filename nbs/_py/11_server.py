@@ -55,6 +55,8 @@ from forge_engine.async_engine import AsyncEngine, EngineDeadError
 from forge_engine.config import EngineConfig
 from forge_engine.engine import EngineStats, LLMEngine, RequestOutput
 from forge_engine.generate import SamplingParams
+from forge_engine.llm import load_model_over
+from forge_engine.loader import add_memory_budget_flag, add_quantization_flag, pick_model
 from forge_engine.scheduler import QueueFullError
 from forge_engine.tokenizer import Tokenizer
 
@@ -958,15 +960,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     for name in ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}")
-    from forge_engine.cli import add_memory_budget_flag, add_quantization_flag  # the same flags as generate / chat
-    add_quantization_flag(parser)
+    add_quantization_flag(parser)  # the same flags as generate / chat (chapter 04a)
     add_memory_budget_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     "`forge-engine serve`: answer /health at once, load the model on a thread, serve until Ctrl-C."
-    from forge_engine.cli import pick_model
-    from forge_engine.loader import load_model
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
         options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
@@ -987,9 +986,9 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            loaded = load_model(model, device, args.dtype, seed=config.seed, progress=False,
-                                quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
-                                memory_budget=config.gpu_memory_budget)
+            loaded = load_model_over(model, device, args.dtype, seed=config.seed, progress=False,
+                                     quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
+                                     memory_budget=config.gpu_memory_budget)
             engine = LLMEngine(loaded, config.replace(device=device))
             logger.info("warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up())
             state.engine = AsyncEngine(engine)

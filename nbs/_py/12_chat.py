@@ -7,7 +7,7 @@
 # This is the end of the flow of a request: text deltas arrive and a person reads them. The
 # same conversation can run in two places:
 #
-# - **in-process**: the engine lives in this Python process (`LLM` from chapter 08) and we
+# - **in-process**: the engine lives in this Python process (`LLM` from chapter 08b) and we
 #   step it ourselves;
 # - **remote**: the engine lives behind an OpenAI-compatible HTTP server (ours from chapter
 #   11, or any other) and the reply streams over server-sent events.
@@ -319,7 +319,7 @@ with pytest.raises(ChatError, match="ended before the reply finished"): Reply().
 # %%
 #| export
 class LocalChat:
-    "A chat source over an in-process `LLM` (chapter 08)."
+    "A chat source over an in-process `LLM` (chapter 08b)."
     def __init__(self, llm):
         if getattr(llm, "tokenizer", None) is None:
             raise ValueError("this LLM has no tokenizer, so no chat template: load a model with one")
@@ -604,7 +604,7 @@ class ChatWidget:
 # leaves the engine idle.
 
 # %%
-from forge_engine.engine import LLM
+from forge_engine.llm import LLM
 from forge_engine.generate import SamplingParams
 
 llm = LLM("random:qwen3-tiny", device="cpu", progress=False)

@@ -15,11 +15,12 @@
 #   process under Poisson arrivals, measured from outside by chapter 13a's load client.
 # - **W4 CPU classroom**: SmolLM2-135M on a CPU, 1 and 8 requests at once.
 #
-# This chapter holds the workloads, the ceilings, the result files and the command, and ends
-# with the final run of the course: a real server under load, plotted. It leans on four
-# short chapters filed after it, each one module: **13a** the load client (W3 from outside),
-# **13b** the peers (`transformers` on the same weights), **13c** the server process W3 runs
-# against, **13d** the plots. Read them when this chapter calls them; run this one last.
+# This chapter holds the workloads, the ceilings and the result files, and ends with the final
+# run of the course: a real server under load, plotted. It leans on five short chapters filed
+# after it, each one module: **13a** the load client (W3 from outside), **13b** the peers
+# (`transformers` on the same weights), **13c** the server process W3 runs against, **13d**
+# the plots, and **13e** the `forge-engine bench` command that runs them all. Read them when
+# this chapter calls them; run this one last.
 #
 # From a terminal (results are JSON files named by hardware and version, plots next to them):
 #
@@ -59,11 +60,7 @@ from forge_engine.loader import LoadedModel, model_bytes
 
 # %%
 #| hide
-import argparse
 import math
-import tempfile
-
-import pytest
 
 
 # %% [markdown]
@@ -94,7 +91,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)  # without importing it (triton on a CPU, transformers: slow)
     except importlib.metadata.PackageNotFoundError:
@@ -104,7 +101,7 @@ def _version(package: str) -> str | None:
 def environment() -> dict:
     "What a benchmark figure depends on: hardware, driver, versions, commit, command line."
     env = {"forge_engine": forge_engine.__version__, "python": platform.python_version(), "torch": torch.__version__,
-           "triton": _version("triton"), "transformers": _version("transformers"), "cpu": cpu_name(),
+           "triton": package_version("triton"), "transformers": package_version("transformers"), "cpu": cpu_name(),
            "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(), "machine": platform.machine()}
     if torch.cuda.is_available():
         driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -211,6 +208,13 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     return {"requests": len(ids), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
             "wall_s": wall, "output_tok_s": output_tokens / wall, "ttft_median_s": ttfts[len(ttfts) // 2],
             "kv_used_blocks_after": engine.allocator.stats().used_blocks, "records": records, "start": start}
+
+
+def free_memory():
+    "Give back what freed engines and models held (a GPU's KV pool is most of its memory)."
+    gc.unfreeze()  # (an engine froze what was alive when it was built: chapter 08)
+    gc.collect()
+    if torch.cuda.is_available(): torch.cuda.empty_cache()
 
 
 def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) -> dict:
@@ -403,117 +407,16 @@ assert t["prefill_tokens"][0] > 0 and max(t["decode_seqs"]) == 8 and t["kv_used_
 assert point["batch"] == 8 and point["flops"] == 2 * model_size(tiny)[0] * 8 and point["bytes_per_s"] > 0
 assert w1["decode_points"][0]["batch"] == 1 and [p["batch"] for p in w4["decode_points"]] == [1, 8]
 
-# %% [markdown]
-# ## Running a workload from the command line, with its peers
-#
-# `run_offline` is what `forge-engine bench w1|w2|w4` runs: the workload, then its peers on
-# the same weights, then the ratios. The W2 peer can run on the first N prompts only
-# (`--peer-num-prompts`; `generate_batch` takes ~4.5 minutes for all of W2 on an H200): then
-# forge-engine runs those same N prompts too, and the ratio compares the two on them.
-
-# %%
-#| export
-W2_ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}  # W2 wants its 256 requests at once
-
-
-def engine_config(args, workload: str) -> EngineConfig:
-    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    defaults = W2_ENGINE_DEFAULTS if workload == "w2" else {}
-    return EngineConfig(batch_invariant=args.batch_invariant, cuda_graphs=False if args.no_cuda_graphs else None,
-                        async_scheduling=args.async_scheduling,
-                        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget,
-                        **{k: v if v is not None else defaults.get(k) for k, v in limits.items()
-                           if v is not None or k in defaults})
-
-
-def free_memory():
-    "Give back what freed engines and models held (a GPU's KV pool is most of its memory)."
-    gc.unfreeze()  # (an engine froze what was alive when it was built: chapter 08)
-    gc.collect()
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
-
-
-def run_offline(workload: str, loaded: LoadedModel, args, ceiling: dict | None) -> dict:
-    "One offline workload (w1, w2, w4) with its peers (`args.peers`) and ratios."
-    config = engine_config(args, workload)
-    sizes = {"count": args.num_prompts if workload == "w2" else None, "new_tokens": args.output_len}
-    result = WORKLOADS[workload](loaded, config, **{k: v for k, v in sizes.items() if v is not None})
-    param = next(loaded.model.parameters())
-    result.update(model=loaded.name, dtype=str(param.dtype).removeprefix("torch."), batch_invariant=args.batch_invariant,
-                  quantization=args.quantization,
-                  engine_config={k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                                                                 "cuda_graphs", "async_scheduling", "kv_cache_bytes")})
-    if param.device.type == "cuda": result["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(param.device)
-    if ceiling:
-        result["ceilings"] = ceiling
-        if "achieved_bytes_per_s" in result:
-            result["ratio_to_read_ceiling"] = result["achieved_bytes_per_s"] / ceiling["read_bytes_per_s"]
-    if loaded.parallel is not None:  # what the collectives cost per decode step, and their share of it
-        from forge_engine.tensor_parallel import tensor_parallel_report
-        result["tensor_parallel"] = tensor_parallel_report(loaded, config, result)
-    free_memory()  # the engine's KV pool goes before a peer needs the memory
-    if args.peers and loaded.parallel is None:  # (the peers run on one GPU)
-        from forge_engine.bench_peers import run_peers
-        result["peers"] = run_peers(workload, loaded, config, args, result)
-    return result
-
 
 # %% [markdown]
-# ## `forge-engine bench`
+# ## A result in one line
 #
-# `bench w1|w2|w3|w4` runs one workload, `bench all` several in one process (W3 first: its
-# server process needs the GPU memory the others would hold), `bench plot` draws saved
-# results again. With `--out DIR` each result is written as
-# `DIR/<hardware>/<workload>-<model>-<version>-<commit>.json` with its plots next to it;
-# the JSON also goes to stdout (one workload) and a short summary to stderr.
+# What a person reads first: the headline figure of each workload, then each peer's ratio.
+# (The command that runs the workloads from a terminal, with their peers, is chapter 13e.)
 
 # %%
 #| export
 def rate_label(rate) -> str: return "all at once" if rate == "inf" else f"{rate:g} req/s"
-
-
-def add_arguments(workloads) -> None:
-    "The `forge-engine bench` subcommands, on the subparsers `workloads`."
-    from forge_engine.cli import add_memory_budget_flag, add_quantization_flag
-    from forge_engine import load_client
-    runs = [("w1", "single stream"), ("w2", "offline throughput"), ("w3", "online serving against a server started here"),
-            ("w4", "CPU classroom: 1 and 8 requests"), ("all", "several workloads in one run (--workloads)")]
-    for name, what in runs:
-        w = workloads.add_parser(name, help=what)
-        w.add_argument("--model", default="auto")
-        w.add_argument("--device", default=None)
-        w.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-        w.add_argument("--batch-invariant", action="store_true", help="fixed-shape execution (slower, batch-invariant)")
-        w.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU")
-        w.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
-                       help="read each step's tokens before building the next (chapter 08's overlap off)")
-        w.add_argument("--async-scheduling", dest="async_scheduling", action="store_const", const=True,
-                       help="overlap steps where it is not the default (the CPU)")
-        w.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step at most (EngineConfig)")
-        w.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (EngineConfig)")
-        w.add_argument("--num-prompts", type=int, default=None, help="w2: how many requests (default 256)")
-        w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
-        w.add_argument("--peers", action="store_true", help="also run the transformers peers on the same weights")
-        w.add_argument("--peer-output-len", type=int, default=None, help="w1 peers: new tokens (default: --output-len)")
-        w.add_argument("--peer-num-prompts", type=int, default=None, help="w2 peer: the first N prompts only")
-        w.add_argument("--rates", default="1,4,16,inf", help="w3: request rates, comma-separated (inf: all at once)")
-        w.add_argument("--w3-num-prompts", type=int, default=64, help="w3: requests per rate")
-        w.add_argument("--w3-max-tokens", type=int, default=128, help="w3: tokens per reply")
-        w.add_argument("--prompt-words", type=int, default=64, help="w3: words per prompt")
-        w.add_argument("--json", default=None, help="also write the result to this file (one workload)")
-        w.add_argument("--tensor-parallel-size", type=int, default=1, help="w1/w2: split the model over this many GPUs")
-        add_quantization_flag(w)
-        add_memory_budget_flag(w)
-        w.add_argument("--out", default="docs/benchmarks" if name == "all" else None,
-                       help="save results (and plots) under DIR/<hardware>/" + (" (default docs/benchmarks)" if name == "all" else ""))
-        if name == "all":
-            w.add_argument("--workloads", default=None, help="comma-separated (default: w1,w2,w3 on a GPU, w3,w4 on a CPU)")
-    plot = workloads.add_parser("plot", help="draw the plots of saved results (PNG next to each JSON)")
-    plot.add_argument("results", nargs="+", help="result JSON files")
-    report = workloads.add_parser("report", help="rewrite the result tables of markdown files from their result files")
-    report.add_argument("docs", nargs="+", help="markdown files with '<!-- bench report: GLOB -->' blocks")
-    report.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is stale")
-    load_client.add_arguments(workloads.add_parser("serve", help="W3: Poisson load against a running server (--url)"))
 
 
 def summary_line(result: dict) -> str:
@@ -535,83 +438,10 @@ def summary_line(result: dict) -> str:
                           for p in peers)
 
 
-def run_from_args(args) -> int:
-    "`forge-engine bench w1|w2|w3|w4|all|plot`."
-    log = lambda msg: print(msg, file=sys.stderr)
-    if args.workload == "plot":
-        from forge_engine.bench_plots import save_plots
-        for path in save_plots(args.results): print(path)
-        return 0
-    if args.workload == "report":
-        from forge_engine.bench_report import update_report_blocks
-        stale = [doc for doc in args.docs if update_report_blocks(doc, check=args.check)]
-        for doc in stale: log(f"{doc}: " + ("stale (run without --check)" if args.check else "rewritten"))
-        return 1 if args.check and stale else 0
-    from forge_engine.cli import pick_model
-    from forge_engine.loader import load_model
-    args.model, args.device = pick_model(args.model, args.device, log)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.workload == "all":
-        default = "w1,w2,w3" if device.type == "cuda" else "w3,w4"
-        names = [n.strip() for n in (args.workloads or default).split(",")]
-        if bad := [n for n in names if n not in ("w1", "w2", "w3", "w4")]: raise ValueError(f"unknown workload(s) {bad}")
-        names.sort(key=lambda n: n != "w3")  # W3 first: its server needs the memory the others would hold
-    else:
-        names = [args.workload]
-    if args.peers and _version("transformers") is None: raise ValueError("--peers needs transformers installed")
-    env, results, loaded, ceiling = environment(), [], None, None
-    for name in names:
-        if name == "w3":
-            from forge_engine.bench_server import run_w3
-            result = run_w3(args)
-        else:
-            if loaded is None:
-                # the ceilings before the model, their buffers (a 4 GiB read) given back before a memory budget is
-                # planned: measured beside the model, the capped W1 run refused with 4.19 GiB held by the allocator
-                ceiling = ceilings(device)
-                free_memory()
-                loaded = load_model(args.model, args.device, args.dtype, progress=False, quantization=args.quantization,
-                                    tensor_parallel_size=args.tensor_parallel_size, memory_budget=args.gpu_memory_budget)
-            result = run_offline(name, loaded, args, ceiling)
-        result["environment"] = env
-        results.append(result)
-        log(summary_line(result))
-    if loaded is not None and loaded.parallel is not None: loaded.parallel.close()
-    if len(results) == 1:
-        text = json.dumps(results[0], indent=1)
-        print(text)
-        if args.json:
-            with open(args.json, "w") as f: f.write(text + "\n")
-    if args.out:
-        from forge_engine.bench_plots import save_plots
-        paths = [save_result(r, args.out) for r in results]
-        for path in paths + save_plots(paths): log(f"wrote {path}")
-    return 0
-
-
-# %% [markdown]
-# A run of the command in this process on the tiny model, and its plots drawn from the saved
-# files:
-
 # %%
-parser = argparse.ArgumentParser()
-add_arguments(parser.add_subparsers(dest="workload"))
-with tempfile.TemporaryDirectory() as out:
-    args = parser.parse_args(["all", "--model", "random:qwen3-tiny", "--device", "cpu", "--workloads", "w4",
-                              "--output-len", "8", "--peers", "--out", out])
-    assert run_from_args(args) == 0
-    [folder] = os.listdir(out)
-    files = sorted(os.listdir(os.path.join(out, folder)))
-    print(files)
-    w4_file = next(os.path.join(out, folder, f) for f in files if f.startswith("w4-") and f.endswith(".json"))
-    with open(w4_file) as f: saved = json.load(f)
-    assert saved["environment"]["cpu"] == cpu_name() and len(saved["peers"]) == 2 and saved["peers"][0]["ratio"] > 0
-    assert [f.split("-")[0] for f in files if f.endswith(".json")] == ["w4"]
-    assert any(f.endswith("-timeline.png") for f in files) and any(f.startswith("roofline-") for f in files)
-    assert any(f.startswith("w4-") and f.endswith("-throughput.png") for f in files)
-    assert all(os.path.getsize(os.path.join(out, folder, f)) > 1000 for f in files)
-    with pytest.raises(ValueError, match="unknown workload"):
-        run_from_args(parser.parse_args(["all", "--model", "random:qwen3-tiny", "--workloads", "w9"]))
+print(summary_line(w1), summary_line(w4), sep="\n")
+assert summary_line(w1).startswith("W1 ") and summary_line(w4).startswith("W4 1 at once: ")
+assert summary_line({**w2, "peers": [{"peer": "p", "ratio": 2.0}]}).endswith("\n    2.00x p")
 
 # %% [markdown]
 # ## The final run: a real server, a small load, the plots

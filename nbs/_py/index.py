@@ -28,8 +28,9 @@
 # | 05_paged_kv | `kv_cache` | blocks, block tables, slot mapping, prefix caching, paged attention |
 # | 06_sampling | `sampling` | batched sampling with per-request parameters and seeds |
 # | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
-# | 08_engine | `engine` | one step: schedule, run, sample, stop; `LLM` |
+# | 08_engine | `engine` | one step: schedule, run, sample, stop |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
+# | 08b_llm | `llm` | `LLM`: offline generation; a model in this process or split over several |
 # | 09_kernels | `kernels` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV, paged decode and prefill attention |
 # | 09a_fused_layers | `fused_layers` | the model's layers through those kernels on a GPU, swapped in by class |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
