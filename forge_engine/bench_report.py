@@ -13,7 +13,8 @@ import re
 from .bench import rate_label
 
 # %% auto #0
-__all__ = ['HEADER', 'BLOCK', 'weights_label', 'report_rows', 'environment_line', 'report_table', 'update_report_blocks']
+__all__ = ['WEIGHTS_ORDER', 'HEADER', 'BLOCK', 'weights_label', 'report_rows', 'environment_line', 'report_order', 'report_table',
+           'update_report_blocks']
 
 # %% ../nbs/13f_bench_report.ipynb #47218777
 def weights_label(result: dict) -> str:
@@ -27,13 +28,15 @@ def _ms(seconds: float) -> str: return f"{seconds * 1000:.0f} ms"
 
 
 def _peers(result: dict, batch: int | None = None) -> tuple[str, str]:
-    "The peers measured in the same run (those of one batch size, if given): what they did, and our ratio."
+    """The peers measured in the same run (those of one batch size, if given): what they did, and our ratio, in the
+    figure the ratio compares (decode tok/s at W1, output tok/s at W2 and W4)."""
     peers = [p for p in result.get("peers", []) if batch is None or p.get("batch") == batch]
     if not peers: return "—", "—"
     def what(p):
         if "forge_engine_output_tok_s_same_prompts" in p:
             return (f"{p['peer']}: {p['output_tok_s']:,.0f} tok/s on the first {p['requests']} prompts "
                     f"(forge-engine {p['forge_engine_output_tok_s_same_prompts']:,.0f} on the same)")
+        if batch is not None: return f"{p['peer']}: {p['output_tok_s']:.1f} output tok/s"
         return f"{p['peer']}: {p['decode_tok_s']:.1f} tok/s"
     return "; ".join(map(what, peers)), "; ".join(f"**{p['ratio']:.2f}×**" for p in peers)
 
@@ -44,7 +47,7 @@ def report_rows(result: dict) -> list[list[str]]:
     if w == "W1":
         share = result.get("ratio_to_read_ceiling")
         ceiling = "—" if share is None else (f"{result['achieved_bytes_per_s'] / 1e12:.2f} TB/s, {share:.0%} of the "
-                                             f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f})")
+                                             f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f} TB/s)")
         return [[f"W1 decode, batch 1, {weights}", f"{result['decode_tok_s']:.1f} tok/s, TTFT {_ms(result['ttft_s'])}",
                  ceiling, *_peers(result)]]
     if w == "W2":
@@ -78,12 +81,20 @@ def environment_line(env: dict) -> str:
     return f"{hardware} ({', '.join(versions)})"
 
 
+WEIGHTS_ORDER = ["FP32", "FP16", "BF16", "int8", "int4", "gguf"]  # within a workload, rows by bytes per weight
+def report_order(result: dict) -> tuple[str, int]:
+    "Where a result's rows go in a table: by workload, then by bytes per weight (W3 has no weights of its own)."
+    label = weights_label(result) if "dtype" in result else "BF16"
+    return result["workload"], WEIGHTS_ORDER.index(label) if label in WEIGHTS_ORDER else len(WEIGHTS_ORDER)
+
+
 HEADER = ["result", "forge-engine", "against the ceiling", "peer, same run", "ratio", "file"]
 
 
 def report_table(paths: list[str], link_from: str = ".") -> str:
-    "A markdown table of the results in `paths` (in W1, W2, W3, W4 order), each row linking to its file."
-    results = sorted(((p, json.load(open(p))) for p in paths), key=lambda pr: (pr[1]["workload"], pr[0]))
+    """A markdown table of the results in `paths` (in W1, W2, W3, W4 order, BF16 before int8 before int4), each row
+    linking to its file."""
+    results = sorted(((p, json.load(open(p))) for p in paths), key=lambda pr: (*report_order(pr[1]), pr[0]))
     if not results: raise ValueError("no result files to report")
     environments = {environment_line(r["environment"]) for _, r in results}
     commits = {r["environment"].get("commit", "?") + ("-dirty" if r["environment"].get("dirty") else "")

@@ -53,13 +53,15 @@ def _ms(seconds: float) -> str: return f"{seconds * 1000:.0f} ms"
 
 
 def _peers(result: dict, batch: int | None = None) -> tuple[str, str]:
-    "The peers measured in the same run (those of one batch size, if given): what they did, and our ratio."
+    """The peers measured in the same run (those of one batch size, if given): what they did, and our ratio, in the
+    figure the ratio compares (decode tok/s at W1, output tok/s at W2 and W4)."""
     peers = [p for p in result.get("peers", []) if batch is None or p.get("batch") == batch]
     if not peers: return "—", "—"
     def what(p):
         if "forge_engine_output_tok_s_same_prompts" in p:
             return (f"{p['peer']}: {p['output_tok_s']:,.0f} tok/s on the first {p['requests']} prompts "
                     f"(forge-engine {p['forge_engine_output_tok_s_same_prompts']:,.0f} on the same)")
+        if batch is not None: return f"{p['peer']}: {p['output_tok_s']:.1f} output tok/s"
         return f"{p['peer']}: {p['decode_tok_s']:.1f} tok/s"
     return "; ".join(map(what, peers)), "; ".join(f"**{p['ratio']:.2f}×**" for p in peers)
 
@@ -70,7 +72,7 @@ def report_rows(result: dict) -> list[list[str]]:
     if w == "W1":
         share = result.get("ratio_to_read_ceiling")
         ceiling = "—" if share is None else (f"{result['achieved_bytes_per_s'] / 1e12:.2f} TB/s, {share:.0%} of the "
-                                             f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f})")
+                                             f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f} TB/s)")
         return [[f"W1 decode, batch 1, {weights}", f"{result['decode_tok_s']:.1f} tok/s, TTFT {_ms(result['ttft_s'])}",
                  ceiling, *_peers(result)]]
     if w == "W2":
@@ -104,12 +106,20 @@ def environment_line(env: dict) -> str:
     return f"{hardware} ({', '.join(versions)})"
 
 
+WEIGHTS_ORDER = ["FP32", "FP16", "BF16", "int8", "int4", "gguf"]  # within a workload, rows by bytes per weight
+def report_order(result: dict) -> tuple[str, int]:
+    "Where a result's rows go in a table: by workload, then by bytes per weight (W3 has no weights of its own)."
+    label = weights_label(result) if "dtype" in result else "BF16"
+    return result["workload"], WEIGHTS_ORDER.index(label) if label in WEIGHTS_ORDER else len(WEIGHTS_ORDER)
+
+
 HEADER = ["result", "forge-engine", "against the ceiling", "peer, same run", "ratio", "file"]
 
 
 def report_table(paths: list[str], link_from: str = ".") -> str:
-    "A markdown table of the results in `paths` (in W1, W2, W3, W4 order), each row linking to its file."
-    results = sorted(((p, json.load(open(p))) for p in paths), key=lambda pr: (pr[1]["workload"], pr[0]))
+    """A markdown table of the results in `paths` (in W1, W2, W3, W4 order, BF16 before int8 before int4), each row
+    linking to its file."""
+    results = sorted(((p, json.load(open(p))) for p in paths), key=lambda pr: (*report_order(pr[1]), pr[0]))
     if not results: raise ValueError("no result files to report")
     environments = {environment_line(r["environment"]) for _, r in results}
     commits = {r["environment"].get("commit", "?") + ("-dirty" if r["environment"].get("dirty") else "")
@@ -169,20 +179,23 @@ w3 = {"workload": "W3", "model": "random:qwen3-4b", "num_prompts": 64, "max_toke
                {"rate": 1.0, "completed": 0, "failed": 64, "ttft_ms": {}}]}
 with tempfile.TemporaryDirectory() as tmp:
     paths = []
-    for name, result in [("w3.json", w3), ("w1.json", w1), ("w2.json", w2)]:
+    w1_int8 = {**w1, "quantization": "int8", "decode_tok_s": 637.9}
+    for name, result in [("w3.json", w3), ("w1.json", w1), ("w2.json", w2), ("w1-int8.json", w1_int8)]:
         paths.append(os.path.join(tmp, "gpu", name))
         os.makedirs(os.path.dirname(paths[-1]), exist_ok=True)
         with open(paths[-1], "w") as f: json.dump(result, f)
     table = report_table(paths, tmp)
     print(table)
     rows = table.splitlines()[4:]
-    assert [r.split(" | ")[0] for r in rows] == ["| W1 decode, batch 1, int4", "| W2 offline, 256 requests, BF16",
+    assert [r.split(" | ")[0] for r in rows] == ["| W1 decode, batch 1, int8", "| W1 decode, batch 1, int4",
+                                                 "| W2 offline, 256 requests, BF16",
                                                  "| W3 serving, all at once, 64 × 128 tokens",
                                                  "| W3 serving, 1 req/s, 64 × 128 tokens"]
-    assert "841.8 tok/s, TTFT 21 ms" in rows[0] and "60% of the read ceiling (4.19)" in rows[0]
-    assert "15,309 output tok/s" in rows[1] and "**21.05×**" in rows[1] and "10,400 on the same" in rows[1]
-    assert "TTFT p50 182 / p99 300 ms" in rows[2] and "64 of 64 requests failed" in rows[3]
-    assert rows[0].endswith("[w1.json](gpu/w1.json) |") and "NVIDIA H200 (torch 2.11.0, CUDA 13.0" in table
+    assert "637.9 tok/s" in rows[0] and "841.8 tok/s, TTFT 21 ms" in rows[1]
+    assert "60% of the read ceiling (4.19 TB/s)" in rows[1] and rows[1].endswith("[w1.json](gpu/w1.json) |")
+    assert "15,309 output tok/s" in rows[2] and "**21.05×**" in rows[2] and "10,400 on the same" in rows[2]
+    assert "TTFT p50 182 / p99 300 ms" in rows[3] and "64 of 64 requests failed" in rows[4]
+    assert "NVIDIA H200 (torch 2.11.0, CUDA 13.0" in table
     doc = os.path.join(tmp, "doc.md")
     with open(doc, "w") as f: f.write("# Figures\n<!-- bench report: gpu/w[12].json -->\nold\n<!-- end bench report -->\n")
     assert update_report_blocks(doc, check=True) and "old" in open(doc).read()  # --check writes nothing
