@@ -584,13 +584,28 @@ with pytest.raises(ValueError, match="argmax_rows takes"):
 #
 # At batch 1 a decode step is four matrix-*vector* products per layer, and their time is the
 # time to read the weights: 8 GB per token for Qwen3-4B, 1.92 ms at the H200's 4.19 TB/s.
-# cuBLAS, asked for `x @ W.T` with one row, reaches about 65% of that (the guide's 2.95 ms
-# chain). A GEMV needs no tensor cores; what it needs is every SM streaming weights from the
+# cuBLAS, asked for `x @ W.T` with one row, reaches about 65% of that (a CUDA graph of cuBLAS
+# `F.linear` calls over all the weights: 2.95 ms). A GEMV needs no tensor cores; what it needs is every SM streaming weights from the
 # first microsecond to the last: many independent programs, each owning `BLOCK_N` output rows,
 # loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
 # cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
 # Up to `GEMV_MAX_ROWS` input rows share every weight tile (batch 2 and 4 read the weights
 # once, not twice or four times).
+#
+# ```
+#                      K (inputs) ──────────────────────────────────────────▶
+#            ┌──────────┬──────────┬──────────┬──────────┬──────────┐
+# program 0  │  tile    │  tile    │  tile    │  tile    │  tile    │  BLOCK_N rows of W
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤
+# program 1  │          │          │          │          │          │  each program walks its rows
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤  left to right, BLOCK_K at a
+#   ...      │          │          │          │          │          │  time, the fp32 partial sums
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤  staying in registers
+# program    │          │          │          │          │          │
+# N/BLOCK_N  └──────────┴──────────┴──────────┴──────────┴──────────┘
+#               ▲ x[0:BLOCK_K] (1-4 rows, read from L2 by every program)
+#   out[n] = Σ_k W[n, k] · x[k]: one reduction of the tile's columns at the end; no partials in memory
+# ```
 #
 # Measured (`kernels_lab/gemv.py`, one H200, one CUDA-graph replay each, L2 flushed): with the
 # best of 72 block configurations per shape, one row takes 15.9 / 13.0 / 35.5 / 22.3 / 185 µs
@@ -1657,6 +1672,19 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # back to the host, and the launch can be captured in a CUDA graph. Splits past a sequence's end
 # do nothing. The number of splits is a run-time argument, so a growing context never triggers
 # a recompilation.
+#
+# ```
+# grid = (sequences b, KV heads h, splits s): program (b, h, s) holds the query heads of KV head h
+# (a GQA group: the rows of one tile) and walks keys [s·L, (s+1)·L) of sequence b (L: the split length)
+#
+#   sequence b, 1,400 keys, L = 512:
+#   keys   0 ............ 511 | 512 ........... 1023 | 1024 ..... 1399
+#          split 0            | split 1              | split 2 (partial; splits past the end do nothing)
+#          tiles of DECODE_BLOCK_N keys: scores, running max m, running sum l, accumulator
+#               ↓                       ↓                      ↓
+#          (acc_0, m_0, l_0)       (acc_1, m_1, l_1)      (acc_2, m_2, l_2)
+#   merge: M = max_s m_s;   out = Σ_s 2^(m_s − M) · acc_s  /  Σ_s 2^(m_s − M) · l_s
+# ```
 #
 # At batch 1 and a few hundred keys this kernel is latency, not bandwidth: 8 programs, each a
 # chain of loads (the context length, the block table, then K and V) per tile. Measured on an
