@@ -50,7 +50,7 @@ def inputs(rows: int, device) -> list[torch.Tensor]:
 
 def variants(fast, group_name: str):
     "name -> in-place all-reduce of x."
-    from forge_engine.tensor_parallel import AllReduce
+    from forge_engine.tensor_parallel.shards import AllReduce
 
     def staged(x, half=0):
         return fast.staging(x.shape, x.dtype, half).copy_(x)
@@ -143,7 +143,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, device_id=device,
                             timeout=datetime.timedelta(seconds=60))
-    from forge_engine.tensor_parallel import ALL_REDUCE_ENV, SymmMemAllReduce, _symm_mem_unavailable
+    from forge_engine.tensor_parallel.peer_all_reduce import ALL_REDUCE_ENV, SymmMemAllReduce, _symm_mem_unavailable
     os.environ[ALL_REDUCE_ENV] = "symmetric-memory"  # (the engine's default too) whatever the environment says
     why = _symm_mem_unavailable(device, WORLD)
     if why is not None: raise RuntimeError(f"symmetric memory cannot run here: {why}")

@@ -14,7 +14,7 @@ import time
 
 from forge_engine.generate import SamplingParams
 from forge_engine.scheduler import ScheduledSeq, Sequence, Status, StepPlan
-from forge_engine.tensor_parallel import StepReader, StepWriter
+from forge_engine.tensor_parallel.step_message import StepReader, StepWriter
 
 BATCH, BLOCK, STEPS = 256, 16, 300
 
@@ -32,7 +32,7 @@ def v0_encode(plan):
 
 def v0_decode(items):
     "What a v0 worker built per step: one object per sequence for its ModelRunner (as StepReader does)."
-    from forge_engine.tensor_parallel import _Scheduled, _SeqView, _Tokens
+    from forge_engine.tensor_parallel.step_message import _Scheduled, _SeqView, _Tokens
     return [_Scheduled(_SeqView(table, done, _Tokens(done, new), new[-1]), len(new), samples)
             for new, done, table, samples in items]
 

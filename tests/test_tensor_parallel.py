@@ -15,7 +15,7 @@ from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
 from forge_engine.model import empty_model, hf_config_dict, hf_state_dict, init_random_weights
-from forge_engine.tensor_parallel import TensorParallelError, load_model_parallel
+from forge_engine.tensor_parallel.ranks import TensorParallelError, load_model_parallel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 11, list(range(300, 321))]
@@ -37,7 +37,7 @@ def test_a_killed_worker_is_named_by_its_exit_code_every_time():
     """Rank 0's report right after a worker is killed (`_Group.death_report`): the worker's pipe closes a moment before
     the kernel lets it be reaped, and reading its exit code at once found none about one time in twenty (CI then saw
     rank 0's socket error reported instead of the dead worker). Thirty kills, each named with its exit code."""
-    from forge_engine.tensor_parallel import _Group
+    from forge_engine.tensor_parallel.ranks import _Group
     spawn = multiprocessing.get_context("spawn")
     for _ in range(30):
         worker = spawn.Process(target=time.sleep, args=(60,), name="sleeper", daemon=True)
@@ -185,7 +185,7 @@ def test_refuses_what_cannot_be_split():
 def test_larger_qwen3_shapes_split_over_2_4_and_8_ranks(name):
     "The presets the TP benchmarks use: every rank's shard is whole, and the shards add up to the model."
     from forge_engine.config import preset
-    from forge_engine.tensor_parallel import ShardPlan
+    from forge_engine.tensor_parallel.shards import ShardPlan
     c = preset(name)
     for world in (2, 4, 8):
         plans = [ShardPlan(c, rank, world) for rank in range(world)]

@@ -16,7 +16,7 @@ from forge_engine.config import EngineConfig, preset
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
-from forge_engine.tensor_parallel import load_model_parallel
+from forge_engine.tensor_parallel.ranks import load_model_parallel
 from test_tensor_parallel import PROMPTS, run_to_end, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -73,7 +73,7 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly(all_reduce):
         from forge_engine.config import EngineConfig
         from forge_engine.engine import LLMEngine
         from forge_engine.generate import SamplingParams
-        from forge_engine.tensor_parallel import load_model_parallel
+        from forge_engine.tensor_parallel.ranks import load_model_parallel
         if __name__ == "__main__":
             loaded = load_model_parallel("random:qwen3-tiny", "cuda", world=2)
             path = loaded.parallel.all_reduce_path

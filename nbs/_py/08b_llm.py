@@ -52,7 +52,7 @@ def load_model_over(name: str, device: str | None = None, dtype: str | torch.dty
                           memory_budget=memory_budget)
     if quantization != "none":
         raise ValueError("tensor parallelism runs unquantized weights: use --quantization none with it")
-    from forge_engine.tensor_parallel import load_model_parallel
+    from forge_engine.tensor_parallel.ranks import load_model_parallel
     return load_model_parallel(name, device, dtype, seed, world=tensor_parallel_size)
 
 

@@ -76,7 +76,7 @@ def run_offline(workload: str, loaded: LoadedModel, args, ceiling: dict | None) 
         if "achieved_bytes_per_s" in result:
             result["ratio_to_read_ceiling"] = result["achieved_bytes_per_s"] / ceiling["read_bytes_per_s"]
     if loaded.parallel is not None:  # what the collectives cost per decode step, and their share of it
-        from forge_engine.tensor_parallel import tensor_parallel_report
+        from forge_engine.tensor_parallel.collective_timing import tensor_parallel_report
         result["tensor_parallel"] = tensor_parallel_report(loaded, config, result)
     free_memory()  # the engine's KV pool goes before a peer needs the memory
     if args.peers and loaded.parallel is None:  # (the peers run on one GPU)

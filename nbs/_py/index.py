@@ -34,7 +34,11 @@
 # | 09_kernels | `kernels` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV, paged decode and prefill attention |
 # | 09a_fused_layers | `fused_layers` | the model's layers through those kernels on a GPU, swapped in by class |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
-# | 09c_tensor_parallel | `tensor_parallel` | one model over N GPUs: sharded weights, all-reduces, worker processes |
+# | 09c_tensor_parallel | `tensor_parallel.shards` | one model over N GPUs: which rank holds which slice, the parallel layers |
+# | 09d_tp_step_message | `tensor_parallel.step_message` | what rank 0 sends the workers each step |
+# | 09e_tp_peer_all_reduce | `tensor_parallel.peer_all_reduce` | small all-reduces through peer memory, fused with the norm |
+# | 09f_tp_collective_timing | `tensor_parallel.collective_timing` | what a decode step's collectives cost |
+# | 09g_tp_ranks | `tensor_parallel.ranks` | the worker processes: started, fed, watched; a model loaded over them |
 # | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
 # | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
 # | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
