@@ -18,7 +18,8 @@ from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.loader import LoadedModel
 from forge_engine.registry import fetch
-from forge_engine.server import ServerThread, create_app
+from forge_engine.server.app import create_app
+from forge_engine.server.serve import ServerThread
 from forge_engine.tokenizer import Tokenizer
 
 CHROMIUM = "/usr/bin/chromium"

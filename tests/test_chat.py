@@ -36,7 +36,7 @@ class ServerProcess:
         self.api_key = api_key
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("FORGE_API_KEY", None)
-        cmd = [sys.executable, "-c", "import sys; from forge_engine.server import main; sys.exit(main(sys.argv[1:]))",
+        cmd = [sys.executable, "-c", "import sys; from forge_engine.server.serve import main; sys.exit(main(sys.argv[1:]))",
                "--model", model, "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         if api_key: cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,6 +1,9 @@
 """The real server process on loopback, driven by the official `openai` client: streaming and whole
 replies, errors as the client's exception types, backpressure, and 32 streams half of which hang up."""
 import asyncio
+import base64
+import hashlib
+import importlib.resources
 import os
 import re
 import signal
@@ -17,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "test-key-123"
 TINY = "random:qwen3-tiny"
-ENTRY = "import sys; from forge_engine.server import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from forge_engine.server.serve import main; sys.exit(main(sys.argv[1:]))"
 HELLO = [{"role": "user", "content": "Tell me about the forge, the anvil and the hammer."}]
 HAMMER = 23457  # " hammer" in the Qwen3 vocabulary: a logit bias of +100 pins greedy decoding to it
 
@@ -199,6 +202,20 @@ def test_raw_http_errors_keep_the_openai_shape(tiny):
     assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /v2/whatever"
     assert httpx.get(tiny.url + "/v1/models").status_code == 401  # no key at all
     assert "access-control-allow-origin" not in httpx.get(tiny.url + "/health", headers={"Origin": "http://x.test"}).headers
+
+
+def test_chat_page_is_the_packaged_files(tiny):
+    "The page comes from the package data (found by importlib.resources), its CSP pinned to the files' bytes."
+    static = importlib.resources.files("forge_engine.server") / "static"
+    script, style = (static / "chat.js").read_bytes(), (static / "chat.css").read_bytes()
+    assert (static / "chat.html").is_file() and b"textContent" in script
+    r = httpx.get(tiny.url + "/")  # no API key needed for the page
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    inline = lambda tag: re.search(rf"<{tag}>(.*)</{tag}>".encode(), r.content, re.S).group(1)
+    assert (inline("script"), inline("style")) == (script, style)
+    sha = lambda code: "'sha256-" + base64.b64encode(hashlib.sha256(code).digest()).decode() + "'"
+    policy = r.headers["content-security-policy"]
+    assert f"script-src {sha(script)};" in policy and f"style-src {sha(style)};" in policy
 
 
 def test_health_and_metrics_format(tiny):

@@ -689,7 +689,8 @@ import httpx
 from forge_engine.async_engine import AsyncEngine
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
-from forge_engine.server import ServerThread, create_app
+from forge_engine.server.app import create_app
+from forge_engine.server.serve import ServerThread
 
 served = AsyncEngine(LLMEngine(llm.loaded, EngineConfig(kv_cache_bytes=2**22)))
 server = ServerThread(create_app(served, "qwen3-tiny", api_key="secret"))

@@ -449,7 +449,8 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
-from forge_engine.server import ServerThread, create_app
+from forge_engine.server.app import create_app
+from forge_engine.server.serve import ServerThread
 
 engine = AsyncEngine(LLMEngine(load_model("random:qwen3-tiny", "cpu", progress=False), EngineConfig(kv_cache_bytes=2**23)))
 server = ServerThread(create_app(engine, "qwen3-tiny"))

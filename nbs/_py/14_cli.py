@@ -131,7 +131,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_chat_url_arguments(chat)
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server, with a browser chat at /")
     if argv and argv[0] == "serve":
-        from forge_engine import server
+        from forge_engine.server import serve as server
         server.add_arguments(serve)
     bench = sub.add_parser("bench", help="benchmark workloads W1-W4 (see chapter 13), and their plots")
     if argv and argv[0] == "bench":
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             from forge_engine import bench_command
             return load_client.run(args) if args.workload == "serve" else bench_command.run_from_args(args)
         elif args.command == "serve":
-            from forge_engine import server
+            from forge_engine.server import serve as server
             return server.run(args)
         elif args.command == "chat" and args.url:
             return run_remote_chat(args, sampling_from_args(args))

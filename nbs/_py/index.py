@@ -41,7 +41,11 @@
 # | 09g_tp_ranks | `tensor_parallel.ranks` | the worker processes: started, fed, watched; a model loaded over them |
 # | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
 # | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
-# | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
+# | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
+# | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
+# | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |
+# | 11c_server_app | `server.app` | SSE and JSON replies, cancellation, backpressure, the routes |
+# | 11d_serve | `server.serve` | `forge-engine serve`; a real server, a real stream |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
 # | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
 # | 13a_load_client | `load_client` | W3: Poisson load against a server |

@@ -1,0 +1,422 @@
+# %% [markdown]
+# # The OpenAI-compatible server: the app
+#
+# > The HTTP app around an `AsyncEngine`: chat and text completions (streamed over SSE or whole), backpressure, cancellation, models, health, metrics and the chat page.
+
+# %% [markdown]
+# Chapter 11 checked what comes in; this one turns a checked request into an engine request
+# and its outputs into OpenAI's JSON. The event loop only parses, checks, formats and waits:
+# the engine thread (chapter 08a) does all model work.
+
+# %%
+#| default_exp server.app
+
+# %%
+#| export
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Sequence
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from forge_engine.async_engine import AsyncEngine, EngineDeadError
+from forge_engine.engine import EngineStats, RequestOutput
+from forge_engine.generate import SamplingParams
+from forge_engine.scheduler import QueueFullError
+from forge_engine.server.chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
+from forge_engine.server.metrics import ServerMetrics
+from forge_engine.server.protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, completion_prompt_ids,
+                                          get_field, output_error, read_json, sampling_params, submit_error)
+from forge_engine.tokenizer import Tokenizer
+
+# %%
+#| hide
+from fastapi.testclient import TestClient
+
+
+# %% [markdown]
+# ## Writing the reply
+#
+# A reply is either one JSON object (`stream: false`), or a stream of *server-sent events*:
+# each event is a line `data: <json>` and a blank line, and the stream ends with
+# `data: [DONE]`. `json.dumps` escapes newlines, so one line per event is always enough. For
+# a chat the chunks are: the role, one chunk per engine output that added text, a chunk with
+# the `finish_reason`, and, when `stream_options.include_usage` is set, a last chunk with no
+# choices and the `usage`.
+
+# %%
+#| export
+def sse(data: dict | str) -> str:
+    "One server-sent event."
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Reply:
+    "OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text')."
+    def __init__(self, kind: str, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None = None):
+        self.kind, self.model, self.tokenizer, self.top_logprobs = kind, model, tokenizer, top_logprobs
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, streamed: bool) -> dict:
+        obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str, finish_reason: str | None, logprobs: dict | None, streamed: bool,
+                role: bool = False) -> dict:
+        if self.kind == "text":
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not streamed: message = {"role": "assistant", "content": text}
+        else: message = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+        return {"index": 0, "delta" if streamed else "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def logprobs(self, out: RequestOutput, start: int) -> dict | None:
+        "Log-probabilities of `out.token_ids[start:]`, shaped as this kind of reply wants them."
+        if self.top_logprobs is None or out.logprobs is None: return None
+        rows = []
+        for token, alternatives in zip(out.token_ids[start:], out.logprobs[start:]):
+            top = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self.top_logprobs]
+            rows.append((self.token_text(token), alternatives[token], [(self.token_text(t), lp) for t, lp in top]))
+        if self.kind == "text":
+            return {"tokens": [s for s, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+                    "top_logprobs": [dict(top) for _, _, top in rows]}
+        entry = lambda s, lp: {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(s, lp), "top_logprobs": [entry(*a) for a in top]} for s, lp, top in rows]}
+
+    def usage(self, out: RequestOutput) -> dict:
+        n, m = len(out.prompt_token_ids), len(out.token_ids)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+    def whole(self, out: RequestOutput) -> dict:
+        "The reply to a request with stream=false, from its final output."
+        return {**self._head(False), "choices": [self._choice(out.text, out.finish_reason, self.logprobs(out, 0), False)],
+                "usage": self.usage(out)}
+
+    def role_chunk(self, include_usage: bool) -> dict:
+        return {**self._head(True), "choices": [self._choice("", None, None, True, role=True)],
+                **({"usage": None} if include_usage else {})}
+
+    def chunks(self, out: RequestOutput, include_usage: bool) -> list[dict]:
+        "The stream chunks one output adds: its new text, then (when it is the last) the finish reason and usage."
+        head, usage = self._head(True), {"usage": None} if include_usage else {}
+        start = len(out.token_ids) - len(out.delta_token_ids)
+        logprobs = self.logprobs(out, start) if out.delta_token_ids else None
+        chunks = []
+        if out.delta_text or logprobs:
+            chunks.append({**head, "choices": [self._choice(out.delta_text, None, logprobs, True)], **usage})
+        if out.finished:
+            chunks.append({**head, "choices": [self._choice("", out.finish_reason, None, True)], **usage})
+            if include_usage: chunks.append({**head, "choices": [], "usage": self.usage(out)})
+        return chunks
+
+
+# %%
+out = RequestOutput("r", None, [1, 2, 3], "Hi there", [7, 8], finished=True, finish_reason="stop",
+                    delta_text=" there", delta_token_ids=[8], logprobs=[{7: -0.1, 9: -3.0}, {8: -0.5, 7: -1.5, 9: -2.0}])
+chat = Reply("chat", "m", None, top_logprobs=1)
+whole = chat.whole(out)
+assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
+assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+assert whole["choices"][0]["logprobs"]["content"][1] == {"token": "8", "logprob": -0.5, "bytes": [56],
+                                                          "top_logprobs": [{"token": "8", "logprob": -0.5, "bytes": [56]}]}
+text, finish, usage = chat.chunks(out, include_usage=True)
+assert text["choices"][0]["delta"] == {"content": " there"} and text["usage"] is None
+assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+completion = Reply("text", "m", None, top_logprobs=2).whole(out)
+assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == "Hi there"
+assert completion["choices"][0]["logprobs"]["top_logprobs"][1] == {"8": -0.5, "7": -1.5}
+assert sse({"a": "line\nbreak"}) == 'data: {"a": "line\\nbreak"}\n\n' and sse("[DONE]") == "data: [DONE]\n\n"
+
+
+# %% [markdown]
+# ## One request in flight
+#
+# `Generation` submits a request and hands out its outputs, feeding the metrics on the way.
+# Until the first output arrives, nothing has been sent to the client, so every failure
+# (queue full, prompt refused, engine gone) can still become a proper HTTP status; after
+# the first token, a failure can only be told inside the stream.
+#
+# **Cancellation.** A client that goes away must not keep the engine busy. While we wait
+# for the first output (or for the whole reply, without streaming), `unless_disconnected`
+# races the wait against the ASGI `http.disconnect` message. While streaming, Starlette
+# itself listens for the disconnect and cancels the response's generator; cancelling the
+# wait inside `AsyncEngine.stream` aborts the request, and `abandon()` makes sure of it. The
+# engine thread reads its inbox before every step, so the KV blocks are back within one step.
+
+# %%
+#| export
+class ClientGone(Exception):
+    "The client disconnected before its reply began."
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect": pass
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable):
+    "Await `awaitable`, but cancel it and raise ClientGone as soon as the client disconnects."
+    work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done(): work.cancel()
+    if work.cancelled(): raise ClientGone()
+    return work.result()
+
+
+class Generation:
+    "One request in flight: submitted to the engine, its outputs counted in the metrics, aborted if abandoned."
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str):
+        self.engine, self.metrics, self.request_id = engine, metrics, request_id
+        self._outputs = engine.stream(prompt_ids, params, request_id=request_id)
+        self.last: RequestOutput | None = None
+        self._tokens_at: float | None = None
+
+    async def next(self) -> RequestOutput:
+        "The next output. Before the first, refusals and engine errors raise APIError."
+        try:
+            out = await anext(self._outputs)  # the first call submits
+        except (QueueFullError, EngineDeadError, ValueError) as e:
+            raise submit_error(e) from None
+        now = time.perf_counter()
+        if self.last is None: self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        since = now - self._tokens_at if self._tokens_at is not None and out.delta_token_ids else None
+        self.metrics.observe(out, since)
+        if out.delta_token_ids: self._tokens_at = now
+        first, self.last = self.last is None, out
+        if first and out.finish_reason == "error": raise output_error(out, self.engine)
+        return out
+
+    async def final(self) -> RequestOutput:
+        out = await self.next()
+        while not out.finished: out = await self.next()
+        return out
+
+    def abandon(self) -> None:
+        "Nobody listens any more: abort the request unless it finished (its blocks come back within one step)."
+        if self.last is not None and self.last.finished: return
+        try:
+            self.engine.abort(self.request_id)
+            was_queued = True
+        except ValueError:  # unknown to the engine: never queued, or its abort is already through
+            was_queued = self.last is not None
+        if was_queued: self.metrics.requests.labels("abort").inc()
+
+
+async def sse_events(reply: Reply, generation: Generation, first: RequestOutput, include_usage: bool) -> AsyncIterator[str]:
+    "The body of a streamed reply, from its first output on."
+    out = first
+    try:
+        if reply.kind == "chat": yield sse(reply.role_chunk(include_usage))
+        while True:
+            if out.finish_reason == "error":  # the status line is long gone: report it in the stream
+                yield sse(output_error(out, generation.engine).body())
+                break
+            for chunk in reply.chunks(out, include_usage): yield sse(chunk)
+            if out.finished: break
+            out = await generation.next()
+        yield sse("[DONE]")
+    finally:  # also on cancellation (the client disconnected) and when the generator is closed early
+        generation.abandon()
+
+
+# %% [markdown]
+# ## The app
+#
+# `create_app` takes an engine that is already running (or None while a model loads: set
+# `app.state.forge.engine` when it is ready) and wires the routes. `/v1/*` needs the API
+# key when one is set (compared in constant time); `/health`, `/metrics` and the chat page
+# do not. CORS headers are only sent for the origins named.
+
+# %%
+#| export
+@dataclass
+class ServerState:
+    "What the HTTP side knows: the served model name, the engine once it is there, the limits and the metrics."
+    model_name: str
+    engine: AsyncEngine | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    load_error: str | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready_engine(self) -> AsyncEngine:
+        "The engine, or a 503 saying why there is none."
+        if self.load_error is not None: raise APIError(503, self.load_error, code="engine_unavailable")
+        if self.engine is None:
+            raise APIError(503, f"model {self.model_name!r} is still loading; retry when GET /health says ok",
+                           code="model_loading", headers={"Retry-After": "5"})
+        if not self.engine.alive:
+            why = f"{type(self.engine.error).__name__}: {self.engine.error}" if self.engine.error else "it was closed"
+            raise APIError(503, f"the engine has stopped ({why})", code="engine_unavailable")
+        return self.engine
+
+    def model_card(self) -> dict:
+        "An OpenAI model object, plus the loaded model's metadata from the registry once it is loaded."
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "forge-engine"}
+        if self.engine is not None:
+            card["max_model_len"] = self.engine.engine.max_model_len
+            card.update({k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card})
+        return card
+
+    def check_model(self, body: dict) -> None:
+        model = get_field(body, "model", str)
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def engine_stats_json(stats: EngineStats) -> dict:
+    "The engine snapshot for the chat page's live panel."
+    kv = stats.kv
+    return {"running": stats.running, "waiting": stats.waiting, "steps": stats.steps,
+            "generated_tokens": stats.generated_tokens, "tokens_per_s": stats.tokens_per_s,
+            "kv": {"total_blocks": kv.total_blocks, "used_blocks": kv.used_blocks, "cached_blocks": kv.cached_blocks,
+                   "free_blocks": kv.free_blocks, "usage": kv.usage, "prefix_hit_rate": kv.hit_rate},
+            "block_map": stats.block_map}
+
+
+async def complete(state: ServerState, request: Request, kind: str) -> Response:
+    "POST /v1/chat/completions (kind 'chat') and /v1/completions ('text')."
+    body = await read_json(request, state.max_body_bytes)
+    engine = state.ready_engine()
+    state.check_model(body)
+    get_field(body, "user", str)
+    stream = get_field(body, "stream", bool, False)
+    include_usage = stream and get_field(get_field(body, "stream_options", dict, {}), "include_usage", bool, False)
+    tokenizer = engine.engine.loaded.tokenizer
+    ids = await run_in_threadpool(chat_prompt_ids if kind == "chat" else completion_prompt_ids, tokenizer, body)
+    try:
+        ids = engine.engine.check_prompt(ids)  # reads constants only: safe off the engine thread
+    except ValueError as e:
+        raise submit_error(e) from None
+    params = sampling_params(body, kind, len(ids), engine.engine.max_model_len, engine.engine.loaded.config.vocab_size)
+    reply = Reply(kind, state.model_name, tokenizer, params.logprobs)
+    generation = Generation(engine, state.metrics, ids, params, reply.id)
+    try:
+        if not stream:
+            out = await unless_disconnected(request, generation.final())
+            if out.finish_reason == "error": raise output_error(out, engine)
+            return JSONResponse(reply.whole(out))
+        first = await unless_disconnected(request, generation.next())
+    except ClientGone:
+        generation.abandon()
+        return Response(status_code=499)  # nobody reads it
+    return StreamingResponse(sse_events(reply, generation, first, include_usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None = None,
+               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    "The HTTP app around a running `AsyncEngine` (None while it loads: set `app.state.forge.engine` later)."
+    state = ServerState(model_name, engine, api_key or None, max_body_bytes)
+    app = FastAPI(title="forge-engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.forge = state
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    async def api_error(request, e: APIError): return e.response()
+    async def http_error(request, e: HTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return APIError(e.status_code, message).response()
+    async def unexpected(request, e: Exception):
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").response()
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+    async def require_key(request: Request) -> None:
+        if state.api_key is None: return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request): return await complete(state, request, "chat")
+
+    @v1.post("/completions")
+    async def completions(request: Request): return await complete(state, request, "text")
+
+    @v1.get("/models")
+    async def models(): return {"object": "list", "data": [state.model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
+        state.check_model({"model": model})
+        return state.model_card()
+
+    @v1.get("/engine/stats")
+    async def engine_stats(): return engine_stats_json(state.ready_engine().stats())
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        try:
+            state.ready_engine()
+        except APIError as e:
+            status = "loading" if e.code == "model_loading" else "unavailable"
+            return JSONResponse({"status": status, "message": e.message}, status_code=503)
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = state.engine.stats() if state.engine is not None else None
+        return Response(state.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def chat_page(): return HTMLResponse(CHAT_PAGE, headers=CHAT_PAGE_HEADERS)
+
+    return app
+
+
+# %% [markdown]
+# Without an engine yet (the model still loading), the app already answers: `/health` is
+# 503 until the engine is there, `/v1/*` too, and errors keep OpenAI's shape. FastAPI's
+# `TestClient` calls the app in-process, no socket needed:
+
+# %%
+loading = TestClient(create_app(None, "qwen3-tiny", api_key="secret", cors_origins=["http://localhost:3000"]))
+r = loading.get("/health")
+assert r.status_code == 503 and r.json()["status"] == "loading"
+r = loading.post("/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer secret"})
+assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "5"
+assert loading.get("/v1/models").status_code == 401  # no key
+assert loading.get("/v1/models", headers={"Authorization": "Bearer nope"}).json()["error"]["code"] == "invalid_api_key"
+assert loading.get("/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == "qwen3-tiny"
+assert loading.get("/nothing/here").json()["error"]["message"] == "no route GET /nothing/here"
+r = loading.post("/v1/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1), headers={"Authorization": "Bearer secret"})
+assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+r = loading.post("/v1/completions", content=b"{not json", headers={"Authorization": "Bearer secret"})
+assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+page = loading.get("/")
+assert page.headers["content-security-policy"].startswith("default-src 'none'") and 'id="stop"' in page.text
+cors = loading.options("/v1/models", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "GET"})
+assert cors.headers["access-control-allow-origin"] == "http://localhost:3000"
+plain = TestClient(create_app(None, "m"))
+assert "access-control-allow-origin" not in plain.get("/health", headers={"Origin": "http://localhost:3000"}).headers
+assert plain.get("/v1/models").status_code == 200  # no key set: none needed
