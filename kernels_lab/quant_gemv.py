@@ -32,7 +32,9 @@ from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, vali
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels import gemv
-from forge_engine.quant import KEPT_GGUF_TYPES, gguf_matmul, int4_gemv, int4_matmul, int4_matmul_reference, quantize_int4
+from forge_engine.quant.formats import quantize_int4
+from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference
+from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul
 
 SHAPES = {"qkv 6144x2560": (6144, 2560), "o 2560x4096": (2560, 4096), "gate_up 19456x2560": (19456, 2560),
           "down 2560x9728": (2560, 9728)}
@@ -60,7 +62,7 @@ def random_gguf(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tenso
 def gguf_reference(x, raw, qtype):
     "Chapter 01a's dequantizers when the gguf package is here; else None (the GEMV is then checked against split-K)."
     try:
-        from forge_engine.quant import gguf_matmul_reference
+        from forge_engine.quant.gguf_blocks import gguf_matmul_reference
         return gguf_matmul_reference(x.float(), raw, qtype)
     except ImportError:
         return None

@@ -35,8 +35,12 @@
 # | 09a_fused_layers | `fused_layers` | the model's layers through those kernels on a GPU, swapped in by class |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
 # | 09c_tensor_parallel | `tensor_parallel` | one model over N GPUs: sharded weights, all-reduces, worker processes |
-# | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
+# | 10_quant_formats | `quant.formats` | weight-only int8 / int4 codes, quantized a slice of rows at a time |
 # | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
+# | 10b_quant_split_k | `quant.split_k` | the skinny matmul kernels for int8 / int4 weights, split along K |
+# | 10c_quant_gemv | `quant.gemv` | the int4 GEMV for one to four rows; `int4_matmul` |
+# | 10d_quant_gguf_blocks | `quant.gguf_blocks` | GGUF blocks kept as stored, decoded inside the matmul |
+# | 10e_quant_layers | `quant.layers` | the quantized layers, `quantize_model`, GGUF loading kept quantized, perplexity |
 # | 11_server | `server` | the OpenAI-compatible server, metrics, the browser chat |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
 # | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
