@@ -22,10 +22,11 @@ import sys
 
 import torch
 
-from forge_engine import quant
+import forge_engine.quant.layers as quant
 from forge_engine.gguf_file import _f16
 from forge_engine.loader import load_model
-from forge_engine.quant import FIXED_TEXT, KEPT_GGUF_TYPES, GGUFLinear, perplexity, quantize_model
+from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES
+from forge_engine.quant.layers import FIXED_TEXT, GGUFLinear, perplexity, quantize_model
 
 SEEDS = int(os.environ.get("LAB_SEEDS", "16"))
 

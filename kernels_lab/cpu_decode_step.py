@@ -15,7 +15,7 @@ from forge_engine.loader import load_model
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
     loaded = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization=quantization)
-    text = re.search(r'FIXED_TEXT = """(.*?)"""', open("nbs/_py/10_quantization.py").read(), re.S).group(1)
+    text = re.search(r'FIXED_TEXT = """(.*?)"""', open("nbs/_py/10e_quant_layers.py").read(), re.S).group(1)
     engine = LLMEngine(loaded, EngineConfig())
     engine.add_request(loaded.tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(10): engine.step()  # the prompt, then a few decodes

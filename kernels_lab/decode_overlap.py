@@ -57,7 +57,8 @@ from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may
 import torch
 import forge_engine.kernels as kernels
 from forge_engine.fused_layers import FusedRMSNorm
-import forge_engine.quant as quant
+import forge_engine.quant.gemv as quant  # the int4 GEMV (chapter 10c): its switches, tiles and launch
+import forge_engine.quant.layers as quant_layers
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -272,7 +273,7 @@ def switch(**changes):
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
     quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
     int4_launch = changes.pop("INT4_LAUNCH", None)  # (lab-only: register caps, early steps for some int4 shapes)
-    quant.int4_gemv = int4_gemv_for(int4_launch) if int4_launch else EXPORTED_INT4_GEMV
+    quant.int4_gemv = quant_layers.int4_gemv = int4_gemv_for(int4_launch) if int4_launch else EXPORTED_INT4_GEMV
     kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
         setattr(kernels if hasattr(kernels, name) else quant, name, value)

@@ -25,7 +25,8 @@ from common import DEVICE, HBM_BYTES_PER_S, ON_GPU, finish, graphed_ms, validate
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels import gemv, gemv_config
-from forge_engine.quant import dequantize_int4, int4_gemv, quant_gemv_config, quantize_int4
+from forge_engine.quant.formats import dequantize_int4, quantize_int4
+from forge_engine.quant.gemv import int4_gemv, quant_gemv_config
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8))

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from forge_engine.kernels import (INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, gemv_layout,
                                   pdl_supported)
-from forge_engine.quant import quantize_int8
+from forge_engine.quant.formats import quantize_int8
 
 
 @triton.jit

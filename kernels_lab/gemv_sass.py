@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from forge_engine.kernels import _gemv_kernel
-from forge_engine.quant import INT4_INT_DOT, _int4_gemv_kernel
+from forge_engine.quant.gemv import INT4_INT_DOT, _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "NORM",

@@ -29,7 +29,8 @@ Variants (each in its own process, as `int4_step_bounds.py`):
 Each first checks the GEMV against the dequantized matmul (plain, SiLU-mul, with a residual; every Qwen3-4B shape),
 then prints the chain of 36 GEMVs of each shape (µs a matrix) and random:qwen3-4b's batch-1 int4 decode step (ms).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_dp2a.py [floats,integers,floats,integers]"""
-import forge_engine.quant as quant
+import forge_engine.quant.gemv as quant
+from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from int4_step_bounds import main, measure
 
 VARIANTS = ("floats", "integers", "floats", "integers")
@@ -51,8 +52,8 @@ def validate(variant: str):
     for label, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
         x = (torch.randn(1, k, device="cuda", generator=gen) * torch.rand(1, k, device="cuda", generator=gen) * 3).bfloat16()
-        packed = quant.quantize_int4(w)
-        want = x.float() @ quant.dequantize_int4(*packed).T
+        packed = quantize_int4(w)
+        want = x.float() @ dequantize_int4(*packed).T
         residual = torch.randn(1, n, device="cuda", generator=gen).bfloat16()
         gate, up = want[:, :n // 2], want[:, n // 2:]
         for what, got, ref in (("plain", quant.int4_gemv(x, *packed), want),

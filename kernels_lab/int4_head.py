@@ -15,17 +15,18 @@ import re
 from types import SimpleNamespace
 
 import torch
-import forge_engine.quant as quant
+import forge_engine.quant.layers as quant
+from forge_engine.quant.formats import dequantize_int8
 from forge_engine.loader import load_model
 
-CHAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nbs", "_py", "10_quantization.py")
+CHAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nbs", "_py", "10e_quant_layers.py")
 
 
 def int4_head(model, group: int | None = None):
     """Lab-only: the model's int8 LM head re-quantized to int4, `group` inputs a scale (default: chapter 10's); a tied
     embedding then reads its rows from it."""
     head = model.lm_head
-    weight = quant.dequantize_int8(head.qweight, head.scale, torch.bfloat16)
+    weight = dequantize_int8(head.qweight, head.scale, torch.bfloat16)
     model.lm_head = quant.Int4Linear(SimpleNamespace(weight=weight), group=group)
     if isinstance(model.embed, quant.TiedEmbedding):
         model.embed = quant.TiedEmbedding(model.lm_head, model.embed.dtype)

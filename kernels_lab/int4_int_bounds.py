@@ -18,10 +18,11 @@ no-dot 1.149 / 1.148. Two real variants, both in chapter 10: the high nibbles us
 and with x's sum by dp2a 1.202 / 1.199 (relative error qkv 1.66e-3 -> 1.71e-3, o 1.61e-3 -> 2.05e-3, gate-up 1.67e-3
 -> 1.72e-3, down 1.62e-3 -> 2.06e-3).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_int_bounds.py [variant[,variant...]]"""
-import forge_engine.quant as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
+import forge_engine.quant.gemv as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
 import triton
 import triton.language as tl
-from forge_engine.quant import _x_chunk
+from forge_engine.quant.formats import dequantize_int4
+from forge_engine.quant.gemv import _x_chunk
 
 from int4_step_bounds import main, measure, no_wait
 
@@ -66,7 +67,7 @@ def relative_errors() -> str:
     for name, (n, k) in SHAPES.items():
         w = weights("int4", n, k)
         x = torch.randn(1, k, device=DEVICE).bfloat16()
-        ref = F.linear(x.float(), quant.dequantize_int4(*w))
+        ref = F.linear(x.float(), dequantize_int4(*w))
         out = quant.int4_gemv(x, *w).float()
         errors.append(f"{name} {((out - ref).norm() / ref.norm()).item():.3e}")
     return "error " + " ".join(errors)

@@ -72,7 +72,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from forge_engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from forge_engine.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
@@ -557,7 +557,7 @@ def reference(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
 def exported(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
     "t0: chapter 10's Triton int4 GEMV, or chapter 09's GEMV with int8 weights."
     from forge_engine.kernels import gemv
-    from forge_engine.quant import int4_gemv
+    from forge_engine.quant.gemv import int4_gemv
     return int4_gemv(x, *mat) if fmt == "int4" else gemv(x, mat[0], None, mat[1], impl="triton")
 
 

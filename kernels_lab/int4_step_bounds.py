@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 
-import forge_engine.quant as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
+import forge_engine.quant.gemv as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
 import triton
 import triton.language as tl
 
@@ -71,7 +71,8 @@ def patch(variant: str):
         from decode_overlap import int4_gemv_for  # (its per-shape launch override: PDL=2 there, dependent without the wait)
         quant._wait_for_previous = wait_unless_marked
         shape = gemv_chain_sweep.SHAPES[variant.split(":")[1]]
-        quant.int4_gemv = gemv_chain_sweep.int4_gemv = int4_gemv_for({shape: dict(pdl=2)})
+        import forge_engine.quant.layers as quant_layers  # (Int4Linear.decode_gemv calls it from there)
+        quant.int4_gemv = quant_layers.int4_gemv = gemv_chain_sweep.int4_gemv = int4_gemv_for({shape: dict(pdl=2)})
         return
     if "no-wait" in variant:
         quant._wait_for_previous = no_wait

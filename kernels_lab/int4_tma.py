@@ -31,7 +31,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from forge_engine.kernels import pdl_supported
-from forge_engine.quant import _nibbles_to_f32, dequantize_int4, int4_gemv, quantize_int4
+from forge_engine.quant.formats import dequantize_int4, quantize_int4
+from forge_engine.quant.gemv import _nibbles_to_f32, int4_gemv
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 CONFIGS = [(bn, bk, s, w, late) for bn, bk, s, w in ((8, 256, 3, 4), (8, 256, 4, 4), (16, 256, 3, 4), (16, 128, 4, 4),

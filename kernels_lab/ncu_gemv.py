@@ -22,7 +22,8 @@ from common import DEVICE, ON_GPU, finish, validate  # first: it may switch on t
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels import gemv
-from forge_engine.quant import dequantize_int4, int4_gemv, quantize_int4
+from forge_engine.quant.formats import dequantize_int4, quantize_int4
+from forge_engine.quant.gemv import int4_gemv
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
           "lm_head": (151936, 2560)} if ON_GPU else {"qkv": (96, 256), "gate_up": (16384, 256)}

@@ -32,7 +32,9 @@ from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, vali
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels import gemv
-from forge_engine.quant import KEPT_GGUF_TYPES, gguf_matmul, int4_gemv, int4_matmul, int4_matmul_reference, quantize_int4
+from forge_engine.quant.formats import quantize_int4
+from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference
+from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul
 
 SHAPES = {"qkv 6144x2560": (6144, 2560), "o 2560x4096": (2560, 4096), "gate_up 19456x2560": (19456, 2560),
           "down 2560x9728": (2560, 9728)}
@@ -60,7 +62,7 @@ def random_gguf(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tenso
 def gguf_reference(x, raw, qtype):
     "Chapter 01a's dequantizers when the gguf package is here; else None (the GEMV is then checked against split-K)."
     try:
-        from forge_engine.quant import gguf_matmul_reference
+        from forge_engine.quant.gguf_blocks import gguf_matmul_reference
         return gguf_matmul_reference(x.float(), raw, qtype)
     except ImportError:
         return None
@@ -153,7 +155,7 @@ def benchmark(gen, rows):
                 if ms < best.get((prefix, label, m), (float("inf"),))[0]:
                     best[prefix, label, m] = (ms, name, nbytes)
     results.print()
-    print("\n== best sweep configuration per shape (export: forge_engine.quant.quant_gemv_config, gguf_gemv_config)")
+    print("\n== best sweep configuration per shape (export: forge_engine.quant.gemv.quant_gemv_config, forge_engine.quant.gguf_blocks.gguf_gemv_config)")
     for (prefix, label, m), (ms, config, nbytes) in best.items():
         print(f"{prefix:8s} {label:22s} M={m}  {config:22s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
 

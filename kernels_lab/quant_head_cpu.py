@@ -6,7 +6,7 @@ from common import best_host_s  # first: it may switch on the interpreter (unuse
 import torch
 from torch import nn
 
-from forge_engine.quant import Int8Linear
+from forge_engine.quant.layers import Int8Linear
 
 
 def best_ms(fn) -> float: return best_host_s(fn, reps=50) * 1e3

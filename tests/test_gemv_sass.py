@@ -69,7 +69,7 @@ INT4_SCRIPT = """
 import collections, json, sys
 sys.path.insert(0, "kernels_lab")
 from gemv_sass import int4_loop
-from forge_engine.quant import quant_gemv_config
+from forge_engine.quant.gemv import quant_gemv_config
 loads = {}
 for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)):  # Qwen3-4B's qkv, gate-up, o, down
     block_n, warps, chunk = quant_gemv_config(n, k)
@@ -104,7 +104,7 @@ CAPS_SCRIPT = """
 import itertools, json, sys
 sys.path.insert(0, "kernels_lab")
 from gemv_sass import INT4_SIGNATURE, kernel_sass
-from forge_engine.quant import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_gemv_kernel
+from forge_engine.quant.gemv import INT4_TILE_EARLY_STEPS, INT4_TILE_MAXNREG, _int4_gemv_kernel
 # what Qwen3-4B's batch-1 step asks of each tile besides the plain product: qkv the norm handed to it, o and down the
 # residual added and the next norm handed off, the gate-up SiLU-mul and the norm handed to it (chapter 03)
 STEP_FOLDS = {(4, 2, 8): dict(NORM_SUMS=True), (4, 4, 16): dict(RESIDUAL=True, HAND_OFF=True),

@@ -54,7 +54,7 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     import forge_engine.kernels as kernels
     model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
-        from forge_engine.quant import quantize_model
+        from forge_engine.quant.layers import quantize_model
         quantize_model(model, mode)
     loaded = LoadedModel("qwen3-tiny", model, None, None)
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 700)]  # the last one: a decode with splits and their merge
@@ -111,7 +111,7 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     config = preset(name)
     model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
-        from forge_engine.quant import quantize_model
+        from forge_engine.quant.layers import quantize_model
         quantize_model(model, mode)
     install_fused_layers(model)  # (as the loader and the engine do; a DecodeRunner alone runs what it is given)
     switch, check = ("FUSED_NORM_GEMV", "folds_norms") if mode == "none" else ("NORM_HANDOFF", "hands_off_norms")
@@ -183,7 +183,8 @@ def test_int8_gemv_on_the_gpu(rows, n, k):
 def test_gemv_l2_prefetch_changes_no_result(n, k):
     "The GEMVs with their weights prefetched into L2 (or their first tile loaded) before the input wait, or with a pipelined loop (chapter 09): the same bits."
     from forge_engine.kernels import gemv
-    from forge_engine.quant import int4_gemv, quantize_int4
+    from forge_engine.quant.formats import quantize_int4
+    from forge_engine.quant.gemv import int4_gemv
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()

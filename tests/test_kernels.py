@@ -332,7 +332,7 @@ def test_gpu_tiny_model_through_the_kernel_backend():
 def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
     "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
     import forge_engine.kernels as kernels
-    from forge_engine.quant import quantize_int8
+    from forge_engine.quant.formats import quantize_int8
     x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
     w, scale = quantize_int8(w) if int8 else (w, None)
     want = kernels.silu_mul(kernels.gemv(x, w, None, scale, layout=layout))
@@ -349,7 +349,7 @@ def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
 def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
     "Both GEMV layouts, with the first weights early or not, against the reference at each of a layer's shapes."
     from forge_engine.kernels import gemv, gemv_reference
-    from forge_engine.quant import quantize_int8
+    from forge_engine.quant.formats import quantize_int8
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (100, 2560 + 64)):
         x, w = randn(1, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k ** 0.5
         w, scale = quantize_int8(w) if int8 else (w, None)

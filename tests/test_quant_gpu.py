@@ -16,9 +16,11 @@ from forge_engine.generate import SamplingParams
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.memory_plan import load_peak_bytes, parse_bytes, weight_bytes
 from forge_engine.model import empty_model, init_random_weights
-from forge_engine.quant import (QUANTIZED_LINEARS, SKINNY_MAX_ROWS, gguf_matmul, int4_gemv, int4_matmul, pair_scales,
-                                int4_matmul_reference, int8_matmul, int8_matmul_reference, quantize_int4,
-                                quantize_int8, quantize_model, quantize_rows)
+from forge_engine.quant.formats import quantize_int4, quantize_int8, quantize_rows
+from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
+from forge_engine.quant.gguf_blocks import gguf_matmul
+from forge_engine.quant.layers import QUANTIZED_LINEARS, quantize_model
+from forge_engine.quant.split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -58,7 +60,7 @@ def test_int8_and_int4_kernels_match_the_reference(k, n, m):
 
 def test_int8_rows_on_the_gpu_are_the_dequantized_rows_bit_for_bit():
     "A tied model's embedding read from its int8 head (`int8_rows`): the bits of `dequantize_int8` of the rows."
-    from forge_engine.quant import dequantize_int8, int8_rows
+    from forge_engine.quant.formats import dequantize_int8, int8_rows
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, s = quantize_int8(torch.randn(151936, 2560, device="cuda", generator=gen))
     ids = torch.tensor([0, 151935, 7, 7, 98304], device="cuda")

@@ -214,7 +214,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         from forge_engine.gguf_file import GGUFFile
         gguf = GGUFFile(resolved.path)
         if quantization == "gguf":
-            from forge_engine.quant import load_gguf_quantized
+            from forge_engine.quant.layers import load_gguf_quantized
             model = load_gguf_quantized(gguf, device, dtype)
         else:
             model = empty_model(gguf.model_config(), staging, dtype)
@@ -224,7 +224,7 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
         model = empty_model(model_config_of(resolved), staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
     if quantization in ("int8", "int4"):  # quantized on `device` even when staged on the CPU: fast, and a low peak
-        from forge_engine.quant import quantize_model
+        from forge_engine.quant.layers import quantize_model
         quantize_model(model, quantization, device=device)
     model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
     if device.type == "cuda":  # chapter 09a: the layers through the kernels, where they run compiled

@@ -164,7 +164,7 @@ assert load_peak_bytes(q4b) == weight_bytes(q4b) and load_peak_bytes(q4b, "int8"
 import torch
 from forge_engine.loader import model_bytes
 from forge_engine.model import empty_model, init_random_weights
-from forge_engine.quant import quantize_model
+from forge_engine.quant.layers import quantize_model
 
 for name in ("qwen3-tiny", "qwen2-tiny"):
     small = preset(name).replace(vocab_size=1000, hidden_size=128, intermediate_size=256)  # inputs: multiples of 128

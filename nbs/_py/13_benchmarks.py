@@ -240,7 +240,7 @@ def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) ->
 #| export
 def model_size(loaded: LoadedModel) -> tuple[int, int]:
     "(parameters, bytes) of the weights; a quantized layer counts its logical weights and its stored bytes."
-    from forge_engine.quant import QuantLinear  # (its weights are buffers, not parameters)
+    from forge_engine.quant.layers import QuantLinear  # (its weights are buffers, not parameters)
     params = sum(p.numel() for p in loaded.model.parameters())
     params += sum(m.in_features * m.out_features for m in loaded.model.modules() if isinstance(m, QuantLinear))
     return params, model_bytes(loaded.model)

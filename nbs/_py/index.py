@@ -39,8 +39,12 @@
 # | 09e_tp_peer_all_reduce | `tensor_parallel.peer_all_reduce` | small all-reduces through peer memory, fused with the norm |
 # | 09f_tp_collective_timing | `tensor_parallel.collective_timing` | what a decode step's collectives cost |
 # | 09g_tp_ranks | `tensor_parallel.ranks` | the worker processes: started, fed, watched; a model loaded over them |
-# | 10_quantization | `quant` | weight-only int8 / int4, GGUF blocks kept; dequantizing matmuls |
+# | 10_quant_formats | `quant.formats` | weight-only int8 / int4 codes, quantized a slice of rows at a time |
 # | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
+# | 10b_quant_split_k | `quant.split_k` | the skinny matmul kernels for int8 / int4 weights, split along K |
+# | 10c_quant_gemv | `quant.gemv` | the int4 GEMV for one to four rows; `int4_matmul` |
+# | 10d_quant_gguf_blocks | `quant.gguf_blocks` | GGUF blocks kept as stored, decoded inside the matmul |
+# | 10e_quant_layers | `quant.layers` | the quantized layers, `quantize_model`, GGUF loading kept quantized, perplexity |
 # | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
 # | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
 # | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |
