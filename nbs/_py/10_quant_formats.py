@@ -152,6 +152,20 @@ with pytest.raises(ValueError, match=r"1-D tensor of integer row ids, got torch.
 # so a kernel reads 64 contiguous bytes and pairs them with two contiguous halves of `x`.
 # Scale and minimum are FP16; `q` is computed against the *rounded* FP16 values, so the error
 # stays within half a step.
+#
+# One group of one row, 128 weights `w0 … w127` in 64 bytes:
+#
+# ```
+# byte:         0         1         2     …     63
+#           ┌─────────┬─────────┬─────────┬───┬──────────┐
+# high 4 b  │   w64   │   w65   │   w66   │ … │   w127   │   second half of the group
+# low  4 b  │   w0    │   w1    │   w2    │ … │   w63    │   first half of the group
+#           └─────────┴─────────┴─────────┴───┴──────────┘
+#   + scale (fp16) and minimum (fp16) of the group:  w ≈ scale · q + minimum
+#
+# in the kernel:  lo = byte & 0xF  →  pairs with x[0:64]
+#                 hi = byte >> 4   →  pairs with x[64:128]
+# ```
 
 # %%
 #| export
