@@ -193,13 +193,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if state.engine is not None: state.engine.close()
-    if loader.is_alive():  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
-        code = 128 + (server.signals[-1] if server.signals else signal.SIGINT)
-        logger.warning("stopped while %r was still loading; exiting with %d", model, code)
-        logging.shutdown()
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(code)
+        if loader.is_alive():  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
+            code = 128 + (server.signals[-1] if server.signals else signal.SIGINT)
+            logger.warning("stopped while %r was still loading; exiting with %d", model, code)
+            logging.shutdown()
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        if state.engine is not None: state.engine.close()  # the loader is done: state.engine is final
     return 1 if state.load_error else 0
 
 
