@@ -18,7 +18,8 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% auto #0
 __all__ = ['ContiguousKVCache', 'prefill', 'decode_step', 'SamplingParams', 'apply_penalties', 'filter_probs', 'sample_token',
-           'StopStringMatcher', 'TextStream', 'Completion', 'finish_reason_for', 'token_logprobs', 'generate_tokens']
+           'failure_table', 'StopStringMatcher', 'TextStream', 'Completion', 'finish_reason_for', 'token_logprobs',
+           'generate_tokens']
 
 # %% ../nbs/04_prefill_decode.ipynb #9dc0ec90
 class ContiguousKVCache:
@@ -143,20 +144,40 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int((probs / race).argmax())
 
 # %% ../nbs/04_prefill_decode.ipynb #bd14b1dc
+def failure_table(s: str) -> list[int]:
+    "Knuth-Morris-Pratt: `table[i]` is the length of the longest proper prefix of `s[:i + 1]` that also ends it."
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]: k = table[k - 1]
+        if s[i] == s[k]: k += 1
+        table[i] = k
+    return table
+
+
 class StopStringMatcher:
-    "Feeds streamed text; releases only text that can no longer become part of a stop string."
+    "Feeds streamed text; releases only text that can no longer become part of a stop string. Linear time."
     def __init__(self, stops: Sequence[str]):
         self.stops, self.pending, self.stopped = list(stops), "", False
+        self._tables = [failure_table(s) for s in self.stops]
+        self._states = [0] * len(self.stops)  # per stop string: its longest prefix that ends the text fed so far
 
     def feed(self, delta: str) -> str:
         "New text in; the part now safe to emit out. Sets `stopped` when a stop string appears."
         if self.stopped: return ""
-        text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        text, first = self.pending + delta, None  # first: where the earliest stop string found starts in `text`
+        for j, (s, table) in enumerate(zip(self.stops, self._tables)):
+            k = self._states[j]
+            for i, c in enumerate(delta, len(self.pending)):
+                while k and s[k] != c: k = table[k - 1]
+                if s[k] == c: k += 1
+                if k == len(s):
+                    first = i + 1 - k if first is None else min(first, i + 1 - k)
+                    break
+            self._states[j] = k
+        if first is not None:
             self.stopped, self.pending = True, ""
-            return text[:min(hits)]
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            return text[:first]
+        hold = max(self._states, default=0)
         self.pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold]
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Sequence
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,13 +28,17 @@ from ..generate import SamplingParams
 from ..scheduler import QueueFullError
 from .chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from .metrics import ServerMetrics
-from .protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, completion_prompt_ids,
-                                          get_field, output_error, read_json, sampling_params, submit_error)
+from .protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, check_fields,
+                                          completion_prompt_ids, get_field, openapi_schema, output_error, read_json,
+                                          sampling_params, submit_error)
 from ..tokenizer import Tokenizer
 
+logger = logging.getLogger("forge_engine.server")
+
 # %% auto #0
-__all__ = ['sse', 'Reply', 'ClientGone', 'wait_for_disconnect', 'unless_disconnected', 'Generation', 'sse_events', 'ServerState',
-           'engine_stats_json', 'complete', 'create_app']
+__all__ = ['logger', 'SHUTDOWN_ERROR', 'LOCAL_HOSTS', 'sse', 'Reply', 'ClientGone', 'wait_for_disconnect', 'unless_disconnected',
+           'Generation', 'sse_events', 'ServerState', 'engine_stats_json', 'complete', 'CatchAll', 'BrowserGuard',
+           'create_app']
 
 # %% ../../nbs/11c_server_app.ipynb #c536ce57
 def sse(data: dict | str) -> str:
@@ -116,6 +122,9 @@ async def unless_disconnected(request: Request, awaitable: Awaitable):
     work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(wait_for_disconnect(request))
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went first: cancel the work and wait until it is cancelled (or done)
+            work.cancel()
+            await asyncio.wait((work,))
     finally:
         gone.cancel()
         if not work.done(): work.cancel()
@@ -126,17 +135,21 @@ async def unless_disconnected(request: Request, awaitable: Awaitable):
 class Generation:
     "One request in flight: submitted to the engine, its outputs counted in the metrics, aborted if abandoned."
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str):
+                 request_id: str, live: set | None = None):
         self.engine, self.metrics, self.request_id = engine, metrics, request_id
         self._outputs = engine.stream(prompt_ids, params, request_id=request_id)
         self.last: RequestOutput | None = None
         self._tokens_at: float | None = None
+        self.live = live if live is not None else set()  # the requests in flight, which shutdown cuts off
+        self.submitted = self.was_cut_off = False
 
     async def next(self) -> RequestOutput:
         "The next output. Before the first, refusals and engine errors raise APIError."
+        if self.last is None: self.live.add(self); self.submitted = True  # the first call submits, unless refused
         try:
-            out = await anext(self._outputs)  # the first call submits
+            out = await anext(self._outputs)
         except (QueueFullError, EngineDeadError, ValueError) as e:
+            self.live.discard(self); self.submitted = False
             raise submit_error(e) from None
         now = time.perf_counter()
         if self.last is None: self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -144,6 +157,7 @@ class Generation:
         self.metrics.observe(out, since)
         if out.delta_token_ids: self._tokens_at = now
         first, self.last = self.last is None, out
+        if out.finished: self.live.discard(self)
         if first and out.finish_reason == "error": raise output_error(out, self.engine)
         return out
 
@@ -154,13 +168,25 @@ class Generation:
 
     def abandon(self) -> None:
         "Nobody listens any more: abort the request unless it finished (its blocks come back within one step)."
-        if self.last is not None and self.last.finished: return
+        self.live.discard(self)
+        if not self.submitted or (self.last is not None and self.last.finished): return
         try:
             self.engine.abort(self.request_id)
-            was_queued = True
-        except ValueError:  # unknown to the engine: never queued, or its abort is already through
-            was_queued = self.last is not None
-        if was_queued: self.metrics.requests.labels("abort").inc()
+        except ValueError:  # its abort is through already: AsyncEngine.stream's, when the wait was cancelled
+            pass
+        self.submitted = False  # counted once
+        self.metrics.requests.labels("abort").inc()
+
+    def cut_off(self) -> None:
+        "The server shuts down: abort this request; its stream then ends with finish_reason 'abort'."
+        self.was_cut_off = True
+        try:
+            self.engine.abort(self.request_id)
+        except ValueError:  # it finished meanwhile
+            pass
+
+
+SHUTDOWN_ERROR = APIError(503, "the server is shutting down: this reply was cut off", code="server_shutting_down")
 
 
 async def sse_events(reply: Reply, generation: Generation, first: RequestOutput, include_usage: bool) -> AsyncIterator[str]:
@@ -173,6 +199,8 @@ async def sse_events(reply: Reply, generation: Generation, first: RequestOutput,
                 yield sse(output_error(out, generation.engine).body())
                 break
             for chunk in reply.chunks(out, include_usage): yield sse(chunk)
+            if out.finish_reason == "abort" and generation.was_cut_off:
+                yield sse(SHUTDOWN_ERROR.body())
             if out.finished: break
             out = await generation.next()
         yield sse("[DONE]")
@@ -180,6 +208,9 @@ async def sse_events(reply: Reply, generation: Generation, first: RequestOutput,
         generation.abandon()
 
 # %% ../../nbs/11c_server_app.ipynb #b88b8511
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
 @dataclass
 class ServerState:
     "What the HTTP side knows: the served model name, the engine once it is there, the limits and the metrics."
@@ -190,9 +221,15 @@ class ServerState:
     load_error: str | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    allowed_hosts: frozenset[str] = LOCAL_HOSTS  # Host header names (no port) answered without an API key
+    cors_origins: frozenset[str] = frozenset()
+    live: set = field(default_factory=set)  # the Generations in flight
+    shutting_down: bool = False
 
     def ready_engine(self) -> AsyncEngine:
         "The engine, or a 503 saying why there is none."
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.load_error is not None: raise APIError(503, self.load_error, code="engine_unavailable")
         if self.engine is None:
             raise APIError(503, f"model {self.model_name!r} is still loading; retry when GET /health says ok",
@@ -209,6 +246,35 @@ class ServerState:
             card["max_model_len"] = self.engine.engine.max_model_len
             card.update({k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card})
         return card
+
+    async def drain(self, grace: float) -> None:
+        "Shut down: refuse new requests, give those in flight `grace` seconds, then cut the rest off."
+        self.shutting_down = True
+        deadline = time.monotonic() + grace
+        while self.live and time.monotonic() < deadline: await asyncio.sleep(0.05)
+        if self.live: logger.warning("cutting off %d request(s) still running after %.1f s", len(self.live), grace)
+        for generation in list(self.live): generation.cut_off()
+
+    def browser_error(self, scope: dict) -> APIError | None:
+        "Without an API key: why a request that a web page could have made is refused (None: it is not)."
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if host and "*" not in self.allowed_hosts and name.lower() not in self.allowed_hosts:
+            return APIError(403, f"Host {host[:100]!r} is not a name this server answers to without an API key (a page "
+                                 f"on that domain could use it: DNS rebinding); start it with --allowed-hosts "
+                                 f"{name[:100]} or with --api-key", code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None and origin not in self.cors_origins and urlsplit(origin).netloc.lower() != host.lower():
+            return APIError(403, f"requests from web pages at {origin[:100]!r} are refused: without an API key any page "
+                                 f"could use this server; start it with --cors-origin {origin[:100]} or with --api-key",
+                            code="origin_not_allowed")
+        if scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+            media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                return APIError(415, f"the body must be sent as 'Content-Type: application/json', not "
+                                     f"{media_type[:100] or 'without one'!r}", code="unsupported_media_type")
+        return None
 
     def check_model(self, body: dict) -> None:
         model = get_field(body, "model", str)
@@ -232,7 +298,7 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
     body = await read_json(request, state.max_body_bytes)
     engine = state.ready_engine()
     state.check_model(body)
-    get_field(body, "user", str)
+    check_fields(body, kind)
     stream = get_field(body, "stream", bool, False)
     include_usage = stream and get_field(get_field(body, "stream_options", dict, {}), "include_usage", bool, False)
     tokenizer = engine.engine.loaded.tokenizer
@@ -243,11 +309,12 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
         raise submit_error(e) from None
     params = sampling_params(body, kind, len(ids), engine.engine.max_model_len, engine.engine.loaded.config.vocab_size)
     reply = Reply(kind, state.model_name, tokenizer, params.logprobs)
-    generation = Generation(engine, state.metrics, ids, params, reply.id)
+    generation = Generation(engine, state.metrics, ids, params, reply.id, state.live)
     try:
         if not stream:
             out = await unless_disconnected(request, generation.final())
             if out.finish_reason == "error": raise output_error(out, engine)
+            if out.finish_reason == "abort" and generation.was_cut_off: raise SHUTDOWN_ERROR
             return JSONResponse(reply.whole(out))
         first = await unless_disconnected(request, generation.next())
     except ClientGone:
@@ -257,31 +324,70 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class CatchAll:
+    "ASGI middleware: an exception before the response began becomes a 500 in OpenAI's shape, the connection kept."
+    def __init__(self, app): self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            if started or scope["type"] != "http": raise  # half a response: only closing the connection tells
+            logger.exception("internal error on %s %s", scope["method"], scope["path"])
+            await APIError(500, f"internal error: {type(e).__name__}: {e}"[:500], code="internal_error").response()(
+                scope, receive, send)
+
+
+class BrowserGuard:
+    "ASGI middleware: `ServerState.browser_error` refusals, when no API key is set."
+    def __init__(self, app, state: ServerState): self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.api_key is None and (e := self.state.browser_error(scope)):
+            return await e.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    "The HTTP app around a running `AsyncEngine` (None while it loads: set `app.state.forge.engine` later)."
-    state = ServerState(model_name, engine, api_key or None, max_body_bytes)
-    app = FastAPI(title="forge-engine", docs_url=None, redoc_url=None, openapi_url=None)
+               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_hosts: Sequence[str] = ()) -> FastAPI:
+    """The HTTP app around a running `AsyncEngine` (None while it loads: set `app.state.forge.engine` later).
+    `allowed_hosts`: Host names answered without an API key besides localhost, 127.0.0.1 and ::1 ('*': any)."""
+    state = ServerState(model_name, engine, api_key or None, max_body_bytes,
+                        allowed_hosts=LOCAL_HOSTS | {h.lower().strip("[]") for h in allowed_hosts},
+                        cors_origins=frozenset(cors_origins))
+    app = FastAPI(title="forge-engine", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.forge = state
+
+    def openapi() -> dict:
+        "The schema, with the loaded model's vocabulary and context once it is there."
+        e = state.engine.engine if state.engine is not None else None
+        return openapi_schema(model_name, max_body_bytes, e and e.loaded.config.vocab_size, e and e.max_model_len,
+                              api_key=state.api_key is not None)
+    app.openapi = openapi
+    app.add_middleware(CatchAll)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(BrowserGuard, state=state)
 
     async def api_error(request, e: APIError): return e.response()
     async def http_error(request, e: HTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return APIError(e.status_code, message).response()
-    async def unexpected(request, e: Exception):
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").response()
+        return APIError(e.status_code, message[:300], headers=e.headers).response()
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
 
     async def require_key(request: Request) -> None:
         if state.api_key is None: return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), state.api_key.encode())):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 

@@ -9,7 +9,7 @@ import json
 import re
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import RequestOutput
@@ -18,11 +18,15 @@ from ..scheduler import QueueFullError
 from ..tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['ERROR_TYPES', 'DEFAULT_MAX_BODY_BYTES', 'UNSUPPORTED', 'SAMPLING_FIELDS', 'APIError', 'submit_error', 'output_error',
-           'read_json', 'get_field', 'sampling_params', 'chat_prompt_ids', 'completion_prompt_ids']
+__all__ = ['ERROR_TYPES', 'DEFAULT_MAX_BODY_BYTES', 'MAX_JSON_DEPTH', 'MAX_STOPS', 'MAX_STOP_CHARS', 'MAX_STOP_TOKEN_IDS',
+           'MAX_LOGIT_BIAS', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS', 'COMMON_FIELDS',
+           'KNOWN_FIELDS', 'APIError', 'submit_error', 'output_error', 'check_depth', 'read_json', 'get_field',
+           'check_fields', 'check_stop', 'sampling_params', 'chat_prompt_ids', 'completion_prompt_ids',
+           'openapi_schema']
 
 # %% ../../nbs/11_server_protocol.ipynb #dd1e85cc
-ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}
 
 
 class APIError(Exception):
@@ -36,8 +40,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        "The JSON response (ASCII-escaped: a message quoting a client's lone surrogate still encodes)."
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def submit_error(e: Exception) -> APIError:
@@ -63,6 +69,24 @@ def output_error(out: RequestOutput, engine: AsyncEngine) -> APIError:
 
 # %% ../../nbs/11_server_protocol.ipynb #d20ee748
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 32  # levels of arrays and objects in a request body
+MAX_STOPS, MAX_STOP_CHARS = 4, 1024  # stop strings: how many, and how long each (in characters)
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+SEED_RANGE = (-2**63, 2**63)  # a signed 64-bit integer, as in OpenAI's schema
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_depth(data, limit: int = MAX_JSON_DEPTH) -> None:
+    "A 400 if `data` nests more than `limit` levels of arrays and objects (walked level by level, no recursion)."
+    level = [data]
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level: return
+    raise APIError(400, f"request body nests deeper than {limit} levels of arrays and objects")
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -76,11 +100,14 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:  # the parser's own stack: far deeper than MAX_JSON_DEPTH
+        raise APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects") from None
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
     return data
 
 
@@ -97,9 +124,15 @@ def get_field(body: dict, name: str, kind: type, default=None):
     return value
 
 
-UNSUPPORTED = {  # field -> the values accepted (its defaults); anything else is refused, never ignored
+UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
-    "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},), "tool_choice": ("none",), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
+    "verbosity": (),
+}
+NO_EFFECT = {  # accepted (type-checked) and without effect on the reply: bookkeeping for the client's side
+    "user": str, "store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+    "prompt_cache_key": str, "safety_identifier": str,
 }
 SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same name
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "presence_penalty": float,
@@ -108,12 +141,48 @@ SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same
 }
 
 
-def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
-    "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
+                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT}
+KNOWN_FIELDS = {  # per kind: every field a request may name
+    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+                             "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
+                             "prediction", "verbosity"},
+    "text": COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
+}
+
+
+def check_fields(body: dict, kind: str) -> None:
+    "A 400 naming the first field this server does not know, cannot honour, or whose value is of the wrong type."
+    if unknown := sorted(set(body) - KNOWN_FIELDS[kind]):
+        raise APIError(400, f"unrecognized request argument supplied: {json.dumps(unknown[0][:100])}",
+                       param=unknown[0][:100])
     for name, accepted in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in accepted:
+            if not accepted:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
             raise APIError(400, f"{name}={json.dumps(body[name])[:40]} is not supported; this server "
                                 f"only does {name}={json.dumps(accepted[0])}", param=name)
+    for name, kind_ in NO_EFFECT.items(): get_field(body, name, kind_)
+
+
+def check_stop(stop) -> list[str]:
+    "The stop strings of a request: a string or a list of at most MAX_STOPS, each at most MAX_STOP_CHARS long."
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", param="stop")
+    if long := [s for s in stops if len(s) > MAX_STOP_CHARS]:
+        raise APIError(400, f"a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS} are allowed",
+                       param="stop")
+    if not all(stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+    "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
+    check_fields(body, kind)
     options = {name: value for name, t in SAMPLING_FIELDS.items() if (value := get_field(body, name, t)) is not None}
     room = max_model_len - prompt_len
     max_tokens = get_field(body, "max_completion_tokens", int, get_field(body, "max_tokens", int))
@@ -123,13 +192,25 @@ def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, 
         raise APIError(400, f"this model's context holds {max_model_len} tokens; the prompt has {prompt_len}, "
                             f"so at most {room} more fit, but max_tokens asks for {max_tokens}",
                        param="max_tokens", code="context_length_exceeded")
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise APIError(400, f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}", param="stop")
+    stop = check_stop(body["stop"]) if body.get("stop") is not None else None
+    if "seed" in options and not SEED_RANGE[0] <= options["seed"] < SEED_RANGE[1]:
+        raise APIError(400, f"'seed' must be a 64-bit signed integer, in [-2**63, 2**63); got {options['seed']}",
+                       param="seed")
+    ids = options.get("stop_token_ids", [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"'stop_token_ids' holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                       param="stop_token_ids")
+    if bad := [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]:
+        raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {vocab_size}), got {json.dumps(bad[0])[:40]}",
+                       param="stop_token_ids")
     bias = get_field(body, "logit_bias", dict)
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                       param="logit_bias")
     if bias:
         try:
-            options["logit_bias"] = {int(t): float(b) for t, b in bias.items()}
+            options["logit_bias"] = {int(t): float(b) for t, b in bias.items() if type(b) in (int, float)}
+            if len(options["logit_bias"]) < len(bias): raise ValueError("a bias is not a number")
         except (TypeError, ValueError):
             raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias") from None
         if bad := [t for t in options["logit_bias"] if not 0 <= t < vocab_size]:
@@ -169,8 +250,172 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:  # not valid Unicode: a lone surrogate
+            raise APIError(400, str(e), param="prompt") from None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
     raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                    param="prompt")
+
+# %% ../../nbs/11_server_protocol.ipynb #5645d57c
+def _nullable(schema: dict) -> dict:
+    "`schema`, or JSON null (which means: absent)."
+    if "type" in schema: return {**schema, "type": [schema["type"], "null"]}
+    if "anyOf" in schema: return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _error_response(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None) -> dict:
+    "The JSON schema of a chat (`kind='chat'`) or text completion request body."
+    number = lambda **kw: _nullable({"type": "number", **kw})
+    integer = lambda **kw: _nullable({"type": "integer", **kw})
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    vocab = f" in [0, {vocab_size})" if vocab_size else " in the vocabulary"
+    context = f" ({max_model_len} tokens)" if max_model_len else ""
+    props = {
+        "model": _nullable({"type": "string", "description": "the served model's id (GET /v1/models); default: it"}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+        "max_tokens": integer(minimum=1, description=f"prompt + max_tokens must fit the context{context}; default: "
+                              + ("the rest of the context" if kind == "chat" else "16")),
+        "max_completion_tokens": integer(minimum=1, description="the same as max_tokens"),
+        "temperature": number(minimum=0, description="0: greedy"),
+        "top_p": number(exclusiveMinimum=0, maximum=1),
+        "top_k": integer(minimum=-1, description="-1 or 0: off"),
+        "min_p": number(minimum=0, maximum=1),
+        "presence_penalty": number(minimum=-2, maximum=2),
+        "frequency_penalty": number(minimum=-2, maximum=2),
+        "repetition_penalty": number(exclusiveMinimum=0),
+        "seed": integer(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1),
+        "stop": _nullable({"anyOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOPS}]}),
+        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                     "items": {"type": "integer", "minimum": 0}, "description": f"token ids{vocab}"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": f"token id (as a string){vocab} -> bias"}),
+        "ignore_eos": _nullable({"type": "boolean"}),
+        "min_tokens": integer(minimum=0, description="at most max_tokens"),
+        "n": integer(minimum=1, maximum=1),
+        **{name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]}) for name, t in NO_EFFECT.items()},
+    }
+    if kind == "chat":
+        part = {"type": "object", "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+        message = {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}, "name": {"type": "string"}}}
+        props.update({
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
+            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+            "tools": _nullable({"type": "array", "maxItems": 0}), "functions": _nullable({"type": "array", "maxItems": 0}),
+            "tool_choice": _nullable({"const": "none"}), "function_call": _nullable({"const": "none"}),
+            "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
+        })
+    else:
+        props.update({
+            "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                                  "description": f"token ids{vocab}"}]},
+            "logprobs": integer(minimum=0, maximum=20), "echo": _nullable({"const": False}),
+            "suffix": _nullable({"const": ""}), "best_of": integer(minimum=1, maximum=1),
+        })
+    required = ["messages"] if kind == "chat" else ["prompt"]
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+
+
+def _reply_schema(kind: str) -> dict:
+    "The JSON schema of a whole (not streamed) reply."
+    logprobs = {"type": ["object", "null"]}
+    if kind == "chat":
+        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
+                  "message": {"type": "object", "required": ["role", "content"],
+                              "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}
+    else:
+        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
+                  "text": {"type": "string"}}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+        "choices": {"type": "array", "minItems": 1, "maxItems": 1,
+                    "items": {"type": "object", "required": list(choice), "properties": choice}}}}
+
+
+def openapi_schema(model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
+                   max_model_len: int | None = None, api_key: bool = False) -> dict:
+    "The OpenAPI 3.1 description of this server: the routes, the request fields with their limits, the replies."
+    errors = {"400": _error_response("a field is wrong: `param` names it"),
+              "403": _error_response("a web page's request, or a foreign Host header (no API key set)"),
+              "404": _error_response("no such model"),
+              "413": _error_response(f"the body is over {max_body_bytes} bytes"),
+              "415": _error_response("the body is not sent as application/json (no API key set)"),
+              "429": _error_response("the waiting queue is full: retry after Retry-After seconds"),
+              "503": _error_response("the model is loading, the engine stopped, or the server is shutting down")}
+    if api_key: errors["401"] = _error_response("missing or wrong API key")
+
+    def completion(kind: str, summary: str) -> dict:
+        return {"post": {"summary": summary, "operationId": f"create_{kind}_completion",
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": _request_schema(kind, vocab_size, max_model_len)}}},
+                         "responses": {"200": {"description": "the reply, whole or (stream: true) as server-sent events",
+                                               "content": {"application/json": {"schema": _reply_schema(kind)},
+                                                           "text/event-stream": {"schema": {"type": "string"}}}},
+                                       **errors}}}
+
+    model_card = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                                 "owned_by": {"type": "string"}}}
+    listing = {"type": "object", "required": ["object", "data"],
+               "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": model_card}}}
+    json_reply = lambda schema, description="OK": {"description": description,
+                                                   "content": {"application/json": {"schema": schema}}}
+    v1_errors = {k: v for k, v in errors.items() if k in ("401", "403", "503")}
+    schema = {
+        "openapi": "3.1.0",
+        "info": {"title": "forge-engine", "version": "1",
+                 "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice, "
+                                f"no tools), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
+                                f"{MAX_JSON_DEPTH} levels deep."},
+        "paths": {
+            "/v1/chat/completions": completion("chat", "a chat completion"),
+            "/v1/completions": completion("text", "a text completion"),
+            "/v1/models": {"get": {"summary": "the served model", "operationId": "list_models",
+                                   "responses": {"200": json_reply(listing), **v1_errors}}},
+            "/v1/models/{model}": {"get": {"summary": "one model", "operationId": "retrieve_model",
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": {"200": json_reply(model_card), "404": errors["404"],
+                                                         **v1_errors}}},
+            "/v1/engine/stats": {"get": {"summary": "the engine's live numbers (the chat page's panel)",
+                                         "operationId": "engine_stats",
+                                         "responses": {"200": json_reply({"type": "object"}), **v1_errors}}},
+            "/health": {"get": {"summary": "200 once the model is loaded and warmed up", "operationId": "health",
+                                "responses": {"200": json_reply({"type": "object", "required": ["status"]}),
+                                              "503": json_reply({"type": "object", "required": ["status"]},
+                                                                "loading, or unavailable"),
+                                              "403": errors["403"]}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                                 "responses": {"200": {"description": "the text format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               "403": errors["403"]}}},
+        },
+        "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}},
+    }
+    if api_key:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for operation in item.values(): operation["security"] = [{"bearer": []}]
+    return schema

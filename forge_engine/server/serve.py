@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Sequence
@@ -26,13 +29,39 @@ from .app import ServerState, create_app
 logger = logging.getLogger("forge_engine.server")
 
 # %% auto #0
-__all__ = ['logger', 'ENGINE_FLAGS', 'ServerThread', 'is_loopback', 'add_arguments', 'run', 'main']
+__all__ = ['logger', 'DEFAULT_SHUTDOWN_GRACE', 'ENGINE_FLAGS', 'Server', 'ServerThread', 'is_loopback', 'bound_host_names',
+           'add_arguments', 'run', 'main']
 
 # %% ../../nbs/11d_serve.ipynb #14401309
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds the requests in flight get to finish when the server shuts down
+
+
+class Server(uvicorn.Server):
+    "uvicorn that drains the app's requests in flight on shutdown, and returns after a signal instead of re-raising it."
+    def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE):
+        super().__init__(config)
+        self.grace, self.signals = grace, []
+        config.timeout_graceful_shutdown = grace + 5  # the cut-off streams' last events still go out
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        if self.should_exit and sig == signal.SIGINT: self.force_exit = True  # a second Ctrl-C: now
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        state = getattr(self.config.app.state, "forge", None) if hasattr(self.config.app, "state") else None
+        drain = asyncio.ensure_future(state.drain(self.grace)) if state is not None else None
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if drain is not None: drain.cancel()
+
+
 class ServerThread:
     "uvicorn serving `app` on a background thread: `with ServerThread(app) as url: ...`, or `start()` and `stop()`."
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):  # port 0: any free port
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,  # port 0: any free port
+                 grace: float = DEFAULT_SHUTDOWN_GRACE):
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"), grace)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url: str | None = None
 
@@ -52,9 +81,9 @@ class ServerThread:
         return self.url
 
     def stop(self) -> None:
-        "Finish open responses, close the socket, end the thread."
+        "Finish open responses (cut off after the grace period), close the socket, end the thread."
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self.server.grace + 10)
 
     def __enter__(self) -> str: return self.start()
     def __exit__(self, *exc) -> None: self.stop()
@@ -69,7 +98,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size")
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size",
+                "max_model_len")
+
+
+def bound_host_names(host: str) -> list[str]:
+    "The Host header names that reach a server bound to `host` (none to add for the wildcard addresses)."
+    return [] if host in ("0.0.0.0", "::", "") else [host]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $FORGE_API_KEY, else none)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="let browser pages from ORIGIN call the API (repeatable; default: no CORS)")
+    parser.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST",
+                        help="without --api-key, also answer requests whose Host header names HOST (repeatable, or "
+                             "comma-separated; '*': any). Always: localhost, 127.0.0.1, [::1] and --host")
+    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, how long requests in flight may still run before they are cut off")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     for name in ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}")
@@ -104,11 +144,11 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key or os.environ.get("FORGE_API_KEY") else ", and no --api-key is set")
+    hosts = [h.strip() for flag in args.allowed_hosts for h in flag.split(",") if h.strip()]
     app = create_app(None, args.served_model_name or model, api_key=args.api_key or os.environ.get("FORGE_API_KEY"),
-                     cors_origins=args.cors_origin)
+                     cors_origins=args.cors_origin, allowed_hosts=hosts + bound_host_names(args.host))
     state: ServerState = app.state.forge
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off"), grace=args.shutdown_grace)
 
     def load() -> None:
         try:
@@ -124,13 +164,18 @@ def run(args: argparse.Namespace) -> int:
             logger.error("%s", state.load_error)
             server.should_exit = True
 
-    threading.Thread(target=load, name="forge-load", daemon=True).start()
+    loader = threading.Thread(target=load, name="forge-load", daemon=True)
+    loader.start()
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
-        pass
     finally:
-        if state.engine is not None: state.engine.close()
+        if loader.is_alive():  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
+            code = 128 + (server.signals[-1] if server.signals else signal.SIGINT)
+            logger.warning("stopped while %r was still loading; exiting with %d", model, code)
+            logging.shutdown()
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        if state.engine is not None: state.engine.close()  # the loader is done: state.engine is final
     return 1 if state.load_error else 0
 
 

