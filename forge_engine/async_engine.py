@@ -51,6 +51,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         ids = self.engine.check_prompt(prompt_token_ids)
+        # a structured output's grammar is compiled here, on the caller's thread, not the engine's (chapter 06a)
+        grammar = self.engine.compile_grammar(params.structured) if params.structured is not None else None
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._live:
@@ -60,7 +62,7 @@ class AsyncEngine:
                 raise QueueFullError(f"waiting queue is full ({waiting} of {self.engine.config.max_waiting} requests); "
                                      f"try again later")
             self._live.add(request_id)
-        self._inbox.put(("add", request_id, ids, params, prompt, sink))
+        self._inbox.put(("add", request_id, ids, params, prompt, sink, grammar))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -127,10 +129,10 @@ class AsyncEngine:
 
     def _handle(self, message: tuple) -> None:
         if message[0] == "add":
-            _, rid, ids, params, prompt, sink = message
+            _, rid, ids, params, prompt, sink, grammar = message
             self._sinks[rid] = sink
             try:
-                self.engine.add_request(ids, params, request_id=rid, prompt=prompt)
+                self.engine.add_request(ids, params, request_id=rid, prompt=prompt, grammar=grammar)
             except (ValueError, QueueFullError) as e:
                 self._deliver(RequestOutput(rid, prompt, ids, "", [], finished=True, finish_reason="error",
                                             error=f"{type(e).__name__}: {e}"))

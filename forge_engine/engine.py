@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .config import EngineConfig
 from .cuda_graphs import DecodeRunner, decode_attention_for
-from .generate import SamplingParams, TextStream, finish_reason_for
+from .generate import SamplingParams, StructuredOutput, TextStream, finish_reason_for
+from .grammar import GrammarCompiler, GrammarError
 from .kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout, to_device
 from .loader import LoadedModel
 from .model import Transformer, no_cache_attention
@@ -212,6 +214,7 @@ class _Request:
     first_token: float | None = None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    grammar: Any = None  # the matcher of a request under a structured output (chapter 06a)
 
 # %% ../nbs/08_engine.ipynb #15e192e8
 @dataclass(frozen=True)
@@ -278,6 +281,8 @@ class SerialEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first structured output (the tokenizer's bytes)
+        self._grammars_lock = threading.Lock()
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
         # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
@@ -292,9 +297,21 @@ class SerialEngine:
         self.scheduler.check_prompt_len(len(ids))
         return ids
 
+    def compile_grammar(self, structured: StructuredOutput):
+        """A matcher for a structured output (chapter 06a), or a `GrammarError` saying what is wrong with it. Any
+        thread may call it: a server compiles beside the engine's thread and hands the matcher to `add_request`."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.loaded.tokenizer is None:
+                    raise GrammarError(f"model {self.loaded.name!r} has no tokenizer: structured outputs need one")
+                self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                                 self.loaded.eos_token_ids)
+        return self._grammars.compile(structured)
+
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt: str | None = None) -> str:
-        "Queue a request; refused with a clear error (nothing queued) when it cannot run."
+                    request_id: str | None = None, prompt: str | None = None, grammar: Any = None) -> str:
+        """Queue a request; refused with a clear error (nothing queued) when it cannot run. `grammar`: the matcher
+        `compile_grammar` made of `params.structured` (compiled here when not given)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -302,12 +319,14 @@ class SerialEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured)
         seq = Seq(request_id, ids, params, generator=make_generator(params, self.device))
         self.scheduler.add(seq)  # raises on a prompt that cannot fit, or a full queue
         tokenizer = self.loaded.tokenizer
         text = TextStream(tokenizer, params, ids) if tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt, text, time.perf_counter(),
-                                             logprobs=[] if params.logprobs is not None else None)
+                                             logprobs=[] if params.logprobs is not None else None, grammar=grammar)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -360,11 +379,15 @@ class SerialEngine:
 
     def _launch(self, plan: StepPlan, pending: PendingTokens | None = None) -> _LaunchedStep:
         "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
+        return self._sample(plan, self.runner.run(plan, pending))
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _LaunchedStep:
+        "Queue the sampler behind the forward (the masks of rows under a grammar made meanwhile), then the copy."
         due = [item.seq for item in plan.scheduled if item.samples]
-        logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
-            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)
+            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device,
+                                        allowed=self._allowed_tokens(due))
             result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits))
         else:
             result = SampleResult(torch.empty(0, dtype=torch.long), None)
@@ -372,6 +395,13 @@ class SerialEngine:
         tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here
         if ready is not None: ready.record()
         return _LaunchedStep(plan, due, result, tokens, ready)
+
+    def _allowed_tokens(self, due: list[Seq]):
+        "The grammars' masks of the rows under one, or None (a sequence ended meanwhile is left unmasked)."
+        rows = [(row, self.requests[s.request_id].grammar) for row, s in enumerate(due)
+                if not s.finished and self.requests[s.request_id].grammar is not None]
+        if not rows: return None
+        return self._grammars.allowed_tokens([r for r, _ in rows], [g for _, g in rows], self.device)
 
     def _step_done(self, plan: StepPlan, launched: _LaunchedStep) -> None:
         "The step's tokens count as computed; each sampling sequence holds a place for its token."
@@ -408,6 +438,10 @@ class SerialEngine:
         request.first_token = request.first_token or time.perf_counter()
         if logprobs is not None: request.logprobs.append(logprobs)
         reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
+        if request.grammar is not None and reason is None:  # the grammar follows the token; done, the output is
+            if not request.grammar.consume_token(token):
+                raise GrammarError(f"token {token} broke the grammar: {request.grammar.get_error()}")
+            if request.grammar.is_stopped(): reason = "stop"
         if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
         delta = request.text.add(token) if request.text is not None else ""
         if reason is None and request.text is not None and request.text.stopped: reason = "stop"
@@ -478,7 +512,10 @@ class LLMEngine(SerialEngine):
         outputs += ended
         if not plan: return outputs + self._land(self._take_launched())
         try:
-            launched = self._launch(plan, self._launched.pending if self._launched is not None else None)
+            logits = self.runner.run(plan, self._launched.pending if self._launched is not None else None)
+            if self._under_grammar(plan):  # the masks need the previous tokens: read them while the device runs
+                outputs += self._land(self._take_launched())
+            launched = self._sample(plan, logits)
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
             outputs += self._land(self._take_launched())  # (which may already have ended some of them)
             return outputs + self._fail_step(plan, e)
@@ -487,6 +524,9 @@ class LLMEngine(SerialEngine):
         self._launched = launched
         self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
+
+    def _under_grammar(self, plan: StepPlan) -> bool:
+        return any(item.samples and self.requests[item.seq.request_id].grammar is not None for item in plan.scheduled)
 
     def _take_launched(self) -> _LaunchedStep | None:
         launched, self._launched = self._launched, None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -17,9 +17,9 @@ from .model import Transformer, causal_attention
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% auto #0
-__all__ = ['ContiguousKVCache', 'prefill', 'decode_step', 'SamplingParams', 'apply_penalties', 'filter_probs', 'sample_token',
-           'failure_table', 'StopStringMatcher', 'TextStream', 'Completion', 'finish_reason_for', 'token_logprobs',
-           'generate_tokens']
+__all__ = ['STRUCTURED_KINDS', 'ContiguousKVCache', 'prefill', 'decode_step', 'StructuredOutput', 'SamplingParams',
+           'apply_penalties', 'filter_probs', 'sample_token', 'failure_table', 'StopStringMatcher', 'TextStream',
+           'Completion', 'finish_reason_for', 'token_logprobs', 'generate_tokens']
 
 # %% ../nbs/04_prefill_decode.ipynb #9dc0ec90
 class ContiguousKVCache:
@@ -56,6 +56,29 @@ def decode_step(model: Transformer, cache: ContiguousKVCache, token_id: int) -> 
     return prefill(model, cache, [token_id])
 
 # %% ../nbs/04_prefill_decode.ipynb #96e89dcb
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (chapter 06a makes a token mask of it). `spec` by `kind`: json_schema, the schema
+    (a dict, or its JSON text); json_object, None (any JSON object); regex, a pattern; grammar, a Lark grammar;
+    choice, a list of strings (the output is one of them)."""
+    kind: str
+    spec: Any = None
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}")
+        wanted = {"json_schema": (dict, str), "regex": str, "grammar": str, "choice": (list, tuple)}.get(self.kind)
+        if wanted is None and self.spec is not None:
+            raise ValueError(f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}")
+        if wanted is not None and not (isinstance(self.spec, wanted) and self.spec):
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}")
+        if self.kind == "choice" and not all(isinstance(c, str) and c for c in self.spec):
+            raise ValueError("structured output choice needs non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop. Names follow vLLM."
@@ -76,6 +99,7 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to report per token
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredOutput | None = None  # the output must match a schema, regex, grammar or choice
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
@@ -95,6 +119,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("logit_bias", all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "values must be in [-100, 100]"),
+            ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
+             "must be a StructuredOutput"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -15,8 +15,8 @@ from .generate import SamplingParams
 from .kv_cache import to_device, to_device_together  # host tensors to the GPU without waiting for it (chapter 05)
 
 # %% auto #0
-__all__ = ['SamplingRow', 'make_generator', 'SparseLogits', 'SamplingBatch', 'adjust_logits', 'filter_probs_batch',
-           'exponential_race', 'batch_logprobs', 'SampleResult', 'sample']
+__all__ = ['SamplingRow', 'make_generator', 'AllowedTokens', 'unpack_bits', 'SparseLogits', 'SamplingBatch', 'adjust_logits',
+           'filter_probs_batch', 'exponential_race', 'batch_logprobs', 'SampleResult', 'sample']
 
 # %% ../nbs/06_sampling.ipynb #f161f660
 class SamplingRow(NamedTuple):
@@ -33,6 +33,18 @@ def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | No
     return torch.Generator(device=device).manual_seed(params.seed)
 
 # %% ../nbs/06_sampling.ipynb #6fa36cc3
+class AllowedTokens(NamedTuple):
+    "The rows under a grammar and, for each, one bit per token of the vocabulary: 32 tokens to an int32 word."
+    rows: torch.Tensor  # [G] long
+    bits: torch.Tensor  # [G, ceil(V / 32)] int32: bit j of word w is token 32 w + j
+
+
+def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    "`[G, W]` int32 words to `[G, vocab_size]` booleans, token 32 w + j from bit j of word w."
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
 class SparseLogits(NamedTuple):
     "Values at a few positions of a `[B, V]` tensor, as indices into its flattened view (`row * V + token`)."
     index: torch.Tensor  # [n] long
@@ -67,6 +79,7 @@ class SamplingBatch:
     repetition: SparseLogits | None = None  # tokens seen in prompt or output: the row's penalty factor
     output_penalty: SparseLogits | None = None  # output tokens: frequency x count + presence, subtracted
     forbidden: torch.Tensor | None = None  # flat positions of eos and stop ids in rows under min_tokens
+    allowed: AllowedTokens | None = None  # rows under a grammar: one bit per token, 1 = may come next (chapter 06a)
 
     @property
     def size(self) -> int: return len(self.logprobs)
@@ -74,12 +87,14 @@ class SamplingBatch:
     @property
     def adjusts(self) -> bool:
         "Whether any row has a bias, a penalty or a min_tokens mask (else the logits are used as they are)."
-        return not (self.bias is None and self.repetition is None and self.output_penalty is None and self.forbidden is None)
+        return not (self.bias is None and self.repetition is None and self.output_penalty is None
+                    and self.forbidden is None and self.allowed is None)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, eos_ids: Sequence[int] = (),
-              device="cpu") -> SamplingBatch:
-        "Gather the rows' parameters into tensors; penalty lists only for the rows that use them."
+              device="cpu", allowed: AllowedTokens | None = None) -> SamplingBatch:
+        """Gather the rows' parameters into tensors; penalty lists only for the rows that use them. `allowed`: the
+        bitmasks of the rows under a grammar, already on `device`."""
         if not rows: raise ValueError("a sampling batch needs at least one row")
         device, V = torch.device(device), vocab_size
         rows = [SamplingRow(*row) for row in rows]
@@ -127,11 +142,11 @@ class SamplingBatch:
             greedy_rows=greedy_rows, sampled_rows=sampled_rows,
             generators=[rows[i].generator for i in sampled],
             logprobs=[p.logprobs for p in params],
-            bias=bias, repetition=repetition, output_penalty=output_penalty, forbidden=forbidden)
+            bias=bias, repetition=repetition, output_penalty=output_penalty, forbidden=forbidden, allowed=allowed)
 
 # %% ../nbs/06_sampling.ipynb #70377c37
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    "Logit bias, repetition / presence / frequency penalties and the min_tokens mask, on a float32 copy."
+    "Logit bias, repetition / presence / frequency penalties, the min_tokens mask and a grammar's mask, on a float32 copy."
     out = logits.float().clone(memory_format=torch.contiguous_format)
     flat = out.view(-1)
     if batch.bias is not None:
@@ -145,6 +160,9 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         flat[index] = flat[index] - amount
     if batch.forbidden is not None:
         flat[batch.forbidden] = -math.inf
+    if batch.allowed is not None:
+        rows, bits = batch.allowed
+        out[rows] = out[rows].masked_fill(~unpack_bits(bits, batch.vocab_size), -math.inf)
     return out
 
 # %% ../nbs/06_sampling.ipynb #0418e6d5

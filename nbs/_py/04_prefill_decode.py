@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,15 +104,40 @@ assert cache.length == 8
 with pytest.raises(ValueError, match="KV cache full"):
     prefill(tiny, cache, list(range(9)))
 
-
 # %% [markdown]
 # ## What a request asks for: `SamplingParams`
 #
 # The names follow vLLM (and so the OpenAI API). Every parameter is checked here, before a
 # request is queued anywhere, and the error names the parameter.
+#
+# `structured` asks for an output that matches a JSON schema, a regex, a grammar or one of a few
+# strings (`StructuredOutput`): chapter 06a turns it into a mask of the tokens allowed at each step.
 
 # %%
 #| export
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (chapter 06a makes a token mask of it). `spec` by `kind`: json_schema, the schema
+    (a dict, or its JSON text); json_object, None (any JSON object); regex, a pattern; grammar, a Lark grammar;
+    choice, a list of strings (the output is one of them)."""
+    kind: str
+    spec: Any = None
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}")
+        wanted = {"json_schema": (dict, str), "regex": str, "grammar": str, "choice": (list, tuple)}.get(self.kind)
+        if wanted is None and self.spec is not None:
+            raise ValueError(f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}")
+        if wanted is not None and not (isinstance(self.spec, wanted) and self.spec):
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}")
+        if self.kind == "choice" and not all(isinstance(c, str) and c for c in self.spec):
+            raise ValueError("structured output choice needs non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop. Names follow vLLM."
@@ -133,6 +158,7 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to report per token
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredOutput | None = None  # the output must match a schema, regex, grammar or choice
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
@@ -152,6 +178,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("logit_bias", all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "values must be in [-100, 100]"),
+            ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
+             "must be a StructuredOutput"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -163,9 +191,15 @@ class SamplingParams:
 
 # %%
 assert SamplingParams(stop="\n").stop == ["\n"]
-for bad in [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0), dict(n=2)]:
+for bad in [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0), dict(n=2),
+            dict(structured={"type": "object"})]:
     with pytest.raises(ValueError, match=f"invalid sampling parameter {next(iter(bad))}="):
         SamplingParams(**bad)
+assert SamplingParams(structured=StructuredOutput("regex", "[0-9]+")).structured.spec == "[0-9]+"
+for kind, spec, why in [("xml", None, "invalid structured output kind"), ("regex", "", "needs a non-empty spec"),
+                        ("json_object", {"type": "object"}, "takes no spec"), ("choice", ["a", 1], "non-empty strings")]:
+    with pytest.raises(ValueError, match=why):
+        StructuredOutput(kind, spec)
 
 
 # %% [markdown]

@@ -83,9 +83,27 @@ def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | No
 # `min_tokens` is one more sparse list: for each row whose output is still shorter than
 # `min_tokens`, the positions of the end-of-sequence ids and its `stop_token_ids`, set to
 # `-inf`. (Like the reference, this masks the eos ids even with `ignore_eos=True`.)
+#
+# A grammar (chapter 06a) is the one dense case: a row that must continue a JSON object may be
+# allowed one token (a quote) or most of the vocabulary (inside a string). Its mask is a bitmask,
+# 32 tokens to an `int32` word (`AllowedTokens`: 4,748 words, 19 KB a row for Qwen3's 151,936),
+# written on the host by the grammar engine and unpacked on the device into one `masked_fill`
+# over that row's logits.
 
 # %%
 #| export
+class AllowedTokens(NamedTuple):
+    "The rows under a grammar and, for each, one bit per token of the vocabulary: 32 tokens to an int32 word."
+    rows: torch.Tensor  # [G] long
+    bits: torch.Tensor  # [G, ceil(V / 32)] int32: bit j of word w is token 32 w + j
+
+
+def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    "`[G, W]` int32 words to `[G, vocab_size]` booleans, token 32 w + j from bit j of word w."
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
 class SparseLogits(NamedTuple):
     "Values at a few positions of a `[B, V]` tensor, as indices into its flattened view (`row * V + token`)."
     index: torch.Tensor  # [n] long
@@ -120,6 +138,7 @@ class SamplingBatch:
     repetition: SparseLogits | None = None  # tokens seen in prompt or output: the row's penalty factor
     output_penalty: SparseLogits | None = None  # output tokens: frequency x count + presence, subtracted
     forbidden: torch.Tensor | None = None  # flat positions of eos and stop ids in rows under min_tokens
+    allowed: AllowedTokens | None = None  # rows under a grammar: one bit per token, 1 = may come next (chapter 06a)
 
     @property
     def size(self) -> int: return len(self.logprobs)
@@ -127,12 +146,14 @@ class SamplingBatch:
     @property
     def adjusts(self) -> bool:
         "Whether any row has a bias, a penalty or a min_tokens mask (else the logits are used as they are)."
-        return not (self.bias is None and self.repetition is None and self.output_penalty is None and self.forbidden is None)
+        return not (self.bias is None and self.repetition is None and self.output_penalty is None
+                    and self.forbidden is None and self.allowed is None)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, eos_ids: Sequence[int] = (),
-              device="cpu") -> SamplingBatch:
-        "Gather the rows' parameters into tensors; penalty lists only for the rows that use them."
+              device="cpu", allowed: AllowedTokens | None = None) -> SamplingBatch:
+        """Gather the rows' parameters into tensors; penalty lists only for the rows that use them. `allowed`: the
+        bitmasks of the rows under a grammar, already on `device`."""
         if not rows: raise ValueError("a sampling batch needs at least one row")
         device, V = torch.device(device), vocab_size
         rows = [SamplingRow(*row) for row in rows]
@@ -180,7 +201,7 @@ class SamplingBatch:
             greedy_rows=greedy_rows, sampled_rows=sampled_rows,
             generators=[rows[i].generator for i in sampled],
             logprobs=[p.logprobs for p in params],
-            bias=bias, repetition=repetition, output_penalty=output_penalty, forbidden=forbidden)
+            bias=bias, repetition=repetition, output_penalty=output_penalty, forbidden=forbidden, allowed=allowed)
 
 
 # %%
@@ -226,7 +247,7 @@ with pytest.raises(ValueError, match="at least one row"):
 # %%
 #| export
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    "Logit bias, repetition / presence / frequency penalties and the min_tokens mask, on a float32 copy."
+    "Logit bias, repetition / presence / frequency penalties, the min_tokens mask and a grammar's mask, on a float32 copy."
     out = logits.float().clone(memory_format=torch.contiguous_format)
     flat = out.view(-1)
     if batch.bias is not None:
@@ -240,6 +261,9 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         flat[index] = flat[index] - amount
     if batch.forbidden is not None:
         flat[batch.forbidden] = -math.inf
+    if batch.allowed is not None:
+        rows, bits = batch.allowed
+        out[rows] = out[rows].masked_fill(~unpack_bits(bits, batch.vocab_size), -math.inf)
     return out
 
 
@@ -252,6 +276,15 @@ for i, row in enumerate(rows):
     if len(row.output_ids) < row.params.min_tokens: expected[[2, *row.params.stop_token_ids]] = -math.inf
     torch.testing.assert_close(adjusted[i], expected, rtol=0, atol=0)  # the same float32 operations in the same order
 assert not torch.equal(adjusted[1:], logits[1:]) and torch.equal(adjusted[0], logits[0])
+
+# a grammar's bitmask on row 1 only: tokens 3 and 7 may come next (bits 3 and 7 of word 0), nothing else
+bits = torch.tensor([[(1 << 3) | (1 << 7)]], dtype=torch.int32)
+assert unpack_bits(bits, 10).nonzero()[:, 1].tolist() == [3, 7]
+assert unpack_bits(torch.tensor([[-1]], dtype=torch.int32), 32).all()  # bit 31, the sign bit, is token 31
+masked = adjust_logits(logits, SamplingBatch.build(rows, 10, eos_ids=[2], allowed=AllowedTokens(torch.tensor([1]), bits)))
+assert torch.isfinite(masked[1]).nonzero().squeeze(1).tolist() == [3, 7]
+torch.testing.assert_close(masked[1, [3, 7]], adjusted[1, [3, 7]], rtol=0, atol=0)  # the allowed keep their values
+assert torch.equal(masked[[0, 2]], adjusted[[0, 2]])  # the other rows are not touched
 
 
 # %% [markdown]

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from forge_engine.config import EngineConfig
 from forge_engine.cuda_graphs import DecodeRunner, decode_attention_for
-from forge_engine.generate import SamplingParams, TextStream, finish_reason_for
+from forge_engine.generate import SamplingParams, StructuredOutput, TextStream, finish_reason_for
+from forge_engine.grammar import GrammarCompiler, GrammarError
 from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.loader import LoadedModel
 from forge_engine.model import Transformer, no_cache_attention
@@ -291,6 +293,7 @@ class _Request:
     first_token: float | None = None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    grammar: Any = None  # the matcher of a request under a structured output (chapter 06a)
 
 
 # %% [markdown]
@@ -398,6 +401,8 @@ class SerialEngine:
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first structured output (the tokenizer's bytes)
+        self._grammars_lock = threading.Lock()
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
         # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
@@ -412,9 +417,21 @@ class SerialEngine:
         self.scheduler.check_prompt_len(len(ids))
         return ids
 
+    def compile_grammar(self, structured: StructuredOutput):
+        """A matcher for a structured output (chapter 06a), or a `GrammarError` saying what is wrong with it. Any
+        thread may call it: a server compiles beside the engine's thread and hands the matcher to `add_request`."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.loaded.tokenizer is None:
+                    raise GrammarError(f"model {self.loaded.name!r} has no tokenizer: structured outputs need one")
+                self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                                 self.loaded.eos_token_ids)
+        return self._grammars.compile(structured)
+
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt: str | None = None) -> str:
-        "Queue a request; refused with a clear error (nothing queued) when it cannot run."
+                    request_id: str | None = None, prompt: str | None = None, grammar: Any = None) -> str:
+        """Queue a request; refused with a clear error (nothing queued) when it cannot run. `grammar`: the matcher
+        `compile_grammar` made of `params.structured` (compiled here when not given)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -422,12 +439,14 @@ class SerialEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured)
         seq = Seq(request_id, ids, params, generator=make_generator(params, self.device))
         self.scheduler.add(seq)  # raises on a prompt that cannot fit, or a full queue
         tokenizer = self.loaded.tokenizer
         text = TextStream(tokenizer, params, ids) if tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt, text, time.perf_counter(),
-                                             logprobs=[] if params.logprobs is not None else None)
+                                             logprobs=[] if params.logprobs is not None else None, grammar=grammar)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -480,11 +499,15 @@ class SerialEngine:
 
     def _launch(self, plan: StepPlan, pending: PendingTokens | None = None) -> _LaunchedStep:
         "Queue the forward and the sampler; the tokens' copy to the host is queued behind them."
+        return self._sample(plan, self.runner.run(plan, pending))
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _LaunchedStep:
+        "Queue the sampler behind the forward (the masks of rows under a grammar made meanwhile), then the copy."
         due = [item.seq for item in plan.scheduled if item.samples]
-        logits = self.runner.run(plan, pending)
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
-            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device)
+            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device,
+                                        allowed=self._allowed_tokens(due))
             result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits))
         else:
             result = SampleResult(torch.empty(0, dtype=torch.long), None)
@@ -492,6 +515,13 @@ class SerialEngine:
         tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here
         if ready is not None: ready.record()
         return _LaunchedStep(plan, due, result, tokens, ready)
+
+    def _allowed_tokens(self, due: list[Seq]):
+        "The grammars' masks of the rows under one, or None (a sequence ended meanwhile is left unmasked)."
+        rows = [(row, self.requests[s.request_id].grammar) for row, s in enumerate(due)
+                if not s.finished and self.requests[s.request_id].grammar is not None]
+        if not rows: return None
+        return self._grammars.allowed_tokens([r for r, _ in rows], [g for _, g in rows], self.device)
 
     def _step_done(self, plan: StepPlan, launched: _LaunchedStep) -> None:
         "The step's tokens count as computed; each sampling sequence holds a place for its token."
@@ -528,6 +558,10 @@ class SerialEngine:
         request.first_token = request.first_token or time.perf_counter()
         if logprobs is not None: request.logprobs.append(logprobs)
         reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
+        if request.grammar is not None and reason is None:  # the grammar follows the token; done, the output is
+            if not request.grammar.consume_token(token):
+                raise GrammarError(f"token {token} broke the grammar: {request.grammar.get_error()}")
+            if request.grammar.is_stopped(): reason = "stop"
         if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
         delta = request.text.add(token) if request.text is not None else ""
         if reason is None and request.text is not None and request.text.stopped: reason = "stop"
@@ -588,9 +622,9 @@ class SerialEngine:
 # plain contiguous loop of chapter 04.
 
 # %%
-def tiny_engine(name="qwen3-tiny", engine=SerialEngine, **config):
+def tiny_engine(name="qwen3-tiny", engine=SerialEngine, tokenizer=None, **config):
     model = init_random_weights(empty_model(preset(name)), seed=0, std=0.1)
-    loaded = LoadedModel(name, model, None, None)
+    loaded = LoadedModel(name, model, tokenizer, None)
     return engine(loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config))
 
 def run_to_end(engine):
@@ -716,6 +750,10 @@ with pytest.raises(RuntimeError, match="idle engine; 1 request"):
 # The host reads step N's tokens *before* scheduling when the next step needs them there: a
 # sequence with a repetition, presence or frequency penalty (the sampler counts its output
 # tokens) or one whose next token is surely its last (`max_tokens`, the context, the pool).
+# A step with rows under a grammar (chapter 06a) reads step N's tokens a little later instead:
+# after step N+1's forward is queued and before its sampler, because each grammar must consume
+# its row's token before it can say what may follow. The masks are made on the host while the
+# GPU runs the forward, so the sampler waits only for what the grammars take beyond it.
 # With tensor parallelism (chapter 09c) rank 0 broadcasts the pending tokens to the other ranks
 # on the GPU, so the ranks overlap too. On the CPU, where the forward runs on the calling thread
 # anyway, `LLMEngine` steps serially unless asked (`async_scheduling=True`).
@@ -743,7 +781,10 @@ class LLMEngine(SerialEngine):
         outputs += ended
         if not plan: return outputs + self._land(self._take_launched())
         try:
-            launched = self._launch(plan, self._launched.pending if self._launched is not None else None)
+            logits = self.runner.run(plan, self._launched.pending if self._launched is not None else None)
+            if self._under_grammar(plan):  # the masks need the previous tokens: read them while the device runs
+                outputs += self._land(self._take_launched())
+            launched = self._sample(plan, logits)
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
             outputs += self._land(self._take_launched())  # (which may already have ended some of them)
             return outputs + self._fail_step(plan, e)
@@ -752,6 +793,9 @@ class LLMEngine(SerialEngine):
         self._launched = launched
         self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
+
+    def _under_grammar(self, plan: StepPlan) -> bool:
+        return any(item.samples and self.requests[item.seq.request_id].grammar is not None for item in plan.scheduled)
 
     def _take_launched(self) -> _LaunchedStep | None:
         launched, self._launched = self._launched, None
@@ -795,3 +839,42 @@ overlapped_engine = tiny_engine(engine=LLMEngine, block_size=4, max_model_len=24
 assert type(overlapped_engine) is LLMEngine and overlapped_engine.overlap
 assert run_arrivals(overlapped_engine, mixed) == serial and len(serial) == 4
 assert serial["to the context"][1] == "length" and len(serial["to the context"][0]) == 24 - 10
+
+# %% [markdown]
+# Structured outputs (chapter 06a) through both steps: a random model under a JSON schema, and
+# under a choice, beside a plain request. Every constrained output is a valid document that ends
+# with `stop`, and overlapping changes no token. A grammar that does not compile is refused by
+# `add_request` with nothing queued.
+
+# %%
+import json
+import jsonschema
+from forge_engine.grammar import GrammarError
+from forge_engine.registry import fetch
+from forge_engine.tokenizer import Tokenizer
+
+qwen3 = Tokenizer.from_file(fetch("qwen3-tokenizer"))  # the tiny models share Qwen3's vocabulary
+schema = {"type": "object", "required": ["answer", "score"], "additionalProperties": False,
+          "properties": {"answer": {"type": "string", "maxLength": 6},
+                         "score": {"type": "integer", "minimum": 0, "maximum": 100}}}
+as_schema = StructuredOutput("json_schema", schema)
+constrained = {0: [(f"json {i}", [5 + i, 6, 7], SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured=as_schema))
+                   for i in range(3)] + [("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))],
+               2: [("choice", [9, 9], SamplingParams(temperature=0, max_tokens=8,
+                                                     structured=StructuredOutput("choice", ["red", "green", "blue"])))]}
+serial = run_arrivals(tiny_engine(tokenizer=qwen3, block_size=4), constrained)
+assert run_arrivals(tiny_engine(engine=LLMEngine, tokenizer=qwen3, block_size=4, async_scheduling=True), constrained) == serial
+for request_id, (ids, reason, _) in serial.items():
+    if request_id == "plain": continue  # (a random model: ids past the tokenizer's vocabulary too)
+    text = qwen3.decode([t for t in ids if t not in qwen3.eos_token_ids])
+    assert reason == "stop", (request_id, reason, text)
+    if request_id.startswith("json"): jsonschema.validate(json.loads(text), schema)
+    if request_id == "choice": assert text in ("red", "green", "blue"), text
+print(text, [qwen3.decode(serial[f"json {i}"][0][:-1]) for i in range(3)])
+
+refusing = tiny_engine(tokenizer=qwen3)
+with pytest.raises(GrammarError, match="regex"):
+    refusing.add_request([1, 2], SamplingParams(structured=StructuredOutput("regex", "[0-9")))
+assert not refusing.has_unfinished() and not refusing.scheduler.waiting
+with pytest.raises(GrammarError, match="no tokenizer"):
+    tiny_engine().add_request([1, 2], SamplingParams(structured=as_schema))
