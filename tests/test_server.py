@@ -3,6 +3,7 @@ replies, errors as the client's exception types, backpressure, and 32 streams ha
 import asyncio
 import base64
 import hashlib
+import json
 import importlib.resources
 import os
 import re
@@ -295,3 +296,44 @@ def test_real_model_answers_paris_and_health_said_loading_first(servers):
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=16, temperature=0)
     assert "Paris" in r.choices[0].message.content
+
+
+PLACE = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+         "properties": {"city": {"type": "string", "maxLength": 10}, "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "coastal": {"type": "boolean"}}}
+
+
+def test_structured_outputs_hold_whatever_the_weights(tiny):
+    "A random model under a JSON schema: every reply parses and validates, whole and streamed (chapter 06a)."
+    import jsonschema
+    c = client(tiny)
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE, "strict": True}}
+    for seed in range(4):
+        r = c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=60, temperature=1.0, seed=seed,
+                                      response_format=response_format)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        jsonschema.validate(json.loads(r.choices[0].message.content), PLACE)
+    chunks = list(c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=60, temperature=1.0, seed=7,
+                                            response_format=response_format, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    jsonschema.validate(json.loads(text), PLACE)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+    # vLLM's extra fields, on the text endpoint too
+    for seed in range(3):
+        r = c.completions.create(model=TINY, prompt="Pick one:", max_tokens=10, temperature=1.0, seed=seed,
+                                 extra_body={"guided_choice": ["forge", "anvil", "hammer"]})
+        assert r.choices[0].text in ("forge", "anvil", "hammer") and r.choices[0].finish_reason == "stop"
+
+
+def test_structured_outputs_refused_with_the_field_named(tiny):
+    c = client(tiny)
+    cases = [({"guided_regex": "[0-9"}, "guided_regex"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+              "response_format"),
+             ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice")]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=4, extra_body=body)
+        assert info.value.body["param"] == param, (body, info.value.body)
+    r = c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=2)  # the same client still works
+    assert r.choices[0].finish_reason == "length"

@@ -25,12 +25,13 @@ from starlette.exceptions import HTTPException
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import EngineStats, RequestOutput
 from ..generate import SamplingParams
+from ..grammar import GrammarError
 from ..scheduler import QueueFullError
 from .chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from .metrics import ServerMetrics
 from .protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, check_fields,
                                           completion_prompt_ids, get_field, openapi_schema, output_error, read_json,
-                                          sampling_params, submit_error)
+                                          sampling_params, structured_output, submit_error)
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("forge_engine.server")
@@ -135,9 +136,9 @@ async def unless_disconnected(request: Request, awaitable: Awaitable):
 class Generation:
     "One request in flight: submitted to the engine, its outputs counted in the metrics, aborted if abandoned."
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str, live: set | None = None):
+                 request_id: str, live: set | None = None, grammar=None):
         self.engine, self.metrics, self.request_id = engine, metrics, request_id
-        self._outputs = engine.stream(prompt_ids, params, request_id=request_id)
+        self._outputs = engine.stream(prompt_ids, params, request_id=request_id, grammar=grammar)
         self.last: RequestOutput | None = None
         self._tokens_at: float | None = None
         self.live = live if live is not None else set()  # the requests in flight, which shutdown cuts off
@@ -308,8 +309,14 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
     except ValueError as e:
         raise submit_error(e) from None
     params = sampling_params(body, kind, len(ids), engine.engine.max_model_len, engine.engine.loaded.config.vocab_size)
+    grammar = None
+    if params.structured is not None:  # compiled off the event loop: a large schema takes a while (chapter 06a)
+        try:
+            grammar = await run_in_threadpool(engine.engine.compile_grammar, params.structured)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=structured_output(body)[1]) from None
     reply = Reply(kind, state.model_name, tokenizer, params.logprobs)
-    generation = Generation(engine, state.metrics, ids, params, reply.id, state.live)
+    generation = Generation(engine, state.metrics, ids, params, reply.id, state.live, grammar)
     try:
         if not stream:
             out = await unless_disconnected(request, generation.final())

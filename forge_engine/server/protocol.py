@@ -13,16 +13,16 @@ from fastapi.responses import Response
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import RequestOutput
-from ..generate import SamplingParams
+from ..generate import SamplingParams, StructuredOutput
 from ..scheduler import QueueFullError
 from ..tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['ERROR_TYPES', 'DEFAULT_MAX_BODY_BYTES', 'MAX_JSON_DEPTH', 'MAX_STOPS', 'MAX_STOP_CHARS', 'MAX_STOP_TOKEN_IDS',
-           'MAX_LOGIT_BIAS', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS', 'COMMON_FIELDS',
-           'KNOWN_FIELDS', 'APIError', 'submit_error', 'output_error', 'check_depth', 'read_json', 'get_field',
-           'check_fields', 'check_stop', 'sampling_params', 'chat_prompt_ids', 'completion_prompt_ids',
-           'openapi_schema']
+           'MAX_LOGIT_BIAS', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS', 'GUIDED_FIELDS',
+           'COMMON_FIELDS', 'KNOWN_FIELDS', 'APIError', 'submit_error', 'output_error', 'check_depth', 'read_json',
+           'get_field', 'check_fields', 'check_stop', 'structured_output', 'sampling_params', 'chat_prompt_ids',
+           'completion_prompt_ids', 'openapi_schema']
 
 # %% ../../nbs/11_server_protocol.ipynb #dd1e85cc
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "server_error",
@@ -126,7 +126,7 @@ def get_field(body: dict, name: str, kind: type, default=None):
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
-    "response_format": ({"type": "text"},), "tool_choice": ("none",), "function_call": ("none",),
+    "tool_choice": ("none",), "function_call": ("none",),
     "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
     "verbosity": (),
 }
@@ -141,8 +141,10 @@ SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same
 }
 
 
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's names for a structured output, on both endpoints
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
-                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT}
+                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT, *GUIDED_FIELDS}
 KNOWN_FIELDS = {  # per kind: every field a request may name
     "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
                              "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
@@ -178,6 +180,35 @@ def check_stop(stop) -> list[str]:
     if not all(stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
     return stops
+
+
+def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
+    """The structured output a request asks for, and the field that asked: `response_format` (OpenAI's: `text`,
+    `json_object`, or `json_schema` with its `schema`) or one of vLLM's `guided_*` fields. At most one."""
+    asked = [name for name in ("response_format", *GUIDED_FIELDS) if body.get(name) is not None]
+    if len(asked) > 1:
+        raise APIError(400, f"ask for one structured output, not {' and '.join(asked)}", param=asked[1])
+    if not asked: return None, None
+    name, value = asked[0], body[asked[0]]
+    try:
+        if name != "response_format":
+            return StructuredOutput(GUIDED_FIELDS[name], value), name
+        kind = get_field(value, "type", str) if isinstance(value, dict) else None
+        if kind == "text": return None, None
+        if kind == "json_object": return StructuredOutput("json_object"), name
+        if kind == "json_schema":
+            spec = get_field(value, "json_schema", dict)
+            if spec is None: raise ValueError("'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
+            if not isinstance(spec.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", spec["name"]):
+                raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+            schema = spec.get("schema", {"type": "object"})  # (enforced whether `strict` or not)
+            if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), bool):
+                raise ValueError("json_schema.schema must be an object, json_schema.strict a boolean")
+            return StructuredOutput("json_schema", schema), name
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {json.dumps(kind)[:40]}")
+    except (ValueError, APIError) as e:
+        raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
 
 def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
@@ -223,7 +254,7 @@ def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, 
     else:
         options["logprobs"] = get_field(body, "logprobs", int)
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=stop, **options)
+        return SamplingParams(max_tokens=max_tokens, stop=stop, structured=structured_output(body)[0], **options)
     except ValueError as e:  # SamplingParams names the bad field: "invalid sampling parameter top_p=..."
         name = re.match(r"invalid sampling parameter (\w+)", str(e))
         raise APIError(400, str(e), param=name.group(1) if name else None) from None
@@ -302,6 +333,11 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         "ignore_eos": _nullable({"type": "boolean"}),
         "min_tokens": integer(minimum=0, description="at most max_tokens"),
         "n": integer(minimum=1, maximum=1),
+        "guided_json": _nullable({"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}),
+        "guided_regex": _nullable({"type": "string", "minLength": 1, "description": "a regex the output matches"}),
+        "guided_choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                                    "description": "the output is one of these"}),
+        "guided_grammar": _nullable({"type": "string", "minLength": 1, "description": "a Lark grammar"}),
         **{name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]}) for name, t in NO_EFFECT.items()},
     }
     if kind == "chat":
@@ -314,7 +350,13 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
             "messages": {"type": "array", "minItems": 1, "items": message},
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
-            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+            "response_format": _nullable({"oneOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                {"type": "object", "required": ["type", "json_schema"], "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                        "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}]}),
             "tools": _nullable({"type": "array", "maxItems": 0}), "functions": _nullable({"type": "array", "maxItems": 0}),
             "tool_choice": _nullable({"const": "none"}), "function_call": _nullable({"const": "none"}),
             "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),

@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from forge_engine.engine import EngineStats, LLMEngine, RequestOutput
 from forge_engine.generate import SamplingParams
@@ -75,13 +75,14 @@ class AsyncEngine:
 
     # -- the caller's side --
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Sink,
-               request_id: str | None = None, prompt: str | None = None) -> str:
-        "Queue a request whose outputs go to `sink` (called on the engine thread). Refuses bad requests at once."
+               request_id: str | None = None, prompt: str | None = None, grammar: Any = None) -> str:
+        """Queue a request whose outputs go to `sink` (called on the engine thread). Refuses bad requests at once.
+        `grammar`: `engine.compile_grammar(params.structured)`, when the caller compiled it already."""
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         ids = self.engine.check_prompt(prompt_token_ids)
         # a structured output's grammar is compiled here, on the caller's thread, not the engine's (chapter 06a)
-        grammar = self.engine.compile_grammar(params.structured) if params.structured is not None else None
+        if grammar is None and params.structured is not None: grammar = self.engine.compile_grammar(params.structured)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._live:
@@ -101,12 +102,12 @@ class AsyncEngine:
                 raise ValueError(f"unknown request id {request_id!r} (never submitted, or already finished)")
         self._inbox.put(("abort", request_id))
 
-    async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     request_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                     prompt: str | None = None, grammar: Any = None) -> AsyncIterator[RequestOutput]:
         "Outputs of one request as they come. Leaving the loop early aborts the request."
         loop, outbox = asyncio.get_running_loop(), asyncio.Queue()
         rid = self.submit(prompt_token_ids, params, lambda out: loop.call_soon_threadsafe(outbox.put_nowait, out),
-                          request_id, prompt)
+                          request_id, prompt, grammar)
         finished = False
         try:
             while not finished:

@@ -40,7 +40,7 @@ from fastapi.responses import Response
 
 from forge_engine.async_engine import AsyncEngine, EngineDeadError
 from forge_engine.engine import RequestOutput
-from forge_engine.generate import SamplingParams
+from forge_engine.generate import SamplingParams, StructuredOutput
 from forge_engine.scheduler import QueueFullError
 from forge_engine.tokenizer import Tokenizer
 
@@ -190,7 +190,7 @@ def get_field(body: dict, name: str, kind: type, default=None):
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
-    "response_format": ({"type": "text"},), "tool_choice": ("none",), "function_call": ("none",),
+    "tool_choice": ("none",), "function_call": ("none",),
     "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
     "verbosity": (),
 }
@@ -205,8 +205,10 @@ SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same
 }
 
 
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's names for a structured output, on both endpoints
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
-                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT}
+                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT, *GUIDED_FIELDS}
 KNOWN_FIELDS = {  # per kind: every field a request may name
     "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
                              "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
@@ -242,6 +244,35 @@ def check_stop(stop) -> list[str]:
     if not all(stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
     return stops
+
+
+def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
+    """The structured output a request asks for, and the field that asked: `response_format` (OpenAI's: `text`,
+    `json_object`, or `json_schema` with its `schema`) or one of vLLM's `guided_*` fields. At most one."""
+    asked = [name for name in ("response_format", *GUIDED_FIELDS) if body.get(name) is not None]
+    if len(asked) > 1:
+        raise APIError(400, f"ask for one structured output, not {' and '.join(asked)}", param=asked[1])
+    if not asked: return None, None
+    name, value = asked[0], body[asked[0]]
+    try:
+        if name != "response_format":
+            return StructuredOutput(GUIDED_FIELDS[name], value), name
+        kind = get_field(value, "type", str) if isinstance(value, dict) else None
+        if kind == "text": return None, None
+        if kind == "json_object": return StructuredOutput("json_object"), name
+        if kind == "json_schema":
+            spec = get_field(value, "json_schema", dict)
+            if spec is None: raise ValueError("'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
+            if not isinstance(spec.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", spec["name"]):
+                raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+            schema = spec.get("schema", {"type": "object"})  # (enforced whether `strict` or not)
+            if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), bool):
+                raise ValueError("json_schema.schema must be an object, json_schema.strict a boolean")
+            return StructuredOutput("json_schema", schema), name
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {json.dumps(kind)[:40]}")
+    except (ValueError, APIError) as e:
+        raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
 
 def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
@@ -287,7 +318,7 @@ def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, 
     else:
         options["logprobs"] = get_field(body, "logprobs", int)
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=stop, **options)
+        return SamplingParams(max_tokens=max_tokens, stop=stop, structured=structured_output(body)[0], **options)
     except ValueError as e:  # SamplingParams names the bad field: "invalid sampling parameter top_p=..."
         name = re.match(r"invalid sampling parameter (\w+)", str(e))
         raise APIError(400, str(e), param=name.group(1) if name else None) from None
@@ -331,6 +362,29 @@ assert refused({"stop_token_ids": [500]}).param == "stop_token_ids" and refused(
 assert refused({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}).param == "stop_token_ids"
 assert refused({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}).param == "logit_bias"
 assert refused({"logit_bias": {"1": "5"}}).param == "logit_bias"
+
+# %% [markdown]
+# **Structured outputs** (chapter 06a): `response_format` as OpenAI defines it (`text`,
+# `json_object`, or `json_schema` with a `name` and a `schema`; `strict` or not, the schema is
+# enforced), or vLLM's `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` (a Lark
+# grammar), on both endpoints. One per request. The grammar itself is compiled when the request
+# is submitted, off the event loop; one that does not compile is a 400 naming this field.
+
+# %%
+schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+as_schema = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+assert sampling_params({"response_format": as_schema}, "chat", 1, 100, 500).structured == StructuredOutput("json_schema", schema)
+assert sampling_params({"response_format": {"type": "json_object"}}, "chat", 1, 100, 500).structured.kind == "json_object"
+assert sampling_params({"response_format": {"type": "text"}}, "chat", 1, 100, 500).structured is None
+assert sampling_params({"guided_choice": ["yes", "no"]}, "text", 1, 100, 500).structured == StructuredOutput("choice", ["yes", "no"])
+assert sampling_params({"guided_regex": "[0-9]+"}, "chat", 1, 100, 500).structured.kind == "regex"
+assert refused({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}).param == "response_format"
+assert refused({"response_format": {"type": "json_schema"}}).param == "response_format"
+assert refused({"response_format": {"type": "xml"}}).param == "response_format"
+assert refused({"response_format": "json"}).param == "response_format"
+assert refused({"guided_regex": ""}).param == "guided_regex" and refused({"guided_choice": "yes"}).param == "guided_choice"
+assert refused({"response_format": {"type": "json_object"}, "guided_regex": "a"}).param == "guided_regex"
+assert refused({"response_format": {"type": "json_object"}}, "text").param == "response_format"  # a chat field
 
 
 # %% [markdown]
@@ -437,6 +491,11 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         "ignore_eos": _nullable({"type": "boolean"}),
         "min_tokens": integer(minimum=0, description="at most max_tokens"),
         "n": integer(minimum=1, maximum=1),
+        "guided_json": _nullable({"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}),
+        "guided_regex": _nullable({"type": "string", "minLength": 1, "description": "a regex the output matches"}),
+        "guided_choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                                    "description": "the output is one of these"}),
+        "guided_grammar": _nullable({"type": "string", "minLength": 1, "description": "a Lark grammar"}),
         **{name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]}) for name, t in NO_EFFECT.items()},
     }
     if kind == "chat":
@@ -449,7 +508,13 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
             "messages": {"type": "array", "minItems": 1, "items": message},
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
-            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+            "response_format": _nullable({"oneOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                {"type": "object", "required": ["type", "json_schema"], "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                        "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}]}),
             "tools": _nullable({"type": "array", "maxItems": 0}), "functions": _nullable({"type": "array", "maxItems": 0}),
             "tool_choice": _nullable({"const": "none"}), "function_call": _nullable({"const": "none"}),
             "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
