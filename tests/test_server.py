@@ -337,3 +337,45 @@ def test_structured_outputs_refused_with_the_field_named(tiny):
         assert info.value.body["param"] == param, (body, info.value.body)
     r = c.chat.completions.create(model=TINY, messages=HELLO, max_tokens=2)  # the same client still works
     assert r.choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}}}}}
+
+
+def test_tool_call_round_trip(tiny):
+    "A required call, its result sent back as a `tool` message, then the answer; streamed calls; refusals."
+    import jsonschema
+    c = client(tiny)
+    ask = [{"role": "developer", "content": "Use the tools."}, {"role": "user", "content": "Weather in Paris?"}]
+    r = c.chat.completions.create(model=TINY, messages=ask, tools=[WEATHER], tool_choice="required", max_tokens=60,
+                                  temperature=1.0, seed=1, parallel_tool_calls=False)  # one call, then the end
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    history = ask + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    answer = c.chat.completions.create(model=TINY, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt now
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(c.chat.completions.create(model=TINY, messages=ask, tools=[WEATHER], tool_choice=named, max_tokens=60,
+                                            temperature=1.0, seed=2, stream=True, parallel_tool_calls=False))
+    calls = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+
+    free = c.chat.completions.create(model=TINY, messages=ask, tools=[WEATHER], max_tokens=4)  # auto: the model decides
+    assert free.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for kwargs, param in [(dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools"),
+                          (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                          (dict(tool_choice="required"), "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model=TINY, messages=ask, max_tokens=4, **kwargs)
+        assert info.value.body["param"] == param, (kwargs, info.value.body)

@@ -320,3 +320,29 @@ def test_detokenizer_property_smollm2(smol, text):
 def test_detokenizer_random_ids_match_full_decode(smol, ids):
     "Even for id sequences no text encodes to (a random-weight model's output), the stream adds up."
     assert "".join(stream(smol, ids)) == smol.decode(ids, skip_special_tokens=True)
+
+
+def test_qwen_tools_render_as_qwen3s_own_template(qwen, qwen_hf):
+    "Tools, tool calls and tool results, against the Jinja template of Qwen3's tokenizer_config.json (fetched)."
+    template = json.loads(fetch("qwen3-tokenizer-config").read_text())["chat_template"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo: the weather now",
+                                                "parameters": {"type": "object", "required": ["city"],
+                                                               "properties": {"city": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
+    conversations = [
+        [{"role": "user", "content": "Weather and time in Paris?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather and time in Paris?"},
+         {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "a", "content": "18 C"}, {"role": "tool", "tool_call_id": "b", "content": "noon"}],
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+         {"role": "tool", "tool_call_id": "a", "content": "18 C"}, {"role": "assistant", "content": "18 C."},
+         {"role": "user", "content": "Thanks"}],
+    ]
+    for messages in conversations:
+        for with_tools in (tools, None):
+            hf_messages = [{**m, "content": m["content"] or ""} for m in messages]  # Jinja concatenates content
+            expected = qwen_hf.apply_chat_template(hf_messages, tools=with_tools, chat_template=template, tokenize=False,
+                                                   add_generation_prompt=True)
+            assert qwen.apply_chat_template(messages, tools=with_tools) == expected

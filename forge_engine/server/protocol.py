@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -16,13 +17,14 @@ from ..engine import RequestOutput
 from ..generate import SamplingParams, StructuredOutput
 from ..scheduler import QueueFullError
 from ..tokenizer import Tokenizer
+from ..tool_calls import MAX_TOOLS, check_tools, chosen_tool, tool_call_output
 
 # %% auto #0
 __all__ = ['ERROR_TYPES', 'DEFAULT_MAX_BODY_BYTES', 'MAX_JSON_DEPTH', 'MAX_STOPS', 'MAX_STOP_CHARS', 'MAX_STOP_TOKEN_IDS',
            'MAX_LOGIT_BIAS', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS', 'GUIDED_FIELDS',
-           'COMMON_FIELDS', 'KNOWN_FIELDS', 'APIError', 'submit_error', 'output_error', 'check_depth', 'read_json',
-           'get_field', 'check_fields', 'check_stop', 'structured_output', 'sampling_params', 'chat_prompt_ids',
-           'completion_prompt_ids', 'openapi_schema']
+           'COMMON_FIELDS', 'KNOWN_FIELDS', 'TOOL_CALL_SCHEMA', 'APIError', 'submit_error', 'output_error',
+           'check_depth', 'read_json', 'get_field', 'check_fields', 'check_stop', 'structured_output', 'ToolRequest',
+           'tool_request', 'sampling_params', 'chat_prompt_ids', 'completion_prompt_ids', 'openapi_schema']
 
 # %% ../../nbs/11_server_protocol.ipynb #dd1e85cc
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "server_error",
@@ -125,13 +127,12 @@ def get_field(body: dict, name: str, kind: type, default=None):
 
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none",), "function_call": ("none",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
     "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
     "verbosity": (),
 }
 NO_EFFECT = {  # accepted (type-checked) and without effect on the reply: bookkeeping for the client's side
-    "user": str, "store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+    "user": str, "store": bool, "metadata": dict, "service_tier": str,
     "prompt_cache_key": str, "safety_identifier": str,
 }
 SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same name
@@ -146,7 +147,8 @@ GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
                  "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT, *GUIDED_FIELDS}
 KNOWN_FIELDS = {  # per kind: every field a request may name
-    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                             "functions",
                              "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
                              "prediction", "verbosity"},
     "text": COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
@@ -211,6 +213,28 @@ def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
         raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
 
+@dataclass(frozen=True)
+class ToolRequest:
+    "The tools a chat request offers, which `tool_choice` it makes and whether several calls may come at once."
+    tools: list[dict]
+    choice: str  # 'none', 'auto', 'required' or a tool's name
+    parallel: bool = True
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    "A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked; None without tools."
+    parallel = get_field(body, "parallel_tool_calls", bool, True)
+    if body.get("tools") is None:
+        if body.get("tool_choice") not in (None, "none"):
+            raise APIError(400, "'tool_choice' needs 'tools' to choose from", param="tool_choice")
+        return None
+    try: tools = check_tools(body["tools"])
+    except ValueError as e: raise APIError(400, str(e), param="tools") from None
+    try: choice = chosen_tool(body.get("tool_choice", "auto"), tools)
+    except ValueError as e: raise APIError(400, str(e), param="tool_choice") from None
+    return ToolRequest(tools, choice, parallel)
+
+
 def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
     "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
     check_fields(body, kind)
@@ -254,7 +278,14 @@ def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, 
     else:
         options["logprobs"] = get_field(body, "logprobs", int)
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=stop, structured=structured_output(body)[0], **options)
+        structured, asked_by = structured_output(body)
+        tools = tool_request(body) if kind == "chat" else None
+        if tools is not None and (forced := tool_call_output(tools.tools, tools.choice, tools.parallel)) is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice={json.dumps(body['tool_choice'])[:40]} already fixes the output: "
+                                    f"drop {asked_by}", param=asked_by)
+            structured = forced
+        return SamplingParams(max_tokens=max_tokens, stop=stop, structured=structured, **options)
     except ValueError as e:  # SamplingParams names the bad field: "invalid sampling parameter top_p=..."
         name = re.match(r"invalid sampling parameter (\w+)", str(e))
         raise APIError(400, str(e), param=name.group(1) if name else None) from None
@@ -268,8 +299,9 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    tools = tool_request(body)
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, tools=tools.tools if tools is not None else None)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -343,9 +375,12 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
     if kind == "chat":
         part = {"type": "object", "required": ["type", "text"],
                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-        message = {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": ["system", "user", "assistant"]},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}, "name": {"type": "string"}}}
+        message = {"type": "object", "required": ["role"], "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}],
+                        "description": "null only in an assistant message with tool_calls"},
+            "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+            "tool_calls": {"type": "array", "items": TOOL_CALL_SCHEMA, "description": "assistant messages only"}}}
         props.update({
             "messages": {"type": "array", "minItems": 1, "items": message},
             "logprobs": _nullable({"type": "boolean"}),
@@ -357,8 +392,20 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
                     "json_schema": {"type": "object", "required": ["name"], "properties": {
                         "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
                         "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}]}),
-            "tools": _nullable({"type": "array", "maxItems": 0}), "functions": _nullable({"type": "array", "maxItems": 0}),
-            "tool_choice": _nullable({"const": "none"}), "function_call": _nullable({"const": "none"}),
+            "tools": _nullable({"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": {
+                "type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                        "parameters": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}}),
+            "tool_choice": _nullable({"anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {"type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                                "properties": {"name": {"type": "string"}}}}}],
+                "description": "needs tools (but 'none')"}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "functions": _nullable({"type": "array", "maxItems": 0}), "function_call": _nullable({"const": "none"}),
             "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
         })
     else:
@@ -373,13 +420,21 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
     return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
 
 
+TOOL_CALL_SCHEMA = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}}}}}
+
+
 def _reply_schema(kind: str) -> dict:
     "The JSON schema of a whole (not streamed) reply."
     logprobs = {"type": ["object", "null"]}
     if kind == "chat":
-        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
-                  "message": {"type": "object", "required": ["role", "content"],
-                              "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}
+        choice = {"index": {"type": "integer"}, "logprobs": logprobs,
+                  "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+                  "message": {"type": "object", "required": ["role", "content"], "properties": {
+                      "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                      "tool_calls": {"type": "array", "items": TOOL_CALL_SCHEMA}}}}
     else:
         choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
                   "text": {"type": "string"}}
@@ -424,8 +479,8 @@ def openapi_schema(model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     schema = {
         "openapi": "3.1.0",
         "info": {"title": "forge-engine", "version": "1",
-                 "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice, "
-                                f"no tools), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
+                 "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice; "
+                                f"tools, structured outputs), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
                                 f"{MAX_JSON_DEPTH} levels deep."},
         "paths": {
             "/v1/chat/completions": completion("chat", "a chat completion"),

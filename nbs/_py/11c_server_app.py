@@ -41,8 +41,9 @@ from forge_engine.server.chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from forge_engine.server.metrics import ServerMetrics
 from forge_engine.server.protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, check_fields,
                                           completion_prompt_ids, get_field, openapi_schema, output_error, read_json,
-                                          sampling_params, structured_output, submit_error)
+                                          sampling_params, structured_output, submit_error, tool_request, ToolRequest)
 from forge_engine.tokenizer import Tokenizer
+from forge_engine.tool_calls import ToolCallStream, parse_tool_calls
 
 logger = logging.getLogger("forge_engine.server")
 
@@ -70,8 +71,12 @@ def sse(data: dict | str) -> str:
 
 class Reply:
     "OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text')."
-    def __init__(self, kind: str, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None = None):
+    def __init__(self, kind: str, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None = None,
+                 tools: ToolRequest | None = None):
         self.kind, self.model, self.tokenizer, self.top_logprobs = kind, model, tokenizer, top_logprobs
+        # tool calls are read out of the text (chapter 06b) unless the request offers none or chose 'none'
+        self.calls = ToolCallStream() if tools is not None and tools.choice != "none" else None
+        self.calls_sent = 0
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -108,10 +113,15 @@ class Reply:
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
+    def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
+        return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
     def whole(self, out: RequestOutput) -> dict:
         "The reply to a request with stream=false, from its final output."
-        return {**self._head(False), "choices": [self._choice(out.text, out.finish_reason, self.logprobs(out, 0), False)],
-                "usage": self.usage(out)}
+        content, calls = parse_tool_calls(out.text) if self.calls is not None else (out.text, [])
+        choice = self._choice(content, self._finish_reason(out, bool(calls)), self.logprobs(out, 0), False)
+        if calls: choice["message"].update(content=content or None, tool_calls=[c.openai() for c in calls])
+        return {**self._head(False), "choices": [choice], "usage": self.usage(out)}
 
     def role_chunk(self, include_usage: bool) -> dict:
         return {**self._head(True), "choices": [self._choice("", None, None, True, role=True)],
@@ -122,11 +132,18 @@ class Reply:
         head, usage = self._head(True), {"usage": None} if include_usage else {}
         start = len(out.token_ids) - len(out.delta_token_ids)
         logprobs = self.logprobs(out, start) if out.delta_token_ids else None
-        chunks = []
-        if out.delta_text or logprobs:
-            chunks.append({**head, "choices": [self._choice(out.delta_text, None, logprobs, True)], **usage})
+        chunks, text, calls = [], out.delta_text, []
+        if self.calls is not None: text, calls = self.calls.add(out.delta_text, final=out.finished)
+        if text or logprobs:
+            chunks.append({**head, "choices": [self._choice(text, None, logprobs, True)], **usage})
+        for call in calls:  # each call whole, in one chunk, when its block closes
+            delta = {"tool_calls": [call.openai(index=self.calls_sent)]}
+            self.calls_sent += 1
+            chunks.append({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+                           **usage})
         if out.finished:
-            chunks.append({**head, "choices": [self._choice("", out.finish_reason, None, True)], **usage})
+            chunks.append({**head, "choices": [self._choice("", self._finish_reason(out, self.calls_sent > 0), None, True)],
+                           **usage})
             if include_usage: chunks.append({**head, "choices": [], "usage": self.usage(out)})
         return chunks
 
@@ -148,6 +165,26 @@ completion = Reply("text", "m", None, top_logprobs=2).whole(out)
 assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == "Hi there"
 assert completion["choices"][0]["logprobs"]["top_logprobs"][1] == {"8": -0.5, "7": -1.5}
 assert sse({"a": "line\nbreak"}) == 'data: {"a": "line\\nbreak"}\n\n' and sse("[DONE]") == "data: [DONE]\n\n"
+
+# a reply with tool calls (chapter 06b), whole and streamed in pieces: content, one chunk per call, "tool_calls"
+tools = ToolRequest([{"type": "function", "function": {"name": "get_weather"}}], "auto")
+said = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+whole = Reply("chat", "m", None, tools=tools).whole(RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop"))
+message = whole["choices"][0]["message"]
+assert message["content"] == "Checking." and whole["choices"][0]["finish_reason"] == "tool_calls"
+assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+streaming, chunks = Reply("chat", "m", None, tools=tools), []
+for i in range(0, len(said), 5):
+    piece = RequestOutput("r", None, [1], said[:i + 5], [5], finished=i + 5 >= len(said), finish_reason="stop",
+                          delta_text=said[i:i + 5], delta_token_ids=[5])
+    chunks += streaming.chunks(piece, include_usage=False)
+deltas = [c["choices"][0]["delta"] for c in chunks]
+assert "".join(d.get("content", "") for d in deltas) == "Checking."
+assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == [0]
+assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+plain = Reply("chat", "m", None, tools=ToolRequest(tools.tools, "none")).whole(
+    RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop"))
+assert plain["choices"][0]["message"]["content"] == said  # tool_choice none: the text as it is
 
 
 # %% [markdown]
@@ -403,8 +440,8 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
         try:
             grammar = await run_in_threadpool(engine.engine.compile_grammar, params.structured)
         except GrammarError as e:
-            raise APIError(400, str(e), param=structured_output(body)[1]) from None
-    reply = Reply(kind, state.model_name, tokenizer, params.logprobs)
+            raise APIError(400, str(e), param=structured_output(body)[1] or "tools") from None
+    reply = Reply(kind, state.model_name, tokenizer, params.logprobs, tool_request(body) if kind == "chat" else None)
     generation = Generation(engine, state.metrics, ids, params, reply.id, state.live, grammar)
     try:
         if not stream:

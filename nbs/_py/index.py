@@ -28,6 +28,7 @@
 # | 05_paged_kv | `kv_cache` | blocks, block tables, slot mapping, prefix caching, paged attention |
 # | 06_sampling | `sampling` | batched sampling with per-request parameters and seeds |
 # | 06a_grammar | `grammar` | structured outputs: a JSON schema, regex or grammar as a mask of allowed tokens |
+# | 06b_tool_calls | `tool_calls` | tool calls: the grammar a required call imposes, Qwen3's `<tool_call>` blocks parsed |
 # | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
 # | 08_engine | `engine` | one step: schedule, run, sample, stop |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
