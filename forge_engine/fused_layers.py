@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (NormRope, add_rmsnorm, gemv, gemv_folds_norms, gemv_hands_off_norms,
-                                  kernels_available, norm_rope, rmsnorm, silu_mul)
+from .kernels.backend import kernels_available
+from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
+from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from .model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
 
 # %% auto #0

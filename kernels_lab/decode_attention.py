@@ -50,10 +50,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import forge_engine.kernels as kernels
-from forge_engine.kernels import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, INTERPRETED, _attend_keys, _dot_precision, _fence_gpu, _pow2,
-                                  decode_split_len, paged_attention_reference, paged_decode_attention, paged_prefill_attention,
-                                  random_paged_kv)
+from forge_engine.kernels import paged_attention as kernels  # (its switches, set for a call)
+from forge_engine.kernels.backend import INTERPRETED, _dot_precision, _pow2
+from forge_engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, _attend_keys, _fence_gpu,
+                                                  decode_split_len, paged_attention_reference, paged_decode_attention,
+                                                  paged_prefill_attention, random_paged_kv)
 
 
 def v0_torch_padded(q, k_cache, v_cache, tables, ctx, scale):

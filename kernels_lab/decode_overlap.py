@@ -55,7 +55,8 @@ import sys
 
 from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may switch on the interpreter
 import torch
-import forge_engine.kernels as kernels
+from forge_engine.kernels import backend, paged_attention
+from forge_engine.kernels import gemv as kernels_gemv
 from forge_engine.fused_layers import FusedRMSNorm
 import forge_engine.quant.gemv as quant  # the int4 GEMV (chapter 10c): its switches, tiles and launch
 import forge_engine.quant.layers as quant_layers
@@ -107,7 +108,15 @@ def decode_step_ms(engine) -> float:
     return step
 
 
-DEFAULTS = {name: getattr(kernels, name) for name in
+KERNELS = (backend, kernels_gemv, paged_attention)  # chapter 09's modules, holding its switches
+
+
+def owner(name: str):
+    "The module of a switch: one of chapter 09's, else chapter 10's int4 GEMV."
+    return next((m for m in KERNELS if hasattr(m, name)), quant)
+
+
+DEFAULTS = {name: getattr(owner(name), name) for name in
             ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
              "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
              "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
@@ -119,11 +128,11 @@ DEFAULTS["INT4_INT_DOT"] = quant.INT4_INT_DOT
 DEFAULTS["INT4_TILE_MAXNREG"] = quant.INT4_TILE_MAXNREG
 O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
 QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
-EXPORTED_PREFETCH = kernels.gemv_prefetch
+EXPORTED_PREFETCH = kernels_gemv.gemv_prefetch
 
 
 EXPORTED_ADD_NORM = FusedRMSNorm.add_and_norm
-EXPORTED_CONFIG = kernels.gemv_config
+EXPORTED_CONFIG = kernels_gemv.gemv_config
 EXPORTED_INT4_CONFIG = quant.quant_gemv_config
 EXPORTED_INT4_GEMV = quant.int4_gemv
 
@@ -131,7 +140,7 @@ EXPORTED_INT4_GEMV = quant.int4_gemv
 def configs_for(configs: dict):
     "gemv_config with `configs` ({(n, k, weight bytes, layout): (BLOCK_N, BLOCK_K, warps)}) in place of its answers."
     def gemv_config(n, k, weight_bytes=2, layout=None):
-        chosen = layout or kernels.gemv_layout(n, k, weight_bytes)
+        chosen = layout or kernels_gemv.gemv_layout(n, k, weight_bytes)
         return configs.get((n, k, weight_bytes, chosen)) or EXPORTED_CONFIG(n, k, weight_bytes, layout)
     return gemv_config
 
@@ -269,14 +278,14 @@ def switch(**changes):
     shapes = changes.pop("PREFETCH_SHAPES", None)  # (a lab-only setting: the prefetch for some GEMVs only)
     FusedRMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
     configs = changes.pop("GEMV_CONFIGS", None)  # (lab-only: other tiles for some shapes)
-    kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
+    kernels_gemv.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
     quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
     int4_launch = changes.pop("INT4_LAUNCH", None)  # (lab-only: register caps, early steps for some int4 shapes)
     quant.int4_gemv = quant_layers.int4_gemv = int4_gemv_for(int4_launch) if int4_launch else EXPORTED_INT4_GEMV
-    kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
+    kernels_gemv.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
-        setattr(kernels if hasattr(kernels, name) else quant, name, value)
+        setattr(owner(name), name, value)
 
 
 def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:

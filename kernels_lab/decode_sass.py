@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from gemv_sass import kernel_sass  # noqa: E402
 
-from forge_engine.kernels import _decode_kernel  # noqa: E402
+from forge_engine.kernels.paged_attention import _decode_kernel  # noqa: E402
 
 POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", context_lens_ptr="*i32",
                 out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", count_ptr="*i32",

@@ -24,7 +24,7 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import forge_engine.kernels as kernels
+from forge_engine.kernels import backend, gemv, paged_attention
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
@@ -94,7 +94,9 @@ def main():
         name, value = item.split("=")
         if name == "--batch": batch = int(value)
         elif name == "--prompt": prompt_tokens = int(value)
-        else: setattr(kernels, name, type(getattr(kernels, name))(int(value)))  # a switch (bool) or a size (int)
+        else:  # a switch (bool) or a size (int) of the kernels' modules
+            module = next(m for m in (backend, gemv, paged_attention) if hasattr(m, name))
+            setattr(module, name, type(getattr(module, name))(int(value)))
     engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
                        EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192))  # (kept alive: it owns the graph's buffers)
     graph = decode_graph(engine, batch, prompt_tokens)

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from forge_engine.kernels import (INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, gemv_layout,
-                                  pdl_supported)
+from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_supported
+from forge_engine.kernels.gemv import _start_gemv, gemv, gemv_config, gemv_layout
 from forge_engine.quant.formats import quantize_int8
 
 

@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from forge_engine.kernels import _gemv_kernel
+from forge_engine.kernels.gemv import _gemv_kernel
 from forge_engine.quant.gemv import INT4_INT_DOT, _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

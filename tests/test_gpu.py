@@ -51,7 +51,7 @@ def test_gpu_engine_matches_the_reference_path(name):
 def test_overlap_switches_change_no_token(mode, monkeypatch):
     """Chapter 09's GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, FUSED_KV_STORE, DECODE_ONE_LOOP switched from their
     defaults, and 3 loop stages: the same greedy tokens."""
-    import forge_engine.kernels as kernels
+    from forge_engine.kernels import backend, gemv, paged_attention
     model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
         from forge_engine.quant.layers import quantize_model
@@ -61,9 +61,10 @@ def test_overlap_switches_change_no_token(mode, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
     want = [o.token_ids for o in run_all(LLMEngine(loaded, config), prompts, params)]
-    for name in ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "FUSED_KV_STORE", "DECODE_ONE_LOOP"):
-        monkeypatch.setattr(kernels, name, not getattr(kernels, name))
-    monkeypatch.setattr(kernels, "GEMV_LOOP_STAGES", 3)
+    for module, name in ((gemv, "GEMV_L2_PREFETCH"), (backend, "DEPENDENT_LAUNCHES"), (paged_attention, "FUSED_KV_STORE"),
+                         (paged_attention, "DECODE_ONE_LOOP")):
+        monkeypatch.setattr(module, name, not getattr(module, name))
+    monkeypatch.setattr(gemv, "GEMV_LOOP_STAGES", 3)
     engine = LLMEngine(loaded, config)
     assert [o.token_ids for o in run_all(engine, prompts, params)] == want
     engine.allocator.check_idle()
@@ -104,8 +105,9 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     the separate kernels and against the PyTorch decode path, all after the same prefill (eager, with PyTorch's
     attention): logits within BF16, and the folded step's pick scores as the best under the others, within that
     (random weights leave near-ties among 151,936 logits)."""
-    import forge_engine.kernels as kernels
     from forge_engine.cuda_graphs import DecodeRunner
+    from forge_engine.kernels import gemv
+    from forge_engine.kernels.paged_attention import KernelDecodeAttention
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
     config = preset(name)
@@ -124,9 +126,9 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     step = ([7], [40], [table[2] * 16 + 8], [table], [41])  # token 7 at position 40
     logits = {}
     for label, fold, graphs in (("folded", True, True), ("separate", False, True), ("eager", False, False)):
-        monkeypatch.setattr(kernels, switch, fold)  # read when the graphs are recorded
+        monkeypatch.setattr(gemv, switch, fold)  # read when the graphs are recorded
         cache.k_cache.copy_(prefilled[0]); cache.v_cache.copy_(prefilled[1])
-        attention = kernels.KernelDecodeAttention() if graphs else paged_decode_attention_torch
+        attention = KernelDecodeAttention() if graphs else paged_decode_attention_torch
         runner = DecodeRunner(model, cache, 4, 256, scratch_block=8, attention=attention, use_graphs=graphs)
         if graphs:
             x = torch.zeros(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -142,7 +144,7 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
 
 @pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])
 def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm):
-    from forge_engine.kernels import norm_rope, norm_rope_reference
+    from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(37, 3 * heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     x = qkv[:, :heads * dim].view(37, heads, dim)  # strided, as in the model
@@ -157,7 +159,7 @@ def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
@@ -169,7 +171,7 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_int8_gemv_on_the_gpu(rows, n, k):
     "int8 weights with one scale per row (chapter 10), converted through their bits in the kernel."
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     gen = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
@@ -182,7 +184,7 @@ def test_int8_gemv_on_the_gpu(rows, n, k):
 @pytest.mark.parametrize("n,k", [(6144, 2560), (1000, 320), (151936, 2560)])
 def test_gemv_l2_prefetch_changes_no_result(n, k):
     "The GEMVs with their weights prefetched into L2 (or their first tile loaded) before the input wait, or with a pipelined loop (chapter 09): the same bits."
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     from forge_engine.quant.formats import quantize_int4
     from forge_engine.quant.gemv import int4_gemv
     gen = torch.Generator(device="cuda").manual_seed(k)
@@ -226,7 +228,7 @@ def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
 
 
 def test_silu_mul_and_qk_norm_rope_on_the_gpu():
-    from forge_engine.kernels import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
+    from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(5, 2 * 9728, device="cuda", generator=gen).bfloat16()
     # the same formula rounded to bf16 at the same two points; exp's last fp32 bit may differ between the kernel and
@@ -245,7 +247,7 @@ def test_silu_mul_and_qk_norm_rope_on_the_gpu():
 
 
 def test_write_kv_on_the_gpu_matches_index_copy():
-    from forge_engine.kernels import write_kv, write_kv_reference
+    from forge_engine.kernels.elementwise import write_kv, write_kv_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(9, 48 * 128, device="cuda", generator=gen).bfloat16()
     k, v = qkv[:, 32 * 128:40 * 128].view(9, 8, 128), qkv[:, 40 * 128:].view(9, 8, 128)

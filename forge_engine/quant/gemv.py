@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import (GEMV_MAX_ROWS, INTERPRETED, _norm_scale, _pow2, _program_row, _rows_epilogue_operands,
-                                  _silu_times, _start_gemv, _wait_for_previous, check_gemv_folds, gemv_loop_stages,
-                                  gemv_prefetch, hand_off_operands, kernel_backend, pdl_supported, tl, triton)
+from ..kernels.backend import (INTERPRETED, _pow2, _wait_for_previous, kernel_backend, pdl_supported, tl,
+                                          triton)
+from ..kernels.elementwise import _silu_times
+from ..kernels.gemv import (GEMV_MAX_ROWS, _norm_scale, _program_row, _rows_epilogue_operands, _start_gemv,
+                                       check_gemv_folds, gemv_loop_stages, gemv_prefetch, hand_off_operands)
 from .formats import dequantize_int4
 from .split_k import _int4_matmul_kernel, _skinny_kernel, _skinny_matmul
 

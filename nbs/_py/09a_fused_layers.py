@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import (NormRope, add_rmsnorm, gemv, gemv_folds_norms, gemv_hands_off_norms,
-                                  kernels_available, norm_rope, rmsnorm, silu_mul)
+from forge_engine.kernels.backend import kernels_available
+from forge_engine.kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
+from forge_engine.kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
 
 # %%
@@ -51,7 +52,7 @@ from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, R
 import copy
 import pytest
 from forge_engine.config import preset
-from forge_engine.kernels import KernelPagedAttention
+from forge_engine.kernels.paged_attention import KernelPagedAttention
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
 from forge_engine.model import empty_model, init_random_weights
 

@@ -86,16 +86,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _norm_scale, _pow2, _program_row, _rows_epilogue_operands,
-                                  _silu_times, _start_gemv, _wait_for_previous, check_gemv_folds, gemv_loop_stages,
-                                  gemv_prefetch, hand_off_operands, kernel_backend, pdl_supported, tl, triton)
+from forge_engine.kernels.backend import (INTERPRETED, _pow2, _wait_for_previous, kernel_backend, pdl_supported, tl,
+                                          triton)
+from forge_engine.kernels.elementwise import _silu_times
+from forge_engine.kernels.gemv import (GEMV_MAX_ROWS, _norm_scale, _program_row, _rows_epilogue_operands, _start_gemv,
+                                       check_gemv_folds, gemv_loop_stages, gemv_prefetch, hand_off_operands)
 from forge_engine.quant.formats import dequantize_int4
 from forge_engine.quant.split_k import _int4_matmul_kernel, _skinny_kernel, _skinny_matmul
 
 # %%
 #| hide
 import pytest
-from forge_engine.kernels import silu_mul
+from forge_engine.kernels.elementwise import silu_mul
 from forge_engine.quant.formats import int4_group_size, quantize_int4
 from forge_engine.quant.split_k import check_kernel
 
@@ -802,7 +804,7 @@ with pytest.raises(ValueError, match="an even N and block_n, got 12 and 3"):
 # int8 tiles lost with theirs early: more registers, fewer programs an SM.)
 
 # %%
-from forge_engine.kernels import add_rmsnorm, rmsnorm
+from forge_engine.kernels.elementwise import add_rmsnorm, rmsnorm
 # n is the next GEMV's K: one group of 64, or three of 32 with the last step masked (the interpreter's time goes as
 # n times the rows of x, ~0.03 s a weight row and a row of x here)
 for m, k, n, launch in ((1, 384, 64, {}), (2, 256, 96, dict(block_n=4, num_warps=1)), (3, 512, 96, {})):

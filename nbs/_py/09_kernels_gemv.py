@@ -1,0 +1,959 @@
+# %% [markdown]
+# # Kernels: matrix-vector products for small batches
+#
+# > The GEMV for one to four rows of x (BF16 and int8 weights, a Triton-placed tile or the `rows` layout), and what its epilogue folds in: SiLU-mul, the residual add, the RMSNorms, norms handed from GEMV to GEMV.
+
+# %%
+#| default_exp kernels.gemv
+
+# %%
+#| export
+import torch
+import torch.nn.functional as F
+
+from forge_engine.kernels.backend import (INTERPRETED, _pow2, _stages, _wait_for_previous, kernel_backend,
+                                          pdl_supported, tl, triton)
+from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm_reference, silu_mul
+
+# %%
+#| hide
+import pytest
+from forge_engine.kernels.elementwise import add_rmsnorm, rmsnorm, silu_mul_reference
+
+gen = torch.Generator().manual_seed(2)
+
+# %% [markdown]
+# At batch 1 a decode step is four matrix-*vector* products per layer, and their time is the
+# time to read the weights: 8 GB per token for Qwen3-4B, 1.92 ms at the H200's 4.19 TB/s.
+# cuBLAS, asked for `x @ W.T` with one row, reaches about 65% of that (a CUDA graph of cuBLAS
+# `F.linear` calls over all the weights: 2.95 ms). A GEMV needs no tensor cores; what it needs is every SM streaming weights from the
+# first microsecond to the last: many independent programs, each owning `BLOCK_N` output rows,
+# loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
+# cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
+# Up to `GEMV_MAX_ROWS` input rows share every weight tile (batch 2 and 4 read the weights
+# once, not twice or four times).
+#
+# ```
+#                      K (inputs) ──────────────────────────────────────────▶
+#            ┌──────────┬──────────┬──────────┬──────────┬──────────┐
+# program 0  │  tile    │  tile    │  tile    │  tile    │  tile    │  BLOCK_N rows of W
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤
+# program 1  │          │          │          │          │          │  each program walks its rows
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤  left to right, BLOCK_K at a
+#   ...      │          │          │          │          │          │  time, the fp32 partial sums
+#            ├──────────┼──────────┼──────────┼──────────┼──────────┤  staying in registers
+# program    │          │          │          │          │          │
+# N/BLOCK_N  └──────────┴──────────┴──────────┴──────────┴──────────┘
+#               ▲ x[0:BLOCK_K] (1-4 rows, read from L2 by every program)
+#   out[n] = Σ_k W[n, k] · x[k]: one reduction of the tile's columns at the end; no partials in memory
+# ```
+#
+# Measured (`kernels_lab/gemv.py`, one H200, one CUDA-graph replay each, L2 flushed): with the
+# best of 72 block configurations per shape, one row takes 15.9 / 13.0 / 35.5 / 22.3 / 185 µs
+# for Qwen3-4B's qkv / o / gate_up / down / LM head against cuBLAS's 16.8 / 15.0 / 38.3 / 24.4 /
+# 196 µs: 5-13% faster. At two and four rows this kernel was slower than cuBLAS, so the model
+# uses it for one row only. The LM head (778 MB) runs at 4.2 TB/s either way; the small
+# matrices (21-100 MB) are held back by the time it takes to get every SM streaming, not by
+# the loads themselves.
+#
+# A matrix timed alone is not how decode runs it, though: a step runs each shape 36 times, one
+# layer after another. `kernels_lab/gemv_chain_sweep.py` times 36 distinct matrices of one shape
+# in one graph per configuration, and the gate-up projection's best tile there (4 rows x 512,
+# 4 warps: 26.0 µs a matrix, 3.84 TB/s) beat the one chosen alone (29.4 µs).
+#
+# At one row the tile is 2-D, `[BLOCK_N, BLOCK_K]`, in the layout the weights are loaded in; the
+# general `[ROWS, BLOCK_N, BLOCK_K]` product needs its operands moved into another layout, which
+# the compiler does through shared memory on every step of the loop. (`kernels_lab/gemv_sass.py`
+# compiles this kernel for an H200 on any machine, no GPU needed, and counts the instructions of
+# its loop per weight: that is how these shuffles were found.)
+#
+# The same kernel reads **int8 weights** with one scale per output row (chapter 10): the tile is
+# converted in registers and the scale applied to the finished sums. The conversion matters: at
+# one row a GEMV does one multiply-add per weight, so at int8's 16 bytes per SM and cycle an SM
+# has about 8 instructions per weight for everything. The GPU's int-to-float instruction runs at
+# a quarter of the FMA rate, so `_as_f32` builds the float from its bits instead: 2^23 + byte is
+# the float whose bits are 0x4B0000 followed by the byte, and subtracting 2^23 + 128 leaves the
+# signed weight, exactly. Written in Triton that is a byte extract, an OR and a subtraction per
+# weight, and the compiled loop came to 6.0 instructions per weight. Compiled for a GPU it is
+# PTX instead, per 32-bit register of four weights (`_int8x4_to_f32`): one XOR flips the four sign
+# bits, and one `prmt` (byte permute) per weight places its byte under the exponent: 4.1-4.5
+# instructions per weight. The int8 loads are also kept to 8 bytes a thread, as x's 8 bf16 values,
+# so that both tiles share one layout (16-byte int8 loads put them in two, and the compiler moved
+# x between them through shared memory every step). In the chain lab the PTX conversion took the
+# int8 GEMVs from 11.0 / 8.0 / 18.2 / 17.7 µs (qkv / o / gate-up / down) to 8.4 / 6.8 / 16.3 /
+# 13.8 µs at the same tiles, and tiles chosen in the chain to 7.8 / 5.1 / 16.1 / 9.1 µs.
+#
+# The fixed cost per launch is the gap between kernels: each waits for the one before to finish
+# completely before its programs start and request their first tiles. **Programmatic dependent
+# launch** (Hopper) lets the GPU launch the next kernel while the current one is finishing: the
+# kernels that come before a GEMV in a decode step (norms, SiLU-mul, attention) say early that
+# the next one may start (`_let_next_start`), and the GEMV, launched as a dependent, waits
+# (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops. The small kernels
+# between the GEMVs are launched the ordinary way: each starts only once the kernel before has
+# finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
+# way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
+# decode step as a CUDA graph) with plain GEMVs it did not pay for BF16 (2.913 ms against 2.851) and
+# gained 0.7% for int4 (2.353 against 2.370). With the GEMVs asking
+# for their first weights before they wait (below) and the rows-layout gate-up: the BF16 step
+# 2.458 ms against 2.548 / 2.543 without (W1-like 395.4 against 382.0 / 382.5 tok/s): on, for
+# steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (the GEMV's steps, where it was measured; a
+# decode kernel of 256 sequences launched early held SMs that the projection before it needed,
+# with `DECODE_EARLY_TILE`).
+#
+# A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
+# that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
+# a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
+# nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
+# batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
+# resident and have its 21 MB on the way. `gemv(..., prefetch=True)`. Measured, it loses: the
+# BF16 decode step takes 3.326 ms with it against 2.851 (the GEMVs of the chain lab 1-8 µs
+# slower each), the int4 step 2.476 against 2.370. Only int4 with the small kernels launched as
+# dependents as well gains: 2.272 ms against 2.370 (BF16 with both: 3.298 against 2.818). Off
+# (`GEMV_L2_PREFETCH`); a per-format choice would have to reach the small kernels too.
+#
+# Another way to keep more bytes in flight: a program of the qkv projection walks its rows in
+# five steps of 512 inputs, and each step's loads wait for nothing but are issued only when the
+# step before has used its own. `loop_stages` > 1 hands the loop to Triton's software pipeliner,
+# which issues the loads of later steps (into shared memory, `LDGSTS` in the compiled code) while
+# a step computes: 4.38 instructions a weight instead of 4.31 for BF16 (`kernels_lab/gemv_sass.py`).
+# Measured: 2.883 ms at 3 stages against 2.851, and int4's chain 40-70% slower at 2-3 stages:
+# `GEMV_LOOP_STAGES` keeps the loop as written.
+#
+# Tried and left in the lab (`kernels_lab/decode_chain.py`, one H200, 36 layers' matrices in one
+# CUDA graph): folding the residual add + RMSNorm into the qkv and gate-up GEMVs and SiLU-mul
+# into down (three launches fewer a layer). Every program redoes the norm of the whole input row,
+# and that work cost more than the launches it saved (3.05 ms vs 2.79 ms for the chain); with the
+# best tile sizes it gained 4%, and a mismatch on the GPU for rows not a multiple of the tile was
+# not found in time, so it is not shipped. Software double-buffering of the weight tiles made the
+# chain 22% slower (2.79 vs 2.29 ms): the loop below loads one tile per step.
+#
+# Both tried again in the engine's decode step (`kernels_lab/decode_overlap.py`).
+# The norm without a pass of its own — each program adds the residual, multiplies by the norm
+# weight and sums the squares as it reads its steps, the 1/rms scaling each output at the end —
+# and SiLU-mul read by the down GEMV from the gate-up output: 3.122 ms against 2.811 with the
+# separate launches (int8: 2.222 against 2.089). 109 launches fewer, but each of the thousands of
+# GEMV programs reads the residual and the norm weight (or the up half) next to its weights, and
+# the GEMVs went from 17.4 to 31 µs on average. The loop unrolled with the next step's weights
+# in registers and the first step's loaded before `gdc_wait`: 2.852 ms against 2.814; int8 3.218
+# against 2.114 (the unrolled code moves the int8 tiles through shared memory to change layout).
+#
+# One fold that does not cost the GEMV any reads: SwiGLU's `silu(gate) * up` needs, for output
+# `i`, rows `i` and `I + i` of the gate-up matrix, and nothing else. With `swiglu=True` a program
+# takes `BLOCK_N / 2` gate rows and their up rows in one tile (the same bytes and programs as
+# before), and its epilogue writes the activation instead of the two halves: no `silu_mul`
+# launch, and the down projection reads half as many numbers. The rounding follows the two
+# launches it replaces step by step (the GEMV's bf16 store, then SiLU rounded like `F.silu`), so
+# the bits are theirs (tested below). The compiled loop is the plain one's (`kernels_lab/gemv_sass.py`:
+# 4.75 instructions a weight for bf16, 4.14 for int8, with or without). Measured (H200,
+# `kernels_lab/decode_overlap.py bf16,int8,int4`): the Qwen3-4B step 2.631 ms against 2.706 (W1-like
+# 365.7 against 356.0 tok/s), int8 1.901 against 1.987; int4, whose gate-up keeps `silu_mul`, 2.259
+# against 2.268 (the control). On.
+#
+# The same idea in two smaller pieces, measured one at a time:
+#
+# - The residual add in the epilogue of the GEMV before it (o, down) and the norm in the GEMV
+#   after it (each program multiplies x by the norm weight as it loads it, sums x² on the side,
+#   scales by 1/rms at the end: one 16-byte load more a step): 72 launches fewer, yet the chain
+#   of a step's layers (`kernels_lab/gemv_norm_fold.py` at commit e52c29f, one H200) only went
+#   from 2,119.6 to 2,090.3 µs for BF16 and from 1,477.5 to **1,495.3** for int8. The add+RMSNorm
+#   kernels cost 1.9 µs each in the step's timeline, but they run while the next GEMV's programs
+#   are launched and waiting: removing them takes off little more than their 0.4 µs gaps. Not kept.
+# - **The first step's weights asked for before `gdc_wait`** (`early_weights`, `EARLY_W`): the
+#   weights do not depend on the kernel before, so each program issues its first tile's loads,
+#   then waits for x. The loop is unchanged (the first step is peeled). Chain lab
+#   (`kernels_lab/gemv_chain_sweep.py`, µs a matrix, export → early): BF16 qkv 9.64 → 9.38, o
+#   7.28 → 6.46, gate-up 26.14 → 25.68, down 14.70 → 13.93; int8 qkv 7.76 → 7.14, gate-up
+#   16.13 → 15.10, but o 5.08 → 5.47 and down 9.13 → 11.24 (those long-row tiles go from 96 to 114
+#   registers a thread). In the decode step (`kernels_lab/decode_overlap.py`): BF16 2.608 ms
+#   against 2.666 / 2.655 with every GEMV early (W1-like 374.8 against 367.1 / 368.6 tok/s), 2.652
+#   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16.
+#   Why int8 lost: with the peeled step's inputs written as a plain `0 + offs_k`
+#   the compiler gave that step 16-byte int8 loads, the loop 8-byte ones, and moved every later
+#   step's [BLOCK_N, BLOCK_K] tile through shared memory into the first one's layout (8-16
+#   `BAR.SYNC` + `STS` + `LDS` a step in `kernels_lab/gemv_sass.py`; 114 registers for the o /
+#   down tiles). Written as the loop's steps are, `k0 + offs_k` with a k0 the compiler cannot see
+#   is 0 (`tl.program_id(1) * BLOCK_K`), the loop compiles as without early weights (int8 4x1024:
+#   144 instructions, 56 registers, no shared memory; 4x2048: 96 registers). Then early weights
+#   for every int8 GEMV: the int8 step 1.742 ms against 1.778 / 1.780 (W1-like 551.0 against 540.0
+#   / 539.2 tok/s; `kernels_lab/decode_overlap.py bf16,int8`, one H200). On for all.
+#   (Also tried: each step's weights asked for while the step before computes, two
+#   steps' tiles held in registers, lost badly: BF16 2.509 ms against 2.410, int8 2.486 against
+#   1.778; the int8 norm fold, now free of the shared-memory trips, still lost: 1.818 ms.)
+#
+# **The rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
+# layout for BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile
+# on threads to Triton. Here it is explicit: a program's `BLOCK_N` rows are a tuple of tensors
+# `[SLABS, 32, CHUNK]`, so each thread takes the *same* CHUNK inputs (16 bytes) of every row of
+# the program, each warp a slab of K. x's chunk is loaded and converted once for all the rows,
+# and a thread has every row's 16-byte load in flight at once. Chain lab (`kernels_lab/gemv_rows.py`,
+# one H200, µs a matrix, tile → best rows): BF16 gate-up 25.69 → **23.91** (4.17 TB/s, 4 rows,
+# 2 warps, 8 inputs), but qkv 9.43 → 9.70, o 6.48 → 7.90, down 13.94 → 16.61; int8 qkv 7.06 →
+# 6.31, gate-up 15.13 → 14.71, o and down slower (with the lab's own byte conversion, not this
+# chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
+# pairs each gate row with its up row as `_gemv_kernel`'s does.
+#
+# **The add + RMSNorm folded in, a third time** (`norm`, `residual`, `FUSED_NORM_GEMV`).
+# With every other launch of the step now a programmatic dependent, the 73 one-program
+# add+RMSNorm kernels were among the few left between GEMVs. `gemv(x, w, norm=g, eps=...)`
+# multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
+# program, which reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`).
+# `residual=r` adds r to the output in the epilogue, rounded as the separate add would find it
+# (the bits of the GEMV followed by `add_rmsnorm`'s add: tested below). Chapter 09a then runs a
+# batch-1 layer as four launches: qkv(norm(x)), attention, x + o(·), gate-up(norm(·)) with
+# SiLU-mul, h + down(·). The norm's arithmetic differs from `rmsnorm` followed by the GEMV (x·g
+# is never rounded to bf16), so logits agree within bf16, not bit for bit (tests/test_gpu.py).
+# Measured (`kernels_lab/decode_overlap.py`, one H200): the BF16 step 2.451 / 2.448 ms against
+# 2.464 unfolded, and 2.438 / 2.439 against 2.455 in a second call; int8 **1.842** against 1.795
+# (its (4, 1024) tiles share each x value among only 4 rows: the extra load and multiply per x
+# value cost more than the launches; the compiled loop 4.53 → 5.47 instructions a weight,
+# against bf16's 4.31 → 4.78 in `kernels_lab/gemv_sass.py`). So `gemv_folds_norms`: 2-byte
+# weights only. With RoPE's angles in three launches instead of eleven (chapter 03) the W1
+# bench went from 394.8 to **402.9 tok/s**.
+#
+# Also tried: int8 through this rows kernel with `kernels_lab/gemv_rows.py`'s conversion (the byte
+# under 2^15's exponent, 2^15 + 128 + w with one permute and no subtraction; the program takes
+# 32,896 · Σx off each row's step sum, x's sum shared by the rows). Compiled: the qkv loop's
+# FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29 µs), but the decode step was
+# slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel, for qkv alone too. Not kept
+# (commit 92c7b73 has it, as the switch `GEMV_INT8_OFFSET`); `kernels_lab/gemv_rows.py` keeps
+# the conversion.
+#
+# **int8's gate-up through the rows kernel**, with this chapter's conversion. Nsight
+# Compute (`kernels_lab/ncu_gemv.py`) shows the int8 tile GEMVs at 96 registers a thread (the
+# `[BLOCK_N, BLOCK_K]` accumulator tile: 64 sums a thread at 8 × 512 over 2 warps), 20 warps an
+# SM, about 5 of every 8.4 cycles between a warp's instructions waiting on memory. Yet neither
+# fewer instructions nor more warps made them faster. int8 read as 2^15 + 128 + w by one byte
+# permute, x's sum taken off at the end: the loop 4.1-4.5 → 3.3-3.8 instructions a weight but
+# 121-128 registers; o 4.63 → 5.47 µs, gate-up 15.14 → 17.22, the step 1.955 ms against 1.699.
+# Each thread summing its 8 inputs every step (a `[BLOCK_N, BLOCK_K / 8]` tile of sums): 40
+# registers, 48-50 warps an SM, 0.12 instructions a weight more; o 4.61 → 6.04 µs, the step 1.907
+# against 1.679. The norm folded into int8's qkv and gate-up with the tiles its own sweep chose
+# (8 × 512, 4 × 512): the step 1.731 against 1.699. Commits aed4513 (`GEMV_INT8_OFFSET`,
+# `FUSED_NORM_GEMV_INT8`) and f361c9d (`GEMV_STEP_SUMS`) have them. What did win: the rows
+# kernel (one sum per row a thread, every row's loads in flight at once) for the gate-up shape.
+# The chain lab's rows grid (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at 8 rows, 2
+# warps, 8 bytes against the tile's 15.16; qkv 6.98 against 7.07; o and down slower. In the step
+# (`decode_overlap.py`) gate-up alone won, 1.679 ms against 1.702 (W1-like 570.3 against 563.7
+# tok/s); qkv with it lost (1.708), o and down with a whole row a step lost more (1.796). So
+# `GEMV_ROWS_INT8_MIN_N` takes the gate-up shape only.
+
+# %%
+#| export
+GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
+FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch, measured faster
+
+
+FUSED_NORM_GEMV = True  # a decode step's add + RMSNorm folded into the BF16 GEMVs around it (`norm`, `residual`; below)
+
+
+def gemv_folds_norms(weight: torch.Tensor) -> bool:
+    """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format: FUSED_NORM_GEMV (read at
+    each call: a lab may switch it between captures), for 2-byte weights (int8's tiles measured slower with it)."""
+    return FUSED_NORM_GEMV and weight.element_size() == 2
+
+
+NORM_HANDOFF = True  # int8, int4: each norm of a decode step handed from the GEMV adding the residual to the next
+
+
+def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
+    """Whether a decode step hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s `hand_off` and
+    `norm_sums`): NORM_HANDOFF (read at each call, as FUSED_NORM_GEMV), for 1-byte weights (int8; chapter 10's int4,
+    two to a byte, in its own GEMV)."""
+    return NORM_HANDOFF and weight.element_size() == 1
+
+
+GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
+GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
+GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
+
+
+def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
+    """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
+    shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
+    measured it faster, else 'tile' (`_gemv_kernel`)."""
+    if GEMV_ROWS_LAYOUT and n < GEMV_ROWS_MAX_N and k < 4096 and (
+            (weight_bytes == 2 and 16384 <= n and 512 <= k) or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)):
+        return "rows"
+    return "tile"
+
+
+def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
+    `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
+    a shape in one graph; the LM head from kernels_lab/gemv.py)."""
+    if (layout or gemv_layout(n, k, weight_bytes)) == "rows":
+        if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
+            return (8, 512, 2) if n >= 16384 else (2, 512, 1)
+        return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
+    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep)
+        return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
+    if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
+        return 2, 1024, 4
+    if n < 16384:  # qkv
+        return 8, 512, 4
+    return (4, 512, 4) if n < 65536 else (4, 512, 2)  # gate-up; the LM head
+
+
+@triton.jit
+def _int8x4_to_f32(w):
+    "int8 -> fp32 on an NVIDIA GPU, four weights a register: w + 128 (XOR of the sign bits) placed under 2^23's exponent."
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u;
+        xor.b32 u, $4, 0x80808080;
+        prmt.b32 $0, u, 0x4B000000, 0x7440;
+        prmt.b32 $1, u, 0x4B000000, 0x7441;
+        prmt.b32 $2, u, 0x4B000000, 0x7442;
+        prmt.b32 $3, u, 0x4B000000, 0x7443;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _as_f32(w, BYTE_ASM: tl.constexpr):
+    "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
+    if w.dtype == tl.int8:
+        if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
+            return _int8x4_to_f32(w)
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
+        return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _prefetch_to_l2(w_ptr, first_row, rows, row_bytes, THREADS: tl.constexpr):
+    """Ask for `rows` rows of a row-major matrix from `first_row` on (`row_bytes` a row, a multiple of 16) to come into
+    L2 now: one bulk prefetch (sm_90's cp.async.bulk.prefetch) a warp of the program's THREADS; no registers, nothing
+    to wait for. The instruction takes warp-uniform operands (the compiler loops over distinct lane values), so
+    every lane of a warp asks for that warp's part."""
+    total = rows.to(tl.int64) * row_bytes
+    part = tl.cdiv(total, THREADS // 32 * 16) * 16
+    offs = (tl.arange(0, THREADS) // 32).to(tl.int64) * part  # thread i: lane i % 32 of warp i // 32
+    sizes = tl.minimum(tl.maximum(total - offs, 0), part).to(tl.int32)
+    starts = w_ptr.to(tl.pointer_type(tl.int8)) + first_row.to(tl.int64) * row_bytes + offs
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        constraints="=r,l,r", args=[starts, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                WAIT: tl.constexpr, SWIGLU: tl.constexpr = False):
+    """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then (WAIT) wait for this
+    one's input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do
+    not depend on the kernel before, so their reading starts while that kernel is still running. (SWIGLU: the rows
+    are BLOCK_N / 2 gate rows and their up rows, N / 2 further on: two runs.)"""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:
+            if SWIGLU:
+                first = tl.program_id(0) * (BLOCK_N // 2)
+                rows = tl.minimum(N // 2 - first, BLOCK_N // 2)
+                _prefetch_to_l2(w_ptr, first, rows, row_bytes, PREFETCH)
+                _prefetch_to_l2(w_ptr, N // 2 + first, rows, row_bytes, PREFETCH)
+            else:
+                first = tl.program_id(0) * BLOCK_N
+                _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _normed_x(x, sq, g_ptr, at, ok, NORM: tl.constexpr):
+    """A GEMV step's inputs x (fp32) as the matmul takes them. With NORM (an RMSNorm folded in): x's squares added to
+    `sq`, and x times the norm's weight at inputs `at`; the norm's 1 / rms scales the outputs at the end."""
+    if NORM:
+        sq += x * x
+        x = x * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _norm_scale(sq, K, eps):
+    "1 / rms of x from its summed squares (`_normed_x`), as `_add_rmsnorm_kernel` computes it."
+    return 1.0 / tl.sqrt(sq / K + eps)
+
+
+@triton.jit
+def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
+    """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
+    if EVEN_K:
+        if w is None:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        if w is None:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+    x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
+    if ROWS == 1:
+        acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
+    else:
+        acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
+    return acc, sq
+
+
+@triton.jit
+def _step_inputs(w_ptr, k0, offs_k):
+    "The inputs of a GEMV step from k0; int8 weights: loaded 8 bytes at a time, as x's 8 bf16 (both share one layout)."
+    k = k0 + offs_k
+    return tl.max_contiguous(k, 8) if w_ptr.dtype.element_ty == tl.int8 else k
+
+
+@triton.jit
+def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAND_OFF: tl.constexpr):
+    """A tile GEMV's epilogue constants, fp32 [BLOCK_N]: its rows' scales, biases and (HAND_OFF) the next norm's
+    weights (zeros where there are none: unused, compiled away)."""
+    none = tl.zeros([BLOCK_N], dtype=tl.float32)
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_SCALE else none
+    bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else none
+    next_g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAND_OFF else none
+    return scale, bias, next_g
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
+                 SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
+    _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
+                not EARLY_W, SWIGLU)
+    if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
+        lane = tl.arange(0, BLOCK_N)
+        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
+        offs_n, n_ok = cols + (lane // (BLOCK_N // 2)) * (N // 2), cols < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+    offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
+    # differs from the loads', which costs a trip through shared memory per step)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
+    first = 0
+    if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
+        # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
+        # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
+        k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
+        _wait_for_previous(PDL)
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
+        first = BLOCK_K
+    if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
+        handed = tl.load(sums_ptr + offs_m, mask=m_ok, other=0.0)  # for once x is there, used at the end
+    for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
+        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
+                             ROWS, BYTE_ASM, NORM)
+    # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
+    # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
+    scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
+                                          HAND_OFF)
+    if RESIDUAL:
+        residual = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+    out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if NORM:
+        out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
+    if NORM_SUMS:
+        out *= _norm_scale(handed, K, eps)[:, None]
+    if HAS_SCALE:
+        out *= scale[None, :]
+    if HAS_BIAS:
+        out += bias[None, :]
+    if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
+        half: tl.constexpr = BLOCK_N // 2
+        h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1]))  # [ROWS, half] each
+        cols = tl.program_id(0) * half + tl.arange(0, half)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        if RESIDUAL:  # added to the output as rounded (as a separate add after the GEMV's store would)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
+        if HAND_OFF:  # the next RMSNorm's work but its 1 / rms: h (as stored) x the norm's weight, and h's squares,
+            h = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # summed over the programs into sums_ptr
+            tl.store(normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     (h * next_g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_add(sums_ptr + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), axis=1), mask=m_ok, sem="relaxed")
+
+
+@triton.jit
+def _program_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """The weight row of a rows-layout program's r-th row, and whether it exists: with SWIGLU, HALF_N gate rows, then
+    their up rows (N // 2 further on). (Chapter 10's int4 GEMV takes the same rows.)"""
+    if SWIGLU:
+        col = first_col + r % HALF_N
+        return col + (r // HALF_N) * (N // 2), col < N // 2
+    return first_col + r, first_col + r < N
+
+
+@triton.jit
+def _rows_chunk(k0, lane, K, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """A step's inputs in a rows-layout program: each thread's CHUNK from k0 + lane * CHUNK on ([SLABS, 32, CHUNK]
+    offsets), and which exist."""
+    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    return at, (at < K) | EVEN
+
+
+@triton.jit
+def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
+    """One step's weights: for each of the program's rows (`rows`: their offsets), this thread's inputs `at`; every
+    row's loads in flight at once."""
+    ws = ()
+    for r in tl.static_range(BLOCK_N):
+        ws = ws + (tl.load(w_ptr + rows[r] + at, mask=ok & row_ok[r], other=0),)
+    return ws
+
+
+@triton.jit
+def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr):
+    """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
+    x, sq = _normed_x(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM)
+    new = ()
+    for r in tl.static_range(BLOCK_N):
+        new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
+    return new, sq
+
+
+@triton.jit
+def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    "A rows-layout program's epilogue constants, fp32: (each row's scale, each row's bias), each () where there are none."
+    scales, biases = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row, real = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
+        if HAS_SCALE:
+            scales = scales + (tl.load(scale_ptr + row, mask=real, other=0.0).to(tl.float32),)
+        if HAS_BIAS:
+            biases = biases + (tl.load(b_ptr + row, mask=real, other=0.0).to(tl.float32),)
+    return scales, biases
+
+
+@triton.jit
+def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
+    """A rows-layout program's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m),
+    r * ROWS + m, and (HAND_OFF) the next norm's weight at each row r. (Chapter 10's int4 GEMV's too.)"""
+    residuals, next_gs = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row = first_col + r
+        if HAND_OFF:
+            next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
+        for m in tl.static_range(ROWS if RESIDUAL else 0):
+            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
+                                     .to(tl.float32),)
+    return residuals, next_gs
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, N, K, stride_wn, eps,
+                      BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
+                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                      NORM_SUMS: tl.constexpr):
+    _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
+    STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
+    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
+    rows, row_ok = (), ()
+    for r in tl.static_range(BLOCK_N):
+        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        rows, row_ok = rows + (row.to(tl.int64) * stride_wn,), row_ok + (real | EVEN,)
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * BLOCK_N
+    sq = tl.zeros((SLABS, 32, CHUNK), dtype=tl.float32)  # NORM: x's squares
+    first = 0
+    if EARLY_W:  # the first step's weights asked for before waiting for x (as `_gemv_kernel`)
+        at, ok = _rows_chunk(0, lane, K, CHUNK, EVEN)
+        ws = _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N)
+        _wait_for_previous(PDL)
+        accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM)
+        first = STEP
+    if NORM_SUMS:  # (as `_gemv_kernel`'s)
+        handed = tl.load(sums_ptr)
+    for k0 in tl.range(first, K, STEP):
+        at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
+        accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
+                              BLOCK_N, BYTE_ASM, NORM)
+    scales, biases = _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS)  # together
+    if RESIDUAL:  # (as `_gemv_kernel`'s)
+        residuals = _rows_epilogue_operands(res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False)[0]
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
+    if NORM_SUMS:
+        rstd = _norm_scale(handed, K, eps)
+    outs = ()
+    for r in tl.static_range(BLOCK_N):
+        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
+        if NORM or NORM_SUMS:
+            total *= rstd
+        if HAS_SCALE:
+            total *= scales[r]
+        if HAS_BIAS:
+            total += biases[r]
+        outs = outs + (total,)
+    for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
+        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
+        if SWIGLU:  # silu(gate) * up, rounded as `_gemv_kernel`'s epilogue rounds them
+            gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
+            tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
+        elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
+            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype), mask=real)
+        else:
+            tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
+    "PyTorch: `F.linear`, the weight converted to x's dtype and each output scaled where it is int8."
+    out = F.linear(x, weight.to(x.dtype))
+    if scale is not None: out = out * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+GEMV_L2_PREFETCH = False  # measured on an H200: the decode step slower (see above)
+GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: later steps' loads in flight through shared memory (measured: no gain)
+
+
+def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:
+    """The GEMV kernels' PREFETCH: a bulk prefetch a warp (`_start_gemv`) where asked (default GEMV_L2_PREFETCH),
+    launched as a dependent, and the weight rows are contiguous and start 16-byte aligned; else 0 (off)."""
+    if not (pdl and (GEMV_L2_PREFETCH if prefetch is None else prefetch)):
+        return 0  # (every GEMV launch asks: the common answer first, before any look at the weight)
+    aligned = weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    return 32 * num_warps if aligned else 0  # the program's threads
+
+
+GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
+
+
+def gemv_loop_stages(loop_stages: int | None = None) -> int:
+    "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
+    if loop_stages is not None and loop_stages < 1:
+        raise ValueError(f"loop_stages is how many steps of the GEMV loop are in flight: 1 or more, got {loop_stages}")
+    return loop_stages or GEMV_LOOP_STAGES
+
+
+def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None,
+                      unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMV launch's (sums, next norm's weight, normed output) for its folds `norm_sums` / `hand_off` (the normed
+    output new, shaped as `out`); `unused` in the places the launch does not read (also chapter 10's int4 GEMV)."""
+    if hand_off is None:
+        return (unused if norm_sums is None else norm_sums), unused, unused
+    return hand_off[1], hand_off[0], torch.empty_like(out)
+
+
+def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None,
+                     norm_sums: torch.Tensor | None, hand_off: tuple | None):
+    """Raise a ValueError naming `kernel` where a GEMV's epilogue folds (`gemv`'s `residual`, `norm_sums`, `hand_off`,
+    also chapter 10's int4 GEMV's) do not fit x [M, K] and N outputs."""
+    m = x.shape[0]
+    if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
+                         f"swiglu), got {tuple(residual.shape)}")
+    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
+        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
+            raise ValueError(f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
+                             f"{tuple(sums.shape)} on {sums.device}")
+    if hand_off is not None and (residual is None or hand_off[0].shape != (n,)):
+        raise ValueError(f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
+                         f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+         impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
+         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
+         out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None,
+         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+         norm_sums: torch.Tensor | None = None, hand_off: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
+    `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
+    `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
+    `residual` [M, N]: added to the result (rounded to x's dtype first, as a separate add would find it).
+    `hand_off` (with `residual`): (an RMSNorm's weight g [N], sums [M] float32): the norm that follows, handed to the
+    GEMV after: returns (h, h x g) for h the result, h's squares added to `sums` (which must start at 0).
+    `norm_sums` [M] float32: x is such an h x g, and these its h's squares: x is normalised (x 1 / rms) in the GEMV.
+    `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
+    with FUSED_SWIGLU, else by `silu_mul` after it.
+    `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
+    `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
+    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
+    `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
+    (default GEMV_EARLY_WEIGHTS).
+    `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only; `prefetch` and `loop_stages`
+    are the tile kernel's); default `gemv_layout`'s choice at one row, else 'tile'."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if weight.dtype == torch.int8 and scale is None:
+        raise ValueError("gemv: int8 weights need their per-row scale")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+    (m, k), n = x.shape, weight.shape[0]
+    if layout not in (None, "tile", "rows"):
+        raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
+    if layout == "rows" and m != 1:
+        raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
+    if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"gemv's norm is an RMSNorm weight [{k}], got {tuple(norm.shape)}")
+    if norm_sums is not None and norm is not None:
+        raise ValueError("gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both")
+    check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
+    backend = kernel_backend(x.device, impl)
+    if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]
+        if norm_sums is not None: x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
+        result = gemv_reference(x, weight, bias, scale)
+        if swiglu: return silu_mul(result, backend)
+        if residual is not None: result = residual + result
+        result = result if out is None else out.copy_(result)
+        if hand_off is None: return result
+        hand_off[1].add_(result.float().square().sum(-1))
+        return result, result * hand_off[0].to(result.dtype)
+    if swiglu and not FUSED_SWIGLU:
+        return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
+                             prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps,
+                             norm_sums=norm_sums), backend)
+    if hand_off is not None and layout == "rows":
+        raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
+    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile")
+    default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
+    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    block_k = min(block_k, max(16, _pow2(k)))
+    if swiglu and (block_n < 2 or block_n % 2):
+        raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
+    pdl = pdl_supported(x.device) if pdl is None else pdl
+    early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
+    grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
+    sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
+    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out, sums)
+    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None)
+    byte_asm = not INTERPRETED if byte_asm is None else byte_asm
+    if layout == "rows":
+        chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
+        if chunk < 1 or block_k % (32 * num_warps):
+            raise ValueError(f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
+                             f"is no multiple of 32 x {num_warps}")
+        whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
+        _gemv_rows_kernel[grid](
+            *operands, n, k, weight.stride(0), eps, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
+            EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
+            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds, num_warps=num_warps,
+            **_stages(num_stages))
+        return out
+    if m:
+        _gemv_kernel[grid](
+            *operands, next_g, normed, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
+            BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
+            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
+            HAND_OFF=hand_off is not None, num_warps=num_warps, **_stages(num_stages))
+    return out if hand_off is None else (out, normed)
+
+
+# %% [markdown]
+# Against its PyTorch path: plain, with a bias, with a K that is not a multiple of the tile, in
+# bf16, and with int8 weights and their scales.
+
+# %%
+# fp32: K <= 1,024 products summed in another order, each add rounding 2^-24 of a partial sum of O(sqrt(K)): ~1e-5 on
+# outputs of O(30) (measured 1.9e-5), so 1e-4. bf16: the interpreter truncates the output, PyTorch rounds it: one ulp,
+# 2^-7 relative, on outputs of O(16): rtol 2e-2, atol 5e-2
+for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, False)):
+    x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)
+    q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+    torch.testing.assert_close(gemv(x, q, bias, scale, impl="triton", block_k=64), gemv_reference(x, q, bias, scale),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64, loop_stages=3), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)  # (the interpreter runs the pipelined loop as written)
+xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
+torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
+# `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
+for impl in ("triton", "torch"):
+    into = torch.full((2, 16), float("nan")).bfloat16()
+    assert gemv(xb, wb, impl=impl, block_k=128, out=into) is into
+    assert torch.equal(into, gemv(xb, wb, impl=impl, block_k=128)), impl
+with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 \[2, 16\]"):
+    gemv(xb, wb, impl="triton", out=torch.empty(16, 2).bfloat16().t())
+# `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue gives the bits of the GEMV followed by `silu_mul`
+# (FUSED_SWIGLU), in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
+for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100, torch.float32, True),
+                                 (1, 48, 256, torch.bfloat16, False), (1, 20, 64, torch.bfloat16, True)):
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(2 * inter, k, generator=gen).to(dtype)
+    scale = None
+    if int8: w, scale = torch.randint(-127, 128, (2 * inter, k), generator=gen, dtype=torch.int8), torch.rand(2 * inter, generator=gen) / 64
+    want = silu_mul(gemv(x, w, None, scale, impl="triton", block_k=64), impl="triton")
+    for fused in (True, False):
+        FUSED_SWIGLU = fused  # (the module's switch; here the notebook's copy of it)
+        assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter, fused)
+    # fp32: as the GEMV above; bf16: the GEMV's output, SiLU and the product each truncated here: three ulps, 2.3e-2
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(), **tol)
+FUSED_SWIGLU = True
+with pytest.raises(ValueError, match="even number of rows"):
+    gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
+with pytest.raises(ValueError, match="an even block_n, got 3"):
+    gemv(torch.zeros(1, 64), torch.zeros(8, 64), impl="triton", swiglu=True, layout="rows", block_n=3, block_k=64, num_warps=1)
+with pytest.raises(ValueError, match="at most 4 rows"):
+    gemv(torch.zeros(5, 8), torch.zeros(2, 8))
+with pytest.raises(ValueError, match="need their per-row scale"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
+with pytest.raises(ValueError, match="1 or more, got 0"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", loop_stages=0)
+# the prefetch goes only where a dependent launch issues it and each program's rows are one aligned span
+w = torch.zeros(8, 64, dtype=torch.bfloat16)
+assert gemv_prefetch(w, pdl=True, num_warps=4, prefetch=True) == 128
+assert gemv_prefetch(w, pdl=False, num_warps=4, prefetch=True) == 0 and gemv_prefetch(w, True, 4, prefetch=False) == 0
+for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60, dtype=torch.bfloat16)):
+    assert gemv_prefetch(unfit, True, 4, prefetch=True) == 0  # a strided view, a misaligned start, 120-byte rows
+assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
+# the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
+# rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
+for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
+                                                     (10, 100, torch.float32, True, False, 64, 1),
+                                                     (16, 512, torch.bfloat16, False, False, 512, 2),
+                                                     (8, 192, torch.bfloat16, True, True, 128, 1)):
+    x, w, scale = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype), None
+    if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)  # as for the tile GEMV
+    torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol)
+    assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
+                       silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
+assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (4, 512, 2)  # Qwen3-4B's gate-up in BF16
+assert gemv_layout(19456, 2560, 1) == "rows" and gemv_config(19456, 2560, 1) == (8, 512, 2)  # ... and in int8
+assert gemv_layout(6144, 2560) == gemv_layout(6144, 2560, 1) == gemv_layout(151936, 2560) == "tile"
+assert gemv_layout(2560, 9728, 1) == gemv_layout(151936, 2560, 1) == "tile"  # int8 down, the int8 LM head
+with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
+with pytest.raises(ValueError, match="takes one row of x, got 2"):
+    gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
+with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
+    gemv(torch.zeros(1, 32), torch.zeros(2, 32), impl="triton", layout="rows", block_k=32, num_warps=2)
+# `norm` and `residual` folded in (the batch-1 decode step's add + RMSNorm kernels gone, below): in both layouts, fp32
+# and bf16, several rows, a K that fills no whole step, with a bias, int8 weights and `swiglu`. The residual add is the
+# bits of the GEMV followed by `add_rmsnorm`'s add; the norm agrees with `rmsnorm` then the GEMV to rounding (here x is normalised
+# in fp32 and never rounded)
+for layout, m, n, k, dtype, int8, with_bias, swiglu in (
+        ("tile", 1, 12, 256, torch.float32, False, True, False), ("tile", 3, 10, 100, torch.float32, True, False, False),
+        ("rows", 1, 16, 512, torch.bfloat16, False, False, False), ("tile", 2, 16, 192, torch.bfloat16, False, False, True),
+        ("rows", 1, 24, 200, torch.bfloat16, True, True, False), ("rows", 1, 16, 256, torch.float32, False, False, True)):
+    x, g = (3 * torch.randn(m, k, generator=gen)).to(dtype), (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    w, scale = torch.randn(n, k, generator=gen).to(dtype), None
+    if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+    bias, res = torch.randn(n, generator=gen).to(dtype) if with_bias else None, torch.randn(m, n, generator=gen).to(dtype)
+    launch = dict(impl="triton", layout=layout, block_k=64, num_warps=1, swiglu=swiglu)
+    normed = gemv(x, w, bias, scale, norm=g, eps=1e-5, **launch).float()
+    want = gemv(rmsnorm(x, g, 1e-5, impl="triton"), w, bias, scale, **launch).float()
+    # bf16: here x is normalised in fp32, there `rmsnorm` rounds it twice (2^-7 each, truncating): errors of random sign
+    # that add up over K as the outputs do, ~2^-7 of a typical output, plus the output's own rounding: 1e-2 of the largest
+    bf16_tol = (3e-2 if swiglu else 1e-2) * want.abs().max().item()  # (SiLU-mul multiplies two gate / up errors)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=bf16_tol)
+    torch.testing.assert_close(normed, want, **tol)  # (bf16: a few units of the largest output's last place)
+    if dtype == torch.bfloat16: tol["atol"] *= 3  # the PyTorch path rounds x, x · g and (int8) the scales to bf16 too
+    torch.testing.assert_close(normed, gemv(x, w, bias, scale, impl="torch", norm=g, eps=1e-5, swiglu=swiglu).float(), **tol)
+    if not swiglu:
+        added = add_rmsnorm(gemv(x, w, bias, scale, **launch), res, torch.ones(n, dtype=dtype), 1e-6, impl="triton")[1]
+        assert torch.equal(gemv(x, w, bias, scale, residual=res, **launch), added), layout  # (the add it replaces)
+        added = add_rmsnorm(gemv(x, w, bias, scale, impl="torch"), res, torch.ones(n, dtype=dtype), 1e-6, impl="torch")[1]
+        assert torch.equal(gemv(x, w, bias, scale, impl="torch", residual=res), added)  # (and on the PyTorch path)
+with pytest.raises(ValueError, match=r"norm is an RMSNorm weight \[8\], got \(4,\)"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(4))
+with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swiglu\), got \(1, 2\)"):
+    gemv(torch.zeros(1, 8), torch.zeros(4, 8), residual=torch.zeros(1, 2))
+
+# %% [markdown]
+# **The norm handed off** (`hand_off`, `norm_sums`; `NORM_HANDOFF` below). For int8
+# the fold above costs the loop more than the launches it saves. But the RMSNorm between two
+# GEMVs splits in two: the GEMV that adds the residual (o, down) has h = r + W·x in its epilogue
+# anyway, so it also stores h·g (the next norm's weight) and adds h's squares, one atomic add a
+# program, to a float in memory; the GEMV after (qkv, gate-up) reads h·g as its x and scales its
+# sums by 1/rms from that float at the end, nothing added to its loop. (The float must start at 0:
+# chapter 09a zeroes one per norm at the start of a step.) Its bound, with
+# the add + RMSNorm launches simply skipped (wrong values, a bound; `kernels_lab/decode_overlap.py`,
+# one H200): the int8 step 1.678 → 1.589 ms, W1-like 580.1 → 610.6 tok/s; int4 1.600 → 1.493.
+# Handed off (int8): the step **1.617-1.625 ms** against 1.678-1.682 without, W1 (bench) 410.6 →
+# **599.8 tok/s** against BF16's 410.6 in the same call. A row's 640 programs adding to one float
+# cost nothing measurable: spread over 32 floats a row, the step was 1.621 against 1.622. The
+# adds' order varies, so the last bits of a norm may differ from run to run (int8 and int4).
+#
+# Chapter 10's int4 GEMV takes the same folds (`check_gemv_folds` checks them for
+# both), so int4 hands its norms on too: its step 1.604 → 1.556 ms. The epilogue's operands (an
+# int8 row's scale, the next norm's weight, the residual), asked for one after another
+# after the loop, would each be a wait of its own at the very end of the kernel. Asked for before the loop
+# (the constants before the input wait) the int8 step got *slower*, 1.579 → 1.746 ms: held
+# through the loop they took registers (the o GEMV with the hand-off 96 → 113 a thread), so
+# fewer programs fit an SM. So they are asked for together after the loop (`_tile_constants`,
+# `_rows_constants`): one wait. Measured on W1 against one after another: no difference (int8 617.3 → 617.2 tok/s). The
+# int8 LM head takes BF16's head tile, (4, 512, 2): the decode step 1.577 → 1.571 ms (a sweep of
+# int8 tiles inside the step; the qkv, o and down tiles held).
+
+# %%
+# h = r + W1·x with norm(h)·g handed to W2: h is the plain residual GEMV's bits, h·g its product
+# rounded once, the sums h's squares; W2 over (h·g, sums) agrees with W2 over `rmsnorm(h, g)` to
+# rounding (x·g·(1/rms) is not rounded in between); both layouts for the consumer, int8 and bf16
+for m, n, k, dtype, int8, layout in ((1, 48, 96, torch.bfloat16, True, "rows"), (2, 40, 64, torch.float32, False, "tile"),
+                                     (1, 32, 80, torch.bfloat16, False, "tile")):
+    x, r = torch.randn(m, k, generator=gen).to(dtype), (4 * torch.randn(m, n, generator=gen)).to(dtype)
+    w1, scale1 = torch.randn(n, k, generator=gen).to(dtype), None
+    w2, scale2 = torch.randn(64, n, generator=gen).to(dtype), None
+    if int8:
+        w1, scale1 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+        w2, scale2 = torch.randint(-127, 128, (64, n), generator=gen, dtype=torch.int8), torch.rand(64, generator=gen) / 64
+    g = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+    sums = torch.zeros(m)
+    tile = dict(impl="triton", block_k=32, num_warps=1, block_n=8)
+    h, hg = gemv(x, w1, None, scale1, residual=r, hand_off=(g, sums), **tile)
+    assert torch.equal(h, gemv(x, w1, None, scale1, residual=r, **tile))
+    # (bit for bit on a GPU; the interpreter truncates to bf16: one ulp, 2^-7, within the default bf16 rtol 1.6e-2)
+    torch.testing.assert_close(hg, h * g)
+    torch.testing.assert_close(sums, h.float().square().sum(-1))  # (default fp32 tolerance: 40-48 squares, another order)
+    got = gemv(hg, w2, None, scale2, impl="triton", norm_sums=sums, eps=1e-5, layout=layout, block_k=64, num_warps=1)
+    want = gemv(rmsnorm(h, g, 1e-5, impl="triton"), w2, None, scale2, impl="triton", layout=layout, block_k=64, num_warps=1)
+    # fp32: sums in another order (as the GEMV above); bf16: the consumer's x·g·(1/rms) not rounded in between, h·g
+    # truncated: a couple of ulps of the largest output, 2^-7 of it each
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol if dtype == torch.float32 else 0, atol=tol)
+    torch_sums = torch.zeros(m)  # the PyTorch path: the same three results as the kernels
+    h_t, hg_t = gemv(x, w1, None, scale1, impl="torch", residual=r, hand_off=(g, torch_sums))
+    # h_t is PyTorch's GEMV + r, h the kernel's: in bf16 (truncated here) W·x and the sum h each an ulp apart, 2^-7 of
+    # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24
+    fp32 = dtype == torch.float32
+    torch.testing.assert_close(torch_sums, sums, rtol=1e-5 if fp32 else 3e-2, atol=0)
+    torch.testing.assert_close(hg_t, hg, rtol=1e-5 if fp32 else 0, atol=1e-5 if fp32 else 2e-2 * hg.float().abs().max().item())
+    # (the PyTorch path rounds x·(1/rms) to the dtype before its GEMV, and its h·g differs as above: three times the bound)
+    torch.testing.assert_close(gemv(hg_t, w2, None, scale2, impl="torch", norm_sums=torch_sums, eps=1e-5).float(),
+                               want.float(), rtol=3 * tol if dtype == torch.float32 else 0, atol=3 * tol)
+with pytest.raises(ValueError, match=r"norm_sums must be float32 \[1\] on cpu, got torch.float16 \(1,\)"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm_sums=torch.zeros(1, dtype=torch.float16))
+with pytest.raises(ValueError, match="hand_off needs a residual"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), hand_off=(torch.ones(2), torch.zeros(1)))
+with pytest.raises(ValueError, match="norm to apply .* not both"):
+    gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(8), norm_sums=torch.zeros(1))
+with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
+    gemv(torch.zeros(1, 64), torch.zeros(2, 64), impl="triton", layout="rows", residual=torch.zeros(1, 2),
+         hand_off=(torch.ones(2), torch.zeros(1)))
