@@ -119,10 +119,8 @@ def test_decode_split_len_caps_the_number_of_splits():
     assert splits <= 64 and split_len * splits >= 1_600_000 and split_len % DECODE_BLOCK_N == 0
 
 
-def test_decode_splits_by_work(monkeypatch):
-    "With DECODE_SPLITS_BY_WORK the batch's size sets the split: short ones for one sequence, none for 256."
-    from forge_engine.kernels import paged_attention
-    monkeypatch.setattr(paged_attention, "DECODE_SPLITS_BY_WORK", True)
+def test_decode_splits_by_work():
+    "Given the batch's size (pairs), the split follows it: short ones for one sequence, none for 256."
     assert decode_split_len(32, 16, pairs=8) == (64, 8) and decode_split_len(128, 16, pairs=2048) == (2048, 1)
     assert decode_split_len(32, 16, 256, pairs=8) == (256, 2)  # split_tokens: fixed
     lens = [300, 20, 900]  # 3 x 2 pairs: 16 splits at most, of 64 keys or more
@@ -132,8 +130,7 @@ def test_decode_splits_by_work(monkeypatch):
     for merge in (False, True):
         got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", merge=merge)
         torch.testing.assert_close(got, want, **TOL[torch.float32])
-    monkeypatch.setattr(paged_attention, "DECODE_SPLITS_BY_WORK", False)
-    assert decode_split_len(32, 16, pairs=8) == (512, 1)
+    assert decode_split_len(32, 16) == (512, 1)  # no batch size: the fixed split
 
 
 def test_decode_rejects_bad_shapes():
@@ -330,16 +327,14 @@ def test_gpu_tiny_model_through_the_kernel_backend():
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("layout", ["tile", "rows"])
-def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
+def test_gpu_gate_up_gemv_with_swiglu_epilogue(int8, layout):
     "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
-    from forge_engine.kernels import gemv as gemv_module
     from forge_engine.kernels.elementwise import silu_mul, silu_mul_reference
     from forge_engine.kernels.gemv import gemv, gemv_reference
     from forge_engine.quant.formats import quantize_int8
     x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
     w, scale = quantize_int8(w) if int8 else (w, None)
     want = silu_mul(gemv(x, w, None, scale, layout=layout))
-    monkeypatch.setattr(gemv_module, "FUSED_SWIGLU", True)
     assert torch.equal(gemv(x, w, None, scale, swiglu=True, layout=layout), want)
     # bf16: the GEMV's output, SiLU's and the product each rounded (2^-8 relative), the reference's GEMV summed in
     # another order: three or four roundings apart, ~1.6e-2

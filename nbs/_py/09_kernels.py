@@ -186,15 +186,15 @@ def _wait_for_previous(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCHES = True  # the small decode kernels launched as dependents too: measured faster (see the GEMV)
-DEPENDENT_LAUNCH_MAX_ROWS = 4  # ... in steps of at most this many rows (tokens or sequences): the GEMV steps, where measured
+DEPENDENT_LAUNCH_MAX_ROWS = 4  # the small decode kernels launched as dependents in steps of at most this many rows
+# (tokens or sequences): the GEMV steps, where it was measured faster (chapter 09_kernels_gemv)
 
 
 def _pdl_args(device, waits_late: bool = False, rows: int = 1) -> dict:
     """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention) over
-    `rows` rows: it lets the next kernel start early, and with DEPENDENT_LAUNCHES (at most DEPENDENT_LAUNCH_MAX_ROWS
-    rows) is launched early itself, waiting for its input. `waits_late`: launched early in any case; the kernel
-    waits itself, further on (DECODE_EARLY_TILE)."""
+    `rows` rows: it lets the next kernel start early, and (at most DEPENDENT_LAUNCH_MAX_ROWS rows) is launched early
+    itself, waiting for its input. `waits_late`: launched early in any case; the kernel waits itself, further on
+    (the decode attention's early tile)."""
     pdl = pdl_supported(device)
-    dependent = pdl and (waits_late or (DEPENDENT_LAUNCHES and rows <= DEPENDENT_LAUNCH_MAX_ROWS))
+    dependent = pdl and (waits_late or rows <= DEPENDENT_LAUNCH_MAX_ROWS)
     return dict(PDL=pdl, WAIT=dependent and not waits_late, launch_pdl=dependent)

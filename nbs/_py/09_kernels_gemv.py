@@ -89,35 +89,33 @@ gen = torch.Generator().manual_seed(2)
 # kernels that come before a GEMV in a decode step (norms, SiLU-mul, attention) say early that
 # the next one may start (`_let_next_start`), and the GEMV, launched as a dependent, waits
 # (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops. The small kernels
-# between the GEMVs are launched the ordinary way: each starts only once the kernel before has
-# finished. With `DEPENDENT_LAUNCHES` they are dependents too (they wait for their input the same
-# way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
+# between the GEMVs are dependents too (they wait for their input the same way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
 # decode step as a CUDA graph) with plain GEMVs it did not pay for BF16 (2.913 ms against 2.851) and
 # gained 0.7% for int4 (2.353 against 2.370). With the GEMVs asking
 # for their first weights before they wait (below) and the rows-layout gate-up: the BF16 step
 # 2.458 ms against 2.548 / 2.543 without (W1-like 395.4 against 382.0 / 382.5 tok/s): on, for
 # steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (the GEMV's steps, where it was measured; a
 # decode kernel of 256 sequences launched early held SMs that the projection before it needed,
-# with `DECODE_EARLY_TILE`).
+# with its first tile asked for early).
 #
 # A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
 # that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
 # a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
 # nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
 # batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
-# resident and have its 21 MB on the way. `gemv(..., prefetch=True)`. Measured, it loses: the
+# resident and have its 21 MB on the way. Measured, it loses: the
 # BF16 decode step takes 3.326 ms with it against 2.851 (the GEMVs of the chain lab 1-8 µs
 # slower each), the int4 step 2.476 against 2.370. Only int4 with the small kernels launched as
-# dependents as well gains: 2.272 ms against 2.370 (BF16 with both: 3.298 against 2.818). Off
-# (`GEMV_L2_PREFETCH`); a per-format choice would have to reach the small kernels too.
+# dependents as well gains: 2.272 ms against 2.370 (BF16 with both: 3.298 against 2.818). So the
+# GEMVs do not prefetch; a per-format choice would have to reach the small kernels too.
 #
 # Another way to keep more bytes in flight: a program of the qkv projection walks its rows in
 # five steps of 512 inputs, and each step's loads wait for nothing but are issued only when the
-# step before has used its own. `loop_stages` > 1 hands the loop to Triton's software pipeliner,
+# step before has used its own. `num_stages` > 1 on the loop hands it to Triton's software pipeliner,
 # which issues the loads of later steps (into shared memory, `LDGSTS` in the compiled code) while
 # a step computes: 4.38 instructions a weight instead of 4.31 for BF16 (`kernels_lab/gemv_sass.py`).
 # Measured: 2.883 ms at 3 stages against 2.851, and int4's chain 40-70% slower at 2-3 stages:
-# `GEMV_LOOP_STAGES` keeps the loop as written.
+# the loop stays as written (`num_stages=1`).
 #
 # Tried and left in the lab (`kernels_lab/decode_chain.py`, one H200, 36 layers' matrices in one
 # CUDA graph): folding the residual add + RMSNorm into the qkv and gate-up GEMVs and SiLU-mul
@@ -192,7 +190,7 @@ gen = torch.Generator().manual_seed(2)
 # chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
 # pairs each gate row with its up row as `_gemv_kernel`'s does.
 #
-# **The add + RMSNorm folded in, a third time** (`norm`, `residual`, `FUSED_NORM_GEMV`).
+# **The add + RMSNorm folded in, a third time** (`norm`, `residual`).
 # With every other launch of the step now a programmatic dependent, the 73 one-program
 # add+RMSNorm kernels were among the few left between GEMVs. `gemv(x, w, norm=g, eps=...)`
 # multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
@@ -240,30 +238,21 @@ gen = torch.Generator().manual_seed(2)
 # %%
 #| export
 GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
-FUSED_SWIGLU = True  # the gate-up GEMV applies SiLU-mul in its epilogue (`swiglu`): no silu_mul launch, measured faster
-
-
-FUSED_NORM_GEMV = True  # a decode step's add + RMSNorm folded into the BF16 GEMVs around it (`norm`, `residual`; below)
 
 
 def gemv_folds_norms(weight: torch.Tensor) -> bool:
-    """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format: FUSED_NORM_GEMV (read at
-    each call: a lab may switch it between captures), for 2-byte weights (int8's tiles measured slower with it)."""
-    return FUSED_NORM_GEMV and weight.element_size() == 2
-
-
-NORM_HANDOFF = True  # int8, int4: each norm of a decode step handed from the GEMV adding the residual to the next
+    """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format (`norm`, `residual`; below):
+    for 2-byte weights (int8's tiles measured slower with it)."""
+    return weight.element_size() == 2
 
 
 def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
     """Whether a decode step hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s `hand_off` and
-    `norm_sums`): NORM_HANDOFF (read at each call, as FUSED_NORM_GEMV), for 1-byte weights (int8; chapter 10's int4,
-    two to a byte, in its own GEMV)."""
-    return NORM_HANDOFF and weight.element_size() == 1
+    `norm_sums`): for 1-byte weights (int8; chapter 10's int4, two to a byte, in its own GEMV)."""
+    return weight.element_size() == 1
 
 
-GEMV_ROWS_LAYOUT = True  # `_gemv_rows_kernel` where `gemv_layout` says it was measured faster (off: `_gemv_kernel` always)
-GEMV_ROWS_MAX_N = 65536  # ... for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
+GEMV_ROWS_MAX_N = 65536  # `_gemv_rows_kernel` for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
 GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
 
 
@@ -271,7 +260,7 @@ def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
     """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
     shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
     measured it faster, else 'tile' (`_gemv_kernel`)."""
-    if GEMV_ROWS_LAYOUT and n < GEMV_ROWS_MAX_N and k < 4096 and (
+    if n < GEMV_ROWS_MAX_N and k < 4096 and (
             (weight_bytes == 2 and 16384 <= n and 512 <= k) or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)):
         return "rows"
     return "tile"
@@ -324,39 +313,11 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_to_l2(w_ptr, first_row, rows, row_bytes, THREADS: tl.constexpr):
-    """Ask for `rows` rows of a row-major matrix from `first_row` on (`row_bytes` a row, a multiple of 16) to come into
-    L2 now: one bulk prefetch (sm_90's cp.async.bulk.prefetch) a warp of the program's THREADS; no registers, nothing
-    to wait for. The instruction takes warp-uniform operands (the compiler loops over distinct lane values), so
-    every lane of a warp asks for that warp's part."""
-    total = rows.to(tl.int64) * row_bytes
-    part = tl.cdiv(total, THREADS // 32 * 16) * 16
-    offs = (tl.arange(0, THREADS) // 32).to(tl.int64) * part  # thread i: lane i % 32 of warp i // 32
-    sizes = tl.minimum(tl.maximum(total - offs, 0), part).to(tl.int32)
-    starts = w_ptr.to(tl.pointer_type(tl.int8)) + first_row.to(tl.int64) * row_bytes + offs
-    tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        constraints="=r,l,r", args=[starts, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _start_gemv(w_ptr, N, row_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                WAIT: tl.constexpr, SWIGLU: tl.constexpr = False):
+def _start_gemv(PDL: tl.constexpr, WAIT: tl.constexpr):
     """A GEMV program's start. Launched as a dependent (PDL): let the next kernel launch, then (WAIT) wait for this
-    one's input. With PREFETCH (threads a program; 0: off), first ask for the program's weight rows into L2: they do
-    not depend on the kernel before, so their reading starts while that kernel is still running. (SWIGLU: the rows
-    are BLOCK_N / 2 gate rows and their up rows, N / 2 further on: two runs.)"""
+    one's input (without WAIT the program waits later, after asking for its first weights: `EARLY_W`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:
-            if SWIGLU:
-                first = tl.program_id(0) * (BLOCK_N // 2)
-                rows = tl.minimum(N // 2 - first, BLOCK_N // 2)
-                _prefetch_to_l2(w_ptr, first, rows, row_bytes, PREFETCH)
-                _prefetch_to_l2(w_ptr, N // 2 + first, rows, row_bytes, PREFETCH)
-            else:
-                first = tl.program_id(0) * BLOCK_N
-                _prefetch_to_l2(w_ptr, first, tl.minimum(N - first, BLOCK_N), row_bytes, PREFETCH)
         if WAIT:
             tl.extra.cuda.gdc_wait()
 
@@ -421,11 +382,9 @@ def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.cons
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                 SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                  NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
-    _start_gemv(w_ptr, N, stride_wn * w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PDL, PREFETCH,
-                not EARLY_W, SWIGLU)
+    _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
         cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
@@ -453,7 +412,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
         handed = tl.load(sums_ptr + offs_m, mask=m_ok, other=0.0)  # for once x is there, used at the end
-    for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):  # > 1: Triton's pipeliner loads steps ahead
+    for k0 in tl.range(first, K, BLOCK_K, num_stages=1):  # the loop as written (pipelined by Triton: slower, above)
         acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
                              ROWS, BYTE_ASM, NORM)
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
@@ -564,7 +523,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
                       SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       NORM_SUMS: tl.constexpr):
-    _start_gemv(w_ptr, N, 0, BLOCK_N, PDL, 0, not EARLY_W)
+    _start_gemv(PDL, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
@@ -623,29 +582,6 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
-GEMV_L2_PREFETCH = False  # measured on an H200: the decode step slower (see above)
-GEMV_LOOP_STAGES = 1  # the loop as written; 2-4: later steps' loads in flight through shared memory (measured: no gain)
-
-
-def gemv_prefetch(weight: torch.Tensor, pdl: bool, num_warps: int, prefetch: bool | None = None) -> int:
-    """The GEMV kernels' PREFETCH: a bulk prefetch a warp (`_start_gemv`) where asked (default GEMV_L2_PREFETCH),
-    launched as a dependent, and the weight rows are contiguous and start 16-byte aligned; else 0 (off)."""
-    if not (pdl and (GEMV_L2_PREFETCH if prefetch is None else prefetch)):
-        return 0  # (every GEMV launch asks: the common answer first, before any look at the weight)
-    aligned = weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    return 32 * num_warps if aligned else 0  # the program's threads
-
-
-GEMV_EARLY_WEIGHTS = True  # a program's first weights asked for before it waits for x (measured faster: see below)
-
-
-def gemv_loop_stages(loop_stages: int | None = None) -> int:
-    "The GEMV kernels' LOOP_STAGES: `loop_stages`, else GEMV_LOOP_STAGES (read at each launch: a lab may switch it)."
-    if loop_stages is not None and loop_stages < 1:
-        raise ValueError(f"loop_stages is how many steps of the GEMV loop are in flight: 1 or more, got {loop_stages}")
-    return loop_stages or GEMV_LOOP_STAGES
-
-
 def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None,
                       unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GEMV launch's (sums, next norm's weight, normed output) for its folds `norm_sums` / `hand_off` (the normed
@@ -674,9 +610,8 @@ def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residua
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None,
-         prefetch: bool | None = None, loop_stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, early_weights: bool | None = None, layout: str | None = None,
+         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None, swiglu: bool = False,
+         out: torch.Tensor | None = None, early_weights: bool = True, layout: str | None = None,
          norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
          norm_sums: torch.Tensor | None = None, hand_off: tuple[torch.Tensor, torch.Tensor] | None = None):
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
@@ -686,15 +621,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `hand_off` (with `residual`): (an RMSNorm's weight g [N], sums [M] float32): the norm that follows, handed to the
     GEMV after: returns (h, h x g) for h the result, h's squares added to `sums` (which must start at 0).
     `norm_sums` [M] float32: x is such an h x g, and these its h's squares: x is normalised (x 1 / rms) in the GEMV.
-    `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue
-    with FUSED_SWIGLU, else by `silu_mul` after it.
+    `swiglu`: weight is a gate-up matrix [gate | up] (N = 2I): -> silu(gate) * up [M, I], in the GEMV's epilogue.
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `prefetch`: each program asks for its weights into L2 before it waits for x (`gemv_prefetch`).
-    `loop_stages`: the K loop software-pipelined this many steps deep (default GEMV_LOOP_STAGES).
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
-    (default GEMV_EARLY_WEIGHTS).
-    `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only; `prefetch` and `loop_stages`
-    are the tile kernel's); default `gemv_layout`'s choice at one row, else 'tile'."""
+    (measured faster; False: it waits first).
+    `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
+    choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > GEMV_MAX_ROWS:
@@ -727,10 +659,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if hand_off is None: return result
         hand_off[1].add_(result.float().square().sum(-1))
         return result, result * hand_off[0].to(result.dtype)
-    if swiglu and not FUSED_SWIGLU:
-        return silu_mul(gemv(x, weight, bias, scale, impl, block_n, block_k, num_warps, num_stages, pdl, byte_asm,
-                             prefetch, loop_stages, early_weights=early_weights, layout=layout, norm=norm, eps=eps,
-                             norm_sums=norm_sums), backend)
     if hand_off is not None and layout == "rows":
         raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
     layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile")
@@ -741,7 +669,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
     pdl = pdl_supported(x.device) if pdl is None else pdl
-    early = pdl and (GEMV_EARLY_WEIGHTS if early_weights is None else early_weights)
+    early = pdl and early_weights
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
     operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out, sums)
@@ -764,8 +692,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             *operands, next_g, normed, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
             out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            BYTE_ASM=byte_asm, PREFETCH=0 if swiglu else gemv_prefetch(weight, pdl, num_warps, prefetch),
-            LOOP_STAGES=gemv_loop_stages(loop_stages), SWIGLU=swiglu, EARLY_W=early, **folds,
+            BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds,
             HAND_OFF=hand_off is not None, num_warps=num_warps, **_stages(num_stages))
     return out if hand_off is None else (out, normed)
 
@@ -786,8 +713,6 @@ for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, 
     q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
     torch.testing.assert_close(gemv(x, q, bias, scale, impl="triton", block_k=64), gemv_reference(x, q, bias, scale),
                                rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64, loop_stages=3), F.linear(x, weight, bias),
-                               rtol=1e-4, atol=1e-4)  # (the interpreter runs the pipelined loop as written)
 xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
 torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
 # `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
@@ -798,7 +723,7 @@ for impl in ("triton", "torch"):
 with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 \[2, 16\]"):
     gemv(xb, wb, impl="triton", out=torch.empty(16, 2).bfloat16().t())
 # `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue gives the bits of the GEMV followed by `silu_mul`
-# (FUSED_SWIGLU), in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
+# in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
 for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100, torch.float32, True),
                                  (1, 48, 256, torch.bfloat16, False), (1, 20, 64, torch.bfloat16, True)):
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -806,13 +731,10 @@ for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100,
     scale = None
     if int8: w, scale = torch.randint(-127, 128, (2 * inter, k), generator=gen, dtype=torch.int8), torch.rand(2 * inter, generator=gen) / 64
     want = silu_mul(gemv(x, w, None, scale, impl="triton", block_k=64), impl="triton")
-    for fused in (True, False):
-        FUSED_SWIGLU = fused  # (the module's switch; here the notebook's copy of it)
-        assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter, fused)
+    assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter)
     # fp32: as the GEMV above; bf16: the GEMV's output, SiLU and the product each truncated here: three ulps, 2.3e-2
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
     torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(), **tol)
-FUSED_SWIGLU = True
 with pytest.raises(ValueError, match="even number of rows"):
     gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
 with pytest.raises(ValueError, match="an even block_n, got 3"):
@@ -821,15 +743,6 @@ with pytest.raises(ValueError, match="at most 4 rows"):
     gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
-with pytest.raises(ValueError, match="1 or more, got 0"):
-    gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", loop_stages=0)
-# the prefetch goes only where a dependent launch issues it and each program's rows are one aligned span
-w = torch.zeros(8, 64, dtype=torch.bfloat16)
-assert gemv_prefetch(w, pdl=True, num_warps=4, prefetch=True) == 128
-assert gemv_prefetch(w, pdl=False, num_warps=4, prefetch=True) == 0 and gemv_prefetch(w, True, 4, prefetch=False) == 0
-for unfit in (w[:, 1:], w.view(-1)[1:1 + 8 * 56].view(8, 56), torch.zeros(8, 60, dtype=torch.bfloat16)):
-    assert gemv_prefetch(unfit, True, 4, prefetch=True) == 0  # a strided view, a misaligned start, 120-byte rows
-assert gemv_prefetch(w, True, 2) == (64 if GEMV_L2_PREFETCH else 0)
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
 # rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
 for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
@@ -887,7 +800,7 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
     gemv(torch.zeros(1, 8), torch.zeros(4, 8), residual=torch.zeros(1, 2))
 
 # %% [markdown]
-# **The norm handed off** (`hand_off`, `norm_sums`; `NORM_HANDOFF` below). For int8
+# **The norm handed off** (`hand_off`, `norm_sums`; `gemv_hands_off_norms`). For int8
 # the fold above costs the loop more than the launches it saves. But the RMSNorm between two
 # GEMVs splits in two: the GEMV that adds the residual (o, down) has h = r + W·x in its epilogue
 # anyway, so it also stores h·g (the next norm's weight) and adds h's squares, one atomic add a

@@ -177,7 +177,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # kernel, or by the split that finishes last: below). With a fixed split length
 # (`split_tokens`; it grows only for tables wider than 64 splits) a sequence's splits, and the
 # order of its additions, don't depend on what else is in the batch (the tests check the bits
-# under the interpreter); `DECODE_SPLITS_BY_WORK` trades that for speed (below). The number of
+# under the interpreter); without one the split length follows the batch's size, which trades that for speed (below). The number of
 # splits comes from the block tables' *width* (and the batch's size), shapes: no value is read
 # back to the host, and the launch can be captured in a CUDA graph. Splits past a sequence's end
 # do nothing. The number of splits is a run-time argument, so a growing context never triggers
@@ -200,7 +200,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # chain of loads (the context length, the block table, then K and V) per tile. Measured on an
 # H200 it costs ~6 µs plus ~2.4 µs per 128 keys (`kernels_lab/decode_attention.py`), 0.36 ms of
 # a 2.8 ms Qwen3-4B step. So what depends on nothing is loaded first, all at once (q, the new
-# K/V), and `DECODE_ONE_LOOP` walks every tile in one masked loop, so the compiler's software
+# K/V), and the kernel walks every tile in one masked loop, so the compiler's software
 # pipeline can fetch a partial last tile while the whole ones are summed. Measured (one
 # H200): one sequence at 300 keys 12.7 µs against 13.8 with the partial tile after the loop, 460
 # keys 15.1 against 16.1 (`kernels_lab/decode_attention.py`, v6 against v3); the Qwen3-4B step
@@ -210,15 +210,11 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # %%
 #| export
 DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
-DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tokens`, or DECODE_SPLITS_BY_WORK off)
+DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tokens`, or no batch size to go by)
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
-DECODE_SPLITS_BY_WORK = True  # the split length from the batch's size too (splits only where programs are few): measured faster
 DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
 DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile of its own length (measured faster)
 DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
-DECODE_ONE_LOOP = True  # one masked loop over a split's tiles instead of whole tiles + the partial one: measured faster
-DECODE_LAST_SPLIT_MERGES = True  # the last split of a (sequence, KV head) to finish merges them: measured faster
-DECODE_EARLY_TILE = True  # launched early, a split's first K/V tile asked for before the wait for q: measured faster
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
@@ -287,15 +283,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                    stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ONE_LOOP: tl.constexpr,
-                   ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
+                   PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
                    EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
     start = split * split_len
     end = tl.maximum(tl.minimum(start + split_len, ctx), start)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles need no mask
     rows = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -351,7 +345,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     row_pos = tl.full([BLOCK_G], 0, tl.int32) + ctx - 1
-    if EARLY_TILE:  # (with STORE and ONE_LOOP) the tile loaded early; the new position's K/V from registers
+    if EARLY_TILE:  # (with STORE) the tile loaded early; the new position's K/V from registers
         new_row = (offs_n0 == ctx - 1)[:, None]
         k0, v0 = tl.where(new_row, new_k, k0), tl.where(new_row, new_v.to(v0.dtype), v0)
         p, alpha, m_i, l_i = _softmax_step(q, k0, offs_n0, end, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION)
@@ -359,13 +353,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start + BLOCK_N, end,
                                      stride_kb, stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST,
                                      PRECISION)
-    elif ONE_LOOP:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
+    else:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
         acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start, end, stride_kb,
-                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    else:  # whole tiles without masks, then the partial one in a loop of its own
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start, full_end, stride_kb,
-                                     stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, full_end, end, stride_kb,
                                      stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -440,11 +429,11 @@ def _merge_counters(counters: torch.Tensor | None, needed: int, device: torch.de
 def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None = None,
                      block_n: int | None = None, pairs: int | None = None) -> tuple[int, int]:
     """(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only. `split_tokens`:
-    a fixed length (a sequence's bits then never depend on its batch). Else, with DECODE_SPLITS_BY_WORK and the
-    number of (sequence, KV head) `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most
-    DECODE_MAX_WORK_SPLITS, none below DECODE_MIN_SPLIT keys); otherwise DECODE_SPLIT_TOKENS."""
+    a fixed length (a sequence's bits then never depend on its batch). Else, given the number of (sequence, KV head)
+    `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most DECODE_MAX_WORK_SPLITS, none
+    below DECODE_MIN_SPLIT keys); without `pairs`, DECODE_SPLIT_TOKENS."""
     width, block_n = max(1, max_blocks * block_size), block_n or DECODE_BLOCK_N
-    if split_tokens is None and DECODE_SPLITS_BY_WORK and pairs is not None:
+    if split_tokens is None and pairs is not None:
         splits = min(DECODE_MAX_WORK_SPLITS, -(-DECODE_TARGET_PROGRAMS // max(1, pairs)))
         split_len = max(DECODE_MIN_SPLIT, -(-width // splits))
         block_n = min(block_n, max(16, _pow2(split_len)))  # a short split: one tile of its length
@@ -454,29 +443,24 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None 
     return split_len, -(-width // split_len)
 
 
-FUSED_KV_STORE = True  # the decode kernel stores the step's new K/V itself (no write_kv launch): measured faster
-FUSED_NORM_ROPE = True  # ... and normalises and rotates q and the new K itself (no norm_rope launch): measured faster
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, impl: str = "auto",
                            split_tokens: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           one_loop: bool | None = None, rope: NormRope | None = None, merge: bool | None = None,
-                           counters: torch.Tensor | None = None, early_tile: bool | None = None) -> torch.Tensor:
+                           rope: NormRope | None = None, merge: bool = True, counters: torch.Tensor | None = None,
+                           early_tile: bool | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
-    position; by the kernel itself with FUSED_KV_STORE, else by `write_kv`. `rope`: q and the new K are as the
-    QKV projection left them; they are normalised and rotated first (by the kernel itself with FUSED_NORM_ROPE and
-    FUSED_KV_STORE, else by `norm_rope`). `one_loop`: every tile of a split in one masked loop (default
-    DECODE_ONE_LOOP). `split_tokens`: keys per split, fixed (default: `decode_split_len`'s rule). `block_n`: keys per
-    tile (default DECODE_BLOCK_N; the rule's splits shorter than that take a tile of their length). `merge`: the last
-    split of a (sequence, KV head) to finish merges the splits, no second launch (default DECODE_LAST_SPLIT_MERGES;
-    its loop over up to DECODE_UNROLL_MERGE splits unrolled, all their loads at once);
-    it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at zero, kept by the caller from call to call
-    (None: fresh zeros each call, one memset more). `early_tile` (default DECODE_EARLY_TILE for at most
-    DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store and one loop only): launched as a dependent of the
+    position; by the kernel itself where Triton runs and k and v have unit stride in D, else by `write_kv`. `rope`:
+    q and the new K are as the QKV projection left them; they are normalised and rotated first (by the kernel itself
+    where it stores the new K/V, else by `norm_rope`). `split_tokens`: keys per split, fixed (default:
+    `decode_split_len`'s rule). `block_n`: keys per tile (default DECODE_BLOCK_N; the rule's splits shorter than that
+    take a tile of their length). `merge`: the last split of a (sequence, KV head) to finish merges the splits, no
+    second launch (measured faster; False: `_merge_splits_kernel` after it); its loop over up to DECODE_UNROLL_MERGE
+    splits unrolled, all their loads at once; it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at
+    zero, kept by the caller from call to call (None: fresh zeros each call, one memset more). `early_tile` (default:
+    for at most DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store only): launched as a dependent of the
     kernel before, each program asks for its first K/V tile before it waits for q, and takes the new position's K/V
     from registers. `num_warps`: default 4, 8 with the early tile (at 4
     its K and V spill registers, compiled for an H200)."""
@@ -486,8 +470,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rope is not None and new_kv is None:
         raise ValueError("rope: q/k-norm and RoPE apply to the step's new K too, so they need new_kv")
     backend = kernel_backend(q.device, impl)
-    fused = new_kv is not None and FUSED_KV_STORE and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
-    rope_inside = fused and rope is not None and FUSED_NORM_ROPE and rope.cos.stride(-1) == 1 \
+    fused = new_kv is not None and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
+    rope_inside = fused and rope is not None and rope.cos.stride(-1) == 1 \
         and rope.cos.stride() == rope.sin.stride()
     if rope is not None and not rope_inside:
         q, k = (norm_rope(x, w, rope.eps, rope.cos, rope.sin, impl)
@@ -504,11 +488,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
     block_n = min(block_n or DECODE_BLOCK_N, split_len)  # (the rule's short splits take tiles of their length)
     out = torch.empty_like(q)
-    merge = DECODE_LAST_SPLIT_MERGES if merge is None else merge
-    one_loop = DECODE_ONE_LOOP if one_loop is None else one_loop
     if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed)
-        early_tile = DECODE_EARLY_TILE and batch <= DEPENDENT_LAUNCH_MAX_ROWS
-    early = early_tile and fused and one_loop
+        early_tile = batch <= DEPENDENT_LAUNCH_MAX_ROWS
+    early = early_tile and fused
     num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
@@ -530,7 +512,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
         GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused, ONE_LOOP=one_loop,
+        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused,
         ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
         UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
@@ -550,17 +532,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 #
 # A decode step's new K/V have to reach the pool before the attention reads them: the K/V
 # store is a kernel of its own, one launch a layer. `new_kv` hands them to the decode
-# attention instead: with `FUSED_KV_STORE`, the program whose split holds a sequence's last
+# attention instead: the program whose split holds a sequence's last
 # position stores that sequence's new K/V for its KV head, waits at a barrier for its
 # threads, then attends (a program's own global writes are visible to its threads after the
-# barrier); otherwise `write_kv` runs first. On by default: measured on an H200
+# barrier); its PyTorch path runs `write_kv` first. Measured on an H200
 # (`kernels_lab/decode_overlap.py`, random:qwen3-4b, one sequence's decode step as a CUDA
 # graph), 2.777 ms against 2.814 with `write_kv` (BF16), 2.079 against 2.114 (int8).
 #
 # The new K the program stores must be normalised (Qwen3's q/k-norm) and rotated (RoPE) first,
 # and so must q: one more launch a layer (`norm_rope`, above) whose only job is to prepare
 # these few hundred numbers. With `rope` (a `NormRope`: the norm weights, eps, each query's
-# cos and sin) the attention does it itself (`FUSED_NORM_ROPE`): it loads each element's
+# cos and sin) the attention does it itself: it loads each element's
 # partner in its rotated pair (`d ± D/2`) next to the element, normalises each row in fp32 and
 # rotates, exactly the arithmetic of `_norm_rope_kernel`. Every program redoes it for its group's
 # q heads (4 rows of 128 for Qwen3-4B), cheaper than a launch. All of it is asked for before the
@@ -582,17 +564,17 @@ for split_tokens in (64, 10_000):
     # fp32: the scores and the softmax's sums over <= 150 keys in another order (tiles, splits): ~1e-7 on outputs of
     # O(1) (measured 3e-7), so 1e-5; the same below
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # every tile in one masked loop (tiles of 16: 37 and 150 keys end in a partial one): the same sums
-    assert torch.equal(*(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton",
-                                                split_tokens=split_tokens, block_n=16, one_loop=one_loop)
-                         for one_loop in (True, False)))
+    # tiles of 16: 37 and 150 keys end in a partial one, in the same masked loop
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
+                                 block_n=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
 # ### The last split merges
 #
 # The merge kernel is a second launch a layer, and it reads every split's partials, the empty
 # ones too (a 2K-wide table holds 4 splits; a 600-key sequence fills 2). With `merge=True`
-# (`DECODE_LAST_SPLIT_MERGES`) the decode kernel does it itself: a sequence whose keys fit one
+# (the default) the decode kernel does it itself: a sequence whose keys fit one
 # split writes its output directly; otherwise each split that holds keys writes its partials
 # and counts itself in on an atomic counter per (sequence, KV head), and the one that counts
 # last merges them all, in split order, and sets the counter back to zero for the next call (a
@@ -629,7 +611,7 @@ for split_tokens in (64, 10_000):
 # wants depends on how many programs it already has: the same lab, splits of 128 / 512 / 1,024
 # keys: one sequence of 460 keys 11.6 / 15.1 / 15.0 µs, of 1,000 keys 13.1 / 17.9 / 24.0; 256
 # sequences of 600 keys 296 / 197 / 169 µs, of 1,000 keys 392 / 284 / 263. With
-# `DECODE_SPLITS_BY_WORK` the split length comes from the shapes, the batch's too: as many splits
+# the batch's size (`pairs`) the split length comes from the shapes, the batch's too: as many splits
 # as bring the `(sequence, KV head, split)` programs to about two per SM (256), at most 16 (the
 # merging program reads them one after another), none shorter than `DECODE_MIN_SPLIT` keys. One
 # sequence with Qwen3-4B's 8 KV heads gets splits of 64 keys in a 512-wide table (one 64-key
@@ -653,7 +635,7 @@ for split_tokens in (64, 10_000):
 # contexts keep 128-key splits and tiles (one sequence of 1,000 keys: 12.8 µs, against 14.7
 # with 64-key tiles in `kernels_lab/decode_attention.py`).
 #
-# **The first tile early** (`DECODE_EARLY_TILE`: on, at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences). At batch 1
+# **The first tile early** (`early_tile`: at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences). At batch 1
 # the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
 # context length, the block table, K and V, the partials and the merge. Only q and the new K/V
 # come from the projection; the rest of the pool was written by earlier steps. So the kernel
@@ -695,34 +677,30 @@ for unroll in (0, 16):  # (ends on the default)
                                             block_n=16, merge=True)
 assert torch.equal(merged[0], merged[16])
 # the rule: a 512-wide table for one sequence of 8 KV heads, 2K, 4K; 8 sequences; 256 (no split)
-assert DECODE_SPLITS_BY_WORK
 assert [decode_split_len(w // 16, 16, pairs=p) for w, p in ((512, 8), (2048, 8), (4096, 8), (2048, 64), (2048, 2048))] \
     == [(64, 8), (128, 16), (256, 16), (512, 4), (2048, 1)]
 assert decode_split_len(32, 16, split_tokens=256, pairs=8) == (256, 2)  # a fixed split stays fixed
-DECODE_SPLITS_BY_WORK = False  # (the module's switch; here the notebook's copy of it): the fixed rule
-assert decode_split_len(128, 16, pairs=8) == (512, 4)
-DECODE_SPLITS_BY_WORK = True
+assert decode_split_len(128, 16) == (512, 4)  # no batch size to go by: the fixed rule
 with pytest.raises(ValueError, match=r"counters must be int32 zeros .* at least 6"):
     paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", split_tokens=64, merge=True,
                            counters=torch.zeros(5, dtype=torch.int32))
 
 # %%
-# The step's new K/V (`new_kv`): stored first by `write_kv`, or (FUSED_KV_STORE) by the program whose split holds the
-# last position, before it attends. Both leave the pool and the output of storing by hand, then attending.
+# The step's new K/V (`new_kv`): stored by the program whose split holds the last position, before it attends (on the
+# PyTorch path, by `write_kv` first). Both leave the pool and the output of storing by hand, then attending.
 new_k, new_v = torch.randn(3, 2, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
 last = ctx - 1
 slots = tables[torch.arange(3), last // 8].long() * 8 + last % 8
 by_hand = (k_cache.clone(), v_cache.clone())
 write_kv_reference(*by_hand, slots, new_k, new_v)
 want = paged_attention_reference(q, *by_hand, tables, torch.arange(4), ctx, 32**-0.5)
-for fused, split_tokens, merge in ((False, 64, False), (True, 64, False), (True, 64, True), (True, 10_000, False)):
-    FUSED_KV_STORE = fused  # (the module's switch; here the notebook's copy of it)
+for impl, split_tokens, merge in (("torch", 64, False), ("triton", 64, False), ("triton", 64, True),
+                                  ("triton", 10_000, False)):
     pools = (k_cache.clone(), v_cache.clone())
-    got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
+    got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl=impl, split_tokens=split_tokens,
                                  new_kv=(new_k, new_v, slots), merge=merge)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: as above, sums in another order
-    assert torch.equal(pools[0], by_hand[0]) and torch.equal(pools[1], by_hand[1]), (fused, split_tokens)
-FUSED_KV_STORE = True
+    assert torch.equal(pools[0], by_hand[0]) and torch.equal(pools[1], by_hand[1]), (impl, split_tokens)
 # `early_tile`: a split's first tile read before the new K/V is stored, the new position's K/V taken from registers;
 # the same bits and pool, whether the new position is in a split's first tile (16-key splits) or a later one
 for split_tokens in (16, 64, 10_000):
@@ -736,7 +714,7 @@ for split_tokens in (16, 64, 10_000):
     assert torch.equal(outs[0], outs[1]), split_tokens
 
 # `rope`: q and the new K come as the QKV projection leaves them (Qwen3's q/k-norm weights, or none as in Llama); the
-# kernel normalises and rotates both (FUSED_NORM_ROPE), or `norm_rope` runs first. Both as by hand.
+# kernel normalises and rotates both (on the PyTorch path `norm_rope` runs first). Both as by hand.
 angles = torch.arange(3.0)[:, None] * 10 + torch.rand(16, generator=gen)[None, :]  # one position per sequence
 for norm_weights in ((torch.rand(32, generator=gen) + 0.5, torch.rand(32, generator=gen) + 0.5), (None, None)):
     rope = NormRope(*norm_weights, 1e-6, angles.cos(), angles.sin())
@@ -745,16 +723,15 @@ for norm_weights in ((torch.rand(32, generator=gen) + 0.5, torch.rand(32, genera
     write_kv_reference(*by_hand, slots, roped_k, new_v)
     want = paged_attention_reference(norm_rope_reference(q, rope.q_weight, 1e-6, rope.cos, rope.sin), *by_hand,
                                      tables, torch.arange(4), ctx, 32**-0.5)
-    for inside, split_tokens, early in ((False, 64, False), (True, 64, False), (True, 16, True), (True, 10_000, True)):
-        FUSED_NORM_ROPE = inside
+    for impl, split_tokens, early in (("torch", 64, False), ("triton", 64, False), ("triton", 16, True),
+                                      ("triton", 10_000, True)):
         pools = (k_cache.clone(), v_cache.clone())
-        got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl="triton", split_tokens=split_tokens,
+        got = paged_decode_attention(q, *pools, tables, ctx, 32**-0.5, impl=impl, split_tokens=split_tokens,
                                      block_n=16, new_kv=(new_k, new_v, slots), rope=rope, early_tile=early)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # the new K normalised and rotated in the kernel, 32 squares summed in another order: a few 2^-24 of O(1)
         torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
         assert torch.equal(pools[1], by_hand[1])
-FUSED_NORM_ROPE = True
 with pytest.raises(ValueError, match="need new_kv"):
     paged_decode_attention(q, k_cache, v_cache, tables, ctx, 1.0, rope=rope)
 with pytest.raises(ValueError, match="one query per sequence"):
@@ -889,7 +866,7 @@ class KernelPagedAttention:
     @property
     def rope_inside(self) -> bool:
         "Decodes only: the decode kernel applies q/k-norm and RoPE too (chapter 09a hands over q and k unrotated)."
-        return self.max_query_len == 1 and FUSED_NORM_ROPE
+        return self.max_query_len == 1
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  rope: NormRope | None = None) -> torch.Tensor:
@@ -909,8 +886,7 @@ class KernelPagedAttention:
 
 class KernelDecodeAttention:
     """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
-    K/V (`new_kv`), in the same launch with FUSED_KV_STORE, and applies q/k-norm and RoPE (`rope`) with
-    FUSED_NORM_ROPE."""
+    K/V (`new_kv`) in the same launch and applies q/k-norm and RoPE (`rope`)."""
     stores_kv = True
 
     def __init__(self, impl: str = "auto"):
@@ -925,8 +901,7 @@ class KernelDecodeAttention:
             self.counters = torch.zeros(needed, device=device, dtype=torch.int32)
         return self.counters
 
-    @property
-    def rope_inside(self) -> bool: return FUSED_NORM_ROPE  # read when a graph is recorded
+    rope_inside = True  # the decode kernel normalises and rotates q and the new K (chapter 09a hands them unrotated)
 
     def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
                  rope: NormRope | None = None) -> torch.Tensor:
