@@ -43,7 +43,7 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
         from forge_engine.kernels.backend import kernels_available
-        from forge_engine.kernels.paged_attention import KernelDecodeAttention
+        from forge_engine.kernels.prefill_attention import KernelDecodeAttention
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch

@@ -16,7 +16,8 @@ import re
 import subprocess
 import sys
 
-MODULES = ("forge_engine.kernels.gemv", "forge_engine.kernels.paged_attention", "forge_engine.kernels.elementwise",
+MODULES = ("forge_engine.kernels.gemv", "forge_engine.kernels.paged_attention", "forge_engine.kernels.prefill_attention",
+           "forge_engine.kernels.elementwise",
            "forge_engine.kernels.backend", "forge_engine.kernels", "forge_engine.quant.gemv")
 
 

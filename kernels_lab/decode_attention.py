@@ -54,7 +54,8 @@ from forge_engine.kernels import paged_attention as kernels  # (its tuning const
 from forge_engine.kernels.backend import INTERPRETED, _dot_precision, _pow2
 from forge_engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, _attend_keys, _fence_gpu,
                                                   decode_split_len, paged_attention_reference, paged_decode_attention,
-                                                  paged_prefill_attention, random_paged_kv)
+                                                  random_paged_kv)
+from forge_engine.kernels.prefill_attention import paged_prefill_attention
 
 
 def v0_torch_padded(q, k_cache, v_cache, tables, ctx, scale):

@@ -85,7 +85,7 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     import forge_engine.fused_layers as fused_layers
     import forge_engine.quant.layers as quant_layers
     from forge_engine.cuda_graphs import DecodeRunner
-    from forge_engine.kernels.paged_attention import KernelDecodeAttention
+    from forge_engine.kernels.prefill_attention import KernelDecodeAttention
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
     config = preset(name)

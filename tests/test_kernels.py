@@ -10,7 +10,8 @@ import torch
 from forge_engine.kernels.backend import kernel_backend
 from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference, rmsnorm
 from forge_engine.kernels.paged_attention import (DECODE_BLOCK_N, decode_split_len, paged_attention_reference,
-                                                  paged_decode_attention, paged_prefill_attention, random_paged_kv)
+                                                  paged_decode_attention, random_paged_kv)
+from forge_engine.kernels.prefill_attention import paged_prefill_attention
 
 # fp32: the same products and sums as the reference taken in another order (tiles, splits, merges; up to 4,096 keys),
 # each rounding 2^-24 relative: ~1e-6 on outputs of O(1), so 1e-5. bf16: the reference rounds once at the end, a
@@ -210,7 +211,7 @@ def test_fused_layers_give_the_plain_models_logits(name):
     import copy
     from forge_engine.config import preset
     from forge_engine.fused_layers import FusedDecoderLayer, install_fused_layers
-    from forge_engine.kernels.paged_attention import KernelPagedAttention
+    from forge_engine.kernels.prefill_attention import KernelPagedAttention
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
     from forge_engine.model import empty_model, init_random_weights
     plain = init_random_weights(empty_model(preset(name), device=DEVICE), seed=0, std=0.1)
@@ -303,7 +304,7 @@ def test_gpu_decode_replays_in_a_cuda_graph(merge):
 @pytest.mark.gpu
 def test_gpu_tiny_model_through_the_kernel_backend():
     from forge_engine.config import preset
-    from forge_engine.kernels.paged_attention import KernelPagedAttention
+    from forge_engine.kernels.prefill_attention import KernelPagedAttention
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.model import empty_model, init_random_weights

@@ -27,7 +27,7 @@
 # tests compare with): the engine runs on a CPU, or on a GPU without Triton, with the same API.
 # `impl="auto"` picks Triton on a CUDA tensor when Triton is installed, PyTorch otherwise.
 #
-# The kernels come in three chapters after this one, each with the PyTorch reference it is
+# The kernels come in four chapters after this one, each with the PyTorch reference it is
 # tested against:
 #
 # | chapter | module | holds |
@@ -35,7 +35,8 @@
 # | 09_kernels | `kernels.backend` | Triton here or not (this chapter): `kernel_backend`, the dot helper, dependent launches |
 # | 09_kernels_elementwise | `kernels.elementwise` | add+RMSNorm, q/k-norm+RoPE, SiLU-mul, the K/V store, the argmax of each row |
 # | 09_kernels_gemv | `kernels.gemv` | the GEMV for 1-4 rows (BF16, int8) and the folds in its epilogue |
-# | 09_kernels_paged_attention | `kernels.paged_attention` | paged decode and prefill attention, the attention backends |
+# | 09_kernels_paged_attention | `kernels.paged_attention` | the paged attention reference, paged decode attention |
+# | 09_kernels_prefill_attention | `kernels.prefill_attention` | varlen prefill attention, the attention backends |
 
 # %%
 #| default_exp kernels.backend

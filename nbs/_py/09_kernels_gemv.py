@@ -48,192 +48,88 @@ gen = torch.Generator().manual_seed(2)
 #   out[n] = Σ_k W[n, k] · x[k]: one reduction of the tile's columns at the end; no partials in memory
 # ```
 #
-# Measured (`kernels_lab/gemv.py`, one H200, one CUDA-graph replay each, L2 flushed): with the
-# best of 72 block configurations per shape, one row takes 15.9 / 13.0 / 35.5 / 22.3 / 185 µs
-# for Qwen3-4B's qkv / o / gate_up / down / LM head against cuBLAS's 16.8 / 15.0 / 38.3 / 24.4 /
-# 196 µs: 5-13% faster. At two and four rows this kernel was slower than cuBLAS, so the model
-# uses it for one row only. The LM head (778 MB) runs at 4.2 TB/s either way; the small
-# matrices (21-100 MB) are held back by the time it takes to get every SM streaming, not by
-# the loads themselves.
+# Measured against cuBLAS (`kernels_lab/gemv.py`, one H200, a CUDA-graph replay each, L2
+# flushed): one row takes 15.9 / 13.0 / 35.5 / 22.3 / 185 µs for Qwen3-4B's qkv / o / gate-up /
+# down / LM head against cuBLAS's 16.8 / 15.0 / 38.3 / 24.4 / 196 µs, 5-13% faster. At two and
+# four rows cuBLAS is faster, so the model sends this kernel one row only.
 #
-# A matrix timed alone is not how decode runs it, though: a step runs each shape 36 times, one
-# layer after another. `kernels_lab/gemv_chain_sweep.py` times 36 distinct matrices of one shape
-# in one graph per configuration, and the gate-up projection's best tile there (4 rows x 512,
-# 4 warps: 26.0 µs a matrix, 3.84 TB/s) beat the one chosen alone (29.4 µs).
+# **Tiles.** A step runs each shape 36 times, one layer after another, and that is how the tiles
+# are chosen: `kernels_lab/gemv_chain_sweep.py` times 36 distinct matrices of one shape in one
+# CUDA graph per configuration, and `gemv_config` holds the winners (the gate-up projection: 4
+# rows x 512 inputs, 4 warps, 26.0 µs a matrix, 3.84 TB/s, where the best tile timed alone took
+# 29.4). At one row the tile is 2-D, `[BLOCK_N, BLOCK_K]`, in the layout the weights are loaded
+# in; the general `[ROWS, BLOCK_N, BLOCK_K]` product would move its operands through shared
+# memory on every step. `kernels_lab/gemv_sass.py` compiles the kernel for an H200 on any machine
+# and counts the instructions of its loop per weight.
 #
-# At one row the tile is 2-D, `[BLOCK_N, BLOCK_K]`, in the layout the weights are loaded in; the
-# general `[ROWS, BLOCK_N, BLOCK_K]` product needs its operands moved into another layout, which
-# the compiler does through shared memory on every step of the loop. (`kernels_lab/gemv_sass.py`
-# compiles this kernel for an H200 on any machine, no GPU needed, and counts the instructions of
-# its loop per weight: that is how these shuffles were found.)
+# **int8 weights** (chapter 10: one scale per output row) are converted in registers and the
+# scale applied to the finished sums. At one row a GEMV does one multiply-add per weight, so at
+# int8's 16 bytes per SM and cycle an SM has about 8 instructions per weight for everything, and
+# the GPU's int-to-float instruction runs at a quarter of the FMA rate. So `_as_f32` builds the
+# float from its bits: 2^23 + byte is the float whose bits are 0x4B0000 followed by the byte, and
+# subtracting 2^23 + 128 leaves the signed weight, exactly. Compiled for a GPU that is PTX, per
+# 32-bit register of four weights (`_int8x4_to_f32`): one XOR flips the four sign bits, one
+# `prmt` (byte permute) per weight places its byte under the exponent: 4.1-4.5 instructions per
+# weight. The int8 loads are 8 bytes a thread, as x's 8 bf16 values, so both tiles share one
+# layout. In the chain lab the int8 GEMVs take 8.4 / 6.8 / 16.3 / 13.8 µs (qkv / o / gate-up /
+# down) with the PTX conversion against 11.0 / 8.0 / 18.2 / 17.7 with `cvt`.
 #
-# The same kernel reads **int8 weights** with one scale per output row (chapter 10): the tile is
-# converted in registers and the scale applied to the finished sums. The conversion matters: at
-# one row a GEMV does one multiply-add per weight, so at int8's 16 bytes per SM and cycle an SM
-# has about 8 instructions per weight for everything. The GPU's int-to-float instruction runs at
-# a quarter of the FMA rate, so `_as_f32` builds the float from its bits instead: 2^23 + byte is
-# the float whose bits are 0x4B0000 followed by the byte, and subtracting 2^23 + 128 leaves the
-# signed weight, exactly. Written in Triton that is a byte extract, an OR and a subtraction per
-# weight, and the compiled loop came to 6.0 instructions per weight. Compiled for a GPU it is
-# PTX instead, per 32-bit register of four weights (`_int8x4_to_f32`): one XOR flips the four sign
-# bits, and one `prmt` (byte permute) per weight places its byte under the exponent: 4.1-4.5
-# instructions per weight. The int8 loads are also kept to 8 bytes a thread, as x's 8 bf16 values,
-# so that both tiles share one layout (16-byte int8 loads put them in two, and the compiler moved
-# x between them through shared memory every step). In the chain lab the PTX conversion took the
-# int8 GEMVs from 11.0 / 8.0 / 18.2 / 17.7 µs (qkv / o / gate-up / down) to 8.4 / 6.8 / 16.3 /
-# 13.8 µs at the same tiles, and tiles chosen in the chain to 7.8 / 5.1 / 16.1 / 9.1 µs.
+# **Programmatic dependent launch** (Hopper). The fixed cost per launch is the gap between
+# kernels: each waits for the one before to finish completely before its programs start. Launched
+# as a dependent, a kernel starts while the one before is finishing, once that one allows it
+# (`_let_next_start`), and waits (`gdc_wait`) before it reads what that kernel writes. Every
+# kernel of a decode step does both, in steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (a
+# decode attention of 256 sequences launched early holds SMs the projection before it needs).
+# Without Hopper both are no-ops. Measured (`kernels_lab/decode_overlap.py`, random:qwen3-4b, one
+# sequence's decode step as a CUDA graph, one H200): the BF16 step 2.458 ms against 2.548 with
+# the small kernels launched the ordinary way.
 #
-# The fixed cost per launch is the gap between kernels: each waits for the one before to finish
-# completely before its programs start and request their first tiles. **Programmatic dependent
-# launch** (Hopper) lets the GPU launch the next kernel while the current one is finishing: the
-# kernels that come before a GEMV in a decode step (norms, SiLU-mul, attention) say early that
-# the next one may start (`_let_next_start`), and the GEMV, launched as a dependent, waits
-# (`gdc_wait`) before it reads its input row. Without Hopper both are no-ops. The small kernels
-# between the GEMVs are dependents too (they wait for their input the same way). Measured on an H200 (`kernels_lab/decode_overlap.py`: random:qwen3-4b, one sequence's
-# decode step as a CUDA graph) with plain GEMVs it did not pay for BF16 (2.913 ms against 2.851) and
-# gained 0.7% for int4 (2.353 against 2.370). With the GEMVs asking
-# for their first weights before they wait (below) and the rows-layout gate-up: the BF16 step
-# 2.458 ms against 2.548 / 2.543 without (W1-like 395.4 against 382.0 / 382.5 tok/s): on, for
-# steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` rows (the GEMV's steps, where it was measured; a
-# decode kernel of 256 sequences launched early held SMs that the projection before it needed,
-# with its first tile asked for early).
+# **The first weights before the wait** (`early_weights`, `EARLY_W`). A GEMV's weights do not
+# depend on the kernel before it, only its input row does, so a program launched early issues its
+# first step's weight loads, then waits for x; the loop is unchanged (the first step is peeled).
+# The peeled step's inputs are written as the loop's are, `k0 + offs_k` with a `k0` the compiler
+# cannot see is 0 (`tl.program_id(1) * BLOCK_K`): with a plain `0 + offs_k` it gives that step
+# 16-byte int8 loads and moves every later step's tile through shared memory into their layout
+# (`tests/test_gemv_sass.py` keeps such trips out of the loops). The decode step: BF16 2.608 ms
+# against 2.666, int8 1.742 against 1.778 (`kernels_lab/decode_overlap.py bf16,int8`).
 #
-# A GEMV's weights do not depend on the kernel before it, only its input row does. So a program
-# that starts early can ask for its weight rows *before* it waits: one `cp.async.bulk.prefetch`
-# a warp (Hopper's copy engine brings a span of bytes into L2, costing no registers and
-# nothing to wait for), then `gdc_wait`, then the loop, which finds its tiles in L2. While a
-# batch-1 decode attention runs on 8 of 132 SMs, the output projection's 1,280 programs can all be
-# resident and have its 21 MB on the way. Measured, it loses: the
-# BF16 decode step takes 3.326 ms with it against 2.851 (the GEMVs of the chain lab 1-8 µs
-# slower each), the int4 step 2.476 against 2.370. Only int4 with the small kernels launched as
-# dependents as well gains: 2.272 ms against 2.370 (BF16 with both: 3.298 against 2.818). So the
-# GEMVs do not prefetch; a per-format choice would have to reach the small kernels too.
+# **The loop loads one step at a time.** Three ways to keep more bytes in flight measured slower
+# in the decode step, and the kernel has none of them (`kernels_lab/decode_overlap.py`'s
+# docstring has the numbers): each program asking for its weight rows into L2 before the wait
+# (one `cp.async.bulk.prefetch` a warp; the BF16 step 3.326 ms against 2.851), Triton's software
+# pipeliner on the loop (`num_stages` 3: 2.883 against 2.851; the loop keeps `num_stages=1`), and
+# the next step's weights held in registers while a step computes (2.509 against 2.410).
 #
-# Another way to keep more bytes in flight: a program of the qkv projection walks its rows in
-# five steps of 512 inputs, and each step's loads wait for nothing but are issued only when the
-# step before has used its own. `num_stages` > 1 on the loop hands it to Triton's software pipeliner,
-# which issues the loads of later steps (into shared memory, `LDGSTS` in the compiled code) while
-# a step computes: 4.38 instructions a weight instead of 4.31 for BF16 (`kernels_lab/gemv_sass.py`).
-# Measured: 2.883 ms at 3 stages against 2.851, and int4's chain 40-70% slower at 2-3 stages:
-# the loop stays as written (`num_stages=1`).
+# **SwiGLU in the epilogue** (`swiglu=True`). `silu(gate) * up` needs, for output `i`, rows `i`
+# and `I + i` of the gate-up matrix and nothing else. A program takes `BLOCK_N / 2` gate rows and
+# their up rows in one tile (the same bytes and programs), and its epilogue writes the activation
+# instead of the two halves: no `silu_mul` launch, and the down projection reads half as many
+# numbers. The rounding follows the two launches it replaces step by step (the GEMV's bf16 store,
+# then SiLU rounded like `F.silu`), so the bits are theirs (tested below); the compiled loop is
+# the plain one's. The Qwen3-4B step: 2.631 ms against 2.706 with `silu_mul` launched
+# (`kernels_lab/decode_overlap.py bf16`).
 #
-# Tried and left in the lab (`kernels_lab/decode_chain.py`, one H200, 36 layers' matrices in one
-# CUDA graph): folding the residual add + RMSNorm into the qkv and gate-up GEMVs and SiLU-mul
-# into down (three launches fewer a layer). Every program redoes the norm of the whole input row,
-# and that work cost more than the launches it saved (3.05 ms vs 2.79 ms for the chain); with the
-# best tile sizes it gained 4%, and a mismatch on the GPU for rows not a multiple of the tile was
-# not found in time, so it is not shipped. Software double-buffering of the weight tiles made the
-# chain 22% slower (2.79 vs 2.29 ms): the loop below loads one tile per step.
+# **The rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV layout for
+# BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile on threads to
+# Triton; here it is explicit: a program's `BLOCK_N` rows are a tuple of tensors `[SLABS, 32,
+# CHUNK]`, so each thread takes the *same* CHUNK inputs of every row of the program, each warp a
+# slab of K. x's chunk is loaded and converted once for all the rows, and a thread has every
+# row's load in flight at once. It wins for the gate-up shape only, so `gemv_layout` picks it
+# there (BF16, and int8 from `GEMV_ROWS_INT8_MIN_N` outputs on): in the chain lab the BF16 gate-up
+# takes 23.91 µs a matrix against the tile kernel's 25.69 (4.17 TB/s; `kernels_lab/gemv_rows.py`),
+# and the int8 decode step 1.679 ms against 1.702 (`kernels_lab/decode_overlap.py int8`).
 #
-# Both tried again in the engine's decode step (`kernels_lab/decode_overlap.py`).
-# The norm without a pass of its own — each program adds the residual, multiplies by the norm
-# weight and sums the squares as it reads its steps, the 1/rms scaling each output at the end —
-# and SiLU-mul read by the down GEMV from the gate-up output: 3.122 ms against 2.811 with the
-# separate launches (int8: 2.222 against 2.089). 109 launches fewer, but each of the thousands of
-# GEMV programs reads the residual and the norm weight (or the up half) next to its weights, and
-# the GEMVs went from 17.4 to 31 µs on average. The loop unrolled with the next step's weights
-# in registers and the first step's loaded before `gdc_wait`: 2.852 ms against 2.814; int8 3.218
-# against 2.114 (the unrolled code moves the int8 tiles through shared memory to change layout).
-#
-# One fold that does not cost the GEMV any reads: SwiGLU's `silu(gate) * up` needs, for output
-# `i`, rows `i` and `I + i` of the gate-up matrix, and nothing else. With `swiglu=True` a program
-# takes `BLOCK_N / 2` gate rows and their up rows in one tile (the same bytes and programs as
-# before), and its epilogue writes the activation instead of the two halves: no `silu_mul`
-# launch, and the down projection reads half as many numbers. The rounding follows the two
-# launches it replaces step by step (the GEMV's bf16 store, then SiLU rounded like `F.silu`), so
-# the bits are theirs (tested below). The compiled loop is the plain one's (`kernels_lab/gemv_sass.py`:
-# 4.75 instructions a weight for bf16, 4.14 for int8, with or without). Measured (H200,
-# `kernels_lab/decode_overlap.py bf16,int8,int4`): the Qwen3-4B step 2.631 ms against 2.706 (W1-like
-# 365.7 against 356.0 tok/s), int8 1.901 against 1.987; int4, whose gate-up keeps `silu_mul`, 2.259
-# against 2.268 (the control). On.
-#
-# The same idea in two smaller pieces, measured one at a time:
-#
-# - The residual add in the epilogue of the GEMV before it (o, down) and the norm in the GEMV
-#   after it (each program multiplies x by the norm weight as it loads it, sums x² on the side,
-#   scales by 1/rms at the end: one 16-byte load more a step): 72 launches fewer, yet the chain
-#   of a step's layers (`kernels_lab/gemv_norm_fold.py` at commit e52c29f, one H200) only went
-#   from 2,119.6 to 2,090.3 µs for BF16 and from 1,477.5 to **1,495.3** for int8. The add+RMSNorm
-#   kernels cost 1.9 µs each in the step's timeline, but they run while the next GEMV's programs
-#   are launched and waiting: removing them takes off little more than their 0.4 µs gaps. Not kept.
-# - **The first step's weights asked for before `gdc_wait`** (`early_weights`, `EARLY_W`): the
-#   weights do not depend on the kernel before, so each program issues its first tile's loads,
-#   then waits for x. The loop is unchanged (the first step is peeled). Chain lab
-#   (`kernels_lab/gemv_chain_sweep.py`, µs a matrix, export → early): BF16 qkv 9.64 → 9.38, o
-#   7.28 → 6.46, gate-up 26.14 → 25.68, down 14.70 → 13.93; int8 qkv 7.76 → 7.14, gate-up
-#   16.13 → 15.10, but o 5.08 → 5.47 and down 9.13 → 11.24 (those long-row tiles go from 96 to 114
-#   registers a thread). In the decode step (`kernels_lab/decode_overlap.py`): BF16 2.608 ms
-#   against 2.666 / 2.655 with every GEMV early (W1-like 374.8 against 367.1 / 368.6 tok/s), 2.652
-#   with o and down only; int8 with every GEMV early 1.972 against 1.925 / 1.931. So: on for BF16.
-#   Why int8 lost: with the peeled step's inputs written as a plain `0 + offs_k`
-#   the compiler gave that step 16-byte int8 loads, the loop 8-byte ones, and moved every later
-#   step's [BLOCK_N, BLOCK_K] tile through shared memory into the first one's layout (8-16
-#   `BAR.SYNC` + `STS` + `LDS` a step in `kernels_lab/gemv_sass.py`; 114 registers for the o /
-#   down tiles). Written as the loop's steps are, `k0 + offs_k` with a k0 the compiler cannot see
-#   is 0 (`tl.program_id(1) * BLOCK_K`), the loop compiles as without early weights (int8 4x1024:
-#   144 instructions, 56 registers, no shared memory; 4x2048: 96 registers). Then early weights
-#   for every int8 GEMV: the int8 step 1.742 ms against 1.778 / 1.780 (W1-like 551.0 against 540.0
-#   / 539.2 tok/s; `kernels_lab/decode_overlap.py bf16,int8`, one H200). On for all.
-#   (Also tried: each step's weights asked for while the step before computes, two
-#   steps' tiles held in registers, lost badly: BF16 2.509 ms against 2.410, int8 2.486 against
-#   1.778; the int8 norm fold, now free of the shared-memory trips, still lost: 1.818 ms.)
-#
-# **The rows layout** (`_gemv_rows_kernel`, `layout="rows"`), chapter 10's int4 GEMV
-# layout for BF16 and int8. `_gemv_kernel` leaves the placement of its `[BLOCK_N, BLOCK_K]` tile
-# on threads to Triton. Here it is explicit: a program's `BLOCK_N` rows are a tuple of tensors
-# `[SLABS, 32, CHUNK]`, so each thread takes the *same* CHUNK inputs (16 bytes) of every row of
-# the program, each warp a slab of K. x's chunk is loaded and converted once for all the rows,
-# and a thread has every row's 16-byte load in flight at once. Chain lab (`kernels_lab/gemv_rows.py`,
-# one H200, µs a matrix, tile → best rows): BF16 gate-up 25.69 → **23.91** (4.17 TB/s, 4 rows,
-# 2 warps, 8 inputs), but qkv 9.43 → 9.70, o 6.48 → 7.90, down 13.94 → 16.61; int8 qkv 7.06 →
-# 6.31, gate-up 15.13 → 14.71, o and down slower (with the lab's own byte conversion, not this
-# chapter's). So `gemv_layout` picks it for the BF16 gate-up shape only, and its SwiGLU epilogue
-# pairs each gate row with its up row as `_gemv_kernel`'s does.
-#
-# **The add + RMSNorm folded in, a third time** (`norm`, `residual`).
-# With every other launch of the step now a programmatic dependent, the 73 one-program
-# add+RMSNorm kernels were among the few left between GEMVs. `gemv(x, w, norm=g, eps=...)`
-# multiplies x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the
-# program, which reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`).
-# `residual=r` adds r to the output in the epilogue, rounded as the separate add would find it
-# (the bits of the GEMV followed by `add_rmsnorm`'s add: tested below). Chapter 09a then runs a
-# batch-1 layer as four launches: qkv(norm(x)), attention, x + o(·), gate-up(norm(·)) with
-# SiLU-mul, h + down(·). The norm's arithmetic differs from `rmsnorm` followed by the GEMV (x·g
-# is never rounded to bf16), so logits agree within bf16, not bit for bit (tests/test_gpu.py).
-# Measured (`kernels_lab/decode_overlap.py`, one H200): the BF16 step 2.451 / 2.448 ms against
-# 2.464 unfolded, and 2.438 / 2.439 against 2.455 in a second call; int8 **1.842** against 1.795
-# (its (4, 1024) tiles share each x value among only 4 rows: the extra load and multiply per x
-# value cost more than the launches; the compiled loop 4.53 → 5.47 instructions a weight,
-# against bf16's 4.31 → 4.78 in `kernels_lab/gemv_sass.py`). So `gemv_folds_norms`: 2-byte
-# weights only. With RoPE's angles in three launches instead of eleven (chapter 03) the W1
-# bench went from 394.8 to **402.9 tok/s**.
-#
-# Also tried: int8 through this rows kernel with `kernels_lab/gemv_rows.py`'s conversion (the byte
-# under 2^15's exponent, 2^15 + 128 + w with one permute and no subtraction; the program takes
-# 32,896 · Σx off each row's step sum, x's sum shared by the rows). Compiled: the qkv loop's
-# FADDs 100 → 50. The chain lab had it faster (qkv 7.10 → 6.29 µs), but the decode step was
-# slower: 1.815-1.817 ms against 1.778-1.780 with the tile kernel, for qkv alone too. Not kept
-# (commit 92c7b73 has it, as the switch `GEMV_INT8_OFFSET`); `kernels_lab/gemv_rows.py` keeps
-# the conversion.
-#
-# **int8's gate-up through the rows kernel**, with this chapter's conversion. Nsight
-# Compute (`kernels_lab/ncu_gemv.py`) shows the int8 tile GEMVs at 96 registers a thread (the
-# `[BLOCK_N, BLOCK_K]` accumulator tile: 64 sums a thread at 8 × 512 over 2 warps), 20 warps an
-# SM, about 5 of every 8.4 cycles between a warp's instructions waiting on memory. Yet neither
-# fewer instructions nor more warps made them faster. int8 read as 2^15 + 128 + w by one byte
-# permute, x's sum taken off at the end: the loop 4.1-4.5 → 3.3-3.8 instructions a weight but
-# 121-128 registers; o 4.63 → 5.47 µs, gate-up 15.14 → 17.22, the step 1.955 ms against 1.699.
-# Each thread summing its 8 inputs every step (a `[BLOCK_N, BLOCK_K / 8]` tile of sums): 40
-# registers, 48-50 warps an SM, 0.12 instructions a weight more; o 4.61 → 6.04 µs, the step 1.907
-# against 1.679. The norm folded into int8's qkv and gate-up with the tiles its own sweep chose
-# (8 × 512, 4 × 512): the step 1.731 against 1.699. Commits aed4513 (`GEMV_INT8_OFFSET`,
-# `FUSED_NORM_GEMV_INT8`) and f361c9d (`GEMV_STEP_SUMS`) have them. What did win: the rows
-# kernel (one sum per row a thread, every row's loads in flight at once) for the gate-up shape.
-# The chain lab's rows grid (`gemv_chain_sweep.py`, `LAB_ROWS=1`): gate-up 14.22 µs at 8 rows, 2
-# warps, 8 bytes against the tile's 15.16; qkv 6.98 against 7.07; o and down slower. In the step
-# (`decode_overlap.py`) gate-up alone won, 1.679 ms against 1.702 (W1-like 570.3 against 563.7
-# tok/s); qkv with it lost (1.708), o and down with a whole row a step lost more (1.796). So
-# `GEMV_ROWS_INT8_MIN_N` takes the gate-up shape only.
+# **The add + RMSNorm folded in** (`norm`, `residual`). `gemv(x, w, norm=g, eps=...)` multiplies
+# x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the program, which
+# reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`). `residual=r` adds r
+# to the output in the epilogue, rounded as the separate add would find it (the bits of the GEMV
+# followed by `add_rmsnorm`'s add: tested below). Chapter 09a then runs a batch-1 layer as four
+# launches: qkv(norm(x)), attention, x + o(·), gate-up(norm(·)) with SiLU-mul, h + down(·). The
+# norm's arithmetic differs from `rmsnorm` followed by the GEMV (x·g is never rounded to bf16), so
+# logits agree within bf16, not bit for bit (tests/test_gpu.py). `gemv_folds_norms` takes it for
+# 2-byte weights: the BF16 step 2.451 ms against 2.464 unfolded, the int8 step 1.842 against 1.795
+# (its tiles share each x value among only 4 rows: the extra load and multiply per x value cost
+# more than the launches; int8 hands its norms off instead, below).
 
 # %%
 #| export
@@ -800,30 +696,22 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
     gemv(torch.zeros(1, 8), torch.zeros(4, 8), residual=torch.zeros(1, 2))
 
 # %% [markdown]
-# **The norm handed off** (`hand_off`, `norm_sums`; `gemv_hands_off_norms`). For int8
-# the fold above costs the loop more than the launches it saves. But the RMSNorm between two
+# **The norm handed off** (`hand_off`, `norm_sums`; `gemv_hands_off_norms`: 1-byte weights). For
+# int8 the fold above costs the loop more than the launches it saves. But the RMSNorm between two
 # GEMVs splits in two: the GEMV that adds the residual (o, down) has h = r + W·x in its epilogue
 # anyway, so it also stores h·g (the next norm's weight) and adds h's squares, one atomic add a
 # program, to a float in memory; the GEMV after (qkv, gate-up) reads h·g as its x and scales its
 # sums by 1/rms from that float at the end, nothing added to its loop. (The float must start at 0:
-# chapter 09a zeroes one per norm at the start of a step.) Its bound, with
-# the add + RMSNorm launches simply skipped (wrong values, a bound; `kernels_lab/decode_overlap.py`,
-# one H200): the int8 step 1.678 → 1.589 ms, W1-like 580.1 → 610.6 tok/s; int4 1.600 → 1.493.
-# Handed off (int8): the step **1.617-1.625 ms** against 1.678-1.682 without, W1 (bench) 410.6 →
-# **599.8 tok/s** against BF16's 410.6 in the same call. A row's 640 programs adding to one float
-# cost nothing measurable: spread over 32 floats a row, the step was 1.621 against 1.622. The
-# adds' order varies, so the last bits of a norm may differ from run to run (int8 and int4).
+# chapter 09a zeroes one per norm at the start of a step.) The adds' order varies, so the last
+# bits of a norm may differ from run to run. Chapter 10's int4 GEMV takes the same folds
+# (`check_gemv_folds` checks them for both). The int8 decode step: 1.617 ms against 1.678 with the
+# add + RMSNorm launches (`kernels_lab/decode_overlap.py int8`); int4 1.556 against 1.604.
 #
-# Chapter 10's int4 GEMV takes the same folds (`check_gemv_folds` checks them for
-# both), so int4 hands its norms on too: its step 1.604 → 1.556 ms. The epilogue's operands (an
-# int8 row's scale, the next norm's weight, the residual), asked for one after another
-# after the loop, would each be a wait of its own at the very end of the kernel. Asked for before the loop
-# (the constants before the input wait) the int8 step got *slower*, 1.579 → 1.746 ms: held
-# through the loop they took registers (the o GEMV with the hand-off 96 → 113 a thread), so
-# fewer programs fit an SM. So they are asked for together after the loop (`_tile_constants`,
-# `_rows_constants`): one wait. Measured on W1 against one after another: no difference (int8 617.3 → 617.2 tok/s). The
-# int8 LM head takes BF16's head tile, (4, 512, 2): the decode step 1.577 → 1.571 ms (a sweep of
-# int8 tiles inside the step; the qkv, o and down tiles held).
+# The epilogue's operands (an int8 row's scale, the next norm's weight, the residual) are asked
+# for together after the loop (`_tile_constants`, `_rows_constants`): one wait at the end of the
+# kernel. Asked for before the loop they hold registers through it (the int8 o GEMV with the
+# hand-off 96 → 113 a thread), fewer programs fit an SM, and the int8 step takes 1.746 ms against
+# 1.579. The int8 LM head takes BF16's head tile, (4, 512, 2).
 
 # %%
 # h = r + W1·x with norm(h)·g handed to W2: h is the plain residual GEMV's bits, h·g its product

@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Kernels: attention over the paged pool
+# # Kernels: decode attention over the paged pool
 #
-# > Paged GQA decode attention (flash-decoding, splits merged by the last split to finish; it also stores the step's K/V and applies q/k-norm and RoPE), varlen causal prefill attention, and the attention backends the engine runs them through.
+# > The paged attention reference, the inner loop both attention kernels share, and paged GQA decode attention (flash-decoding, splits merged by the last split to finish; it also stores the step's K/V and applies q/k-norm and RoPE).
 
 # %%
 #| default_exp kernels.paged_attention
@@ -20,9 +20,7 @@ from forge_engine.kernels.elementwise import NormRope, norm_rope, write_kv
 # %%
 #| hide
 import pytest
-from forge_engine.config import preset
-from forge_engine.kernels.elementwise import (add_rmsnorm, add_rmsnorm_reference, norm_rope_reference,
-                                              write_kv_reference)
+from forge_engine.kernels.elementwise import norm_rope_reference, write_kv_reference
 from forge_engine.model import causal_attention
 
 gen = torch.Generator().manual_seed(3)
@@ -201,11 +199,9 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 # H200 it costs ~6 µs plus ~2.4 µs per 128 keys (`kernels_lab/decode_attention.py`), 0.36 ms of
 # a 2.8 ms Qwen3-4B step. So what depends on nothing is loaded first, all at once (q, the new
 # K/V), and the kernel walks every tile in one masked loop, so the compiler's software
-# pipeline can fetch a partial last tile while the whole ones are summed. Measured (one
-# H200): one sequence at 300 keys 12.7 µs against 13.8 with the partial tile after the loop, 460
-# keys 15.1 against 16.1 (`kernels_lab/decode_attention.py`, v6 against v3); the Qwen3-4B step
-# 2.739 ms against 2.777 (`kernels_lab/decode_overlap.py bf16`). On. (Loading q and the new K/V
-# with the context length, rather than after it, measured no different: W1 347.3 tok/s both.)
+# pipeline can fetch a partial last tile while the whole ones are summed: one sequence at 300
+# keys 12.7 µs against 13.8 with the partial tile in a loop of its own
+# (`kernels_lab/decode_attention.py`).
 
 # %%
 #| export
@@ -535,9 +531,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # attention instead: the program whose split holds a sequence's last
 # position stores that sequence's new K/V for its KV head, waits at a barrier for its
 # threads, then attends (a program's own global writes are visible to its threads after the
-# barrier); its PyTorch path runs `write_kv` first. Measured on an H200
-# (`kernels_lab/decode_overlap.py`, random:qwen3-4b, one sequence's decode step as a CUDA
-# graph), 2.777 ms against 2.814 with `write_kv` (BF16), 2.079 against 2.114 (int8).
+# barrier); its PyTorch path runs `write_kv` first. The BF16 decode step: 2.777 ms against 2.814
+# with `write_kv` launched (`kernels_lab/decode_overlap.py`, random:qwen3-4b, one sequence's
+# decode step as a CUDA graph, one H200).
 #
 # The new K the program stores must be normalised (Qwen3's q/k-norm) and rotated (RoPE) first,
 # and so must q: one more launch a layer (`norm_rope`, above) whose only job is to prepare
@@ -548,9 +544,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # q heads (4 rows of 128 for Qwen3-4B), cheaper than a launch. All of it is asked for before the
 # first reduction: the compiler moves no load over the barriers a reduction brings, and each
 # load behind one would be another round trip. The model learns that a backend does this from
-# its `rope_inside` and hands it q and k as the QKV projection left them (chapter 09a). Measured
-# on an H200: step 2.715 ms against 2.742 with `norm_rope` launched (BF16), 1.996 against 2.024
-# (int8), 2.272 against 2.302 (int4). On.
+# its `rope_inside` and hands it q and k as the QKV projection left them (chapter 09a). The BF16
+# step: 2.715 ms against 2.742 with `norm_rope` launched (the same lab).
 
 # %%
 lens = [1, 37, 150]
@@ -572,90 +567,57 @@ for split_tokens in (64, 10_000):
 # %% [markdown]
 # ### The last split merges
 #
-# The merge kernel is a second launch a layer, and it reads every split's partials, the empty
-# ones too (a 2K-wide table holds 4 splits; a 600-key sequence fills 2). With `merge=True`
-# (the default) the decode kernel does it itself: a sequence whose keys fit one
-# split writes its output directly; otherwise each split that holds keys writes its partials
-# and counts itself in on an atomic counter per (sequence, KV head), and the one that counts
-# last merges them all, in split order, and sets the counter back to zero for the next call (a
-# CUDA graph replays the same counters). Empty splits write nothing. Which program merges
-# depends on timing; what it computes does not: the same partials, summed in the same order.
+# A merge kernel would be a second launch a layer that reads every split's partials, the empty
+# ones too (a 2K-wide table holds 4 splits; a 600-key sequence fills 2). With `merge=True` (the
+# default) the decode kernel merges itself: a sequence whose keys fit one split writes its output
+# directly; otherwise each split that holds keys writes its partials and counts itself in on an
+# atomic counter per (sequence, KV head), and the one that counts last merges them all, in split
+# order, and sets the counter back to zero for the next call (a CUDA graph replays the same
+# counters). Empty splits write nothing. Which program merges depends on timing; what it computes
+# does not: the same partials, summed in the same order. (`merge=False` launches
+# `_merge_splits_kernel` after it; the lab's baseline.)
 #
 # Memory order: every thread fences its partials (`fence.acq_rel.gpu`) before the program's
 # barrier and the acquire-release atomic, and the merging program reads the partials past its
-# L1 (`.cg`). Measured (H200, `kernels_lab/decode_attention.py`, v7 against v3): 256
-# sequences of 600 keys in 2K-wide tables 197 µs against 210, of 1,000 keys 284 against 303; at
-# batch 1 no different (12.1 against 12.0 µs at 300 keys). The W2-like step
-# (`kernels_lab/decode_step_timeline.py none --batch=256 --prompt=600`) 11.96 ms against 12.38;
-# W2 13,784 and 13,703 output tok/s against 11,690 and 13,462, alternated. On.
+# L1 (`.cg`). Measured (H200, `kernels_lab/decode_attention.py`, v7 against v3): 256 sequences of
+# 600 keys in 2K-wide tables 197 µs against 210; at batch 1 no different.
 #
-# Tried: the merging program reading 8 splits' partials at once, as one
-# `[8 splits, 4 heads, 128]` tile whose loads are all in flight together, instead of one split
-# after another (a memory round trip each, at the end of the kernel's chain of latencies).
-# Compiled for an H200 it spills nothing (`kernels_lab/decode_sass.py` at commit 942e6c9), but
-# the batch-1 step took 2.564 / 2.566 ms against 2.468 reading one split at a time
-# (`kernels_lab/decode_overlap.py`, one H200, same call): the 3-D tile's reductions cost more
-# than the round trips they save. Not kept.
-#
-# The same idea without the 3-D tile (`DECODE_UNROLL_MERGE`, on): the merging
-# program's loop over the splits unrolled (`tl.static_range` over the table's splits rounded up
-# to a power of two, up to 16; the splits past `active` masked, so they change nothing). Each
-# split is still merged into the running (acc, m, l) as before, in split order, the same bits;
-# but none of its loads waits for the split before, so the compiler asks for all of them at
-# once: one round trip where there were `active` (2-6 at W1's contexts). Measured on an H200
-# (`LAB_NO_CHAIN=1 LAB_VARIANTS="defaults,merge unrolled,defaults again" kernels_lab/decode_overlap.py int8,bf16`,
-# one call): int8 step 1.548 ms against 1.563 / 1.563 (W1-like 632.4 tok/s against 621.5 /
-# 621.4), BF16 2.364 against 2.378 / 2.377 (417.3 against 412.7 / 413.0).
+# The merging program's loop over the splits is unrolled (`tl.static_range` over the table's
+# splits rounded up to a power of two, up to `DECODE_UNROLL_MERGE`; the splits past `active`
+# masked, so they change nothing). Each split is merged into the running (acc, m, l) in split
+# order, the same bits as a loop, but none of its loads waits for the split before, so the
+# compiler asks for all of them at once: one round trip where there were `active`. The int8
+# decode step: 1.548 ms against 1.563 with a loop (`LAB_VARIANTS="defaults,merge split by split"
+# kernels_lab/decode_overlap.py int8`). (Reading the splits as one 3-D `[splits, heads, D]` tile
+# instead costs more in its reductions than the round trips save: 2.564 ms against 2.468 for
+# BF16.)
 #
 # **How long a split.** Without a second launch, short splits cost little, and how many a batch
-# wants depends on how many programs it already has: the same lab, splits of 128 / 512 / 1,024
-# keys: one sequence of 460 keys 11.6 / 15.1 / 15.0 µs, of 1,000 keys 13.1 / 17.9 / 24.0; 256
-# sequences of 600 keys 296 / 197 / 169 µs, of 1,000 keys 392 / 284 / 263. With
-# the batch's size (`pairs`) the split length comes from the shapes, the batch's too: as many splits
-# as bring the `(sequence, KV head, split)` programs to about two per SM (256), at most 16 (the
+# wants depends on how many programs it already has. Given the batch's size (`pairs`: sequences x
+# KV heads), `decode_split_len` takes as many splits as bring the `(sequence, KV head, split)`
+# programs to about two per SM (`DECODE_TARGET_PROGRAMS`), at most `DECODE_MAX_WORK_SPLITS` (the
 # merging program reads them one after another), none shorter than `DECODE_MIN_SPLIT` keys. One
-# sequence with Qwen3-4B's 8 KV heads gets splits of 64 keys in a 512-wide table (one 64-key
-# tile each: a split shorter than `DECODE_BLOCK_N` takes a tile of its own length), 256
-# sequences none at all.
-# The price: a sequence's bits then depend on the batch's size (as the GEMMs' already do), so
-# a fixed `split_tokens` turns the rule off, and the tests that compare bits pass one.
+# sequence with Qwen3-4B's 8 KV heads gets splits of 64 keys in a 512-wide table (one 64-key tile
+# each: a split shorter than `DECODE_BLOCK_N` takes a tile of its own length), 256 sequences none
+# at all. The price: a sequence's bits then depend on the batch's size (as the GEMMs' already
+# do), so a fixed `split_tokens` turns the rule off, and the tests that compare bits pass one.
+# Measured against fixed 512-key splits (`kernels_lab/decode_attention.py`, v8 against v7): 256
+# sequences of 600 keys 166.9 µs against 197.1, one sequence of 1,000 keys in a 2K table 13.1
+# against 17.9; 64 sequences of 1,500 keys, the one shape that loses, 120.0 against 117.2.
 #
-# Measured on an H200 (random Qwen3-4B, fixed 512-key splits against the rule, both
-# merging in the kernel): lab, one sequence of 1,000 keys in a 2K table 17.9 → 13.1 µs, of 4,096
-# keys 21.7 → 20.4; 256 sequences of 600 keys 197.1 → 166.9 µs, of 2,048 keys 538.7 → 502.6;
-# 64 sequences of 1,500 keys 117.2 → 120.0 (the one shape that loses). W2, three runs each,
-# alternated: 13,897 / 13,925 / 13,929 → 14,876 / 14,921 / 14,800 output tok/s; W1 364.7 → 367.1
-# tok/s. So the rule is on.
-#
-# Shorter splits at batch 1 (`DECODE_MIN_SPLIT` 128 → 64, such splits one 64-key tile):
-# the W1 graph's table is 512 keys wide, so one sequence ran 8-24 programs of one 128-key tile,
-# 8.2-9.3 µs a layer in the step's timeline. With 64-key splits, 16-48 programs of half the
-# work: the batch-1 step 2.530 ms against 2.577 / 2.565 (`kernels_lab/decode_overlap.py`, one
-# H200, W1-like 384.9 against 379.7 / 380.8 tok/s), int8 1.860 against 1.875 / 1.880. Longer
-# contexts keep 128-key splits and tiles (one sequence of 1,000 keys: 12.8 µs, against 14.7
-# with 64-key tiles in `kernels_lab/decode_attention.py`).
-#
-# **The first tile early** (`early_tile`: at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences). At batch 1
-# the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
+# **The first tile early** (`early_tile`: at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences). At batch
+# 1 the kernel is a chain of memory latencies after the QKV projection ends: its launch, the
 # context length, the block table, K and V, the partials and the merge. Only q and the new K/V
-# come from the projection; the rest of the pool was written by earlier steps. So the kernel
-# can be launched as a programmatic dependent of the projection and ask for its split's first
-# tile (the block table, K and V) before it waits (`gdc_wait`) for q. The new position's K/V,
-# which that tile may hold, is not in the pool yet: it comes from registers, as stored. Later
-# tiles are read after the store, as before. The tests check the bits against the plain launch.
-# Compiled for an H200 without one (`kernels_lab/decode_sass.py`), the held tiles spill
-# registers at 4 warps (76 local loads and stores), none at 8: this variant launches with 8.
-# Measured on an H200 (random Qwen3-4B, 128-key splits, the small kernels launched plainly;
-# `tests/test_kernels.py -m gpu` passes with
-# it): the batch-1 step 2.643 ms against 2.654 / 2.641 without (`kernels_lab/decode_overlap.py`),
-# W1 368.5 / 368.4 tok/s against 368.6 / 368.4, int8 W1 499.9 against 499.3: no gain; and W2 11,222
-# output tok/s against 15,154 (not profiled; likely the 256-sequence kernel, launched early, holds
-# SMs while the projection still runs). With splits of 64
-# keys at batch 1 (so a split's first tile is all of it) and the small kernels launched as
-# dependents: the batch-1 step 2.391 ms against 2.429 / 2.430 without (W1-like 406.4 against
-# 400.0 / 399.7 tok/s), int8 1.702 against 1.752 / 1.748 (564.4 against 547.5 / 548.6), int4
-# 1.609 against 1.639 / 1.641 (599.4 against 583.1 / 584.9); `kernels_lab/decode_overlap.py`,
-# one H200. On, for steps of at most `DEPENDENT_LAUNCH_MAX_ROWS` sequences (the W2 loss above).
+# come from the projection; the rest of the pool was written by earlier steps. So the kernel is
+# launched as a programmatic dependent of the projection and asks for its split's first tile (the
+# block table, K and V) before it waits (`gdc_wait`) for q. The new position's K/V, which that
+# tile may hold, is not in the pool yet: it comes from registers, as stored. Later tiles are read
+# after the store. The tests check the bits against the plain launch. Compiled for an H200
+# (`kernels_lab/decode_sass.py`), the held tiles spill registers at 4 warps, none at 8: this
+# launch takes 8. Measured (64-key splits at batch 1, so a split's first tile is all of it): the
+# batch-1 step 2.391 ms against 2.429 without (`kernels_lab/decode_overlap.py`), int8 1.702
+# against 1.752. Only for small batches: a 256-sequence kernel launched early holds SMs the
+# projection before it still needs (W2 11,222 output tok/s against 15,154).
 
 # %%
 counters = torch.zeros(3 * 2, dtype=torch.int32)
@@ -738,252 +700,3 @@ with pytest.raises(ValueError, match="one query per sequence"):
     paged_decode_attention(q[:2], k_cache, v_cache, tables, ctx, 1.0)
 with pytest.raises(ValueError, match="multiple of kv_heads"):
     paged_decode_attention(q[:, :3], k_cache, v_cache, tables, ctx, 1.0)
-
-# %% [markdown]
-# ## Prefill attention over the varlen batch
-#
-# Many query tokens per sequence, causal. A program takes `BLOCK_M` consecutive new tokens of
-# one sequence and *all* the query heads of one KV head: its rows are (token, head in group)
-# pairs, so the K/V tiles it reads serve `BLOCK_M x group` rows (the same GQA packing as decode).
-# It walks the keys from 0 to the position of its last token; the causal mask cuts the rest.
-# `max_query_len` (a host int: the scheduler knows it) sizes the grid; tiles past a sequence's
-# last token return at once. `kernels_lab/prefill_attention.py` has the naive one-row-per-
-# program version and a one-head-per-program tiled one this beat.
-#
-# Triton compiles a kernel once per *specialisation* of its integer arguments: a value of 1, or a
-# multiple of 16, each get their own compiled code. The block table's row stride is its width,
-# which follows the longest sequence of the step: 1 in a warm-up of short prompts, then a multiple
-# of 16 or not in a real batch, so the first steps of a run compiled the kernel twice more, over a
-# second each, inside the run (two H200s: a W2 run's prefill steps of 1.48 s and 1.31 s
-# against ~0.1 s). `do_not_specialize` keeps one compiled kernel for every width.
-
-# %%
-#| export
-PREFILL_ROWS = 64  # rows of a program's query tile: tokens x heads of the group
-PREFILL_BLOCK_N = 64  # keys per tile
-
-
-@triton.jit(do_not_specialize=["stride_tb"])  # the table's width changes from step to step: one compiled kernel for all
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, qk_scale,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    tile, seq, kv_head = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    q_start = tl.load(query_start_ptr + seq).to(tl.int32)
-    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
-    first = tile * BLOCK_M
-    if first >= q_len:
-        return
-    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
-    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    token = first + rows // GROUP_PAD
-    heads = kv_head * GROUP + rows % GROUP_PAD
-    row_mask = (token < q_len) & (rows % GROUP_PAD < GROUP)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    mask = row_mask[:, None] & d_mask[None, :]
-    row_t = (q_start + token).to(tl.int64)
-    q = tl.load(q_ptr + row_t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
-    row_pos = ctx - q_len + token
-    full_end = (ctx - q_len + first) // BLOCK_N * BLOCK_N  # keys every row of the tile sees: no mask
-    end = tl.minimum(ctx, ctx - q_len + first + BLOCK_M)  # one past the last token's position
-    k_ptr, v_ptr, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, 0, full_end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row_t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float,
-                            impl: str = "auto", rows: int = PREFILL_ROWS, block_n: int = PREFILL_BLOCK_N,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    "Causal varlen attention: q [T, Hq, D], sequence b's rows query_start[b]:query_start[b+1] -> [T, Hq, D]."
-    _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
-    if query_start.shape != (block_tables.shape[0] + 1,):
-        raise ValueError(f"query_start must be [B+1] = [{block_tables.shape[0] + 1}], got {tuple(query_start.shape)}")
-    if max_query_len < 1:
-        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
-    if kernel_backend(q.device, impl) == "torch":
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
-    q_heads, head_dim = q.shape[1:]
-    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = q_heads // kv_heads
-    group_pad = _pow2(group)
-    block_m = max(1, rows // group_pad, -(-16 // group_pad))  # tensor-core tiles need >= 16 rows
-    out = torch.empty_like(q)
-    grid = (-(-max_query_len // block_m), block_tables.shape[0], kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start, context_lens, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=INTERPRETED, PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or (4 if block_m * group_pad <= 64 else 8), **_stages(num_stages))
-    return out
-
-
-# %% [markdown]
-# A step that mixes a whole prompt of 20 tokens, a chunk of 7 after 30 cached tokens (a later
-# chunk, or a prefix hit) and a decode: one launch, compared with the reference.
-
-# %%
-num_new, lens = [20, 7, 1], [20, 37, 58]
-k_cache, v_cache, tables = random_paged_kv(lens, num_kv_heads=2, head_dim=32, block_size=16, seed=2)
-q = torch.randn(sum(num_new), 8, 32, generator=gen)
-query_start, ctx = torch.tensor([0, 20, 27, 28]), torch.tensor(lens)
-want = paged_attention_reference(q, k_cache, v_cache, tables, query_start, ctx, 32**-0.5)
-got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 32**-0.5, impl="triton")
-torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: as for decode, sums in another order
-with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[4\]"):
-    paged_prefill_attention(q, k_cache, v_cache, tables, query_start[:3], ctx, 20, 1.0)
-
-
-# %% [markdown]
-# ## An attention backend for the engine
-#
-# `KernelPagedAttention` is chapter 05's `PagedAttention` with the kernels inside, the same
-# `(layer, q, k, v) -> out` contract: write the step's K/V through the slot mapping, then one
-# launch. A step of decodes only takes the decode kernel; any step with a prefill chunk takes
-# the prefill kernel for all its tokens (decodes are queries of length one there).
-
-# %%
-#| export
-class KernelPagedAttention:
-    "Attention backend over the paged pool (see `forge_engine.kv_cache.PagedAttention`) running this chapter's kernels."
-    def __init__(self, cache, layout, impl: str = "auto"):
-        self.cache, self.layout, self.impl = cache, layout, impl
-        self.max_query_len = max(layout.num_new)
-        self.scale = cache.config.head_dim ** -0.5
-
-    @property
-    def rope_inside(self) -> bool:
-        "Decodes only: the decode kernel applies q/k-norm and RoPE too (chapter 09a hands over q and k unrotated)."
-        return self.max_query_len == 1
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: NormRope | None = None) -> torch.Tensor:
-        layout, cache = self.layout, self.cache
-        if rope is not None and self.max_query_len != 1:
-            raise ValueError("rope (q/k-norm and RoPE inside attention) is for decode steps only")
-        if q.shape[0] != layout.num_tokens:
-            raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
-        k_cache, v_cache = cache.k_cache[layer], cache.v_cache[layer]
-        if self.max_query_len == 1:  # decodes only: the decode attention stores their K/V (chapter 09b's graphs too)
-            return paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
-                                          self.scale, self.impl, new_kv=(k, v, layout.slot_mapping), rope=rope)
-        cache.write(layer, layout.slot_mapping, k, v)
-        return paged_prefill_attention(q, k_cache, v_cache, layout.block_tables, layout.query_start,
-                                       layout.context_lens, self.max_query_len, self.scale, self.impl)
-
-
-class KernelDecodeAttention:
-    """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
-    K/V (`new_kv`) in the same launch and applies q/k-norm and RoPE (`rope`)."""
-    stores_kv = True
-
-    def __init__(self, impl: str = "auto"):
-        self.impl, self.counters = impl, None  # the last-split-merges counters: zeros, kept across calls and graphs
-
-    def _counters(self, needed: int, device: torch.device) -> torch.Tensor:
-        "Counters for `needed` (sequence, KV head) pairs. They grow only outside a CUDA graph recording (chapter 09b warms up at its largest batch first)."
-        if self.counters is None or self.counters.numel() < needed or self.counters.device != device:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"decode attention: {needed} merge counters needed while a CUDA graph records; "
-                                   "call it once at the largest batch before recording")
-            self.counters = torch.zeros(needed, device=device, dtype=torch.int32)
-        return self.counters
-
-    rope_inside = True  # the decode kernel normalises and rotates q and the new K (chapter 09a hands them unrotated)
-
-    def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
-                 rope: NormRope | None = None) -> torch.Tensor:
-        return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
-                                      new_kv=new_kv, rope=rope,
-                                      counters=self._counters(q.shape[0] * k_layer.shape[2], q.device))
-
-
-# %% [markdown]
-# The test that matters again: the tiny Qwen3 gives the same logits through the kernels as
-# through chapter 05's reference backend, over a chunked prompt, a mixed step and decodes.
-
-# %%
-from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
-from forge_engine.model import empty_model, init_random_weights
-
-model = init_random_weights(empty_model(preset("qwen3-tiny")), seed=0, std=0.1)
-caches = {name: PagedKVCache(model.config, num_blocks=12, block_size=4) for name in ("reference", "kernels")}
-backends = {"reference": PagedAttention, "kernels": lambda c, lay: KernelPagedAttention(c, lay, impl="triton")}
-steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
-         ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
-         ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26])]
-with torch.no_grad():
-    for seqs, ids in steps:
-        logits = {}
-        for name, cache in caches.items():
-            layout = build_step_layout(seqs, 4)
-            hidden = model(torch.tensor(ids), layout.positions, backends[name](cache, layout))
-            logits[name] = model.compute_logits(hidden)
-        # fp32: attention's sums in another order (~1e-7 relative) through 2 layers, logits of O(4): measured 2.4e-6
-        torch.testing.assert_close(logits["kernels"], logits["reference"], rtol=1e-5, atol=1e-5)
-
-# %% [markdown]
-# ## What they are worth, measured
-#
-# One H200, Triton 3.6, bf16, Qwen3-4B shapes (32 query heads, 8 KV heads, head_dim 128, block
-# 16), one layer; median time of a CUDA-graph replay with the L2 cache flushed before each
-# (`kernels_lab/`, which has every variant and the command). "PyTorch" is the path of chapters
-# 03 and 05 the engine runs without these kernels.
-#
-# | kernel | case | PyTorch | kernel | vs ceiling |
-# |---|---|---|---|---|
-# | add + RMSNorm | 1 token | 16.7 µs | 6.0 µs | launch-bound |
-# | add + RMSNorm | 16,384 tokens | 599 µs | 85 µs | 94% of 4.19 TB/s |
-# | decode | 1 sequence x 512 tokens | 26.9 µs | 15.5 µs | latency-bound (2 MB) |
-# | decode | 1 x 32,768 | 134 µs | 55 µs | 58% of 4.19 TB/s |
-# | decode | 64 x 1,024 | 233 µs | 86 µs | 75% |
-# | decode | 256 x 2,048 | 1,655 µs | 553 µs | 93% |
-# | prefill | 1 prompt of 2,048 | 3,759 µs | 144 µs | 238 TFLOP/s, 30% of 790 (PyTorch's flash kernel on contiguous K/V: 86 µs) |
-# | prefill | chunk of 512 after 3,584 cached | 2,100 µs | 113 µs | 286 TFLOP/s, 36% |
-#
-# Decode is near the bandwidth ceiling once the batch fills the GPU; at batch 1 and short
-# contexts it is latency (one program walks its split tile after tile). Prefill runs at 60% of
-# the speed of PyTorch's flash kernel on unpaged K/V: the next place to look.
-#
-# **Triton or CUDA C++ for decode?** `kernels_lab/decode_attention_cuda.py` builds a paged
-# decode kernel in CUDA C++ just in time (a warp per key, later eight keys in flight per warp,
-# fp32 dot products with shuffle reductions) and times it against this one: at 256 x 2,048 it
-# took 1,300 µs against 551 µs, at 1 x 512 50-126 µs against 15 µs. The Triton kernel, which
-# multiplies a 64-key tile with the group's query rows on the tensor cores, stays; the lab
-# keeps the contender and the numbers.
-
-# %% [markdown]
-# ## On the GPU, at Qwen3-4B's shapes
-#
-# Skipped on CPU (cells flagged `gpu`): bf16, 32 query heads over 8 KV heads, head_dim 128,
-# block size 16, against the reference. Timings are in `kernels_lab/`.
-
-# %%
-#| gpu
-if torch.cuda.is_available():  # also harmless where the `gpu` flag is not skipped
-    q4b = preset("qwen3-4b")
-    lens = [1, 100, 1000, 2048]
-    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
-    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    ctx = torch.tensor(lens, device="cuda")
-    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"),
-                                     ctx, 128**-0.5)
-    # bf16: the softmax weights rounded before P·V and the output rounded (2^-8 each); the norm: the normalised row
-    # and the output rounded: as in tests/test_kernels.py's TOL
-    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5), want,
-                               rtol=5e-2, atol=1e-2)
-    x, r, w = (torch.randn(n, q4b.hidden_size, device="cuda", dtype=torch.bfloat16) for n in (64, 64, 1))
-    torch.testing.assert_close(add_rmsnorm(x, r, w[0], 1e-6)[0], add_rmsnorm_reference(x, r, w[0], 1e-6)[0],
-                               rtol=5e-2, atol=1e-2)

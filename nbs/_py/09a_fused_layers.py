@@ -52,7 +52,7 @@ from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, R
 import copy
 import pytest
 from forge_engine.config import preset
-from forge_engine.kernels.paged_attention import KernelPagedAttention
+from forge_engine.kernels.prefill_attention import KernelPagedAttention
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
 from forge_engine.model import empty_model, init_random_weights
 

@@ -82,7 +82,7 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
         from forge_engine.kernels.backend import kernels_available
-        from forge_engine.kernels.paged_attention import KernelDecodeAttention
+        from forge_engine.kernels.prefill_attention import KernelDecodeAttention
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch
@@ -309,7 +309,7 @@ assert runner.greedy_tokens(static_logits) is None  # (no graph recorded an argm
 # %%
 import copy
 from forge_engine.fused_layers import install_fused_layers
-from forge_engine.kernels.paged_attention import KernelDecodeAttention
+from forge_engine.kernels.prefill_attention import KernelDecodeAttention
 
 fused_model = install_fused_layers(copy.deepcopy(model), force=True)  # (forced: on a CPU, their PyTorch paths)
 for impl in ("torch", "triton"):
