@@ -34,7 +34,7 @@ def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
         rows.append(("cuda runtime", str(torch.version.cuda)))
     else:
         rows.append(("cuda", "no CUDA GPU visible to torch: the engine runs on the CPU"))
-    from forge_engine.kernels import kernels_report  # first: it decides how Triton is imported on a CPU
+    from forge_engine.kernels.backend import kernels_report  # first: it decides how Triton is imported on a CPU
     rows.append(("kernels", kernels_report()))
     rows.append(("decode", "CUDA graphs per batch bucket" if torch.cuda.is_available() else "eager (CPU)"))
     rows.append(("cpu threads", str(torch.get_num_threads())))

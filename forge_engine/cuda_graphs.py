@@ -42,7 +42,8 @@ def context_buckets(max_model_len: int, block_size: int) -> list[int]:
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
-        from forge_engine.kernels import KernelDecodeAttention, kernels_available
+        from forge_engine.kernels.backend import kernels_available
+        from forge_engine.kernels.prefill_attention import KernelDecodeAttention
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch
@@ -109,7 +110,7 @@ class DecodeRunner:
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
-        from forge_engine.kernels import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
+        from forge_engine.kernels.elementwise import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording

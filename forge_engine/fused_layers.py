@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (NormRope, add_rmsnorm, gemv, gemv_folds_norms, gemv_hands_off_norms,
-                                  kernels_available, norm_rope, rmsnorm, silu_mul)
+from .kernels.backend import kernels_available
+from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
+from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from .model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
 
 # %% auto #0
@@ -143,13 +144,13 @@ class FusedDecoderLayer(DecoderLayer):
 
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step folds the norms and residual adds into the GEMVs (`gemv` with `norm` and `residual`,
-        FUSED_NORM_GEMV): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
+        `gemv_folds_norms`): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
         return self._gemv_reads_all(x) and gemv_folds_norms(self.attn.qkv.gemv_operands()[0])
 
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (`gemv` with
-        `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it; or each layer has a
-        GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
+        `hand_off` and `norm_sums`, `gemv_hands_off_norms`): as `folds_norms`, for the formats that take it; or each
+        layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0])
         return takes_gemv(x) and all(hasattr(layer, "decode_gemv") and layer.hands_off_norms()

@@ -197,12 +197,12 @@ class BlockAllocator:
 # %% ../nbs/05_paged_kv.ipynb #d16fb8cb
 @functools.cache
 def triton_kernel(name: str):
-    "A Triton kernel of chapter 09 (`write_kv`) when it runs natively here (a CUDA GPU), else None."
+    "A Triton kernel of chapter 09_kernels_elementwise (`write_kv`) when it runs natively here (a CUDA GPU), else None."
     try:
-        import forge_engine.kernels as kernels
+        from forge_engine.kernels import backend, elementwise
     except ImportError:
         return None
-    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
+    return getattr(elementwise, name) if backend.kernels_available("cuda") else None
 
 
 class PagedKVCache:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import forge_engine.kernels  # noqa: F401  on a CPU it sets TRITON_INTERPRET=1, which must precede `import triton`
+import forge_engine.kernels.backend  # noqa: F401  on a CPU it sets TRITON_INTERPRET=1, which must precede `import triton`
 
 # H200 ceilings, as chapter 13's `ceilings` measures them
 HBM_BYTES_PER_S = 4.19e12  # read bandwidth, x.sum() over 4 GiB

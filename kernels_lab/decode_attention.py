@@ -14,8 +14,8 @@ Variants
   v1  Triton, one program per (sequence, query head), dot products by multiply-and-sum:
       each KV head is read once per query head of its group (4x the bytes at GQA 4)
   v2  Triton, one program per (sequence, KV head) with the group's queries as rows of a tensor-core
-      tile: each KV head read once; no split (forge_engine.kernels with split_tokens = inf)
-  v3  v2 + flash-decoding splits of the context (fixed, 512 keys) and a merge kernel (forge_engine.kernels: the export)
+      tile: each KV head read once; no split (the export with split_tokens = inf)
+  v3  v2 + flash-decoding splits of the context (fixed, 512 keys) and a merge kernel (the export with `merge=False`)
   v4  the exported prefill kernel on the same batch (query length 1): the cost of sending decodes
       through the prefill kernel in a mixed step
   v5  v3's splits with no merge kernel: the last program of a (sequence, KV head) to finish merges every
@@ -24,16 +24,16 @@ Variants
       the engine), and v3's splits pay a second launch; v5 asks whether short splits (128-256 keys)
       in one launch beat both. Memory order: every thread fences its partials (fence.acq_rel.gpu) before the
       CTA barrier and the acq_rel atomic; the merging program reads the partials past L1 (.cg).
-  v6  v3 with every tile of a split in one masked loop (`one_loop=True`): v3 walks the whole tiles, then the
-      last partial tile in a second loop, whose table and K/V loads the software pipeliner cannot issue during
-      the first; contexts of 300 and 460 keys end in a partial tile (v3: ~6 us fixed + ~2.4 us per
-      128 keys at batch 1).
-  v7  the export with `merge=True` (DECODE_LAST_SPLIT_MERGES), fixed 512-key splits: v5's last-program merge inside
+  v6  (removed: v3 walking the whole tiles, then the last partial tile in a second loop, whose table and K/V loads
+      the software pipeliner cannot issue during the first, against one masked loop over every tile. One masked loop
+      won (300 keys 12.7 us against 13.8, 460 keys 15.1 against 16.1) and is the only loop the export has now: v3
+      and every later variant use it.)
+  v7  the export with `merge=True` (its default), fixed 512-key splits: v5's last-program merge inside
       the exported kernel, and only the splits that hold keys count in (a sequence within one split writes its output
       directly, empty splits write nothing). The W2-like step's timeline (256 sequences of 600 keys, tables 2K wide in
       the engine's graphs: 4 splits, 2 of them empty) spent 202 us a layer in the decode kernel and 24 in the merge,
       against ~150 for the bytes: the "xW" cases below pad the tables to that width, as the engine's graphs do.
-  v8  v7 with the split length from the batch's size too (DECODE_SPLITS_BY_WORK: splits of 128 keys and up, as many
+  v8  v7 with the split length from the batch's size too (the export's default: splits of DECODE_MIN_SPLIT keys and up, as many
       as bring the programs to ~256; none for 256 sequences). v7 with splits of 128 / 512 / 1,024: one
       sequence of 460 keys 11.6 / 15.1 / 15.0 us; 256 sequences of 600 keys (2K tables) 296 / 197 / 169 us.
       Its sweep asks whether shorter splits and tiles pay at batch 1, where the engine's graph for W1 (tables 512
@@ -50,10 +50,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import forge_engine.kernels as kernels
-from forge_engine.kernels import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, INTERPRETED, _attend_keys, _dot_precision, _fence_gpu, _pow2,
-                                  decode_split_len, paged_attention_reference, paged_decode_attention, paged_prefill_attention,
-                                  random_paged_kv)
+from forge_engine.kernels import paged_attention as kernels  # (its tuning constants, set for a call)
+from forge_engine.kernels.backend import INTERPRETED, _dot_precision, _pow2
+from forge_engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_SPLIT_TOKENS, _attend_keys, _fence_gpu,
+                                                  decode_split_len, paged_attention_reference, paged_decode_attention,
+                                                  random_paged_kv)
+from forge_engine.kernels.prefill_attention import paged_prefill_attention
 
 
 def v0_torch_padded(q, k_cache, v_cache, tables, ctx, scale):
@@ -203,7 +205,7 @@ def exported_merging(**knobs):
 
 
 def with_switches(fn, **switches):
-    "fn with chapter 09's module switches set for the call, whatever their defaults (a graph records the launch)."
+    "fn with chapter 09_kernels_paged_attention's tuning constants set for the call, whatever their defaults (a graph records the launch)."
     def run(*args):
         defaults = {name: getattr(kernels, name) for name in switches}
         try:
@@ -226,9 +228,8 @@ VARIANTS = {"v0 torch padded gather + SDPA": v0_torch_padded, "v1 program per qu
             "v3 GQA tile + splits (exported)": exported(split_tokens=DECODE_SPLIT_TOKENS, merge=False),
             "v4 prefill kernel, q len 1": v4_prefill_kernel,
             "v5 splits of 256, last program merges": v5_last_program_merges,
-            "v6 v3 with one masked loop": exported(split_tokens=DECODE_SPLIT_TOKENS, merge=False, one_loop=True),
             "v7 export, last split merges": exported_merging(split_tokens=DECODE_SPLIT_TOKENS),
-            "v8 v7, splits by work": with_switches(exported_merging(), DECODE_SPLITS_BY_WORK=True)}
+            "v8 v7, splits by work": exported_merging()}
 SWEEP = {f"v3 split={s} block_n={n} warps={w} stages={st}": exported(split_tokens=s, block_n=n, num_warps=w,
                                                                      num_stages=st, merge=False)
          for s, n, w, st in [(1024, 64, 4, None), (512, 128, 4, None), (1024, 128, 4, None), (512, 64, 4, 2),
@@ -237,7 +238,7 @@ SWEEP.update({f"v5 split={s} block_n={n}": (lambda s, n: lambda *a: v5_last_prog
               for s, n in [(128, 64), (128, 128), (256, 128), (512, 128)]})
 SWEEP.update({f"v7 split={s}": exported_merging(split_tokens=s) for s in (128, 256, 1024)})
 SWEEP.update({f"v8 min split={s} block_n={n} warps={w}": with_switches(exported_merging(block_n=n, num_warps=w),
-                                                                       DECODE_SPLITS_BY_WORK=True, DECODE_MIN_SPLIT=s)
+                                                                       DECODE_MIN_SPLIT=s)
               for s, n, w in [(64, 64, 4), (64, 64, 2), (32, 32, 4), (32, 32, 2), (64, 32, 4), (128, 64, 4)]})
 
 

@@ -30,7 +30,7 @@ import math
 from common import DEVICE, ON_GPU, Results, finish, time_variant, validate  # first: it may switch on the interpreter
 import torch
 import decode_attention  # its test cases
-from forge_engine.kernels import decode_split_len, paged_attention_reference, paged_decode_attention
+from forge_engine.kernels.paged_attention import decode_split_len, paged_attention_reference, paged_decode_attention
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>

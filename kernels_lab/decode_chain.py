@@ -20,7 +20,8 @@ took 2.79 ms against 2.29 ms for the single-load loop. Neither is in the package
 from common import DEVICE, HBM_BYTES_PER_S, ON_GPU, finish, graphed_ms, selected, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
-from forge_engine.kernels import add_rmsnorm, gemv, silu_mul
+from forge_engine.kernels.elementwise import add_rmsnorm, silu_mul
+from forge_engine.kernels.gemv import gemv
 
 HIDDEN, QKV, INTER, O_IN = (2560, 6144, 9728, 4096) if ON_GPU else (64, 96, 80, 32)
 LAYERS = 36 if ON_GPU else 2

@@ -1,52 +1,41 @@
-"""What may overlap between the kernels of a decode step, and does it pay? Chapter 09's switches (and chapter 10's
-int4 settings), each measured here in the decode step against the defaults. What the measurements decided (chapter 09's
-and chapter 10's prose give each one's figures):
-- on: FUSED_KV_STORE (the decode attention kernel stores the step's new K/V itself: one launch fewer a layer),
-  DECODE_ONE_LOOP (the decode attention walks a split's tiles, the partial last one too, in one masked loop),
-  FUSED_NORM_ROPE (it also applies q/k-norm and RoPE to q and the new K: no norm_rope launch), FUSED_SWIGLU (the
-  gate-up GEMV applies SiLU-mul in its epilogue: no silu_mul launch), DECODE_LAST_SPLIT_MERGES,
-  DECODE_SPLITS_BY_WORK, decode splits of 64 keys at batch 1 (DECODE_MIN_SPLIT), GEMV_ROWS_LAYOUT (BF16 gate-up
-  through `_gemv_rows_kernel`), GEMV_ROWS_INT8_MIN_N (int8's gate-up through it; "int8 tile gate-up" is the tile
-  kernel again), DEPENDENT_LAUNCHES and DECODE_EARLY_TILE (the decode attention launched as a dependent of the QKV
-  projection, each program asking for its first K/V tile before it waits for q; both for steps of at most
-  DEPENDENT_LAUNCH_MAX_ROWS rows), early weights for every GEMV (GEMV_EARLY_WEIGHTS), FUSED_NORM_GEMV (a batch-1
-  step's add + RMSNorm folded into the GEMVs around it: 2-byte weights only, it lost for int8), NORM_HANDOFF,
-  DECODE_UNROLL_MERGE;
-- off: GEMV_L2_PREFETCH (the GEMVs ask for their weights into L2 before the input wait, `_start_gemv`; also for the o
-  projection only, or o and qkv: the lab's PREFETCH_SHAPES), GEMV_LOOP_STAGES > 1 (the GEMV loops software-pipelined:
-  later steps' loads in flight through shared memory), the rows layout for the LM head (no difference);
-- lost, and not in the package: int8 qkv / gate-up in the rows kernel with offset bytes (`GEMV_INT8_OFFSET`, commit
-  92c7b73: run this lab there for its rows; 1.815 ms against 1.780); int8 qkv through the rows kernel too, o and down
-  through it (2 rows, 4 warps, 4,096 inputs a step: a program's whole row asked for before the wait: 1.796 ms against
-  1.682); the int8 tile GEMVs summing each thread's 8 inputs every step (`GEMV_STEP_SUMS`, commit f361c9d: 40
-  registers instead of 96; 1.907 against 1.679); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at
-  the end) and the int8 norm fold with its own tiles (commit aed4513 has their switches); each step's weights loaded
-  a step ahead in registers.
+"""What may overlap between the kernels of a decode step, and does it pay? Chapter 09's tuning constants and chapter
+10's int4 settings, each measured here in the decode step against the defaults, and two folds of chapter 09a turned off
+by lab code ("norms not folded", "norms not handed off").
 
-A GEMV launched as a programmatic dependent may start while the kernel before it still runs, but it waits
-(`gdc_wait`) before reading its input row. Its weights do not depend on that kernel, so with `prefetch` each warp
-first asks for its part of the program's rows into L2 (one `cp.async.bulk.prefetch`). Napkin math: in a batch-1
-step of Qwen3-4B the output projection (21 MB, ~5 µs at 4.19 TB/s) follows the decode attention (~7 µs on 8 of
-132 SMs) and qkv / gate-up follow a one-program add+RMSNorm: if their weights stream during those kernels, up to
-~10 µs a layer (0.36 ms of a 2.85 ms step) could hide. The risk: prefetched lines evicted before use (gate-up's
-100 MB is twice the 50 MB L2), or a prefetch issued by programs that start late, when it only costs.
+What the measurements decided. The winners are the package's only code now (chapters 09_kernels_* and 09a): the
+decode attention stores the step's new K/V itself (one launch fewer a layer), walks a split's tiles, the partial last
+one too, in one masked loop, applies q/k-norm and RoPE to q and the new K (no norm_rope launch), merges its splits in
+the last split to finish, with the split length from the batch's size (64-key splits at batch 1, DECODE_MIN_SPLIT);
+the gate-up GEMV applies SiLU-mul in its epilogue (no silu_mul launch); the BF16 gate-up and (GEMV_ROWS_INT8_MIN_N)
+int8 gate-up run `_gemv_rows_kernel`; the small kernels and the decode attention are launched as programmatic
+dependents in steps of at most DEPENDENT_LAUNCH_MAX_ROWS rows, the attention asking for its first K/V tile before it
+waits for q; every GEMV asks for its first weights before it waits (`early_weights`); a batch-1 step's add + RMSNorm
+is folded into the BF16 GEMVs around it and handed from GEMV to GEMV for int8 and int4; the merging program's loop is
+unrolled (DECODE_UNROLL_MERGE).
 
-The small kernels (one-program add+RMSNorm at batch 1, q/k-norm+RoPE, K/V store, SiLU-mul, attention) are launched
-the ordinary way: each starts once the kernel before has finished. As dependents they launch during their
-predecessor and wait on the GPU instead: the launch latency hides, ~1 µs a kernel, 7 a layer (~0.25 ms a step, if
-it all hid).
+Measured and lost, and no longer in the package (each was a module switch; this lab compared them):
+- the GEMVs asking for their weights into L2 before the input wait (one `cp.async.bulk.prefetch` a warp in
+  `_start_gemv`), for every GEMV, for the o projection only, or o and qkv: the BF16 step 3.326 ms against 2.851, int4
+  2.476 against 2.370 (only int4 with the small kernels launched as dependents as well gained, 2.272; a per-format
+  choice would have had to reach the small kernels too); the int4 gate-up / down alone lost as well;
+- the GEMV loops software-pipelined by Triton (2-3 stages: later steps' loads in flight through shared memory): the
+  BF16 step 2.883 ms at 3 stages against 2.851, int4's chain 40-70% slower;
+- the rows layout for the LM head too: no difference;
+- int8 qkv / gate-up in the rows kernel with offset bytes (1.815 ms against 1.780); int8 qkv through the rows kernel
+  too, o and down through it (2 rows, 4 warps, 4,096 inputs a step: a program's whole row asked for before the wait:
+  1.796 ms against 1.682); the int8 tile GEMVs summing each thread's 8 inputs every step (40 registers instead of 96;
+  1.907 against 1.679); int8 read as 2^15 + 128 + w (one permute a weight, x's sum off at the end) and the int8 norm
+  fold with its own tiles; each step's weights loaded a step ahead in registers.
 
 For each weight format (bf16; int8 and int4 quantized, chapter 10):
-1. validation: the prefetch and the pipelined loop give the same outputs as the plain GEMV (no arithmetic changes);
+1. validation: the first weights asked for early (and, int4, more steps of them) give the same outputs as the plain
+   GEMV (no arithmetic changes);
 2. the chain lab's 36 GEMVs of one Qwen3-4B shape in one CUDA graph (gemv_chain_sweep.py): without programmatic
-   dependent launch, with it, with the prefetch, with 2 / 3 loop stages;
+   dependent launch, with it, with the first weights after the wait;
 3. random:qwen3-4b's batch-1 decode step (its CUDA graph replayed alone) and one W1-like request (128-token prompt,
-   256 greedy tokens: decode tok/s) under the switch settings of SWITCHES (each from the defaults), in one process
-   (the switches are read when a graph is captured).
+   256 greedy tokens: decode tok/s) under the settings of SWITCHES (each from the defaults), in one process
+   (the settings are read when a graph is captured).
 
-Measured with the plain GEMVs and ordinary launches (one H200): BF16 step 2.851 ms plain, 3.326 with the prefetch,
-2.913 with dependents, 2.883 at 3 stages, 2.818 with the fused K/V store; int4 2.370 at the defaults, 2.476 with
-the prefetch, 2.272 with the prefetch and dependents together.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/decode_overlap.py [bf16,int8,int4]"""
 import gc
 import itertools
@@ -55,7 +44,9 @@ import sys
 
 from common import DEVICE, ON_GPU, finish, graphed_ms, selected  # first: it may switch on the interpreter
 import torch
-import forge_engine.kernels as kernels
+from forge_engine.kernels import backend, paged_attention
+from forge_engine.kernels import gemv as kernels_gemv
+import forge_engine.fused_layers as fused_layers
 from forge_engine.fused_layers import FusedRMSNorm
 import forge_engine.quant.gemv as quant  # the int4 GEMV (chapter 10c): its switches, tiles and launch
 import forge_engine.quant.layers as quant_layers
@@ -69,16 +60,16 @@ from gemv_chain_sweep import LAYERS, SHAPES, product, weights
 from int4_head import int4_head
 
 if not ON_GPU:
-    sys.exit("needs a GPU: the prefetch is sm_90 PTX, issued only by a dependent launch")
+    sys.exit("needs a GPU: the decode step's graph and dependent launches (sm_90)")
 
 
 def validate(formats) -> bool:
     ok = True
     for fmt, (n, k) in itertools.product(formats, ((96, 512), (40, 1024), (2560, 4096), (512, 2560), (256, 9728))):
         w, x = weights(fmt, n, k), torch.randn(1, k, device=DEVICE).bfloat16()
-        plain = product(fmt, x, w, prefetch=False)
+        plain = product(fmt, x, w, early_weights=False)
         more = (dict(early_weights=2), dict(early_weights=3)) if fmt == "int4" else ()  # (int4: steps before the wait)
-        for launch in (dict(prefetch=True), dict(loop_stages=3), dict(early_weights=True), *more):
+        for launch in (dict(early_weights=True), *more):
             same = torch.equal(plain, product(fmt, x, w, **launch))
             print(f"  {fmt} N={n} K={k} {launch}: the same as without: {same}")
             ok &= same
@@ -90,8 +81,7 @@ def chain(formats):
     for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
         layers = [weights(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
-        variants = {"no PDL": dict(pdl=False), "PDL": dict(prefetch=False), "prefetch": dict(prefetch=True),
-                    "stages 2": dict(loop_stages=2), "stages 3": dict(loop_stages=3)}
+        variants = {"no PDL": dict(pdl=False), "PDL": {}, "first weights late": dict(early_weights=False)}
         times = {}
         for name, launch in [*variants.items(), *variants.items()]:  # two rounds: the second one counts
             times[name] = graphed_ms(lambda: [product(fmt, x, w, **launch) for w in layers]) * 1e3 / LAYERS
@@ -107,23 +97,26 @@ def decode_step_ms(engine) -> float:
     return step
 
 
-DEFAULTS = {name: getattr(kernels, name) for name in
-            ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "GEMV_LOOP_STAGES", "FUSED_KV_STORE", "DECODE_ONE_LOOP",
-             "FUSED_NORM_ROPE", "FUSED_SWIGLU", "DECODE_LAST_SPLIT_MERGES", "DECODE_SPLITS_BY_WORK",
-             "DECODE_EARLY_TILE", "GEMV_EARLY_WEIGHTS", "GEMV_ROWS_LAYOUT", "DECODE_BLOCK_N",
-             "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "FUSED_NORM_GEMV", "GEMV_ROWS_INT8_MIN_N", "NORM_HANDOFF",
+KERNELS = (backend, kernels_gemv, paged_attention)  # chapter 09's modules, holding its tuning constants
+
+
+def owner(name: str):
+    "The module of a switch: one of chapter 09's, else chapter 10's int4 GEMV."
+    return next((m for m in KERNELS if hasattr(m, name)), quant)
+
+
+DEFAULTS = {name: getattr(owner(name), name) for name in
+            ("DECODE_BLOCK_N", "DEPENDENT_LAUNCH_MAX_ROWS", "GEMV_ROWS_MAX_N", "GEMV_ROWS_INT8_MIN_N",
              "DECODE_MIN_SPLIT", "DECODE_UNROLL_MERGE")}
 DEFAULTS["INT4_EARLY_WEIGHTS"] = quant.INT4_EARLY_WEIGHTS
 DEFAULTS["INT4_EARLY_EPILOGUE"] = quant.INT4_EARLY_EPILOGUE
 DEFAULTS["INT4_INT_DOT"] = quant.INT4_INT_DOT
 DEFAULTS["INT4_TILE_MAXNREG"] = quant.INT4_TILE_MAXNREG
-O_SHAPES = {(2560, 4096), (2560, 2048)}  # Qwen3-4B's o projection: bf16 / int8 [N, K], int4 packed [N, K / 2]
-QKV_SHAPES = {(6144, 2560), (6144, 1280)}  # ... and its qkv projection
-EXPORTED_PREFETCH = kernels.gemv_prefetch
+EXPORTED_FOLDS = fused_layers.gemv_folds_norms, fused_layers.gemv_hands_off_norms, quant_layers.gemv_hands_off_norms
 
 
 EXPORTED_ADD_NORM = FusedRMSNorm.add_and_norm
-EXPORTED_CONFIG = kernels.gemv_config
+EXPORTED_CONFIG = kernels_gemv.gemv_config
 EXPORTED_INT4_CONFIG = quant.quant_gemv_config
 EXPORTED_INT4_GEMV = quant.int4_gemv
 
@@ -131,7 +124,7 @@ EXPORTED_INT4_GEMV = quant.int4_gemv
 def configs_for(configs: dict):
     "gemv_config with `configs` ({(n, k, weight bytes, layout): (BLOCK_N, BLOCK_K, warps)}) in place of its answers."
     def gemv_config(n, k, weight_bytes=2, layout=None):
-        chosen = layout or kernels.gemv_layout(n, k, weight_bytes)
+        chosen = layout or kernels_gemv.gemv_layout(n, k, weight_bytes)
         return configs.get((n, k, weight_bytes, chosen)) or EXPORTED_CONFIG(n, k, weight_bytes, layout)
     return gemv_config
 
@@ -145,7 +138,6 @@ INT8_TILES = {"qkv": ((8, 512, 2), (8, 512, 4), (4, 512, 2)), "o": ((2, 2048, 4)
 
 # int4 tiles tried in the decode step (the chain's winners, and more rows a program: the gate-up's 8 rows won here)
 INT4_SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate-up": (19456, 2560), "down": (2560, 9728)}
-INT4_PACKED = {name: (n, k // 2) for name, (n, k) in INT4_SHAPES.items()}  # the packed weights' shapes
 INT4_TILES = {"qkv": ((8, 1, 8), (8, 2, 8), (4, 1, 8), (2, 1, 8)), "o": ((8, 4, 16), (2, 4, 16), (4, 2, 16), (4, 8, 16)),
               "gate-up": ((6, 1, 8), (6, 2, 8), (6, 1, 16), (4, 1, 8), (16, 1, 8), (8, 2, 8)),
               "down": ((8, 4, 16), (2, 4, 16), (4, 8, 16), (2, 8, 16))}
@@ -176,33 +168,24 @@ def skipped_add_norm(self, x, residual):
     return x, residual
 
 
-def prefetch_only(shapes):
-    "gemv_prefetch as if GEMV_L2_PREFETCH were on for weights of these shapes only."
-    def gemv_prefetch(weight, pdl, num_warps, prefetch=None):
-        return EXPORTED_PREFETCH(weight, pdl, num_warps, tuple(weight.shape) in shapes)
-    return gemv_prefetch
+def no_folds(weight):
+    "Lab-only: a decode step's norms neither folded into nor handed between the GEMVs (their separate launches)."
+    return False
 
 
-SWITCHES = {  # name: chapter 09's switches that differ from their defaults
-    "defaults": {}, "early tile off": dict(DECODE_EARLY_TILE=False), "splits fixed": dict(DECODE_SPLITS_BY_WORK=False),
-    "merge launched": dict(DECODE_LAST_SPLIT_MERGES=False),
-    "SiLU-mul launched": dict(FUSED_SWIGLU=False), "norm+RoPE launched": dict(FUSED_NORM_ROPE=False),
-    "partial tile after the loop": dict(DECODE_ONE_LOOP=False),
-    "write_kv launched": dict(FUSED_KV_STORE=False, FUSED_NORM_ROPE=False),
-    "early weights off": dict(GEMV_EARLY_WEIGHTS=False),
+SWITCHES = {  # name: chapter 09's tuning constants (and chapter 10's int4 settings) that differ from their defaults
+    "defaults": {},
     "early weights, int4 too": dict(INT4_EARLY_WEIGHTS=True),
-    "rows layout off": dict(GEMV_ROWS_LAYOUT=False), "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
+    "decode splits of 128 and up": dict(DECODE_MIN_SPLIT=128),
     "decode splits of 256 and up": dict(DECODE_MIN_SPLIT=256), "one decode split": dict(DECODE_MIN_SPLIT=1 << 20),
-    "decode tiles of 64": dict(DECODE_BLOCK_N=64), "dependent launches off": dict(DEPENDENT_LAUNCHES=False),
-    "decode splits of 32": dict(DECODE_MIN_SPLIT=32), "L2 prefetch": dict(GEMV_L2_PREFETCH=True),
-    "L2 prefetch, o only": dict(PREFETCH_SHAPES=O_SHAPES),
-    "L2 prefetch, o and qkv": dict(PREFETCH_SHAPES=O_SHAPES | QKV_SHAPES),
-    "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30), "norms not folded": dict(FUSED_NORM_GEMV=False),
+    "decode tiles of 64": dict(DECODE_BLOCK_N=64),
+    "decode splits of 32": dict(DECODE_MIN_SPLIT=32),
+    "rows layout for the LM head too": dict(GEMV_ROWS_MAX_N=1 << 30),
+    "norms not folded, not handed off": dict(NO_NORM_FOLDS=True),
     "int8 tile gate-up": dict(GEMV_ROWS_INT8_MIN_N=1 << 30), "int8 rows, qkv and gate-up": dict(GEMV_ROWS_INT8_MIN_N=0),
     # what the add + RMSNorm launches between the quantized GEMVs cost at most (wrong values: the GEMVs
     # read the un-normalised sum; the layers' add + norm return it unchanged, no launch)
     "add+norm launches skipped (a bound)": dict(SKIP_ADD_NORMS=True),
-    "norms not handed off": dict(NORM_HANDOFF=False),
     # int4's epilogue operands (residual, norm weights) loaded after the loop
     "int4 epilogue operands late": dict(INT4_EARLY_EPILOGUE=False),
 
@@ -230,13 +213,6 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
     "int4 qkv early 3, down early 2": dict(INT4_LAUNCH={INT4_SHAPES["qkv"]: dict(early_weights=3),
                                                         INT4_SHAPES["down"]: dict(early_weights=2)}),
     "int4 tiles uncapped": dict(INT4_TILE_MAXNREG={}),  # chapter 10's register caps off
-    # the L2 prefetch for one int4 shape's GEMVs only (int4 packed [N, K / 2]): the gate-up reads four of
-    # its five steps of weights after the wait, one DRAM trip each; down one of three
-    "int4 L2 prefetch gate-up": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]}),
-    "int4 L2 prefetch down": dict(PREFETCH_SHAPES={INT4_PACKED["down"]}),
-    "int4 L2 prefetch gate-up+down": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"], INT4_PACKED["down"]}),
-    "int4 L2 prefetch gate-up, no early step": dict(PREFETCH_SHAPES={INT4_PACKED["gate-up"]},
-                                                     INT4_LAUNCH={INT4_SHAPES["gate-up"]: dict(early_weights=0)}),
     # the int4 GEMV's arithmetic in FP32 (chapter 10's `INT4_INT_DOT` off); qkv's 4 x 2 x 8 in integers
     # under a cap (uncapped, ptxas takes 72 registers and spills six values around the early steps; at 80, 78, none)
     "int4 floats": dict(INT4_INT_DOT=False),
@@ -265,18 +241,18 @@ SWITCHES = {  # name: chapter 09's switches that differ from their defaults
 
 
 def switch(**changes):
-    "Chapter 09's switches (and chapter 10's INT4_EARLY_WEIGHTS): their defaults, with `changes`."
-    shapes = changes.pop("PREFETCH_SHAPES", None)  # (a lab-only setting: the prefetch for some GEMVs only)
+    "Chapter 09's tuning constants (and chapter 10's int4 settings): their defaults, with `changes`."
+    folds = (no_folds,) * 3 if changes.pop("NO_NORM_FOLDS", False) else EXPORTED_FOLDS  # (lab-only: read at capture)
+    fused_layers.gemv_folds_norms, fused_layers.gemv_hands_off_norms, quant_layers.gemv_hands_off_norms = folds
     FusedRMSNorm.add_and_norm = skipped_add_norm if changes.pop("SKIP_ADD_NORMS", False) else EXPORTED_ADD_NORM
     configs = changes.pop("GEMV_CONFIGS", None)  # (lab-only: other tiles for some shapes)
-    kernels.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
+    kernels_gemv.gemv_config = configs_for(configs) if configs else EXPORTED_CONFIG
     int4_configs = changes.pop("INT4_CONFIGS", {})  # (lab-only: other int4 tiles, {(n, k): (BLOCK_N, warps, chunk)})
     quant.quant_gemv_config = lambda n, k: int4_configs.get((n, k)) or EXPORTED_INT4_CONFIG(n, k)
     int4_launch = changes.pop("INT4_LAUNCH", None)  # (lab-only: register caps, early steps for some int4 shapes)
     quant.int4_gemv = quant_layers.int4_gemv = int4_gemv_for(int4_launch) if int4_launch else EXPORTED_INT4_GEMV
-    kernels.gemv_prefetch = quant.gemv_prefetch = prefetch_only(shapes) if shapes else EXPORTED_PREFETCH
     for name, value in dict(DEFAULTS, **changes).items():
-        setattr(kernels if hasattr(kernels, name) else quant, name, value)
+        setattr(owner(name), name, value)
 
 
 def w1_decode_tok_s(engine, new_tokens: int = 256) -> float:

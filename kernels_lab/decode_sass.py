@@ -5,7 +5,7 @@ the last program.
 
 Why: a variant that spills pays a local-memory round trip per spilled value, which a latency-bound kernel (batch 1:
 8-24 programs) cannot hide. The plain kernel: 2,272 instructions at 4 warps and 128-key tiles, none spilled;
-DECODE_EARLY_TILE (the first K and V tile held in registers across the wait for q) 4,096 with 76 spilling loads and
+the early tile (the first K and V tile held in registers across the wait for q) 4,096 with 76 spilling loads and
 stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. (A merge reading 8 splits at once,
 commit 942e6c9, compiled here without spills but measured slower; the merge's loop unrolled instead, UNROLL_MERGE,
 108 registers, as the loop.)
@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from gemv_sass import kernel_sass  # noqa: E402
 
-from forge_engine.kernels import _decode_kernel  # noqa: E402
+from forge_engine.kernels.paged_attention import _decode_kernel  # noqa: E402
 
 POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", context_lens_ptr="*i32",
                 out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", count_ptr="*i32",
@@ -35,7 +35,7 @@ def decode_sass(early: bool, num_warps: int, block_n: int, unroll: int = 0) -> t
     """The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings;
     `unroll`: the merge's loop unrolled over that many splits (UNROLL_MERGE; 0: a loop)."""
     constexprs = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=True,
-                      UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ONE_LOOP=True, ROPE=True,
+                      UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ROPE=True,
                       QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early,
                       UNROLL_MERGE=unroll)
     signature = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, **{name: "constexpr" for name in constexprs}}

@@ -4,17 +4,18 @@ whose trace gives every kernel's start and duration inside the graph. Printed pe
 duration, mean gap since the kernel before ended (negative: they overlapped, programmatic dependent launch), and
 their total a step.
 
-On one H200, with FUSED_KV_STORE=0: 2.93 ms a BF16 step of which the 145 GEMVs 2,220 µs, the 36 decode attentions
-364 µs, the 73 add+RMSNorms 180 µs; with SwiGLU fused: 269 kernels, the GEMVs 2,203 µs, the decode attentions
-350 µs, add+RMSNorm 166 µs: what chapter 09's fusions (the K/V store, SwiGLU, the norms) cut.
+On one H200, with the K/V stored by a launch of its own: 2.93 ms a BF16 step of which the 145 GEMVs 2,220 µs, the 36
+decode attentions 364 µs, the 73 add+RMSNorms 180 µs; with SwiGLU fused: 269 kernels, the GEMVs 2,203 µs, the decode
+attentions 350 µs, add+RMSNorm 166 µs: what chapter 09's fusions (the K/V store, SwiGLU, the norms) cut (the package
+now has only the fused paths).
 
 Run on a GPU from the repository root:
-    PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [SWITCH=0|1 ...] [--batch=B] [--prompt=T]
+    PYTHONPATH=. python3 kernels_lab/decode_step_timeline.py [none|int8|int4] [CONSTANT=N ...] [--batch=B] [--prompt=T]
         [--positions]
 (--positions: a middle layer's kernels and the step's last five, one by one.)
 (--batch=256 --prompt=600: a W2-like decode step, 256 sequences of ~600 tokens.)
-SWITCH: one of chapter 09's module switches (FUSED_KV_STORE, DEPENDENT_LAUNCHES, GEMV_L2_PREFETCH) or sizes
-(DECODE_MIN_SPLIT=64), set before the graph is captured."""
+CONSTANT: a tuning constant of chapter 09's kernel modules (DECODE_MIN_SPLIT=64, DEPENDENT_LAUNCH_MAX_ROWS=0,
+DECODE_BLOCK_N=64), set before the graph is captured."""
 import collections
 import json
 import os
@@ -24,7 +25,7 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import forge_engine.kernels as kernels
+from forge_engine.kernels import backend, gemv, paged_attention
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
@@ -94,7 +95,9 @@ def main():
         name, value = item.split("=")
         if name == "--batch": batch = int(value)
         elif name == "--prompt": prompt_tokens = int(value)
-        else: setattr(kernels, name, type(getattr(kernels, name))(int(value)))  # a switch (bool) or a size (int)
+        else:  # a tuning constant (an int) of the kernels' modules
+            module = next(m for m in (backend, gemv, paged_attention) if hasattr(m, name))
+            setattr(module, name, type(getattr(module, name))(int(value)))
     engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
                        EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192))  # (kept alive: it owns the graph's buffers)
     graph = decode_graph(engine, batch, prompt_tokens)

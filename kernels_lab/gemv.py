@@ -22,7 +22,7 @@ import os
 from common import DEVICE, ON_GPU, Results, finish, time_variant, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
-from forge_engine.kernels import gemv
+from forge_engine.kernels.gemv import gemv
 
 SHAPES = {"qkv 6144x2560": (6144, 2560), "o 2560x4096": (2560, 4096), "gate_up 19456x2560": (19456, 2560),
           "down 2560x9728": (2560, 9728), "lm_head 151936x2560": (151936, 2560)}

@@ -24,7 +24,7 @@ import time
 from common import DEVICE, HBM_BYTES_PER_S, ON_GPU, finish, graphed_ms, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
-from forge_engine.kernels import gemv, gemv_config
+from forge_engine.kernels.gemv import gemv, gemv_config
 from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from forge_engine.quant.gemv import int4_gemv, quant_gemv_config
 

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from forge_engine.kernels import (INTERPRETED, _start_gemv, _wait_for_previous, gemv, gemv_config, gemv_layout,
-                                  pdl_supported)
+from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_supported
+from forge_engine.kernels.gemv import _start_gemv, gemv, gemv_config, gemv_layout
 from forge_engine.quant.formats import quantize_int8
 
 
@@ -106,7 +106,7 @@ def _rows_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
 def _rows_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_qn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr,
                  PDL: tl.constexpr, EARLY_W: tl.constexpr, HAS_SCALE: tl.constexpr):
-    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, 0, not EARLY_W)
+    _start_gemv(PDL, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]
     first_row = tl.program_id(0) * BLOCK_N

@@ -18,11 +18,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from forge_engine.kernels import _gemv_kernel
+from forge_engine.kernels.gemv import _gemv_kernel
 from forge_engine.quant.gemv import INT4_INT_DOT, _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "NORM",
+FLAGS = ("EVEN_K", "HAS_SCALE", "HAS_BIAS", "PDL", "BYTE_ASM", "SWIGLU", "EARLY_W", "NORM",
          "RESIDUAL", "NORM_SUMS", "HAND_OFF")
 GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "b_ptr": "*bf16", "g_ptr": "*bf16",
                   "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_ptr": "*fp32", "next_g_ptr": "*bf16",
@@ -33,7 +33,7 @@ INT4_SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp16", "min_p
                   "res_ptr": "*bf16", "sums_ptr": "*fp32", "next_g_ptr": "*bf16", "normed_ptr": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32", "stride_qn": "i32", "stride_rm": "i32", "eps": "fp32",
                   **{name: "constexpr" for name in ("ROWS", "BLOCK_N", "GROUP", "CHUNK", "SLABS", "EVEN", "BYTE_ASM", "PDL",
-                                                    "PREFETCH", "LOOP_STAGES", "SWIGLU", "EARLY_W", "RESIDUAL",
+                                                    "SWIGLU", "EARLY_W", "RESIDUAL",
                                                     "NORM_SUMS", "HAND_OFF", "EARLY_EPI", "INT_DOT", "PAIRED")}}
 # what the launchers tell the compiler about real launches: pointers and row lengths divisible by 16
 ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "scale_ptr", "min_ptr", "b_ptr", "g_ptr", "res_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
@@ -79,28 +79,27 @@ def resident_warps(registers: int, num_warps: int) -> int:
 
 
 def gemv_loop(weight: str, block_n: int, block_k: int, num_warps: int, byte_asm: bool,
-              stages: int = 1, swiglu: bool = False, maxnreg: int | None = None,
+              swiglu: bool = False, maxnreg: int | None = None,
               early: bool = False, norm: bool = False, hand_off: bool = False) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
     `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop); `hand_off`: the residual
     added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8)."""
-    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm, PREFETCH=0,
-                 LOOP_STAGES=stages, SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=hand_off,
+    flags = dict(EVEN_K=True, HAS_SCALE=weight == "*i8", HAS_BIAS=False, PDL=True, BYTE_ASM=byte_asm,
+                 SWIGLU=swiglu, EARLY_W=early, NORM=norm, RESIDUAL=hand_off,
                  NORM_SUMS=False, HAND_OFF=hand_off)
     body, registers = loop_sass(_gemv_kernel, dict(GEMV_SIGNATURE, w_ptr=weight),
                                 dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags), num_warps, maxnreg)
     return body, block_n * block_k / (32 * num_warps), registers
 
 
-def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: int = 1,
-              group: int = 128, maxnreg: int | None = None, early: bool = False,
+def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, group: int = 128, maxnreg: int | None = None, early: bool = False,
               int_dot: bool | None = None) -> tuple[list[str], float, int]:
     """chapter 10's int4 GEMV at one row, whole steps (no masks): BLOCK_N rows a program, each thread `chunk` bytes of
     each; `int_dot`: its arithmetic in integers or FP32 (default: the export's INT4_INT_DOT)."""
     body, registers = loop_sass(_int4_gemv_kernel, INT4_SIGNATURE,
                                 dict(ROWS=1, BLOCK_N=block_n, GROUP=group, CHUNK=chunk, SLABS=num_warps, EVEN=True,
-                                     BYTE_ASM=byte_asm, PDL=True, PREFETCH=0, LOOP_STAGES=stages, SWIGLU=False,
+                                     BYTE_ASM=byte_asm, PDL=True, SWIGLU=False,
                                      EARLY_W=early, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False,
                                      EARLY_EPI=True, INT_DOT=INT4_INT_DOT if int_dot is None else int_dot, PAIRED=True),
                                 num_warps, maxnreg)
@@ -108,7 +107,7 @@ def int4_loop(block_n: int, num_warps: int, chunk: int, byte_asm: bool, stages: 
 
 
 def main():
-    print(f"{'weights':11s} {'tile':>12s} warps byte_asm stages maxnreg  instr/weight  regs  warps/SM  KB/SM  "
+    print(f"{'weights':11s} {'tile':>12s} warps byte_asm maxnreg  instr/weight  regs  warps/SM  KB/SM  "
           f"(most frequent in the loop)")
     bf16, int8 = dict(weight="*bf16", byte_asm=False), dict(weight="*i8", byte_asm=True)
     cases = [("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4)), ("bf16", dict(bf16, block_n=4, block_k=512, num_warps=4)),
@@ -122,17 +121,13 @@ def main():
              ("int4", dict(block_n=8, num_warps=2, chunk=8, byte_asm=True)),
              ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=True, early=True)),
              ("int4", dict(block_n=4, num_warps=4, chunk=16, byte_asm=True, early=True)),
-             # the loop software-pipelined (loop_stages): loads of later steps go through shared memory (LDGSTS)
-             ("bf16", dict(bf16, block_n=8, block_k=512, num_warps=4, stages=3)),
-             ("int8", dict(int8, block_n=4, block_k=1024, num_warps=4, stages=3)),
-             ("int4", dict(block_n=4, num_warps=2, chunk=8, byte_asm=True, stages=3)),
-             # gate-up with SiLU-mul in the epilogue (FUSED_SWIGLU): rows of the gate and the up half in one tile
+             # gate-up with SiLU-mul in the epilogue (`swiglu`): rows of the gate and the up half in one tile
              ("bf16 swiglu", dict(bf16, block_n=4, block_k=512, num_warps=4, swiglu=True)),
              ("int8 swiglu", dict(int8, block_n=8, block_k=512, num_warps=2, swiglu=True)),
              # the first step's weights asked for before the wait (`early_weights`): the loop should be unchanged
              ("bf16 early", dict(bf16, block_n=2, block_k=1024, num_warps=4, early=True)),
              ("int8 early", dict(int8, block_n=4, block_k=2048, num_warps=4, early=True)),
-             # an RMSNorm folded in (`norm`, FUSED_NORM_GEMV): qkv's tile, early, with and without
+             # an RMSNorm folded in (`norm`): qkv's tile, early, with and without
              ("bf16 early", dict(bf16, block_n=8, block_k=512, num_warps=4, early=True)),
              ("bf16 norm", dict(bf16, block_n=8, block_k=512, num_warps=4, early=True, norm=True)),
              ("int8 norm", dict(int8, block_n=4, block_k=1024, num_warps=4, early=True, norm=True)),
@@ -149,7 +144,7 @@ def main():
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
         tile = f"{case['block_n']:4d} x {case.get('block_k', str(case.get('chunk')) + 'B'):>5}"
         print(f"{label:11s} {tile} {case['num_warps']:5d} {case['byte_asm']!s:8s} "
-              f"{case.get('stages', 1):6d} {case.get('maxnreg') or '-':>7}  {len(body) / per_thread:6.2f} ({len(body):3d})"
+              f"{case.get('maxnreg') or '-':>7}  {len(body) / per_thread:6.2f} ({len(body):3d})"
               f"  {registers:4d}  {warps:8d}  {in_flight:5.1f}  {top}")
 
 

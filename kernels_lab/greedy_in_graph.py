@@ -35,7 +35,7 @@ from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.kernels import argmax_rows
+from forge_engine.kernels.elementwise import argmax_rows
 from forge_engine.loader import load_model
 from forge_engine.sampling import SampleResult, batch_logprobs
 

@@ -556,7 +556,7 @@ def reference(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
 
 def exported(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
     "t0: chapter 10's Triton int4 GEMV, or chapter 09's GEMV with int8 weights."
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     from forge_engine.quant.gemv import int4_gemv
     return int4_gemv(x, *mat) if fmt == "int4" else gemv(x, mat[0], None, mat[1], impl="triton")
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton
 import triton.language as tl
 import forge_engine.quant.gemv as quant
-from forge_engine.kernels import _program_row
+from forge_engine.kernels.gemv import _program_row
 from gemv_sass import int4_loop, resident_warps
 
 ROW_MAJOR = quant._int4_weights

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from forge_engine.kernels import pdl_supported
+from forge_engine.kernels.backend import pdl_supported
 from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from forge_engine.quant.gemv import _nibbles_to_f32, int4_gemv
 

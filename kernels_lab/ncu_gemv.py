@@ -21,7 +21,7 @@ import sys
 from common import DEVICE, ON_GPU, finish, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
-from forge_engine.kernels import gemv
+from forge_engine.kernels.gemv import gemv
 from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from forge_engine.quant.gemv import int4_gemv
 
@@ -49,7 +49,7 @@ def product(fmt: str, x: torch.Tensor, mat: tuple, **launch) -> torch.Tensor:
 def other_layout(fmt: str, n: int, k: int) -> dict:
     """The launch of bf16 / int8's other GEMV layout for this shape (`LAB_LAYOUTS=1`): the rows kernel at 2 rows,
     4 warps, 16 bytes a thread where the export takes the tile kernel, else the tile kernel's exported setting."""
-    from forge_engine.kernels import gemv_config, gemv_layout
+    from forge_engine.kernels.gemv import gemv_config, gemv_layout
     width = 1 if fmt == "int8" else 2
     if gemv_layout(n, k, width) == "rows":
         return dict(layout="tile", **dict(zip(("block_n", "block_k", "num_warps"), gemv_config(n, k, width, "tile"))))

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import (INTERPRETED, _attend_keys, _dot_precision, paged_attention_reference,
-                                  paged_prefill_attention, random_paged_kv)
+from forge_engine.kernels.backend import INTERPRETED, _dot_precision
+from forge_engine.kernels.paged_attention import _attend_keys, paged_attention_reference, random_paged_kv
+from forge_engine.kernels.prefill_attention import paged_prefill_attention
 from forge_engine.model import causal_attention
 
 

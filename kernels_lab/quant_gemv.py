@@ -31,7 +31,7 @@ import time
 from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, validate  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
-from forge_engine.kernels import gemv
+from forge_engine.kernels.gemv import gemv
 from forge_engine.quant.formats import quantize_int4
 from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul

@@ -13,7 +13,7 @@ Variants
 import torch
 
 from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, validate
-from forge_engine.kernels import add_rmsnorm, add_rmsnorm_reference, rmsnorm
+from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference, rmsnorm
 
 EPS = 1e-6
 

@@ -54,7 +54,7 @@ def variants(fast, group_name: str):
 
     def staged(x, half=0):
         return fast.staging(x.shape, x.dtype, half).copy_(x)
-    from forge_engine.kernels import add_rmsnorm
+    from forge_engine.kernels.elementwise import add_rmsnorm
     engine = AllReduce()
     engine.fast = fast
     zeros, ones = {}, {}  # the residual (zero: the new residual is the sum) and the norm weight, by shape
@@ -159,7 +159,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
             torch.cuda.synchronize()
             check(name, "eager", x, parts)
             if name == "v5 fused" and result[1] is not None:  # its normalised rows: the unfused path's, within rounding
-                from forge_engine.kernels import add_rmsnorm_reference
+                from forge_engine.kernels.elementwise import add_rmsnorm_reference
                 want = add_rmsnorm_reference(x.float(), None, torch.ones(HIDDEN, device=device), 1e-6)[0]
                 if not torch.allclose(result[0].float(), want, rtol=2e-2, atol=2e-2):
                     raise AssertionError(f"v5 fused at {rows} rows: the normalised rows are off by "

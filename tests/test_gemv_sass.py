@@ -116,7 +116,7 @@ for tile in {key[:3] for key in [*INT4_TILE_MAXNREG, *INT4_TILE_EARLY_STEPS]}:
     for int_dot, folds in itertools.product((True, False), ({}, {"SWIGLU": True}, STEP_FOLDS.get(tile, {}))):
         cap, early = INT4_TILE_MAXNREG.get((*tile, int_dot)), INT4_TILE_EARLY_STEPS.get((*tile, int_dot), 1)
         flags = dict(dict(ROWS=1, BLOCK_N=block_n, GROUP=128, CHUNK=chunk, SLABS=warps, EVEN=True, BYTE_ASM=True,
-                          PDL=True, PREFETCH=0, LOOP_STAGES=1, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
+                          PDL=True, SWIGLU=False, EARLY_W=early, RESIDUAL=False,
                           NORM_SUMS=False, HAND_OFF=False, EARLY_EPI=True, INT_DOT=int_dot, PAIRED=True), **folds)
         code, registers = kernel_sass(_int4_gemv_kernel, INT4_SIGNATURE, flags, warps, maxnreg=cap)
         found[f"{block_n}x{warps}x{chunk} early={early} int_dot={int_dot} {sorted(folds)}"] = dict(

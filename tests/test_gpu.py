@@ -47,28 +47,6 @@ def test_gpu_engine_matches_the_reference_path(name):
         assert engine.stats().kv.used_blocks == 0
 
 
-@pytest.mark.parametrize("mode", ["none", "int4"])
-def test_overlap_switches_change_no_token(mode, monkeypatch):
-    """Chapter 09's GEMV_L2_PREFETCH, DEPENDENT_LAUNCHES, FUSED_KV_STORE, DECODE_ONE_LOOP switched from their
-    defaults, and 3 loop stages: the same greedy tokens."""
-    import forge_engine.kernels as kernels
-    model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
-    if mode != "none":
-        from forge_engine.quant.layers import quantize_model
-        quantize_model(model, mode)
-    loaded = LoadedModel("qwen3-tiny", model, None, None)
-    prompts = [list(range(5, 5 + n)) for n in (3, 40, 700)]  # the last one: a decode with splits and their merge
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
-    want = [o.token_ids for o in run_all(LLMEngine(loaded, config), prompts, params)]
-    for name in ("GEMV_L2_PREFETCH", "DEPENDENT_LAUNCHES", "FUSED_KV_STORE", "DECODE_ONE_LOOP"):
-        monkeypatch.setattr(kernels, name, not getattr(kernels, name))
-    monkeypatch.setattr(kernels, "GEMV_LOOP_STAGES", 3)
-    engine = LLMEngine(loaded, config)
-    assert [o.token_ids for o in run_all(engine, prompts, params)] == want
-    engine.allocator.check_idle()
-
-
 def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
     """Chapter 09b's GREEDY_IN_GRAPH: the small decode graphs take each row's argmax, the sampler uses it for
     all-greedy steps (seen by a spy on chapter 06's `sample`), and the tokens and logprobs are those without it."""
@@ -100,12 +78,14 @@ def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
                                        ("qwen2-tiny", "int4")])
 def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
     """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 09a's
-    fused layers, FUSED_NORM_GEMV; int8, int4: handed from GEMV to GEMV, NORM_HANDOFF) against the same step with
-    the separate kernels and against the PyTorch decode path, all after the same prefill (eager, with PyTorch's
+    fused layers, `gemv_folds_norms`; int8, int4: handed from GEMV to GEMV, `gemv_hands_off_norms`) against the same
+    step with the separate kernels (those two answering no) and against the PyTorch decode path, all after the same prefill (eager, with PyTorch's
     attention): logits within BF16, and the folded step's pick scores as the best under the others, within that
     (random weights leave near-ties among 151,936 logits)."""
-    import forge_engine.kernels as kernels
+    import forge_engine.fused_layers as fused_layers
+    import forge_engine.quant.layers as quant_layers
     from forge_engine.cuda_graphs import DecodeRunner
+    from forge_engine.kernels.prefill_attention import KernelDecodeAttention
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
     config = preset(name)
@@ -114,7 +94,8 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
         from forge_engine.quant.layers import quantize_model
         quantize_model(model, mode)
     install_fused_layers(model)  # (as the loader and the engine do; a DecodeRunner alone runs what it is given)
-    switch, check = ("FUSED_NORM_GEMV", "folds_norms") if mode == "none" else ("NORM_HANDOFF", "hands_off_norms")
+    switch, check = ("gemv_folds_norms", "folds_norms") if mode == "none" else ("gemv_hands_off_norms", "hands_off_norms")
+    chosen = getattr(fused_layers, switch)
     cache = PagedKVCache(config, 9, 16, "cuda", torch.bfloat16)  # 8 blocks + the scratch block
     prompt, table = list(range(5, 45)), [0, 1, 2]
     with torch.no_grad():
@@ -124,9 +105,11 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     step = ([7], [40], [table[2] * 16 + 8], [table], [41])  # token 7 at position 40
     logits = {}
     for label, fold, graphs in (("folded", True, True), ("separate", False, True), ("eager", False, False)):
-        monkeypatch.setattr(kernels, switch, fold)  # read when the graphs are recorded
+        for module in (fused_layers, quant_layers):  # asked when the graphs are recorded
+            if hasattr(module, switch):
+                monkeypatch.setattr(module, switch, chosen if fold else lambda weight: False)
         cache.k_cache.copy_(prefilled[0]); cache.v_cache.copy_(prefilled[1])
-        attention = kernels.KernelDecodeAttention() if graphs else paged_decode_attention_torch
+        attention = KernelDecodeAttention() if graphs else paged_decode_attention_torch
         runner = DecodeRunner(model, cache, 4, 256, scratch_block=8, attention=attention, use_graphs=graphs)
         if graphs:
             x = torch.zeros(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -142,7 +125,7 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
 
 @pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])
 def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm):
-    from forge_engine.kernels import norm_rope, norm_rope_reference
+    from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(37, 3 * heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     x = qkv[:, :heads * dim].view(37, heads, dim)  # strided, as in the model
@@ -157,7 +140,7 @@ def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
@@ -169,7 +152,7 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_int8_gemv_on_the_gpu(rows, n, k):
     "int8 weights with one scale per row (chapter 10), converted through their bits in the kernel."
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     gen = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
@@ -180,9 +163,9 @@ def test_int8_gemv_on_the_gpu(rows, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(6144, 2560), (1000, 320), (151936, 2560)])
-def test_gemv_l2_prefetch_changes_no_result(n, k):
-    "The GEMVs with their weights prefetched into L2 (or their first tile loaded) before the input wait, or with a pipelined loop (chapter 09): the same bits."
-    from forge_engine.kernels import gemv
+def test_gemv_early_weights_change_no_result(n, k):
+    "The GEMVs with their first tile (int4: first steps) loaded before the input wait, or launched plainly: the same bits."
+    from forge_engine.kernels.gemv import gemv
     from forge_engine.quant.formats import quantize_int4
     from forge_engine.quant.gemv import int4_gemv
     gen = torch.Generator(device="cuda").manual_seed(k)
@@ -190,20 +173,15 @@ def test_gemv_l2_prefetch_changes_no_result(n, k):
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
     q, scale = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen), torch.rand(n, device="cuda")
     for args in ((w,), (q, None, scale)):
-        assert torch.equal(gemv(x, *args, prefetch=True), gemv(x, *args, prefetch=False))
-        assert torch.equal(gemv(x, *args, loop_stages=3), gemv(x, *args, loop_stages=1))  # the same sums, pipelined
         assert torch.equal(gemv(x, *args, early_weights=True), gemv(x, *args, early_weights=False))  # first tile early
     packed = quantize_int4(w, group=64)
-    assert torch.equal(int4_gemv(x, *packed, prefetch=True), int4_gemv(x, *packed, prefetch=False))
     assert torch.equal(int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed))  # and the dependent launch
-    assert torch.equal(int4_gemv(x, *packed, loop_stages=3), int4_gemv(x, *packed, loop_stages=1))
     for steps in (True, 2, 3):  # the first steps of weights before the wait: the same sums in the same order
         for int_dot in (True, False):  # in integers and in FP32
             assert torch.equal(int4_gemv(x, *packed, early_weights=steps, int_dot=int_dot),
                                int4_gemv(x, *packed, early_weights=False, int_dot=int_dot))
-    # a SiLU-mul GEMV's program prefetches its gate rows and their up rows (two runs): the same bits
-    assert torch.equal(gemv(x, w, swiglu=True, prefetch=True), gemv(x, w, swiglu=True, prefetch=False))
-    assert torch.equal(int4_gemv(x, *packed, swiglu=True, prefetch=True), int4_gemv(x, *packed, swiglu=True, prefetch=False))
+    # a SiLU-mul GEMV's program takes its gate rows and their up rows early too: the same bits
+    assert torch.equal(gemv(x, w, swiglu=True), gemv(x, w, swiglu=True, early_weights=False))
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen2-tiny"])
@@ -226,7 +204,7 @@ def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
 
 
 def test_silu_mul_and_qk_norm_rope_on_the_gpu():
-    from forge_engine.kernels import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
+    from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(5, 2 * 9728, device="cuda", generator=gen).bfloat16()
     # the same formula rounded to bf16 at the same two points; exp's last fp32 bit may differ between the kernel and
@@ -245,7 +223,7 @@ def test_silu_mul_and_qk_norm_rope_on_the_gpu():
 
 
 def test_write_kv_on_the_gpu_matches_index_copy():
-    from forge_engine.kernels import write_kv, write_kv_reference
+    from forge_engine.kernels.elementwise import write_kv, write_kv_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(9, 48 * 128, device="cuda", generator=gen).bfloat16()
     k, v = qkv[:, 32 * 128:40 * 128].view(9, 8, 128), qkv[:, 40 * 128:].view(9, 8, 128)

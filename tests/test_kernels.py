@@ -7,9 +7,11 @@ import itertools
 import pytest
 import torch
 
-from forge_engine.kernels import (DECODE_BLOCK_N, add_rmsnorm, add_rmsnorm_reference, decode_split_len, kernel_backend,
-                                  paged_attention_reference, paged_decode_attention, paged_prefill_attention,
-                                  random_paged_kv, rmsnorm)
+from forge_engine.kernels.backend import kernel_backend
+from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference, rmsnorm
+from forge_engine.kernels.paged_attention import (DECODE_BLOCK_N, decode_split_len, paged_attention_reference,
+                                                  paged_decode_attention, random_paged_kv)
+from forge_engine.kernels.prefill_attention import paged_prefill_attention
 
 # fp32: the same products and sums as the reference taken in another order (tiles, splits, merges; up to 4,096 keys),
 # each rounding 2^-24 relative: ~1e-6 on outputs of O(1), so 1e-5. bf16: the reference rounds once at the end, a
@@ -118,10 +120,8 @@ def test_decode_split_len_caps_the_number_of_splits():
     assert splits <= 64 and split_len * splits >= 1_600_000 and split_len % DECODE_BLOCK_N == 0
 
 
-def test_decode_splits_by_work(monkeypatch):
-    "With DECODE_SPLITS_BY_WORK the batch's size sets the split: short ones for one sequence, none for 256."
-    import forge_engine.kernels as kernels
-    monkeypatch.setattr(kernels, "DECODE_SPLITS_BY_WORK", True)
+def test_decode_splits_by_work():
+    "Given the batch's size (pairs), the split follows it: short ones for one sequence, none for 256."
     assert decode_split_len(32, 16, pairs=8) == (64, 8) and decode_split_len(128, 16, pairs=2048) == (2048, 1)
     assert decode_split_len(32, 16, 256, pairs=8) == (256, 2)  # split_tokens: fixed
     lens = [300, 20, 900]  # 3 x 2 pairs: 16 splits at most, of 64 keys or more
@@ -131,8 +131,7 @@ def test_decode_splits_by_work(monkeypatch):
     for merge in (False, True):
         got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, impl="triton", merge=merge)
         torch.testing.assert_close(got, want, **TOL[torch.float32])
-    monkeypatch.setattr(kernels, "DECODE_SPLITS_BY_WORK", False)
-    assert decode_split_len(32, 16, pairs=8) == (512, 1)
+    assert decode_split_len(32, 16) == (512, 1)  # no batch size: the fixed split
 
 
 def test_decode_rejects_bad_shapes():
@@ -212,7 +211,7 @@ def test_fused_layers_give_the_plain_models_logits(name):
     import copy
     from forge_engine.config import preset
     from forge_engine.fused_layers import FusedDecoderLayer, install_fused_layers
-    from forge_engine.kernels import KernelPagedAttention
+    from forge_engine.kernels.prefill_attention import KernelPagedAttention
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
     from forge_engine.model import empty_model, init_random_weights
     plain = init_random_weights(empty_model(preset(name), device=DEVICE), seed=0, std=0.1)
@@ -305,7 +304,7 @@ def test_gpu_decode_replays_in_a_cuda_graph(merge):
 @pytest.mark.gpu
 def test_gpu_tiny_model_through_the_kernel_backend():
     from forge_engine.config import preset
-    from forge_engine.kernels import KernelPagedAttention
+    from forge_engine.kernels.prefill_attention import KernelPagedAttention
     from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.model import empty_model, init_random_weights
@@ -329,18 +328,18 @@ def test_gpu_tiny_model_through_the_kernel_backend():
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("layout", ["tile", "rows"])
-def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
+def test_gpu_gate_up_gemv_with_swiglu_epilogue(int8, layout):
     "Qwen3-4B's gate-up at one row: SiLU-mul in the GEMV's epilogue gives the bits of the GEMV, then silu_mul."
-    import forge_engine.kernels as kernels
+    from forge_engine.kernels.elementwise import silu_mul, silu_mul_reference
+    from forge_engine.kernels.gemv import gemv, gemv_reference
     from forge_engine.quant.formats import quantize_int8
     x, w = randn(1, 2560, dtype=torch.bfloat16), randn(2 * 9728, 2560, dtype=torch.bfloat16, seed=1) / 50
     w, scale = quantize_int8(w) if int8 else (w, None)
-    want = kernels.silu_mul(kernels.gemv(x, w, None, scale, layout=layout))
-    monkeypatch.setattr(kernels, "FUSED_SWIGLU", True)
-    assert torch.equal(kernels.gemv(x, w, None, scale, swiglu=True, layout=layout), want)
+    want = silu_mul(gemv(x, w, None, scale, layout=layout))
+    assert torch.equal(gemv(x, w, None, scale, swiglu=True, layout=layout), want)
     # bf16: the GEMV's output, SiLU's and the product each rounded (2^-8 relative), the reference's GEMV summed in
     # another order: three or four roundings apart, ~1.6e-2
-    torch.testing.assert_close(want.float(), kernels.silu_mul_reference(kernels.gemv_reference(x, w, None, scale)).float(),
+    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(),
                                rtol=5e-2, atol=5e-2)
 
 
@@ -348,7 +347,7 @@ def test_gpu_gate_up_gemv_with_swiglu_epilogue(monkeypatch, int8, layout):
 @pytest.mark.parametrize("int8", [False, True])
 def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
     "Both GEMV layouts, with the first weights early or not, against the reference at each of a layer's shapes."
-    from forge_engine.kernels import gemv, gemv_reference
+    from forge_engine.kernels.gemv import gemv, gemv_reference
     from forge_engine.quant.formats import quantize_int8
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (100, 2560 + 64)):
         x, w = randn(1, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k ** 0.5
@@ -363,7 +362,7 @@ def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
 @pytest.mark.gpu
 def test_gpu_decode_normalises_and_rotates_q_and_the_new_k():
     "Qwen3-4B's heads: the decode kernel given q and k as the QKV projection leaves them (rope) = norm_rope first."
-    from forge_engine.kernels import NormRope, norm_rope_reference, write_kv_reference
+    from forge_engine.kernels.elementwise import NormRope, norm_rope_reference, write_kv_reference
     bf16 = torch.bfloat16
     lens = [1, 300, 517, 2048]
     k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda")
@@ -391,7 +390,7 @@ def test_gpu_decode_early_tile_waits_for_the_projection():
     """With `early_tile` the decode kernel starts as a dependent of the GEMV that writes q and the new K/V and asks for
     its first K/V tile before it waits: in a CUDA graph, replayed with new inputs, the bits and pool of the plain
     launch (lengths put the new position in a split's first tile and in a later one)."""
-    from forge_engine.kernels import gemv
+    from forge_engine.kernels.gemv import gemv
     bf16 = torch.bfloat16
     lens = [1, 130, 517, 2048]
     k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=bf16, device="cuda")

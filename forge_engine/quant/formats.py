@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import kernel_backend, tl, triton
+from ..kernels.backend import kernel_backend, tl, triton
 
 # %% auto #0
 __all__ = ['INT4_GROUP', 'QUANTIZE_CHUNK', 'quantize_int8', 'dequantize_int8', 'int8_rows', 'int4_group_size', 'quantize_int4',

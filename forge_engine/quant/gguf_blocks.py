@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import _pow2, kernel_backend, tl, triton
+from ..kernels.backend import _pow2, kernel_backend, tl, triton
 from .split_k import _accumulate, _program_tile, _skinny_kernel, _skinny_matmul, _store_partial
 
 # %% auto #0

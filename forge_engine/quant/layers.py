@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms, kernel_backend
+from ..kernels.backend import kernel_backend
+from ..kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
 from ..model import Transformer, load_weights
 from .formats import (dequantize_int4, int8_rows, quantize_int4, quantize_int8,
                                         quantize_rows)

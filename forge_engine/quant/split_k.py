@@ -9,8 +9,8 @@ import functools
 
 import torch
 
-from ..kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv_reference,
-                                  kernel_backend, tl, triton)
+from ..kernels.backend import INTERPRETED, _dot, _dot_precision, _pow2, kernel_backend, tl, triton
+from ..kernels.gemv import GEMV_MAX_ROWS, gemv_reference
 
 # %% auto #0
 __all__ = ['SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'int8_matmul', 'int8_matmul_reference', 'assert_matches', 'check_kernel']

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from ..kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
+from ..kernels.backend import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from .shards import ShardedTransformer, _agree_min
 
 # %% auto #0

@@ -384,12 +384,12 @@ assert off.stats().cached_blocks == 0 and off.stats().free_blocks == 4
 #| export
 @functools.cache
 def triton_kernel(name: str):
-    "A Triton kernel of chapter 09 (`write_kv`) when it runs natively here (a CUDA GPU), else None."
+    "A Triton kernel of chapter 09_kernels_elementwise (`write_kv`) when it runs natively here (a CUDA GPU), else None."
     try:
-        import forge_engine.kernels as kernels
+        from forge_engine.kernels import backend, elementwise
     except ImportError:
         return None
-    return getattr(kernels, name) if kernels.kernels_available("cuda") else None
+    return getattr(elementwise, name) if backend.kernels_available("cuda") else None
 
 
 class PagedKVCache:

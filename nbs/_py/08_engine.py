@@ -172,7 +172,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
-            from forge_engine.kernels import KernelPagedAttention, kernels_available
+            from forge_engine.kernels.backend import kernels_available
+            from forge_engine.kernels.prefill_attention import KernelPagedAttention
             if kernels_available(self.device): self.attention = KernelPagedAttention
 
     @torch.no_grad()

@@ -19,8 +19,8 @@
 # | `FusedLinear` | a decode step's row by `gemv` (5-13% faster than cuBLAS at one row) | `F.linear` |
 # | `FusedAttention` | q/k-norm and RoPE of q and k in one `norm_rope`; none at all with a backend whose `rope_inside` takes them (the decode kernel) | a copy, the norms, ~7 small kernels of RoPE for q and again for k |
 # | `FusedMLP` | a decode row's gate-up GEMV with SiLU-mul in its epilogue (`swiglu`); else `silu_mul` | silu, the product, the strided halves: 3 kernels |
-# | `FusedDecoderLayer` | BF16, one row: each add + RMSNorm folded into the GEMVs around it (`folds_norms`, `FUSED_NORM_GEMV`) | 6 launches a layer: 4 |
-# | `FusedTransformer` | int8 / int4, one row: each norm handed from GEMV to GEMV (`hands_off_norms`, `NORM_HANDOFF`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
+# | `FusedDecoderLayer` | BF16, one row: each add + RMSNorm folded into the GEMVs around it (`folds_norms`) | 6 launches a layer: 4 |
+# | `FusedTransformer` | int8 / int4, one row: each norm handed from GEMV to GEMV (`hands_off_norms`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
 #
 # Chapter 09 measured each of these; this chapter only wires them in. Chapter 10's quantized
 # layers are not `nn.Linear`s and stay: the fused layers call their GEMVs (`gemv_operands`, or a
@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import (NormRope, add_rmsnorm, gemv, gemv_folds_norms, gemv_hands_off_norms,
-                                  kernels_available, norm_rope, rmsnorm, silu_mul)
+from forge_engine.kernels.backend import kernels_available
+from forge_engine.kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
+from forge_engine.kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
 
 # %%
@@ -51,7 +52,7 @@ from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, R
 import copy
 import pytest
 from forge_engine.config import preset
-from forge_engine.kernels import KernelPagedAttention
+from forge_engine.kernels.prefill_attention import KernelPagedAttention
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
 from forge_engine.model import empty_model, init_random_weights
 
@@ -223,13 +224,13 @@ class FusedDecoderLayer(DecoderLayer):
 
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step folds the norms and residual adds into the GEMVs (`gemv` with `norm` and `residual`,
-        FUSED_NORM_GEMV): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
+        `gemv_folds_norms`): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
         return self._gemv_reads_all(x) and gemv_folds_norms(self.attn.qkv.gemv_operands()[0])
 
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (`gemv` with
-        `hand_off` and `norm_sums`, NORM_HANDOFF): as `folds_norms`, for the formats that take it; or each layer has a
-        GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
+        `hand_off` and `norm_sums`, `gemv_hands_off_norms`): as `folds_norms`, for the formats that take it; or each
+        layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0])
         return takes_gemv(x) and all(hasattr(layer, "decode_gemv") and layer.hands_off_norms()

@@ -81,7 +81,8 @@ def context_buckets(max_model_len: int, block_size: int) -> list[int]:
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
     if torch.device(device).type == "cuda":
-        from forge_engine.kernels import KernelDecodeAttention, kernels_available
+        from forge_engine.kernels.backend import kernels_available
+        from forge_engine.kernels.prefill_attention import KernelDecodeAttention
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch
@@ -192,7 +193,7 @@ class DecodeRunner:
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
-        from forge_engine.kernels import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
+        from forge_engine.kernels.elementwise import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
@@ -299,28 +300,25 @@ torch.testing.assert_close(static_logits, reference, rtol=1e-5, atol=1e-5)
 assert runner.greedy_tokens(static_logits) is None  # (no graph recorded an argmax: the sampler takes its own)
 
 # %% [markdown]
-# With chapter 09's decode kernel (here interpreted), which is handed the new K/V and stores
-# them itself: by `write_kv` first, or with `FUSED_KV_STORE` inside the attention kernel (one
-# launch fewer a layer). The model's layers are chapter 09a's fused ones, as on a GPU: they hand
-# the kernel q and k unrotated, to normalise and rotate itself. Both give the reference's
-# logits and write the same slots.
+# With chapter 09_kernels_paged_attention's decode kernel (here interpreted), which is handed the
+# new K/V and stores them itself, inside the attention kernel (one launch fewer a layer; its
+# PyTorch path stores them by `write_kv` first). The model's layers are chapter 09a's fused ones,
+# as on a GPU: they hand the kernel q and k unrotated, to normalise and rotate itself. Both paths
+# give the reference's logits and write the same slots.
 
 # %%
 import copy
-import forge_engine.kernels as kernels
 from forge_engine.fused_layers import install_fused_layers
-from forge_engine.kernels import KernelDecodeAttention
+from forge_engine.kernels.prefill_attention import KernelDecodeAttention
 
 fused_model = install_fused_layers(copy.deepcopy(model), force=True)  # (forced: on a CPU, their PyTorch paths)
-for fused in (False, True):
-    kernels.FUSED_KV_STORE = fused
+for impl in ("torch", "triton"):
     cache.k_cache.copy_(before)
     kernel_runner = DecodeRunner(fused_model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks,
-                                 attention=KernelDecodeAttention(impl="triton"), use_graphs=False)
+                                 attention=KernelDecodeAttention(impl=impl), use_graphs=False)
     logits = kernel_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
-    assert (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == written, fused
-kernels.FUSED_KV_STORE = True  # (the default)
+    assert (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == written, impl
 
 # %% [markdown]
 # On a GPU the same runner records graphs (the cell below runs only with the `gpu` flag):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import INTERPRETED, _let_next_start, _pdl_args, _pow2
+from forge_engine.kernels.backend import INTERPRETED, _let_next_start, _pdl_args, _pow2
 from forge_engine.tensor_parallel.shards import ShardedTransformer, _agree_min
 
 # %%
@@ -452,7 +452,7 @@ finally:
 # %%
 if INTERPRETED:
     import multiprocessing
-    from forge_engine.kernels import add_rmsnorm_reference
+    from forge_engine.kernels.elementwise import add_rmsnorm_reference
     world, rows, hidden, eps, channels = 2, 5, 40, 1e-6, 3  # 3 programs for 5 rows: programs take rows in turn
     g = torch.Generator().manual_seed(0)
     buffers = [torch.randn(2 * rows, hidden, generator=g).share_memory_() for _ in range(world)]  # two halves of 5 rows

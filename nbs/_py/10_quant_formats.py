@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from forge_engine.kernels import kernel_backend, tl, triton
+from forge_engine.kernels.backend import kernel_backend, tl, triton
 
 # %%
 #| hide

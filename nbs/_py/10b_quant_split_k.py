@@ -29,8 +29,8 @@ import functools
 
 import torch
 
-from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _dot, _dot_precision, _pow2, gemv_reference,
-                                  kernel_backend, tl, triton)
+from forge_engine.kernels.backend import INTERPRETED, _dot, _dot_precision, _pow2, kernel_backend, tl, triton
+from forge_engine.kernels.gemv import GEMV_MAX_ROWS, gemv_reference
 
 # %%
 #| hide

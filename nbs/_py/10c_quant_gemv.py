@@ -16,8 +16,7 @@
 # `Σ_k x_k (s q_k + m) = s · Σ_k x_k q_k + m · Σ_k x_k`: the nibbles enter the dot product as
 # they are, and scale and minimum cost two multiply-adds per group, not one per weight. It starts
 # as chapter 09's GEMV does (`_start_gemv`): launched as a programmatic dependent on Hopper, so its
-# programs start while the kernel before is finishing, and with `prefetch=True` they first ask for
-# their weight rows into L2.
+# programs start while the kernel before is finishing.
 #
 # Why count operations: at 4.19 TB/s an H200 reads 8.4 trillion 4-bit weights a second, and
 # its 132 SMs issue about 33 trillion thread-instructions a second: four instructions per
@@ -86,16 +85,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from forge_engine.kernels import (GEMV_MAX_ROWS, INTERPRETED, _norm_scale, _pow2, _program_row, _rows_epilogue_operands,
-                                  _silu_times, _start_gemv, _wait_for_previous, check_gemv_folds, gemv_loop_stages,
-                                  gemv_prefetch, hand_off_operands, kernel_backend, pdl_supported, tl, triton)
+from forge_engine.kernels.backend import (INTERPRETED, _pow2, _wait_for_previous, kernel_backend, pdl_supported, tl,
+                                          triton)
+from forge_engine.kernels.elementwise import _silu_times
+from forge_engine.kernels.gemv import (GEMV_MAX_ROWS, _norm_scale, _program_row, _rows_epilogue_operands, _start_gemv,
+                                       check_gemv_folds, hand_off_operands)
 from forge_engine.quant.formats import dequantize_int4
 from forge_engine.quant.split_k import _int4_matmul_kernel, _skinny_kernel, _skinny_matmul
 
 # %%
 #| hide
 import pytest
-from forge_engine.kernels import silu_mul
+from forge_engine.kernels.elementwise import silu_mul
 from forge_engine.quant.formats import int4_group_size, quantize_int4
 from forge_engine.quant.split_k import check_kernel
 
@@ -416,10 +417,10 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
                       M, N, K, stride_qn, stride_rm, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
                       SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
+                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
                       RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr,
                       EARLY_EPI: tl.constexpr, INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
-    _start_gemv(q_ptr, N, stride_qn, BLOCK_N, PDL, PREFETCH, not EARLY_W, SWIGLU)  # as chapter 09's GEMV: a dependent launch
+    _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
     STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
     HALF_N: tl.constexpr = BLOCK_N // 2  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
@@ -442,7 +443,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
     if EARLY_EPI:  # the epilogue's residual and norm weights asked for before the loop (as chapter 09's GEMV)
         residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
                                                      RESIDUAL, HAND_OFF)
-    for b0 in tl.range(first, K // 2, STEP, num_stages=LOOP_STAGES):
+    for b0 in tl.range(first, K // 2, STEP, num_stages=1):  # the loop as written, as chapter 09's GEMV
         ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
                            SWIGLU, INT_DOT, PAIRED)
         accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM, INT_DOT)
@@ -572,13 +573,13 @@ assert quant_gemv_config(576, 576)[0] == 2 and quant_gemv_config(3072, 1024)[0] 
 # %%
 #| export
 def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
-                 pdl: bool | None = None, prefetch: bool | None = None, loop_stages: int | None = None,
-                 maxnreg: int | None = None, swiglu: bool = False, residual: torch.Tensor | None = None,
+                 pdl: bool | None = None, maxnreg: int | None = None, swiglu: bool = False,
+                 residual: torch.Tensor | None = None,
                  norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
                  **constexprs):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
     -> [M, N] (`swiglu`: [M, N / 2], a program's BLOCK_N rows half gate, half up); as a dependent launch where the GPU
-    has it (default) and with chapter 09's L2 prefetch where asked. `residual`, `norm_sums`, `hand_off`, `eps`: as
+    has it (default). `residual`, `norm_sums`, `hand_off`, `eps`: as
     chapter 09's `gemv` (with `hand_off`: -> (out, out x the norm's weight)).
     `maxnreg`: a cap on registers per thread for the compiler (the lab's knob: more warps resident per SM)."""
     x = x.contiguous()
@@ -592,8 +593,7 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
                                            x, *weights, out, *folds, m, n, k, weights[0].stride(0),
                                            0 if residual is None else residual.stride(0), eps, ROWS=_pow2(m),
                                            BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
-                                           PREFETCH=gemv_prefetch(weights[0], pdl, num_warps, prefetch),
-                                           LOOP_STAGES=gemv_loop_stages(loop_stages), num_warps=num_warps,
+                                           num_warps=num_warps,
                                            **({"maxnreg": maxnreg} if maxnreg else {}), SWIGLU=swiglu,
                                            RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None,
                                            HAND_OFF=hand_off is not None, **constexprs)
@@ -625,8 +625,7 @@ def _early_steps(pdl: bool, early_weights: int | None, row_bytes: int, step_byte
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-              byte_asm: bool | None = None, pdl: bool | None = None, prefetch: bool | None = None,
-              loop_stages: int | None = None, maxnreg: int | None = None, swiglu: bool = False,
+              byte_asm: bool | None = None, pdl: bool | None = None, maxnreg: int | None = None, swiglu: bool = False,
               early_weights: int | None = None, residual: torch.Tensor | None = None,
               norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
               int_dot: bool | None = None):
@@ -638,7 +637,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     `block_n` weight rows a program, `num_warps` (each a slab of K), `chunk` bytes a thread takes of each row per step
     (8 or 16): default `quant_gemv_config`, with `block_n` divided by the rows of x.
     `byte_asm`: nibbles unpacked by `_nibbles_to_f32`'s PTX (default: whenever compiled, not interpreted).
-    `pdl`, `prefetch`, `loop_stages`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
+    `pdl`: as chapter 09's `gemv` (a dependent launch by default on Hopper); `maxnreg`:
     a register cap per thread (default: `INT4_TILE_MAXNREG`'s for the tile and arithmetic at one row, else the
     compiler's choice).
     `int_dot`: the arithmetic in integers (`_int4_step_integers`) or in FP32 (default: INT4_INT_DOT, where the packed
@@ -674,7 +673,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     step_bytes = 32 * chunk * num_warps  # of a row, per loop step
     even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
     scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
-    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl, prefetch, loop_stages,
+    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl,
                         maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
                         EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
                         EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
@@ -802,7 +801,7 @@ with pytest.raises(ValueError, match="an even N and block_n, got 12 and 3"):
 # int8 tiles lost with theirs early: more registers, fewer programs an SM.)
 
 # %%
-from forge_engine.kernels import add_rmsnorm, rmsnorm
+from forge_engine.kernels.elementwise import add_rmsnorm, rmsnorm
 # n is the next GEMV's K: one group of 64, or three of 32 with the last step masked (the interpreter's time goes as
 # n times the rows of x, ~0.03 s a weight row and a row of x here)
 for m, k, n, launch in ((1, 384, 64, {}), (2, 256, 96, dict(block_n=4, num_warps=1)), (3, 512, 96, {})):

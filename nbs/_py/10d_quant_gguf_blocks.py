@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from forge_engine.kernels import _pow2, kernel_backend, tl, triton
+from forge_engine.kernels.backend import _pow2, kernel_backend, tl, triton
 from forge_engine.quant.split_k import _accumulate, _program_tile, _skinny_kernel, _skinny_matmul, _store_partial
 
 # %%

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_engine.kernels import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms, kernel_backend
+from forge_engine.kernels.backend import kernel_backend
+from forge_engine.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
 from forge_engine.model import Transformer, load_weights
 from forge_engine.quant.formats import (dequantize_int4, int8_rows, quantize_int4, quantize_int8,
                                         quantize_rows)

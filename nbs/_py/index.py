@@ -33,7 +33,11 @@
 # | 08_engine | `engine` | one step: schedule, run, sample, stop |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
 # | 08b_llm | `llm` | `LLM`: offline generation; a model in this process or split over several |
-# | 09_kernels | `kernels` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV, paged decode and prefill attention |
+# | 09_kernels | `kernels.backend` | Triton here or not: which implementation runs, the interpreter on a CPU, dependent launches |
+# | 09_kernels_elementwise | `kernels.elementwise` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, argmax of each row |
+# | 09_kernels_gemv | `kernels.gemv` | the GEMV for one to four rows (BF16, int8) and what its epilogue folds in |
+# | 09_kernels_paged_attention | `kernels.paged_attention` | the paged attention reference, paged decode attention (flash-decoding) |
+# | 09_kernels_prefill_attention | `kernels.prefill_attention` | varlen prefill attention, the attention backends the engine runs |
 # | 09a_fused_layers | `fused_layers` | the model's layers through those kernels on a GPU, swapped in by class |
 # | 09b_cuda_graphs | `cuda_graphs` | decode steps replayed from CUDA graphs |
 # | 09c_tensor_parallel | `tensor_parallel.shards` | one model over N GPUs: which rank holds which slice, the parallel layers |
