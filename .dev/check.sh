@@ -15,6 +15,10 @@ fi
 stage "2. modules import only the layers below their own (pyproject.toml's contract)"
 lint-imports --no-cache
 
+stage "2b. ruff: the notebooks, tests and labs formatted (line length 100) and free of lint errors"
+ruff format --check --quiet . || { echo "FAIL: run make sync (or ruff format FILE) and commit"; exit 1; }
+ruff check --quiet .
+
 stage "3. notebooks are clean"
 cp -r nbs "$scratch/nbs_before"
 nbdev_clean

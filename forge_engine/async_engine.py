@@ -29,6 +29,7 @@ Sink = Callable[[RequestOutput], None]
 
 class AsyncEngine:
     "An `LLMEngine` on its own thread. Thread-safe: submit, stream, abort and stats from anywhere."
+
     def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.25):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -42,26 +43,39 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def alive(self) -> bool: return self._thread.is_alive() and self.error is None
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
 
     # -- the caller's side --
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Sink,
-               request_id: str | None = None, prompt: str | None = None, grammar: Any = None) -> str:
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        grammar: Any = None,
+    ) -> str:
         """Queue a request whose outputs go to `sink` (called on the engine thread). Refuses bad requests at once.
         `grammar`: `engine.compile_grammar(params.structured)`, when the caller compiled it already."""
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         ids = self.engine.check_prompt(prompt_token_ids)
         # a structured output's grammar is compiled here, on the caller's thread, not the engine's (chapter 06a)
-        if grammar is None and params.structured is not None: grammar = self.engine.compile_grammar(params.structured)
+        if grammar is None and params.structured is not None:
+            grammar = self.engine.compile_grammar(params.structured)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = len(self.engine.scheduler.waiting) + len(self._live) - len(self._sinks)  # queued + not yet added
+            waiting = (
+                len(self.engine.scheduler.waiting) + len(self._live) - len(self._sinks)
+            )  # queued + not yet added
             if waiting >= self.engine.config.max_waiting:
-                raise QueueFullError(f"waiting queue is full ({waiting} of {self.engine.config.max_waiting} requests); "
-                                     f"try again later")
+                raise QueueFullError(
+                    f"waiting queue is full ({waiting} of {self.engine.config.max_waiting} requests); "
+                    f"try again later"
+                )
             self._live.add(request_id)
         self._inbox.put(("add", request_id, ids, params, prompt, sink, grammar))
         return request_id
@@ -70,15 +84,29 @@ class AsyncEngine:
         "Abort a request in any state; its blocks are free within one engine step."
         with self._lock:
             if request_id not in self._live:
-                raise ValueError(f"unknown request id {request_id!r} (never submitted, or already finished)")
+                raise ValueError(
+                    f"unknown request id {request_id!r} (never submitted, or already finished)"
+                )
         self._inbox.put(("abort", request_id))
 
-    async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     prompt: str | None = None, grammar: Any = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        grammar: Any = None,
+    ) -> AsyncIterator[RequestOutput]:
         "Outputs of one request as they come. Leaving the loop early aborts the request."
         loop, outbox = asyncio.get_running_loop(), asyncio.Queue()
-        rid = self.submit(prompt_token_ids, params, lambda out: loop.call_soon_threadsafe(outbox.put_nowait, out),
-                          request_id, prompt, grammar)
+        rid = self.submit(
+            prompt_token_ids,
+            params,
+            lambda out: loop.call_soon_threadsafe(outbox.put_nowait, out),
+            request_id,
+            prompt,
+            grammar,
+        )
         finished = False
         try:
             while not finished:
@@ -87,16 +115,21 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                try: self.abort(rid)
-                except ValueError: pass  # it finished meanwhile
+                try:
+                    self.abort(rid)
+                except ValueError:
+                    pass  # it finished meanwhile
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, timeout: float | None = None) -> RequestOutput:
+    def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, timeout: float | None = None
+    ) -> RequestOutput:
         "Blocking: the final output of one request (from any thread)."
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.submit(prompt_token_ids, params, lambda out: out.finished and outbox.put(out))
         return outbox.get(timeout=timeout)
 
-    def stats(self) -> EngineStats: return self._stats
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def close(self, timeout: float = 10.0) -> None:
         "Stop the engine thread; open requests end with an error."
@@ -112,7 +145,10 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out)
-                if time.monotonic() - self._stats_time >= self._stats_interval or not self.engine.has_unfinished():
+                if (
+                    time.monotonic() - self._stats_time >= self._stats_interval
+                    or not self.engine.has_unfinished()
+                ):
                     self._stats, self._stats_time = self.engine.stats(), time.monotonic()
             self._fail_all("the engine was closed")
         except BaseException as e:  # the engine itself broke: nobody may wait forever
@@ -135,16 +171,28 @@ class AsyncEngine:
             try:
                 self.engine.add_request(ids, params, request_id=rid, prompt=prompt, grammar=grammar)
             except (ValueError, QueueFullError) as e:
-                self._deliver(RequestOutput(rid, prompt, ids, "", [], finished=True, finish_reason="error",
-                                            error=f"{type(e).__name__}: {e}"))
+                self._deliver(
+                    RequestOutput(
+                        rid,
+                        prompt,
+                        ids,
+                        "",
+                        [],
+                        finished=True,
+                        finish_reason="error",
+                        error=f"{type(e).__name__}: {e}",
+                    )
+                )
         elif message[0] == "abort" and message[1] in self.engine.requests:
             self._deliver(self.engine.abort(message[1]))
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
         if out.finished:
-            with self._lock: self._live.discard(out.request_id)
-        if sink is None: return
+            with self._lock:
+                self._live.discard(out.request_id)
+        if sink is None:
+            return
         try:
             sink(out)
         except Exception:  # a broken consumer must not stop the engine
@@ -152,7 +200,13 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         for rid in list(self.engine.requests):
-            try: self.engine.abort(rid)
-            except Exception: pass
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
         for rid, sink in list(self._sinks.items()):
-            self._deliver(RequestOutput(rid, None, [], "", [], finished=True, finish_reason="error", error=reason))
+            self._deliver(
+                RequestOutput(
+                    rid, None, [], "", [], finished=True, finish_reason="error", error=reason
+                )
+            )

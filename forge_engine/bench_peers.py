@@ -23,10 +23,13 @@ def hf_twin(loaded: LoadedModel):
     "A `transformers` model of the same architecture holding the same weights, on the same device and dtype."
     import transformers
     from forge_engine.model import hf_config_dict, hf_state_dict
+
     config, model = loaded.config, loaded.model
     param = next(model.parameters())
     cls = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.architecture]
-    hf_config = getattr(transformers, f"{cls}Config")(**hf_config_dict(config), attn_implementation="sdpa")
+    hf_config = getattr(transformers, f"{cls}Config")(
+        **hf_config_dict(config), attn_implementation="sdpa"
+    )
     with torch.device(param.device):
         hf = getattr(transformers, f"{cls}ForCausalLM")(hf_config).to(param.dtype).eval()
     hf.load_state_dict(hf_state_dict(model), strict=False)  # lm_head is absent when tied
@@ -35,16 +38,25 @@ def hf_twin(loaded: LoadedModel):
 
 class TokenClock:
     "A `generate` streamer that notes when each `put` arrives: the prompt first, then each new token once it is on the host."
-    def __init__(self): self.times: list[float] = []
-    def put(self, value): self.times.append(time.perf_counter())
-    def end(self): pass
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, cache: str = "dynamic") -> dict:
     "`generate` on equal-length prompts, greedy, exactly `new_tokens` each: TTFT and decode tok/s of the batch."
     import transformers
-    if len({len(p) for p in prompts}) != 1: raise ValueError("hf_generate takes prompts of one length (no padding)")
-    if new_tokens < 2: raise ValueError(f"hf_generate needs new_tokens >= 2 to time decoding, got {new_tokens}")
+
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("hf_generate takes prompts of one length (no padding)")
+    if new_tokens < 2:
+        raise ValueError(f"hf_generate needs new_tokens >= 2 to time decoding, got {new_tokens}")
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts, device=device)
     extra = {"cache_implementation": "static"} if cache == "static" else {}
@@ -55,50 +67,89 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int, cache: str = "dyn
         sync(device)
         start = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                streamer=clock,
+                **extra,
+            )
         sync(device)
         total = time.perf_counter() - start
         assert out.shape == (len(prompts), len(prompts[0]) + new_tokens), out.shape
         if len(clock.times) != new_tokens + 1:
-            raise RuntimeError(f"generate streamed {len(clock.times)} puts, expected the prompt + {new_tokens} tokens")
+            raise RuntimeError(
+                f"generate streamed {len(clock.times)} puts, expected the prompt + {new_tokens} tokens"
+            )
         return clock.times[1] - start, clock.times[-1] - clock.times[1], total
 
     timed()  # warm-up with the same length (a static cache is compiled for it)
-    runs = [timed()]  # the fastest decode of up to 3 calls (while they are short): one stall does not decide it
-    while len(runs) < 3 and runs[-1][2] < 1.0: runs.append(timed())
+    runs = [
+        timed()
+    ]  # the fastest decode of up to 3 calls (while they are short): one stall does not decide it
+    while len(runs) < 3 and runs[-1][2] < 1.0:
+        runs.append(timed())
     ttft, decode, total = min(runs, key=lambda r: r[1])
-    return {"peer": f"transformers generate ({cache} cache)", "transformers": transformers.__version__,
-            "batch": len(prompts), "new_tokens": new_tokens, "ttft_s": ttft,
-            "decode_tok_s": len(prompts) * (new_tokens - 1) / decode, "output_tok_s": len(prompts) * new_tokens / total}
+    return {
+        "peer": f"transformers generate ({cache} cache)",
+        "transformers": transformers.__version__,
+        "batch": len(prompts),
+        "new_tokens": new_tokens,
+        "ttft_s": ttft,
+        "decode_tok_s": len(prompts) * (new_tokens - 1) / decode,
+        "output_tok_s": len(prompts) * new_tokens / total,
+    }
 
 
-def hf_generate_batch(hf, prompts: list[list[int]], new_tokens: int, cache_sizes: dict | None = None) -> dict:
+def hf_generate_batch(
+    hf, prompts: list[list[int]], new_tokens: int, cache_sizes: dict | None = None
+) -> dict:
     "`generate_batch` (transformers' continuous batching) on `prompts`, greedy, EOS off: output tok/s."
     import transformers
     from transformers import GenerationConfig
+
     device = next(hf.parameters()).device
     # its own sizing unless told (`ContinuousBatchingConfig` fields, e.g. num_blocks, max_batch_tokens)
     options = {}
     if cache_sizes:
         from transformers.generation import ContinuousBatchingConfig
+
         options["continuous_batching_config"] = ContinuousBatchingConfig(**cache_sizes)
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)  # -1: no EOS, as W2
-    hf.generate_batch(prompts[:2], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
-                      progress_bar=False, **options)  # warm-up: kernels loaded, allocator primed
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1
+    )  # -1: no EOS, as W2
+    hf.generate_batch(
+        prompts[:2],
+        generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
+        progress_bar=False,
+        **options,
+    )  # warm-up: kernels loaded, allocator primed
     sync(device)
     start = time.perf_counter()
     outputs = hf.generate_batch(prompts, generation_config=config, progress_bar=False, **options)
     sync(device)
     wall = time.perf_counter() - start
-    tokens = [len(o.generated_tokens) for o in outputs.values() if getattr(o, "error", None) is None]
+    tokens = [
+        len(o.generated_tokens) for o in outputs.values() if getattr(o, "error", None) is None
+    ]
     if len(tokens) != len(prompts):
         raise RuntimeError(f"generate_batch finished {len(tokens)} of {len(prompts)} requests")
-    return {"peer": "transformers generate_batch (continuous batching)", "transformers": transformers.__version__,
-            "cache_sizes": cache_sizes, "requests": len(prompts), "output_tokens": sum(tokens), "wall_s": wall, "output_tok_s": sum(tokens) / wall}
+    return {
+        "peer": "transformers generate_batch (continuous batching)",
+        "transformers": transformers.__version__,
+        "cache_sizes": cache_sizes,
+        "requests": len(prompts),
+        "output_tokens": sum(tokens),
+        "wall_s": wall,
+        "output_tok_s": sum(tokens) / wall,
+    }
 
 # %% ../nbs/13b_bench_peers.ipynb #afede67f
-def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, result: dict) -> list[dict]:
+def run_peers(
+    workload: str, loaded: LoadedModel, config: EngineConfig, args, result: dict
+) -> list[dict]:
     "The peers of one workload's `result` (w1, w2, w4), each with its ratio forge-engine / peer."
     hf, peers = hf_twin(loaded), []
     if workload == "w1":
@@ -113,16 +164,27 @@ def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, re
         # On a GPU it sizes its cache itself. On a CPU its own sizing fills static tensors for the whole memory
         # (a minute for a tiny model): there it gets what the workload needs and our step budget.
         tokens = sum(len(p) + result["new_tokens"] for p in prompts)
-        sizes = None if next(hf.parameters()).is_cuda else {
-            "num_blocks": tokens // 256 + len(prompts), "max_batch_tokens": config.max_num_batched_tokens}
+        sizes = (
+            None
+            if next(hf.parameters()).is_cuda
+            else {
+                "num_blocks": tokens // 256 + len(prompts),
+                "max_batch_tokens": config.max_num_batched_tokens,
+            }
+        )
         peer = hf_generate_batch(hf, prompts, result["new_tokens"], sizes)
         ours = result["output_tok_s"]
-        if count < result["requests"]:  # the same subset through forge-engine, for a like-for-like ratio
+        if (
+            count < result["requests"]
+        ):  # the same subset through forge-engine, for a like-for-like ratio
             hf = None
             free_memory()
             engine = LLMEngine(loaded, config)
-            ours = run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=result["new_tokens"],
-                                                             ignore_eos=True))["output_tok_s"]
+            ours = run_batch(
+                engine,
+                prompts,
+                SamplingParams(temperature=0, max_tokens=result["new_tokens"], ignore_eos=True),
+            )["output_tok_s"]
             peer["forge_engine_output_tok_s_same_prompts"] = ours
             del engine
         peers.append({**peer, "ratio": ours / peer["output_tok_s"]})
@@ -130,7 +192,9 @@ def run_peers(workload: str, loaded: LoadedModel, config: EngineConfig, args, re
         prompt = w4_prompt(loaded)
         for n in (1, 8):
             peer = hf_generate(hf, [prompt] * n, result["new_tokens"])
-            peers.append({**peer, "ratio": result[f"concurrency_{n}"]["output_tok_s"] / peer["output_tok_s"]})
+            peers.append(
+                {**peer, "ratio": result[f"concurrency_{n}"]["output_tok_s"] / peer["output_tok_s"]}
+            )
     del hf
     torch.compiler.reset()  # compiled code (the static cache's) holds the peer's model: let its memory go
     free_memory()

@@ -16,6 +16,7 @@ __all__ = ['PLOTS', 'plot_timeline', 'plot_latencies', 'plot_throughput', 'plot_
 # %% ../nbs/13d_bench_plots.ipynb #a34823b2
 def _figure(rows: int = 1, cols: int = 1, size=(7, 3.5)):
     from matplotlib.figure import Figure
+
     fig = Figure(figsize=(size[0] * cols, size[1] * rows), layout="constrained")
     return fig, fig.subplots(rows, cols, squeeze=False)
 
@@ -32,15 +33,24 @@ def plot_timeline(result: dict):
         batch_ax.set(ylabel="requests running")
     elif "timeline" in result:
         t = result["timeline"]
-        kv_ax.plot(t["t_s"], [100 * b / t["kv_total_blocks"] for b in t["kv_used_blocks"]], label="KV blocks held")
+        kv_ax.plot(
+            t["t_s"],
+            [100 * b / t["kv_total_blocks"] for b in t["kv_used_blocks"]],
+            label="KV blocks held",
+        )
         batch_ax.plot(t["t_s"], t["decode_seqs"], label="decoding sequences")
         prefill_ax = batch_ax.twinx()
-        prefill_ax.plot(t["t_s"], t["prefill_tokens"], color="tab:orange", alpha=0.5, label="prompt tokens")
+        prefill_ax.plot(
+            t["t_s"], t["prefill_tokens"], color="tab:orange", alpha=0.5, label="prompt tokens"
+        )
         prefill_ax.set(ylabel="prompt tokens in the step")
         batch_ax.set(ylabel="decoding sequences")
     else:
         return None
-    kv_ax.set(ylabel="KV cache used (%)", title=f"{result['workload']}, {result['model']}: KV cache and batch over time")
+    kv_ax.set(
+        ylabel="KV cache used (%)",
+        title=f"{result['workload']}, {result['model']}: KV cache and batch over time",
+    )
     batch_ax.set(xlabel="seconds")
     kv_ax.legend(fontsize="small")
     return fig
@@ -48,15 +58,21 @@ def plot_timeline(result: dict):
 
 def plot_latencies(result: dict):
     "TTFT and ITL distributions at each W3 rate (empirical CDFs)."
-    if result["workload"] != "W3": return None
+    if result["workload"] != "W3":
+        return None
     fig, axes = _figure(1, 2, size=(5, 3.5))
     for run in result["runs"]:
         ok = [r for r in run["requests"] if r["ok"]]
-        for ax, values in ((axes[0][0], [r["ttft_s"] for r in ok]), (axes[0][1], [g for r in ok for g in r["itl_s"]])):
+        for ax, values in (
+            (axes[0][0], [r["ttft_s"] for r in ok]),
+            (axes[0][1], [g for r in ok for g in r["itl_s"]]),
+        ):
             ms = sorted(v * 1000 for v in values)
             ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], label=rate_label(run["rate"]))
     axes[0][0].set(xlabel="time to first token (ms)", ylabel="fraction of requests", title="TTFT")
-    axes[0][1].set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps", title="ITL", xscale="log")
+    axes[0][1].set(
+        xlabel="inter-token latency (ms)", ylabel="fraction of gaps", title="ITL", xscale="log"
+    )
     axes[0][0].legend(fontsize="small")
     return fig
 
@@ -64,9 +80,16 @@ def plot_latencies(result: dict):
 def plot_throughput(result: dict):
     "Output tok/s against the number of requests in flight (W3: mean concurrency per rate; W4: 1 and 8)."
     if result["workload"] == "W3":
-        points = [(r["mean_concurrency"], r["output_throughput"], rate_label(r["rate"])) for r in result["runs"]]
+        points = [
+            (r["mean_concurrency"], r["output_throughput"], rate_label(r["rate"]))
+            for r in result["runs"]
+        ]
     elif result["workload"] == "W4":
-        points = [(int(k.split("_")[1]), v["output_tok_s"], None) for k, v in result.items() if k.startswith("concurrency_")]
+        points = [
+            (int(k.split("_")[1]), v["output_tok_s"], None)
+            for k, v in result.items()
+            if k.startswith("concurrency_")
+        ]
         for peer in result.get("peers", []):
             points.append((peer["batch"], peer["output_tok_s"], "transformers"))
     else:
@@ -76,10 +99,16 @@ def plot_throughput(result: dict):
     ours = [(x, y) for x, y, label in points if label != "transformers"]
     ax.plot(*zip(*ours), "o-", label="forge-engine")
     theirs = [(x, y) for x, y, label in points if label == "transformers"]
-    if theirs: ax.plot(*zip(*theirs), "s--", label="transformers generate")
+    if theirs:
+        ax.plot(*zip(*theirs), "s--", label="transformers generate")
     for x, y, label in points:
-        if label and label != "transformers": ax.annotate(label, (x, y), fontsize="small")
-    ax.set(xlabel="requests in flight", ylabel="output tok/s", title=f"{result['workload']}, {result['model']}: throughput")
+        if label and label != "transformers":
+            ax.annotate(label, (x, y), fontsize="small")
+    ax.set(
+        xlabel="requests in flight",
+        ylabel="output tok/s",
+        title=f"{result['workload']}, {result['model']}: throughput",
+    )
     ax.legend(fontsize="small")
     return fig
 
@@ -88,7 +117,8 @@ def plot_roofline(results: list[dict]):
     "Decode steps of every result on the roofline of the ceilings measured in the same run."
     points = [p for r in results for p in r.get("decode_points", []) if p]
     ceiling = next((r["ceilings"] for r in results if r.get("ceilings")), None)
-    if not points or not ceiling: return None
+    if not points or not ceiling:
+        return None
     bw, peak = ceiling["read_bytes_per_s"], ceiling["matmul_flops_per_s"]
     fig, axes = _figure(size=(7, 4.5))
     ax = axes[0][0]
@@ -101,15 +131,26 @@ def plot_roofline(results: list[dict]):
     for p, x in zip(points, intensities):
         ax.plot(x, p["flops_per_s"], "o")
         roof = min(peak, bw * x)
-        ax.annotate(f"{p['label']}: {p['bytes_per_s'] / 1e9:.0f} GB/s, {p['flops_per_s'] / roof:.0%} of roof",
-                    (x, p["flops_per_s"]), fontsize="small", xytext=(4, -10), textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="FLOPs per byte read (weights + KV)", ylabel="FLOP/s achieved",
-           title=f"decode steps on the roofline ({ceiling['dtype']})")
+        ax.annotate(
+            f"{p['label']}: {p['bytes_per_s'] / 1e9:.0f} GB/s, {p['flops_per_s'] / roof:.0%} of roof",
+            (x, p["flops_per_s"]),
+            fontsize="small",
+            xytext=(4, -10),
+            textcoords="offset points",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="FLOPs per byte read (weights + KV)",
+        ylabel="FLOP/s achieved",
+        title=f"decode steps on the roofline ({ceiling['dtype']})",
+    )
     return fig
 
 
 def load_result(path: str) -> dict:
-    with open(path) as f: return json.load(f)
+    with open(path) as f:
+        return json.load(f)
 
 
 PLOTS = {"timeline": plot_timeline, "latency": plot_latencies, "throughput": plot_throughput}
@@ -125,6 +166,8 @@ def save_plots(paths: list[str]) -> list[str]:
                 written.append(path.removesuffix(".json") + f"-{kind}.png")
                 fig.savefig(written[-1], dpi=110)
     if (fig := plot_roofline(results)) is not None:
-        written.append(os.path.join(os.path.dirname(paths[0]), f"roofline-{result_stem(results[0])}.png"))
+        written.append(
+            os.path.join(os.path.dirname(paths[0]), f"roofline-{result_stem(results[0])}.png")
+        )
         fig.savefig(written[-1], dpi=110)
     return written

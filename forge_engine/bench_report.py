@@ -20,24 +20,36 @@ __all__ = ['WEIGHTS_ORDER', 'HEADER', 'BLOCK', 'weights_label', 'report_rows', '
 def weights_label(result: dict) -> str:
     "BF16, FP32, or the quantization that ran (int8, int4, gguf)."
     quantization = result.get("quantization", "none")
-    return {"bfloat16": "BF16", "float32": "FP32", "float16": "FP16"}.get(result["dtype"], result["dtype"]) \
-        if quantization == "none" else quantization
+    return (
+        {"bfloat16": "BF16", "float32": "FP32", "float16": "FP16"}.get(
+            result["dtype"], result["dtype"]
+        )
+        if quantization == "none"
+        else quantization
+    )
 
 
-def _ms(seconds: float) -> str: return f"{seconds * 1000:.0f} ms"
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
 
 
 def _peers(result: dict, batch: int | None = None) -> tuple[str, str]:
     """The peers measured in the same run (those of one batch size, if given): what they did, and our ratio, in the
     figure the ratio compares (decode tok/s at W1, output tok/s at W2 and W4)."""
     peers = [p for p in result.get("peers", []) if batch is None or p.get("batch") == batch]
-    if not peers: return "—", "—"
+    if not peers:
+        return "—", "—"
+
     def what(p):
         if "forge_engine_output_tok_s_same_prompts" in p:
-            return (f"{p['peer']}: {p['output_tok_s']:,.0f} tok/s on the first {p['requests']} prompts "
-                    f"(forge-engine {p['forge_engine_output_tok_s_same_prompts']:,.0f} on the same)")
-        if batch is not None: return f"{p['peer']}: {p['output_tok_s']:.1f} output tok/s"
+            return (
+                f"{p['peer']}: {p['output_tok_s']:,.0f} tok/s on the first {p['requests']} prompts "
+                f"(forge-engine {p['forge_engine_output_tok_s_same_prompts']:,.0f} on the same)"
+            )
+        if batch is not None:
+            return f"{p['peer']}: {p['output_tok_s']:.1f} output tok/s"
         return f"{p['peer']}: {p['decode_tok_s']:.1f} tok/s"
+
     return "; ".join(map(what, peers)), "; ".join(f"**{p['ratio']:.2f}×**" for p in peers)
 
 
@@ -46,46 +58,104 @@ def report_rows(result: dict) -> list[list[str]]:
     w, weights = result["workload"], None if result["workload"] == "W3" else weights_label(result)
     if w == "W1":
         share = result.get("ratio_to_read_ceiling")
-        ceiling = "—" if share is None else (f"{result['achieved_bytes_per_s'] / 1e12:.2f} TB/s, {share:.0%} of the "
-                                             f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f} TB/s)")
-        return [[f"W1 decode, batch 1, {weights}", f"{result['decode_tok_s']:.1f} tok/s, TTFT {_ms(result['ttft_s'])}",
-                 ceiling, *_peers(result)]]
+        ceiling = (
+            "—"
+            if share is None
+            else (
+                f"{result['achieved_bytes_per_s'] / 1e12:.2f} TB/s, {share:.0%} of the "
+                f"read ceiling ({result['ceilings']['read_bytes_per_s'] / 1e12:.2f} TB/s)"
+            )
+        )
+        return [
+            [
+                f"W1 decode, batch 1, {weights}",
+                f"{result['decode_tok_s']:.1f} tok/s, TTFT {_ms(result['ttft_s'])}",
+                ceiling,
+                *_peers(result),
+            ]
+        ]
     if w == "W2":
         point = (result.get("decode_points") or [None])[0]
-        ceiling = "—" if point is None else (f"decode at batch {point['batch']}: {point['bytes_per_s'] / 1e12:.2f} TB/s "
-                                             f"(weights + KV held)")
-        return [[f"W2 offline, {result['requests']} requests, {weights}",
-                 f"{result['output_tok_s']:,.0f} output tok/s ({result['output_tokens']:,} tokens in "
-                 f"{result['wall_s']:.1f} s)", ceiling, *_peers(result)]]
+        ceiling = (
+            "—"
+            if point is None
+            else (
+                f"decode at batch {point['batch']}: {point['bytes_per_s'] / 1e12:.2f} TB/s "
+                f"(weights + KV held)"
+            )
+        )
+        return [
+            [
+                f"W2 offline, {result['requests']} requests, {weights}",
+                f"{result['output_tok_s']:,.0f} output tok/s ({result['output_tokens']:,} tokens in "
+                f"{result['wall_s']:.1f} s)",
+                ceiling,
+                *_peers(result),
+            ]
+        ]
     if w == "W4":
-        return [[f"W4 {n} request{'s' if n > 1 else ''} at once, {weights}",
-                 f"{run['output_tok_s']:.1f} output tok/s, TTFT {_ms(run['ttft_median_s'])}", "—", *_peers(result, n)]
-                for n, run in ((int(k.split("_")[1]), v) for k, v in result.items() if k.startswith("concurrency_"))]
+        return [
+            [
+                f"W4 {n} request{'s' if n > 1 else ''} at once, {weights}",
+                f"{run['output_tok_s']:.1f} output tok/s, TTFT {_ms(run['ttft_median_s'])}",
+                "—",
+                *_peers(result, n),
+            ]
+            for n, run in (
+                (int(k.split("_")[1]), v) for k, v in result.items() if k.startswith("concurrency_")
+            )
+        ]
     if w == "W3":
+
         def figures(r):
-            if not r.get("ttft_ms"): return f"{r['failed']} of {r['failed'] + r['completed']} requests failed"
-            return (f"{r['output_throughput']:,.0f} output tok/s; TTFT p50 {r['ttft_ms']['p50']:.0f} / p99 "
-                    f"{r['ttft_ms']['p99']:.0f} ms; TPOT p50 {r['tpot_ms']['p50']:.1f} ms; ITL p99 "
-                    f"{r['itl_ms']['p99']:.1f} ms")
-        return [[f"W3 serving, {rate_label(r['rate'])}, {result['num_prompts']} × {result['max_tokens']} tokens",
-                 figures(r), "—", "—", "—"] for r in result["runs"]]
+            if not r.get("ttft_ms"):
+                return f"{r['failed']} of {r['failed'] + r['completed']} requests failed"
+            return (
+                f"{r['output_throughput']:,.0f} output tok/s; TTFT p50 {r['ttft_ms']['p50']:.0f} / p99 "
+                f"{r['ttft_ms']['p99']:.0f} ms; TPOT p50 {r['tpot_ms']['p50']:.1f} ms; ITL p99 "
+                f"{r['itl_ms']['p99']:.1f} ms"
+            )
+
+        return [
+            [
+                f"W3 serving, {rate_label(r['rate'])}, {result['num_prompts']} × {result['max_tokens']} tokens",
+                figures(r),
+                "—",
+                "—",
+                "—",
+            ]
+            for r in result["runs"]
+        ]
     raise ValueError(f"no report rows for workload {w!r}")
 
 
 def environment_line(env: dict) -> str:
     "The hardware and versions a set of results ran on, in one line."
     hardware = f"{env['gpu']}" if env.get("gpu") else f"{env['cpu']}, {env['cpu_count']} cores"
-    versions = [f"torch {env['torch']}"] + [f"{name} {env[key]}" for name, key in
-                                            (("CUDA", "cuda"), ("Triton", "triton"), ("transformers", "transformers"))
-                                            if env.get(key)]
+    versions = [f"torch {env['torch']}"] + [
+        f"{name} {env[key]}"
+        for name, key in (("CUDA", "cuda"), ("Triton", "triton"), ("transformers", "transformers"))
+        if env.get(key)
+    ]
     return f"{hardware} ({', '.join(versions)})"
 
 
-WEIGHTS_ORDER = ["FP32", "FP16", "BF16", "int8", "int4", "gguf"]  # within a workload, rows by bytes per weight
+WEIGHTS_ORDER = [
+    "FP32",
+    "FP16",
+    "BF16",
+    "int8",
+    "int4",
+    "gguf",
+]  # within a workload, rows by bytes per weight
+
+
 def report_order(result: dict) -> tuple[str, int]:
     "Where a result's rows go in a table: by workload, then by bytes per weight (W3 has no weights of its own)."
     label = weights_label(result) if "dtype" in result else "BF16"
-    return result["workload"], WEIGHTS_ORDER.index(label) if label in WEIGHTS_ORDER else len(WEIGHTS_ORDER)
+    return result["workload"], WEIGHTS_ORDER.index(label) if label in WEIGHTS_ORDER else len(
+        WEIGHTS_ORDER
+    )
 
 
 HEADER = ["result", "forge-engine", "against the ceiling", "peer, same run", "ratio", "file"]
@@ -94,34 +164,51 @@ HEADER = ["result", "forge-engine", "against the ceiling", "peer, same run", "ra
 def report_table(paths: list[str], link_from: str = ".") -> str:
     """A markdown table of the results in `paths` (in W1, W2, W3, W4 order, BF16 before int8 before int4), each row
     linking to its file."""
-    results = sorted(((p, json.load(open(p))) for p in paths), key=lambda pr: (*report_order(pr[1]), pr[0]))
-    if not results: raise ValueError("no result files to report")
+    results = sorted(
+        ((p, json.load(open(p))) for p in paths), key=lambda pr: (*report_order(pr[1]), pr[0])
+    )
+    if not results:
+        raise ValueError("no result files to report")
     environments = {environment_line(r["environment"]) for _, r in results}
-    commits = {r["environment"].get("commit", "?") + ("-dirty" if r["environment"].get("dirty") else "")
-               for _, r in results}
-    lines = [f"{' / '.join(sorted(environments))}; commit {', '.join(sorted(commits))}; model "
-             f"`{'`, `'.join(sorted({r['model'] for _, r in results}))}`", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    commits = {
+        r["environment"].get("commit", "?") + ("-dirty" if r["environment"].get("dirty") else "")
+        for _, r in results
+    }
+    lines = [
+        f"{' / '.join(sorted(environments))}; commit {', '.join(sorted(commits))}; model "
+        f"`{'`, `'.join(sorted({r['model'] for _, r in results}))}`",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
     for path, result in results:
         link = f"[{os.path.basename(path)}]({os.path.relpath(path, link_from)})"
         lines += ["| " + " | ".join(row + [link]) + " |" for row in report_rows(result)]
     return "\n".join(lines)
 
 # %% ../nbs/13f_bench_report.ipynb #6773e6fd
-BLOCK = re.compile(r"(<!-- bench report: (?P<glob>[^>]+?) -->\n)(?P<body>.*?)(<!-- end bench report -->)", re.S)
+BLOCK = re.compile(
+    r"(<!-- bench report: (?P<glob>[^>]+?) -->\n)(?P<body>.*?)(<!-- end bench report -->)", re.S
+)
 
 
 def update_report_blocks(doc: str, check: bool = False) -> bool:
     "Rewrite every report block of the markdown file `doc` from its result files; True if any was stale."
-    with open(doc) as f: text = f.read()
+    with open(doc) as f:
+        text = f.read()
     folder = os.path.dirname(os.path.abspath(doc))
+
     def table(match):
         paths = sorted(glob.glob(os.path.join(folder, match["glob"])))
-        if not paths: raise ValueError(f"{doc}: no result file matches {match['glob']!r}")
+        if not paths:
+            raise ValueError(f"{doc}: no result file matches {match['glob']!r}")
         return match[1] + report_table(paths, folder) + "\n" + match[4]
+
     new, count = BLOCK.subn(table, text)
-    if count == 0: raise ValueError(f"{doc}: no '<!-- bench report: GLOB -->' block")
+    if count == 0:
+        raise ValueError(f"{doc}: no '<!-- bench report: GLOB -->' block")
     if new != text and not check:
-        with open(doc + ".tmp", "w") as f: f.write(new)
+        with open(doc + ".tmp", "w") as f:
+            f.write(new)
         os.replace(doc + ".tmp", doc)  # never a half-written document
     return new != text

@@ -40,36 +40,74 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class ServerProcess:
     "`forge-engine serve` in a subprocess on loopback: `with ServerProcess(model) as url: ...`."
-    def __init__(self, model: str, device: str | None = None, serve_args: list[str] = (), startup_timeout: float = 600):
-        self.model, self.device, self.serve_args, self.startup_timeout = model, device, list(serve_args), startup_timeout
+
+    def __init__(
+        self,
+        model: str,
+        device: str | None = None,
+        serve_args: list[str] = (),
+        startup_timeout: float = 600,
+    ):
+        self.model, self.device, self.serve_args, self.startup_timeout = (
+            model,
+            device,
+            list(serve_args),
+            startup_timeout,
+        )
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="forge-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="forge-serve-", suffix=".log", delete=False
+        )
 
     def start(self) -> str:
         "Start the server and wait for /health to say ok; the base URL."
         import httpx
+
         port = free_port()
-        cmd = [sys.executable, "-m", "forge_engine", "serve", "--model", self.model, "--host", "127.0.0.1",
-               "--port", str(port), *(["--device", self.device] if self.device else []), *self.serve_args]
-        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "forge_engine",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *(["--device", self.device] if self.device else []),
+            *self.serve_args,
+        ]
+        self.process = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.process.returncode}) before it was ready:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited ({self.process.returncode}) before it was ready:\n{self.log_tail()}"
+                )
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200: return self.url
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self.url
             except httpx.HTTPError:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the server was not ready after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server was not ready after {self.startup_timeout:.0f} s:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:
         import httpx
+
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
@@ -77,15 +115,25 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            busy = {k: m[k] for k in ("forge_requests_running", "forge_requests_waiting", "forge_kv_cache_used_blocks")
-                    if m[k] != 0}
-            if not busy: return m
-            if time.monotonic() > deadline: raise RuntimeError(f"the server is not idle after {timeout:.0f} s: {busy}")
+            busy = {
+                k: m[k]
+                for k in (
+                    "forge_requests_running",
+                    "forge_requests_waiting",
+                    "forge_kv_cache_used_blocks",
+                )
+                if m[k] != 0
+            }
+            if not busy:
+                return m
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server is not idle after {timeout:.0f} s: {busy}")
             time.sleep(0.1)
 
     def stop(self, timeout: float = 30.0) -> int:
         "Ctrl+C, then wait for it to exit (killed after `timeout`); its exit code."
-        if self.process is None: raise RuntimeError("the server was never started")
+        if self.process is None:
+            raise RuntimeError("the server was never started")
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -94,26 +142,36 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
-        if self.process.returncode == 0: os.unlink(self.log.name)  # kept to be read when something went wrong
+        if self.process.returncode == 0:
+            os.unlink(self.log.name)  # kept to be read when something went wrong
         return self.process.returncode
 
     def log_tail(self, chars: int = 3000) -> str:
         "The end of what the server printed."
         try:
-            with open(self.log.name) as f: return f.read()[-chars:]
+            with open(self.log.name) as f:
+                return f.read()[-chars:]
         except FileNotFoundError:
             return ""
 
-    def __enter__(self) -> str: return self.start()
+    def __enter__(self) -> str:
+        return self.start()
+
     def __exit__(self, *exc) -> None:
-        if self.process is not None: self.stop()
+        if self.process is not None:
+            self.stop()
 
 # %% ../nbs/13c_bench_server.ipynb #8547e7c5
 async def poll_metrics(url: str, done: asyncio.Event, every: float = 0.1) -> dict:
     "Columns of the engine's gauges from /metrics until `done` is set."
     import httpx
-    names = {"running": "forge_requests_running", "waiting": "forge_requests_waiting",
-             "kv_used_blocks": "forge_kv_cache_used_blocks", "kv_usage": "forge_kv_cache_usage_ratio"}
+
+    names = {
+        "running": "forge_requests_running",
+        "waiting": "forge_requests_waiting",
+        "kv_used_blocks": "forge_kv_cache_used_blocks",
+        "kv_usage": "forge_kv_cache_usage_ratio",
+    }
     series, start = {"t_s": [], **{k: [] for k in names}}, time.perf_counter()
     async with httpx.AsyncClient(timeout=10) as client:
         while not done.is_set():
@@ -123,7 +181,8 @@ async def poll_metrics(url: str, done: asyncio.Event, every: float = 0.1) -> dic
                 values = None  # a missed sample, not a failed run
             if values:
                 series["t_s"].append(time.perf_counter() - start)
-                for key, name in names.items(): series[key].append(values[name])
+                for key, name in names.items():
+                    series[key].append(values[name])
             try:
                 await asyncio.wait_for(done.wait(), every)
             except asyncio.TimeoutError:
@@ -131,10 +190,17 @@ async def poll_metrics(url: str, done: asyncio.Event, every: float = 0.1) -> dic
     return series
 
 
-async def w3_online_serving(url: str, rates=(1.0, 4.0, 16.0, math.inf), num_prompts: int = 64, prompt_words: int = 64,
-                            max_tokens: int = 128, seed: int = 0) -> dict:
+async def w3_online_serving(
+    url: str,
+    rates=(1.0, 4.0, 16.0, math.inf),
+    num_prompts: int = 64,
+    prompt_words: int = 64,
+    max_tokens: int = 128,
+    seed: int = 0,
+) -> dict:
     "W3: at each rate, `num_prompts` streamed chat requests against the server at `url`, figures and gauges per rate."
     from forge_engine import load_client
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     runs = []
     for rate in rates:
@@ -147,22 +213,45 @@ async def w3_online_serving(url: str, rates=(1.0, 4.0, 16.0, math.inf), num_prom
             done.set()
         summary = load_client.summarize(result)
         busy_s = sum(r.e2e_s for r in result.replies if r.error is None)
-        runs.append({"rate": "inf" if math.isinf(rate) else rate, **summary,
-                     "mean_concurrency": busy_s / result.duration_s if result.duration_s else 0.0,  # Little's law
-                     "requests": load_client.request_records(result), "gauges": await poller})
-    return {"workload": "W3", "num_prompts": num_prompts, "prompt_words": prompt_words, "max_tokens": max_tokens,
-            "model": result.model, "runs": runs}
+        runs.append(
+            {
+                "rate": "inf" if math.isinf(rate) else rate,
+                **summary,
+                "mean_concurrency": busy_s / result.duration_s
+                if result.duration_s
+                else 0.0,  # Little's law
+                "requests": load_client.request_records(result),
+                "gauges": await poller,
+            }
+        )
+    return {
+        "workload": "W3",
+        "num_prompts": num_prompts,
+        "prompt_words": prompt_words,
+        "max_tokens": max_tokens,
+        "model": result.model,
+        "runs": runs,
+    }
 
 
 def run_w3(args) -> dict:
     "W3 against a `forge-engine serve` started here; the server must end idle and exit cleanly."
-    serve_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("max_num_seqs", "max_num_batched_tokens", "dtype")
-                  if getattr(args, k) is not None]
+    serve_args = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("max_num_seqs", "max_num_batched_tokens", "dtype")
+        if getattr(args, k) is not None
+    ]
     rates = [float(r) for r in args.rates.split(",")]
     server = ServerProcess(args.model, args.device, serve_args)
     with server as url:
-        result = asyncio.run(w3_online_serving(url, rates, args.w3_num_prompts, args.prompt_words, args.w3_max_tokens))
+        result = asyncio.run(
+            w3_online_serving(
+                url, rates, args.w3_num_prompts, args.prompt_words, args.w3_max_tokens
+            )
+        )
         server.wait_idle()
     if server.process.returncode != 0:
-        raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
+        raise RuntimeError(
+            f"the server exited with {server.process.returncode}:\n{server.log_tail()}"
+        )
     return {**result, "model": args.model, "server_args": serve_args, "server_exit_code": 0}

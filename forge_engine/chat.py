@@ -22,6 +22,7 @@ __all__ = ['API_KEY_ENV', 'SSEDecoder', 'sse_data', 'request_body', 'ChatError',
 # %% ../nbs/12_chat.ipynb #eee27687
 class SSEDecoder:
     "Server-sent events, one line at a time: `feed(line)` returns an event's data when the blank line that ends it comes."
+
     def __init__(self):
         self._data: list[str] = []
 
@@ -29,9 +30,11 @@ class SSEDecoder:
         line = line.rstrip("\r\n")
         if not line:
             return self.flush()
-        if line.startswith(":"): return None  # a comment, e.g. a keep-alive
+        if line.startswith(":"):
+            return None  # a comment, e.g. a keep-alive
         name, _, value = line.partition(":")
-        if name == "data": self._data.append(value[1:] if value.startswith(" ") else value)
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
         return None  # event:, id:, retry: do not matter to an OpenAI stream
 
     def flush(self) -> str | None:
@@ -45,27 +48,56 @@ def sse_data(lines: Iterable[str]) -> Iterator[str]:
     decoder = SSEDecoder()
     for line in lines:
         data = decoder.feed(line)
-        if data == "[DONE]": return
-        if data is not None: yield data
-    if (data := decoder.flush()) not in (None, "[DONE]"): yield data  # the stream left its last event open
+        if data == "[DONE]":
+            return
+        if data is not None:
+            yield data
+    if (data := decoder.flush()) not in (None, "[DONE]"):
+        yield data  # the stream left its last event open
 
 # %% ../nbs/12_chat.ipynb #9ee55ace
-_EXTENSIONS = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False}
+_EXTENSIONS = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "ignore_eos": False,
+}
 
 
-def request_body(params, model: str, messages: list[dict] | None = None, prompt: str | None = None,
-                 stream: bool = True) -> dict:
+def request_body(
+    params,
+    model: str,
+    messages: list[dict] | None = None,
+    prompt: str | None = None,
+    stream: bool = True,
+) -> dict:
     "The JSON body of a chat (`messages`) or completion (`prompt`) request from `SamplingParams`."
     if (messages is None) == (prompt is None):
         raise ValueError("pass either messages (chat) or prompt (completion)")
-    body = {"model": model, **({"messages": messages} if messages is not None else {"prompt": prompt}),
-            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+    body = {
+        "model": model,
+        **({"messages": messages} if messages is not None else {"prompt": prompt}),
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name): body[name] = getattr(params, name)
-    if params.seed is not None: body["seed"] = params.seed
-    if params.stop: body["stop"] = list(params.stop)
-    body.update({k: getattr(params, k) for k, neutral in _EXTENSIONS.items() if getattr(params, k) != neutral})
-    if stream: body.update(stream=True, stream_options={"include_usage": True})
+        if getattr(params, name):
+            body[name] = getattr(params, name)
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    body.update(
+        {
+            k: getattr(params, k)
+            for k, neutral in _EXTENSIONS.items()
+            if getattr(params, k) != neutral
+        }
+    )
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     return body
 
 
@@ -76,6 +108,7 @@ class ChatError(RuntimeError):
 @dataclass
 class Chunk:
     "What one streamed chunk says: a piece of text, maybe a finish reason, maybe the token usage."
+
     text: str = ""
     finish_reason: str | None = None
     usage: dict | None = None
@@ -87,8 +120,10 @@ def parse_chunk(data: str) -> Chunk:
         obj = json.loads(data)
     except ValueError:
         raise ChatError(f"the server sent a chunk that is not JSON: {data[:200]!r}") from None
-    if not isinstance(obj, dict): raise ChatError(f"the server sent an unexpected chunk: {data[:200]!r}")
-    if "error" in obj: raise ChatError(f"the server failed the request mid-stream: {error_text(obj)}")
+    if not isinstance(obj, dict):
+        raise ChatError(f"the server sent an unexpected chunk: {data[:200]!r}")
+    if "error" in obj:
+        raise ChatError(f"the server failed the request mid-stream: {error_text(obj)}")
     choices = obj.get("choices") or [{}]
     choice = choices[0]
     text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
@@ -96,13 +131,16 @@ def parse_chunk(data: str) -> Chunk:
 
 
 def error_text(body) -> str:
-    "The message of an error body: OpenAI's `{\"error\": {\"message\": ...}}`, FastAPI's `{\"detail\": ...}`, or the raw text."
+    'The message of an error body: OpenAI\'s `{"error": {"message": ...}}`, FastAPI\'s `{"detail": ...}`, or the raw text.'
     if isinstance(body, str):
-        try: body = json.loads(body)
-        except ValueError: return body.strip()[:500] or "(empty body)"
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return body.strip()[:500] or "(empty body)"
     if isinstance(body, dict):
         err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict): return str(err.get("message", err))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
         return str(err)
     return str(body)[:500]
 
@@ -110,13 +148,16 @@ def error_text(body) -> str:
 @dataclass
 class Reply:
     "A streamed reply: its text, how it ended, and when each piece arrived (seconds since `start`)."
+
     text: str = ""
     finish_reason: str | None = None
     usage: dict | None = None
     error: str | None = None
     start: float = field(default_factory=time.perf_counter)
     piece_times: list[float] = field(default_factory=list)
-    pieces_tokens: int = 0  # tokens counted from the pieces (exact in-process, one per piece remotely)
+    pieces_tokens: int = (
+        0  # tokens counted from the pieces (exact in-process, one per piece remotely)
+    )
     e2e_s: float | None = None
 
     def add(self, text: str, num_tokens: int = 1) -> None:
@@ -127,9 +168,12 @@ class Reply:
 
     def take(self, chunk: Chunk) -> str:
         "Record one chunk of a server's stream; its text."
-        if chunk.usage: self.usage = chunk.usage
-        if chunk.finish_reason: self.finish_reason = chunk.finish_reason
-        if chunk.text: self.add(chunk.text)
+        if chunk.usage:
+            self.usage = chunk.usage
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if chunk.text:
+            self.add(chunk.text)
         return chunk.text
 
     def finish_stream(self) -> None:
@@ -140,37 +184,51 @@ class Reply:
 
     def end(self, finish_reason: str | None = None) -> None:
         "The stream is over (the first call counts)."
-        if self.e2e_s is None: self.e2e_s = time.perf_counter() - self.start
+        if self.e2e_s is None:
+            self.e2e_s = time.perf_counter() - self.start
         self.finish_reason = self.finish_reason or finish_reason
 
     @property
     def num_tokens(self) -> int:
-        return int(self.usage["completion_tokens"]) if self.usage and "completion_tokens" in self.usage else self.pieces_tokens
+        return (
+            int(self.usage["completion_tokens"])
+            if self.usage and "completion_tokens" in self.usage
+            else self.pieces_tokens
+        )
 
     @property
-    def ttft_s(self) -> float | None: return self.piece_times[0] if self.piece_times else None
+    def ttft_s(self) -> float | None:
+        return self.piece_times[0] if self.piece_times else None
 
     @property
-    def itl_s(self) -> list[float]: return [b - a for a, b in zip(self.piece_times, self.piece_times[1:])]
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.piece_times, self.piece_times[1:])]
 
     @property
     def tpot_s(self) -> float | None:
-        if self.num_tokens < 2 or self.e2e_s is None: return None
+        if self.num_tokens < 2 or self.e2e_s is None:
+            return None
         return (self.e2e_s - self.ttft_s) / (self.num_tokens - 1)
 
     def summary(self) -> str:
-        if self.error: return f"[error: {self.error}]"
+        if self.error:
+            return f"[error: {self.error}]"
         parts = [f"{self.num_tokens} tokens"]
-        if self.tpot_s: parts.append(f"{1 / self.tpot_s:.1f} tok/s")
-        if self.ttft_s is not None: parts.append(f"first token {self.ttft_s * 1000:.0f} ms")
+        if self.tpot_s:
+            parts.append(f"{1 / self.tpot_s:.1f} tok/s")
+        if self.ttft_s is not None:
+            parts.append(f"first token {self.ttft_s * 1000:.0f} ms")
         return f"[{', '.join(parts)}, {self.finish_reason}]"
 
 # %% ../nbs/12_chat.ipynb #2ff675fd
 class LocalChat:
     "A chat source over an in-process `LLM` (chapter 08b)."
+
     def __init__(self, llm):
         if getattr(llm, "tokenizer", None) is None:
-            raise ValueError("this LLM has no tokenizer, so no chat template: load a model with one")
+            raise ValueError(
+                "this LLM has no tokenizer, so no chat template: load a model with one"
+            )
         self.llm = llm
         self.model = llm.loaded.name
 
@@ -181,12 +239,16 @@ class LocalChat:
         try:
             while True:
                 for out in engine.step():
-                    if out.request_id != rid: continue
-                    if out.delta_token_ids: reply.add(out.delta_text, len(out.delta_token_ids))
-                    elif out.delta_text: reply.text += out.delta_text  # text held back until the end
+                    if out.request_id != rid:
+                        continue
+                    if out.delta_token_ids:
+                        reply.add(out.delta_text, len(out.delta_token_ids))
+                    elif out.delta_text:
+                        reply.text += out.delta_text  # text held back until the end
                     if out.finished:
                         reply.end(out.finish_reason)
-                        if out.finish_reason == "error": raise ChatError(f"the engine failed the request: {out.error}")
+                        if out.finish_reason == "error":
+                            raise ChatError(f"the engine failed the request: {out.error}")
                         yield out.delta_text
                         return
                     yield out.delta_text  # every step, so a consumer can stop between any two
@@ -211,17 +273,26 @@ def api_headers(api_key: str | None) -> dict:
 
 class RemoteChat:
     "A chat source over any OpenAI-compatible server."
-    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 300.0):
+
+    def __init__(
+        self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 300.0
+    ):
         import httpx
+
         self.base, self._model = api_base(url), model
-        self.client = httpx.Client(headers=api_headers(api_key), timeout=httpx.Timeout(timeout, connect=10.0))
+        self.client = httpx.Client(
+            headers=api_headers(api_key), timeout=httpx.Timeout(timeout, connect=10.0)
+        )
 
     def _call(self, method: str, path: str, **kw):
         import httpx
+
         try:
             return self.client.request(method, self.base + path, **kw)
         except httpx.TransportError as e:
-            raise ChatError(f"cannot reach the server at {self.base}: {type(e).__name__}: {e}") from None
+            raise ChatError(
+                f"cannot reach the server at {self.base}: {type(e).__name__}: {e}"
+            ) from None
 
     @property
     def model(self) -> str:
@@ -229,14 +300,18 @@ class RemoteChat:
         if self._model is None:
             response = self._call("GET", "/models")
             if response.status_code != 200:
-                raise ChatError(f"GET {self.base}/models: HTTP {response.status_code}: {error_text(response.text)}")
+                raise ChatError(
+                    f"GET {self.base}/models: HTTP {response.status_code}: {error_text(response.text)}"
+                )
             models = [m["id"] for m in response.json().get("data", [])]
-            if not models: raise ChatError(f"the server at {self.base} lists no models")
+            if not models:
+                raise ChatError(f"the server at {self.base} lists no models")
             self._model = models[0]
         return self._model
 
     def stream(self, messages: list[dict], params, reply: Reply) -> Iterator[str]:
         import httpx
+
         body = request_body(params, self.model, messages=messages)
         reply.start = time.perf_counter()
         try:
@@ -247,10 +322,13 @@ class RemoteChat:
                 for data in sse_data(response.iter_lines()):
                     yield reply.take(parse_chunk(data))
         except httpx.TransportError as e:
-            raise ChatError(f"the stream from {self.base} broke off: {type(e).__name__}: {e}") from None
+            raise ChatError(
+                f"the stream from {self.base} broke off: {type(e).__name__}: {e}"
+            ) from None
         reply.finish_stream()
 
-    def close(self): self.client.close()
+    def close(self):
+        self.client.close()
 
 # %% ../nbs/12_chat.ipynb #ef2e9547
 def _stdout_write(s: str):
@@ -258,9 +336,14 @@ def _stdout_write(s: str):
     sys.stdout.flush()
 
 
-def chat_loop(chat, params, system: str | None = None, read: Callable[[str], str] = input,
-              write: Callable[[str], None] = _stdout_write,
-              log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Reply]:
+def chat_loop(
+    chat,
+    params,
+    system: str | None = None,
+    read: Callable[[str], str] = input,
+    write: Callable[[str], None] = _stdout_write,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+) -> list[Reply]:
     "Chat over a chat source (`LocalChat` / `RemoteChat`) until end of input; returns the replies."
     history = [{"role": "system", "content": system}] if system else []
     replies = []
@@ -271,17 +354,20 @@ def chat_loop(chat, params, system: str | None = None, read: Callable[[str], str
             write("\n")
             return replies
         command = line.strip()
-        if not command: continue
-        if command in ("/exit", "/quit"): return replies
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return replies
         if command == "/reset":
-            del history[int(bool(system)):]
+            del history[int(bool(system)) :]
             write("(new conversation)\n")
             continue
         history.append({"role": "user", "content": line})
         reply = Reply()
         pieces = chat.stream(history, params, reply)
         try:
-            for piece in pieces: write(piece)
+            for piece in pieces:
+                write(piece)
         except KeyboardInterrupt:
             pieces.close()  # aborts the request if it is still running
             reply.end("abort")
@@ -290,7 +376,8 @@ def chat_loop(chat, params, system: str | None = None, read: Callable[[str], str
             history.pop()
         write("\n")
         log(reply.summary())
-        if not reply.error: history.append({"role": "assistant", "content": reply.text})
+        if not reply.error:
+            history.append({"role": "assistant", "content": reply.text})
         replies.append(reply)
 
 # %% ../nbs/12_chat.ipynb #4fa997d1
@@ -299,17 +386,27 @@ API_KEY_ENV = "FORGE_API_KEY"
 
 def add_chat_url_arguments(parser) -> None:
     "The flags `forge-engine chat` needs to talk to a server instead of loading a model."
-    parser.add_argument("--url", default=None, help="chat with an OpenAI-compatible server at this address instead "
-                                                    "of loading the model here (e.g. http://127.0.0.1:8000)")
-    parser.add_argument("--api-key", default=None, help=f"Bearer key for --url (default: ${API_KEY_ENV})")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server (with --url)")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="chat with an OpenAI-compatible server at this address instead "
+        "of loading the model here (e.g. http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help=f"Bearer key for --url (default: ${API_KEY_ENV})"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the server (with --url)"
+    )
 
 
 def run_remote_chat(args, params) -> int:
     "`forge-engine chat --url ...`: 0 at end of input, 2 when the server cannot be used."
     model = None if getattr(args, "model", "auto") in (None, "auto") else args.model
     try:
-        chat = RemoteChat(args.url, args.api_key or os.environ.get(API_KEY_ENV), model, args.timeout)
+        chat = RemoteChat(
+            args.url, args.api_key or os.environ.get(API_KEY_ENV), model, args.timeout
+        )
         print(f"chatting with {chat.model} at {chat.base}", file=sys.stderr)
     except (ValueError, ChatError) as e:
         print(f"forge-engine: error: {e}", file=sys.stderr)
@@ -323,10 +420,20 @@ def run_remote_chat(args, params) -> int:
 # %% ../nbs/12_chat.ipynb #4a251155
 class ChatWidget:
     "A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source."
-    def __init__(self, source, system: str | None = None, api_key: str | None = None, model: str | None = None):
+
+    def __init__(
+        self,
+        source,
+        system: str | None = None,
+        api_key: str | None = None,
+        model: str | None = None,
+    ):
         import ipywidgets as w
-        if isinstance(source, str): source = RemoteChat(source, api_key or os.environ.get(API_KEY_ENV), model)
-        elif not hasattr(source, "stream"): source = LocalChat(source)
+
+        if isinstance(source, str):
+            source = RemoteChat(source, api_key or os.environ.get(API_KEY_ENV), model)
+        elif not hasattr(source, "stream"):
+            source = LocalChat(source)
         self.chat, self.system = source, system
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
         self.replies: list[Reply] = []
@@ -335,36 +442,54 @@ class ChatWidget:
         self.prompt = w.Textarea(placeholder="Your message", rows=2, layout=w.Layout(width="100%"))
         self.send_button = w.Button(description="Send", button_style="primary")
         self.stop_button = w.Button(description="Stop", disabled=True)
-        self.temperature = w.FloatSlider(value=0.7, min=0.0, max=2.0, step=0.05, description="temperature")
+        self.temperature = w.FloatSlider(
+            value=0.7, min=0.0, max=2.0, step=0.05, description="temperature"
+        )
         self.top_p = w.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top-p")
         self.max_tokens = w.IntSlider(value=256, min=1, max=2048, description="max tokens")
         self.output = w.Output(layout=w.Layout(border="1px solid #ccc", min_height="6em"))
         self.status = w.Label()
         self.send_button.on_click(lambda _: self.send())
         self.stop_button.on_click(lambda _: self.stop())
-        self.box = w.VBox([self.output, self.prompt, w.HBox([self.send_button, self.stop_button, self.status]),
-                           w.HBox([self.temperature, self.top_p, self.max_tokens])])
+        self.box = w.VBox(
+            [
+                self.output,
+                self.prompt,
+                w.HBox([self.send_button, self.stop_button, self.status]),
+                w.HBox([self.temperature, self.top_p, self.max_tokens]),
+            ]
+        )
 
-    def _repr_mimebundle_(self, **kwargs): return self.box._repr_mimebundle_(**kwargs)
+    def _repr_mimebundle_(self, **kwargs):
+        return self.box._repr_mimebundle_(**kwargs)
 
     @property
-    def busy(self) -> bool: return self._thread is not None and self._thread.is_alive()
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def params(self):
         from forge_engine.generate import SamplingParams
-        return SamplingParams(max_tokens=self.max_tokens.value, temperature=self.temperature.value, top_p=self.top_p.value)
+
+        return SamplingParams(
+            max_tokens=self.max_tokens.value,
+            temperature=self.temperature.value,
+            top_p=self.top_p.value,
+        )
 
     def send(self, text: str | None = None) -> bool:
         "Send the text box's message (or `text`); False when a reply is still streaming or there is nothing to send."
         text = self.prompt.value if text is None else text
-        if self.busy or not text.strip(): return False
+        if self.busy or not text.strip():
+            return False
         self.prompt.value = ""
         self.history.append({"role": "user", "content": text})
         self._show(f"you: {text}\nassistant: ")
         self._stop.clear()
         self.send_button.disabled, self.stop_button.disabled = True, False
         self.status.value = "streaming..."
-        self._thread = threading.Thread(target=self._stream_reply, args=(self.params(),), daemon=True)
+        self._thread = threading.Thread(
+            target=self._stream_reply, args=(self.params(),), daemon=True
+        )
         self._thread.start()
         return True
 
@@ -374,28 +499,36 @@ class ChatWidget:
 
     def wait(self, timeout: float | None = None) -> Reply | None:
         "Block until the current reply is done; the last reply."
-        if self._thread is not None: self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
         return self.replies[-1] if self.replies else None
 
     def _show(self, text: str) -> None:
         self.transcript += text
-        self.output.outputs = ({"output_type": "stream", "name": "stdout", "text": self.transcript},)
+        self.output.outputs = (
+            {"output_type": "stream", "name": "stdout", "text": self.transcript},
+        )
 
     def _stream_reply(self, params) -> None:
         reply = Reply()
         pieces = self.chat.stream(self.history, params, reply)
         try:
             for piece in pieces:
-                if self._stop.is_set(): break
-                if piece: self._show(piece)
+                if self._stop.is_set():
+                    break
+                if piece:
+                    self._show(piece)
         except Exception as e:  # shown, never raised on a thread nobody joins
             reply.error = str(e)
         finally:
             pieces.close()
-            if self._stop.is_set(): reply.end("abort")
+            if self._stop.is_set():
+                reply.end("abort")
         self._show(f"\n{reply.summary()}\n\n")
-        if reply.error: self.history.pop()
-        else: self.history.append({"role": "assistant", "content": reply.text})
+        if reply.error:
+            self.history.pop()
+        else:
+            self.history.append({"role": "assistant", "content": reply.text})
         self.replies.append(reply)
         self.status.value = "error" if reply.error else reply.finish_reason or ""
         self.send_button.disabled, self.stop_button.disabled = False, True

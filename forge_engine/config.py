@@ -20,6 +20,7 @@ ARCHITECTURES = ("qwen3", "qwen2", "llama")
 @dataclass(frozen=True)
 class ModelConfig:
     "The shape of a decoder-only transformer of the Qwen3 / Qwen2 / Llama family."
+
     architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
@@ -39,28 +40,44 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @property
-    def q_size(self) -> int: return self.num_heads * self.head_dim
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
 
     @property
-    def kv_size(self) -> int: return self.num_kv_heads * self.head_dim
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     @property
     def num_parameters(self) -> int:
         "Parameter count, counting a tied embedding once."
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias: attn += self.q_size + 2 * self.kv_size
-        if self.qk_norm: attn += 2 * self.head_dim
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         layer = attn + 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
@@ -69,14 +86,16 @@ class ModelConfig:
         "Bytes of K and V cache one token takes over all layers."
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
-    def replace(self, **changes) -> "ModelConfig": return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
 
 # %% ../nbs/00_config.ipynb #b35552e9
 _HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama"}
 
 
 def _as_tuple(x) -> tuple[int, ...]:
-    if x is None: return ()
+    if x is None:
+        return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
@@ -84,7 +103,9 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     "Build a `ModelConfig` from a parsed Hugging Face `config.json`."
     model_type = cfg.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}"
+        )
     arch = _HF_MODEL_TYPES[model_type]
     rope_scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
@@ -116,11 +137,16 @@ def model_config_from_gguf(metadata: dict[str, Any], tensor_names=()) -> ModelCo
     "Build a `ModelConfig` from decoded GGUF metadata (key -> python value)."
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+
     def key(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
-        if value is None: raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{name}")
         return value
+
     hidden, heads = key("embedding_length"), key("attention.head_count")
     vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
     eos = metadata.get("tokenizer.ggml.eos_token_id")
@@ -148,35 +174,101 @@ QWEN3_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-4b": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5_000_000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
-        qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=5_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        bos_token_id=None,
+        eos_token_ids=QWEN3_EOS,
+    ),
     # the larger Qwen3 shapes (their config.json), for tensor parallelism's benchmarks with random weights
     "qwen3-8b": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
-        qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        bos_token_id=None,
+        eos_token_ids=QWEN3_EOS,
+    ),
     "qwen3-14b": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
-        num_layers=40, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
-        qk_norm=True, bos_token_id=None, eos_token_ids=QWEN3_EOS),
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        bos_token_id=None,
+        eos_token_ids=QWEN3_EOS,
+    ),
     "qwen3-tiny": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,
-        max_position_embeddings=4096, tie_word_embeddings=True, qk_norm=True,
-        eos_token_ids=QWEN3_EOS),
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        eos_token_ids=QWEN3_EOS,
+    ),
     "qwen2-tiny": ModelConfig(
-        architecture="qwen2", vocab_size=151936, hidden_size=64, intermediate_size=160,
-        num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, rope_theta=1_000_000.0,
-        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=True,
-        eos_token_ids=QWEN3_EOS),
+        architecture="qwen2",
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        eos_token_ids=QWEN3_EOS,
+    ),
     "llama-tiny": ModelConfig(
-        architecture="llama", vocab_size=151936, hidden_size=48, intermediate_size=96,
-        num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=100_000.0,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_ids=QWEN3_EOS),
+        architecture="llama",
+        vocab_size=151936,
+        hidden_size=48,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=100_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_ids=QWEN3_EOS,
+    ),
 }
 
 
@@ -187,12 +279,18 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 # %% ../nbs/00_config.ipynb #4f9f6671
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight formats of the layer matrices (chapter 10)
+QUANTIZATIONS = (
+    "none",
+    "int8",
+    "int4",
+    "gguf",
+)  # weight formats of the layer matrices (chapter 10)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     "How to run a model: device, dtype, and the limits of the serving core."
+
     device: str | None = None
     dtype: str | None = None  # "float32", "bfloat16", "float16"
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
@@ -200,28 +298,53 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together at most
     max_num_batched_tokens: int = 2048  # tokens one engine step may process
     max_waiting: int = 1024  # requests queued before new ones are refused
-    kv_cache_bytes: int | None = None  # KV pool size; None: from gpu_memory_utilization or a CPU default
+    kv_cache_bytes: int | None = (
+        None  # KV pool size; None: from gpu_memory_utilization or a CPU default
+    )
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
-    batch_invariant: bool = False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
-    cuda_graphs: bool | None = None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
-    async_scheduling: bool | None = None  # build step N+1 while the GPU runs step N (chapter 08); None: on GPUs
+    batch_invariant: bool = (
+        False  # fixed-shape execution: greedy tokens never depend on the rest of the batch
+    )
+    cuda_graphs: bool | None = (
+        None  # decode through static buffers, replayed from CUDA graphs on a GPU; None: on CUDA
+    )
+    async_scheduling: bool | None = (
+        None  # build step N+1 while the GPU runs step N (chapter 08); None: on GPUs
+    )
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over (chapter 09c)
-    quantization: str = "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are
-    gpu_memory_budget: int | None = None  # bytes this engine may use on the GPU (chapter 10a); None: gpu_memory_utilization
+    quantization: str = (
+        "none"  # "int8" / "int4": quantized at load; "gguf": a GGUF file's blocks kept as they are
+    )
+    gpu_memory_budget: int | None = (
+        None  # bytes this engine may use on the GPU (chapter 10a); None: gpu_memory_utilization
+    )
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "tensor_parallel_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
-            raise ValueError(f"gpu_memory_budget must be a positive number of bytes, got {self.gpu_memory_budget}")
+            raise ValueError(
+                f"gpu_memory_budget must be a positive number of bytes, got {self.gpu_memory_budget}"
+            )
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
 
-    def replace(self, **changes) -> "EngineConfig": return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

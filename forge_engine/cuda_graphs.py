@@ -19,7 +19,9 @@ __all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', '
            'decode_attention_for', 'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs', 'DecodeRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
-DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -44,6 +46,7 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     if torch.device(device).type == "cuda":
         from forge_engine.kernels.backend import kernels_available
         from forge_engine.kernels.prefill_attention import KernelDecodeAttention
+
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch
@@ -52,17 +55,30 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
     attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
-    def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
-        self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
+
+    def __init__(
+        self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn
+    ):
+        self.cache, self.slots, self.tables, self.lens, self.attention = (
+            cache,
+            slots,
+            block_tables,
+            context_lens,
+            attention,
+        )
 
     @property
-    def rope_inside(self) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
+    def rope_inside(
+        self,
+    ) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
         return getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if getattr(self.attention, "stores_kv", False):
-            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope)
+            return self.attention(
+                q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
+            )
         self.cache.write(layer, self.slots, k, v)
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
@@ -75,32 +91,54 @@ def decode_inputs_bytes(b: int, w: int) -> int:
 def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, ...]:
     """Views of a uint8 `buffer` as (ids, positions, slots [b] int64, context lengths [b] int32, block tables
     [b, w] int32), back to back from its start (every view aligned to its element)."""
-    longs = buffer[:24 * b].view(torch.int64)
-    ints = buffer[24 * b:decode_inputs_bytes(b, w)].view(torch.int32)
-    return longs[:b], longs[b:2 * b], longs[2 * b:], ints[:b], ints[b:].view(b, w)
+    longs = buffer[: 24 * b].view(torch.int64)
+    ints = buffer[24 * b : decode_inputs_bytes(b, w)].view(torch.int32)
+    return longs[:b], longs[b : 2 * b], longs[2 * b :], ints[:b], ints[b:].view(b, w)
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4c137cee
-GREEDY_IN_GRAPH = True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
-GREEDY_IN_GRAPH_MAX_ROWS = 8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+GREEDY_IN_GRAPH = (
+    True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
+)
+GREEDY_IN_GRAPH_MAX_ROWS = (
+    8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+)
 #                                would pay for it too)
 
 
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
-    def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
-                 scratch_block: int, attention: DecodeAttentionFn = paged_decode_attention_torch,
-                 use_graphs: bool | None = None):
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        scratch_block: int,
+        attention: DecodeAttentionFn = paged_decode_attention_torch,
+        use_graphs: bool | None = None,
+    ):
         self.model, self.cache, self.attention = model, cache, attention
         self.device = next(model.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.buckets, self.widths = decode_buckets(max_num_seqs), context_buckets(max_model_len, cache.block_size)
+        self.buckets, self.widths = (
+            decode_buckets(max_num_seqs),
+            context_buckets(max_model_len, cache.block_size),
+        )
         b, width = self.buckets[-1], self.widths[-1]
         self.scratch_slot = scratch_block * cache.block_size
-        self.inputs = torch.zeros(decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
+        self.inputs = torch.zeros(
+            decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
+        )
+        self.graphs: dict[
+            tuple[int, int], torch.cuda.CUDAGraph
+        ] = {}  # (batch bucket, table width) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.greedy: dict[int, torch.Tensor] = {}  # a graph's logits (their address) -> their argmax, recorded too
-        if self.use_graphs: self.capture()
+        self.greedy: dict[
+            int, torch.Tensor
+        ] = {}  # a graph's logits (their address) -> their argmax, recorded too
+        if self.use_graphs:
+            self.capture()
 
     @torch.no_grad()
     def _forward(self, b: int, w: int) -> torch.Tensor:
@@ -110,14 +148,20 @@ class DecodeRunner:
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
-        from forge_engine.kernels.elementwise import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
+        from forge_engine.kernels.elementwise import (
+            argmax_rows,
+        )  # (Triton's kernels: imported where a GPU records graphs)
+
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
             for w in self.widths:
                 self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
                 logits = self._forward(self.buckets[-1], w)
-                if GREEDY_IN_GRAPH: argmax_rows(logits)  # (compiled and loaded here: no module loads while recording)
+                if GREEDY_IN_GRAPH:
+                    argmax_rows(
+                        logits
+                    )  # (compiled and loaded here: no module loads while recording)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for b in reversed(self.buckets):
@@ -144,9 +188,11 @@ class DecodeRunner:
         """Each row's argmax of `logits` as `run` returned them from a graph (GREEDY_IN_GRAPH: taken in the same
         replay, no launch of its own); None for logits of an eager run."""
         tokens = self.greedy.get(logits.data_ptr())
-        return None if tokens is None else tokens[:logits.shape[0]]
+        return None if tokens is None else tokens[: logits.shape[0]]
 
-    def _write_inputs(self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens) -> None:
+    def _write_inputs(
+        self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens
+    ) -> None:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
         one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
         position 0, written to the scratch slot, attending to itself."""
@@ -160,22 +206,31 @@ class DecodeRunner:
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
         # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
         tables[:n][np.arange(w)[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
-        copy_to_device(self.inputs[:host.numel()], host)
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum())
+        )
+        copy_to_device(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
-            fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Logits [n, vocab] for n decoding sequences. `fill_ids(ids)` may then write, on the device, input tokens
         the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
         b = self.bucket_for(n)
         w = next(x for x in self.widths if x >= max(map(len, block_tables)))
         self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
-        if fill_ids is not None: fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
+        if fill_ids is not None:
+            fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
         if self.use_graphs:
-            if not self.graphs: raise RuntimeError("this decode runner's CUDA graphs were released")
+            if not self.graphs:
+                raise RuntimeError("this decode runner's CUDA graphs were released")
             self.graphs[b, w].replay()
             return self.logits[b, w][:n]
         return self._forward(b, w)[:n]

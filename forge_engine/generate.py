@@ -24,6 +24,7 @@ __all__ = ['STRUCTURED_KINDS', 'ContiguousKVCache', 'prefill', 'decode_step', 'S
 # %% ../nbs/04_prefill_decode.ipynb #9dc0ec90
 class ContiguousKVCache:
     "K/V of one sequence in preallocated buffers; an attention backend for `Transformer.forward`."
+
     def __init__(self, config: ModelConfig, max_len: int, device="cpu", dtype=torch.float32):
         shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -37,7 +38,8 @@ class ContiguousKVCache:
         self.k[layer, start:end], self.v[layer, start:end] = k, v
         return causal_attention(q, self.k[layer, :end], self.v[layer, :end], q_offset=start)
 
-    def advance(self, n: int): self.length += n
+    def advance(self, n: int):
+        self.length += n
 
 
 @torch.no_grad()
@@ -64,17 +66,29 @@ class StructuredOutput:
     """What the output must match (chapter 06a makes a token mask of it). `spec` by `kind`: json_schema, the schema
     (a dict, or its JSON text); json_object, None (any JSON object); regex, a pattern; grammar, a Lark grammar;
     choice, a list of strings (the output is one of them)."""
+
     kind: str
     spec: Any = None
 
     def __post_init__(self):
         if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}")
-        wanted = {"json_schema": (dict, str), "regex": str, "grammar": str, "choice": (list, tuple)}.get(self.kind)
+            raise ValueError(
+                f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}"
+            )
+        wanted = {
+            "json_schema": (dict, str),
+            "regex": str,
+            "grammar": str,
+            "choice": (list, tuple),
+        }.get(self.kind)
         if wanted is None and self.spec is not None:
-            raise ValueError(f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}")
+            raise ValueError(
+                f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}"
+            )
         if wanted is not None and not (isinstance(self.spec, wanted) and self.spec):
-            raise ValueError(f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}")
+            raise ValueError(
+                f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}"
+            )
         if self.kind == "choice" and not all(isinstance(c, str) and c for c in self.spec):
             raise ValueError("structured output choice needs non-empty strings")
 
@@ -82,6 +96,7 @@ class StructuredOutput:
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop. Names follow vLLM."
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_k: int = -1  # -1 (or 0): off
@@ -99,55 +114,92 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to report per token
     skip_special_tokens: bool = True
     n: int = 1
-    structured: StructuredOutput | None = None  # the output must match a schema, regex, grammar or choice
+    structured: StructuredOutput | None = (
+        None  # the output must match a schema, regex, grammar or choice
+    )
 
     def __post_init__(self):
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
             ("n", self.n == 1, "only n=1 is supported"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), "must be >= 0"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            (
+                "temperature",
+                self.temperature >= 0 and math.isfinite(self.temperature),
+                "must be >= 0",
+            ),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1 (off) or >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be in [0, max_tokens]",
+            ),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("logit_bias", all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "values must be in [-100, 100]"),
-            ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
-             "must be a StructuredOutput"),
+            (
+                "logit_bias",
+                all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()),
+                "values must be in [-100, 100]",
+            ),
+            (
+                "structured",
+                self.structured is None or isinstance(self.structured, StructuredOutput),
+                "must be a StructuredOutput",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+                raise ValueError(
+                    f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+                )
 
     @property
-    def greedy(self) -> bool: return self.temperature == 0
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 # %% ../nbs/04_prefill_decode.ipynb #511200b7
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+) -> torch.Tensor:
     "Logit bias, repetition penalty (prompt + output) and presence/frequency penalties (output)."
     logits = logits.clone()
     for token, bias in (params.logit_bias or {}).items():
         logits[int(token)] += bias
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(
+            sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device
+        )
         if len(seen):
             x = logits[seen]
-            logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+            logits[seen] = torch.where(
+                x > 0, x / params.repetition_penalty, x * params.repetition_penalty
+            )
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel()).float()
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=logits.numel()
+        ).float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     return logits
 
 
-def filter_probs(probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+def filter_probs(
+    probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     "Zero out tokens outside top-k, outside the top-p nucleus, or below min_p x the top probability; renormalise."
     probs = probs.clone()
     if top_k > 0 and top_k < probs.numel():
@@ -161,11 +213,15 @@ def filter_probs(probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p
     return probs / probs.sum()
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
     "Greedy, or temperature + filters + an exponential race drawn from `generator`."
     if params.greedy:
         return int(logits.argmax())
-    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params.top_k, params.top_p, params.min_p)
+    probs = filter_probs(
+        torch.softmax(logits / params.temperature, dim=-1), params.top_k, params.top_p, params.min_p
+    )
     race = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / race).argmax())
 
@@ -174,28 +230,39 @@ def failure_table(s: str) -> list[int]:
     "Knuth-Morris-Pratt: `table[i]` is the length of the longest proper prefix of `s[:i + 1]` that also ends it."
     table, k = [0] * len(s), 0
     for i in range(1, len(s)):
-        while k and s[i] != s[k]: k = table[k - 1]
-        if s[i] == s[k]: k += 1
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
         table[i] = k
     return table
 
 
 class StopStringMatcher:
     "Feeds streamed text; releases only text that can no longer become part of a stop string. Linear time."
+
     def __init__(self, stops: Sequence[str]):
         self.stops, self.pending, self.stopped = list(stops), "", False
         self._tables = [failure_table(s) for s in self.stops]
-        self._states = [0] * len(self.stops)  # per stop string: its longest prefix that ends the text fed so far
+        self._states = [0] * len(
+            self.stops
+        )  # per stop string: its longest prefix that ends the text fed so far
 
     def feed(self, delta: str) -> str:
         "New text in; the part now safe to emit out. Sets `stopped` when a stop string appears."
-        if self.stopped: return ""
-        text, first = self.pending + delta, None  # first: where the earliest stop string found starts in `text`
+        if self.stopped:
+            return ""
+        text, first = (
+            self.pending + delta,
+            None,
+        )  # first: where the earliest stop string found starts in `text`
         for j, (s, table) in enumerate(zip(self.stops, self._tables)):
             k = self._states[j]
             for i, c in enumerate(delta, len(self.pending)):
-                while k and s[k] != c: k = table[k - 1]
-                if s[k] == c: k += 1
+                while k and s[k] != c:
+                    k = table[k - 1]
+                if s[k] == c:
+                    k += 1
                 if k == len(s):
                     first = i + 1 - k if first is None else min(first, i + 1 - k)
                     break
@@ -204,8 +271,8 @@ class StopStringMatcher:
             self.stopped, self.pending = True, ""
             return text[:first]
         hold = max(self._states, default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold]
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
 
     def flush(self) -> str:
         "At the end of generation what was held back is safe."
@@ -215,13 +282,19 @@ class StopStringMatcher:
 # %% ../nbs/04_prefill_decode.ipynb #614f336b
 class TextStream:
     "Token ids in, displayable text deltas out; notices stop strings."
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ):
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
         self.stops = StopStringMatcher(params.stop)
         self.text = ""
 
     @property
-    def stopped(self) -> bool: return self.stops.stopped
+    def stopped(self) -> bool:
+        return self.stops.stopped
 
     def add(self, token_id: int) -> str:
         delta = self.stops.feed(self.detokenizer.add(token_id))
@@ -238,18 +311,25 @@ class TextStream:
 @dataclass
 class Completion:
     "What came out of one request."
+
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (end token, stop token or stop string) or "length"
-    logprobs: list[dict[int, float]] | None = None  # per token: its own and the top-N log-probabilities
+    logprobs: list[dict[int, float]] | None = (
+        None  # per token: its own and the top-N log-probabilities
+    )
     ttft_seconds: float | None = None
     seconds: float | None = None
 
 
-def finish_reason_for(token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
+def finish_reason_for(
+    token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]
+) -> str | None:
     "Token-level stop rules, applied after `token` became the `num_generated`-th output (stop tokens are masked before `min_tokens`)."
-    if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos): return "stop"
-    if num_generated >= params.max_tokens: return "length"
+    if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
     return None
 
 
@@ -263,19 +343,32 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
     return result
 
 
-def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
-                    eos_ids: Sequence[int] = (), max_model_len: int | None = None,
-                    on_token: Callable[[int], bool | None] | None = None) -> Completion:
+def generate_tokens(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_ids: Sequence[int] = (),
+    max_model_len: int | None = None,
+    on_token: Callable[[int], bool | None] | None = None,
+) -> Completion:
     "Generate for one prompt over a contiguous cache. `on_token` returning True stops early (stop string)."
     prompt_ids = list(prompt_ids)
     limit = max_model_len or model.config.max_position_embeddings
     if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; the context holds {limit} (prompt + at least 1 new token)"
+        )
     if not prompt_ids:
         raise ValueError("prompt is empty")
     param = next(model.parameters())
-    cache = ContiguousKVCache(model.config, min(limit, len(prompt_ids) + params.max_tokens), param.device, param.dtype)
-    generator = torch.Generator(device=param.device).manual_seed(params.seed) if params.seed is not None else None
+    cache = ContiguousKVCache(
+        model.config, min(limit, len(prompt_ids) + params.max_tokens), param.device, param.dtype
+    )
+    generator = (
+        torch.Generator(device=param.device).manual_seed(params.seed)
+        if params.seed is not None
+        else None
+    )
     never_early = [*eos_ids, *params.stop_token_ids] if params.min_tokens else []
     out = Completion(prompt_ids, logprobs=[] if params.logprobs is not None else None)
     start = time.perf_counter()
@@ -286,12 +379,17 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
             adjusted[never_early] = -math.inf
         token = sample_token(adjusted, params, generator)
         out.token_ids.append(token)
-        if out.ttft_seconds is None: out.ttft_seconds = time.perf_counter() - start
-        if out.logprobs is not None: out.logprobs.append(token_logprobs(logits, token, params.logprobs))
+        if out.ttft_seconds is None:
+            out.ttft_seconds = time.perf_counter() - start
+        if out.logprobs is not None:
+            out.logprobs.append(token_logprobs(logits, token, params.logprobs))
         out.finish_reason = finish_reason_for(token, len(out.token_ids), params, eos_ids)
-        if on_token is not None and on_token(token): out.finish_reason = "stop"
-        if out.finish_reason is None and cache.length >= cache.max_len: out.finish_reason = "length"
-        if out.finish_reason: break
+        if on_token is not None and on_token(token):
+            out.finish_reason = "stop"
+        if out.finish_reason is None and cache.length >= cache.max_len:
+            out.finish_reason = "length"
+        if out.finish_reason:
+            break
         logits = decode_step(model, cache, token)
     out.seconds = time.perf_counter() - start
     return out

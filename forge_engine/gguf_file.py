@@ -30,15 +30,23 @@ __all__ = ['DEQUANTIZERS', 'SKIPPED_TENSORS', 'TensorInfo', 'tensor_nbytes', 're
 
 # %% ../nbs/01a_gguf.ipynb #a6d4e35a
 _VALUE_FORMATS = {  # metadata value type -> little-endian struct / numpy format
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.FLOAT64: "<d", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.BOOL: "<?",
 }
 
 
 class _ByteReader:
     "A position in a GGUF file's bytes, with bounds-checked reads of GGUF values."
+
     def __init__(self, buf, path: Path):
         self.buf, self.path, self.pos = buf, path, 0
 
@@ -46,8 +54,10 @@ class _ByteReader:
         "Advance over `n` bytes; return where they start."
         start, end = self.pos, self.pos + n
         if end > len(self.buf):
-            raise ValueError(f"{self.path} is truncated: {what} needs bytes {start}..{end}, "
-                             f"but the file has {len(self.buf)} bytes")
+            raise ValueError(
+                f"{self.path} is truncated: {what} needs bytes {start}..{end}, "
+                f"but the file has {len(self.buf)} bytes"
+            )
         self.pos = end
         return start
 
@@ -57,13 +67,18 @@ class _ByteReader:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         start = self.take(n, what)
-        try: return str(self.buf[start:start + n], "utf-8")
+        try:
+            return str(self.buf[start : start + n], "utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}") from None
+            raise ValueError(
+                f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}"
+            ) from None
 
     def value(self, vtype: int, what: str) -> Any:
-        if vtype in _VALUE_FORMATS: return self.scalar(_VALUE_FORMATS[vtype], what)
-        if vtype == GGUFValueType.STRING: return self.string(what)
+        if vtype in _VALUE_FORMATS:
+            return self.scalar(_VALUE_FORMATS[vtype], what)
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
         if vtype == GGUFValueType.ARRAY:
             item_type, count = self.scalar("<I", what), self.scalar("<Q", what)
             if item_type in _VALUE_FORMATS:  # numbers: one read, no Python loop
@@ -77,6 +92,7 @@ class _ByteReader:
 @dataclass(frozen=True)
 class TensorInfo:
     "Where one tensor lives in a GGUF file and how it is encoded."
+
     name: str  # the GGUF name, e.g. "blk.0.attn_q.weight"
     qtype: QType
     shape: tuple[int, ...]  # PyTorch order: [out_features, in_features] for a weight
@@ -91,19 +107,23 @@ def tensor_nbytes(qtype: QType, shape) -> int:
     "Bytes a tensor of this type and shape takes; its rows must be whole blocks."
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if shape and shape[-1] % block_size:
-        raise ValueError(f"{qtype.name} stores rows in blocks of {block_size}, but the row length is {shape[-1]}")
+        raise ValueError(
+            f"{qtype.name} stores rows in blocks of {block_size}, but the row length is {shape[-1]}"
+        )
     return math.prod(shape) // block_size * type_size
 
 
 def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorInfo]]:
     "Parse the header of GGUF bytes `buf`: (version, metadata, tensor infos)."
     r = _ByteReader(buf, path)
-    magic = bytes(buf[r.take(4, "the magic number"):4])
+    magic = bytes(buf[r.take(4, "the magic number") : 4])
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
     version = r.scalar("<I", "the version")
     if version & 0xFFFF == 0:
-        raise ValueError(f"{path} is a big-endian GGUF file; only little-endian files are supported")
+        raise ValueError(
+            f"{path} is a big-endian GGUF file; only little-endian files are supported"
+        )
     if version not in (2, 3):
         raise ValueError(f"{path} has GGUF version {version}; supported: 2, 3")
     n_tensors, n_kv = r.scalar("<Q", "the tensor count"), r.scalar("<Q", "the metadata count")
@@ -123,32 +143,42 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
     infos = []
     for name, dims, type_id, offset in raw_infos:
         if type_id not in _KNOWN_TYPE_IDS:
-            raise ValueError(f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has")
+            raise ValueError(
+                f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has"
+            )
         try:
             qtype = QType(type_id)
             shape = tuple(int(d) for d in reversed(dims))
             nbytes = tensor_nbytes(qtype, shape)
         except (ValueError, KeyError) as e:
-            raise ValueError(f"{path}: tensor {name!r} (type {type_id}, dims {dims}): {e}") from None
+            raise ValueError(
+                f"{path}: tensor {name!r} (type {type_id}, dims {dims}): {e}"
+            ) from None
         if offset % alignment:
-            raise ValueError(f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple of {alignment}")
+            raise ValueError(
+                f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple of {alignment}"
+            )
         begin = data_start + offset
         if begin + nbytes > len(buf):
-            raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
-                             f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)")
+            raise ValueError(
+                f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
+                f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)"
+            )
         infos.append(TensorInfo(name, qtype, shape, begin, nbytes))
     by_offset = sorted(infos, key=lambda t: t.offset)
     for t, after in zip(by_offset, by_offset[1:]):
         if t.offset + t.nbytes > after.offset:
-            raise ValueError(f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
-                             f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
-                             f"bytes after it: its size does not match its type and shape")
+            raise ValueError(
+                f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
+                f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
+                f"bytes after it: its size does not match its type and shape"
+            )
     return version, metadata, infos
 
 # %% ../nbs/01a_gguf.ipynb #98119182
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     "The float16 stored at byte `at` of every block, as a float32 column `[n, 1]`."
-    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
 
 
 def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -251,10 +281,17 @@ def dequantize_q6_k(blocks):
 
 # %% ../nbs/01a_gguf.ipynb #ac672b89
 DEQUANTIZERS = {
-    QType.F32: dequantize_f32, QType.F16: dequantize_f16, QType.BF16: dequantize_bf16,
-    QType.Q8_0: dequantize_q8_0, QType.Q4_0: dequantize_q4_0, QType.Q4_1: dequantize_q4_1,
-    QType.Q5_0: dequantize_q5_0, QType.Q5_1: dequantize_q5_1,
-    QType.Q4_K: dequantize_q4_k, QType.Q5_K: dequantize_q5_k, QType.Q6_K: dequantize_q6_k,
+    QType.F32: dequantize_f32,
+    QType.F16: dequantize_f16,
+    QType.BF16: dequantize_bf16,
+    QType.Q8_0: dequantize_q8_0,
+    QType.Q4_0: dequantize_q4_0,
+    QType.Q4_1: dequantize_q4_1,
+    QType.Q5_0: dequantize_q5_0,
+    QType.Q5_1: dequantize_q5_1,
+    QType.Q4_K: dequantize_q4_k,
+    QType.Q5_K: dequantize_q5_k,
+    QType.Q6_K: dequantize_q6_k,
 }
 
 
@@ -266,11 +303,15 @@ def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
     return raw.contiguous().reshape(-1).view(torch.uint8)
 
 
-def dequantize(raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = "tensor") -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = "tensor"
+) -> torch.Tensor:
     "Decode the bytes of a GGUF tensor of type `qtype` into a float32 tensor of `shape` (PyTorch order)."
     qtype = QType(qtype)
     if qtype not in DEQUANTIZERS:
-        raise ValueError(f"{name}: GGUF type {qtype.name} is not supported; supported: {', '.join(q.name for q in DEQUANTIZERS)}")
+        raise ValueError(
+            f"{name}: GGUF type {qtype.name} is not supported; supported: {', '.join(q.name for q in DEQUANTIZERS)}"
+        )
     shape = tuple(shape)
     try:
         expected = tensor_nbytes(qtype, shape)
@@ -278,42 +319,59 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = 
         raise ValueError(f"{name}: {e}") from None
     raw = _as_bytes(raw)
     if raw.numel() != expected:
-        raise ValueError(f"{name}: {qtype.name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+        raise ValueError(
+            f"{name}: {qtype.name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}"
+        )
     _, type_size = GGML_QUANT_SIZES[qtype]
     return DEQUANTIZERS[qtype](raw.reshape(-1, type_size)).reshape(shape)
 
 # %% ../nbs/01a_gguf.ipynb #c27e7794
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf>
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 SKIPPED_TENSORS = {  # present in some GGUFs, not used by our decoder
     "rope_freqs.weight": "per-frequency rotary factors (Llama 3 rope scaling) are not implemented; "
-                         "the model uses plain RoPE from rope_theta",
+    "the model uses plain RoPE from rope_theta",
 }
 
 
 def hf_name(gguf_name: str) -> str:
     "The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."
-    if gguf_name in _GLOBAL_NAMES: return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m is None or m[2] not in _LAYER_PARTS:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}; known: {', '.join(_GLOBAL_NAMES)}, "
-                         f"blk.N.{{{','.join(_LAYER_PARTS)}}}.weight|bias")
+        raise ValueError(
+            f"unknown GGUF tensor {gguf_name!r}; known: {', '.join(_GLOBAL_NAMES)}, "
+            f"blk.N.{{{','.join(_LAYER_PARTS)}}}.weight|bias"
+        )
     return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
 
 
 def gguf_name(hf: str) -> str:
     "The inverse of `hf_name`."
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
-    if hf in inverse: return inverse[hf]
+    if hf in inverse:
+        return inverse[hf]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     parts = {v: k for k, v in _LAYER_PARTS.items()}
-    if m is None or m[2] not in parts: raise ValueError(f"no GGUF name for tensor {hf!r}")
+    if m is None or m[2] not in parts:
+        raise ValueError(f"no GGUF name for tensor {hf!r}")
     return f"blk.{m[1]}.{parts[m[2]]}.{m[3]}"
 
 
@@ -337,20 +395,24 @@ def llama_cpp_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 # %% ../nbs/01a_gguf.ipynb #97bda083
 class GGUFFile:
     "A memory-mapped GGUF file: decoded metadata, tensor infos, and tensors dequantized on demand."
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            if self.path.stat().st_size == 0: raise ValueError(f"{self.path} is empty, not a GGUF file")
+            if self.path.stat().st_size == 0:
+                raise ValueError(f"{self.path} is empty, not a GGUF file")
             # ACCESS_COPY: private copy-on-write pages, so torch may view them as writable memory
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.version, self.metadata, self.tensor_infos = read_gguf_header(self._buf, self.path)
         self._infos = {t.name: t for t in self.tensor_infos}
 
     @property
-    def architecture(self) -> str: return self.metadata.get("general.architecture", "")
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
 
     @property
-    def tensor_names(self) -> list[str]: return [t.name for t in self.tensor_infos]
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self.tensor_infos]
 
     def model_config(self) -> ModelConfig:
         return model_config_from_gguf(self.metadata, self.tensor_names)
@@ -360,23 +422,34 @@ class GGUFFile:
         info = self._infos[name]
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
 
-    def load(self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    def load(
+        self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu"
+    ) -> torch.Tensor:
         "One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`."
-        w = dequantize(self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}")
+        w = dequantize(
+            self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}"
+        )
         if config.architecture == "llama" and re.match(r"blk\.\d+\.attn_[qk]\.", info.name):
-            w = llama_cpp_unpermute(w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
+            w = llama_cpp_unpermute(
+                w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads
+            )
         return w.to(dtype)
 
     def tensors(self, dtype=torch.float32, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
         "Yield `(hf_name, tensor)` in file order, one dequantized tensor at a time."
-        config = self.model_config()  # fails here, before any tensor, on an unsupported architecture
+        config = (
+            self.model_config()
+        )  # fails here, before any tensor, on an unsupported architecture
         for name in self.tensor_names:
-            if name in SKIPPED_TENSORS: warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
+            if name in SKIPPED_TENSORS:
+                warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
         plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
         unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
         if unsupported:  # say so before the first tensor, not halfway through a load
-            raise ValueError(f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
-                             f"supported: {', '.join(q.name for q in DEQUANTIZERS)}")
+            raise ValueError(
+                f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
+                f"supported: {', '.join(q.name for q in DEQUANTIZERS)}"
+            )
         return ((name, self.load(info, config, dtype, device)) for name, info in plan)
 
     def describe(self) -> dict[str, Any]:
@@ -385,39 +458,65 @@ class GGUFFile:
         quant_types = Counter(t.qtype.name for t in self.tensor_infos)
         file_type = self.metadata.get("general.file_type")
         if file_type in set(LlamaFileType):
-            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            quantization = (
+                LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            )
         else:
             matrices = Counter(t.qtype.name for t in self.tensor_infos if len(t.shape) > 1)
-            quantization = (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
-        return {"path": str(self.path), "architecture": self.architecture, "gguf_version": self.version,
-                "tensors": len(self.tensor_infos),
-                "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
-                "quant_types": dict(quant_types.most_common()), "quantization": quantization,
-                "context_length": self.metadata.get(f"{self.architecture}.context_length"),
-                "license": self.metadata.get("general.license"), "file_bytes": len(self._buf)}
+            quantization = (
+                (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
+            )
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "gguf_version": self.version,
+            "tensors": len(self.tensor_infos),
+            "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
+            "quant_types": dict(quant_types.most_common()),
+            "quantization": quantization,
+            "context_length": self.metadata.get(f"{self.architecture}.context_length"),
+            "license": self.metadata.get("general.license"),
+            "file_bytes": len(self._buf),
+        }
 
-    def __repr__(self): return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
+    def __repr__(self):
+        return (
+            f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
+        )
 
 # %% ../nbs/01a_gguf.ipynb #9d96ab9c
-def write_gguf(path: str | Path, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-               qtypes: Mapping[str, QType] | None = None,
-               metadata: Mapping[str, Any] | None = None) -> Path:
+def write_gguf(
+    path: str | Path,
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    qtypes: Mapping[str, QType] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Write Hugging Face-named `tensors` of a model shaped like `config` as a GGUF file.
     `qtypes` picks a type per tensor name (default F32); `metadata` adds keys (str, int, float, bool, lists).
     An untied model must include `lm_head.weight`: GGUF marks a tied model by its absence."""
     import gguf
+
     arch, c = config.architecture, config
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in [("block_count", c.num_layers), ("context_length", c.max_position_embeddings),
-                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
-                       ("attention.head_count", c.num_heads), ("attention.head_count_kv", c.num_kv_heads),
-                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
-                       ("vocab_size", c.vocab_size)]:
+    for key, value in [
+        ("block_count", c.num_layers),
+        ("context_length", c.max_position_embeddings),
+        ("embedding_length", c.hidden_size),
+        ("feed_forward_length", c.intermediate_size),
+        ("attention.head_count", c.num_heads),
+        ("attention.head_count_kv", c.num_kv_heads),
+        ("attention.key_length", c.head_dim),
+        ("attention.value_length", c.head_dim),
+        ("vocab_size", c.vocab_size),
+    ]:
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    if c.bos_token_id is not None: writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
-    if c.eos_token_ids: writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
+    if c.bos_token_id is not None:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
+    if c.eos_token_ids:
+        writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value, GGUFValueType.get_type(value))
     for name, w in tensors.items():

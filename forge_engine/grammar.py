@@ -30,30 +30,40 @@ class GrammarError(ValueError):
 def grammar_of(structured: StructuredOutput) -> str:
     "The llguidance grammar (its JSON form) for a `StructuredOutput`."
     from llguidance import LLMatcher  # optional until a request asks for a format
+
     kind, spec = structured.kind, structured.spec
     if kind in ("json_schema", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else spec
         if isinstance(schema, str):
-            try: schema = json.loads(schema)
-            except json.JSONDecodeError as e: raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        try: return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
-        except ValueError as e: raise GrammarError(f"json_schema: {e}") from None
-    if kind == "regex": return LLMatcher.grammar_from_regex(spec)
-    if kind == "choice": return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
+        except ValueError as e:
+            raise GrammarError(f"json_schema: {e}") from None
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
     return LLMatcher.grammar_from_lark(spec)
 
 # %% ../nbs/06a_grammar.ipynb #c7701ade
 class GrammarCompiler:
     """Grammars compiled against one tokenizer's byte view of the vocabulary. Thread-safe: `compile` may run on any
     thread (a complex schema takes a while, so the server compiles beside the engine's thread)."""
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         import llguidance  # optional until a request asks for a format
+
         self._llg = llguidance
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
 
     def compile(self, structured: StructuredOutput):
         "A fresh matcher for one request; `GrammarError` naming the problem if the grammar is refused."
@@ -65,15 +75,30 @@ class GrammarCompiler:
 
     def fill_masks(self, matchers: Sequence[Any], out: torch.Tensor) -> None:
         "Row i of `out` (int32 `[len(matchers), words]`, on the host) := the tokens matcher i allows next."
-        if out.dtype != torch.int32 or out.device.type != "cpu" or tuple(out.shape) != (len(matchers), self.words) \
-                or not out.is_contiguous():
-            raise ValueError(f"masks go to a contiguous int32 host tensor of shape ({len(matchers)}, {self.words})")
+        if (
+            out.dtype != torch.int32
+            or out.device.type != "cpu"
+            or tuple(out.shape) != (len(matchers), self.words)
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"masks go to a contiguous int32 host tensor of shape ({len(matchers)}, {self.words})"
+            )
         for row, matcher in zip(out, matchers):
-            matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)  # (checked: this row's bytes, above)
+            matcher.unsafe_compute_mask_ptr(
+                row.data_ptr(), self.words * 4
+            )  # (checked: this row's bytes, above)
 
     def allowed_tokens(self, rows: Sequence[int], matchers: Sequence[Any], device) -> AllowedTokens:
         "The masks of a step's rows under a grammar, on `device` (the copy queued, the host does not wait)."
-        bits = torch.empty(len(matchers), self.words, dtype=torch.int32,
-                           pin_memory=torch.device(device).type == "cuda")
+        bits = torch.empty(
+            len(matchers),
+            self.words,
+            dtype=torch.int32,
+            pin_memory=torch.device(device).type == "cuda",
+        )
         self.fill_masks(matchers, bits)
-        return AllowedTokens(torch.tensor(list(rows)).to(device, non_blocking=True), bits.to(device, non_blocking=True))
+        return AllowedTokens(
+            torch.tensor(list(rows)).to(device, non_blocking=True),
+            bits.to(device, non_blocking=True),
+        )

@@ -18,8 +18,17 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator
 
-from .chat import (API_KEY_ENV, ChatError, Reply, SSEDecoder, api_base, api_headers, error_text,
-                               parse_chunk, request_body)
+from forge_engine.chat import (
+    API_KEY_ENV,
+    ChatError,
+    Reply,
+    SSEDecoder,
+    api_base,
+    api_headers,
+    error_text,
+    parse_chunk,
+    request_body,
+)
 
 # %% auto #0
 __all__ = ['WorkloadRequest', 'arrival_times', 'random_prompts', 'synthetic_workload', 'read_trace', 'sse_data_async',
@@ -30,6 +39,7 @@ __all__ = ['WorkloadRequest', 'arrival_times', 'random_prompts', 'synthetic_work
 @dataclass(frozen=True)
 class WorkloadRequest:
     "One request of a workload: when it leaves (seconds after the start), what it asks, how many tokens it may get."
+
     send_at: float
     prompt: str | None = None
     messages: list[dict] | None = None
@@ -38,10 +48,14 @@ class WorkloadRequest:
 
 def arrival_times(count: int, rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
     "Send times of `count` requests at `rate` per second: gamma gaps of mean 1/rate (burstiness 1: Poisson); inf: all at 0."
-    if count < 0: raise ValueError(f"count must be >= 0, got {count}")
-    if not rate > 0: raise ValueError(f"rate must be > 0 requests/s (or inf), got {rate}")
-    if not burstiness > 0: raise ValueError(f"burstiness must be > 0, got {burstiness}")
-    if math.isinf(rate): return [0.0] * count
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (or inf), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * count
     rng, t, times = random.Random(seed), 0.0, []
     for _ in range(count):
         times.append(t)
@@ -49,23 +63,37 @@ def arrival_times(count: int, rate: float, seed: int = 0, burstiness: float = 1.
     return times
 
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group country "
-          "problem hand part place case week company system program question work government number night point "
-          "home water room mother area money story fact month lot right study book eye job word business issue side "
-          "kind head house service friend father power hour game line end member law car city community name").split()
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue side "
+    "kind head house service friend father power hour game line end member law car city community name"
+).split()
 
 
 def random_prompts(count: int, words: int, seed: int = 0) -> list[str]:
     "Prompts of `words` random common words each: distinct from the first word on, so no two share a cached prefix."
-    if words < 1: raise ValueError(f"prompt length must be >= 1 word, got {words}")
+    if words < 1:
+        raise ValueError(f"prompt length must be >= 1 word, got {words}")
     rng = random.Random(seed)
-    return [f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words)) for i in range(count)]
+    return [
+        f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words)) for i in range(count)
+    ]
 
 
-def synthetic_workload(count: int, rate: float, words: int = 64, max_tokens: int = 128, seed: int = 0,
-                       burstiness: float = 1.0) -> list[WorkloadRequest]:
+def synthetic_workload(
+    count: int,
+    rate: float,
+    words: int = 64,
+    max_tokens: int = 128,
+    seed: int = 0,
+    burstiness: float = 1.0,
+) -> list[WorkloadRequest]:
     times = arrival_times(count, rate, seed, burstiness)
-    return [WorkloadRequest(t, prompt=p, max_tokens=max_tokens) for t, p in zip(times, random_prompts(count, words, seed))]
+    return [
+        WorkloadRequest(t, prompt=p, max_tokens=max_tokens)
+        for t, p in zip(times, random_prompts(count, words, seed))
+    ]
 
 # %% ../nbs/13a_load_client.ipynb #5650398f
 def read_trace(path: str, default_max_tokens: int = 128) -> list[WorkloadRequest]:
@@ -73,22 +101,32 @@ def read_trace(path: str, default_max_tokens: int = 128) -> list[WorkloadRequest
     requests = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            if not line.strip(): continue
+            if not line.strip():
+                continue
             try:
                 row = json.loads(line)
                 stamp = float(row["timestamp"])
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: a trace line needs a JSON object with a numeric 'timestamp' ({e})") from None
+                raise ValueError(
+                    f"{path}:{n}: a trace line needs a JSON object with a numeric 'timestamp' ({e})"
+                ) from None
             if ("prompt" in row) == ("messages" in row):
                 raise ValueError(f"{path}:{n}: give either 'prompt' or 'messages'")
             max_tokens = row.get("max_tokens", default_max_tokens)
             if not isinstance(max_tokens, int) or max_tokens < 1:
-                raise ValueError(f"{path}:{n}: max_tokens must be an integer >= 1, got {max_tokens!r}")
-            requests.append(WorkloadRequest(stamp, row.get("prompt"), row.get("messages"), max_tokens))
-    if not requests: raise ValueError(f"{path}: the trace has no requests")
+                raise ValueError(
+                    f"{path}:{n}: max_tokens must be an integer >= 1, got {max_tokens!r}"
+                )
+            requests.append(
+                WorkloadRequest(stamp, row.get("prompt"), row.get("messages"), max_tokens)
+            )
+    if not requests:
+        raise ValueError(f"{path}: the trace has no requests")
     first = min(r.send_at for r in requests)
-    return sorted((WorkloadRequest(r.send_at - first, r.prompt, r.messages, r.max_tokens) for r in requests),
-                  key=lambda r: r.send_at)
+    return sorted(
+        (WorkloadRequest(r.send_at - first, r.prompt, r.messages, r.max_tokens) for r in requests),
+        key=lambda r: r.send_at,
+    )
 
 # %% ../nbs/13a_load_client.ipynb #d36d1e08
 async def sse_data_async(lines: AsyncIterable[str]) -> AsyncIterator[str]:
@@ -96,14 +134,18 @@ async def sse_data_async(lines: AsyncIterable[str]) -> AsyncIterator[str]:
     decoder = SSEDecoder()
     async for line in lines:
         data = decoder.feed(line)
-        if data == "[DONE]": return
-        if data is not None: yield data
-    if (data := decoder.flush()) not in (None, "[DONE]"): yield data
+        if data == "[DONE]":
+            return
+        if data is not None:
+            yield data
+    if (data := decoder.flush()) not in (None, "[DONE]"):
+        yield data
 
 
 async def send_request(client, url: str, body: dict) -> Reply:
     "POST one streaming request; the `Reply` with its timings, or with `error` set. Never raises for a failed request."
     import httpx
+
     reply = Reply()
     try:
         async with client.stream("POST", url, json=body) as response:
@@ -117,9 +159,12 @@ async def send_request(client, url: str, body: dict) -> Reply:
         reply.error = str(e)
     except httpx.HTTPError as e:
         what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        if isinstance(e, httpx.ConnectError): reply.error = f"cannot reach the server: {what}"
-        elif isinstance(e, httpx.TimeoutException): reply.error = f"timed out: {what}"
-        else: reply.error = f"the connection broke: {what}"
+        if isinstance(e, httpx.ConnectError):
+            reply.error = f"cannot reach the server: {what}"
+        elif isinstance(e, httpx.TimeoutException):
+            reply.error = f"timed out: {what}"
+        else:
+            reply.error = f"the connection broke: {what}"
     reply.end()
     return reply
 
@@ -127,6 +172,7 @@ async def send_request(client, url: str, body: dict) -> Reply:
 @dataclass
 class LoadResult:
     "What a run produced: one `Reply` per workload request (same order) and the wall time of the run."
+
     requests: list[WorkloadRequest]
     replies: list[Reply]
     duration_s: float
@@ -136,30 +182,49 @@ class LoadResult:
 async def server_model(client, base: str) -> str:
     "The server's first model (`GET /v1/models`)."
     import httpx
+
     try:
         response = await client.get(base + "/models")
     except httpx.HTTPError as e:
         raise ChatError(f"cannot reach the server at {base}: {type(e).__name__}: {e}") from None
     if response.status_code != 200:
-        raise ChatError(f"GET {base}/models: HTTP {response.status_code}: {error_text(response.text)}")
+        raise ChatError(
+            f"GET {base}/models: HTTP {response.status_code}: {error_text(response.text)}"
+        )
     models = [m["id"] for m in response.json().get("data", [])]
-    if not models: raise ChatError(f"the server at {base} lists no models")
+    if not models:
+        raise ChatError(f"the server at {base} lists no models")
     return models[0]
 
 
-async def run_workload(url: str, workload: list[WorkloadRequest], params, model: str | None = None,
-                       api_key: str | None = None, endpoint: str = "chat", max_concurrency: int | None = None,
-                       timeout: float = 600.0) -> LoadResult:
+async def run_workload(
+    url: str,
+    workload: list[WorkloadRequest],
+    params,
+    model: str | None = None,
+    api_key: str | None = None,
+    endpoint: str = "chat",
+    max_concurrency: int | None = None,
+    timeout: float = 600.0,
+) -> LoadResult:
     "Send every request of `workload` at its time to the server at `url`; every reply, timed."
     import httpx
-    if endpoint not in ("chat", "completions"): raise ValueError(f"endpoint must be chat or completions, got {endpoint!r}")
-    if max_concurrency is not None and max_concurrency < 1: raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+
+    if endpoint not in ("chat", "completions"):
+        raise ValueError(f"endpoint must be chat or completions, got {endpoint!r}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     base = api_base(url)
     path = base + ("/chat/completions" if endpoint == "chat" else "/completions")
-    bodies = [_body(r, params, endpoint) for r in workload]  # bad requests fail here, before anything is sent
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    async with httpx.AsyncClient(headers=api_headers(api_key), limits=limits,
-                                 timeout=httpx.Timeout(timeout, connect=10.0)) as client:
+    bodies = [
+        _body(r, params, endpoint) for r in workload
+    ]  # bad requests fail here, before anything is sent
+    limits = httpx.Limits(
+        max_connections=max_concurrency, max_keepalive_connections=max_concurrency
+    )
+    async with httpx.AsyncClient(
+        headers=api_headers(api_key), limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)
+    ) as client:
         try:
             model = model or await server_model(client, base)
         except ChatError as e:  # nothing can be sent: every request failed for this reason
@@ -178,7 +243,8 @@ async def run_workload(url: str, workload: list[WorkloadRequest], params, model:
 
 def _body(request: WorkloadRequest, params, endpoint: str) -> dict:
     if endpoint == "completions":
-        if request.prompt is None: raise ValueError("a chat request (messages) cannot go to the completions endpoint")
+        if request.prompt is None:
+            raise ValueError("a chat request (messages) cannot go to the completions endpoint")
         body = request_body(params, "", prompt=request.prompt)
     else:
         messages = request.messages or [{"role": "user", "content": request.prompt}]
@@ -188,7 +254,8 @@ def _body(request: WorkloadRequest, params, endpoint: str) -> dict:
 # %% ../nbs/13a_load_client.ipynb #cd9a4754
 def percentile(values: list[float], q: float) -> float:
     "The q-th percentile, interpolating linearly between the two nearest ranks."
-    if not values: raise ValueError("percentile of no values")
+    if not values:
+        raise ValueError("percentile of no values")
     ordered = sorted(values)
     k = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(k), math.ceil(k)
@@ -197,19 +264,29 @@ def percentile(values: list[float], q: float) -> float:
 
 def describe_ms(seconds: list[float]) -> dict | None:
     "mean, p50 and p99 of durations in milliseconds (None for no values)."
-    if not seconds: return None
+    if not seconds:
+        return None
     ms = [s * 1000 for s in seconds]
-    return {"mean": sum(ms) / len(ms), "p50": percentile(ms, 50), "p99": percentile(ms, 99), "count": len(ms)}
+    return {
+        "mean": sum(ms) / len(ms),
+        "p50": percentile(ms, 50),
+        "p99": percentile(ms, 99),
+        "count": len(ms),
+    }
 
 
 def summarize(result: LoadResult) -> dict:
     "The W3 figures of a run: latencies over successful requests, throughputs, failures by reason."
     ok = [r for r in result.replies if r.error is None]
     output_tokens = sum(r.num_tokens for r in ok)
-    prompt_tokens = [r.usage.get("prompt_tokens") if r.usage else None for r in ok]  # known only from usage
+    prompt_tokens = [
+        r.usage.get("prompt_tokens") if r.usage else None for r in ok
+    ]  # known only from usage
     seconds = result.duration_s
     return {
-        "completed": len(ok), "failed": len(result.replies) - len(ok), "duration_s": seconds,
+        "completed": len(ok),
+        "failed": len(result.replies) - len(ok),
+        "duration_s": seconds,
         "request_throughput": len(ok) / seconds if seconds else 0.0,
         "output_throughput": output_tokens / seconds if seconds else 0.0,
         "total_output_tokens": output_tokens,
@@ -218,76 +295,156 @@ def summarize(result: LoadResult) -> dict:
         "tpot_ms": describe_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": describe_ms([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": describe_ms([r.e2e_s for r in ok]),
-        "failures": dict(Counter(r.error for r in result.replies if r.error is not None).most_common()),
+        "failures": dict(
+            Counter(r.error for r in result.replies if r.error is not None).most_common()
+        ),
     }
 
 
 def request_records(result: LoadResult) -> list[dict]:
     "Per-request figures, for a detailed results file."
-    return [{"send_at_s": q.send_at, "ok": r.error is None, "error": r.error, "finish_reason": r.finish_reason,
-             "output_tokens": r.num_tokens, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tpot_s": r.tpot_s, "itl_s": r.itl_s}
-            for q, r in zip(result.requests, result.replies)]
+    return [
+        {
+            "send_at_s": q.send_at,
+            "ok": r.error is None,
+            "error": r.error,
+            "finish_reason": r.finish_reason,
+            "output_tokens": r.num_tokens,
+            "ttft_s": r.ttft_s,
+            "e2e_s": r.e2e_s,
+            "tpot_s": r.tpot_s,
+            "itl_s": r.itl_s,
+        }
+        for q, r in zip(result.requests, result.replies)
+    ]
 
 # %% ../nbs/13a_load_client.ipynb #8d680d9a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     "Flags of `forge-engine bench serve`."
-    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
-    parser.add_argument("--endpoint", default="chat", choices=["chat", "completions"],
-                        help="/v1/chat/completions (default) or /v1/completions")
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument(
+        "--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)"
+    )
+    parser.add_argument(
+        "--endpoint",
+        default="chat",
+        choices=["chat", "completions"],
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the server's first model)"
+    )
     parser.add_argument("--api-key", default=None, help=f"Bearer key (default: ${API_KEY_ENV})")
-    parser.add_argument("--rate", type=float, default=math.inf, help="requests per second on average, or inf (default)")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=math.inf,
+        help="requests per second on average, or inf (default)",
+    )
+    parser.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson"
+    )
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--prompt-words", type=int, default=64, help="words per random prompt")
-    parser.add_argument("--trace", default=None, help="replay this JSONL trace (timestamp, prompt|messages, max_tokens)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (trace lines may say otherwise)")
-    parser.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extension)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="replay this JSONL trace (timestamp, prompt|messages, max_tokens)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="tokens per reply (trace lines may say otherwise)",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extension)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--detailed", action="store_true", help="include every request's figures in the results")
+    parser.add_argument(
+        "--detailed", action="store_true", help="include every request's figures in the results"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     "`forge-engine bench serve`: results as JSON on stdout (and in --json); 0 if every request succeeded, 1 if some failed, 2 on bad input."
     from forge_engine.generate import SamplingParams
+
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
-        if args.num_prompts < 1: raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
+        )
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         if args.trace:
             workload = read_trace(args.trace, args.max_tokens)
         else:
-            workload = synthetic_workload(args.num_prompts, args.rate, args.prompt_words, args.max_tokens, args.seed,
-                                          args.burstiness)
-        result = asyncio.run(run_workload(args.url, workload, params, args.model, args.api_key or os.environ.get(API_KEY_ENV),
-                                          args.endpoint, args.max_concurrency, args.timeout))
+            workload = synthetic_workload(
+                args.num_prompts,
+                args.rate,
+                args.prompt_words,
+                args.max_tokens,
+                args.seed,
+                args.burstiness,
+            )
+        result = asyncio.run(
+            run_workload(
+                args.url,
+                workload,
+                params,
+                args.model,
+                args.api_key or os.environ.get(API_KEY_ENV),
+                args.endpoint,
+                args.max_concurrency,
+                args.timeout,
+            )
+        )
     except (ValueError, OSError) as e:
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
-    config = {"workload": "w3", "url": args.url, "endpoint": args.endpoint, "model": result.model,
-              "rate": None if args.trace else "inf" if math.isinf(args.rate) else args.rate, "burstiness": args.burstiness,
-              "num_prompts": len(workload), "trace": args.trace, "max_tokens": args.max_tokens,
-              "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
-              "max_concurrency": args.max_concurrency}
+    config = {
+        "workload": "w3",
+        "url": args.url,
+        "endpoint": args.endpoint,
+        "model": result.model,
+        "rate": None if args.trace else "inf" if math.isinf(args.rate) else args.rate,
+        "burstiness": args.burstiness,
+        "num_prompts": len(workload),
+        "trace": args.trace,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "max_concurrency": args.max_concurrency,
+    }
     results = {**config, **summarize(result)}
-    if args.detailed: results["requests"] = request_records(result)
+    if args.detailed:
+        results["requests"] = request_records(result)
     print(summary_table(results), file=sys.stderr)
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f: f.write(text + "\n")
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
     return 0 if results["failed"] == 0 else 1
 
 
 def summary_table(results: dict) -> str:
     "The figures a person reads first."
-    lines = [f"{results['completed']} completed, {results['failed']} failed in {results['duration_s']:.2f} s: "
-             f"{results['request_throughput']:.2f} req/s, {results['output_throughput']:.1f} output tok/s"]
+    lines = [
+        f"{results['completed']} completed, {results['failed']} failed in {results['duration_s']:.2f} s: "
+        f"{results['request_throughput']:.2f} req/s, {results['output_throughput']:.1f} output tok/s"
+    ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         d = results[f"{name}_ms"]
-        if d: lines.append(f"{name.upper():>5} ms  mean {d['mean']:9.1f}  p50 {d['p50']:9.1f}  p99 {d['p99']:9.1f}")
+        if d:
+            lines.append(
+                f"{name.upper():>5} ms  mean {d['mean']:9.1f}  p50 {d['p50']:9.1f}  p99 {d['p99']:9.1f}"
+            )
     lines += [f"  failed ({n}x): {reason}" for reason, n in results["failures"].items()]
     return "\n".join(lines)

@@ -19,61 +19,104 @@ __all__ = ['GiB', 'MIN_KV_BYTES', 'OVERHEAD_BYTES', 'INT4_GROUP', 'DEQUANTIZE_TI
 # %% ../nbs/10a_memory_plan.ipynb #39bc4624
 GiB = 2**30
 MIN_KV_BYTES = GiB  # a plan that leaves less KV cache than this is refused
-OVERHEAD_BYTES = 256 * 2**20  # allocator slack, cuBLAS workspaces, Triton: not in any tensor we count
+OVERHEAD_BYTES = (
+    256 * 2**20
+)  # allocator slack, cuBLAS workspaces, Triton: not in any tensor we count
 INT4_GROUP = 128
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
     "'8GiB', '7.5GB', '512MiB', '1000000' -> bytes; a clear error for anything else."
-    if isinstance(text, int): return text
+    if isinstance(text, int):
+        return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a memory size: {text!r} (write e.g. 8GiB, 7.5GB, 512MiB or a number of bytes)")
+        raise ValueError(
+            f"not a memory size: {text!r} (write e.g. 8GiB, 7.5GB, 512MiB or a number of bytes)"
+        )
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValueError(f"a memory size must be positive, got {text!r}")
     return value
 
 
-def format_gib(n: int) -> str: return f"{n / GiB:.2f} GiB"
+def format_gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
 
 # %% ../nbs/10a_memory_plan.ipynb #a3efe1b9
 def layer_matrices(c: ModelConfig) -> list[tuple[int, int]]:
     "(out_features, in_features) of one layer's qkv, o, gate_up and down."
-    return [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
-            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return [
+        (c.q_size + 2 * c.kv_size, c.hidden_size),
+        (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
 
 
 def matrix_bytes(n: int, k: int, quantization: str, dtype_bytes: int) -> int:
     "Bytes of an [n, k] weight stored as `quantization` (chapter 10's layouts)."
-    if quantization == "none": return n * k * dtype_bytes
-    if quantization == "int8": return n * k + 4 * n  # int8 weights, an fp32 scale per row
-    if quantization == "int4": return n * k // 2 + 4 * n * math.ceil(k / INT4_GROUP)  # nibbles, fp16 scale + minimum
-    raise ValueError(f"no size rule for quantization {quantization!r} (a GGUF file's blocks: plan from the file size)")
+    if quantization == "none":
+        return n * k * dtype_bytes
+    if quantization == "int8":
+        return n * k + 4 * n  # int8 weights, an fp32 scale per row
+    if quantization == "int4":
+        return n * k // 2 + 4 * n * math.ceil(k / INT4_GROUP)  # nibbles, fp16 scale + minimum
+    raise ValueError(
+        f"no size rule for quantization {quantization!r} (a GGUF file's blocks: plan from the file size)"
+    )
 
 
 def weight_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
     "All weights: the layer matrices in `quantization` and the LM head in int8 when quantized, the rest in the compute dtype."
-    matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)) * c.num_layers
-    rest = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers  # embedding, head, norms, biases
-    if quantization == "none": return matrices + rest * dtype_bytes
+    matrices = (
+        sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c))
+        * c.num_layers
+    )
+    rest = (
+        c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers
+    )  # embedding, head, norms, biases
+    if quantization == "none":
+        return matrices + rest * dtype_bytes
     head = c.vocab_size * c.hidden_size  # in `rest` once when tied: then it is the embedding too
-    return matrices + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes) + (rest - head) * dtype_bytes
+    return (
+        matrices
+        + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes)
+        + (rest - head) * dtype_bytes
+    )
 
 
-DEQUANTIZE_TILE_BYTES = 12 * 2**24  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
+DEQUANTIZE_TILE_BYTES = (
+    12 * 2**24
+)  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
 
 
-def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none") -> int:
+def activation_bytes(
+    c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none"
+) -> int:
     "An upper estimate of one forward's live tensors: `tokens` tokens, logits for `rows` of them."
-    per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
+    per_token = (
+        (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
+    )
     tile = 0 if quantization == "none" else DEQUANTIZE_TILE_BYTES
     return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4) + tile
 
 # %% ../nbs/10a_memory_plan.ipynb #1a6429fe
-QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
+QUANTIZE_SLICE_BYTES = (
+    24 * 2**24
+)  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
 
 
 def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
@@ -99,25 +142,57 @@ class MemoryPlan:
     load_peak: int  # the weights' peak while loading (load_peak_bytes)
 
     def describe(self) -> str:
-        return (f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
-                f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
-                f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
-                f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}")
+        return (
+            f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
+            f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
+            f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
+            f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}"
+        )
 
 
-def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_bytes: int = 2,
-                max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, cuda_graphs: bool = True) -> MemoryPlan:
+def plan_memory(
+    c: ModelConfig,
+    budget: int,
+    quantization: str = "none",
+    dtype_bytes: int = 2,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    cuda_graphs: bool = True,
+) -> MemoryPlan:
     "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
+
     def plan(mode: str) -> MemoryPlan:
         weights = weight_bytes(c, mode, dtype_bytes)
         acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
-        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
+        graphs = (
+            activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
+        )
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
-        return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
-                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))
+        return MemoryPlan(
+            budget,
+            mode,
+            weights,
+            acts,
+            graphs,
+            OVERHEAD_BYTES,
+            kv,
+            max(0, kv) // c.kv_bytes_per_token(dtype_bytes),
+            load_peak_bytes(c, mode, dtype_bytes),
+        )
+
     chosen = plan(quantization)
-    if chosen.kv_cache >= MIN_KV_BYTES: return chosen
-    others = [p for p in map(plan, ("none", "int8", "int4")) if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES]
-    hint = f"; it would fit as {others[0].quantization} with {format_gib(others[0].kv_cache)} of KV cache" if others else \
-        "; it does not fit in any weight format: lower max_num_batched_tokens / max_num_seqs or use a smaller model"
-    raise MemoryPlanError(f"{chosen.describe()}, under the {format_gib(MIN_KV_BYTES)} minimum{hint}")
+    if chosen.kv_cache >= MIN_KV_BYTES:
+        return chosen
+    others = [
+        p
+        for p in map(plan, ("none", "int8", "int4"))
+        if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES
+    ]
+    hint = (
+        f"; it would fit as {others[0].quantization} with {format_gib(others[0].kv_cache)} of KV cache"
+        if others
+        else "; it does not fit in any weight format: lower max_num_batched_tokens / max_num_seqs or use a smaller model"
+    )
+    raise MemoryPlanError(
+        f"{chosen.describe()}, under the {format_gib(MIN_KV_BYTES)} minimum{hint}"
+    )

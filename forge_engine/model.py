@@ -32,7 +32,9 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         "(norm(x + residual), x + residual): the residual add and the next norm."
         residual = x + residual
         return self(residual), residual
@@ -43,11 +45,12 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """The rotation speed of each of the head_dim/2 pairs, in fp32. Computed once per (head_dim, theta, device) and
     shared (read-only): a GPU decode step would otherwise spend five small kernel launches on it, every step."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, pair) angle: two [T, head_dim/2] tensors, computed in fp32 and rounded to `dtype`.
     (Integer positions times the fp32 speeds make fp32 angles in one kernel; cos and sin round as they store: a decode
     step's three launches, not six.)"""
@@ -63,24 +66,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 # %% ../nbs/03_model.ipynb #2dccc228
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0
+) -> torch.Tensor:
     "q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]; query i attends to keys 0..q_offset+i."
     tq, tk = q.shape[0], k.shape[0]
     mask, causal = None, False
     if q_offset == 0 and tq == tk:
         causal = True  # a whole prompt: the plain causal pattern, which has a fast kernel
-    elif not (tq == 1 and q_offset == tk - 1):  # (one query at the end sees every key: no mask at all)
+    elif not (
+        tq == 1 and q_offset == tk - 1
+    ):  # (one query at the end sees every key: no mask at all)
         query_pos = torch.arange(tq, device=q.device)[:, None] + q_offset
         mask = torch.arange(tk, device=q.device)[None, :] <= query_pos
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out.transpose(0, 1)
 
 
 class AttentionBackend(Protocol):
     "Whatever stores K/V and runs attention for a layer: no cache, a contiguous cache, a paged cache."
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 def no_cache_attention(layer: int, q, k, v) -> torch.Tensor:
@@ -98,15 +113,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         qkv = self.qkv(x)
         q, k, v = self.heads(qkv)
         if self.q_norm is not None:
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
             qk = apply_rope(self.qk_heads(qkv), cos, sin)
-            q, k = qk[:, :self.config.num_heads], qk[:, self.config.num_heads:]
+            q, k = qk[:, : self.config.num_heads], qk[:, self.config.num_heads :]
         return self.o(attention(self.layer, q, k, v).reshape(x.shape[0], self.config.q_size))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,11 +135,14 @@ class Attention(nn.Module):
     def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         "q's heads, then k's, as one view [T, heads + kv_heads, head_dim] of the QKV projection's output."
         c = self.config
-        return qkv[:, :c.q_size + c.kv_size].view(qkv.shape[0], c.num_heads + c.num_kv_heads, c.head_dim)
+        return qkv[:, : c.q_size + c.kv_size].view(
+            qkv.shape[0], c.num_heads + c.num_kv_heads, c.head_dim
+        )
 
 
 class MLP(nn.Module):
     "SwiGLU: down(silu(gate(x)) * up(x))."
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -138,6 +157,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: r = x + attn(norm(x)), then r + mlp(norm(r)). The last add is left to the next
     layer (or the final norm), which fuses it with its norm: a layer takes and returns (its block's
     output, the residual stream before that output is added)."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -146,30 +166,42 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, cos, sin, attention):
-        h, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm.add_and_norm(x, residual)
+        h, residual = (
+            (self.attn_norm(x), x) if residual is None else self.attn_norm.add_and_norm(x, residual)
+        )
         h, residual = self.mlp_norm.add_and_norm(self.attn(h, cos, sin, attention), residual)
         return self.mlp(h), residual
 
 # %% ../nbs/03_model.ipynb #17b5ef1a
 class Transformer(nn.Module):
     "A decoder-only transformer of the Qwen3 / Qwen2 / Llama family."
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionBackend = no_cache_attention) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend = no_cache_attention,
+    ) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         return self.run_layers(x, cos, sin, attention)
 
-    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attention: AttentionBackend) -> torch.Tensor:
+    def run_layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         "The embedded tokens x [T, hidden] through every layer and the final norm."
         residual = None
         for layer in self.layers:
@@ -184,12 +216,17 @@ class Transformer(nn.Module):
 
 # %% ../nbs/03_model.ipynb #f908e78b
 _LAYER_NAMES = {  # HF name inside model.layers.{i} -> (our name inside layers.{i}, slice)
-    "self_attn.q_proj": ("attn.qkv", "q"), "self_attn.k_proj": ("attn.qkv", "k"),
-    "self_attn.v_proj": ("attn.qkv", "v"), "self_attn.o_proj": ("attn.o", None),
-    "self_attn.q_norm": ("attn.q_norm", None), "self_attn.k_norm": ("attn.k_norm", None),
-    "mlp.gate_proj": ("mlp.gate_up", "gate"), "mlp.up_proj": ("mlp.gate_up", "up"),
+    "self_attn.q_proj": ("attn.qkv", "q"),
+    "self_attn.k_proj": ("attn.qkv", "k"),
+    "self_attn.v_proj": ("attn.qkv", "v"),
+    "self_attn.o_proj": ("attn.o", None),
+    "self_attn.q_norm": ("attn.q_norm", None),
+    "self_attn.k_norm": ("attn.k_norm", None),
+    "mlp.gate_proj": ("mlp.gate_up", "gate"),
+    "mlp.up_proj": ("mlp.gate_up", "up"),
     "mlp.down_proj": ("mlp.down", None),
-    "input_layernorm": ("attn_norm", None), "post_attention_layernorm": ("mlp_norm", None),
+    "input_layernorm": ("attn_norm", None),
+    "post_attention_layernorm": ("mlp_norm", None),
 }
 _TOP_NAMES = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -198,14 +235,22 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 def _row_slice(config: ModelConfig, part: str | None) -> slice:
     "Rows of a merged weight that one checkpoint tensor fills."
     q, kv, i = config.q_size, config.kv_size, config.intermediate_size
-    return {None: slice(None), "q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
-            "gate": slice(0, i), "up": slice(i, 2 * i)}[part]
+    return {
+        None: slice(None),
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, i),
+        "up": slice(i, 2 * i),
+    }[part]
 
 
 def checkpoint_target(config: ModelConfig, hf_name: str) -> tuple[str, slice] | None:
     "Our parameter name and row slice for a checkpoint tensor; None for tensors we don't use."
-    if hf_name.endswith("rotary_emb.inv_freq"): return None  # recomputed, never loaded
-    if hf_name == "lm_head.weight" and config.tie_word_embeddings: return None  # same as embed
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None  # recomputed, never loaded
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # same as embed
     if m := _LAYER_RE.match(hf_name):
         layer, inner, kind = m.groups()
         if inner in _LAYER_NAMES:
@@ -224,26 +269,37 @@ def load_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
     filled: dict[str, int] = {name: 0 for name in params}
     for hf_name, tensor in named_tensors:
         target = checkpoint_target(model.config, hf_name)
-        if target is None: continue
+        if target is None:
+            continue
         name, rows = target
         if name not in params:
-            raise ValueError(f"checkpoint tensor {hf_name!r} maps to {name!r}, which this model does not have")
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} maps to {name!r}, which this model does not have"
+            )
         dest = params[name].data[rows]
         if dest.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)  # converts dtype and moves device in one step
         filled[name] += dest.numel()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
-        raise ValueError(f"checkpoint is missing weights for {len(missing)} parameters, e.g. {missing[:5]}")
+        raise ValueError(
+            f"checkpoint is missing weights for {len(missing)} parameters, e.g. {missing[:5]}"
+        )
 
 # %% ../nbs/03_model.ipynb #33d3498b
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     "The Hugging Face-named checkpoint tensors of `model` (views of its weights): the inverse of `load_weights`."
     c, params = model.config, dict(model.named_parameters())
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    names += [f"model.layers.{i}.{inner}.{kind}" for i in range(c.num_layers) for inner in _LAYER_NAMES
-              for kind in ("weight", "bias")]
+    names += [
+        f"model.layers.{i}.{inner}.{kind}"
+        for i in range(c.num_layers)
+        for inner in _LAYER_NAMES
+        for kind in ("weight", "bias")
+    ]
     out = {}
     for hf_name in names:
         target = checkpoint_target(c, hf_name)
@@ -263,7 +319,9 @@ def empty_model(config: ModelConfig, device="cpu", dtype=torch.float32) -> Trans
 def fill_random_(name: str, p: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
     "Fill parameter `name` in place from `gen`: N(0, std) for matrices and biases, near 1 for norms."
     if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+        p.copy_(
+            1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        )
     else:
         p.normal_(0.0, std, generator=gen)
 
@@ -279,10 +337,20 @@ def init_random_weights(model: Transformer, seed: int = 0, std: float = 0.02) ->
 # %% ../nbs/03_model.ipynb #e85fc2b1
 def hf_config_dict(config: ModelConfig) -> dict:
     "The `config.json` fields a Hugging Face model of this shape has (used for tests and for saving)."
-    return {"model_type": config.architecture, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
-            "max_position_embeddings": config.max_position_embeddings,
-            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
-            "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids) or None}
+    return {
+        "model_type": config.architecture,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids) or None,
+    }

@@ -12,7 +12,10 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .generate import SamplingParams
-from .kv_cache import to_device, to_device_together  # host tensors to the GPU without waiting for it (chapter 05)
+from forge_engine.kv_cache import (
+    to_device,
+    to_device_together,
+)  # host tensors to the GPU without waiting for it (chapter 05)
 
 # %% auto #0
 __all__ = ['SamplingRow', 'make_generator', 'AllowedTokens', 'unpack_bits', 'SparseLogits', 'SamplingBatch', 'adjust_logits',
@@ -21,6 +24,7 @@ __all__ = ['SamplingRow', 'make_generator', 'AllowedTokens', 'unpack_bits', 'Spa
 # %% ../nbs/06_sampling.ipynb #f161f660
 class SamplingRow(NamedTuple):
     "What the sampler needs to know about one sequence at this step."
+
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
@@ -29,12 +33,14 @@ class SamplingRow(NamedTuple):
 
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
     "A request's own random stream, seeded once when it arrives; None when it has no seed."
-    if params.seed is None: return None
+    if params.seed is None:
+        return None
     return torch.Generator(device=device).manual_seed(params.seed)
 
 # %% ../nbs/06_sampling.ipynb #6fa36cc3
 class AllowedTokens(NamedTuple):
     "The rows under a grammar and, for each, one bit per token of the vocabulary: 32 tokens to an int32 word."
+
     rows: torch.Tensor  # [G] long
     bits: torch.Tensor  # [G, ceil(V / 32)] int32: bit j of word w is token 32 w + j
 
@@ -47,16 +53,21 @@ def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class SparseLogits(NamedTuple):
     "Values at a few positions of a `[B, V]` tensor, as indices into its flattened view (`row * V + token`)."
+
     index: torch.Tensor  # [n] long
     value: torch.Tensor  # [n] float32
 
 
 def _positions(row: int, vocab_size: int, what: str, *token_ids) -> torch.Tensor:
     "Flat positions `row * V + token` of the given token ids; a clear error for an id outside the vocabulary."
-    ids = torch.cat([torch.as_tensor(t, dtype=torch.long, device="cpu").reshape(-1) for t in token_ids])
+    ids = torch.cat(
+        [torch.as_tensor(t, dtype=torch.long, device="cpu").reshape(-1) for t in token_ids]
+    )
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if len(bad):
-        raise ValueError(f"{what} of row {row} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"{what} of row {row} has token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})"
+        )
     return ids + row * vocab_size
 
 
@@ -65,6 +76,7 @@ class SamplingBatch:
     """The per-row sampling parameters of one engine step, as tensors on the logits' `device`. A batch of greedy rows
     only keeps temperature, top_k, top_p, min_p and the row lists on the host: only sampled rows read them, and a GPU
     step spares two copies."""
+
     device: torch.device
     vocab_size: int
     temperature: torch.Tensor  # [B] float32; 0 for greedy rows
@@ -76,26 +88,47 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # one per sampled row, in the order of sampled_rows
     logprobs: list[int | None]  # per row: how many alternatives to report; None = no logprobs
     bias: SparseLogits | None = None  # logit_bias, added
-    repetition: SparseLogits | None = None  # tokens seen in prompt or output: the row's penalty factor
-    output_penalty: SparseLogits | None = None  # output tokens: frequency x count + presence, subtracted
-    forbidden: torch.Tensor | None = None  # flat positions of eos and stop ids in rows under min_tokens
-    allowed: AllowedTokens | None = None  # rows under a grammar: one bit per token, 1 = may come next (chapter 06a)
+    repetition: SparseLogits | None = (
+        None  # tokens seen in prompt or output: the row's penalty factor
+    )
+    output_penalty: SparseLogits | None = (
+        None  # output tokens: frequency x count + presence, subtracted
+    )
+    forbidden: torch.Tensor | None = (
+        None  # flat positions of eos and stop ids in rows under min_tokens
+    )
+    allowed: AllowedTokens | None = (
+        None  # rows under a grammar: one bit per token, 1 = may come next (chapter 06a)
+    )
 
     @property
-    def size(self) -> int: return len(self.logprobs)
+    def size(self) -> int:
+        return len(self.logprobs)
 
     @property
     def adjusts(self) -> bool:
         "Whether any row has a bias, a penalty or a min_tokens mask (else the logits are used as they are)."
-        return not (self.bias is None and self.repetition is None and self.output_penalty is None
-                    and self.forbidden is None and self.allowed is None)
+        return not (
+            self.bias is None
+            and self.repetition is None
+            and self.output_penalty is None
+            and self.forbidden is None
+            and self.allowed is None
+        )
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], vocab_size: int, eos_ids: Sequence[int] = (),
-              device="cpu", allowed: AllowedTokens | None = None) -> SamplingBatch:
+    def build(
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        eos_ids: Sequence[int] = (),
+        device="cpu",
+        allowed: AllowedTokens | None = None,
+    ) -> SamplingBatch:
         """Gather the rows' parameters into tensors; penalty lists only for the rows that use them. `allowed`: the
         bitmasks of the rows under a grammar, already on `device`."""
-        if not rows: raise ValueError("a sampling batch needs at least one row")
+        if not rows:
+            raise ValueError("a sampling batch needs at least one row")
         device, V = torch.device(device), vocab_size
         rows = [SamplingRow(*row) for row in rows]
         params = [row.params for row in rows]
@@ -105,44 +138,96 @@ class SamplingBatch:
             if g is not None and g.device.type != device.type:
                 raise ValueError(f"row {i}: its generator is on {g.device}, the batch on {device}")
         per_row = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
-        sparse = lambda index, value: SparseLogits(to_device(index, device), to_device(value, device))
+        sparse = lambda index, value: SparseLogits(
+            to_device(index, device), to_device(value, device)
+        )
 
         bias = repetition = output_penalty = forbidden = None
         if biased := [i for i, p in enumerate(params) if p.logit_bias]:
-            index = torch.cat([_positions(i, V, "logit_bias", [int(t) for t in params[i].logit_bias]) for i in biased])
-            bias = sparse(index, torch.tensor([b for i in biased for b in params[i].logit_bias.values()]))
+            index = torch.cat(
+                [
+                    _positions(i, V, "logit_bias", [int(t) for t in params[i].logit_bias])
+                    for i in biased
+                ]
+            )
+            bias = sparse(
+                index, torch.tensor([b for i in biased for b in params[i].logit_bias.values()])
+            )
         if penalised := [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]:
-            seen = torch.unique(torch.cat([_positions(i, V, "prompt/output", rows[i].prompt_ids, rows[i].output_ids)
-                                           for i in penalised]))
+            seen = torch.unique(
+                torch.cat(
+                    [
+                        _positions(i, V, "prompt/output", rows[i].prompt_ids, rows[i].output_ids)
+                        for i in penalised
+                    ]
+                )
+            )
             repetition = sparse(seen, per_row("repetition_penalty")[seen // V])
-        if counted := [i for i, (p, r) in enumerate(zip(params, rows))
-                       if (p.presence_penalty or p.frequency_penalty) and len(r.output_ids)]:
-            index, count = torch.unique(torch.cat([_positions(i, V, "output_ids", rows[i].output_ids) for i in counted]),
-                                        return_counts=True)
-            row = index // V  # the reference's frequency x count + presence x (count > 0), per (row, token)
-            amount = per_row("frequency_penalty")[row] * count.float() + per_row("presence_penalty")[row]
+        if counted := [
+            i
+            for i, (p, r) in enumerate(zip(params, rows))
+            if (p.presence_penalty or p.frequency_penalty) and len(r.output_ids)
+        ]:
+            index, count = torch.unique(
+                torch.cat([_positions(i, V, "output_ids", rows[i].output_ids) for i in counted]),
+                return_counts=True,
+            )
+            row = (
+                index // V
+            )  # the reference's frequency x count + presence x (count > 0), per (row, token)
+            amount = (
+                per_row("frequency_penalty")[row] * count.float() + per_row("presence_penalty")[row]
+            )
             output_penalty = sparse(index, amount)
-        if early := [i for i, (p, r) in enumerate(zip(params, rows)) if len(r.output_ids) < p.min_tokens]:
-            forbidden = torch.cat([_positions(i, V, "eos/stop_token_ids", eos_ids, params[i].stop_token_ids)
-                                   for i in early])
+        if early := [
+            i for i, (p, r) in enumerate(zip(params, rows)) if len(r.output_ids) < p.min_tokens
+        ]:
+            forbidden = torch.cat(
+                [
+                    _positions(i, V, "eos/stop_token_ids", eos_ids, params[i].stop_token_ids)
+                    for i in early
+                ]
+            )
             forbidden = to_device(forbidden, device)
 
         # two copies to the device (one per dtype), not six: each queued copy costs a GPU a few microseconds; none
         # where every row is greedy (nothing reads them then)
         to = device if sampled else torch.device("cpu")
         temperature, top_p, min_p = to_device_together(
-            [torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
-             for name in ("temperature", "top_p", "min_p")], to)
+            [
+                torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
+                for name in ("temperature", "top_p", "min_p")
+            ],
+            to,
+        )
         top_k, greedy_rows, sampled_rows = to_device_together(
-            [torch.tensor(values, dtype=torch.long) for values in ([max(p.top_k, 0) for p in params],  # -1, 0: off
-                                                                  [i for i, p in enumerate(params) if p.greedy], sampled)],
-            to)
+            [
+                torch.tensor(values, dtype=torch.long)
+                for values in (
+                    [max(p.top_k, 0) for p in params],  # -1, 0: off
+                    [i for i, p in enumerate(params) if p.greedy],
+                    sampled,
+                )
+            ],
+            to,
+        )
         return cls(
-            device=device, vocab_size=V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            greedy_rows=greedy_rows, sampled_rows=sampled_rows,
+            device=device,
+            vocab_size=V,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            greedy_rows=greedy_rows,
+            sampled_rows=sampled_rows,
             generators=[rows[i].generator for i in sampled],
             logprobs=[p.logprobs for p in params],
-            bias=bias, repetition=repetition, output_penalty=output_penalty, forbidden=forbidden, allowed=allowed)
+            bias=bias,
+            repetition=repetition,
+            output_penalty=output_penalty,
+            forbidden=forbidden,
+            allowed=allowed,
+        )
 
 # %% ../nbs/06_sampling.ipynb #70377c37
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -166,8 +251,9 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 # %% ../nbs/06_sampling.ipynb #0418e6d5
-def filter_probs_batch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       min_p: torch.Tensor) -> torch.Tensor:
+def filter_probs_batch(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     "Per-row top-k (0 = off), top-p (1 = off) and min-p (0 = off) cuts of `[N, V]` probabilities, renormalised."
     probs, vocab = probs.clone(), probs.shape[-1]
     rows = torch.nonzero((top_k > 0) & (top_k < vocab)).squeeze(1)
@@ -179,9 +265,13 @@ def filter_probs_batch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     if len(rows):
         kept = probs[rows]
         sorted_probs, order = kept.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ahead in sort order
+        mass_before = (
+            sorted_probs.cumsum(-1) - sorted_probs
+        )  # mass of the tokens ahead in sort order
         cut_sorted = mass_before >= top_p[rows, None] * sorted_probs.sum(-1, keepdim=True)
-        probs[rows] = kept.masked_fill(torch.empty_like(cut_sorted).scatter_(1, order, cut_sorted), 0)
+        probs[rows] = kept.masked_fill(
+            torch.empty_like(cut_sorted).scatter_(1, order, cut_sorted), 0
+        )
     rows = torch.nonzero(min_p > 0).squeeze(1)
     if len(rows):
         kept = probs[rows]
@@ -189,7 +279,9 @@ def filter_probs_batch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return probs / probs.sum(-1, keepdim=True)
 
 # %% ../nbs/06_sampling.ipynb #8b93a3cb
-def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     "One token per row of `[N, V]` probabilities; row i's noise comes from generators[i] (None: the global one)."
     noise = torch.empty_like(probs)
     for row_noise, generator in zip(noise, generators, strict=True):
@@ -197,15 +289,19 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
     return (probs / noise).argmax(-1)
 
 # %% ../nbs/06_sampling.ipynb #0d883639
-def batch_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   top_n: Sequence[int | None]) -> list[dict[int, float] | None] | None:
+def batch_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: Sequence[int | None]
+) -> list[dict[int, float] | None] | None:
     "Per row: {token: logprob} for the chosen token and the top_n[row] most likely ones; None where not asked."
     wanted = [row for row, n in enumerate(top_n) if n is not None]
-    if not wanted: return None
+    if not wanted:
+        return None
     logp = torch.log_softmax(logits[wanted].float(), dim=-1)
     chosen = token_ids[wanted].tolist()
     result: list[dict[int, float] | None] = [None] * len(top_n)
-    for row, token, value in zip(wanted, chosen, logp.gather(1, token_ids[wanted, None]).squeeze(1).tolist()):
+    for row, token, value in zip(
+        wanted, chosen, logp.gather(1, token_ids[wanted, None]).squeeze(1).tolist()
+    ):
         result[row] = {token: value}
     for n in sorted({top_n[row] for row in wanted} - {0}):
         group = [i for i, row in enumerate(wanted) if top_n[row] == n]
@@ -218,23 +314,30 @@ def batch_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 @dataclass
 class SampleResult:
     "The next token of every row, and the log-probabilities of the rows that asked for them."
+
     token_ids: torch.Tensor  # [B] long, on the logits' device
     logprobs: list[dict[int, float] | None] | None  # per row; None when no row asked
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> SampleResult:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None
+) -> SampleResult:
     """Pick one token per row of `[B, V]` logits under the batch's per-row parameters. `greedy`: each row's argmax
     of these logits, already taken (chapter 09b's decode graphs): the tokens where every row is greedy and nothing
     adjusts the logits."""
     if logits.ndim != 2 or tuple(logits.shape) != (batch.size, batch.vocab_size):
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the batch: "
-                         f"{batch.size} rows x vocab {batch.vocab_size}")
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match the batch: "
+            f"{batch.size} rows x vocab {batch.vocab_size}"
+        )
     if logits.device != batch.device:
         raise ValueError(f"logits are on {logits.device}, the sampling batch on {batch.device}")
     if greedy is not None and greedy.shape != (batch.size,):
         raise ValueError(f"greedy holds one token per row: {batch.size}, got {tuple(greedy.shape)}")
-    adjusted = adjust_logits(logits, batch) if batch.adjusts else logits  # (nothing to adjust: no copy)
+    adjusted = (
+        adjust_logits(logits, batch) if batch.adjusts else logits
+    )  # (nothing to adjust: no copy)
     if not len(batch.sampled_rows):  # every row greedy: the argmax in place, no rows gathered
         token_ids = greedy if greedy is not None and not batch.adjusts else adjusted.argmax(-1)
         return SampleResult(token_ids, batch_logprobs(logits, token_ids, batch.logprobs))

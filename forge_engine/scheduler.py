@@ -29,6 +29,7 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     "A request inside the engine."
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -36,7 +37,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int | None] = field(default_factory=list)  # chain hashes of the registered full blocks
+    block_hashes: list[int | None] = field(
+        default_factory=list
+    )  # chain hashes of the registered full blocks
     num_computed: int = 0  # tokens whose K/V is in the cache
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
@@ -44,22 +47,28 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # served by the prefix cache at the last admission
 
     @property
-    def token_ids(self) -> list[int]: return self.prompt_ids + self.output_ids
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
-    def last_token(self) -> int: return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
-    def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_uncomputed(self) -> int: return self.num_tokens - self.num_computed
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
 
     @property
-    def is_decoding(self) -> bool: return self.num_uncomputed == 1 and self.num_computed >= len(self.prompt_ids)
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1 and self.num_computed >= len(self.prompt_ids)
 
     @property
-    def finished(self) -> bool: return self.status is Status.FINISHED
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
 
 # %% ../nbs/07_scheduler.ipynb #70178601
 @dataclass
@@ -73,12 +82,16 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler: grew past the whole pool
+    finished: list[Sequence] = field(
+        default_factory=list
+    )  # ended by the scheduler: grew past the whole pool
 
     @property
-    def num_tokens(self) -> int: return sum(s.num_new for s in self.scheduled)
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
 
-    def __bool__(self) -> bool: return bool(self.scheduled)
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
 
 
 class QueueFullError(RuntimeError):
@@ -87,10 +100,13 @@ class QueueFullError(RuntimeError):
 # %% ../nbs/07_scheduler.ipynb #e64cc6e4
 class Scheduler:
     "Continuous batching under a sequence bound and a per-step token budget, with chunked prefill and preemption."
+
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int):
         if config.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({config.max_num_seqs}) so every running sequence can decode each step")
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({config.max_num_seqs}) so every running sequence can decode each step"
+            )
         self.config, self.allocator, self.max_model_len = config, allocator, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
@@ -102,30 +118,40 @@ class Scheduler:
         if n == 0:
             raise ValueError("prompt is empty")
         if n + 1 > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)")
+            raise ValueError(
+                f"prompt has {n} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)"
+            )
         pool_tokens = self.allocator.num_blocks * self.allocator.block_size
         if n + 1 > pool_tokens:
-            raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
-                             f"so it can never run (give the cache more memory)")
+            raise ValueError(
+                f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
+                f"so it can never run (give the cache more memory)"
+            )
 
     def add(self, seq: Sequence) -> None:
         "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
         self.check_prompt_len(len(seq.prompt_ids))
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
-                                 f"try again later")
+            raise QueueFullError(
+                f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
+                f"try again later"
+            )
         seq.arrival, seq.status = next(self._arrivals), Status.WAITING
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         "End a sequence in any state (stop, length, abort, error) and give its blocks back now."
-        if seq.finished: return
-        if seq in self.running: self.running.remove(seq)
-        elif seq in self.waiting: self.waiting.remove(seq)
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
-    def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
@@ -133,13 +159,17 @@ class Scheduler:
 
     # -- one step --
     def _blocks_for(self, seq: Sequence, num_new: int) -> int:
-        return max(0, self.allocator.blocks_needed(seq.num_computed + num_new) - len(seq.block_table))
+        return max(
+            0, self.allocator.blocks_needed(seq.num_computed + num_new) - len(seq.block_table)
+        )
 
     def _preempt_youngest(self, plan: StepPlan) -> Sequence:
         victim = self.running.pop()  # youngest: running is in arrival order
         self._release(victim)
         victim.status, victim.num_preemptions = Status.WAITING, victim.num_preemptions + 1
-        self.waiting.appendleft(victim)  # the older a victim, the later it is pushed: arrival order kept
+        self.waiting.appendleft(
+            victim
+        )  # the older a victim, the later it is pushed: arrival order kept
         plan.preempted.append(victim)
         return victim
 
@@ -149,22 +179,32 @@ class Scheduler:
         decoding = [s for s in self.running if s.is_decoding]
         prefilling = [s for s in self.running if not s.is_decoding]
         for seq in decoding + prefilling:  # oldest first within each group
-            if seq.status is not Status.RUNNING: continue  # preempted earlier in this loop
-            if self._outgrew_pool(seq, plan): continue
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._outgrew_pool(seq, plan):
+                continue
             uncomputed = seq.num_uncomputed
             num_new = min(uncomputed, budget)
-            if num_new == 0: continue
-            need = self._blocks_for(seq, num_new)  # most decode steps need none: the last block has room
+            if num_new == 0:
+                continue
+            need = self._blocks_for(
+                seq, num_new
+            )  # most decode steps need none: the last block has room
             while need and not self.allocator.can_allocate(need):
-                if self._preempt_youngest(plan) is seq: break
-            if seq.status is not Status.RUNNING: continue
-            if need: seq.block_table += self.allocator.allocate(need)
+                if self._preempt_youngest(plan) is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if need:
+                seq.block_table += self.allocator.allocate(need)
             plan.scheduled.append(ScheduledSeq(seq, num_new, num_new == uncomputed))
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._outgrew_pool(seq, plan): continue
-            if not self._admit(seq, budget, plan): break  # FCFS: nobody jumps the queue
+            if self._outgrew_pool(seq, plan):
+                continue
+            if not self._admit(seq, budget, plan):
+                break  # FCFS: nobody jumps the queue
             budget -= plan.scheduled[-1].num_new
         return plan
 
@@ -174,7 +214,8 @@ class Scheduler:
 
     def _outgrew_pool(self, seq: Sequence, plan: StepPlan) -> bool:
         "End (reason `length`) a sequence that `outgrows_pool`."
-        if not self.outgrows_pool(seq): return False
+        if not self.outgrows_pool(seq):
+            return False
         self.finish(seq, "length")
         plan.finished.append(seq)
         return True
@@ -186,7 +227,9 @@ class Scheduler:
         num_new = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq, num_new)
         if not self.allocator.can_allocate(need):
-            self.allocator.cancel_match(cached, seq.num_tokens)  # it will be looked up again when it fits
+            self.allocator.cancel_match(
+                cached, seq.num_tokens
+            )  # it will be looked up again when it fits
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             return False
         seq.block_table += self.allocator.allocate(need)
@@ -199,7 +242,8 @@ class Scheduler:
 
     def _insert_running(self, seq: Sequence) -> None:
         i = len(self.running)
-        while i > 0 and self.running[i - 1].arrival > seq.arrival: i -= 1
+        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+            i -= 1
         self.running.insert(i, seq)
 
     def step_done(self, plan: StepPlan) -> None:
@@ -207,11 +251,17 @@ class Scheduler:
         size = self.allocator.block_size
         for item in plan.scheduled:
             seq = item.seq
-            if seq.finished: continue  # aborted while the step ran; its blocks are already back
+            if seq.finished:
+                continue  # aborted while the step ran; its blocks are already back
             seq.num_computed += item.num_new
             newly_full = range(len(seq.block_hashes), seq.num_computed // size)
-            tokens = seq.token_ids if newly_full else None  # building the list costs O(length): only when needed
+            tokens = (
+                seq.token_ids if newly_full else None
+            )  # building the list costs O(length): only when needed
             for i in newly_full:
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
-                seq.block_hashes.append(self.allocator.register_full_block(
-                    seq.block_table[i], parent, tokens[i * size:(i + 1) * size]))
+                seq.block_hashes.append(
+                    self.allocator.register_full_block(
+                        seq.block_table[i], parent, tokens[i * size : (i + 1) * size]
+                    )
+                )

@@ -23,23 +23,34 @@ __all__ = ['GPT2_WORDS', 'QWEN2_WORDS', 'LLAMA3_WORDS', 'PRE_TOKENIZERS', 'GGUF_
 
 # %% ../nbs/02_tokenizer.ipynb #aad21e51
 GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-QWEN2_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
 class PreTokenizerFamily:
     "How one `tokenizer.ggml.pre` family cuts text into words before BPE merges run."
-    splits: tuple[str, ...]  # regexes applied one after another; matched and unmatched pieces are both kept
+
+    splits: tuple[
+        str, ...
+    ]  # regexes applied one after another; matched and unmatched pieces are both kept
     nfc: bool = False  # normalise to Unicode NFC first, as the family's own tokenizer.json does
-    ignore_merges: bool = False  # a word that is itself in the vocabulary becomes one token directly
+    ignore_merges: bool = (
+        False  # a word that is itself in the vocabulary becomes one token directly
+    )
 
     def build(self) -> pre_tokenizers.PreTokenizer:
         "The `tokenizers` pre-tokenizer: the regex cuts, then bytes drawn as printable characters."
         cuts = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in self.splits]
-        return pre_tokenizers.Sequence(cuts + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            cuts + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
 
 
 PRE_TOKENIZERS: dict[str, PreTokenizerFamily] = {
@@ -74,7 +85,9 @@ def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
     for i, merge in enumerate(merges):
         left, _, right = merge.partition(" ")
         if not left or not right or " " in right:
-            raise ValueError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not two pieces separated by one space")
+            raise ValueError(
+                f"tokenizer.ggml.merges[{i}] = {merge!r} is not two pieces separated by one space"
+            )
         pairs.append((left, right))
     return pairs
 
@@ -83,10 +96,14 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
     "A `tokenizers.Tokenizer` equivalent to the byte-level BPE tokenizer stored in GGUF metadata."
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) is supported")
+        raise ValueError(
+            f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) is supported"
+        )
     pre = metadata.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
     if metadata.get("tokenizer.ggml.add_space_prefix"):
         raise ValueError("tokenizer.ggml.add_space_prefix=True is not supported for byte-level BPE")
     tokens = list(_gguf_key(metadata, "tokenizer.ggml.tokens"))
@@ -98,20 +115,33 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
         raise ValueError(f"tokenizer.ggml.tokens holds {len(tokens) - len(vocab)} duplicate pieces")
     family = PRE_TOKENIZERS[pre]
     merges = _merge_pairs(_gguf_key(metadata, "tokenizer.ggml.merges"))
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=family.ignore_merges))
+    backend = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=family.ignore_merges)
+    )
     if family.nfc:
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = family.build()
     backend.decoder = decoders.ByteLevel()
     # Added tokens keep their ids: `tokenizers` reuses the id a piece already has in the vocabulary.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == GGUF_CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == GGUF_USER_DEFINED
+        ]
+    )
     bos = _gguf_token_id(metadata, "tokenizer.ggml.bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
+        )
     return backend
 
 # %% ../nbs/02_tokenizer.ipynb #c8d257b7
@@ -122,7 +152,9 @@ SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by
 def message_text(i: int, message: Any) -> tuple[str, str]:
     "Check message `i` and return its `(role, text)`; errors name the index and the problem."
     if not isinstance(message, dict):
-        raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        raise ValueError(
+            f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}"
+        )
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
@@ -135,11 +167,19 @@ def message_text(i: int, message: Any) -> tuple[str, str]:
     if isinstance(content, str):
         return role, content
     if not isinstance(content, list):
-        raise ValueError(f"message {i} ({role}): content must be a str or a list of text parts, "
-                         f"got {type(content).__name__}")
+        raise ValueError(
+            f"message {i} ({role}): content must be a str or a list of text parts, "
+            f"got {type(content).__name__}"
+        )
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"message {i} ({role}): content part {j} is not a {{'type': 'text', 'text': str}} part")
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                f"message {i} ({role}): content part {j} is not a {{'type': 'text', 'text': str}} part"
+            )
     return role, "".join(part["text"] for part in content)
 
 
@@ -152,11 +192,14 @@ def checked_turns(messages: Sequence[dict]) -> list[tuple[str, str]]:
     return [message_text(i, m) for i, m in enumerate(messages)]
 
 
-def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
-                  default_system: str | None = None) -> str:
+def render_chatml(
+    messages: Sequence[dict], add_generation_prompt: bool = True, default_system: str | None = None
+) -> str:
     "ChatML text for `messages`; `default_system` is inserted when the first message is not a system one."
     turns = checked_turns(messages)
-    if tool_turns := [i for i, (role, _) in enumerate(turns) if role == "tool" or messages[i].get("tool_calls")]:
+    if tool_turns := [
+        i for i, (role, _) in enumerate(turns) if role == "tool" or messages[i].get("tool_calls")
+    ]:
         raise ValueError(f"message {tool_turns[0]}: this chat template has no tools")
     if default_system is not None and turns[0][0] != "system":
         turns.insert(0, ("system", default_system))
@@ -164,11 +207,15 @@ def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-QWEN3_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-QWEN3_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+QWEN3_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN3_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 def to_json(value) -> str:
@@ -180,29 +227,39 @@ def qwen3_tool_call(i: int, call: Any) -> str:
     "One `<tool_call>` block of an assistant message (`arguments` as given: a JSON string, or an object)."
     function = call.get("function", call) if isinstance(call, dict) else None
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-        raise ValueError(f"message {i}: each tool call needs a function with a name, got {str(call)[:60]}")
+        raise ValueError(
+            f"message {i}: each tool call needs a function with a name, got {str(call)[:60]}"
+        )
     arguments = function.get("arguments", {})
     arguments = arguments if isinstance(arguments, str) else to_json(arguments)
     return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>'
 
 
-def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
-                        tools: Sequence[dict] | None = None) -> str:
+def qwen3_instruct_chat(
+    messages: Sequence[dict],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+) -> str:
     "Qwen3-2507 Instruct: ChatML, no default system prompt, no think block; tools as Qwen3's template has them."
     turns = checked_turns(messages)
     text, first = "", 0
     if tools:
         system = turns[0][1] + "\n\n" if turns[0][0] == "system" else ""
         listed = "".join("\n" + to_json(tool) for tool in tools)
-        text, first = f"<|im_start|>system\n{system}{QWEN3_TOOLS_HEAD}{listed}{QWEN3_TOOLS_TAIL}<|im_end|>\n", \
-            int(turns[0][0] == "system")
+        text, first = (
+            f"<|im_start|>system\n{system}{QWEN3_TOOLS_HEAD}{listed}{QWEN3_TOOLS_TAIL}<|im_end|>\n",
+            int(turns[0][0] == "system"),
+        )
     for i in range(first, len(turns)):
         role, content = turns[i]
         if role == "tool":
             opens = i == 0 or turns[i - 1][0] != "tool"
             closes = i == len(turns) - 1 or turns[i + 1][0] != "tool"
-            text += ("<|im_start|>user" if opens else "") + f"\n<tool_response>\n{content}\n</tool_response>" \
+            text += (
+                ("<|im_start|>user" if opens else "")
+                + f"\n<tool_response>\n{content}\n</tool_response>"
                 + ("<|im_end|>\n" if closes else "")
+            )
             continue
         calls = messages[i].get("tool_calls") or []
         blocks = [qwen3_tool_call(i, call) for call in calls]
@@ -211,15 +268,22 @@ def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def smollm2_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
-                 tools: Sequence[dict] | None = None) -> str:
+def smollm2_chat(
+    messages: Sequence[dict],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+) -> str:
     "SmolLM2 Instruct: ChatML with SmolLM's default system prompt; no tools."
-    if tools: raise ValueError("this chat template (smollm2-chatml) has no tools")
+    if tools:
+        raise ValueError("this chat template (smollm2-chatml) has no tools")
     return render_chatml(messages, add_generation_prompt, default_system=SMOLLM2_SYSTEM_PROMPT)
 
 
 ChatTemplate = Callable[..., str]  # (messages, add_generation_prompt, tools=None) -> text
-CHAT_TEMPLATES: dict[str, ChatTemplate] = {"qwen3-instruct": qwen3_instruct_chat, "smollm2-chatml": smollm2_chat}
+CHAT_TEMPLATES: dict[str, ChatTemplate] = {
+    "qwen3-instruct": qwen3_instruct_chat,
+    "smollm2-chatml": smollm2_chat,
+}
 
 
 def recognise_chat_template(jinja: str | None) -> str | None:
@@ -251,10 +315,17 @@ def as_token_id(x: Any) -> int:
 class Tokenizer:
     "Text <-> token ids, stop ids and a chat template, around a `tokenizers.Tokenizer` backend."
 
-    def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
-                 eos_token_ids: Sequence[int] | None = None, bos_token_id: int | None = None):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        chat_template: str | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        bos_token_id: int | None = None,
+    ):
         if chat_template is not None and chat_template not in CHAT_TEMPLATES:
-            raise ValueError(f"unknown chat template {chat_template!r}; known: {', '.join(CHAT_TEMPLATES)}")
+            raise ValueError(
+                f"unknown chat template {chat_template!r}; known: {', '.join(CHAT_TEMPLATES)}"
+            )
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
@@ -263,7 +334,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
 
     @classmethod
-    def from_file(cls, path: str | Path, chat_template: str | None = "qwen3-instruct") -> "Tokenizer":
+    def from_file(
+        cls, path: str | Path, chat_template: str | None = "qwen3-instruct"
+    ) -> "Tokenizer":
         "Load a Hugging Face `tokenizer.json`."
         path = Path(path)
         if not path.is_file():
@@ -271,15 +344,21 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), chat_template=chat_template)
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any], chat_template: str | None = None) -> "Tokenizer":
+    def from_gguf_metadata(
+        cls, metadata: dict[str, Any], chat_template: str | None = None
+    ) -> "Tokenizer":
         "Build from decoded GGUF metadata; the chat template is recognised from the file unless given."
         backend = bpe_from_gguf_metadata(metadata)
         if chat_template is None:
             chat_template = recognise_chat_template(metadata.get("tokenizer.chat_template"))
         eos = _gguf_token_id(metadata, "tokenizer.ggml.eos_token_id")
         declared_eos = [] if eos is None else [eos]
-        return cls(backend, chat_template=chat_template, eos_token_ids=declared_eos + end_token_ids(backend),
-                   bos_token_id=_gguf_token_id(metadata, "tokenizer.ggml.bos_token_id"))
+        return cls(
+            backend,
+            chat_template=chat_template,
+            eos_token_ids=declared_eos + end_token_ids(backend),
+            bos_token_id=_gguf_token_id(metadata, "tokenizer.ggml.bos_token_id"),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -287,8 +366,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r}, "
-                f"eos_token_ids={self.eos_token_ids}, bos_token_id={self.bos_token_id})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r}, "
+            f"eos_token_ids={self.eos_token_ids}, bos_token_id={self.bos_token_id})"
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         "Token ids of `text`; `add_special_tokens` adds what the tokenizer wraps text in (e.g. a BOS)."
@@ -300,7 +381,9 @@ class Tokenizer:
             at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
             if at is None:
                 raise
-            raise ValueError(f"text has a lone surrogate {text[at]!r} at index {at}; it is not valid Unicode") from None
+            raise ValueError(
+                f"text has a lone surrogate {text[at]!r} at index {at}; it is not valid Unicode"
+            ) from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         "Text of `ids`; every id must be in the vocabulary."
@@ -315,16 +398,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.backend.id_to_token(self.checked_ids([token_id])[0])
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: Sequence[dict] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> str:
         "The conversation (and the tools it may call) as the text the model was trained on."
         if self.chat_template is None:
-            raise ValueError(f"this tokenizer has no chat template; build it with chat_template= one of "
-                             f"{', '.join(CHAT_TEMPLATES)}")
+            raise ValueError(
+                f"this tokenizer has no chat template; build it with chat_template= one of "
+                f"{', '.join(CHAT_TEMPLATES)}"
+            )
         return CHAT_TEMPLATES[self.chat_template](messages, add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> list[int]:
         "Token ids of the templated conversation: the prompt a request starts from."
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
@@ -333,7 +426,9 @@ class Tokenizer:
         size, checked = self.vocab_size, [as_token_id(i) for i in ids]
         for pos, token_id in enumerate(checked):
             if token_id >= size:
-                raise ValueError(f"token id {token_id} at position {pos} is not in the vocabulary [0, {size})")
+                raise ValueError(
+                    f"token id {token_id} at position {pos} is not in the vocabulary [0, {size})"
+                )
         return checked
 
 # %% ../nbs/02_tokenizer.ipynb #8646bdfa
@@ -342,11 +437,13 @@ class IncrementalDetokenizer:
 
     CONTEXT_IDS = 4  # prompt ids kept as context for the first generated id
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._vocab_size = tokenizer.vocab_size
-        self._window = tokenizer.checked_ids(list(prompt_ids)[-self.CONTEXT_IDS:])
+        self._window = tokenizer.checked_ids(list(prompt_ids)[-self.CONTEXT_IDS :])
         self._read = len(self._window)  # window[:read] is context already out as text
         self._parts: list[str] = []
         self.num_tokens = 0
@@ -371,12 +468,12 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         decode, skip = self.tokenizer.backend.decode, self.skip_special_tokens
-        before = decode(self._window[:self._read], skip_special_tokens=skip)
+        before = decode(self._window[: self._read], skip_special_tokens=skip)
         after = decode(self._window, skip_special_tokens=skip)
         if after.endswith("\ufffd") and not final:
             return ""  # the last character's bytes are not all here yet
-        delta = after[len(before):]
-        self._window = self._window[self._read:]  # the ids just decoded become the context
+        delta = after[len(before) :]
+        self._window = self._window[self._read :]  # the ids just decoded become the context
         self._read = len(self._window)
         self._parts.append(delta)
         return delta

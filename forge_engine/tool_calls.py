@@ -30,26 +30,43 @@ def check_tools(tools: Any) -> list[dict]:
         raise ValueError(f"tools must be a list of 1 to {MAX_TOOLS} tools")
     names = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not NAME.fullmatch(function["name"]):
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
-                             f"1-64 letters, digits, '_' or '-'")
-        if not isinstance(function.get("parameters", {}), dict) \
-                or not isinstance(function.get("description", ""), str):
-            raise ValueError(f"tools[{i}]: parameters must be a JSON schema object, description a string")
+        function = (
+            tool.get("function")
+            if isinstance(tool, dict) and tool.get("type") == "function"
+            else None
+        )
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not NAME.fullmatch(function["name"])
+        ):
+            raise ValueError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
+                f"1-64 letters, digits, '_' or '-'"
+            )
+        if not isinstance(function.get("parameters", {}), dict) or not isinstance(
+            function.get("description", ""), str
+        ):
+            raise ValueError(
+                f"tools[{i}]: parameters must be a JSON schema object, description a string"
+            )
         names.append(function["name"])
     if len(set(names)) < len(names):
-        raise ValueError(f"tools name a function twice: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        raise ValueError(
+            f"tools name a function twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
+        )
     return tools
 
 
 def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str | None:
     "'none', 'auto' or 'required' as they are, or the name a `{'type': 'function', 'function': {'name'}}` choice names."
-    if tool_choice in ("none", "auto", "required"): return tool_choice
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if tool_choice is None or not isinstance(name, str) or tool_choice.get("type") != "function":
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+        raise ValueError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
     if name not in [t["function"]["name"] for t in tools]:
         raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
     return name
@@ -57,16 +74,28 @@ def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str | None:
 # %% ../nbs/06b_tool_calls.ipynb #631e8a15
 def call_schema(tools: Sequence[dict], name: str | None = None) -> dict:
     "The JSON schema of one call: of the tool called `name`, or of any of them."
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": t["function"]["name"]},
-                               "arguments": t["function"].get("parameters") or {"type": "object"}}}
-               for t in tools if name is None or t["function"]["name"] == name]
+    options = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+        }
+        for t in tools
+        if name is None or t["function"]["name"] == name
+    ]
     return {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_FORMAT}
 
 
-def tool_call_output(tools: Sequence[dict], tool_choice: str, parallel: bool = True) -> StructuredOutput | None:
+def tool_call_output(
+    tools: Sequence[dict], tool_choice: str, parallel: bool = True
+) -> StructuredOutput | None:
     "The grammar `tool_choice` asks for ('required' or a tool's name): only calls; None for 'auto' and 'none'."
-    if tool_choice in ("auto", "none"): return None
+    if tool_choice in ("auto", "none"):
+        return None
     schema = call_schema(tools, None if tool_choice == "required" else tool_choice)
     calls = 'call ("\\n" call)*' if parallel and tool_choice == "required" else "call"
     # the tags are single tokens of Qwen3's vocabulary, written as tokens (`<...>`), not as text
@@ -77,35 +106,52 @@ def tool_call_output(tools: Sequence[dict], tool_choice: str, parallel: bool = T
 @dataclass
 class ToolCall:
     "One call, as OpenAI's `tool_calls` entry wants it."
+
     name: str
     arguments: str  # a JSON object, as text
     id: str = ""
 
-    def __post_init__(self): self.id = self.id or "call_" + uuid.uuid4().hex[:24]
+    def __post_init__(self):
+        self.id = self.id or "call_" + uuid.uuid4().hex[:24]
 
     def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        d = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return d if index is None else {"index": index, **d}
 
 
 def parse_call(block: str) -> ToolCall | None:
     "The call inside one block's text, or None when it is not a name and an object of arguments."
-    try: data = json.loads(block)
-    except json.JSONDecodeError: return None
-    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("arguments", {}), dict)):
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not (
+        isinstance(data, dict)
+        and isinstance(data.get("name"), str)
+        and isinstance(data.get("arguments", {}), dict)
+    ):
         return None
     return ToolCall(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
 
 # %% ../nbs/06b_tool_calls.ipynb #8a021ad0
 class ToolCallStream:
     "A reply's text delta by delta: content as it comes, each call when its block closes."
-    def __init__(self): self.pending, self.in_call, self.calls = "", False, 0
+
+    def __init__(self):
+        self.pending, self.in_call, self.calls = "", False, 0
 
     @staticmethod
     def _held(text: str) -> int:
         "How many characters at the end of `text` could still begin a block: a prefix of `<tool_call>`, newlines."
-        keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
-        rest = text[:len(text) - keep]
+        keep = next(
+            (k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])),
+            0,
+        )
+        rest = text[: len(text) - keep]
         return keep + len(rest) - len(rest.rstrip("\n"))
 
     def add(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -115,22 +161,32 @@ class ToolCallStream:
             if self.in_call:
                 end = self.pending.find(CLOSE)
                 if end < 0:
-                    if final: pieces.append(OPEN + self.pending); self.pending = ""  # never closed: text
+                    if final:
+                        pieces.append(OPEN + self.pending)
+                        self.pending = ""  # never closed: text
                     break
-                block, self.pending, self.in_call = self.pending[:end], self.pending[end + len(CLOSE):], False
-                if (call := parse_call(block)) is None: pieces.append(OPEN + block + CLOSE)
-                else: calls.append(call); self.calls += 1
+                block, self.pending, self.in_call = (
+                    self.pending[:end],
+                    self.pending[end + len(CLOSE) :],
+                    False,
+                )
+                if (call := parse_call(block)) is None:
+                    pieces.append(OPEN + block + CLOSE)
+                else:
+                    calls.append(call)
+                    self.calls += 1
                 continue
             at = self.pending.find(OPEN)
             if at >= 0:
                 pieces.append(self.pending[:at].rstrip("\n"))
-                self.pending, self.in_call = self.pending[at + len(OPEN):], True
+                self.pending, self.in_call = self.pending[at + len(OPEN) :], True
                 continue
             cut = len(self.pending) - (0 if final else self._held(self.pending))
             pieces.append(self.pending[:cut])
             self.pending = self.pending[cut:]
             break
-        if self.calls: pieces = [p for p in pieces if p.strip("\n")]
+        if self.calls:
+            pieces = [p for p in pieces if p.strip("\n")]
         return "".join(pieces), calls
 
 

@@ -3,6 +3,7 @@
 Run a lab file from the repository root: `PYTHONPATH=. python3 kernels_lab/<file>.py`.
 On a CPU it validates every variant against the reference under Triton's interpreter at
 small sizes; on a CUDA GPU it also validates at real sizes and benchmarks."""
+
 import functools
 import json
 import os
@@ -22,13 +23,18 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 def host_timer(seconds: dict):
     "timed(name, fn): fn wrapped to add its host seconds to seconds[name] (a Counter), however it returns."
+
     def timed(name, fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
-            try: return fn(*args, **kwargs)
-            finally: seconds[name] += time.perf_counter() - start
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+
         return wrapper
+
     return timed
 
 
@@ -38,7 +44,8 @@ def best_host_s(fn, reps: int = 30, rounds: int = 5) -> float:
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
-        for _ in range(reps): fn()
+        for _ in range(reps):
+            fn()
         best = min(best, (time.perf_counter() - start) / reps)
     return best
 
@@ -46,6 +53,7 @@ def best_host_s(fn, reps: int = 30, rounds: int = 5) -> float:
 def median_ms(fn) -> float:
     "Median GPU time of fn() in ms; do_bench flushes the L2 cache before every run, so nothing is cached."
     from triton.testing import do_bench
+
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
@@ -74,7 +82,9 @@ def time_variant(fn, graph: bool) -> tuple[float, str]:
 def selected(variants: dict) -> dict:
     "The variants whose names start with one of the comma-separated prefixes in $LAB_VARIANTS (default: all)."
     prefixes = [p for p in os.environ.get("LAB_VARIANTS", "").split(",") if p]
-    return {k: v for k, v in variants.items() if not prefixes or any(k.startswith(p) for p in prefixes)}
+    return {
+        k: v for k, v in variants.items() if not prefixes or any(k.startswith(p) for p in prefixes)
+    }
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -93,25 +103,37 @@ def validate(label: str, got: torch.Tensor, want: torch.Tensor, limit: float) ->
 
 class Results:
     "Rows of a benchmark: printed as a table at the end, and appended as JSON lines to $LAB_RESULTS if set."
+
     def __init__(self, kernel: str):
         self.kernel, self.rows = kernel, []
 
     def add(self, case: str, variant: str, ms: float, bytes_moved: float = 0.0, flops: float = 0.0):
-        row = dict(kernel=self.kernel, case=case, variant=variant, us=ms * 1e3,
-                   gb_s=bytes_moved / ms / 1e6 if bytes_moved else None,
-                   bw_ratio=bytes_moved / (ms / 1e3) / HBM_BYTES_PER_S if bytes_moved else None,
-                   tflop_s=flops / ms / 1e9 if flops else None,
-                   flop_ratio=flops / (ms / 1e3) / BF16_FLOP_PER_S if flops else None)
+        row = dict(
+            kernel=self.kernel,
+            case=case,
+            variant=variant,
+            us=ms * 1e3,
+            gb_s=bytes_moved / ms / 1e6 if bytes_moved else None,
+            bw_ratio=bytes_moved / (ms / 1e3) / HBM_BYTES_PER_S if bytes_moved else None,
+            tflop_s=flops / ms / 1e9 if flops else None,
+            flop_ratio=flops / (ms / 1e3) / BF16_FLOP_PER_S if flops else None,
+        )
         self.rows.append(row)
-        print(f"  {case:34s} {variant:44s} {ms * 1e3:9.1f} us", flush=True)  # as it comes: a timeout keeps it
+        print(
+            f"  {case:34s} {variant:44s} {ms * 1e3:9.1f} us", flush=True
+        )  # as it comes: a timeout keeps it
         if os.environ.get("LAB_RESULTS"):
             with open(os.environ["LAB_RESULTS"], "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     def print(self):
-        print(f"\n== {self.kernel}: median of do_bench (L2 flushed), [graph] = one CUDA-graph replay, [eager] = "
-              f"launched from Python; ratios vs 4.19 TB/s read, 790 TFLOP/s bf16")
-        print(f"{'case':34s} {'variant':44s} {'us':>9s} {'GB/s':>8s} {'%bw':>6s} {'TFLOP/s':>8s} {'%flop':>6s}")
+        print(
+            f"\n== {self.kernel}: median of do_bench (L2 flushed), [graph] = one CUDA-graph replay, [eager] = "
+            f"launched from Python; ratios vs 4.19 TB/s read, 790 TFLOP/s bf16"
+        )
+        print(
+            f"{'case':34s} {'variant':44s} {'us':>9s} {'GB/s':>8s} {'%bw':>6s} {'TFLOP/s':>8s} {'%flop':>6s}"
+        )
         for r in self.rows:
             gb = f"{r['gb_s']:8.0f}" if r["gb_s"] else " " * 8
             bw = f"{100 * r['bw_ratio']:5.1f}%" if r["bw_ratio"] else " " * 6

@@ -2,6 +2,7 @@
 text (307 tokens) as the prompt, so the steps timed attend to ~320-420 keys. Best of 3 rounds of 30 steps.
 Run anywhere from the repository root (the model must be in the cache: `forge-engine models pull
 smollm2-135m-instruct`): PYTHONPATH=. python3 kernels_lab/cpu_decode_step.py [none|int8|int4|gguf]"""
+
 import re
 import sys
 import time
@@ -15,14 +16,21 @@ from forge_engine.loader import load_model
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
     loaded = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization=quantization)
-    text = re.search(r'FIXED_TEXT = """(.*?)"""', open("nbs/_py/10e_quant_layers.py").read(), re.S).group(1)
+    text = re.search(
+        r'FIXED_TEXT = """(.*?)"""', open("nbs/_py/10e_quant_layers.py").read(), re.S
+    ).group(1)
     engine = LLMEngine(loaded, EngineConfig())
-    engine.add_request(loaded.tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    for _ in range(10): engine.step()  # the prompt, then a few decodes
+    engine.add_request(
+        loaded.tokenizer.encode(text),
+        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+    )
+    for _ in range(10):
+        engine.step()  # the prompt, then a few decodes
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        for _ in range(30): engine.step()
+        for _ in range(30):
+            engine.step()
         best = min(best, (time.perf_counter() - start) / 30)
     print(f"{quantization}: {best * 1e3:.1f} ms a decode step")
 

@@ -25,12 +25,24 @@ Run on a GPU (needs nvcc and ninja; the first run compiles for ~1 minute):
     PYTHONPATH=. python3 kernels_lab/decode_attention_cuda.py
 On a CPU it says there is nothing to build and exits 0 after checking nothing.
 """
+
 import math
 
-from common import DEVICE, ON_GPU, Results, finish, time_variant, validate  # first: it may switch on the interpreter
+from common import (
+    DEVICE,
+    ON_GPU,
+    Results,
+    finish,
+    time_variant,
+    validate,
+)  # first: it may switch on the interpreter
 import torch
 import decode_attention  # its test cases
-from forge_engine.kernels.paged_attention import decode_split_len, paged_attention_reference, paged_decode_attention
+from forge_engine.kernels.paged_attention import (
+    decode_split_len,
+    paged_attention_reference,
+    paged_decode_attention,
+)
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
@@ -172,27 +184,38 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return out;
 }
 """
-CPP_DECLARATION = ("torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, "
-                   "torch::Tensor lens, int64_t split_len, int64_t num_splits, double scale, int64_t unroll);")
+CPP_DECLARATION = (
+    "torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, "
+    "torch::Tensor lens, int64_t split_len, int64_t num_splits, double scale, int64_t unroll);"
+)
 
 
 def build():
     from torch.utils.cpp_extension import load_inline
-    return load_inline("forge_lab_paged_decode", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
-                       functions=["paged_decode"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"],
-                       verbose=False)
+
+    return load_inline(
+        "forge_lab_paged_decode",
+        cpp_sources=CPP_DECLARATION,
+        cuda_sources=CUDA_SOURCE,
+        functions=["paged_decode"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"],
+        verbose=False,
+    )
 
 
 def cuda_variant(ext, split_tokens=512, unroll=1):
     def run(q, k, v, tables, lens, scale):
         split_len, num_splits = decode_split_len(tables.shape[1], k.shape[1], split_tokens)
         return ext.paged_decode(q, k, v, tables, lens, split_len, num_splits, scale, unroll)
+
     return run
 
 
 def case(lens, q_heads, kv_heads, head_dim, block_size):
     "decode_attention.py's bf16 case, with the int32 block tables this kernel takes."
-    q, k_cache, v_cache, tables, lens = decode_attention.case(lens, q_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+    q, k_cache, v_cache, tables, lens = decode_attention.case(
+        lens, q_heads, kv_heads, head_dim, block_size, torch.bfloat16
+    )
     return q, k_cache, v_cache, tables.int(), lens
 
 
@@ -201,19 +224,42 @@ def main():
         print("no CUDA GPU: the CUDA C++ kernel is neither built nor checked here")
         return
     ext = build()
-    variants = {"t3 Triton (exported)": lambda q, k, v, t, c, s: paged_decode_attention(q, k, v, t, c, s),
-                "c1 CUDA C++, 512-key splits": cuda_variant(ext),
-                "c2 CUDA C++, 8 keys in flight per warp": cuda_variant(ext, unroll=8),
-                "c2 CUDA C++, 8 in flight, 256-key splits": cuda_variant(ext, 256, unroll=8)}
+    variants = {
+        "t3 Triton (exported)": lambda q, k, v, t, c, s: paged_decode_attention(q, k, v, t, c, s),
+        "c1 CUDA C++, 512-key splits": cuda_variant(ext),
+        "c2 CUDA C++, 8 keys in flight per warp": cuda_variant(ext, unroll=8),
+        "c2 CUDA C++, 8 in flight, 256-key splits": cuda_variant(ext, 256, unroll=8),
+    }
     ok = True
     print("validation against the reference (gather + fp32 softmax)")
-    for lens, hq, hkv, d, bs in [([1, 17, 1000, 4096], 32, 8, 128, 16), ([5, 700], 8, 1, 64, 32), ([3, 2500], 8, 8, 128, 16)]:
+    for lens, hq, hkv, d, bs in [
+        ([1, 17, 1000, 4096], 32, 8, 128, 16),
+        ([5, 700], 8, 1, 64, 32),
+        ([3, 2500], 8, 8, 128, 16),
+    ]:
         q, k, v, t, c = case(lens, hq, hkv, d, bs)
-        want = paged_attention_reference(q, k, v, t, torch.arange(len(lens) + 1, device=DEVICE), c, d**-0.5)
+        want = paged_attention_reference(
+            q, k, v, t, torch.arange(len(lens) + 1, device=DEVICE), c, d**-0.5
+        )
         for name, fn in variants.items():
-            ok &= validate(f"{name} lens={lens} G={hq // hkv} D={d} bs={bs}", fn(q, k, v, t, c, d**-0.5), want, 1e-2)
-    results = Results("paged decode attention: CUDA C++ vs Triton (Qwen3-4B shapes: 32/8 heads, D 128, block 16, bf16)")
-    for batch, ctx in [(1, 512), (1, 4096), (1, 32768), (8, 2048), (64, 1024), (256, 512), (256, 2048)]:
+            ok &= validate(
+                f"{name} lens={lens} G={hq // hkv} D={d} bs={bs}",
+                fn(q, k, v, t, c, d**-0.5),
+                want,
+                1e-2,
+            )
+    results = Results(
+        "paged decode attention: CUDA C++ vs Triton (Qwen3-4B shapes: 32/8 heads, D 128, block 16, bf16)"
+    )
+    for batch, ctx in [
+        (1, 512),
+        (1, 4096),
+        (1, 32768),
+        (8, 2048),
+        (64, 1024),
+        (256, 512),
+        (256, 2048),
+    ]:
         q, k, v, t, c = case([ctx] * batch, 32, 8, 128, 16)
         nbytes = batch * ctx * 8 * 128 * 2 * 2 + 2 * q.nbytes
         for name, fn in variants.items():

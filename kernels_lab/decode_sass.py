@@ -12,6 +12,7 @@ commit 942e6c9, compiled here without spills but measured slower; the merge's lo
 
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""
+
 import itertools
 import os
 import sys
@@ -21,35 +22,95 @@ from gemv_sass import kernel_sass  # noqa: E402
 
 from forge_engine.kernels.paged_attention import _decode_kernel  # noqa: E402
 
-POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", context_lens_ptr="*i32",
-                out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", count_ptr="*i32",
-                new_k_ptr="*bf16", new_v_ptr="*bf16", slots_ptr="*i64", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
-                cos_ptr="*bf16", sin_ptr="*bf16")
-INTS = ("stride_qb stride_qh stride_ob stride_oh stride_tb stride_kb stride_kt stride_kh stride_nkb stride_nkh "
-        "stride_nvb stride_nvh stride_cos").split()
+POINTERS = dict(
+    q_ptr="*bf16",
+    k_ptr="*bf16",
+    v_ptr="*bf16",
+    tables_ptr="*i32",
+    context_lens_ptr="*i32",
+    out_ptr="*bf16",
+    part_acc_ptr="*fp32",
+    part_m_ptr="*fp32",
+    part_l_ptr="*fp32",
+    count_ptr="*i32",
+    new_k_ptr="*bf16",
+    new_v_ptr="*bf16",
+    slots_ptr="*i64",
+    q_norm_ptr="*bf16",
+    k_norm_ptr="*bf16",
+    cos_ptr="*bf16",
+    sin_ptr="*bf16",
+)
+INTS = (
+    "stride_qb stride_qh stride_ob stride_oh stride_tb stride_kb stride_kt stride_kh stride_nkb stride_nkh "
+    "stride_nvb stride_nvh stride_cos"
+).split()
 SCALARS = dict(eps="fp32", qk_scale="fp32", num_q_heads="i32", split_len="i32", num_splits="i32")
-ALIGNED = (*POINTERS, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "stride_kt", "stride_kh")
+ALIGNED = (
+    *POINTERS,
+    "stride_qb",
+    "stride_qh",
+    "stride_ob",
+    "stride_oh",
+    "stride_kb",
+    "stride_kt",
+    "stride_kh",
+)
 
 
-def decode_sass(early: bool, num_warps: int, block_n: int, unroll: int = 0) -> tuple[list[str], int]:
+def decode_sass(
+    early: bool, num_warps: int, block_n: int, unroll: int = 0
+) -> tuple[list[str], int]:
     """The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings;
     `unroll`: the merge's loop unrolled over that many splits (UNROLL_MERGE; 0: a loop)."""
-    constexprs = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=True,
-                      UPCAST=False, PRECISION="tf32", PDL=True, WAIT=False, STORE=True, ROPE=True,
-                      QK_NORM=True, MERGE=True, FENCE=True, EARLY_TILE=early, WAIT_LATE=early,
-                      UNROLL_MERGE=unroll)
-    signature = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, **{name: "constexpr" for name in constexprs}}
+    constexprs = dict(
+        GROUP=4,
+        BLOCK_G=16,
+        HEAD_DIM=128,
+        BLOCK_D=128,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=16,
+        SPLIT=True,
+        UPCAST=False,
+        PRECISION="tf32",
+        PDL=True,
+        WAIT=False,
+        STORE=True,
+        ROPE=True,
+        QK_NORM=True,
+        MERGE=True,
+        FENCE=True,
+        EARLY_TILE=early,
+        WAIT_LATE=early,
+        UNROLL_MERGE=unroll,
+    )
+    signature = {
+        **POINTERS,
+        **{name: "i32" for name in INTS},
+        **SCALARS,
+        **{name: "constexpr" for name in constexprs},
+    }
     code, registers = kernel_sass(_decode_kernel, signature, constexprs, num_warps, ALIGNED)
     return [text for _, text in code], registers
 
 
 def main():
-    print("early tile  warps  tile  merge unrolled  instructions  registers  spilling loads/stores (LDL/STL)")
+    print(
+        "early tile  warps  tile  merge unrolled  instructions  registers  spilling loads/stores (LDL/STL)"
+    )
     settings = [(*s, 0) for s in itertools.product((False, True), (4, 8), (64, 128))]
-    for early, num_warps, block_n, unroll in settings + [(True, 8, 64, 8), (True, 8, 64, 16)]:  # (W1's: 8 splits)
+    for early, num_warps, block_n, unroll in settings + [
+        (True, 8, 64, 8),
+        (True, 8, 64, 16),
+    ]:  # (W1's: 8 splits)
         code, registers = decode_sass(early, num_warps, block_n, unroll)
-        spills = sum(text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL") for text in code)
-        print(f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {unroll:14d}  {len(code):12d}  {registers:9d}  {spills:6d}")
+        spills = sum(
+            text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL")
+            for text in code
+        )
+        print(
+            f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {unroll:14d}  {len(code):12d}  {registers:9d}  {spills:6d}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Run on a GPU from the repository root:
 (--batch=256 --prompt=600: a W2-like decode step, 256 sequences of ~600 tokens.)
 CONSTANT: a tuning constant of chapter 09's kernel modules (DECODE_MIN_SPLIT=64, DEPENDENT_LAUNCH_MAX_ROWS=0,
 DECODE_BLOCK_N=64), set before the graph is captured."""
+
 import collections
 import json
 import os
@@ -38,10 +39,14 @@ def decode_graph(engine, batch: int = 1, prompt_tokens: int = 256, max_tokens: i
     """`engine`'s decode CUDA graph for `batch` sequences of `prompt_tokens` each, taken once every sequence has
     decoded 10 tokens (the requests stay queued): the graph of their batch bucket and block-table width."""
     for i in range(batch):
-        engine.add_request([100 + (i + j) % 5000 for j in range(prompt_tokens)],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while not all(s.is_decoding for s in engine.scheduler.running) or engine.scheduler.waiting: engine.step()
-    for _ in range(10): engine.step()
+        engine.add_request(
+            [100 + (i + j) % 5000 for j in range(prompt_tokens)],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        )
+    while not all(s.is_decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(10):
+        engine.step()
     decode = engine.runner.decode
     blocks = -(-(prompt_tokens + 10) // engine.cache.block_size)
     return decode.graphs[(decode.bucket_for(batch), next(w for w in decode.widths if w >= blocks))]
@@ -52,7 +57,8 @@ def replay_ms(graph, reps: int = 200) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(reps): graph.replay()
+    for _ in range(reps):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
@@ -68,9 +74,12 @@ def kernel_events(graph) -> list[list[dict]]:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+            events = sorted(
+                (e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"),
+                key=lambda e: e["ts"],
+            )
     per = len(events) // REPLAYS
-    return [events[r * per:(r + 1) * per] for r in range(REPLAYS)]
+    return [events[r * per : (r + 1) * per] for r in range(REPLAYS)]
 
 
 def print_positions(replays):
@@ -83,39 +92,56 @@ def print_positions(replays):
         durs = [r[i]["dur"] for r in replays]
         gaps = [r[i]["ts"] - (r[i - 1]["ts"] + r[i - 1]["dur"]) for r in replays]
         dur, gap = sum(durs) / REPLAYS, sum(gaps) / REPLAYS
-        print(f"  #{i:3d}  {dur:7.2f} µs  gap before {gap:6.2f} µs  adds {dur + gap:6.2f} µs  "
-              f"grid {run[i].get('args', {}).get('grid')}  {run[i]['name'].split('(')[0][:50]}")
+        print(
+            f"  #{i:3d}  {dur:7.2f} µs  gap before {gap:6.2f} µs  adds {dur + gap:6.2f} µs  "
+            f"grid {run[i].get('args', {}).get('grid')}  {run[i]['name'].split('(')[0][:50]}"
+        )
 
 
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "none"
     batch, prompt_tokens, positions = 1, 256, "--positions" in sys.argv
     for item in sys.argv[2:]:
-        if item == "--positions": continue
+        if item == "--positions":
+            continue
         name, value = item.split("=")
-        if name == "--batch": batch = int(value)
-        elif name == "--prompt": prompt_tokens = int(value)
+        if name == "--batch":
+            batch = int(value)
+        elif name == "--prompt":
+            prompt_tokens = int(value)
         else:  # a tuning constant (an int) of the kernels' modules
             module = next(m for m in (backend, gemv, paged_attention) if hasattr(m, name))
             setattr(module, name, type(getattr(module, name))(int(value)))
-    engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
-                       EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192))  # (kept alive: it owns the graph's buffers)
+    engine = LLMEngine(
+        load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
+        EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192),
+    )  # (kept alive: it owns the graph's buffers)
     graph = decode_graph(engine, batch, prompt_tokens)
-    print(f"[{quantization}] batch {batch}, {prompt_tokens}-token prompts: graph replay {replay_ms(graph):.3f} ms")
+    print(
+        f"[{quantization}] batch {batch}, {prompt_tokens}-token prompts: graph replay {replay_ms(graph):.3f} ms"
+    )
     replays = kernel_events(graph)
-    stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name: launches, duration, gap before (µs)
+    stats = collections.defaultdict(
+        lambda: [0, 0.0, 0.0]
+    )  # name: launches, duration, gap before (µs)
     for run in replays:
         for i, e in enumerate(run):
             s = stats[e["name"].split("(")[0][:60]]
             s[0] += 1
             s[1] += e["dur"]
-            if i: s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
+            if i:
+                s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
     spans = sorted(run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"] for run in replays)
-    print(f"[{quantization}] {len(replays[0])} kernels a replay; first start to last end: median {spans[REPLAYS // 2]:.1f} µs")
+    print(
+        f"[{quantization}] {len(replays[0])} kernels a replay; first start to last end: median {spans[REPLAYS // 2]:.1f} µs"
+    )
     for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
-              f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}")
-    if positions: print_positions(replays)
+        print(
+            f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
+            f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}"
+        )
+    if positions:
+        print_positions(replays)
     del engine
 
 

@@ -16,28 +16,52 @@ Variants
   v4  v3 over the sweep (BLOCK_K counted in elements: 1-byte weights)
 GEMV_WEIGHTS=bf16,int8 picks the weight formats (default both); the sweep runs for M = 1.
 """
+
 import itertools
 import os
 
-from common import DEVICE, ON_GPU, Results, finish, time_variant, validate  # first: it may switch on the interpreter
+from common import (
+    DEVICE,
+    ON_GPU,
+    Results,
+    finish,
+    time_variant,
+    validate,
+)  # first: it may switch on the interpreter
 import torch
 import torch.nn.functional as F
 from forge_engine.kernels.gemv import gemv
 
-SHAPES = {"qkv 6144x2560": (6144, 2560), "o 2560x4096": (2560, 4096), "gate_up 19456x2560": (19456, 2560),
-          "down 2560x9728": (2560, 9728), "lm_head 151936x2560": (151936, 2560)}
-SWEEP = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8), (None, 4)))  # None: Triton's default, 3
+SHAPES = {
+    "qkv 6144x2560": (6144, 2560),
+    "o 2560x4096": (2560, 4096),
+    "gate_up 19456x2560": (19456, 2560),
+    "down 2560x9728": (2560, 9728),
+    "lm_head 151936x2560": (151936, 2560),
+}
+SWEEP = list(
+    itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8), (None, 4))
+)  # None: Triton's default, 3
 
 
 def main():
     ok = True
     print("validation against F.linear (fp32 reference of bf16 inputs)")
-    cases = [(1, 6144, 2560), (2, 2560, 9728), (4, 19456, 2560), (3, 1000, 300)] if ON_GPU else [(1, 16, 64), (3, 9, 100)]
+    cases = (
+        [(1, 6144, 2560), (2, 2560, 9728), (4, 19456, 2560), (3, 1000, 300)]
+        if ON_GPU
+        else [(1, 16, 64), (3, 9, 100)]
+    )
     for m, n, k in cases:
         x = torch.randn(m, k, device=DEVICE).bfloat16()
-        w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16()
+        w = (torch.randn(n, k, device=DEVICE) / k**0.5).bfloat16()
         want = F.linear(x.float(), w.float())
-        ok &= validate(f"gemv M={m} N={n} K={k}", gemv(x, w, impl="triton", block_k=64 if not ON_GPU else 512), want, 1e-2)
+        ok &= validate(
+            f"gemv M={m} N={n} K={k}",
+            gemv(x, w, impl="triton", block_k=64 if not ON_GPU else 512),
+            want,
+            1e-2,
+        )
     if not ON_GPU:
         finish(ok)
     results = Results("gemv")
@@ -51,7 +75,7 @@ def main():
             scale = torch.rand(n, device=DEVICE) / 127
             nbytes, case, first, swept = n * k, f"{label} M={m} int8", "v3", "v4"
         else:
-            w, scale = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16(), None
+            w, scale = (torch.randn(n, k, device=DEVICE) / k**0.5).bfloat16(), None
             nbytes, case, first, swept = n * k * 2, f"{label} M={m}", "v1", "v2"
             ms, how = time_variant(lambda: F.linear(x, w), graph=True)
             results.add(case, f"v0 cuBLAS [{how}]", ms, nbytes)
@@ -59,22 +83,39 @@ def main():
         results.add(case, f"{first} exported [{how}]", ms, nbytes)
         sweep = SWEEP if m == 1 or os.environ.get("GEMV_SWEEP_ALL") else []
         if fmt == "int8":
-            sweep = [c for c in sweep if c[3] is None]  # half the sweep: stages made no difference for bf16
+            sweep = [
+                c for c in sweep if c[3] is None
+            ]  # half the sweep: stages made no difference for bf16
         for bn, bk, warps, stages in sweep:
             name = f"{swept} bn={bn} bk={bk} w={warps} s={stages}"
             try:
-                ms, _ = time_variant(lambda: gemv(x, w, None, scale, block_n=bn, block_k=bk * 2 // w.element_size(),
-                                                  num_warps=warps, num_stages=stages), graph=True)
+                ms, _ = time_variant(
+                    lambda: gemv(
+                        x,
+                        w,
+                        None,
+                        scale,
+                        block_n=bn,
+                        block_k=bk * 2 // w.element_size(),
+                        num_warps=warps,
+                        num_stages=stages,
+                    ),
+                    graph=True,
+                )
             except Exception as e:  # e.g. out of registers / shared memory for a big tile
                 print(f"  skip {name}: {str(e).splitlines()[0][:80]}")
                 continue
             if ms < best.get((case, nbytes), (float("inf"), ""))[0]:
                 best[case, nbytes] = (ms, name)
     results.print()
-    print("\n== best sweep config per shape (bk in bf16-element units: bytes / 2), vs the exported default")
+    print(
+        "\n== best sweep config per shape (bk in bf16-element units: bytes / 2), vs the exported default"
+    )
     exported = {r["case"]: r["us"] for r in results.rows if r["variant"][:2] in ("v1", "v3")}
     for (case, nbytes), (ms, name) in best.items():
-        print(f"{case:30s} {name:32s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  exported {exported[case]:8.1f} us")
+        print(
+            f"{case:30s} {name:32s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  exported {exported[case]:8.1f} us"
+        )
     finish(ok)
 
 

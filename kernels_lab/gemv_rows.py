@@ -28,12 +28,20 @@ TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gemv_rows.py sass   (no GPU:
 PYTHONPATH=. python3 kernels_lab/gemv_rows.py head   (on a GPU: the LM head, tile against rows);
 PYTHONPATH=. python3 kernels_lab/gemv_rows.py precision   (on a CPU: v1's int8 conversion against the exact one:
 fp32 outputs 4-7e-5 against 1e-7, bf16 outputs 3.5-5.1e-3 either way: its error is ~100x below bf16's rounding)."""
+
 import itertools
 import os
 import sys
 
 if sys.argv[1:2] != ["sass"]:
-    from common import DEVICE, HBM_BYTES_PER_S, ON_GPU, finish, graphed_ms, validate  # first: may switch on the interpreter
+    from common import (
+        DEVICE,
+        HBM_BYTES_PER_S,
+        ON_GPU,
+        finish,
+        graphed_ms,
+        validate,
+    )  # first: may switch on the interpreter
 import torch
 import torch.nn.functional as F
 import triton
@@ -58,7 +66,13 @@ def _weights_to_f32(w, BYTE_ASM: tl.constexpr):
             prmt.b32 $1, u, 0x47000000, 0x7514;
             prmt.b32 $2, u, 0x47000000, 0x7524;
             prmt.b32 $3, u, 0x47000000, 0x7534;
-            }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[w],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
     else:
         bits = ((w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) << 8) | 0x47000000
         f = bits.to(tl.float32, bitcast=True)
@@ -66,30 +80,64 @@ def _weights_to_f32(w, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows_weights(q_ptr, b0, lane, first_row, N, K, stride_qn, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                  EVEN: tl.constexpr):
+def _rows_weights(
+    q_ptr,
+    b0,
+    lane,
+    first_row,
+    N,
+    K,
+    stride_qn,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     "A step's weights of the program's rows: per row, this thread's CHUNK bytes."
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first input in the row
+    start = tl.multiple_of(
+        b0 + lane * CHUNK, [CHUNK, CHUNK]
+    )  # [SLABS, 32] a thread's first input in the row
     c_ok = (start < K) | EVEN
     ws = ()
     for r in tl.static_range(BLOCK_N):
         row = first_row + r
-        ws = ws + (tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                           mask=(c_ok & ((row < N) | EVEN))[:, :, None], other=0),)
+        ws = ws + (
+            tl.load(
+                q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                mask=(c_ok & ((row < N) | EVEN))[:, :, None],
+                other=0,
+            ),
+        )
     return ws
 
 
 @triton.jit
-def _rows_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-               EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+def _rows_step(
+    accs,
+    ws,
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     "accs + one step: x's chunk (converted and summed once for all rows) times each row's bytes."
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     c_ok = (start < K) | EVEN
     xs = ()
     for m in tl.static_range(ROWS):
-        x = tl.load(x_ptr + m * K + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                    mask=c_ok[:, :, None] & ((m < M) | EVEN), other=0.0).to(tl.float32)
-        if ws[0].dtype == tl.int8:  # its floats carry 2^15 + 128: (2^15 + 128) Σ x comes off each row's sum
+        x = tl.load(
+            x_ptr + m * K + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+            mask=c_ok[:, :, None] & ((m < M) | EVEN),
+            other=0.0,
+        ).to(tl.float32)
+        if (
+            ws[0].dtype == tl.int8
+        ):  # its floats carry 2^15 + 128: (2^15 + 128) Σ x comes off each row's sum
             xs = xs + ((x, 32896.0 * tl.sum(x, axis=2)),)
         else:
             xs = xs + ((x, 0.0),)
@@ -103,9 +151,25 @@ def _rows_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_qn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr,
-                 PDL: tl.constexpr, EARLY_W: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLABS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)
     STEP: tl.constexpr = SLABS * 32 * CHUNK
     lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -122,10 +186,14 @@ def _rows_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_qn, ROWS: tl.
         accs = _rows_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, CHUNK, EVEN, BYTE_ASM)
     for r in tl.static_range(BLOCK_N):
         row = first_row + r
-        scale = tl.load(scale_ptr + row, mask=row < N, other=0.0).to(tl.float32) if HAS_SCALE else 1.0
+        scale = (
+            tl.load(scale_ptr + row, mask=row < N, other=0.0).to(tl.float32) if HAS_SCALE else 1.0
+        )
         for m in tl.static_range(ROWS):
             total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0) * scale
-            tl.store(out_ptr + m * N + row, total.to(out_ptr.dtype.element_ty), mask=(row < N) & (m < M))
+            tl.store(
+                out_ptr + m * N + row, total.to(out_ptr.dtype.element_ty), mask=(row < N) & (m < M)
+            )
 
 
 def rows_gemv(x, q, scale=None, block_n=4, num_warps=2, chunk=8, early=None, byte_asm=None):
@@ -136,23 +204,44 @@ def rows_gemv(x, q, scale=None, block_n=4, num_warps=2, chunk=8, early=None, byt
     pdl = pdl_supported(x.device)
     rows = 1 << max(0, m - 1).bit_length()
     _rows_kernel[(triton.cdiv(n, block_n),)](
-        x, q, scale if scale is not None else q, out, m, n, k, q.stride(0), ROWS=rows, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
+        x,
+        q,
+        scale if scale is not None else q,
+        out,
+        m,
+        n,
+        k,
+        q.stride(0),
+        ROWS=rows,
+        BLOCK_N=block_n,
+        CHUNK=chunk,
+        SLABS=num_warps,
         EVEN=n % block_n == 0 and k % (32 * chunk * num_warps) == 0 and m == rows,
-        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm, PDL=pdl, launch_pdl=pdl,
-        EARLY_W=pdl and (True if early is None else early), HAS_SCALE=scale is not None, num_warps=num_warps)
+        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
+        PDL=pdl,
+        launch_pdl=pdl,
+        EARLY_W=pdl and (True if early is None else early),
+        HAS_SCALE=scale is not None,
+        num_warps=num_warps,
+    )
     return out
 
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 LAYERS = 36
-GRID = {"int8": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (8, 16))],
-        "bf16": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (4, 8))]}  # c: weights, 8-16 bytes
-V1_GRID = {"int8": [(4, 4, 8), (4, 2, 16), (2, 4, 16)], "bf16": []}  # v1's best (int8: its byte conversion)
+GRID = {
+    "int8": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (8, 16))],
+    "bf16": [(bn, w, c) for bn, w, c in itertools.product((2, 4), (1, 2, 4), (4, 8))],
+}  # c: weights, 8-16 bytes
+V1_GRID = {
+    "int8": [(4, 4, 8), (4, 2, 16), (2, 4, 16)],
+    "bf16": [],
+}  # v1's best (int8: its byte conversion)
 
 
 def matrix(fmt: str, n: int, k: int):
     "(weight, scale) for `rows_gemv` and `gemv`: int8 with its per-row scale, or bf16 and None."
-    w = torch.randn(n, k, device=DEVICE) / k ** 0.5
+    w = torch.randn(n, k, device=DEVICE) / k**0.5
     return quantize_int8(w) if fmt == "int8" else (w.bfloat16(), None)
 
 
@@ -161,14 +250,24 @@ def head():
     q, _ = matrix("bf16", 151936, 2560)
     x = torch.randn(1, 2560, device=DEVICE).bfloat16()
     want = F.linear(x.float(), q.float())
-    configs = [("tile", 4, 512, 2), ("tile", 4, 512, 4), ("rows", 4, 512, 2), ("rows", 2, 512, 2), ("rows", 4, 256, 1),
-               ("rows", 8, 512, 2), ("rows", 4, 1024, 4)]
+    configs = [
+        ("tile", 4, 512, 2),
+        ("tile", 4, 512, 4),
+        ("rows", 4, 512, 2),
+        ("rows", 2, 512, 2),
+        ("rows", 4, 256, 1),
+        ("rows", 8, 512, 2),
+        ("rows", 4, 1024, 4),
+    ]
     ok = True
     for layout, bn, bk, w in configs:
         fn = lambda: gemv(x, q, layout=layout, block_n=bn, block_k=bk, num_warps=w)
         ok &= validate(f"head {layout} ({bn}, {bk}, {w})", fn().float(), want, 1e-2)
         ms = graphed_ms(fn)
-        print(f"head {layout} ({bn}, {bk}, {w}): {ms * 1e3:7.2f} us, {q.nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+        print(
+            f"head {layout} ({bn}, {bk}, {w}): {ms * 1e3:7.2f} us, {q.nbytes / ms / 1e9:5.2f} TB/s",
+            flush=True,
+        )
     finish(ok)
 
 
@@ -178,61 +277,137 @@ def precision():
     plain activations and for activations with 1% outlier features 5x larger."""
     torch.manual_seed(0)
     for k in (2560, 9728):
-        q, scale = quantize_int8(torch.randn(32, k) / k ** 0.5)
+        q, scale = quantize_int8(torch.randn(32, k) / k**0.5)
         for outliers in (False, True):
-            x = (torch.randn(1, k) * (1 + 4 * outliers * (torch.rand(1, k) > 0.99))).bfloat16().float()  # bf16 values
+            x = (
+                (torch.randn(1, k) * (1 + 4 * outliers * (torch.rand(1, k) > 0.99)))
+                .bfloat16()
+                .float()
+            )  # bf16 values
             ref = (x.double() @ q.double().T) * scale.double()
             rel = lambda got: ((got.double() - ref).abs().max() / ref.abs().max()).item()
             errors = []
             for dtype in (torch.bfloat16, torch.float32):
                 xd = x.to(dtype)
-                errors += [rel(gemv(xd, q, None, scale, impl="triton")),
-                           rel(rows_gemv(xd, q, scale, block_n=4, num_warps=2, chunk=16, byte_asm=False))]
-            print(f"K={k} outliers={outliers!s:5s}: bf16 out exact {errors[0]:.2e}, v1 {errors[1]:.2e}; "
-                  f"fp32 out exact {errors[2]:.2e}, v1 {errors[3]:.2e}")
+                errors += [
+                    rel(gemv(xd, q, None, scale, impl="triton")),
+                    rel(rows_gemv(xd, q, scale, block_n=4, num_warps=2, chunk=16, byte_asm=False)),
+                ]
+            print(
+                f"K={k} outliers={outliers!s:5s}: bf16 out exact {errors[0]:.2e}, v1 {errors[1]:.2e}; "
+                f"fp32 out exact {errors[2]:.2e}, v1 {errors[3]:.2e}"
+            )
 
 
 def sass():
     sys.path.insert(0, os.path.dirname(__file__))
     from gemv_sass import gemv_loop, loop_sass, resident_warps
+
     print("variant                 rows warps chunk  instr/weight  regs  warps/SM  KB/SM")
     for fmt, weight, size in (("int8", "*i8", 1), ("bf16", "*bf16", 2)):
-        sig = {"x_ptr": "*bf16", "q_ptr": weight, "scale_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-               "K": "i32", "stride_qn": "i32", **{c: "constexpr" for c in ("ROWS", "BLOCK_N", "CHUNK", "SLABS", "EVEN",
-                                                                         "BYTE_ASM", "PDL", "EARLY_W", "HAS_SCALE")}}
-        exports = ((4, 1024, 4), (8, 512, 2), (4, 2048, 4)) if fmt == "int8" else ((8, 512, 4), (4, 512, 4), (2, 1024, 4))
+        sig = {
+            "x_ptr": "*bf16",
+            "q_ptr": weight,
+            "scale_ptr": "*fp32",
+            "out_ptr": "*bf16",
+            "M": "i32",
+            "N": "i32",
+            "K": "i32",
+            "stride_qn": "i32",
+            **{
+                c: "constexpr"
+                for c in (
+                    "ROWS",
+                    "BLOCK_N",
+                    "CHUNK",
+                    "SLABS",
+                    "EVEN",
+                    "BYTE_ASM",
+                    "PDL",
+                    "EARLY_W",
+                    "HAS_SCALE",
+                )
+            },
+        }
+        exports = (
+            ((4, 1024, 4), (8, 512, 2), (4, 2048, 4))
+            if fmt == "int8"
+            else ((8, 512, 4), (4, 512, 4), (2, 1024, 4))
+        )
         for bn, bk, w in exports:
             body, per_thread, regs = gemv_loop(weight, bn, bk, w, fmt == "int8")
-            print(f"{fmt} export {bn} x {bk:4d}     -  {w:4d}     -  {len(body) / per_thread:6.2f} ({len(body)})  "
-                  f"{regs:4d}  {resident_warps(regs, w):8d}")
+            print(
+                f"{fmt} export {bn} x {bk:4d}     -  {w:4d}     -  {len(body) / per_thread:6.2f} ({len(body)})  "
+                f"{regs:4d}  {resident_warps(regs, w):8d}"
+            )
         chunks = (8, 16) if fmt == "int8" else (4, 8)
-        for bn, w, c, early in ((4, 2, chunks[0], False), (4, 2, chunks[0], True), (4, 4, chunks[1], True),
-                                (8, 2, chunks[0], True), (4, 1, chunks[1], True)):
-            body, regs = loop_sass(_rows_kernel, sig, dict(ROWS=1, BLOCK_N=bn, CHUNK=c, SLABS=w, EVEN=True, BYTE_ASM=True,
-                                                       PDL=True, EARLY_W=early, HAS_SCALE=fmt == "int8"), w)
+        for bn, w, c, early in (
+            (4, 2, chunks[0], False),
+            (4, 2, chunks[0], True),
+            (4, 4, chunks[1], True),
+            (8, 2, chunks[0], True),
+            (4, 1, chunks[1], True),
+        ):
+            body, regs = loop_sass(
+                _rows_kernel,
+                sig,
+                dict(
+                    ROWS=1,
+                    BLOCK_N=bn,
+                    CHUNK=c,
+                    SLABS=w,
+                    EVEN=True,
+                    BYTE_ASM=True,
+                    PDL=True,
+                    EARLY_W=early,
+                    HAS_SCALE=fmt == "int8",
+                ),
+                w,
+            )
             warps = resident_warps(regs, w)
-            print(f"{fmt} v1 early={early!s:5s}    {bn:4d} {w:5d} {c:5d}  {len(body) / (bn * c):6.2f} ({len(body)})  "
-                  f"{regs:4d}  {warps:8d}  {warps * 32 * bn * c * size / 1024:5.1f}")
+            print(
+                f"{fmt} v1 early={early!s:5s}    {bn:4d} {w:5d} {c:5d}  {len(body) / (bn * c):6.2f} ({len(body)})  "
+                f"{regs:4d}  {warps:8d}  {warps * 32 * bn * c * size / 1024:5.1f}"
+            )
 
 
 def main():
     formats = (sys.argv[1] if len(sys.argv) > 1 else "int8,bf16").split(",")
     ok = True
-    cases = ((1, 96, 512), (2, 40, 1024), (1, 2560, 4096), (3, 72, 2560), (1, 24, 576)) if ON_GPU else \
-        ((1, 8, 256), (2, 5, 512), (1, 4, 576))
+    cases = (
+        ((1, 96, 512), (2, 40, 1024), (1, 2560, 4096), (3, 72, 2560), (1, 24, 576))
+        if ON_GPU
+        else ((1, 8, 256), (2, 5, 512), (1, 4, 576))
+    )
     for fmt, (m, n, k) in itertools.product(formats, cases):
         q, scale = matrix(fmt, n, k)
         x = torch.randn(m, k, device=DEVICE).bfloat16()
         ref = F.linear(x.float(), q.float()) * (scale if scale is not None else 1)
-        for asm in ((True, False) if ON_GPU and fmt == "int8" else (None,)):
+        for asm in (True, False) if ON_GPU and fmt == "int8" else (None,):
             for bn, warps, chunk in ((4, 2, 8), (2, 1, 16 if fmt == "int8" else 4), (8, 4, 8)):
-                for early in ((True, False) if ON_GPU else (None,)):
-                    got = rows_gemv(x, q, scale, block_n=bn, num_warps=warps, chunk=chunk, early=early, byte_asm=asm)
-                    ok &= validate(f"{fmt} v1 M={m} N={n} K={k} rows={bn} warps={warps} chunk={chunk} asm={asm} "
-                                   f"early={early}", got.float(), ref, 1e-2)
+                for early in (True, False) if ON_GPU else (None,):
+                    got = rows_gemv(
+                        x,
+                        q,
+                        scale,
+                        block_n=bn,
+                        num_warps=warps,
+                        chunk=chunk,
+                        early=early,
+                        byte_asm=asm,
+                    )
+                    ok &= validate(
+                        f"{fmt} v1 M={m} N={n} K={k} rows={bn} warps={warps} chunk={chunk} asm={asm} "
+                        f"early={early}",
+                        got.float(),
+                        ref,
+                        1e-2,
+                    )
     if not ON_GPU:
         finish(ok)
-    print(f"\n== {LAYERS} GEMVs of one shape, distinct weights, one CUDA-graph replay; ceiling {HBM_BYTES_PER_S / 1e12:.2f} TB/s")
+    print(
+        f"\n== {LAYERS} GEMVs of one shape, distinct weights, one CUDA-graph replay; ceiling {HBM_BYTES_PER_S / 1e12:.2f} TB/s"
+    )
     for fmt, (label, (n, k)) in itertools.product(formats, SHAPES.items()):
         layers = [matrix(fmt, n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
@@ -241,27 +416,38 @@ def main():
         def chain(fn):
             ms = graphed_ms(lambda: [fn(x, q, s) for q, s in layers])
             return ms * 1e3 / LAYERS, nbytes / ms / 1e9
+
         us, tbs = chain(lambda x, q, s: gemv(x, q, None, s))
-        print(f"{fmt} {label:8s} exported {gemv_layout(n, k, 1 if fmt == 'int8' else 2)} "
-              f"{gemv_config(n, k, 1 if fmt == 'int8' else 2)}: {us:6.2f} us a matrix, "
-              f"{tbs:5.2f} TB/s")
+        print(
+            f"{fmt} {label:8s} exported {gemv_layout(n, k, 1 if fmt == 'int8' else 2)} "
+            f"{gemv_config(n, k, 1 if fmt == 'int8' else 2)}: {us:6.2f} us a matrix, "
+            f"{tbs:5.2f} TB/s"
+        )
         results = []
         for variant, grid in (("export rows", GRID[fmt]), ("v1", V1_GRID[fmt])):
             for bn, w, c in grid:
                 if variant == "v1":
                     fn = lambda x, q, s: rows_gemv(x, q, s, block_n=bn, num_warps=w, chunk=c)
                 else:  # chapter 09's `_gemv_rows_kernel` (its int8 conversion exact, as the tile kernel's)
-                    fn = lambda x, q, s: gemv(x, q, None, s, layout="rows", block_n=bn, block_k=32 * w * c, num_warps=w)
+                    fn = lambda x, q, s: gemv(
+                        x, q, None, s, layout="rows", block_n=bn, block_k=32 * w * c, num_warps=w
+                    )
                 try:
                     us_v, tbs_v = chain(fn)
                 except Exception as e:  # a configuration the compiler refuses
-                    print(f"  {variant} rows={bn} warps={w} chunk={c}: failed: {type(e).__name__}: {str(e)[:120]}")
+                    print(
+                        f"  {variant} rows={bn} warps={w} chunk={c}: failed: {type(e).__name__}: {str(e)[:120]}"
+                    )
                     continue
                 results.append((us_v, variant, bn, w, c, tbs_v))
         for us_v, variant, bn, w, c, tbs_v in sorted(results)[:6]:
-            print(f"  {variant:11s} rows={bn:2d} warps={w} chunk={c:2d}: {us_v:6.2f} us, {tbs_v:5.2f} TB/s")
+            print(
+                f"  {variant:11s} rows={bn:2d} warps={w} chunk={c:2d}: {us_v:6.2f} us, {tbs_v:5.2f} TB/s"
+            )
     finish(ok)
 
 
 if __name__ == "__main__":
-    {"sass": sass, "head": head, "precision": precision}.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()
+    {"sass": sass, "head": head, "precision": precision}.get(
+        sys.argv[1] if len(sys.argv) > 1 else "", main
+    )()

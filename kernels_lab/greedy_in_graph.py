@@ -24,6 +24,7 @@ formats. So chapter 09's `argmax_rows` (these two kernels) is recorded into the 
 (`GREEDY_IN_GRAPH`, on) and taken by chapter 06's `sample(..., greedy=)`; this lab switches that.
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/greedy_in_graph.py [bf16,int8]"""
+
 import sys
 
 from common import ON_GPU, finish, graphed_ms, median_ms  # first: it may switch on the interpreter
@@ -54,8 +55,10 @@ def validate(device: str, vocab: int) -> bool:
         logits = logits.to(device)
         got, want = argmax_rows(logits, impl="triton"), torch.argmax(logits.float(), dim=-1)
         same = torch.equal(got, want)
-        print(f"  {'ok  ' if same else 'FAIL'} argmax_rows {str(dtype):15s} V={vocab}: "
-              f"{got.tolist()} against {want.tolist()}")
+        print(
+            f"  {'ok  ' if same else 'FAIL'} argmax_rows {str(dtype):15s} V={vocab}: "
+            f"{got.tolist()} against {want.tolist()}"
+        )
         ok &= same
     return ok
 
@@ -72,31 +75,45 @@ VARIANTS = {  # name: (the engine's sampler, GREEDY_IN_GRAPH)
     "torch argmax (in the sampler)": (EXPORTED_SAMPLE, False),
     "argmax_rows in the sampler": (greedy_sample, False),
     "argmax_rows in the decode graph (defaults)": (EXPORTED_SAMPLE, True),
-    "torch argmax again": (EXPORTED_SAMPLE, False)}
+    "torch argmax again": (EXPORTED_SAMPLE, False),
+}
 
 
 def greedy_tokens(engine, prompt: list[int], n: int = 64) -> list[int]:
     "The token ids of one greedy request of n tokens, run to its end."
-    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    request = engine.add_request(
+        prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    )
     tokens = None
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finished and out.request_id == request: tokens = list(out.token_ids)
+            if out.finished and out.request_id == request:
+                tokens = list(out.token_ids)
     return tokens
 
 
 def engine_runs(formats) -> bool:
-    print("\n== random:qwen3-4b: W1-like decode tok/s (128-token prompt, 256 greedy tokens), one engine a variant")
+    print(
+        "\n== random:qwen3-4b: W1-like decode tok/s (128-token prompt, 256 greedy tokens), one engine a variant"
+    )
     ok = True
     prompt = random_prompts(1, 128, 128, seed=1)[0]
     for fmt in formats:
-        loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt)
+        loaded = load_model(
+            "random:qwen3-4b", "cuda", progress=False, quantization="none" if fmt == "bf16" else fmt
+        )
         want = None
         for name, (sampler, in_graph) in VARIANTS.items():
             engine_module.sample, cuda_graphs.GREEDY_IN_GRAPH = sampler, in_graph
-            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=8))  # (its graphs recorded now, with the switch)
-            run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-            r = run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+            engine = LLMEngine(
+                loaded, EngineConfig(max_num_seqs=8)
+            )  # (its graphs recorded now, with the switch)
+            run_batch(
+                engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            )  # warm-up
+            r = run_batch(
+                engine, [prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+            )
             tokens = greedy_tokens(engine, prompt)
             assert tokens is not None and len(tokens) == 64, tokens
             same = want is None or tokens == want
@@ -105,8 +122,11 @@ def engine_runs(formats) -> bool:
             # tokens may part from the defaults' after a near-tie, "defaults again" too)
             ok &= same or fmt != "bf16"
             agree = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), len(tokens))
-            print(f"  {fmt:5s} {name:36s}: {255 / (r['wall_s'] - r['ttft_median_s']):7.1f} tok/s"
-                  f"{'' if same else f'  TOKENS DIFFER from token {agree} on'}", flush=True)
+            print(
+                f"  {fmt:5s} {name:36s}: {255 / (r['wall_s'] - r['ttft_median_s']):7.1f} tok/s"
+                f"{'' if same else f'  TOKENS DIFFER from token {agree} on'}",
+                flush=True,
+            )
             del engine
             free_memory()
         engine_module.sample, cuda_graphs.GREEDY_IN_GRAPH = EXPORTED_SAMPLE, True
@@ -123,8 +143,13 @@ def main():
     ok &= validate("cuda", 151936)
     row = torch.randn(1, 151936, device="cuda")
     print("\n== one row of 151,936 FP32 logits, us (median, L2 flushed)")
-    for name, fn in (("torch.argmax", lambda: torch.argmax(row, dim=-1)), ("argmax_rows", lambda: argmax_rows(row))):
-        print(f"  {name:14s} eager {median_ms(fn) * 1e3:6.1f}   graph replay {graphed_ms(fn) * 1e3:6.1f}")
+    for name, fn in (
+        ("torch.argmax", lambda: torch.argmax(row, dim=-1)),
+        ("argmax_rows", lambda: argmax_rows(row)),
+    ):
+        print(
+            f"  {name:14s} eager {median_ms(fn) * 1e3:6.1f}   graph replay {graphed_ms(fn) * 1e3:6.1f}"
+        )
     ok &= engine_runs(formats)
     finish(ok)
 

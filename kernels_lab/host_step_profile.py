@@ -7,6 +7,7 @@ On a GPU, rank 0's host side of the real step (steps overlapped; the wait for th
     PYTHONPATH=. python3 kernels_lab/host_step_profile.py tottime --model=random:qwen3-4b --device=cuda [--tp=2]
 On a 2-core CPU: 212.8 / 210.4 ms a step with the sampler's float32 copy of the logits, 107.9 / 112.1 ms without it,
 so the sampler skips that copy for batches with nothing to adjust."""
+
 import cProfile
 import pstats
 import sys
@@ -28,19 +29,35 @@ def arg(name: str, default: str) -> str:
 def main():  # (with --tp the workers are spawned: they import this file as a module)
     sort = next((a for a in sys.argv[1:] if not a.startswith("--")), "tottime")
     device, tp = arg("device", "cpu"), int(arg("tp", "1"))
-    engine = LLMEngine(load_model_over(arg("model", "random:qwen3-tiny"), device, progress=False, tensor_parallel_size=tp),
-                       EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, tensor_parallel_size=tp,
-                                    **({"kv_cache_bytes": 2**28} if device == "cpu" else {})))
+    engine = LLMEngine(
+        load_model_over(
+            arg("model", "random:qwen3-tiny"), device, progress=False, tensor_parallel_size=tp
+        ),
+        EngineConfig(
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            tensor_parallel_size=tp,
+            **({"kv_cache_bytes": 2**28} if device == "cpu" else {}),
+        ),
+    )
     for prompt in random_prompts(256, 20, 60, seed=0):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=STEPS + 50, ignore_eos=True))
-    while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running): engine.step()
-    for _ in range(5): engine.step()
+        engine.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=STEPS + 50, ignore_eos=True)
+        )
+    while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
     start = time.perf_counter()
-    for _ in range(STEPS): engine.step()
-    print(f"{(time.perf_counter() - start) / STEPS * 1e3:.2f} ms a decode step (256 sequences, no profiler)")
+    for _ in range(STEPS):
+        engine.step()
+    print(
+        f"{(time.perf_counter() - start) / STEPS * 1e3:.2f} ms a decode step (256 sequences, no profiler)"
+    )
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(STEPS): engine.step()
+    for _ in range(STEPS):
+        engine.step()
     profiler.disable()
     pstats.Stats(profiler).sort_stats(sort).print_stats(40)
 

@@ -29,6 +29,7 @@ Variants (each in its own process, as `int4_step_bounds.py`):
 Each first checks the GEMV against the dequantized matmul (plain, SiLU-mul, with a residual; every Qwen3-4B shape),
 then prints the chain of 36 GEMVs of each shape (µs a matrix) and random:qwen3-4b's batch-1 int4 decode step (ms).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_dp2a.py [floats,integers,floats,integers]"""
+
 import forge_engine.quant.gemv as quant
 from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from int4_step_bounds import main, measure
@@ -47,22 +48,36 @@ def validate(variant: str):
     "The int4 GEMV against the dequantized matmul: every Qwen3-4B shape, plain, SiLU-mul, with a residual."
     import torch
     from gemv_chain_sweep import SHAPES
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
     for label, (n, k) in SHAPES.items():
-        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
-        x = (torch.randn(1, k, device="cuda", generator=gen) * torch.rand(1, k, device="cuda", generator=gen) * 3).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+        x = (
+            torch.randn(1, k, device="cuda", generator=gen)
+            * torch.rand(1, k, device="cuda", generator=gen)
+            * 3
+        ).bfloat16()
         packed = quantize_int4(w)
         want = x.float() @ dequantize_int4(*packed).T
         residual = torch.randn(1, n, device="cuda", generator=gen).bfloat16()
-        gate, up = want[:, :n // 2], want[:, n // 2:]
-        for what, got, ref in (("plain", quant.int4_gemv(x, *packed), want),
-                               ("SiLU-mul", quant.int4_gemv(x, *packed, swiglu=True), torch.nn.functional.silu(gate) * up),
-                               ("residual", quant.int4_gemv(x, *packed, residual=residual), want + residual.float())):
+        gate, up = want[:, : n // 2], want[:, n // 2 :]
+        for what, got, ref in (
+            ("plain", quant.int4_gemv(x, *packed), want),
+            (
+                "SiLU-mul",
+                quant.int4_gemv(x, *packed, swiglu=True),
+                torch.nn.functional.silu(gate) * up,
+            ),
+            ("residual", quant.int4_gemv(x, *packed, residual=residual), want + residual.float()),
+        ):
             err = ((got.float() - ref).norm() / ref.norm()).item()
             worst = max(worst, err)
             assert err < 1e-2, f"{variant} {label} {what}: relative error {err:.2e}"
-    print(f"{variant:12s} valid: worst relative error {worst:.2e} (plain, SiLU-mul, residual; 4 shapes)", flush=True)
+    print(
+        f"{variant:12s} valid: worst relative error {worst:.2e} (plain, SiLU-mul, residual; 4 shapes)",
+        flush=True,
+    )
 
 
 def run(variant: str):

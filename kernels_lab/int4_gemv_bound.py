@@ -16,6 +16,7 @@ down 7.01 / 6.10: L2-resident weights gain 7-19%, so the SM holds the int4 GEMV,
 cuts instructions a weight (`int4_int_bounds.py` says which).
 
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_gemv_bound.py"""
+
 import torch
 
 from common import DEVICE, ON_GPU, graphed_ms
@@ -29,13 +30,19 @@ def matrix_bytes(w) -> int:
 
 def chain_us(x, layers, int_dot: bool) -> float:
     "µs a matrix of a CUDA-graph replay of the chain: one int4 GEMV for each matrix of `layers`, in turn."
-    return graphed_ms(lambda: [product("int4", x, w, int_dot=int_dot) for w in layers]) * 1e3 / len(layers)
+    return (
+        graphed_ms(lambda: [product("int4", x, w, int_dot=int_dot) for w in layers])
+        * 1e3
+        / len(layers)
+    )
 
 
 def main():
     if not ON_GPU:
         raise SystemExit("needs a GPU: the chains are CUDA graphs of the int4 GEMV")
-    print(f"== chains of {LAYERS} int4 GEMVs a shape: distinct matrices (DRAM) against one matrix {LAYERS} times (L2)")
+    print(
+        f"== chains of {LAYERS} int4 GEMVs a shape: distinct matrices (DRAM) against one matrix {LAYERS} times (L2)"
+    )
     for label, (n, k) in SHAPES.items():
         distinct = [weights("int4", n, k) for _ in range(LAYERS)]
         same = [distinct[0]] * LAYERS
@@ -44,8 +51,13 @@ def main():
         for int_dot in (True, False):
             for _ in range(2):  # two rounds: the second one counts
                 us = {"DRAM": chain_us(x, distinct, int_dot), "L2": chain_us(x, same, int_dot)}
-            print(f"  {label:8s} {'integers' if int_dot else 'FP32':8s} " + "  ".join(
-                f"{where} {t:6.2f} µs ({size / t / 1e6:4.2f} TB/s)" for where, t in us.items()), flush=True)
+            print(
+                f"  {label:8s} {'integers' if int_dot else 'FP32':8s} "
+                + "  ".join(
+                    f"{where} {t:6.2f} µs ({size / t / 1e6:4.2f} TB/s)" for where, t in us.items()
+                ),
+                flush=True,
+            )
         del distinct, same
         torch.cuda.empty_cache()
 

@@ -18,6 +18,7 @@ no-dot 1.149 / 1.148. Two real variants, both in chapter 10: the high nibbles us
 and with x's sum by dp2a 1.202 / 1.199 (relative error qkv 1.66e-3 -> 1.71e-3, o 1.61e-3 -> 2.05e-3, gate-up 1.67e-3
 -> 1.72e-3, down 1.62e-3 -> 2.06e-3).
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_int_bounds.py [variant[,variant...]]"""
+
 import forge_engine.quant.gemv as quant  # first: on a CPU it switches on the interpreter, which must precede `import triton`
 import triton
 import triton.language as tl
@@ -31,13 +32,30 @@ VARIANTS = ("int", "no-x", "no-dot", "no-wait", "int")
 
 @triton.jit
 def one_dp2a(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $2, $1, 0;", constraints="=r,r,r", args=[w, lo01],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        asm="dp2a.lo.s32.u32 $0, $2, $1, 0;",
+        constraints="=r,r,r",
+        args=[w, lo01],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
-def x_words_as_pairs(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                     EVEN: tl.constexpr, IN_PLACE: tl.constexpr, BYTE_ASM: tl.constexpr):
+def x_words_as_pairs(
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     "chapter 10's `_x_integers` without the work: x's words taken as its pairs (the same loads), 1, no sum"
     HALF: tl.constexpr = GROUP // 2
     c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
@@ -46,12 +64,17 @@ def x_words_as_pairs(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.conste
         x_ok = c_ok[:, :, None] & ((m < M) | EVEN)
         pairs = ()
         for h in tl.static_range(CHUNK // 8):
-            at = x_ptr.to(tl.pointer_type(tl.int32)) + (m * K + x_first[:, :, None] + 8 * h) // 2 \
+            at = (
+                x_ptr.to(tl.pointer_type(tl.int32))
+                + (m * K + x_first[:, :, None] + 8 * h) // 2
                 + tl.arange(0, 4)[None, None, :]
+            )
             lo = tl.load(at, mask=x_ok, other=0)
             hi = tl.load(at + HALF // 2, mask=x_ok, other=0)
-            pairs = pairs + (tl.split(tl.reshape(lo, (lo.shape[0], 32, 2, 2)))
-                             + tl.split(tl.reshape(hi, (hi.shape[0], 32, 2, 2))),)
+            pairs = pairs + (
+                tl.split(tl.reshape(lo, (lo.shape[0], 32, 2, 2)))
+                + tl.split(tl.reshape(hi, (hi.shape[0], 32, 2, 2))),
+            )
         xs = xs + ((pairs, 1.0, tl.zeros_like(c_ok.to(tl.float32))),)
     return xs
 
@@ -62,6 +85,7 @@ def relative_errors() -> str:
     import torch.nn.functional as F
     from common import DEVICE
     from gemv_chain_sweep import SHAPES, weights
+
     torch.manual_seed(0)
     errors = []
     for name, (n, k) in SHAPES.items():

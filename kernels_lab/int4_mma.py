@@ -67,12 +67,18 @@ CPU (the mma fragments as the PTX manual lays them out) against the reference.
 
 Run: PYTHONPATH=. python3 kernels_lab/int4_mma.py [int4,int8 | emulate]   (GPU: needs nvcc; the first build takes
 ~1 minute)"""
+
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from forge_engine.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from forge_engine.quant.formats import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
@@ -388,22 +394,33 @@ torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, to
   TORCH_CHECK(false, "no instance for warps ", warps, ", in_flight ", in_flight, ", tiles ", tiles);
 }
 """
-CPP_DECLARATION = ("torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
-                   "torch::Tensor minimum, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
-                   "torch::Tensor mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
-                   "torch::Tensor minimum, torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, "
-                   "bool pdl);")
+CPP_DECLARATION = (
+    "torch::Tensor int4_mma(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
+    "torch::Tensor minimum, int64_t warps, int64_t in_flight, int64_t tiles, bool pdl);\n"
+    "torch::Tensor mma_staged(torch::Tensor x, torch::Tensor q, torch::Tensor scale, "
+    "torch::Tensor minimum, torch::Tensor part, torch::Tensor counters, int64_t warps, int64_t splits, "
+    "bool pdl);"
+)
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-CONFIGS = [(4, 4, 1), (8, 2, 1), (8, 2, 2)]  # q3: (warps, groups in flight a warp, tiles of 16 rows a warp)
+CONFIGS = [
+    (4, 4, 1),
+    (8, 2, 1),
+    (8, 2, 2),
+]  # q3: (warps, groups in flight a warp, tiles of 16 rows a warp)
 STAGED = [(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8)]  # q4: (warps, splits of K)
 
 
 def build():
     from torch.utils.cpp_extension import load_inline
-    return load_inline("forge_lab_int4_mma", cpp_sources=CPP_DECLARATION, cuda_sources=CUDA_SOURCE,
-                       functions=["int4_mma", "mma_staged"],
-                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-                       verbose=False)
+
+    return load_inline(
+        "forge_lab_int4_mma",
+        cpp_sources=CPP_DECLARATION,
+        cuda_sources=CUDA_SOURCE,
+        functions=["int4_mma", "mma_staged"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+        verbose=False,
+    )
 
 
 def byte_perm(x: int, y: int, selector: int) -> int:
@@ -415,14 +432,20 @@ def byte_perm(x: int, y: int, selector: int) -> int:
 def a_pairs(w_lo: int, w_hi: int, mma: int) -> list[tuple[float, float]]:
     """The A registers a0..a3 of one mma (rows r, r + 8, r, r + 8) from word i of rows r (w_lo) and r + 8 (w_hi), as
     the BF16 pairs `nibble_pair` builds: bytes 0, 1 (mma 0) or 2, 3 (mma 1); their low nibbles, then the high ones."""
-    def value(bits: int) -> tuple[float, float]:  # (bits & 0x000F000F) | 0x43004300 as two BF16: 128 + nibble
+
+    def value(
+        bits: int,
+    ) -> tuple[float, float]:  # (bits & 0x000F000F) | 0x43004300 as two BF16: 128 + nibble
         return 128.0 + (bits & 0xF), 128.0 + ((bits >> 16) & 0xF)
+
     selector = 0x1100 if mma == 0 else 0x3322
     lo, hi = byte_perm(w_lo, 0, selector), byte_perm(w_hi, 0, selector)
     return [value(lo), value(hi), value(lo >> 4), value(hi >> 4)]
 
 
-def b_pairs(xd: torch.Tensor, grp: int, t: int, i: int, mma: int, int8: bool = False) -> tuple[tuple, tuple]:
+def b_pairs(
+    xd: torch.Tensor, grp: int, t: int, i: int, mma: int, int8: bool = False
+) -> tuple[tuple, tuple]:
     """The B registers b0, b1 of lane t's mma: x's words as they lie in memory, (k0, k0 + 1), and against the high
     nibbles the inputs 64 on (int4) or 16 x of the same inputs (int8)."""
     k0 = grp * (64 if int8 else 128) + 16 * t + 4 * i + 2 * mma
@@ -431,7 +454,9 @@ def b_pairs(xd: torch.Tensor, grp: int, t: int, i: int, mma: int, int8: bool = F
     return (xd[k0].item(), xd[k0 + 1].item()), (xd[k0 + 64].item(), xd[k0 + 65].item())
 
 
-def emulate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
+def emulate(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
+) -> torch.Tensor:
     """The kernels' arithmetic in PyTorch (fp64), lane by lane and fragment by fragment: rows in tiles of 16, each
     group's 8 mma as m16n8k16 lays out its operands (A: a0 (r, 2t..2t+1), a1 (r + 8, 2t..), a2 (r, 2t + 8..),
     a3 (r + 8, 2t + 8..); B: b0 (k 2t..2t+1, column r), b1 (k 2t + 8.., column r); C: c0 (r, column 2t), c2 (r + 8,
@@ -440,20 +465,35 @@ def emulate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torc
     int8 = q.dtype == torch.int8
     n, k = q.shape[0], x.shape[1]
     xd = x[0].double()
-    words = q.contiguous().view(torch.int32)  # [N, bytes / 4]: little-endian, byte 0 in the low bits
+    words = q.contiguous().view(
+        torch.int32
+    )  # [N, bytes / 4]: little-endian, byte 0 in the low bits
     y = torch.zeros(n, dtype=torch.float64)
     for row0 in range(0, n, 16):
-        for grp in range(k // (64 if int8 else 128)):  # (the warp that takes it does not change the sums)
-            c_tile, ones = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+        for grp in range(
+            k // (64 if int8 else 128)
+        ):  # (the warp that takes it does not change the sums)
+            c_tile, ones = (
+                torch.zeros(16, 8, dtype=torch.float64),
+                torch.zeros(16, 8, dtype=torch.float64),
+            )
             for i in range(4):
                 for mma in range(2):
-                    A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+                    A, B = (
+                        torch.zeros(16, 16, dtype=torch.float64),
+                        torch.zeros(16, 8, dtype=torch.float64),
+                    )
                     for lane in range(32):
                         r, t = lane // 4, lane % 4
-                        w_lo, w_hi = ((int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF)
-                                      ^ (0x80808080 if int8 else 0) for row in (row0 + r, row0 + r + 8))
-                        for (ar, ac), pair in zip(((r, 2 * t), (r + 8, 2 * t), (r, 2 * t + 8), (r + 8, 2 * t + 8)),
-                                                  a_pairs(w_lo, w_hi, mma)):
+                        w_lo, w_hi = (
+                            (int(words[min(row, n - 1), grp * 16 + t * 4 + i]) & 0xFFFFFFFF)
+                            ^ (0x80808080 if int8 else 0)
+                            for row in (row0 + r, row0 + r + 8)
+                        )
+                        for (ar, ac), pair in zip(
+                            ((r, 2 * t), (r + 8, 2 * t), (r, 2 * t + 8), (r + 8, 2 * t + 8)),
+                            a_pairs(w_lo, w_hi, mma),
+                        ):
                             A[ar, ac], A[ar, ac + 1] = pair
                         b0, b1 = b_pairs(xd, grp, t, i, mma, int8)
                         B[2 * t, r], B[2 * t + 1, r] = b0
@@ -461,12 +501,17 @@ def emulate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torc
                     c_tile += A @ B
                     ones += torch.ones(16, 16, dtype=torch.float64) @ B
             xs = ones[0, 0]
-            for rr in range(min(16, n - row0)):  # c0 / c2: column 0 (every column holds the same sums)
+            for rr in range(
+                min(16, n - row0)
+            ):  # c0 / c2: column 0 (every column holds the same sums)
                 row = row0 + rr
                 if int8:
                     y[row] += c_tile[rr, 0] - 2304 / 17 * xs
                 else:
-                    y[row] += scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs) + minimum[row, grp].double() * xs
+                    y[row] += (
+                        scale[row, grp].double() * (c_tile[rr, 0] - 128 * xs)
+                        + minimum[row, grp].double() * xs
+                    )
     return y[None, :] * (scale.double()[None, :] if int8 else 1)
 
 
@@ -477,12 +522,16 @@ def check_emulation() -> bool:
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(1, k, generator=gen).bfloat16()
     ok = True
-    for name, quantized, dequantized in (("int4", quantize_int4(w), dequantize_int4),
-                                          ("int8", (*quantize_int8(w), None), dequantize_int8)):
+    for name, quantized, dequantized in (
+        ("int4", quantize_int4(w), dequantize_int4),
+        ("int8", (*quantize_int8(w), None), dequantize_int8),
+    ):
         want = F.linear(x.double(), dequantized(*[t for t in quantized if t is not None]).double())
         got = emulate(x, *quantized)
         err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"emulation of {name} against the dequantized matmul at {n} x {k}: relative error {err:.2e}")
+        print(
+            f"emulation of {name} against the dequantized matmul at {n} x {k}: relative error {err:.2e}"
+        )
         ok &= err < 1e-6
     return ok
 
@@ -492,25 +541,33 @@ def check_staging() -> bool:
     bytes its copy loop puts in `w_s` and `x_s` and what its warps then read back must be the global weight bytes,
     scales and x that q3 reads for the same row, group and lane; the splits must cover every group once."""
     import numpy as np
+
     ok = True
-    for int8, n, k, splits in ((False, 40, 1152, 3), (True, 40, 1152, 5), (False, 2560, 9728, 4), (True, 24, 640, 1)):
+    for int8, n, k, splits in (
+        (False, 40, 1152, 3),
+        (True, 40, 1152, 5),
+        (False, 2560, 9728, 4),
+        (True, 24, 640, 1),
+    ):
         inputs = 64 if int8 else 128
         groups, tiles = k // inputs, -(-n // 16)
         row_bytes = k if int8 else k // 2
         q = np.random.default_rng(0).integers(0, 256, (n, row_bytes), dtype=np.uint8)
-        x_words = np.arange(k // 8)  # x as 16-byte words: each word's number stands for its contents
+        x_words = np.arange(
+            k // 8
+        )  # x as 16-byte words: each word's number stands for its contents
         covered = np.zeros(groups, dtype=int)
         for tile in range(tiles):
             for split in range(splits):
                 g0 = split * groups // splits
                 ng = (split + 1) * groups // splits - g0
-                covered[g0:g0 + ng] += tile == 0
+                covered[g0 : g0 + ng] += tile == 0
                 stride = ng * 64 + (0 if ng % 2 else 64)
                 w_s = np.zeros(16 * stride, dtype=np.uint8)
                 for c in range(16 * 4 * ng):  # the copy loop
                     r, j = c // (4 * ng), c % (4 * ng)
                     at = min(tile * 16 + r, n - 1) * row_bytes + g0 * 64 + j * 16
-                    w_s[r * stride + j * 16:][:16] = q.reshape(-1)[at:at + 16]
+                    w_s[r * stride + j * 16 :][:16] = q.reshape(-1)[at : at + 16]
                 x_s = np.full(16 * ng, -1)
                 for c in range(ng * inputs // 8):
                     x_s[c] = x_words[g0 * inputs // 8 + c]
@@ -519,22 +576,36 @@ def check_staging() -> bool:
                         r, t = lane // 4, lane % 4
                         for rr in (r, r + 8):
                             row = min(tile * 16 + rr, n - 1)
-                            got = w_s[rr * stride + g * 64 + t * 16:][:16]
-                            ok &= bool((got == q[row, (g0 + g) * 64 + t * 16:][:16]).all())
-                        first = g * (inputs // 8) + 2 * t  # xl: words of inputs (g0 + g) * inputs + 16t ..
-                        ok &= bool((x_s[first:first + 2] == x_words[((g0 + g) * inputs + 16 * t) // 8:][:2]).all())
+                            got = w_s[rr * stride + g * 64 + t * 16 :][:16]
+                            ok &= bool((got == q[row, (g0 + g) * 64 + t * 16 :][:16]).all())
+                        first = (
+                            g * (inputs // 8) + 2 * t
+                        )  # xl: words of inputs (g0 + g) * inputs + 16t ..
+                        ok &= bool(
+                            (
+                                x_s[first : first + 2]
+                                == x_words[((g0 + g) * inputs + 16 * t) // 8 :][:2]
+                            ).all()
+                        )
                         if not int8:  # xh: the inputs 64 on
                             high = ((g0 + g) * 128 + 64 + 16 * t) // 8
-                            ok &= bool((x_s[first + 8:first + 10] == x_words[high:high + 2]).all())
-                ok &= 16 * stride % 64 == 0 and stride % 128 == 64  # 16-byte aligned sections, conflict-free rows
+                            ok &= bool(
+                                (x_s[first + 8 : first + 10] == x_words[high : high + 2]).all()
+                            )
+                ok &= (
+                    16 * stride % 64 == 0 and stride % 128 == 64
+                )  # 16-byte aligned sections, conflict-free rows
         ok &= bool((covered == 1).all())
-        print(f"q4 staging, {'int8' if int8 else 'int4'} {n} x {k} in {splits} splits: {'ok' if ok else 'WRONG'}")
+        print(
+            f"q4 staging, {'int8' if int8 else 'int4'} {n} x {k} in {splits} splits: {'ok' if ok else 'WRONG'}"
+        )
     return ok
 
 
 def chain_ms(fn, matrices) -> float:
     "Median ms of one CUDA-graph replay of fn over the 36 matrices (each a distinct weight: nothing stays in L2)."
     from common import graphed_ms
+
     return graphed_ms(lambda: [fn(m) for m in matrices]) / len(matrices)
 
 
@@ -543,7 +614,7 @@ FORMATS = ("int4", "int8")
 
 def quantized(fmt: str, n: int, k: int) -> tuple:
     "A random [n, k] weight in `fmt`, as `mma_staged` takes it: int4 (packed, scale, minimum); int8 (q, scale, scale)."
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
     if fmt == "int4":
         return quantize_int4(w)
     q, scale = quantize_int8(w)
@@ -551,24 +622,30 @@ def quantized(fmt: str, n: int, k: int) -> tuple:
 
 
 def reference(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
-    return F.linear(x.float(), dequantize_int4(*mat) if fmt == "int4" else dequantize_int8(*mat[:2]))
+    return F.linear(
+        x.float(), dequantize_int4(*mat) if fmt == "int4" else dequantize_int8(*mat[:2])
+    )
 
 
 def exported(fmt: str, x: torch.Tensor, mat: tuple) -> torch.Tensor:
     "t0: chapter 10's Triton int4 GEMV, or chapter 09's GEMV with int8 weights."
     from forge_engine.kernels.gemv import gemv
     from forge_engine.quant.gemv import int4_gemv
+
     return int4_gemv(x, *mat) if fmt == "int4" else gemv(x, mat[0], None, mat[1], impl="triton")
 
 
 def main():
     from common import ON_GPU, finish, validate
+
     if not ON_GPU:
         sys.exit("needs a GPU (and nvcc); `emulate` checks the index arithmetic on a CPU")
     formats = (sys.argv[1] if len(sys.argv) > 1 else "int4,int8").split(",")
     ext = build()
     ok = True
-    for fmt in formats:  # q4 at a partial tile and uneven splits (int4: 9 groups, int8: 18), then o's shape
+    for fmt in (
+        formats
+    ):  # q4 at a partial tile and uneven splits (int4: 9 groups, int8: 18), then o's shape
         for n, k in ((40, 1152), (2560, 4096)):
             x = torch.randn(1, k, device="cuda").bfloat16()
             mat = quantized(fmt, n, k)
@@ -577,7 +654,9 @@ def main():
             for warps, splits in STAGED:
                 for call in range(2):  # the second call finds the counters back at zero
                     got = ext.mma_staged(x, *mat, part, counters, warps, splits, True).float()
-                    ok &= validate(f"{fmt} {n}x{k} q4-{warps}-{splits} call {call}", got, want, 2e-2)
+                    ok &= validate(
+                        f"{fmt} {n}x{k} q4-{warps}-{splits} call {call}", got, want, 2e-2
+                    )
             ok &= bool((counters == 0).all())
     for fmt in formats:
         for name, (n, k) in SHAPES.items():
@@ -586,23 +665,36 @@ def main():
             want = reference(fmt, x, mats[0])
             ok &= validate(f"{fmt} {name} t0", exported(fmt, x, mats[0]).float(), want, 2e-2)
             t0 = chain_ms(lambda m: exported(fmt, x, m), mats)
-            nbytes = sum(t.nbytes for t in mats[0][:3 if fmt == "int4" else 2])
-            print(f"{fmt} {name:8s} t0 (export)           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s",
-                  flush=True)
+            nbytes = sum(t.nbytes for t in mats[0][: 3 if fmt == "int4" else 2])
+            print(
+                f"{fmt} {name:8s} t0 (export)           {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s",
+                flush=True,
+            )
             for config in CONFIGS if fmt == "int4" else ():
                 label = "q3-{}-{}-{}".format(*config)
-                ok &= validate(f"{fmt} {name} {label}", ext.int4_mma(x, *mats[0], *config, True).float(), want, 2e-2)
+                ok &= validate(
+                    f"{fmt} {name} {label}",
+                    ext.int4_mma(x, *mats[0], *config, True).float(),
+                    want,
+                    2e-2,
+                )
                 ms = chain_ms(lambda m: ext.int4_mma(x, *m, *config, True), mats)
-                print(f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
-                      flush=True)
+                print(
+                    f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
+                    flush=True,
+                )
             part, counters = staged_buffers(n)
             for warps, splits in STAGED:
                 label = f"q4-{warps}-{splits}"
                 got = ext.mma_staged(x, *mats[0], part, counters, warps, splits, True).float()
                 ok &= validate(f"{fmt} {name} {label}", got, want, 2e-2)
-                ms = chain_ms(lambda m: ext.mma_staged(x, *m, part, counters, warps, splits, True), mats)
-                print(f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
-                      flush=True)
+                ms = chain_ms(
+                    lambda m: ext.mma_staged(x, *m, part, counters, warps, splits, True), mats
+                )
+                print(
+                    f"{fmt} {name:8s} {label:22s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
+                    flush=True,
+                )
             del mats
             torch.cuda.empty_cache()
     finish(ok)
@@ -611,7 +703,9 @@ def main():
 def staged_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     "q4's partial sums (fp32, for up to 8 splits of each 16-row tile) and its counters (int32 zeros, one a tile)."
     tiles = -(-n // 16)
-    return torch.empty(tiles * 8 * 16, device="cuda"), torch.zeros(tiles, device="cuda", dtype=torch.int32)
+    return torch.empty(tiles * 8 * 16, device="cuda"), torch.zeros(
+        tiles, device="cuda", dtype=torch.int32
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Measured (one H200, the GEMV in FP32): step 1.429 ms; no-unpack 1.305,
 half-unpack 1.490 (slower: more registers at 4 x 4 x 16), no-wait 1.276, both 1.060. Neither alone reaches 2x.
 Run on a GPU from kernels_lab/: PYTHONPATH=..:. python3 int4_step_bounds.py [variant[,variant...]]  (default: VARIANTS;
 each in its own process)"""
+
 import os
 import subprocess
 import sys
@@ -43,7 +44,9 @@ def no_wait(WAIT: tl.constexpr):
 
 @triton.jit
 def wait_unless_marked(WAIT: tl.constexpr):
-    if WAIT == 1:  # a launch marked PDL=2 (`patch`'s no-wait:SHAPE) skips its wait; True == 1 waits as ever
+    if (
+        WAIT == 1
+    ):  # a launch marked PDL=2 (`patch`'s no-wait:SHAPE) skips its wait; True == 1 waits as ever
         tl.extra.cuda.gdc_wait()
 
 
@@ -51,13 +54,20 @@ def wait_unless_marked(WAIT: tl.constexpr):
 def no_unpack(b, BYTE_ASM: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm="mov.b32 $0, $8; mov.b32 $1, $8; mov.b32 $2, $8; mov.b32 $3, $8; mov.b32 $4, $8; mov.b32 $5, $8; "
-            "mov.b32 $6, $8; mov.b32 $7, $8;",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        "mov.b32 $6, $8; mov.b32 $7, $8;",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[b],
+        dtype=(tl.float32, tl.float32),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
 def half_unpack(b, BYTE_ASM: tl.constexpr):
-    low, high = EXPORTED_UNPACK(b, BYTE_ASM)  # (ptxas drops the high nibbles' LOP3s: their results go unused)
+    low, high = EXPORTED_UNPACK(
+        b, BYTE_ASM
+    )  # (ptxas drops the high nibbles' LOP3s: their results go unused)
     return low, low
 
 
@@ -68,11 +78,17 @@ def patch(variant: str):
     quant.INT4_INT_DOT = False
     if variant.startswith("no-wait:"):  # one shape's GEMVs only
         import gemv_chain_sweep
-        from decode_overlap import int4_gemv_for  # (its per-shape launch override: PDL=2 there, dependent without the wait)
+        from decode_overlap import (
+            int4_gemv_for,
+        )  # (its per-shape launch override: PDL=2 there, dependent without the wait)
+
         quant._wait_for_previous = wait_unless_marked
         shape = gemv_chain_sweep.SHAPES[variant.split(":")[1]]
         import forge_engine.quant.layers as quant_layers  # (Int4Linear.decode_gemv calls it from there)
-        quant.int4_gemv = quant_layers.int4_gemv = gemv_chain_sweep.int4_gemv = int4_gemv_for({shape: dict(pdl=2)})
+
+        quant.int4_gemv = quant_layers.int4_gemv = gemv_chain_sweep.int4_gemv = int4_gemv_for(
+            {shape: dict(pdl=2)}
+        )
         return
     if "no-wait" in variant:
         quant._wait_for_previous = no_wait
@@ -97,12 +113,13 @@ def measure(label: str):
     from forge_engine.loader import load_model
     from gemv_chain_sweep import LAYERS, SHAPES, product, weights
     from common import graphed_ms
+
     chain = {}
     for shape, (n, k) in SHAPES.items():
         layers = [weights("int4", n, k) for _ in range(LAYERS)]
         x = torch.randn(1, k, device=DEVICE).bfloat16()
         chain[shape] = graphed_ms(lambda: [product("int4", x, w) for w in layers]) * 1e3 / LAYERS
-        del layers
+        layers = None  # (freed; not `del`: the lambdas above name it)
         torch.cuda.empty_cache()
     loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int4")
     steps = []
@@ -111,8 +128,14 @@ def measure(label: str):
         steps.append(decode_step_ms(engine))
         del engine
         free_memory()
-    print(f"{label:12s} chain " + "  ".join(f"{k} {v:6.2f}" for k, v in chain.items())
-          + "  | step graph " + " / ".join(f"{s:.3f}" for s in steps) + " ms", flush=True)
+    print(
+        f"{label:12s} chain "
+        + "  ".join(f"{k} {v:6.2f}" for k, v in chain.items())
+        + "  | step graph "
+        + " / ".join(f"{s:.3f}" for s in steps)
+        + " ms",
+        flush=True,
+    )
 
 
 def main(script: str, run, default: tuple, timeout: int):

@@ -20,6 +20,7 @@ every step: once the kernel before has finished it returns at once). Each timed 
 matrices of a Qwen3-4B shape (nothing stays in L2), dependent launches on for all.
 
 Run: PYTHONPATH=. python3 kernels_lab/int4_tma.py   (GPU: sm_90; on a CPU the interpreter checks a small case)"""
+
 import os
 import sys
 
@@ -35,15 +36,39 @@ from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from forge_engine.quant.gemv import _nibbles_to_f32, int4_gemv
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-CONFIGS = [(bn, bk, s, w, late) for bn, bk, s, w in ((8, 256, 3, 4), (8, 256, 4, 4), (16, 256, 3, 4), (16, 128, 4, 4),
-                                                    (4, 256, 4, 2), (8, 128, 4, 2), (16, 256, 2, 8), (32, 128, 3, 4))
-           for late in (False,)] + [(8, 256, 4, 4, True), (16, 256, 3, 4, True)]
+CONFIGS = [
+    (bn, bk, s, w, late)
+    for bn, bk, s, w in (
+        (8, 256, 3, 4),
+        (8, 256, 4, 4),
+        (16, 256, 3, 4),
+        (16, 128, 4, 4),
+        (4, 256, 4, 2),
+        (8, 128, 4, 2),
+        (16, 256, 2, 8),
+        (32, 128, 3, 4),
+    )
+    for late in (False,)
+] + [(8, 256, 4, 4, True), (16, 256, 3, 4, True)]
 
 
 @triton.jit
-def _int4_tma_kernel(x_ptr, w_desc, scale_ptr, min_ptr, out_ptr, N, K,
-                     BLOCK_N: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr,
-                     PDL: tl.constexpr, LATE_WAIT: tl.constexpr, BYTE_ASM: tl.constexpr):
+def _int4_tma_kernel(
+    x_ptr,
+    w_desc,
+    scale_ptr,
+    min_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
+    PDL: tl.constexpr,
+    LATE_WAIT: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     HALF: tl.constexpr = GROUP // 2  # bytes of a row per group
     G: tl.constexpr = BK // HALF  # groups a step
     if PDL:
@@ -65,8 +90,11 @@ def _int4_tma_kernel(x_ptr, w_desc, scale_ptr, min_ptr, out_ptr, N, K,
         x_hi = tl.load(x_ptr + x_at + HALF).to(tl.float32)  # ... the high ones'
         s_lo, s_hi = tl.sum(x_lo, axis=1), tl.sum(x_hi, axis=1)
         f_lo, f_hi = _nibbles_to_f32(w, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
-        xq = (tl.sum(f_lo * x_lo[None, :, :], axis=2) + 16.0 * tl.sum(f_hi * x_hi[None, :, :], axis=2)
-              - (128.0 * s_lo + 2048.0 * s_hi)[None, :])  # Σ x q per row and group
+        xq = (
+            tl.sum(f_lo * x_lo[None, :, :], axis=2)
+            + 16.0 * tl.sum(f_hi * x_hi[None, :, :], axis=2)
+            - (128.0 * s_lo + 2048.0 * s_hi)[None, :]
+        )  # Σ x q per row and group
         at = rows[:, None] * groups + g[None, :]
         scale = tl.load(scale_ptr + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
         minimum = tl.load(min_ptr + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -79,18 +107,44 @@ def descriptor(packed: torch.Tensor, block_n: int, bk: int) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(packed, [block_n, bk])
 
 
-def int4_tma_gemv(x: torch.Tensor, desc: TensorDescriptor, scale: torch.Tensor, minimum: torch.Tensor,
-                  block_n: int, bk: int, stages: int, warps: int, late: bool) -> torch.Tensor:
+def int4_tma_gemv(
+    x: torch.Tensor,
+    desc: TensorDescriptor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    block_n: int,
+    bk: int,
+    stages: int,
+    warps: int,
+    late: bool,
+) -> torch.Tensor:
     "y [1, N] = x [1, K] @ W.T, W int4 (chapter 10's packing) read through `desc` (from `descriptor`)."
     n, k = desc.shape[0], x.shape[1]
     group = k // scale.shape[1]
     if x.shape[0] != 1 or (k // 2) % bk or bk % (group // 2):
-        raise ValueError(f"one row of x and whole steps of whole groups: K {k}, BK {bk}, group {group}")
+        raise ValueError(
+            f"one row of x and whole steps of whole groups: K {k}, BK {bk}, group {group}"
+        )
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     pdl = pdl_supported(x.device)
-    _int4_tma_kernel[(triton.cdiv(n, block_n),)](x, desc, scale, minimum, out, n, k, BLOCK_N=block_n, BK=bk,
-                                                 STAGES=stages, GROUP=group, PDL=pdl, LATE_WAIT=late,
-                                                 BYTE_ASM=ON_GPU, num_warps=warps, launch_pdl=pdl)
+    _int4_tma_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        desc,
+        scale,
+        minimum,
+        out,
+        n,
+        k,
+        BLOCK_N=block_n,
+        BK=bk,
+        STAGES=stages,
+        GROUP=group,
+        PDL=pdl,
+        LATE_WAIT=late,
+        BYTE_ASM=ON_GPU,
+        num_warps=warps,
+        launch_pdl=pdl,
+    )
     return out
 
 
@@ -103,22 +157,29 @@ def check_small(device) -> bool:
     ok = True
     torch.manual_seed(0)
     for n, k in ((40, 1024), (24, 512)):
-        w = (torch.randn(n, k, device=device) / k ** 0.5).bfloat16()
+        w = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
         mat = quantize_int4(w)
         x = torch.randn(1, k, device=device).bfloat16()
         want = reference(x, mat)
         for block_n, bk, stages, warps, late in ((16, 128, 2, 4, False), (8, 256, 3, 2, True)):
             if (k // 2) % bk:
                 continue
-            got = int4_tma_gemv(x, descriptor(mat[0], block_n, bk), *mat[1:], block_n, bk, stages, warps, late)
-            ok &= validate(f"{n}x{k} tma-{block_n}-{bk}-{stages}-{warps}{'-late' if late else ''}", got.float(), want,
-                           2e-2)
+            got = int4_tma_gemv(
+                x, descriptor(mat[0], block_n, bk), *mat[1:], block_n, bk, stages, warps, late
+            )
+            ok &= validate(
+                f"{n}x{k} tma-{block_n}-{bk}-{stages}-{warps}{'-late' if late else ''}",
+                got.float(),
+                want,
+                2e-2,
+            )
     return ok
 
 
 def chain_ms(fn, matrices) -> float:
     "Median ms of one CUDA-graph replay of fn over the 36 matrices (each a distinct weight: nothing stays in L2)."
     from common import graphed_ms
+
     return graphed_ms(lambda: [fn(m) for m in matrices]) / len(matrices)
 
 
@@ -128,15 +189,21 @@ def main():
     ok = check_small("cuda")
     budget = float(os.environ.get("LAB_BUDGET_S", "400"))
     import time
+
     began = time.time()
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device="cuda").bfloat16()
-        mats = [quantize_int4((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()) for _ in range(36)]
+        mats = [
+            quantize_int4((torch.randn(n, k, device="cuda") / k**0.5).bfloat16()) for _ in range(36)
+        ]
         want = reference(x, mats[0])
         nbytes = sum(t.nbytes for t in mats[0])
         ok &= validate(f"{name} t0", int4_gemv(x, *mats[0]).float(), want, 2e-2)
         t0 = chain_ms(lambda m: int4_gemv(x, *m), mats)
-        print(f"{name:8s} t0 (export)          {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s", flush=True)
+        print(
+            f"{name:8s} t0 (export)          {t0 * 1e3:7.2f} us a matrix, {nbytes / t0 / 1e9:5.2f} TB/s",
+            flush=True,
+        )
         for block_n, bk, stages, warps, late in CONFIGS:
             if time.time() - began > budget or (k // 2) % bk:
                 continue
@@ -147,9 +214,15 @@ def main():
                 ok &= validate(f"{name} {label}", fn(descs[0]).float(), want, 2e-2)
                 ms = chain_ms(fn, descs)
             except Exception as error:  # a configuration the compiler refuses (shared memory, TMA box): said, skipped
-                print(f"{name:8s} {label:20s} failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                print(
+                    f"{name:8s} {label:20s} failed: {type(error).__name__}: {str(error)[:200]}",
+                    flush=True,
+                )
                 continue
-            print(f"{name:8s} {label:20s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+            print(
+                f"{name:8s} {label:20s} {ms * 1e3:7.2f} us a matrix, {nbytes / ms / 1e9:5.2f} TB/s",
+                flush=True,
+            )
         del mats
         torch.cuda.empty_cache()
     finish(ok)

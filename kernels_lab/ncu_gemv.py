@@ -15,6 +15,7 @@ Without ncu it only launches each GEMV (and checks it against the dequantized ma
 also in the GEMV layout the export does not take for the shape (tile against rows: the memory side of the choice;
 add `--section MemoryWorkloadAnalysis_Tables` for sectors a request and L2 / DRAM traffic).
 Measured (one H200): the int8 tile GEMVs at 96 registers, 20 warps an SM, DRAM throughput 32-61%; int4 18-37%."""
+
 import os
 import sys
 
@@ -25,13 +26,24 @@ from forge_engine.kernels.gemv import gemv
 from forge_engine.quant.formats import dequantize_int4, quantize_int4
 from forge_engine.quant.gemv import int4_gemv
 
-SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
-          "lm_head": (151936, 2560)} if ON_GPU else {"qkv": (96, 256), "gate_up": (16384, 256)}
-LAYOUTS = bool(os.environ.get("LAB_LAYOUTS"))  # bf16 / int8: each shape in the other layout too (`other_layout`)
+SHAPES = (
+    {
+        "qkv": (6144, 2560),
+        "o": (2560, 4096),
+        "gate_up": (19456, 2560),
+        "down": (2560, 9728),
+        "lm_head": (151936, 2560),
+    }
+    if ON_GPU
+    else {"qkv": (96, 256), "gate_up": (16384, 256)}
+)
+LAYOUTS = bool(
+    os.environ.get("LAB_LAYOUTS")
+)  # bf16 / int8: each shape in the other layout too (`other_layout`)
 
 
 def matrix(fmt: str, n: int, k: int) -> tuple:
-    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).bfloat16()
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).bfloat16()
     if fmt == "int4":
         return quantize_int4(w)
     if fmt == "int8":
@@ -50,9 +62,13 @@ def other_layout(fmt: str, n: int, k: int) -> dict:
     """The launch of bf16 / int8's other GEMV layout for this shape (`LAB_LAYOUTS=1`): the rows kernel at 2 rows,
     4 warps, 16 bytes a thread where the export takes the tile kernel, else the tile kernel's exported setting."""
     from forge_engine.kernels.gemv import gemv_config, gemv_layout
+
     width = 1 if fmt == "int8" else 2
     if gemv_layout(n, k, width) == "rows":
-        return dict(layout="tile", **dict(zip(("block_n", "block_k", "num_warps"), gemv_config(n, k, width, "tile"))))
+        return dict(
+            layout="tile",
+            **dict(zip(("block_n", "block_k", "num_warps"), gemv_config(n, k, width, "tile"))),
+        )
     return dict(layout="rows", block_n=2, num_warps=4, block_k=32 * 4 * 16 // width)
 
 
@@ -67,21 +83,34 @@ def main():
     ok = True
     for fmt in formats:
         for name, (n, k) in SHAPES.items():
-            if fmt == "int4" and name == "lm_head": continue  # (the int4 mode's head is int8)
+            if fmt == "int4" and name == "lm_head":
+                continue  # (the int4 mode's head is int8)
             x = torch.randn(1, k, device=DEVICE).bfloat16()
             mat = matrix(fmt, n, k)
-            ok &= validate(f"{fmt} {name}", product(fmt, x, mat).float(), reference(fmt, x, mat), 2e-2)
+            ok &= validate(
+                f"{fmt} {name}", product(fmt, x, mat).float(), reference(fmt, x, mat), 2e-2
+            )
             launches = [{}]
             if LAYOUTS and fmt != "int4" and name != "lm_head":
                 launches.append(other_layout(fmt, n, k))
-                ok &= validate(f"{fmt} {name} {launches[1]}", product(fmt, x, mat, **launches[1]).float(),
-                               reference(fmt, x, mat), 2e-2)
+                ok &= validate(
+                    f"{fmt} {name} {launches[1]}",
+                    product(fmt, x, mat, **launches[1]).float(),
+                    reference(fmt, x, mat),
+                    2e-2,
+                )
             for launch in launches:
-                for _ in range(3): product(fmt, x, mat, **launch)  # compiled and warm
-                if ON_GPU: torch.cuda.synchronize()
-                if ON_GPU: torch.cuda.nvtx.range_push("profile")  # what ncu profiles (--nvtx-include "profile/")
+                for _ in range(3):
+                    product(fmt, x, mat, **launch)  # compiled and warm
+                if ON_GPU:
+                    torch.cuda.synchronize()
+                if ON_GPU:
+                    torch.cuda.nvtx.range_push(
+                        "profile"
+                    )  # what ncu profiles (--nvtx-include "profile/")
                 product(fmt, x, mat, **launch)
-                if ON_GPU: torch.cuda.nvtx.range_pop()
+                if ON_GPU:
+                    torch.cuda.nvtx.range_pop()
                 print(f"profiled: {fmt} {name} {n}x{k} {launch or 'export'}", flush=True)
             del mat
     finish(ok)

@@ -10,6 +10,7 @@ Variants
   v1  PyTorch add, then a Triton RMSNorm (the add's result is written and read again)
   v2  one fused Triton kernel, one program per row (forge_engine.kernels.add_rmsnorm), by num_warps
 """
+
 import torch
 
 from common import DEVICE, ON_GPU, Results, finish, selected, time_variant, validate
@@ -18,7 +19,8 @@ from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference,
 EPS = 1e-6
 
 
-def v0_torch(x, r, w): return add_rmsnorm_reference(x, r, w, EPS)
+def v0_torch(x, r, w):
+    return add_rmsnorm_reference(x, r, w, EPS)
 
 
 def v1_add_then_norm(x, r, w):
@@ -30,8 +32,11 @@ def v2_fused(num_warps=None):
     return lambda x, r, w: add_rmsnorm(x, r, w, EPS, impl="triton", num_warps=num_warps)
 
 
-VARIANTS = {"v0 torch eager": v0_torch, "v1 torch add + triton norm": v1_add_then_norm,
-            "v2 fused (exported)": v2_fused()}
+VARIANTS = {
+    "v0 torch eager": v0_torch,
+    "v1 torch add + triton norm": v1_add_then_norm,
+    "v2 fused (exported)": v2_fused(),
+}
 SWEEP = {f"v2 fused num_warps={n}": v2_fused(n) for n in (2, 4, 8, 16)}
 
 
@@ -43,7 +48,11 @@ def inputs(tokens, hidden, dtype, seed=0):
 
 def main():
     ok = True
-    sizes = [(1, 2560), (256, 2560), (4096, 2560), (7, 1000)] if ON_GPU else [(1, 64), (5, 100), (3, 2560)]
+    sizes = (
+        [(1, 2560), (256, 2560), (4096, 2560), (7, 1000)]
+        if ON_GPU
+        else [(1, 64), (5, 100), (3, 2560)]
+    )
     print("validation against the reference (fp32 and bf16)")
     for tokens, hidden in sizes:
         for dtype, limit in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
@@ -52,7 +61,12 @@ def main():
             for name, fn in {**VARIANTS, **(SWEEP if ON_GPU else {})}.items():
                 out, res = fn(x, r, w)
                 ok &= validate(f"{name} T={tokens} H={hidden} {dtype}", out, want_out, limit)
-                ok &= validate(f"{name} residual", res, want_res, 0.0 if ON_GPU or dtype == torch.float32 else 1e-2)
+                ok &= validate(
+                    f"{name} residual",
+                    res,
+                    want_res,
+                    0.0 if ON_GPU or dtype == torch.float32 else 1e-2,
+                )
     if ON_GPU:
         results = Results("add_rmsnorm")
         for tokens in (1, 64, 256, 4096, 16384):

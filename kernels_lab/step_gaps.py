@@ -9,6 +9,7 @@ profiler: int8 1,780.7 us a token, idle 60.0 (some of it the profiler's own host
 outside the graph (12 host-to-device copies, the greedy argmax, two index kernels, a copy back, a memset).
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/step_gaps.py [none|int8|int4]"""
+
 import collections
 import json
 import os
@@ -34,22 +35,31 @@ def gpu_events(prof) -> list[dict]:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     keep = ("kernel", "gpu_memcpy", "gpu_memset")
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in keep), key=lambda e: e["ts"])
+    return sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in keep), key=lambda e: e["ts"]
+    )
 
 
 def main():
     quantization = sys.argv[1] if len(sys.argv) > 1 else "int8"
-    engine = LLMEngine(load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
-                       EngineConfig(max_num_seqs=8))
+    engine = LLMEngine(
+        load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
+        EngineConfig(max_num_seqs=8),
+    )
     prompt = random_prompts(1, 128, 128, seed=1)[0]
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=WARM_STEPS + PROFILED_STEPS + 20,
-                                              ignore_eos=True))
-    for _ in range(WARM_STEPS): engine.step()
+    engine.add_request(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=WARM_STEPS + PROFILED_STEPS + 20, ignore_eos=True),
+    )
+    for _ in range(WARM_STEPS):
+        engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_STEPS): engine.step()
+        for _ in range(PROFILED_STEPS):
+            engine.step()
         torch.cuda.synchronize()
-    while engine.has_unfinished(): engine.step()
+    while engine.has_unfinished():
+        engine.step()
     events = gpu_events(prof)
     first, last = events[0]["ts"], max(e["ts"] + e["dur"] for e in events)
     busy, end, gaps = 0.0, first, []
@@ -59,11 +69,16 @@ def main():
         busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
         end = max(end, e["ts"] + e["dur"])
     tokens = PROFILED_STEPS
-    print(f"[{quantization}] {tokens} decode steps: {(last - first) / tokens:.1f} us a token on the GPU's timeline, "
-          f"busy {busy / tokens:.1f}, idle {(last - first - busy) / tokens:.1f}")
+    print(
+        f"[{quantization}] {tokens} decode steps: {(last - first) / tokens:.1f} us a token on the GPU's timeline, "
+        f"busy {busy / tokens:.1f}, idle {(last - first - busy) / tokens:.1f}"
+    )
     gaps.sort(reverse=True)
-    print(f"  idle gaps over 5 us: {sum(g > 5 for g in gaps) / tokens:.2f} a token; largest "
-          + ", ".join(f"{g:.1f}" for g in gaps[:8]) + " us")
+    print(
+        f"  idle gaps over 5 us: {sum(g > 5 for g in gaps) / tokens:.2f} a token; largest "
+        + ", ".join(f"{g:.1f}" for g in gaps[:8])
+        + " us"
+    )
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         entry = by_name[(e["cat"], e["name"][:70])]

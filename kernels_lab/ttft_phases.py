@@ -5,6 +5,7 @@ synchronizing CUDA calls inside a prefill step (torch's sync debug mode, with th
 the prefill step's top host operations under the torch profiler.
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/ttft_phases.py [on,off | off,on]
 (the order matters: what one mode warms up in the process, the next one finds warm)."""
+
 import collections, gc, sys, time, traceback, warnings
 import torch
 from common import host_timer
@@ -45,8 +46,10 @@ def first_steps(eng, params, steps=4):
         t = time.perf_counter()
         outs = eng.step()
         times.append(time.perf_counter() - t)
-        if first is None and any(o.token_ids for o in outs): first = time.perf_counter() - t0
-    while eng.has_unfinished(): eng.step()
+        if first is None and any(o.token_ids for o in outs):
+            first = time.perf_counter() - t0
+    while eng.has_unfinished():
+        eng.step()
     return times, first
 
 
@@ -59,8 +62,10 @@ for overlap in [mode == "on" for mode in order]:
     instrument(eng)
     for _ in range(6):
         times, first = first_steps(eng, params)
-        print(f"overlap={overlap}: first steps {' '.join(f'{t * 1e3:.2f}' for t in times)} ms; first token at "
-              f"{first * 1e3:.2f} ms")
+        print(
+            f"overlap={overlap}: first steps {' '.join(f'{t * 1e3:.2f}' for t in times)} ms; first token at "
+            f"{first * 1e3:.2f} ms"
+        )
     # the phases of one prefill step
     eng.add_request(prompt, params)
     torch.cuda.synchronize()
@@ -70,17 +75,28 @@ for overlap in [mode == "on" for mode in order]:
     eng.step()
     total = time.perf_counter() - t
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
-    print(f"overlap={overlap}: prefill step {total * 1e3:.2f} ms, {segments} new allocator segments: " +
-          ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
-    while eng.has_unfinished(): eng.step()
+    print(
+        f"overlap={overlap}: prefill step {total * 1e3:.2f} ms, {segments} new allocator segments: "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+    )
+    while eng.has_unfinished():
+        eng.step()
     # the synchronizing calls of a prefill step
     eng.add_request(prompt, params)
     torch.cuda.synchronize()
     seen = []
+
     def show(message, category, filename, lineno, file=None, line=None):
-        if "prototype feature" in str(message): return  # the debug mode's own notice, not a synchronization
+        if "prototype feature" in str(message):
+            return  # the debug mode's own notice, not a synchronization
         stack = [f for f in traceback.extract_stack() if "forge_engine" in f.filename]
-        seen.append(f"{message} at " + " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in stack[::-1][:4]))
+        seen.append(
+            f"{message} at "
+            + " <- ".join(
+                f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in stack[::-1][:4]
+            )
+        )
+
     old = warnings.showwarning
     warnings.showwarning = show
     with warnings.catch_warnings():
@@ -92,9 +108,13 @@ for overlap in [mode == "on" for mode in order]:
         dt = time.perf_counter() - t
         torch.cuda.set_sync_debug_mode(0)
     warnings.showwarning = old
-    print(f"overlap={overlap}: prefill step {dt * 1e3:.2f} ms under sync debug; {len(seen)} synchronizing calls")
-    for s in dict.fromkeys(seen): print("   ", s[:300])
-    while eng.has_unfinished(): eng.step()
+    print(
+        f"overlap={overlap}: prefill step {dt * 1e3:.2f} ms under sync debug; {len(seen)} synchronizing calls"
+    )
+    for s in dict.fromkeys(seen):
+        print("   ", s[:300])
+    while eng.has_unfinished():
+        eng.step()
     # the prefill step's host operations
     eng.add_request(prompt, params)
     torch.cuda.synchronize()
@@ -103,8 +123,10 @@ for overlap in [mode == "on" for mode in order]:
         torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
     print(f"overlap={overlap}: prefill step under the profiler, top host operations by self time")
-    for e in rows: print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:90]}")
-    while eng.has_unfinished(): eng.step()
+    for e in rows:
+        print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:90]}")
+    while eng.has_unfinished():
+        eng.step()
     del eng
     gc.collect()  # (the timers hold the engine's bound methods: a reference cycle)
     torch.cuda.empty_cache()

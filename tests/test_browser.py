@@ -4,6 +4,7 @@ The model is scripted so the test knows what it will say: every reply is SCRIPT 
 and a <script>) followed by " la" until max_tokens. It is a real model to the engine: it runs
 over the paged KV cache, and finds its place in the script the way a transformer would, by
 attending back to the last <|im_start|> token and reading its position."""
+
 import importlib.util
 import os
 import re
@@ -23,18 +24,28 @@ from forge_engine.server.serve import ServerThread
 from forge_engine.tokenizer import Tokenizer
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SCRIPT = "Hello! Here is <b>html</b> and <script>window.pwned = 1</script>, as text."
 
 
 class ScriptedModel(torch.nn.Module):
     "Says `script` at the start of every assistant turn, then `tail` forever."
+
     def __init__(self, config: ModelConfig, script: list[int], tail: int, turn_start: int):
         super().__init__()
         self.config, self.turn_start = config, turn_start
         self.tokens = torch.tensor(script + [tail])
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the engine reads device and dtype from a parameter
+        self.anchor = torch.nn.Parameter(
+            torch.zeros(1)
+        )  # the engine reads device and dtype from a parameter
 
     def forward(self, ids, positions, attention):
         pos = positions.float()
@@ -43,21 +54,35 @@ class ScriptedModel(torch.nn.Module):
         k = torch.stack([is_start * (pos + 1) * 30, torch.zeros_like(pos)], -1)[:, None, :]
         v = torch.stack([pos, torch.zeros_like(pos)], -1)[:, None, :]
         q = torch.tensor([1.0, 0.0]).expand(len(ids), 1, 2)
-        turn_at = attention(0, q, k, v)[:, 0, 0]  # position of the last <|im_start|> up to each token
-        return (pos - turn_at - 2)[:, None]  # after "<|im_start|>assistant\n": 0 at the first reply token
+        turn_at = attention(0, q, k, v)[
+            :, 0, 0
+        ]  # position of the last <|im_start|> up to each token
+        return (pos - turn_at - 2)[
+            :, None
+        ]  # after "<|im_start|>assistant\n": 0 at the first reply token
 
     def compute_logits(self, hidden):
         index = hidden[:, 0].round().long().clamp(0, len(self.tokens) - 1)
         logits = torch.zeros(len(hidden), self.config.vocab_size)
-        logits[torch.arange(len(hidden)), self.tokens[index]] = 50.0  # certain even at temperature 1
+        logits[torch.arange(len(hidden)), self.tokens[index]] = (
+            50.0  # certain even at temperature 1
+        )
         return logits
 
 
 def need_browser():
-    missing = [what for what, ok in ((CHROMIUM, os.path.exists(CHROMIUM)),
-                                     ("playwright", importlib.util.find_spec("playwright") is not None)) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            (CHROMIUM, os.path.exists(CHROMIUM)),
+            ("playwright", importlib.util.find_spec("playwright") is not None),
+        )
+        if not ok
+    ]
     if missing and os.environ.get("CI"):
-        pytest.fail(f"missing {', '.join(missing)}: the test command must run .dev/install_browser.sh")
+        pytest.fail(
+            f"missing {', '.join(missing)}: the test command must run .dev/install_browser.sh"
+        )
     if missing:
         pytest.skip(f"missing {', '.join(missing)}: run .dev/install_browser.sh")
 
@@ -66,10 +91,28 @@ def need_browser():
 def served():
     need_browser()
     tokenizer = Tokenizer.from_file(fetch("qwen3-tokenizer"))
-    config = ModelConfig("qwen3", vocab_size=151936, hidden_size=1, intermediate_size=1, num_layers=1, num_heads=1,
-                         num_kv_heads=1, head_dim=2, eos_token_ids=tokenizer.eos_token_ids)
-    model = ScriptedModel(config, tokenizer.encode(SCRIPT), tokenizer.encode(" la")[0], tokenizer.token_to_id("<|im_start|>"))
-    engine = AsyncEngine(LLMEngine(LoadedModel("scripted", model, tokenizer, None), EngineConfig(kv_cache_bytes=2**16)))
+    config = ModelConfig(
+        "qwen3",
+        vocab_size=151936,
+        hidden_size=1,
+        intermediate_size=1,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=2,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    model = ScriptedModel(
+        config,
+        tokenizer.encode(SCRIPT),
+        tokenizer.encode(" la")[0],
+        tokenizer.token_to_id("<|im_start|>"),
+    )
+    engine = AsyncEngine(
+        LLMEngine(
+            LoadedModel("scripted", model, tokenizer, None), EngineConfig(kv_cache_bytes=2**16)
+        )
+    )
     app = create_app(engine, "scripted")
     with ServerThread(app) as url:
         yield url, engine
@@ -77,8 +120,11 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def page(served):  # the page's CSP stays on: strings playwright evaluates must be functions, not eval'd code
+def page(
+    served,
+):  # the page's CSP stays on: strings playwright evaluates must be functions, not eval'd code
     from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page()
@@ -93,12 +139,14 @@ def page(served):  # the page's CSP stays on: strings playwright evaluates must 
 
 def metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.split(" ")[0] == name: return float(line.split(" ")[1])
+        if line.split(" ")[0] == name:
+            return float(line.split(" ")[1])
     raise KeyError(name)
 
 
 def test_the_scripted_model_says_its_script(served):
     from forge_engine.generate import SamplingParams
+
     url, engine = served
     prompt = engine.engine.loaded.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     out = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=1.0), timeout=30)
@@ -114,9 +162,13 @@ def test_streamed_reply_shows_html_as_text_and_stop_aborts(served, page):
     reply = page.locator(".msg.assistant").last
     lengths, deadline = set(), time.monotonic() + 30
     while True:  # watch it grow until the script's repeats show and two partial texts were seen (streamed, not all
-        text = reply.text_content()  # at once); the reply runs on for up to 3,000 tokens, so there is time to see it
-        if text: lengths.add(len(text))
-        if "la la la la" in text and len(lengths) >= 2: break
+        text = (
+            reply.text_content()
+        )  # at once); the reply runs on for up to 3,000 tokens, so there is time to see it
+        if text:
+            lengths.add(len(text))
+        if "la la la la" in text and len(lengths) >= 2:
+            break
         assert time.monotonic() < deadline, (text, lengths)
         time.sleep(0.02)
     page.wait_for_function("() => document.getElementById('running').textContent === '1'")
@@ -124,12 +176,18 @@ def test_streamed_reply_shows_html_as_text_and_stop_aborts(served, page):
     assert page.is_disabled("#send") and page.is_enabled("#stop")
 
     page.click("#stop")
-    page.wait_for_function("() => [...document.querySelectorAll('.msg.assistant')].pop().classList.contains('stopped')")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.msg.assistant')].pop().classList.contains('stopped')"
+    )
     assert page.is_enabled("#send") and page.is_disabled("#stop")
     stopped_at = reply.text_content()
     time.sleep(0.5)
-    assert reply.text_content() == stopped_at and len(stopped_at) < len(SCRIPT) + 3 * 2000  # no more text came
-    deadline = time.monotonic() + 10  # and the engine let it go: aborted, nothing running, no blocks held
+    assert (
+        reply.text_content() == stopped_at and len(stopped_at) < len(SCRIPT) + 3 * 2000
+    )  # no more text came
+    deadline = (
+        time.monotonic() + 10
+    )  # and the engine let it go: aborted, nothing running, no blocks held
     while metric(url, "forge_requests_running") or metric(url, "forge_kv_cache_used_blocks"):
         assert time.monotonic() < deadline
         time.sleep(0.1)
@@ -147,8 +205,10 @@ def test_a_reply_that_ends_by_itself(served, page):
     page.fill("#max-tokens", "30")
     page.fill("#prompt", "once more")
     page.click("#send")
-    page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length === 2 && "
-                           "!document.getElementById('send').disabled")
+    page.wait_for_function(
+        "() => document.querySelectorAll('.msg.assistant').length === 2 && "
+        "!document.getElementById('send').disabled"
+    )
     reply = page.locator(".msg.assistant").last
     assert reply.text_content().startswith(SCRIPT) and "stopped" not in reply.get_attribute("class")
     assert page.text_content("#speed").startswith("30 tokens, ")  # the usage chunk's count

@@ -1,5 +1,6 @@
 """The serving core end to end: random workloads through the real engine on tiny random models,
 and the real SmolLM2 through the paged engine against the contiguous reference loop."""
+
 import asyncio
 
 import pytest
@@ -14,12 +15,18 @@ from forge_engine.kv_cache import PagedKVCache
 from forge_engine.loader import LoadedModel, load_model
 from forge_engine.model import empty_model, init_random_weights
 
-TINY = {name: LoadedModel(name, init_random_weights(empty_model(preset(name)), seed=0, std=0.1), None, None)
-        for name in ("qwen3-tiny", "llama-tiny")}
+TINY = {
+    name: LoadedModel(
+        name, init_random_weights(empty_model(preset(name)), seed=0, std=0.1), None, None
+    )
+    for name in ("qwen3-tiny", "llama-tiny")
+}
 
 
 def engine_with_blocks(loaded, num_blocks, **options) -> LLMEngine:
-    per_block = PagedKVCache.bytes_per_block(loaded.config, options.get("block_size", 16), torch.float32)
+    per_block = PagedKVCache.bytes_per_block(
+        loaded.config, options.get("block_size", 16), torch.float32
+    )
     return LLMEngine(loaded, EngineConfig(kv_cache_bytes=num_blocks * per_block, **options))
 
 
@@ -31,36 +38,56 @@ def run_to_end(engine, arrivals=None, aborts=None, max_steps=2000):
         for rid, prompt, params in arrivals.get(step, []):
             engine.add_request(prompt, params, request_id=rid)
         for rid in aborts.get(step, []):
-            if rid in engine.requests: outputs.append(engine.abort(rid))
+            if rid in engine.requests:
+                outputs.append(engine.abort(rid))
         outputs += engine.step()
         engine.allocator.check_invariants()
-        if step >= last_arrival and not engine.has_unfinished(): return outputs
+        if step >= last_arrival and not engine.has_unfinished():
+            return outputs
     raise AssertionError("the engine did not become idle")
 
 
-request = st.fixed_dictionaries({
-    "prefix": st.sampled_from([(), tuple(range(40, 52)), tuple(range(60, 69))]),  # shared prefixes
-    "tail": st.lists(st.integers(1, 500), min_size=1, max_size=14),
-    "max_tokens": st.integers(1, 12),
-    "arrival": st.integers(0, 6),
-    "abort_after": st.one_of(st.none(), st.integers(0, 8)),
-})
+request = st.fixed_dictionaries(
+    {
+        "prefix": st.sampled_from(
+            [(), tuple(range(40, 52)), tuple(range(60, 69))]
+        ),  # shared prefixes
+        "tail": st.lists(st.integers(1, 500), min_size=1, max_size=14),
+        "max_tokens": st.integers(1, 12),
+        "arrival": st.integers(0, 6),
+        "abort_after": st.one_of(st.none(), st.integers(0, 8)),
+    }
+)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(model=st.sampled_from(sorted(TINY)), requests=st.lists(request, min_size=1, max_size=7),
-       num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 4),
-       budget=st.integers(4, 24), prefix_caching=st.booleans(), overlap=st.booleans())
+@given(
+    model=st.sampled_from(sorted(TINY)),
+    requests=st.lists(request, min_size=1, max_size=7),
+    num_blocks=st.integers(6, 24),
+    block_size=st.sampled_from([2, 4]),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(4, 24),
+    prefix_caching=st.booleans(),
+    overlap=st.booleans(),
+)
 def test_random_workloads_finish_once_match_serial_and_leave_the_pool_idle(
-        model, requests, num_blocks, block_size, max_num_seqs, budget, prefix_caching, overlap):
+    model, requests, num_blocks, block_size, max_num_seqs, budget, prefix_caching, overlap
+):
     "Arrivals, aborts, preemption, prefix hits, with overlapped steps or not: each request's tokens are its serial ones."
-    options = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budget, max_num_seqs),
-                   enable_prefix_caching=prefix_caching, batch_invariant=True)
+    options = dict(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(budget, max_num_seqs),
+        enable_prefix_caching=prefix_caching,
+        batch_invariant=True,
+    )
     loaded = TINY[model]
     arrivals, aborts, specs = {}, {}, {}
     for i, r in enumerate(requests):
         prompt = list(r["prefix"]) + r["tail"]
-        if len(prompt) + 1 > num_blocks * block_size: continue  # would be refused; tested elsewhere
+        if len(prompt) + 1 > num_blocks * block_size:
+            continue  # would be refused; tested elsewhere
         params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
         specs[f"r{i}"] = (prompt, params)
         arrivals.setdefault(r["arrival"], []).append((f"r{i}", prompt, params))
@@ -69,17 +96,22 @@ def test_random_workloads_finish_once_match_serial_and_leave_the_pool_idle(
     engine = engine_with_blocks(loaded, num_blocks, async_scheduling=overlap, **options)
     assert engine.overlap == overlap
     finals = [o for o in run_to_end(engine, arrivals, aborts) if o.finished]
-    assert sorted(o.request_id for o in finals) == sorted(specs), "every request finishes exactly once"
+    assert sorted(o.request_id for o in finals) == sorted(specs), (
+        "every request finishes exactly once"
+    )
     assert all(o.finish_reason in ("length", "abort") for o in finals)
     engine.allocator.check_idle()
     stats = engine.stats()
     assert stats.kv.used_blocks == 0 and stats.running == stats.waiting == 0
     for out in finals:  # the same request alone, on a fresh engine of the same shape
-        if out.finish_reason == "abort": continue
+        if out.finish_reason == "abort":
+            continue
         prompt, params = specs[out.request_id]
         alone = engine_with_blocks(loaded, num_blocks, async_scheduling=False, **options)
         [serial] = [o for o in run_to_end(alone, {0: [("x", prompt, params)]}) if o.finished]
-        assert out.token_ids == serial.token_ids and out.finish_reason == serial.finish_reason, out.request_id
+        assert out.token_ids == serial.token_ids and out.finish_reason == serial.finish_reason, (
+            out.request_id
+        )
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -88,9 +120,14 @@ def test_preemption_resumes_with_identical_output(overlap):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[i + 1] * 9 for i in range(4)]
     options = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True)
-    crowded = engine_with_blocks(loaded, 16, async_scheduling=overlap, **options)  # 64 slots for 4 x 33 tokens: preemption must happen
-    outs = {o.request_id: o for o in run_to_end(crowded, {0: [(f"p{i}", p, params) for i, p in enumerate(prompts)]})
-            if o.finished}
+    crowded = engine_with_blocks(
+        loaded, 16, async_scheduling=overlap, **options
+    )  # 64 slots for 4 x 33 tokens: preemption must happen
+    outs = {
+        o.request_id: o
+        for o in run_to_end(crowded, {0: [(f"p{i}", p, params) for i, p in enumerate(prompts)]})
+        if o.finished
+    }
     assert sum(r.preempted for r in crowded.stats().recent_steps) > 0
     for i, p in enumerate(prompts):
         roomy = engine_with_blocks(loaded, 64, **options)
@@ -106,10 +143,21 @@ def test_batch_invariant_mode_gives_bitwise_identical_logprobs():
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     seen = []
     for budget, neighbours in [(256, 0), (8, 3), (24, 6)]:
-        engine = engine_with_blocks(loaded, 200, block_size=4, max_num_seqs=8, max_num_batched_tokens=budget,
-                                    batch_invariant=True)
-        arrivals = {0: [(f"n{k}", [k + 2] * (5 + 7 * k), SamplingParams(temperature=0, max_tokens=15)) for k in range(neighbours)]
-                    + [("t", target, params)]}
+        engine = engine_with_blocks(
+            loaded,
+            200,
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            batch_invariant=True,
+        )
+        arrivals = {
+            0: [
+                (f"n{k}", [k + 2] * (5 + 7 * k), SamplingParams(temperature=0, max_tokens=15))
+                for k in range(neighbours)
+            ]
+            + [("t", target, params)]
+        }
         [out] = [o for o in run_to_end(engine, arrivals) if o.request_id == "t" and o.finished]
         seen.append([next(iter(lp.values())) for lp in out.logprobs])
     assert seen[0] == seen[1] == seen[2]
@@ -120,29 +168,67 @@ def test_seeded_sampling_is_reproducible_in_any_batch():
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     results = []
     for neighbours in (0, 5):
-        engine = engine_with_blocks(loaded, 200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                    batch_invariant=True)
-        arrivals = {0: [(f"n{k}", [k + 3] * 7, SamplingParams(temperature=1.0, max_tokens=9)) for k in range(neighbours)]
-                    + [("t", [5, 6, 7, 8], params)]}
-        results += [o.token_ids for o in run_to_end(engine, arrivals) if o.request_id == "t" and o.finished]
+        engine = engine_with_blocks(
+            loaded,
+            200,
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            batch_invariant=True,
+        )
+        arrivals = {
+            0: [
+                (f"n{k}", [k + 3] * 7, SamplingParams(temperature=1.0, max_tokens=9))
+                for k in range(neighbours)
+            ]
+            + [("t", [5, 6, 7, 8], params)]
+        }
+        results += [
+            o.token_ids for o in run_to_end(engine, arrivals) if o.request_id == "t" and o.finished
+        ]
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True),  # the host reads tokens first
-    SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=10, ignore_eos=True, logprobs=2),
-    SamplingParams(temperature=0, max_tokens=10, min_tokens=4)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(
+            temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True
+        ),  # the host reads tokens first
+        SamplingParams(
+            temperature=0.8, top_k=20, seed=7, max_tokens=10, ignore_eos=True, logprobs=2
+        ),
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=4),
+    ],
+)
 def test_overlapped_steps_give_the_tokens_of_plain_steps(params):
     "Overlap on or off: the same tokens, logprobs and finish reasons, and the placeholder never leaks out."
     loaded = TINY["llama-tiny"]
-    arrivals = {0: [(f"r{i}", list(range(3 + i, 12 + 3 * i)), params) for i in range(3)], 2: [("late", [7, 8, 9], params)]}
+    arrivals = {
+        0: [(f"r{i}", list(range(3 + i, 12 + 3 * i)), params) for i in range(3)],
+        2: [("late", [7, 8, 9], params)],
+    }
     results = []
     for overlap in (False, True):
-        engine = engine_with_blocks(loaded, 64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                    batch_invariant=True, max_model_len=40, async_scheduling=overlap)
+        engine = engine_with_blocks(
+            loaded,
+            64,
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            batch_invariant=True,
+            max_model_len=40,
+            async_scheduling=overlap,
+        )
         outputs = run_to_end(engine, arrivals)
         assert all(t >= 0 for o in outputs for t in o.token_ids + o.delta_token_ids)
-        results.append({o.request_id: (o.token_ids, o.finish_reason, o.logprobs) for o in outputs if o.finished})
+        results.append(
+            {
+                o.request_id: (o.token_ids, o.finish_reason, o.logprobs)
+                for o in outputs
+                if o.finished
+            }
+        )
         engine.allocator.check_idle()
     assert results[0] == results[1] and len(results[0]) == 4
 
@@ -150,11 +236,16 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(params):
 def test_overlapped_steps_end_at_the_context_and_abort_with_a_token_in_flight():
     loaded = TINY["qwen3-tiny"]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    engine = engine_with_blocks(loaded, 64, block_size=4, max_model_len=20, async_scheduling=True, batch_invariant=True)
-    [out] = [o for o in run_to_end(engine, {0: [("long", list(range(5, 15)), params)]}) if o.finished]
+    engine = engine_with_blocks(
+        loaded, 64, block_size=4, max_model_len=20, async_scheduling=True, batch_invariant=True
+    )
+    [out] = [
+        o for o in run_to_end(engine, {0: [("long", list(range(5, 15)), params)]}) if o.finished
+    ]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 20
     engine.add_request([1, 2, 3], params, request_id="gone")
-    engine.step(); engine.step()  # the second step launched while the first's token is in flight
+    engine.step()
+    engine.step()  # the second step launched while the first's token is in flight
     assert engine._launched is not None and engine.requests["gone"].seq.output_ids[-1] == -1
     gone = engine.abort("gone")
     assert gone.finish_reason == "abort" and all(t >= 0 for t in gone.token_ids)
@@ -165,19 +256,37 @@ def test_overlapped_steps_end_at_the_context_and_abort_with_a_token_in_flight():
 def test_static_decode_path_gives_the_same_tokens():
     "The CUDA-graph decode path (run eagerly on the CPU) against the default path, with padding to buckets."
     loaded = TINY["qwen3-tiny"]
-    arrivals = {0: [(f"r{i}", list(range(3 + i, 9 + 2 * i)), SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))
-                    for i in range(5)]}
+    arrivals = {
+        0: [
+            (
+                f"r{i}",
+                list(range(3 + i, 9 + 2 * i)),
+                SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True),
+            )
+            for i in range(5)
+        ]
+    }
     results = []
     for graphs in (False, True):
-        engine = engine_with_blocks(loaded, 64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=256, cuda_graphs=graphs)
+        engine = engine_with_blocks(
+            loaded,
+            64,
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=256,
+            cuda_graphs=graphs,
+        )
         assert (engine.runner.decode is not None) == graphs
-        results.append({o.request_id: o.token_ids for o in run_to_end(engine, arrivals) if o.finished})
+        results.append(
+            {o.request_id: o.token_ids for o in run_to_end(engine, arrivals) if o.finished}
+        )
         engine.allocator.check_idle()
     assert results[0] == results[1] and len(results[0]) == 5
 
 
 # -- the real model --
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -191,34 +300,50 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
     """A quantized head with the tied embedding reading its rows (chapter 10) through the CUDA-graph decode path (run
     eagerly on the CPU) and the default one: the same tokens; the GGUF file kept in blocks gives the dequantized file's."""
-    loaded = load_model("smollm2-135m-instruct", device="cpu", progress=False, quantization=quantization)
+    loaded = load_model(
+        "smollm2-135m-instruct", device="cpu", progress=False, quantization=quantization
+    )
     assert loaded.model.embed.head is loaded.model.lm_head  # one table for both ends
     prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = []
     for graphs in (False, True):
         engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, cuda_graphs=graphs))
-        finals = {o.request_id: o.token_ids for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
-                  if o.finished}
+        finals = {
+            o.request_id: o.token_ids
+            for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
+            if o.finished
+        }
         tokens.append([finals[str(i)] for i in range(len(prompts))])
         engine.allocator.check_idle()
     assert tokens[0] == tokens[1]
     if quantization == "gguf":
         dense = load_model("smollm2-135m-instruct", device="cpu", progress=False)
-        assert tokens[0] == [generate_tokens(dense.model, p, params, dense.eos_token_ids).token_ids for p in prompts]
+        assert tokens[0] == [
+            generate_tokens(dense.model, p, params, dense.eos_token_ids).token_ids for p in prompts
+        ]
 
 
 def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
     prompts = [smollm2.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
-    engine = LLMEngine(smollm2, EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=32))  # chunked prefill too
-    finals = {o.request_id: o for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
-              if o.finished}
+    engine = LLMEngine(
+        smollm2, EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=32)
+    )  # chunked prefill too
+    finals = {
+        o.request_id: o
+        for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
+        if o.finished
+    }
     for i, p in enumerate(prompts):
         reference = generate_tokens(smollm2.model, p, params, smollm2.eos_token_ids)
         assert finals[str(i)].token_ids == reference.token_ids, QUESTIONS[i]
-        paged_lp = torch.tensor([lp[t] for lp, t in zip(finals[str(i)].logprobs, reference.token_ids)])
-        contiguous_lp = torch.tensor([lp[t] for lp, t in zip(reference.logprobs, reference.token_ids)])
+        paged_lp = torch.tensor(
+            [lp[t] for lp, t in zip(finals[str(i)].logprobs, reference.token_ids)]
+        )
+        contiguous_lp = torch.tensor(
+            [lp[t] for lp, t in zip(reference.logprobs, reference.token_ids)]
+        )
         # fp32: paged and contiguous attention sum in another order (~1e-7 relative), compounding over 30 layers:
         # ~1e-5 on logprobs of O(1) (measured: 6e-6)
         torch.testing.assert_close(paged_lp, contiguous_lp, rtol=1e-4, atol=1e-4)
@@ -230,15 +355,28 @@ def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
 def test_smollm2_stop_strings_never_leak_into_the_stream(smollm2, overlap):
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
     free = LLMEngine(smollm2, EngineConfig())
-    [full] = [o for o in run_to_end(free, {0: [("f", prompt, SamplingParams(temperature=0, max_tokens=24))]}) if o.finished]
+    [full] = [
+        o
+        for o in run_to_end(
+            free, {0: [("f", prompt, SamplingParams(temperature=0, max_tokens=24))]}
+        )
+        if o.finished
+    ]
     assert "Paris" in full.text
     stop = "Paris"
     engine = LLMEngine(smollm2, EngineConfig(async_scheduling=overlap))
-    outs = [o for o in run_to_end(engine, {0: [("s", prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))]})]
+    outs = [
+        o
+        for o in run_to_end(
+            engine, {0: [("s", prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))]}
+        )
+    ]
     streamed = "".join(o.delta_text for o in outs)
     final = outs[-1]
     assert final.finished and final.finish_reason == "stop"
-    assert streamed == final.text == full.text[:full.text.index(stop)]  # not even a "P" went out early
+    assert (
+        streamed == final.text == full.text[: full.text.index(stop)]
+    )  # not even a "P" went out early
     engine.allocator.check_idle()
 
 
@@ -251,17 +389,22 @@ def test_smollm2_streams_from_an_event_loop_and_abandoned_streams_free_their_blo
         text = ""
         async for out in engine.stream(prompt, params):
             text += out.delta_text
-            if leave_early and out.token_ids: break
+            if leave_early and out.token_ids:
+                break
         return text
 
     async def main():
         return await asyncio.gather(*(one(i % 2 == 1) for i in range(8)))
 
     texts = asyncio.run(main())
-    assert len(set(texts[0::2])) == 1 and texts[0]  # greedy: every complete stream has the same text
+    assert (
+        len(set(texts[0::2])) == 1 and texts[0]
+    )  # greedy: every complete stream has the same text
     import time
+
     deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished() and time.monotonic() < deadline: time.sleep(0.05)
+    while engine.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not engine.engine.has_unfinished()
     engine.engine.allocator.check_idle()
     engine.close()

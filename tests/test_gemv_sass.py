@@ -3,6 +3,7 @@ the interpreter, cannot see. An int8 loop with early weights whose peeled first 
 every step's weight tile through shared memory; these keep such trips out of the loop.
 
 The kernels are compiled in a fresh process with the interpreter off (CI sets TRITON_INTERPRET=1 for the rest)."""
+
 import json
 import os
 import subprocess
@@ -15,12 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def compiled_offline(script: str):
     "Run `script` in a fresh process with the interpreter off (it compiles for sm_90) -> the JSON of its last line."
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-CONFIGS = (("*i8", 4, 1024, 4), ("*i8", 8, 512, 2), ("*i8", 4, 2048, 4), ("*bf16", 2, 1024, 4))  # int8 qkv, gate-up,
+CONFIGS = (
+    ("*i8", 4, 1024, 4),
+    ("*i8", 8, 512, 2),
+    ("*i8", 4, 2048, 4),
+    ("*bf16", 2, 1024, 4),
+)  # int8 qkv, gate-up,
 # o / down; bf16 o / down (gemv_config's tiles)
 SCRIPT = f"""
 import json, sys
@@ -42,7 +55,9 @@ def test_early_weights_leave_the_gemv_loop_as_it_was():
     assert len(loops) == 2 * len(CONFIGS)
     for name, loop in loops.items():
         assert loop["shared"] == 0, f"{name}: the loop goes through shared memory ({loop})"
-        if name.endswith("early=True"):  # the same loop as without: a few instructions of address setup at most
+        if name.endswith(
+            "early=True"
+        ):  # the same loop as without: a few instructions of address setup at most
             plain = loops[name.replace("early=True", "early=False")]
             assert loop["registers"] <= plain["registers"] + 8, (name, loop, plain)
             assert loop["instructions"] <= plain["instructions"] + 16, (name, loop, plain)
@@ -92,12 +107,21 @@ def test_the_int4_gemv_loads_x_in_vectors():
     found = compiled_offline(INT4_SCRIPT)
     assert {loop["int_dot"] for loop in found.values()} == {True, False}, found
     for tile, loop in found.items():
-        assert loop.get("LDG.E", 0) == loop["block_n"] and "LDG.E.U16" not in loop, (tile, loop)  # a scale and its
+        assert loop.get("LDG.E", 0) == loop["block_n"] and "LDG.E.U16" not in loop, (
+            tile,
+            loop,
+        )  # a scale and its
         # minimum a row, side by side (`pair_scales`): one 4-byte load
         x_vectors = 2 * loop["chunk"] * 2 // 16  # x's two chunks of bf16 inputs, 16 bytes a load
         wide = loop["chunk"] == 16 and not loop["int_dot"]
-        assert loop.get("LDG.E.128", 0) == x_vectors + (loop["block_n"] if wide else 0), (tile, loop)
-        assert loop.get("LDG.E.64", 0) == (0 if wide else loop["block_n"] * loop["chunk"] // 8), (tile, loop)
+        assert loop.get("LDG.E.128", 0) == x_vectors + (loop["block_n"] if wide else 0), (
+            tile,
+            loop,
+        )
+        assert loop.get("LDG.E.64", 0) == (0 if wide else loop["block_n"] * loop["chunk"] // 8), (
+            tile,
+            loop,
+        )
 
 
 CAPS_SCRIPT = """
@@ -130,6 +154,11 @@ def test_the_int4_tile_settings_spill_nothing():
     in integers and in FP32, to at most its cap of registers with no spills to local memory (a cap that spilled would trade the extra resident
     warps for local loads and stores; early steps that spilled would hold their weights in local memory)."""
     found = compiled_offline(CAPS_SCRIPT)
-    assert any("early=1" in tile for tile in found) and any("early=1" not in tile for tile in found), found
+    assert any("early=1" in tile for tile in found) and any(
+        "early=1" not in tile for tile in found
+    ), found
     for tile, compiled in found.items():
-        assert compiled["registers"] <= compiled["cap"] and compiled["spills"] == 0, (tile, compiled)
+        assert compiled["registers"] <= compiled["cap"] and compiled["spills"] == 0, (
+            tile,
+            compiled,
+        )

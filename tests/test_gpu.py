@@ -1,5 +1,6 @@
 """The GPU engine (CUDA graphs, Triton kernels, BF16) against the PyTorch reference path, on the GPU machine.
 Run there with `python -m pytest -m gpu tests/test_gpu.py`."""
+
 import copy
 
 import pytest
@@ -11,15 +12,20 @@ from forge_engine.generate import SamplingParams
 from forge_engine.loader import LoadedModel
 from forge_engine.model import empty_model, init_random_weights
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def run_all(engine, prompts, params):
-    for i, p in enumerate(prompts): engine.add_request(p, params, request_id=str(i))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finished: finals[out.request_id] = out
+            if out.finished:
+                finals[out.request_id] = out
     return [finals[str(i)] for i in range(len(prompts))]
 
 
@@ -29,10 +35,18 @@ def test_gpu_engine_matches_the_reference_path(name):
     loaded = LoadedModel(name, model, None, None)
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 64)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
-    config = dict(kv_cache_bytes=64 * 2**20, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+    config = dict(
+        kv_cache_bytes=64 * 2**20,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+    )
     fast = LLMEngine(loaded, EngineConfig(**config))
     assert fast.runner.decode is not None and fast.runner.decode.use_graphs
-    assert type(model).__name__ == "FusedTransformer"  # the engine swapped in chapter 09a's fused layers
+    assert (
+        type(model).__name__ == "FusedTransformer"
+    )  # the engine swapped in chapter 09a's fused layers
     reference = LLMEngine(loaded, EngineConfig(**config, cuda_graphs=False))
     got, want = run_all(fast, prompts, params), run_all(reference, prompts, params)
     for g, w in zip(got, want):
@@ -52,15 +66,22 @@ def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
     all-greedy steps (seen by a spy on chapter 06's `sample`), and the tokens and logprobs are those without it."""
     import forge_engine.cuda_graphs as cuda_graphs
     import forge_engine.engine as engine_module
-    model = init_random_weights(empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1)
+
+    model = init_random_weights(
+        empty_model(preset("qwen3-tiny"), "cuda", torch.bfloat16), seed=0, std=0.1
+    )
     loaded = LoadedModel("qwen3-tiny", model, None, None)
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 300)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    config = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
+    config = EngineConfig(
+        kv_cache_bytes=64 * 2**20, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024
+    )
     handed, exported = [], engine_module.sample
+
     def spy(logits, batch, greedy=None):
         handed.append(greedy is not None)
         return exported(logits, batch, greedy)
+
     monkeypatch.setattr(engine_module, "sample", spy)
     outs = {}
     for on in (False, True):
@@ -73,9 +94,18 @@ def test_greedy_in_graph_gives_the_samplers_tokens(monkeypatch):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-@pytest.mark.parametrize("name,mode", [("qwen3-tiny", "none"), ("qwen2-tiny", "none"), ("llama-tiny", "none"),
-                                       ("qwen3-tiny", "int8"), ("qwen2-tiny", "int8"), ("qwen3-tiny", "int4"),
-                                       ("qwen2-tiny", "int4")])
+@pytest.mark.parametrize(
+    "name,mode",
+    [
+        ("qwen3-tiny", "none"),
+        ("qwen2-tiny", "none"),
+        ("llama-tiny", "none"),
+        ("qwen3-tiny", "int8"),
+        ("qwen2-tiny", "int8"),
+        ("qwen3-tiny", "int4"),
+        ("qwen2-tiny", "int4"),
+    ],
+)
 def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monkeypatch):
     """A batch-1 decode step (its CUDA graph) with each add + RMSNorm folded into the GEMVs around it (chapter 09a's
     fused layers, `gemv_folds_norms`; int8, int4: handed from GEMV to GEMV, `gemv_hands_off_norms`) against the same
@@ -87,30 +117,53 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.kernels.prefill_attention import KernelDecodeAttention
     from forge_engine.fused_layers import install_fused_layers
-    from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, paged_decode_attention_torch
+    from forge_engine.kv_cache import (
+        PagedAttention,
+        PagedKVCache,
+        build_step_layout,
+        paged_decode_attention_torch,
+    )
+
     config = preset(name)
     model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
     if mode != "none":
         from forge_engine.quant.layers import quantize_model
+
         quantize_model(model, mode)
-    install_fused_layers(model)  # (as the loader and the engine do; a DecodeRunner alone runs what it is given)
-    switch, check = ("gemv_folds_norms", "folds_norms") if mode == "none" else ("gemv_hands_off_norms", "hands_off_norms")
+    install_fused_layers(
+        model
+    )  # (as the loader and the engine do; a DecodeRunner alone runs what it is given)
+    switch, check = (
+        ("gemv_folds_norms", "folds_norms")
+        if mode == "none"
+        else ("gemv_hands_off_norms", "hands_off_norms")
+    )
     chosen = getattr(fused_layers, switch)
     cache = PagedKVCache(config, 9, 16, "cuda", torch.bfloat16)  # 8 blocks + the scratch block
     prompt, table = list(range(5, 45)), [0, 1, 2]
     with torch.no_grad():
-        model(torch.tensor(prompt, device="cuda"), build_step_layout([(table, 0, 40)], 16, "cuda").positions,
-              PagedAttention(cache, build_step_layout([(table, 0, 40)], 16, "cuda")))
+        model(
+            torch.tensor(prompt, device="cuda"),
+            build_step_layout([(table, 0, 40)], 16, "cuda").positions,
+            PagedAttention(cache, build_step_layout([(table, 0, 40)], 16, "cuda")),
+        )
     prefilled = cache.k_cache.clone(), cache.v_cache.clone()
     step = ([7], [40], [table[2] * 16 + 8], [table], [41])  # token 7 at position 40
     logits = {}
-    for label, fold, graphs in (("folded", True, True), ("separate", False, True), ("eager", False, False)):
+    for label, fold, graphs in (
+        ("folded", True, True),
+        ("separate", False, True),
+        ("eager", False, False),
+    ):
         for module in (fused_layers, quant_layers):  # asked when the graphs are recorded
             if hasattr(module, switch):
                 monkeypatch.setattr(module, switch, chosen if fold else lambda weight: False)
-        cache.k_cache.copy_(prefilled[0]); cache.v_cache.copy_(prefilled[1])
+        cache.k_cache.copy_(prefilled[0])
+        cache.v_cache.copy_(prefilled[1])
         attention = KernelDecodeAttention() if graphs else paged_decode_attention_torch
-        runner = DecodeRunner(model, cache, 4, 256, scratch_block=8, attention=attention, use_graphs=graphs)
+        runner = DecodeRunner(
+            model, cache, 4, 256, scratch_block=8, attention=attention, use_graphs=graphs
+        )
         if graphs:
             x = torch.zeros(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
             assert getattr(model.layers[0], check)(x) == fold
@@ -126,13 +179,20 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
 @pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])
 def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm):
     from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(37, 3 * heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    x = qkv[:, :heads * dim].view(37, heads, dim)  # strided, as in the model
-    angles = torch.arange(37.0, device="cuda")[:, None] * torch.rand(dim // 2, device="cuda", generator=gen)
-    weight = (1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)).bfloat16() if with_norm else None
+    x = qkv[:, : heads * dim].view(37, heads, dim)  # strided, as in the model
+    angles = torch.arange(37.0, device="cuda")[:, None] * torch.rand(
+        dim // 2, device="cuda", generator=gen
+    )
+    weight = (
+        (1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)).bfloat16() if with_norm else None
+    )
     got = norm_rope(x, weight, 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16())
-    want = norm_rope_reference(x.float(), weight.float() if with_norm else None, 1e-6, angles.cos(), angles.sin())
+    want = norm_rope_reference(
+        x.float(), weight.float() if with_norm else None, 1e-6, angles.cos(), angles.sin()
+    )
     # bf16 cos and sin (2^-8 relative each) and the bf16 output (2^-8) against fp32: ~3 x 2^-8 = 1.2e-2 of |x1·c| + |x2·s|
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
@@ -141,11 +201,14 @@ def test_fused_norm_rope_on_the_gpu_matches_the_reference(heads, dim, with_norm)
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
     from forge_engine.kernels.gemv import gemv
+
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
     # fp32 sums against fp32 (another order, ~1e-6), then one rounding to bf16: 2^-8 = 3.9e-3 relative on outputs of O(1)
-    torch.testing.assert_close(gemv(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        gemv(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -153,10 +216,11 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
 def test_int8_gemv_on_the_gpu(rows, n, k):
     "int8 weights with one scale per row (chapter 10), converted through their bits in the kernel."
     from forge_engine.kernels.gemv import gemv
+
     gen = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
-    scale = torch.rand(n, device="cuda", generator=gen) / 127 / k ** 0.5
+    scale = torch.rand(n, device="cuda", generator=gen) / 127 / k**0.5
     want = torch.nn.functional.linear(x.float(), q.float()) * scale
     # as above: exact integer weights, fp32 sums and scale, one rounding to bf16 (2^-8 relative)
     torch.testing.assert_close(gemv(x, q, None, scale).float(), want, rtol=2e-2, atol=2e-2)
@@ -168,18 +232,32 @@ def test_gemv_early_weights_change_no_result(n, k):
     from forge_engine.kernels.gemv import gemv
     from forge_engine.quant.formats import quantize_int4
     from forge_engine.quant.gemv import int4_gemv
+
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
-    q, scale = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen), torch.rand(n, device="cuda")
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    q, scale = (
+        torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen),
+        torch.rand(n, device="cuda"),
+    )
     for args in ((w,), (q, None, scale)):
-        assert torch.equal(gemv(x, *args, early_weights=True), gemv(x, *args, early_weights=False))  # first tile early
+        assert torch.equal(
+            gemv(x, *args, early_weights=True), gemv(x, *args, early_weights=False)
+        )  # first tile early
     packed = quantize_int4(w, group=64)
-    assert torch.equal(int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed))  # and the dependent launch
-    for steps in (True, 2, 3):  # the first steps of weights before the wait: the same sums in the same order
+    assert torch.equal(
+        int4_gemv(x, *packed, pdl=False), int4_gemv(x, *packed)
+    )  # and the dependent launch
+    for steps in (
+        True,
+        2,
+        3,
+    ):  # the first steps of weights before the wait: the same sums in the same order
         for int_dot in (True, False):  # in integers and in FP32
-            assert torch.equal(int4_gemv(x, *packed, early_weights=steps, int_dot=int_dot),
-                               int4_gemv(x, *packed, early_weights=False, int_dot=int_dot))
+            assert torch.equal(
+                int4_gemv(x, *packed, early_weights=steps, int_dot=int_dot),
+                int4_gemv(x, *packed, early_weights=False, int_dot=int_dot),
+            )
     # a SiLU-mul GEMV's program takes its gate rows and their up rows early too: the same bits
     assert torch.equal(gemv(x, w, swiglu=True), gemv(x, w, swiglu=True, early_weights=False))
 
@@ -188,12 +266,25 @@ def test_gemv_early_weights_change_no_result(n, k):
 def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
     "Every kernel (GEMV and its fused steps: one sequence at a time, so batch 1) against plain PyTorch on the CPU, fp32."
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
-    config = dict(kv_cache_bytes=16 * 2**20, block_size=16, max_num_seqs=1, max_num_batched_tokens=256, max_model_len=512)
-    cpu_model = init_random_weights(empty_model(preset(name), "cpu", torch.float32), seed=0, std=0.1)
+    config = dict(
+        kv_cache_bytes=16 * 2**20,
+        block_size=16,
+        max_num_seqs=1,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+    )
+    cpu_model = init_random_weights(
+        empty_model(preset(name), "cpu", torch.float32), seed=0, std=0.1
+    )
     results = []  # the same weights on both (a generator on the GPU would draw other numbers)
     for model in (copy.deepcopy(cpu_model).to("cuda"), cpu_model):
-        results.append(run_all(LLMEngine(LoadedModel(name, model, None, None), EngineConfig(**config)),
-                               [list(range(7, 7 + n)) for n in (1, 9, 30)], params))
+        results.append(
+            run_all(
+                LLMEngine(LoadedModel(name, model, None, None), EngineConfig(**config)),
+                [list(range(7, 7 + n)) for n in (1, 9, 30)],
+                params,
+            )
+        )
     for g, w in zip(*results):
         assert g.token_ids == w.token_ids
         g_lp = torch.tensor([next(iter(lp.values())) for lp in g.logprobs])
@@ -204,29 +295,48 @@ def test_gpu_kernels_match_the_cpu_pytorch_path_in_fp32(name):
 
 
 def test_silu_mul_and_qk_norm_rope_on_the_gpu():
-    from forge_engine.kernels.elementwise import norm_rope, norm_rope_reference, silu_mul, silu_mul_reference
+    from forge_engine.kernels.elementwise import (
+        norm_rope,
+        norm_rope_reference,
+        silu_mul,
+        silu_mul_reference,
+    )
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(5, 2 * 9728, device="cuda", generator=gen).bfloat16()
     # the same formula rounded to bf16 at the same two points; exp's last fp32 bit may differ between the kernel and
     # PyTorch and flip a rounding: one bf16 ulp, 2^-7 = 7.8e-3 relative
     torch.testing.assert_close(silu_mul(h), silu_mul_reference(h), rtol=1e-2, atol=1e-2)
     qkv = torch.randn(7, 48 * 128, device="cuda", generator=gen).bfloat16()
-    qk = qkv[:, :40 * 128].view(7, 40, 128)
-    angles = torch.arange(7.0, device="cuda")[:, None] * torch.rand(64, device="cuda", generator=gen)
+    qk = qkv[:, : 40 * 128].view(7, 40, 128)
+    angles = torch.arange(7.0, device="cuda")[:, None] * torch.rand(
+        64, device="cuda", generator=gen
+    )
     wq, wk = (1 + 0.1 * torch.randn(2, 128, device="cuda", generator=gen)).bfloat16()
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    got = norm_rope(qk, wq, 1e-6, cos, sin, k_weight=wk, num_q_heads=32)  # bf16 against fp32: as in the test above
-    torch.testing.assert_close(got[:, :32].float(), norm_rope_reference(qk[:, :32].float(), wq.float(), 1e-6,
-                                                                        angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got[:, 32:].float(), norm_rope_reference(qk[:, 32:].float(), wk.float(), 1e-6,
-                                                                        angles.cos(), angles.sin()), rtol=2e-2, atol=2e-2)
+    got = norm_rope(
+        qk, wq, 1e-6, cos, sin, k_weight=wk, num_q_heads=32
+    )  # bf16 against fp32: as in the test above
+    torch.testing.assert_close(
+        got[:, :32].float(),
+        norm_rope_reference(qk[:, :32].float(), wq.float(), 1e-6, angles.cos(), angles.sin()),
+        rtol=2e-2,
+        atol=2e-2,
+    )
+    torch.testing.assert_close(
+        got[:, 32:].float(),
+        norm_rope_reference(qk[:, 32:].float(), wk.float(), 1e-6, angles.cos(), angles.sin()),
+        rtol=2e-2,
+        atol=2e-2,
+    )
 
 
 def test_write_kv_on_the_gpu_matches_index_copy():
     from forge_engine.kernels.elementwise import write_kv, write_kv_reference
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(9, 48 * 128, device="cuda", generator=gen).bfloat16()
-    k, v = qkv[:, 32 * 128:40 * 128].view(9, 8, 128), qkv[:, 40 * 128:].view(9, 8, 128)
+    k, v = qkv[:, 32 * 128 : 40 * 128].view(9, 8, 128), qkv[:, 40 * 128 :].view(9, 8, 128)
     slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:9]
     got = [torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     want = [torch.zeros_like(got[0]) for _ in range(2)]
@@ -239,15 +349,24 @@ def test_qwen3_4b_int8_serves_under_an_8_gib_budget():
     "Issue 6's check: the allocator capped at 8 GiB, Qwen3-4B int8 gets >= 1 GiB of KV cache and the peak stays under."
     from forge_engine.loader import load_model
     from forge_engine.memory_plan import MIN_KV_BYTES, parse_bytes
+
     budget = parse_bytes("8GiB")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    loaded = load_model("random:qwen3-4b", "cuda", quantization="int8", memory_budget=budget, progress=False)
-    assert type(loaded.model.layers[0]).__name__ == "FusedDecoderLayer"  # the loader swapped in the fused layers
+    loaded = load_model(
+        "random:qwen3-4b", "cuda", quantization="int8", memory_budget=budget, progress=False
+    )
+    assert (
+        type(loaded.model.layers[0]).__name__ == "FusedDecoderLayer"
+    )  # the loader swapped in the fused layers
     engine = LLMEngine(loaded, EngineConfig(gpu_memory_budget=budget))
     try:
         assert engine.cache.nbytes >= MIN_KV_BYTES
-        out = run_all(engine, [list(range(100, 400))], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        out = run_all(
+            engine,
+            [list(range(100, 400))],
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        )
         assert len(out[0].token_ids) == 16
         engine.allocator.check_idle()
         assert torch.cuda.max_memory_allocated() <= budget

@@ -3,6 +3,7 @@ paged attention against plain forwards on the three tiny model families.
 
 The light checks (one model, one path each) are test cells in nbs/05_paged_kv.ipynb.
 """
+
 import random
 from collections import Counter
 
@@ -12,8 +13,14 @@ from hypothesis import given, settings, strategies as st
 
 from forge_engine.config import preset
 from forge_engine.generate import SamplingParams, generate_tokens
-from forge_engine.kv_cache import (BlockAllocator, NoFreeBlocksError, PagedAttention, PagedKVCache,
-                                   build_step_layout, chain_hash)
+from forge_engine.kv_cache import (
+    BlockAllocator,
+    NoFreeBlocksError,
+    PagedAttention,
+    PagedKVCache,
+    build_step_layout,
+    chain_hash,
+)
 from forge_engine.model import empty_model, init_random_weights
 
 PRESETS = ["qwen3-tiny", "qwen2-tiny", "llama-tiny"]
@@ -29,7 +36,9 @@ def register_prefix(alloc, table, tokens):
     "Register every full block of `tokens` (held in `table`), chaining the hashes; returns them."
     hashes, parent = [], None
     for i in range(len(tokens) // alloc.block_size):
-        parent = alloc.register_full_block(table[i], parent, tokens[i * alloc.block_size:(i + 1) * alloc.block_size])
+        parent = alloc.register_full_block(
+            table[i], parent, tokens[i * alloc.block_size : (i + 1) * alloc.block_size]
+        )
         hashes.append(parent)
     return hashes
 
@@ -111,7 +120,9 @@ def test_never_matches_the_whole_prompt():
     tokens = list(range(12))
     table = alloc.allocate(3)
     register_prefix(alloc, table, tokens)
-    assert alloc.match_prefix(tokens) == table[:2]  # 12 cached tokens, 8 matched: the last is computed
+    assert (
+        alloc.match_prefix(tokens) == table[:2]
+    )  # 12 cached tokens, 8 matched: the last is computed
     assert alloc.match_prefix(tokens + [99]) == table
     assert alloc.match_prefix(tokens[:9]) == table[:2]
     assert alloc.match_prefix(tokens[:8]) == table[:1]
@@ -122,11 +133,18 @@ def test_hit_rate_counters():
     alloc = BlockAllocator(8, 4)
     table = alloc.allocate(2)
     register_prefix(alloc, table, list(range(8)))
-    got = [alloc.match_prefix(list(range(8)) + [50, 51]), alloc.match_prefix(list(range(4)) + [9, 9]),
-           alloc.match_prefix([5] * 10)]
+    got = [
+        alloc.match_prefix(list(range(8)) + [50, 51]),
+        alloc.match_prefix(list(range(4)) + [9, 9]),
+        alloc.match_prefix([5] * 10),
+    ]
     s = alloc.stats()
-    assert (s.hit_tokens, s.query_tokens) == (8 + 4 + 0, 10 + 6 + 10) and s.hit_rate == 12 / 26  # the same division
-    for blocks in got: alloc.free(blocks)
+    assert (s.hit_tokens, s.query_tokens) == (
+        8 + 4 + 0,
+        10 + 6 + 10,
+    ) and s.hit_rate == 12 / 26  # the same division
+    for blocks in got:
+        alloc.free(blocks)
     alloc.free(table)
     assert BlockAllocator(2, 2).stats().hit_rate == 0.0
 
@@ -146,8 +164,13 @@ def test_same_block_computed_twice_is_cached_once():
 def test_chain_hash_is_stable_across_processes():
     # a fixed value: blake2b over packed integers, not Python's salted hash of strings
     import subprocess, sys
+
     code = "from forge_engine.kv_cache import chain_hash; print(chain_hash(chain_hash(None, [1, 2]), [3, 4]))"
-    other = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    other = int(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert other == chain_hash(chain_hash(None, [1, 2]), [3, 4])
 
 
@@ -179,10 +202,10 @@ def test_random_workload_keeps_invariants(ops, caching):
         for p in range(start, len(tokens)):
             block = table[p // bs]
             assert alloc.ref_count(block) == 1, "a sequence writes into a block someone else reads"
-            written[block] = tuple(tokens[:p + 1])
+            written[block] = tuple(tokens[: p + 1])
         parent = None
         for i in range(len(tokens) // bs):
-            parent = alloc.register_full_block(table[i], parent, tokens[i * bs:(i + 1) * bs])
+            parent = alloc.register_full_block(table[i], parent, tokens[i * bs : (i + 1) * bs])
 
     for op, *args in ops:
         if op == "admit":
@@ -190,7 +213,9 @@ def test_random_workload_keeps_invariants(ops, caching):
             matched = alloc.match_prefix(tokens)
             assert len(matched) * bs < len(tokens) and (caching or not matched)
             for i, block in enumerate(matched):
-                assert written[block] == tuple(tokens[:(i + 1) * bs]), "matched a block with other K/V"
+                assert written[block] == tuple(tokens[: (i + 1) * bs]), (
+                    "matched a block with other K/V"
+                )
             need = alloc.blocks_needed(len(tokens)) - len(matched)
             if alloc.can_allocate(need):
                 table = matched + alloc.allocate(need)
@@ -214,13 +239,20 @@ def test_random_workload_keeps_invariants(ops, caching):
         refs = Counter(b for _, table in live for b in table)
         assert all(alloc.ref_count(b) == refs[b] for b in range(alloc.num_blocks))
         s = alloc.stats()
-        assert s.used_blocks == len(refs) and s.used_blocks + s.free_blocks + s.cached_blocks == s.total_blocks
+        assert (
+            s.used_blocks == len(refs)
+            and s.used_blocks + s.free_blocks + s.cached_blocks == s.total_blocks
+        )
         assert s.hit_tokens <= s.query_tokens
     for _, table in live:
         alloc.free(table)
     alloc.check_idle()
     s = alloc.stats()
-    assert s.used_blocks == 0 and s.free_blocks + s.cached_blocks == 10 and (caching or s.cached_blocks == 0)
+    assert (
+        s.used_blocks == 0
+        and s.free_blocks + s.cached_blocks == 10
+        and (caching or s.cached_blocks == 0)
+    )
 
 
 # ---------------------------------------------------------------- paged attention vs plain forwards
@@ -258,15 +290,17 @@ def test_chunked_prefill_then_decode_matches_plain_forward(name):
     table = scattered_blocks(6)  # room for 24 tokens
     tokens, done, logits = list(PROMPT), 0, []
     for chunk in [5, 3, 5]:
-        logits.append(paged_step(model, cache, [(table, done, chunk)], tokens[done:done + chunk]))
+        logits.append(paged_step(model, cache, [(table, done, chunk)], tokens[done : done + chunk]))
         done += chunk
     for _ in range(8):
         tokens.append(int(logits[-1][-1].argmax()))
         logits.append(paged_step(model, cache, [(table, done, 1)], tokens[done:]))
         done += 1
     torch.testing.assert_close(torch.cat(logits), full_logits(model, tokens), **TOL)
-    reference = generate_tokens(model, PROMPT, SamplingParams(max_tokens=8, temperature=0)).token_ids
-    assert tokens[len(PROMPT):] == reference
+    reference = generate_tokens(
+        model, PROMPT, SamplingParams(max_tokens=8, temperature=0)
+    ).token_ids
+    assert tokens[len(PROMPT) :] == reference
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -277,11 +311,19 @@ def test_mixed_step_equals_each_sequence_alone(name):
     blocks = scattered_blocks(12, seed=1)
     tables = [blocks[0:4], blocks[4:8], blocks[8:12]]
     # step 1: sequence 0 prefills its first chunk while 1 and 2 prefill whole prompts but their last token
-    paged_step(model, cache, [(tables[0], 0, 6), (tables[1], 0, 6), (tables[2], 0, 8)],
-               prompts[0][:6] + prompts[1][:6] + prompts[2][:8])
+    paged_step(
+        model,
+        cache,
+        [(tables[0], 0, 6), (tables[1], 0, 6), (tables[2], 0, 8)],
+        prompts[0][:6] + prompts[1][:6] + prompts[2][:8],
+    )
     # step 2: sequence 0 prefills 7 more, 1 and 2 decode one token each
-    mixed = paged_step(model, cache, [(tables[0], 6, 7), (tables[1], 6, 1), (tables[2], 8, 1)],
-                       prompts[0][6:] + prompts[1][6:] + prompts[2][8:])
+    mixed = paged_step(
+        model,
+        cache,
+        [(tables[0], 6, 7), (tables[1], 6, 1), (tables[2], 8, 1)],
+        prompts[0][6:] + prompts[1][6:] + prompts[2][8:],
+    )
     torch.testing.assert_close(mixed[:7], full_logits(model, prompts[0])[6:], **TOL)
     torch.testing.assert_close(mixed[7], full_logits(model, prompts[1])[-1], **TOL)
     torch.testing.assert_close(mixed[8], full_logits(model, prompts[2])[-1], **TOL)
@@ -305,7 +347,9 @@ def test_prefix_cache_hit_gives_the_same_logits(name, owner_alive):
     table2 = hit + alloc.allocate(alloc.blocks_needed(len(second)) - len(hit))
     logits = paged_step(model, cache, [(table2, 8, len(second) - 8)], second[8:])
     torch.testing.assert_close(logits, full_logits(model, second)[8:], **TOL)
-    if owner_alive:  # the first sequence's blocks were read, not overwritten: it decodes on correctly
+    if (
+        owner_alive
+    ):  # the first sequence's blocks were read, not overwritten: it decodes on correctly
         nxt = paged_step(model, cache, [(table1, len(first), 1)], [5])
         torch.testing.assert_close(nxt[0], full_logits(model, first + [5])[-1], **TOL)
         alloc.free(table1)

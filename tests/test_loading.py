@@ -1,5 +1,6 @@
 """Staged loading of a sharded safetensors checkpoint: the right weights arrive, and host memory
 stays near one model plus one tensor, not two models."""
+
 import json
 import subprocess
 import sys
@@ -35,11 +36,15 @@ def test_sharded_checkpoint_loads_every_weight(tmp_path, name):
     loaded = load_model(str(tmp_path), device="cpu", dtype="float32", progress=False)
     assert loaded.tokenizer is None and loaded.stats.tensors == len(hf_state_dict(model))
     for (n, ours), (_, theirs) in zip(loaded.model.named_parameters(), model.named_parameters()):
-        torch.testing.assert_close(ours, theirs.to(torch.bfloat16).float(), rtol=0, atol=0, msg=n)  # bf16 -> fp32 is exact
+        torch.testing.assert_close(
+            ours, theirs.to(torch.bfloat16).float(), rtol=0, atol=0, msg=n
+        )  # bf16 -> fp32 is exact
 
 
 def test_a_missing_shard_is_named(tmp_path):
-    save_checkpoint(init_random_weights(empty_model(preset("qwen3-tiny").replace(vocab_size=1000))), tmp_path)
+    save_checkpoint(
+        init_random_weights(empty_model(preset("qwen3-tiny").replace(vocab_size=1000))), tmp_path
+    )
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors"):
         load_model(str(tmp_path), device="cpu", progress=False)
@@ -47,9 +52,18 @@ def test_a_missing_shard_is_named(tmp_path):
 
 def test_peak_host_memory_stays_near_one_model(tmp_path):
     "A 594 MiB fp32 model loads with a peak of about the model plus a tensor, measured in a fresh process."
-    config = preset("llama-tiny").replace(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                                          num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64)
-    save_checkpoint(init_random_weights(empty_model(config)), tmp_path, shards=4, dtype=torch.float32)
+    config = preset("llama-tiny").replace(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+    )
+    save_checkpoint(
+        init_random_weights(empty_model(config)), tmp_path, shards=4, dtype=torch.float32
+    )
     model_bytes = config.num_parameters * 4
     largest = 32000 * 1024 * 4  # the embedding (and the untied head)
     script = textwrap.dedent(f"""
@@ -60,12 +74,16 @@ def test_peak_host_memory_stays_near_one_model(tmp_path):
         s = loaded.stats
         print(json.dumps({{"before": s.rss_before_bytes, "peak": s.peak_rss_bytes, "after": rss_bytes(), "bytes": s.bytes_read}}))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     growth = stats["peak"] - stats["before"]
-    print(f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB, "
-          f"after {(stats['after'] - stats['before']) / 2**20:.0f} MiB")
+    print(
+        f"model {model_bytes / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB, "
+        f"after {(stats['after'] - stats['before']) / 2**20:.0f} MiB"
+    )
     assert stats["bytes"] == model_bytes
     # the model, one staging buffer (the largest tensor) and a fixed allowance for the process's own pages (measured:
     # 873 MiB against the bound's 975); a naive load holds 2x the model

@@ -1,6 +1,7 @@
 """The batched sampler (chapter 06) against the plain per-sequence one (chapter 04), on random
 batches with random per-row parameters; seeds across batch compositions; the cost at Qwen3's
 vocabulary. The small worked examples are test cells in nbs/06_sampling.ipynb."""
+
 import math
 import time
 
@@ -9,9 +10,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forge_engine.generate import SamplingParams, apply_penalties, filter_probs, sample_token, token_logprobs
-from forge_engine.sampling import (SamplingBatch, SamplingRow, adjust_logits, filter_probs_batch, make_generator,
-                                   sample)
+from forge_engine.generate import (
+    SamplingParams,
+    apply_penalties,
+    filter_probs,
+    sample_token,
+    token_logprobs,
+)
+from forge_engine.sampling import (
+    SamplingBatch,
+    SamplingRow,
+    adjust_logits,
+    filter_probs_batch,
+    make_generator,
+    sample,
+)
 
 EOS_IDS = (0, 1)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -24,7 +37,9 @@ def sampling_params(draw, vocab: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=8,
         temperature=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0]) | st.floats(0.05, 3.0)),
-        top_k=draw(st.sampled_from([-1, 0, 1, 2, vocab - 1, vocab, vocab + 3]) | st.integers(1, vocab)),
+        top_k=draw(
+            st.sampled_from([-1, 0, 1, 2, vocab - 1, vocab, vocab + 3]) | st.integers(1, vocab)
+        ),
         top_p=draw(st.sampled_from([1.0, 1.0, 0.5, 0.9]) | st.floats(0.01, 1.0, exclude_min=True)),
         min_p=draw(st.sampled_from([0.0, 0.0, 0.1]) | st.floats(0.0, 1.0)),
         presence_penalty=draw(st.sampled_from([0.0, 0.0, 1.0]) | st.floats(-2.0, 2.0)),
@@ -42,11 +57,15 @@ def random_batches(draw):
     "(vocab, [(params, prompt, output, seed)], logits): plain random logits, or small integers (many ties)."
     vocab = draw(st.integers(5, 300))  # >= 5: min_tokens never forbids every token
     ids = st.lists(st.integers(0, vocab - 1), max_size=24)
-    specs = [(draw(sampling_params(vocab)), draw(ids), draw(ids), draw(st.integers(0, 2**31)))
-             for _ in range(draw(st.integers(1, 7)))]
+    specs = [
+        (draw(sampling_params(vocab)), draw(ids), draw(ids), draw(st.integers(0, 2**31)))
+        for _ in range(draw(st.integers(1, 7)))
+    ]
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     if draw(st.booleans()):
-        logits = torch.randn(len(specs), vocab, generator=g) * draw(st.sampled_from([0.1, 1.0, 5.0]))
+        logits = torch.randn(len(specs), vocab, generator=g) * draw(
+            st.sampled_from([0.1, 1.0, 5.0])
+        )
     else:
         logits = torch.randint(-3, 4, (len(specs), vocab), generator=g).float()
     return vocab, specs, logits
@@ -54,7 +73,10 @@ def random_batches(draw):
 
 def rows_of(specs, device="cpu") -> list[SamplingRow]:
     "Fresh rows, each with a generator seeded from its spec (so batched and reference draw the same numbers)."
-    return [SamplingRow(p, prompt, out, torch.Generator(device=device).manual_seed(seed)) for p, prompt, out, seed in specs]
+    return [
+        SamplingRow(p, prompt, out, torch.Generator(device=device).manual_seed(seed))
+        for p, prompt, out, seed in specs
+    ]
 
 
 def reference_adjust(logits_row, row: SamplingRow) -> torch.Tensor:
@@ -80,9 +102,15 @@ def test_adjusted_logits_match_reference(case):
 def test_filtered_probs_match_reference(case):
     vocab, specs, logits = case
     params = [p for p, *_ in specs]
-    probs = torch.softmax(logits / torch.tensor([p.temperature or 1.0 for p in params])[:, None], dim=-1)
-    got = filter_probs_batch(probs, torch.tensor([max(p.top_k, 0) for p in params]),
-                             torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+    probs = torch.softmax(
+        logits / torch.tensor([p.temperature or 1.0 for p in params])[:, None], dim=-1
+    )
+    got = filter_probs_batch(
+        probs,
+        torch.tensor([max(p.top_k, 0) for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.min_p for p in params]),
+    )
     for i, p in enumerate(params):
         # (the default fp32 tolerance, rtol 1.3e-6: a batched renormalising sum over <= 300 values may round otherwise)
         torch.testing.assert_close(got[i], filter_probs(probs[i], p.top_k, p.top_p, p.min_p))
@@ -104,7 +132,9 @@ def test_tokens_and_logprobs_match_reference(case):
         else:
             want = token_logprobs(logits[i], token, row.params.logprobs)
             assert result.logprobs[i].keys() == want.keys()
-            assert all(result.logprobs[i][t] == want[t] for t in want)  # the same log-softmax of the same row: equal
+            assert all(
+                result.logprobs[i][t] == want[t] for t in want
+            )  # the same log-softmax of the same row: equal
 
 
 @settings(max_examples=40, deadline=None)
@@ -113,7 +143,9 @@ def test_seed_gives_the_same_tokens_whatever_the_batch(data):
     "One seeded request over several steps: alone, and among random neighbours at a random position."
     vocab, steps = 120, 5
     params = data.draw(sampling_params(vocab).filter(lambda p: not p.greedy))
-    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999))))
+    step_logits = torch.randn(
+        steps, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    )
 
     def run(neighbours: list[SamplingParams], position: int) -> list[int]:
         mine = SamplingRow(params, [3, 4, 5], [], torch.Generator().manual_seed(1234))
@@ -122,7 +154,9 @@ def test_seed_gives_the_same_tokens_whatever_the_batch(data):
             rows = others[:position] + [mine] + others[position:]
             logits = torch.randn(len(rows), vocab) * 3
             logits[position] = step_logits[step]
-            token = int(sample(logits, SamplingBatch.build(rows, vocab, EOS_IDS)).token_ids[position])
+            token = int(
+                sample(logits, SamplingBatch.build(rows, vocab, EOS_IDS)).token_ids[position]
+            )
             mine = mine._replace(output_ids=[*mine.output_ids, token])
         return mine.output_ids
 
@@ -151,24 +185,51 @@ def test_draws_follow_the_filtered_distribution():
 
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="output_ids of row 1 has token id 7"):
-        SamplingBatch.build([SamplingRow(SamplingParams(), [], []),
-                             SamplingRow(SamplingParams(presence_penalty=1.0), [], [7])], vocab_size=7)
+        SamplingBatch.build(
+            [
+                SamplingRow(SamplingParams(), [], []),
+                SamplingRow(SamplingParams(presence_penalty=1.0), [], [7]),
+            ],
+            vocab_size=7,
+        )
     with pytest.raises(ValueError, match="eos/stop_token_ids of row 0 has token id 9"):
-        SamplingBatch.build([SamplingRow(SamplingParams(min_tokens=1), [], [])], vocab_size=5, eos_ids=[9])
+        SamplingBatch.build(
+            [SamplingRow(SamplingParams(min_tokens=1), [], [])], vocab_size=5, eos_ids=[9]
+        )
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="row 0: its generator is on cuda"):
-            SamplingBatch.build([SamplingRow(SamplingParams(), [], [], torch.Generator("cuda"))], 5, device="cpu")
+            SamplingBatch.build(
+                [SamplingRow(SamplingParams(), [], [], torch.Generator("cuda"))], 5, device="cpu"
+            )
     batch = SamplingBatch.build([SamplingRow(SamplingParams(), [], [])], vocab_size=5)
-    with pytest.raises(ValueError, match=r"logits of shape \(5,\) do not match the batch: 1 rows x vocab 5"):
+    with pytest.raises(
+        ValueError, match=r"logits of shape \(5,\) do not match the batch: 1 rows x vocab 5"
+    ):
         sample(torch.zeros(5), batch)
 
 
-def qwen3_sized_batch(vocab: int = 151_936, rows: int = 64, prompt_len: int = 1000, output_len: int = 200, seed: int = 0):
+def qwen3_sized_batch(
+    vocab: int = 151_936,
+    rows: int = 64,
+    prompt_len: int = 1000,
+    output_len: int = 200,
+    seed: int = 0,
+):
     "64 rows at Qwen3's vocabulary, mixed parameters, long prompts (the penalties' worst case)."
     g = torch.Generator().manual_seed(seed)
-    choices = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.8, top_k=20),
-               dict(temperature=1.0, top_p=0.95, repetition_penalty=1.05), dict(temperature=0.8, min_p=0.05),
-               dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={5: 10.0}, logprobs=5)]
+    choices = [
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_p=0.8, top_k=20),
+        dict(temperature=1.0, top_p=0.95, repetition_penalty=1.05),
+        dict(temperature=0.8, min_p=0.05),
+        dict(
+            temperature=1.0,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            logit_bias={5: 10.0},
+            logprobs=5,
+        ),
+    ]
     specs = []
     for i in range(rows):
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
@@ -186,11 +247,17 @@ def test_qwen3_vocab_batch_of_64_on_cpu():
     built = time.perf_counter()
     result = sample(logits, batch)
     done = time.perf_counter()
-    print(f"\n64 x {vocab} on CPU ({torch.get_num_threads()} threads): build {1e3 * (built - start):.0f} ms, "
-          f"sample {1e3 * (done - built):.0f} ms")
-    assert result.token_ids.shape == (64,) and sum(lp is not None for lp in result.logprobs) == len(range(4, 64, 5))
+    print(
+        f"\n64 x {vocab} on CPU ({torch.get_num_threads()} threads): build {1e3 * (built - start):.0f} ms, "
+        f"sample {1e3 * (done - built):.0f} ms"
+    )
+    assert result.token_ids.shape == (64,) and sum(lp is not None for lp in result.logprobs) == len(
+        range(4, 64, 5)
+    )
     for i, row in list(enumerate(rows_of(specs)))[:5]:
-        assert int(result.token_ids[i]) == sample_token(reference_adjust(logits[i], row), row.params, row.generator)
+        assert int(result.token_ids[i]) == sample_token(
+            reference_adjust(logits[i], row), row.params, row.generator
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -199,12 +266,20 @@ def test_matches_reference_on_gpu():
     vocab = 151_936
     specs, logits = qwen3_sized_batch(vocab, prompt_len=100, output_len=20)
     logits = logits.cuda()
-    result = sample(logits, SamplingBatch.build(rows_of(specs, "cuda"), vocab, EOS_IDS, device="cuda"))
-    expected = [sample_token(reference_adjust(logits[i], row), row.params, row.generator)
-                for i, row in enumerate(rows_of(specs, "cuda"))]
+    result = sample(
+        logits, SamplingBatch.build(rows_of(specs, "cuda"), vocab, EOS_IDS, device="cuda")
+    )
+    expected = [
+        sample_token(reference_adjust(logits[i], row), row.params, row.generator)
+        for i, row in enumerate(rows_of(specs, "cuda"))
+    ]
     assert result.token_ids.tolist() == expected
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(10):
-        sample(logits, SamplingBatch.build(rows_of(specs, "cuda"), vocab, EOS_IDS, device="cuda")).token_ids.tolist()
-    print(f"\n64 x {vocab} on {torch.cuda.get_device_name()}: build + sample {1e2 * (time.perf_counter() - start):.1f} ms")
+        sample(
+            logits, SamplingBatch.build(rows_of(specs, "cuda"), vocab, EOS_IDS, device="cuda")
+        ).token_ids.tolist()
+    print(
+        f"\n64 x {vocab} on {torch.cuda.get_device_name()}: build + sample {1e2 * (time.perf_counter() - start):.1f} ms"
+    )

@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 GPUs: NCCL, CUDA graphs with the collectives inside, against one GPU.
 Run on a machine with 2+ GPUs: `python -m pytest -q -m gpu tests/test_tp_gpu.py`
 (`kernels_lab/tp_gpu_check.sh` runs it with every rank's stacks dumped should anything hang)."""
+
 import multiprocessing
 import os
 import signal
@@ -19,29 +20,51 @@ from forge_engine.loader import load_model
 from forge_engine.tensor_parallel.ranks import load_model_parallel
 from test_tensor_parallel import PROMPTS, run_to_end, write_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
 
-CONFIG = dict(kv_cache_bytes=64 * 2**20, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+CONFIG = dict(
+    kv_cache_bytes=64 * 2**20,
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    max_model_len=1024,
+)
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
 
-@pytest.mark.parametrize("dtype,all_reduce,overlap", [("float32", "nccl", False), ("float32", "nccl", True),
-                                                      ("bfloat16", "nccl", True), ("float32", "symmetric-memory", True)])
+@pytest.mark.parametrize(
+    "dtype,all_reduce,overlap",
+    [
+        ("float32", "nccl", False),
+        ("float32", "nccl", True),
+        ("bfloat16", "nccl", True),
+        ("float32", "symmetric-memory", True),
+    ],
+)
 def test_two_gpus_match_one(tmp_path, monkeypatch, dtype, all_reduce, overlap):
     """qwen2-tiny (1 KV head: replicated) from a sharded checkpoint; decode steps replay graphs with the all-reduces
     inside; steps overlapped (the pending tokens broadcast on the GPUs) or not."""
     monkeypatch.setenv("FORGE_TP_ALL_REDUCE", all_reduce)
     write_checkpoint(tmp_path, preset("qwen2-tiny"), seed=7)
-    one = LLMEngine(load_model(str(tmp_path), "cuda", dtype, progress=False), EngineConfig(**CONFIG))
+    one = LLMEngine(
+        load_model(str(tmp_path), "cuda", dtype, progress=False), EngineConfig(**CONFIG)
+    )
     reference = run_to_end(one, PROMPTS, PARAMS)
     loaded = load_model_parallel(str(tmp_path), "cuda", dtype, world=2)
     try:
-        engine = LLMEngine(loaded, EngineConfig(**CONFIG, tensor_parallel_size=2, async_scheduling=overlap))
+        engine = LLMEngine(
+            loaded, EngineConfig(**CONFIG, tensor_parallel_size=2, async_scheduling=overlap)
+        )
         assert engine.overlap == overlap
         assert engine.runner.decode is not None and engine.runner.decode.use_graphs
         # asked for, small all-reduces (all of this test's) go through symmetric memory, inside the decode graphs too
         path = loaded.parallel.all_reduce_path
-        assert path.startswith("symmetric memory" if all_reduce == "symmetric-memory" else "NCCL"), path
+        assert path.startswith(
+            "symmetric memory" if all_reduce == "symmetric-memory" else "NCCL"
+        ), path
         got = run_to_end(engine, PROMPTS, PARAMS)
         engine.allocator.check_idle()
     finally:
@@ -98,8 +121,14 @@ def test_a_killed_gpu_worker_fails_the_engine_cleanly(all_reduce):
     """)
     # its own session: on a hang every process of it (the workers too) dumps its stacks, then is killed
     env = {**os.environ, "FORGE_TP_STACKS": "30", "FORGE_TP_ALL_REDUCE": all_reduce}
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:

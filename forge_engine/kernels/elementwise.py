@@ -12,22 +12,45 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .backend import _let_next_start, _pdl_args, _pow2, kernel_backend, tl, triton
+from forge_engine.kernels.backend import (
+    _let_next_start,
+    _pdl_args,
+    _pow2,
+    kernel_backend,
+    tl,
+    triton,
+)
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #e46943ba
-def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     "(rmsnorm(x + residual) * weight, x + residual); with residual None: (rmsnorm(x) * weight, x)."
-    if residual is not None: x = x + residual
+    if residual is not None:
+        x = x + residual
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * normed, x
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                        H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-                        WAIT: tl.constexpr):
+def _add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -37,7 +60,9 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, s
     # compiler does not move a load over it (one memory round trip fewer for a one-row decode step)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the new residual is rounded to the model dtype, and normalised as rounded
-        h = (h.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
+        h = h.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(
+            tl.float32
+        )
         h = h.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + offs, h, mask=mask)
     h = h.to(tl.float32)
@@ -46,13 +71,23 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, s
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                impl: str = "auto", num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    impl: str = "auto",
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     "x, residual [..., H], weight [H] -> (rmsnorm(x + residual) * weight, the new residual x + residual)."
     if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+        raise ValueError(
+            f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape"
+        )
     if weight.shape != x.shape[-1:] or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} in {weight.dtype}")
+        raise ValueError(
+            f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} in {weight.dtype}"
+        )
     if kernel_backend(x.device, impl) == "torch":
         return add_rmsnorm_reference(x, residual, weight, eps)
     hidden = x.shape[-1]
@@ -65,9 +100,22 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = _pow2(hidden)
     if rows.shape[0]:
         _add_rmsnorm_kernel[(rows.shape[0],)](
-            rows, res, weight, out, res_out, rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK_H=block, **_pdl_args(x.device, rows=rows.shape[0]),
-            num_warps=num_warps or min(8, max(1, block // 512)))
+            rows,
+            res,
+            weight,
+            out,
+            res_out,
+            rows.stride(0),
+            res.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block,
+            **_pdl_args(x.device, rows=rows.shape[0]),
+            num_warps=num_warps or min(8, max(1, block // 512)),
+        )
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
 
@@ -78,6 +126,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto
 # %% ../../nbs/09_kernels_elementwise.ipynb #0bdd22df
 class NormRope(NamedTuple):
     "What turns the QKV projection's q and k into attention's: q/k RMSNorm weights (None: no norm), eps, cos, sin."
+
     q_weight: torch.Tensor | None
     k_weight: torch.Tensor | None
     eps: float
@@ -85,8 +134,9 @@ class NormRope(NamedTuple):
     sin: torch.Tensor
 
 
-def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                        sin: torch.Tensor) -> torch.Tensor:
+def norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     "x [T, H, D] -> RoPE(rmsnorm(x) * weight) (weight None: RoPE only), as chapter 03 computes it."
     if weight is not None:
         x32 = x.float()
@@ -97,9 +147,26 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                      stride_ct, first_heads, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
-                      PDL: tl.constexpr, WAIT: tl.constexpr):
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    w2_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    first_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -120,8 +187,16 @@ def _norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt
     tl.store(out + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-              impl: str = "auto", k_weight: torch.Tensor | None = None, num_q_heads: int | None = None) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    impl: str = "auto",
+    k_weight: torch.Tensor | None = None,
+    num_q_heads: int | None = None,
+) -> torch.Tensor:
     """x [T, H, D] (any strides with unit last stride), cos/sin [T, D/2] -> RoPE(rmsnorm(x) * weight), contiguous.
     With `num_q_heads` and `k_weight`, x holds q heads then k heads: heads from `num_q_heads` on use `k_weight`."""
     split = x.shape[1] if num_q_heads is None else num_q_heads
@@ -130,8 +205,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     if kernel_backend(x.device, impl) == "torch":
         if split == x.shape[1]:
             return norm_rope_reference(x, weight, eps, cos, sin)
-        return torch.cat((norm_rope_reference(x[:, :split], weight, eps, cos, sin),
-                          norm_rope_reference(x[:, split:], k_weight, eps, cos, sin)), dim=1)
+        return torch.cat(
+            (
+                norm_rope_reference(x[:, :split], weight, eps, cos, sin),
+                norm_rope_reference(x[:, split:], k_weight, eps, cos, sin),
+            ),
+            dim=1,
+        )
     tokens, heads, dim = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("norm_rope needs unit stride in the last dimension of x, cos and sin")
@@ -139,9 +219,25 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     if tokens:
         w = weight if weight is not None else x
         _norm_rope_kernel[(tokens, heads)](
-            x, w, k_weight if k_weight is not None else w, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1), cos.stride(0), split, eps, HALF=dim // 2, BLOCK=max(16, _pow2(dim // 2)),
-            HAS_NORM=weight is not None, **_pdl_args(x.device, rows=tokens), num_warps=1)
+            x,
+            w,
+            k_weight if k_weight is not None else w,
+            cos,
+            sin,
+            out,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            split,
+            eps,
+            HALF=dim // 2,
+            BLOCK=max(16, _pow2(dim // 2)),
+            HAS_NORM=weight is not None,
+            **_pdl_args(x.device, rows=tokens),
+            num_warps=1,
+        )
     return out
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #3f1148c0
@@ -159,13 +255,24 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
+def _silu_mul_kernel(
+    h_ptr,
+    out_ptr,
+    stride_h,
+    stride_o,
+    I,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
     gate = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_h + I + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + col, _silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + col, _silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -178,46 +285,103 @@ def silu_mul(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     out = torch.empty(tokens, inter, dtype=h.dtype, device=h.device)
     block = min(1024, _pow2(inter))
     if tokens:
-        _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](h, out, h.stride(0), out.stride(0), inter, BLOCK=block,
-                                                              **_pdl_args(h.device, rows=tokens), num_warps=4)
+        _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
+            h,
+            out,
+            h.stride(0),
+            out.stride(0),
+            inter,
+            BLOCK=block,
+            **_pdl_args(h.device, rows=tokens),
+            num_warps=4,
+        )
     return out
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #d1b745b9
-def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv_reference(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
     "k/v [T, kv_heads, D] into slot_mapping[T] of k_cache/v_cache [blocks, block_size, kv_heads, D]."
     k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k)
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_slot, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                     WAIT: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    slots_ptr,
+    kc_ptr,
+    vc_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_slot,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < HEAD_DIM
     slot = tl.load(slots_ptr + t).to(tl.int64)
     dest = slot * stride_slot + h * stride_ch + offs
-    tl.store(kc_ptr + dest, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask)
-    tl.store(vc_ptr + dest, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask)
+    tl.store(
+        kc_ptr + dest, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask
+    )
+    tl.store(
+        vc_ptr + dest, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask
+    )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, impl: str = "auto") -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    impl: str = "auto",
+) -> None:
     "Store k/v [T, kv_heads, D] (unit stride in D) in their slots of one layer's pool, in one launch."
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
-        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} "
-                         f"do not fit a pool of {tuple(k_cache.shape)}")
-    if kernel_backend(k.device, impl) == "torch" or k.stride(-1) != 1 or v.stride(-1) != 1 \
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} "
+            f"do not fit a pool of {tuple(k_cache.shape)}"
+        )
+    if (
+        kernel_backend(k.device, impl) == "torch"
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
         return write_kv_reference(k_cache, v_cache, slot_mapping, k, v)
     tokens, heads, dim = k.shape
     if tokens:
-        _write_kv_kernel[(tokens, heads)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
-                                          v.stride(1), k_cache.stride(1), k_cache.stride(2), HEAD_DIM=dim,
-                                          BLOCK_D=max(16, _pow2(dim)), **_pdl_args(k.device, rows=tokens), num_warps=1)
+        _write_kv_kernel[(tokens, heads)](
+            k,
+            v,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            HEAD_DIM=dim,
+            BLOCK_D=max(16, _pow2(dim)),
+            **_pdl_args(k.device, rows=tokens),
+            num_warps=1,
+        )
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #a1f413dc
 ARGMAX_CHUNK = 2048  # logits a program of the first launch reduces
@@ -228,7 +392,9 @@ def _argmax_chunks_kernel(logits_ptr, max_ptr, at_ptr, V, stride_row, CHUNKS, BL
     "Program (row, chunk): the chunk's largest logit and the first column holding it."
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(
+        tl.float32
+    )
     best = tl.max(x, axis=0)
     tl.store(max_ptr + row * CHUNKS + chunk, best)
     tl.store(at_ptr + row * CHUNKS + chunk, tl.min(tl.where(x == best, cols, V), axis=0))
@@ -240,14 +406,18 @@ def _argmax_merge_kernel(max_ptr, at_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr
     row, c = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_C)
     m = tl.load(max_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
     at = tl.load(at_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=2**31 - 1)
-    tl.store(out_ptr + row, tl.min(tl.where(m == tl.max(m, axis=0), at, 2**31 - 1), axis=0).to(tl.int64))
+    tl.store(
+        out_ptr + row, tl.min(tl.where(m == tl.max(m, axis=0), at, 2**31 - 1), axis=0).to(tl.int64)
+    )
 
 
 def argmax_rows(logits: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """The argmax of each row of [rows, V] logits (the first column among equal maxima, as `torch.argmax`): int64
     [rows]. A row of -inf gives 0. Two launches (chunks, then each row's best chunk) where Triton runs."""
     if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"argmax_rows takes [rows, V] logits with V > 0, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"argmax_rows takes [rows, V] logits with V > 0, got {tuple(logits.shape)}"
+        )
     if kernel_backend(logits.device, impl) == "torch" or logits.stride(-1) != 1:
         return logits.argmax(-1)
     rows, vocab = logits.shape
@@ -256,6 +426,8 @@ def argmax_rows(logits: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     at = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _argmax_chunks_kernel[(rows, chunks)](logits, maxima, at, vocab, logits.stride(0), chunks, BLOCK=ARGMAX_CHUNK)
+        _argmax_chunks_kernel[(rows, chunks)](
+            logits, maxima, at, vocab, logits.stride(0), chunks, BLOCK=ARGMAX_CHUNK
+        )
         _argmax_merge_kernel[(rows,)](maxima, at, out, chunks, BLOCK_C=_pow2(chunks))
     return out

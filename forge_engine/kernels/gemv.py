@@ -10,8 +10,16 @@ __all__ = ['GEMV_MAX_ROWS', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'gemv_fol
 import torch
 import torch.nn.functional as F
 
-from .backend import (INTERPRETED, _pow2, _stages, _wait_for_previous, kernel_backend,
-                                          pdl_supported, tl, triton)
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _pow2,
+    _stages,
+    _wait_for_previous,
+    kernel_backend,
+    pdl_supported,
+    tl,
+    triton,
+)
 from .elementwise import _silu_times, add_rmsnorm_reference, silu_mul
 
 # %% ../../nbs/09_kernels_gemv.ipynb #616be320
@@ -31,28 +39,46 @@ def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
 
 
 GEMV_ROWS_MAX_N = 65536  # `_gemv_rows_kernel` for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
+GEMV_ROWS_INT8_MIN_N = (
+    16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
+)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
     """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
     shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
     measured it faster, else 'tile' (`_gemv_kernel`)."""
-    if n < GEMV_ROWS_MAX_N and k < 4096 and (
-            (weight_bytes == 2 and 16384 <= n and 512 <= k) or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)):
+    if (
+        n < GEMV_ROWS_MAX_N
+        and k < 4096
+        and (
+            (weight_bytes == 2 and 16384 <= n and 512 <= k)
+            or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)
+        )
+    ):
         return "rows"
     return "tile"
 
 
-def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
+def gemv_config(
+    n: int, k: int, weight_bytes: int = 2, layout: str | None = None
+) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
     `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
     a shape in one graph; the LM head from kernels_lab/gemv.py)."""
     if (layout or gemv_layout(n, k, weight_bytes)) == "rows":
-        if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
+        if (
+            weight_bytes == 1
+        ):  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
             return (8, 512, 2) if n >= 16384 else (2, 512, 1)
-        return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
-    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep)
+        return (
+            4,
+            2 * 32 * 16 // weight_bytes,
+            2,
+        )  # 4 rows, 16 bytes of each a thread and step, 2 warps
+    if (
+        weight_bytes == 1 and n < 65536
+    ):  # int8 (its LM head takes BF16's tile: the decode step's sweep)
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
@@ -76,7 +102,13 @@ def _int8x4_to_f32(w):
         sub.f32 $1, $1, 0f4B000080;
         sub.f32 $2, $2, 0f4B000080;
         sub.f32 $3, $3, 0f4B000080;
-        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[w],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -85,7 +117,9 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
     if w.dtype == tl.int8:
         if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
             return _int8x4_to_f32(w)
-        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
+        bits = (
+            w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80
+        ) | 0x4B000000  # 2^23 + (w + 128), exactly
         return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
 
@@ -117,8 +151,22 @@ def _norm_scale(sq, K, eps):
 
 
 @triton.jit
-def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
+def _gemv_step(
+    acc,
+    sq,
+    x_rows,
+    w_rows,
+    g_ptr,
+    k,
+    K,
+    m_ok,
+    n_ok,
+    EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    NORM: tl.constexpr,
+    w=None,
+):
     """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
     `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
@@ -145,8 +193,17 @@ def _step_inputs(w_ptr, k0, offs_k):
 
 
 @triton.jit
-def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAND_OFF: tl.constexpr):
+def _tile_constants(
+    scale_ptr,
+    b_ptr,
+    next_g_ptr,
+    offs_n,
+    n_ok,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     """A tile GEMV's epilogue constants, fp32 [BLOCK_N]: its rows' scales, biases and (HAND_OFF) the next norm's
     weights (zeros where there are none: unused, compiled away)."""
     none = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -157,15 +214,46 @@ def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    b_ptr,
+    g_ptr,
+    res_ptr,
+    out_ptr,
+    sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
-        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
+        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (
+            BLOCK_N // 2
+        )  # the output columns (of N / 2)
         offs_n, n_ok = cols + (lane // (BLOCK_N // 2)) * (N // 2), cols < N // 2
     else:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,32 +261,62 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     out_ok = m_ok[:, None] & n_ok[None, :]
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
+    w_rows = (
+        w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    )  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
+    sq = tl.zeros(
+        (ROWS, BLOCK_K), dtype=tl.float32
+    )  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
         # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
         k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
+        w = tl.load(
+            w_rows + k[None, :],
+            mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :],
+            other=0,
+        )
         _wait_for_previous(PDL)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
+        acc, sq = _gemv_step(
+            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w
+        )
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
-        handed = tl.load(sums_ptr + offs_m, mask=m_ok, other=0.0)  # for once x is there, used at the end
-    for k0 in tl.range(first, K, BLOCK_K, num_stages=1):  # the loop as written (pipelined by Triton: slower, above)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
-                             ROWS, BYTE_ASM, NORM)
+        handed = tl.load(
+            sums_ptr + offs_m, mask=m_ok, other=0.0
+        )  # for once x is there, used at the end
+    for k0 in tl.range(
+        first, K, BLOCK_K, num_stages=1
+    ):  # the loop as written (pipelined by Triton: slower, above)
+        acc, sq = _gemv_step(
+            acc,
+            sq,
+            x_rows,
+            w_rows,
+            g_ptr,
+            _step_inputs(w_ptr, k0, offs_k),
+            K,
+            m_ok,
+            n_ok,
+            EVEN_K,
+            ROWS,
+            BYTE_ASM,
+            NORM,
+        )
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
     # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
-    scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
-                                          HAND_OFF)
+    scale, bias, next_g = _tile_constants(
+        scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS, HAND_OFF
+    )
     if RESIDUAL:
-        residual = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+        residual = tl.load(
+            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0
+        )
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -211,19 +329,40 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
     if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
         half: tl.constexpr = BLOCK_N // 2
         h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        gate, up = tl.split(tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1]))  # [ROWS, half] each
+        gate, up = tl.split(
+            tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1])
+        )  # [ROWS, half] each
         cols = tl.program_id(0) * half + tl.arange(0, half)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (cols < N // 2)[None, :])
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + cols[None, :],
+            _silu_times(gate, up, out_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & (cols < N // 2)[None, :],
+        )
     else:
-        if RESIDUAL:  # added to the output as rounded (as a separate add after the GEMV's store would)
+        if (
+            RESIDUAL
+        ):  # added to the output as rounded (as a separate add after the GEMV's store would)
             out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_ok,
+        )
         if HAND_OFF:  # the next RMSNorm's work but its 1 / rms: h (as stored) x the norm's weight, and h's squares,
-            h = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # summed over the programs into sums_ptr
-            tl.store(normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                     (h * next_g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_add(sums_ptr + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), axis=1), mask=m_ok, sem="relaxed")
+            h = out.to(out_ptr.dtype.element_ty).to(
+                tl.float32
+            )  # summed over the programs into sums_ptr
+            tl.store(
+                normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                (h * next_g[None, :]).to(out_ptr.dtype.element_ty),
+                mask=out_ok,
+            )
+            tl.atomic_add(
+                sums_ptr + offs_m,
+                tl.sum(tl.where(out_ok, h * h, 0.0), axis=1),
+                mask=m_ok,
+                sem="relaxed",
+            )
 
 
 @triton.jit
@@ -240,7 +379,10 @@ def _program_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
 def _rows_chunk(k0, lane, K, CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """A step's inputs in a rows-layout program: each thread's CHUNK from k0 + lane * CHUNK on ([SLABS, 32, CHUNK]
     offsets), and which exist."""
-    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    at = (
+        tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None]
+        + tl.arange(0, CHUNK)[None, None, :]
+    )
     return at, (at < K) | EVEN
 
 
@@ -255,10 +397,23 @@ def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr):
+def _rows_step(
+    accs,
+    sq,
+    ws,
+    x_ptr,
+    g_ptr,
+    at,
+    ok,
+    BLOCK_N: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
     `sq`, `g_ptr`, NORM: `_normed_x`."""
-    x, sq = _normed_x(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM)
+    x, sq = _normed_x(
+        tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM
+    )
     new = ()
     for r in tl.static_range(BLOCK_N):
         new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
@@ -266,8 +421,16 @@ def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_A
 
 
 @triton.jit
-def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
-                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _rows_constants(
+    scale_ptr,
+    b_ptr,
+    first_col,
+    N,
+    BLOCK_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     "A rows-layout program's epilogue constants, fp32: (each row's scale, each row's bias), each () where there are none."
     scales, biases = (), ()
     for r in tl.static_range(BLOCK_N):
@@ -280,8 +443,18 @@ def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGL
 
 
 @triton.jit
-def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
+def _rows_epilogue_operands(
+    res_ptr,
+    next_g_ptr,
+    first_col,
+    M,
+    N,
+    stride_rm,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     """A rows-layout program's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m),
     r * ROWS + m, and (HAND_OFF) the next norm's weight at each row r. (Chapter 10's int4 GEMV's too.)"""
     residuals, next_gs = (), ()
@@ -290,22 +463,53 @@ def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROW
         if HAND_OFF:
             next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
         for m in tl.static_range(ROWS if RESIDUAL else 0):
-            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
-                                     .to(tl.float32),)
+            residuals = residuals + (
+                tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0).to(
+                    tl.float32
+                ),
+            )
     return residuals, next_gs
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, N, K, stride_wn, eps,
-                      BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                      NORM_SUMS: tl.constexpr):
+def _gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    b_ptr,
+    g_ptr,
+    res_ptr,
+    out_ptr,
+    sums_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLABS: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)
-    STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
+    STEP: tl.constexpr = (
+        SLABS * 32 * CHUNK
+    )  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
-    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
-    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
+    lane = (
+        tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    )  # [SLABS, 32]: a thread's place in a step
+    first_col = tl.program_id(0) * (
+        HALF_N if SWIGLU else BLOCK_N
+    )  # the program's first output column
     rows, row_ok = (), ()
     for r in tl.static_range(BLOCK_N):
         row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
@@ -323,11 +527,25 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
         handed = tl.load(sums_ptr)
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
-        accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
-                              BLOCK_N, BYTE_ASM, NORM)
-    scales, biases = _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS)  # together
+        accs, sq = _rows_step(
+            accs,
+            sq,
+            _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N),
+            x_ptr,
+            g_ptr,
+            at,
+            ok,
+            BLOCK_N,
+            BYTE_ASM,
+            NORM,
+        )
+    scales, biases = _rows_constants(
+        scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS
+    )  # together
     if RESIDUAL:  # (as `_gemv_kernel`'s)
-        residuals = _rows_epilogue_operands(res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False)[0]
+        residuals = _rows_epilogue_operands(
+            res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False
+        )[0]
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     if NORM_SUMS:
@@ -348,7 +566,11 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
             gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
             tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
         elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
-            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype), mask=real)
+            tl.store(
+                out_ptr + row,
+                (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype),
+                mask=real,
+            )
         else:
             tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
 
@@ -356,12 +578,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
     "PyTorch: `F.linear`, the weight converted to x's dtype and each output scaled where it is int8."
     out = F.linear(x, weight.to(x.dtype))
-    if scale is not None: out = out * scale.to(x.dtype)
+    if scale is not None:
+        out = out * scale.to(x.dtype)
     return out if bias is None else out + bias
 
 
-def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None,
-                      unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hand_off_operands(
+    out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None, unused: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GEMV launch's (sums, next norm's weight, normed output) for its folds `norm_sums` / `hand_off` (the normed
     output new, shaped as `out`); `unused` in the places the launch does not read (also chapter 10's int4 GEMV)."""
     if hand_off is None:
@@ -369,29 +593,63 @@ def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_of
     return hand_off[1], hand_off[0], torch.empty_like(out)
 
 
-def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None,
-                     norm_sums: torch.Tensor | None, hand_off: tuple | None):
+def check_gemv_folds(
+    kernel: str,
+    x: torch.Tensor,
+    n: int,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+    norm_sums: torch.Tensor | None,
+    hand_off: tuple | None,
+):
     """Raise a ValueError naming `kernel` where a GEMV's epilogue folds (`gemv`'s `residual`, `norm_sums`, `hand_off`,
     also chapter 10's int4 GEMV's) do not fit x [M, K] and N outputs."""
     m = x.shape[0]
     if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
-                         f"swiglu), got {tuple(residual.shape)}")
-    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
-        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
-            raise ValueError(f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
-                             f"{tuple(sums.shape)} on {sums.device}")
+        raise ValueError(
+            f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
+            f"swiglu), got {tuple(residual.shape)}"
+        )
+    for name, sums in (
+        ("norm_sums", norm_sums),
+        ("hand_off's sums", None if hand_off is None else hand_off[1]),
+    ):
+        if sums is not None and (
+            sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device
+        ):
+            raise ValueError(
+                f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
+                f"{tuple(sums.shape)} on {sums.device}"
+            )
     if hand_off is not None and (residual is None or hand_off[0].shape != (n,)):
-        raise ValueError(f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
-                         f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}")
+        raise ValueError(
+            f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
+            f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}"
+        )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-         impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, early_weights: bool = True, layout: str | None = None,
-         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-         norm_sums: torch.Tensor | None = None, hand_off: tuple[torch.Tensor, torch.Tensor] | None = None):
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    impl: str = "auto",
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pdl: bool | None = None,
+    byte_asm: bool | None = None,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    early_weights: bool = True,
+    layout: str | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
@@ -406,70 +664,147 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
     choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
-        raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+        raise ValueError(
+            f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}"
+        )
     (m, k), n = x.shape, weight.shape[0]
     if layout not in (None, "tile", "rows"):
         raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
     if layout == "rows" and m != 1:
         raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
-    if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
-                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
+    if out is not None and (
+        swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
+            f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}"
+        )
     if norm is not None and norm.shape != (k,):
         raise ValueError(f"gemv's norm is an RMSNorm weight [{k}], got {tuple(norm.shape)}")
     if norm_sums is not None and norm is not None:
-        raise ValueError("gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both")
+        raise ValueError(
+            "gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both"
+        )
     check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]
-        if norm_sums is not None: x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
+        if norm is not None:
+            x = add_rmsnorm_reference(x, None, norm, eps)[0]
+        if norm_sums is not None:
+            x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
         result = gemv_reference(x, weight, bias, scale)
-        if swiglu: return silu_mul(result, backend)
-        if residual is not None: result = residual + result
+        if swiglu:
+            return silu_mul(result, backend)
+        if residual is not None:
+            result = residual + result
         result = result if out is None else out.copy_(result)
-        if hand_off is None: return result
+        if hand_off is None:
+            return result
         hand_off[1].add_(result.float().square().sum(-1))
         return result, result * hand_off[0].to(result.dtype)
     if hand_off is not None and layout == "rows":
         raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
-    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile")
-    default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
-    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    layout = layout or (
+        gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile"
+    )
+    default = gemv_config(
+        n, k, weight.element_size(), layout
+    )  # the measured configuration, where none is asked for
+    block_n, block_k, num_warps = (
+        block_n or default[0],
+        block_k or default[1],
+        num_warps or default[2],
+    )
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and (block_n < 2 or block_n % 2):
-        raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
+        raise ValueError(
+            f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}"
+        )
+    out = (
+        torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+        if out is None
+        else out
+    )
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and early_weights
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
-    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out, sums)
-    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None)
+    operands = (
+        x,
+        weight,
+        *(t if t is not None else weight for t in (scale, bias, norm, residual)),
+        out,
+        sums,
+    )
+    folds = dict(
+        NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None
+    )
     byte_asm = not INTERPRETED if byte_asm is None else byte_asm
     if layout == "rows":
         chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
         if chunk < 1 or block_k % (32 * num_warps):
-            raise ValueError(f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
-                             f"is no multiple of 32 x {num_warps}")
+            raise ValueError(
+                f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
+                f"is no multiple of 32 x {num_warps}"
+            )
         whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
         _gemv_rows_kernel[grid](
-            *operands, n, k, weight.stride(0), eps, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
-            EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
-            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds, num_warps=num_warps,
-            **_stages(num_stages))
+            *operands,
+            n,
+            k,
+            weight.stride(0),
+            eps,
+            BLOCK_N=block_n,
+            CHUNK=chunk,
+            SLABS=num_warps,
+            EVEN=whole_rows and k % block_k == 0,
+            HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None,
+            PDL=pdl,
+            launch_pdl=pdl,
+            BYTE_ASM=byte_asm,
+            SWIGLU=swiglu,
+            EARLY_W=early,
+            **folds,
+            num_warps=num_warps,
+            **_stages(num_stages),
+        )
         return out
     if m:
         _gemv_kernel[grid](
-            *operands, next_g, normed, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
-            out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds,
-            HAND_OFF=hand_off is not None, num_warps=num_warps, **_stages(num_stages))
+            *operands,
+            next_g,
+            normed,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            0 if residual is None else residual.stride(0),
+            out.stride(0),
+            eps,
+            ROWS=max(1, _pow2(m)),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None,
+            PDL=pdl,
+            launch_pdl=pdl,
+            BYTE_ASM=byte_asm,
+            SWIGLU=swiglu,
+            EARLY_W=early,
+            **folds,
+            HAND_OFF=hand_off is not None,
+            num_warps=num_warps,
+            **_stages(num_stages),
+        )
     return out if hand_off is None else (out, normed)

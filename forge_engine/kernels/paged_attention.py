@@ -12,22 +12,43 @@ import math
 
 import torch
 
-from .backend import (DEPENDENT_LAUNCH_MAX_ROWS, INTERPRETED, _dot, _dot_precision,
-                                          _let_next_start, _pdl_args, _pow2, _stages, _wait_for_previous,
-                                          kernel_backend, pdl_supported, tl, triton)
+from forge_engine.kernels.backend import (
+    DEPENDENT_LAUNCH_MAX_ROWS,
+    INTERPRETED,
+    _dot,
+    _dot_precision,
+    _let_next_start,
+    _pdl_args,
+    _pow2,
+    _stages,
+    _wait_for_previous,
+    kernel_backend,
+    pdl_supported,
+    tl,
+    triton,
+)
 from .elementwise import NormRope, norm_rope, write_kv
 
 # %% ../../nbs/09_kernels_paged_attention.ipynb #cd071153
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     "q [T, Hq, D] over the paged pool -> [T, Hq, D]; the new tokens of sequence b are the last of its context."
     out = torch.empty_like(q)
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    for b, (start, end, ctx) in enumerate(zip(query_start[:-1].tolist(), query_start[1:].tolist(),
-                                              context_lens.tolist())):
-        blocks = block_tables[b, :-(-ctx // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+    for b, (start, end, ctx) in enumerate(
+        zip(query_start[:-1].tolist(), query_start[1:].tolist(), context_lens.tolist())
+    ):
+        blocks = block_tables[b, : -(-ctx // block_size)].long()
+        k = (
+            k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
+        )  # [ctx, Hq, D]
         v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         positions = torch.arange(ctx - (end - start), ctx, device=q.device)
@@ -37,27 +58,59 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-def random_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                    dtype=torch.float32, device="cpu", spare_blocks: int = 3, pad_columns: int = 1, seed: int = 0):
+def random_paged_kv(
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype=torch.float32,
+    device="cpu",
+    spare_blocks: int = 3,
+    pad_columns: int = 1,
+    seed: int = 0,
+):
     "Random K/V pools with each sequence's blocks scattered: (k_cache, v_cache, block_tables int32 padded with -1)."
-    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: a GPU pool can be gigabytes
+    gen = torch.Generator(device=device).manual_seed(
+        seed
+    )  # on the device: a GPU pool can be gigabytes
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(needed) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(2)
+    )
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     width = max(needed) + pad_columns
     tables, used = [], 0
     for n in needed:
-        tables.append(order[used:used + n] + [-1] * (width - n))
+        tables.append(order[used : used + n] + [-1] * (width - n))
         used += n
     return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=device)
 
 # %% ../../nbs/09_kernels_paged_attention.ipynb #8fbce94d
 @triton.jit
-def _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, start, end, stride_kb, stride_kt,
-                 offs_d, d_mask, qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_keys(
+    q,
+    row_pos,
+    acc,
+    m_i,
+    l_i,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    start,
+    end,
+    stride_kb,
+    stride_kt,
+    offs_d,
+    d_mask,
+    qk_scale,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:  # a tile that may cross `end` or the causal diagonal
@@ -67,21 +120,38 @@ def _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, start, end,
         else:  # every key of the tile is visible to every row
             block = tl.load(table_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
             kv_mask = d_mask[None, :]
-        token = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt  # [BLOCK_N] offsets into the pool
+        token = (
+            block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+        )  # [BLOCK_N] offsets into the pool
         k = tl.load(k_ptr + token[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        p, alpha, m_i, l_i = _softmax_step(q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED, UPCAST, PRECISION)
+        p, alpha, m_i, l_i = _softmax_step(
+            q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED, UPCAST, PRECISION
+        )
         v = tl.load(v_ptr + token[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _softmax_step(q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _softmax_step(
+    q,
+    k,
+    offs_n,
+    end,
+    row_pos,
+    m_i,
+    l_i,
+    qk_scale,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     "One tile's online softmax: (p, the factor alpha that rescales what came before, the new m, the new l)."
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale  # [R, BLOCK_N]
     if MASKED:
-        s = tl.where((offs_n[None, :] < end) & (offs_n[None, :] <= row_pos[:, None]), s, float("-inf"))
+        s = tl.where(
+            (offs_n[None, :] < end) & (offs_n[None, :] <= row_pos[:, None]), s, float("-inf")
+        )
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
     alpha = tl.exp2(m_i - m_use)
@@ -91,29 +161,49 @@ def _softmax_step(q, k, offs_n, end, row_pos, m_i, l_i, qk_scale, MASKED: tl.con
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, context_lens):
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be [tokens, q_heads, head_dim] and k_cache [num_blocks, block_size, kv_heads, "
-                         f"head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"q must be [tokens, q_heads, head_dim] and k_cache [num_blocks, block_size, kv_heads, "
+            f"head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache must have the same shape and strides, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape and strides, got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}: head_dim must match and "
-                         f"q_heads be a multiple of kv_heads")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}: head_dim must match and "
+            f"q_heads be a multiple of kv_heads"
+        )
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and the caches need unit stride in head_dim")
     if block_tables.dim() != 2 or context_lens.shape != block_tables.shape[:1]:
-        raise ValueError(f"block_tables must be [B, max_blocks] and context_lens [B], got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+        raise ValueError(
+            f"block_tables must be [B, max_blocks] and context_lens [B], got "
+            f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
+        )
 
 # %% ../../nbs/09_kernels_paged_attention.ipynb #50c88c20
-DECODE_BLOCK_N = 128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
-DECODE_SPLIT_TOKENS = 512  # keys per split, when the split is fixed (`split_tokens`, or no batch size to go by)
+DECODE_BLOCK_N = (
+    128  # keys per tile; with 512-key splits the best overall in kernels_lab on an H200
+)
+DECODE_SPLIT_TOKENS = (
+    512  # keys per split, when the split is fixed (`split_tokens`, or no batch size to go by)
+)
 MAX_DECODE_SPLITS = 64  # caps the partial-result buffer; past it splits get longer
-DECODE_TARGET_PROGRAMS = 256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
-DECODE_MIN_SPLIT = 64  # keys; a split shorter than DECODE_BLOCK_N is one tile of its own length (measured faster)
-DECODE_MAX_WORK_SPLITS = 16  # the rule's cap: the merging program reads the splits one after another
+DECODE_TARGET_PROGRAMS = (
+    256  # (sequence, KV head, split) programs the rule aims for: about two per SM of an H200
+)
+DECODE_MIN_SPLIT = (
+    64  # keys; a split shorter than DECODE_BLOCK_N is one tile of its own length (measured faster)
+)
+DECODE_MAX_WORK_SPLITS = (
+    16  # the rule's cap: the merging program reads the splits one after another
+)
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
@@ -121,13 +211,25 @@ DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many spli
 def _fence_gpu(x, ON: tl.constexpr):
     "Order this thread's earlier memory operations before its later ones, for the whole GPU (ON: compiled, not interpreted)."
     if ON:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
-def _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, acc, m_i, l_i, offs_d, mask, row_mask,
-                    HEAD_DIM: tl.constexpr):
+def _store_partials(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part,
+    acc,
+    m_i,
+    l_i,
+    offs_d,
+    mask,
+    row_mask,
+    HEAD_DIM: tl.constexpr,
+):
     "A split's unnormalised output and its m and l, at `part` ([rows]) of the partials [B, Hq, num_splits, (HEAD_DIM)]."
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
@@ -135,13 +237,28 @@ def _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, acc, m_i, l_i, o
 
 
 @triton.jit
-def _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr, part_l_ptr, part, offs_d, row_mask, mask,
-                 HEAD_DIM: tl.constexpr):
+def _merge_split(
+    acc_all,
+    m_all,
+    l_all,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part,
+    offs_d,
+    row_mask,
+    mask,
+    HEAD_DIM: tl.constexpr,
+):
     "The running merge (acc, m, l) with one more split's partials (at `part`); a split masked out changes nothing."
     m_s = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
     l_s = tl.load(part_l_ptr + part, mask=row_mask, other=0.0, cache_modifier=".cg")
-    a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                  cache_modifier=".cg")  # past L1: written by other SMs
+    a_s = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+        cache_modifier=".cg",
+    )  # past L1: written by other SMs
     m_new = tl.maximum(m_all, m_s)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha, beta = tl.exp2(m_all - m_use), tl.exp2(m_s - m_use)
@@ -159,13 +276,17 @@ def _store_normalised(out_rows, acc, l_i, mask):
 def _pair_weights(w_ptr, offs_d, pair, d_mask, QK_NORM: tl.constexpr):
     "A q/k-norm weight at each element and at its rotation partner, in fp32 (QK_NORM false: no norm, 1.0)."
     if QK_NORM:
-        return (tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
-                tl.load(w_ptr + pair, mask=d_mask, other=0.0).to(tl.float32))
+        return (
+            tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+            tl.load(w_ptr + pair, mask=d_mask, other=0.0).to(tl.float32),
+        )
     return tl.full(offs_d.shape, 1.0, tl.float32), tl.full(offs_d.shape, 1.0, tl.float32)
 
 
 @triton.jit
-def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+def _norm_rope_rows(
+    x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr
+):
     """Rows x [R, BLOCK_D] (x_pair: each element's partner in its rotated pair; w, cos, sin [1, BLOCK_D]) ->
     RoPE(rmsnorm(x) * w) in fp32, as `_norm_rope_kernel` computes it; `sin` carries the sign of each half."""
     x, x_pair = x.to(tl.float32), x_pair.to(tl.float32)
@@ -176,14 +297,62 @@ def _norm_rope_rows(x, x_pair, w, w_pair, cos, sin, eps, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   count_ptr, new_k_ptr, new_v_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, stride_qb, stride_qh,
-                   stride_ob, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, stride_nkb, stride_nkh, stride_nvb,
-                   stride_nvh, stride_cos, eps, qk_scale, num_q_heads, split_len, num_splits, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr, WAIT: tl.constexpr, STORE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, MERGE: tl.constexpr, FENCE: tl.constexpr,
-                   EARLY_TILE: tl.constexpr, WAIT_LATE: tl.constexpr, UNROLL_MERGE: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    count_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slots_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_tb,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
+    stride_cos,
+    eps,
+    qk_scale,
+    num_q_heads,
+    split_len,
+    num_splits,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+    STORE: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    MERGE: tl.constexpr,
+    FENCE: tl.constexpr,
+    EARLY_TILE: tl.constexpr,
+    WAIT_LATE: tl.constexpr,
+    UNROLL_MERGE: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -194,12 +363,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     row_mask = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    k_head, v_head, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
+    k_head, v_head, tables_ptr = (
+        k_ptr + kv_head * stride_kh,
+        v_ptr + kv_head * stride_kh,
+        tables_ptr + seq * stride_tb,
+    )
     if EARLY_TILE:  # the split's first tile of K/V, written by earlier steps: asked for before waiting for q (WAIT_LATE)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         n0_mask = offs_n0 < end
-        token0 = tl.load(tables_ptr + offs_n0 // BLOCK_SIZE, mask=n0_mask, other=0).to(tl.int64) * stride_kb \
+        token0 = (
+            tl.load(tables_ptr + offs_n0 // BLOCK_SIZE, mask=n0_mask, other=0).to(tl.int64)
+            * stride_kb
             + (offs_n0 % BLOCK_SIZE) * stride_kt
+        )
         kv0_mask = n0_mask[:, None] & d_mask[None, :]
         k0 = tl.load(k_head + token0[:, None] + offs_d[None, :], mask=kv0_mask, other=0.0)
         v0 = tl.load(v_head + token0[:, None] + offs_d[None, :], mask=kv0_mask, other=0.0)
@@ -215,8 +391,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         pair = (offs_d + half) % HEAD_DIM  # each element's partner in its rotated pair
         in_half = offs_d % half
         if half % 8 == 0:  # runs of 8 stay contiguous: vector loads
-            pair, in_half = tl.max_contiguous(tl.multiple_of(pair, 8), 8), tl.max_contiguous(tl.multiple_of(in_half, 8), 8)
-        pair, in_half, d_row = pair[None, :], in_half[None, :], d_mask[None, :]  # [1, BLOCK_D]: q's 2-D layout
+            pair, in_half = (
+                tl.max_contiguous(tl.multiple_of(pair, 8), 8),
+                tl.max_contiguous(tl.multiple_of(in_half, 8), 8),
+            )
+        pair, in_half, d_row = (
+            pair[None, :],
+            in_half[None, :],
+            d_mask[None, :],
+        )  # [1, BLOCK_D]: q's 2-D layout
         cos = tl.load(cos_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + seq * stride_cos + in_half, mask=d_row, other=0.0).to(tl.float32)
         q_pair = tl.load(q_rows + pair, mask=q_mask, other=0.0)
@@ -225,16 +408,23 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         new_k_row = new_k_ptr + seq * stride_nkb + kv_head * stride_nkh
         new_k = tl.load(new_k_row + offs_d[None, :], mask=d_mask[None, :])  # [1, BLOCK_D]
-        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d[None, :], mask=d_mask[None, :])
+        new_v = tl.load(
+            new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
+            mask=d_mask[None, :],
+        )
         if ROPE:
             new_k_pair = tl.load(new_k_row + pair, mask=d_row)
             k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair, d_row, QK_NORM)
     if ROPE:
-        sin = tl.where(offs_d[None, :] < half, -sin, sin)  # first half: x1 c - x2 s; second: x2 c + x1 s
+        sin = tl.where(
+            offs_d[None, :] < half, -sin, sin
+        )  # first half: x1 c - x2 s; second: x2 c + x1 s
         q = _norm_rope_rows(q, q_pair, q_w, q_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(q.dtype)
     if STORE:
         if ROPE:
-            new_k = _norm_rope_rows(new_k, new_k_pair, k_w, k_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM).to(new_v.dtype)
+            new_k = _norm_rope_rows(
+                new_k, new_k_pair, k_w, k_w_pair, cos, sin, eps, HEAD_DIM, QK_NORM
+            ).to(new_v.dtype)
         mine = d_mask[None, :] & ((ctx - 1) // split_len == split)
         at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + offs_d[None, :]
         tl.store(k_head + at, new_k, mask=mine)
@@ -247,31 +437,98 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
     if EARLY_TILE:  # (with STORE) the tile loaded early; the new position's K/V from registers
         new_row = (offs_n0 == ctx - 1)[:, None]
         k0, v0 = tl.where(new_row, new_k, k0), tl.where(new_row, new_v.to(v0.dtype), v0)
-        p, alpha, m_i, l_i = _softmax_step(q, k0, offs_n0, end, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION)
+        p, alpha, m_i, l_i = _softmax_step(
+            q, k0, offs_n0, end, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
+        )
         acc = acc * alpha[:, None] + _dot(p.to(v0.dtype), v0, UPCAST, PRECISION)
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start + BLOCK_N, end,
-                                     stride_kb, stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST,
-                                     PRECISION)
+        acc, m_i, l_i = _attend_keys(
+            q,
+            row_pos,
+            acc,
+            m_i,
+            l_i,
+            k_head,
+            v_head,
+            tables_ptr,
+            start + BLOCK_N,
+            end,
+            stride_kb,
+            stride_kt,
+            offs_d,
+            d_mask,
+            qk_scale,
+            True,
+            BLOCK_N,
+            BLOCK_SIZE,
+            UPCAST,
+            PRECISION,
+        )
     else:  # every tile masked: a last, partial tile is in the same software-pipelined loop as the others
-        acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_head, v_head, tables_ptr, start, end, stride_kb,
-                                     stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+        acc, m_i, l_i = _attend_keys(
+            q,
+            row_pos,
+            acc,
+            m_i,
+            l_i,
+            k_head,
+            v_head,
+            tables_ptr,
+            start,
+            end,
+            stride_kb,
+            stride_kt,
+            offs_d,
+            d_mask,
+            qk_scale,
+            True,
+            BLOCK_N,
+            BLOCK_SIZE,
+            UPCAST,
+            PRECISION,
+        )
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    part = (seq * num_q_heads + heads) * num_splits  # [BLOCK_G] each head's first partial: [B, Hq, num_splits, (D)]
+    part = (
+        seq * num_q_heads + heads
+    ) * num_splits  # [BLOCK_G] each head's first partial: [B, Hq, num_splits, (D)]
     if not SPLIT:
         _store_normalised(out_rows, acc, l_i, mask)
     elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
-        _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part + split, acc, m_i, l_i, offs_d, mask, row_mask,
-                        HEAD_DIM)
+        _store_partials(
+            part_acc_ptr,
+            part_m_ptr,
+            part_l_ptr,
+            part + split,
+            acc,
+            m_i,
+            l_i,
+            offs_d,
+            mask,
+            row_mask,
+            HEAD_DIM,
+        )
     else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
         active = tl.maximum(tl.cdiv(ctx, split_len), 1)
         if active == 1:  # the one split is the whole answer
             if split == 0:
                 _store_normalised(out_rows, acc, l_i, mask)
         elif split < active:
-            _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part + split, acc, m_i, l_i, offs_d, mask, row_mask,
-                            HEAD_DIM)
-            _fence_gpu(split, FENCE)  # each thread's partials visible GPU-wide before the count says they are there
+            _store_partials(
+                part_acc_ptr,
+                part_m_ptr,
+                part_l_ptr,
+                part + split,
+                acc,
+                m_i,
+                l_i,
+                offs_d,
+                mask,
+                row_mask,
+                HEAD_DIM,
+            )
+            _fence_gpu(
+                split, FENCE
+            )  # each thread's partials visible GPU-wide before the count says they are there
             tl.debug_barrier()
             counter = count_ptr + seq * (num_q_heads // GROUP) + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -280,23 +537,64 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, context_lens_ptr, out_ptr, p
                 m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
                 l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
                 acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                if UNROLL_MERGE > 0:  # every split's loads in one unrolled run: none waits for the one before
-                    for s in tl.static_range(UNROLL_MERGE):  # (past `active`: masked, they change nothing)
-                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
-                                                             part_l_ptr, part + s, offs_d, row_mask & (s < active),
-                                                             mask & (s < active), HEAD_DIM)
+                if (
+                    UNROLL_MERGE > 0
+                ):  # every split's loads in one unrolled run: none waits for the one before
+                    for s in tl.static_range(
+                        UNROLL_MERGE
+                    ):  # (past `active`: masked, they change nothing)
+                        acc_all, m_all, l_all = _merge_split(
+                            acc_all,
+                            m_all,
+                            l_all,
+                            part_acc_ptr,
+                            part_m_ptr,
+                            part_l_ptr,
+                            part + s,
+                            offs_d,
+                            row_mask & (s < active),
+                            mask & (s < active),
+                            HEAD_DIM,
+                        )
                 else:
-                    for s in range(0, active):  # in split order, whoever merges: the bits do not depend on timing
-                        acc_all, m_all, l_all = _merge_split(acc_all, m_all, l_all, part_acc_ptr, part_m_ptr,
-                                                             part_l_ptr, part + s, offs_d, row_mask, mask, HEAD_DIM)
+                    for s in range(
+                        0, active
+                    ):  # in split order, whoever merges: the bits do not depend on timing
+                        acc_all, m_all, l_all = _merge_split(
+                            acc_all,
+                            m_all,
+                            l_all,
+                            part_acc_ptr,
+                            part_m_ptr,
+                            part_l_ptr,
+                            part + s,
+                            offs_d,
+                            row_mask,
+                            mask,
+                            HEAD_DIM,
+                        )
                 _store_normalised(out_rows, acc_all, l_all, mask)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graphs replay)
+                tl.atomic_xchg(
+                    counter, 0, sem="relaxed", scope="gpu"
+                )  # zero again for the next call (graphs replay)
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                         WAIT: tl.constexpr):
+def _merge_splits_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_q_heads,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     _let_next_start(PDL, WAIT)
     seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -308,25 +606,41 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o
     l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     denom = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
-def _merge_counters(counters: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
+def _merge_counters(
+    counters: torch.Tensor | None, needed: int, device: torch.device
+) -> torch.Tensor:
     "The last-split-merges counters: the caller's (checked) or fresh zeros."
     if counters is None:
         return torch.zeros(needed, device=device, dtype=torch.int32)
     if counters.dtype != torch.int32 or counters.numel() < needed or counters.device != device:
-        raise ValueError(f"counters must be int32 zeros on {device} with at least {needed} (sequences x KV heads) "
-                         f"elements, got {counters.dtype} [{counters.numel()}] on {counters.device}")
+        raise ValueError(
+            f"counters must be int32 zeros on {device} with at least {needed} (sequences x KV heads) "
+            f"elements, got {counters.dtype} [{counters.numel()}] on {counters.device}"
+        )
     return counters
 
 
-def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None = None,
-                     block_n: int | None = None, pairs: int | None = None) -> tuple[int, int]:
+def decode_split_len(
+    max_blocks: int,
+    block_size: int,
+    split_tokens: int | None = None,
+    block_n: int | None = None,
+    pairs: int | None = None,
+) -> tuple[int, int]:
     """(keys per split, number of splits) for block tables of `max_blocks` columns: from shapes only. `split_tokens`:
     a fixed length (a sequence's bits then never depend on its batch). Else, given the number of (sequence, KV head)
     `pairs`, as many splits as bring the programs to DECODE_TARGET_PROGRAMS (at most DECODE_MAX_WORK_SPLITS, none
@@ -342,13 +656,24 @@ def decode_split_len(max_blocks: int, block_size: int, split_tokens: int | None 
     return split_len, -(-width // split_len)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, impl: str = "auto",
-                           split_tokens: int | None = None, block_n: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           rope: NormRope | None = None, merge: bool = True, counters: torch.Tensor | None = None,
-                           early_tile: bool | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+    split_tokens: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: NormRope | None = None,
+    merge: bool = True,
+    counters: torch.Tensor | None = None,
+    early_tile: bool | None = None,
+) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
     position; by the kernel itself where Triton runs and k and v have unit stride in D, else by `write_kv`. `rope`:
@@ -365,35 +690,60 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     its K and V spill registers, compiled for an H200)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
+        raise ValueError(
+            f"decode has one query per sequence: q has {q.shape[0]} rows for {block_tables.shape[0]} sequences"
+        )
     if rope is not None and new_kv is None:
-        raise ValueError("rope: q/k-norm and RoPE apply to the step's new K too, so they need new_kv")
+        raise ValueError(
+            "rope: q/k-norm and RoPE apply to the step's new K too, so they need new_kv"
+        )
     backend = kernel_backend(q.device, impl)
-    fused = new_kv is not None and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
-    rope_inside = fused and rope is not None and rope.cos.stride(-1) == 1 \
+    fused = (
+        new_kv is not None and backend == "triton" and all(t.stride(-1) == 1 for t in new_kv[:2])
+    )
+    rope_inside = (
+        fused
+        and rope is not None
+        and rope.cos.stride(-1) == 1
         and rope.cos.stride() == rope.sin.stride()
+    )
     if rope is not None and not rope_inside:
-        q, k = (norm_rope(x, w, rope.eps, rope.cos, rope.sin, impl)
-                for x, w in ((q, rope.q_weight), (new_kv[0], rope.k_weight)))
+        q, k = (
+            norm_rope(x, w, rope.eps, rope.cos, rope.sin, impl)
+            for x, w in ((q, rope.q_weight), (new_kv[0], rope.k_weight))
+        )
         new_kv = (k, *new_kv[1:])
     if new_kv is not None and not fused:
         write_kv(k_cache, v_cache, new_kv[2], new_kv[0], new_kv[1], impl)
     if backend == "torch":
         query_start = torch.arange(q.shape[0] + 1, device=q.device)
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+        return paged_attention_reference(
+            q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+        )
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
-    split_len, num_splits = decode_split_len(block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads)
-    block_n = min(block_n or DECODE_BLOCK_N, split_len)  # (the rule's short splits take tiles of their length)
+    split_len, num_splits = decode_split_len(
+        block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads
+    )
+    block_n = min(
+        block_n or DECODE_BLOCK_N, split_len
+    )  # (the rule's short splits take tiles of their length)
     out = torch.empty_like(q)
-    if early_tile is None:  # (a batch of 256 launched early held SMs that the projection before it needed)
+    if (
+        early_tile is None
+    ):  # (a batch of 256 launched early held SMs that the projection before it needed)
         early_tile = batch <= DEPENDENT_LAUNCH_MAX_ROWS
     early = early_tile and fused
     num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
-        part_acc = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-        part_m, part_l = (torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32) for _ in range(2))
+        part_acc = torch.empty(
+            batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32
+        )
+        part_m, part_l = (
+            torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32)
+            for _ in range(2)
+        )
     else:
         part_acc = part_m = part_l = out  # unused
     if num_splits > 1 and merge:
@@ -404,22 +754,76 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters, new_k, new_v, slots,
-        q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0),
-        new_v.stride(1), rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
-        GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, UPCAST=INTERPRETED,
-        PRECISION=_dot_precision(q.dtype), **_pdl_args(q.device, early, batch), STORE=fused,
-        ROPE=rope_inside, QK_NORM=rope.q_weight is not None, MERGE=merge, FENCE=not INTERPRETED, EARLY_TILE=early,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        counters,
+        new_k,
+        new_v,
+        slots,
+        q_weight,
+        rope.k_weight if rope.k_weight is not None else q_weight,
+        rope.cos,
+        rope.sin,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        new_k.stride(0),
+        new_k.stride(1),
+        new_v.stride(0),
+        new_v.stride(1),
+        rope.cos.stride(0),
+        rope.eps,
+        scale * math.log2(math.e),
+        q_heads,
+        split_len,
+        num_splits,
+        GROUP=group,
+        BLOCK_G=max(16, _pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, _pow2(head_dim)),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        SPLIT=num_splits > 1,
+        UPCAST=INTERPRETED,
+        PRECISION=_dot_precision(q.dtype),
+        **_pdl_args(q.device, early, batch),
+        STORE=fused,
+        ROPE=rope_inside,
+        QK_NORM=rope.q_weight is not None,
+        MERGE=merge,
+        FENCE=not INTERPRETED,
+        EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
-        UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0, num_warps=num_warps,
-        **_stages(num_stages))
+        UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
+        num_warps=num_warps,
+        **_stages(num_stages),
+    )
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), q_heads, num_splits,
-            BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            q_heads,
+            num_splits,
+            BLOCK_S=_pow2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, _pow2(head_dim)),
             **_pdl_args(q.device, rows=batch),
-            num_warps=4)
+            num_warps=4,
+        )
     return out

@@ -32,23 +32,29 @@ def _int8_rows_kernel(ids_ptr, q_ptr, scale_ptr, out_ptr, K, stride_qn, BLOCK: t
     i, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(ids_ptr + i).to(tl.int64)
     q = tl.load(q_ptr + row * stride_qn + cols, mask=cols < K, other=0)
-    out = q.to(tl.float32) * tl.load(scale_ptr + row)  # as `dequantize_int8`: the product in fp32, rounded once
+    out = q.to(tl.float32) * tl.load(
+        scale_ptr + row
+    )  # as `dequantize_int8`: the product in fp32, rounded once
     tl.store(out_ptr + i.to(tl.int64) * K + cols, out.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
-def int8_rows(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32,
-              impl: str = "auto") -> torch.Tensor:
+def int8_rows(
+    ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, impl: str = "auto"
+) -> torch.Tensor:
     """`dequantize_int8(q[ids], scale[ids], dtype)` [len(ids), K]: the rows `ids` [n] of an int8 matrix, dequantized
     (a tied model's embedding read from its int8 LM head). On a GPU one Triton launch instead of five small ones."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"int8_rows takes a 1-D tensor of integer row ids, got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(
+            f"int8_rows takes a 1-D tensor of integer row ids, got {ids.dtype} {tuple(ids.shape)}"
+        )
     if kernel_backend(q.device, impl) == "torch":
         return dequantize_int8(q[ids], scale[ids], dtype)
     out = torch.empty(len(ids), q.shape[1], dtype=dtype, device=q.device)
     block = min(1024, triton.next_power_of_2(q.shape[1]))
     if len(ids):
-        _int8_rows_kernel[(len(ids), triton.cdiv(q.shape[1], block))](ids.contiguous(), q, scale, out, q.shape[1],
-                                                                      q.stride(0), BLOCK=block, num_warps=4)
+        _int8_rows_kernel[(len(ids), triton.cdiv(q.shape[1], block))](
+            ids.contiguous(), q, scale, out, q.shape[1], q.stride(0), BLOCK=block, num_warps=4
+        )
     return out
 
 # %% ../../nbs/10_quant_formats.ipynb #b1f67d19
@@ -58,31 +64,41 @@ INT4_GROUP = 128  # inputs per scale / minimum
 def int4_group_size(k: int) -> int:
     "128, or for an input size that 128 does not divide the largest of 64 and 32 that does (SmolLM2's 576: 64)."
     for group in (INT4_GROUP, 64, 32):
-        if k % group == 0: return group
-    raise ValueError(f"int4 needs the input size to be a multiple of 32 (groups of 128, 64 or 32), got {k}")
+        if k % group == 0:
+            return group
+    raise ValueError(
+        f"int4 needs the input size to be a multiple of 32 (groups of 128, 64 or 32), got {k}"
+    )
 
 
-def quantize_int4(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    w: torch.Tensor, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "w [N, K] -> (packed uint8 [N, K/2], scale fp16 [N, K/group], minimum fp16 [N, K/group])."
     n, k = w.shape
     group = group or int4_group_size(k)
     if group % 16 or k % group:  # the GEMV below reads a group as whole 8-byte chunks
-        raise ValueError(f"int4 groups must be a multiple of 16 that divides the input size {k}, got {group}")
+        raise ValueError(
+            f"int4 groups must be a multiple of 16 that divides the input size {k}, got {group}"
+        )
     g = w.detach().float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale, minimum = ((hi - lo) / 15).half(), lo.half()
     if not (scale.isfinite().all() and minimum.isfinite().all()):
         raise ValueError("int4: a weight group does not fit float16 scales (|w| > 65504 or NaN)")
     s = scale.float()[..., None]
-    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))  # a constant group: every q = 0, w = minimum
+    inv = torch.where(
+        s > 0, 1 / s, torch.zeros_like(s)
+    )  # a constant group: every q = 0, w = minimum
     q = torch.round((g - minimum.float()[..., None]) * inv).clamp_(0, 15).to(torch.uint8)
     half = group // 2
     packed = q[..., :half] | (q[..., half:] << 4)
     return packed.reshape(n, k // 2), scale, minimum
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    dtype=torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype=torch.float32
+) -> torch.Tensor:
     n, groups = scale.shape
     b = packed.reshape(n, groups, -1)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
@@ -92,16 +108,24 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
 QUANTIZE_CHUNK = 2**24  # weights per slice of rows: bounds the FP32 temporaries of quantizing
 
 
-def quantize_rows(quantize, w: torch.Tensor, device=None, chunk: int = QUANTIZE_CHUNK, **options) -> tuple[torch.Tensor, ...]:
+def quantize_rows(
+    quantize, w: torch.Tensor, device=None, chunk: int = QUANTIZE_CHUNK, **options
+) -> tuple[torch.Tensor, ...]:
     """`quantize(w, **options)` (`quantize_int8` or `quantize_int4`), slice of rows by slice of rows on `device`
     (default: w's): each slice is copied there and quantized into the results, kept on `device`."""
     device = w.device if device is None else torch.device(device)
     rows = max(1, chunk // w.shape[1])
-    if rows >= w.shape[0]: return quantize(w.to(device), **options)
+    if rows >= w.shape[0]:
+        return quantize(w.to(device), **options)
     results = None
     for i in range(0, w.shape[0], rows):
-        part = quantize(w[i:i + rows].to(device), **options)
-        if results is None:  # allocated once, filled slice by slice: never the slices and their join at once
-            results = tuple(torch.empty((w.shape[0], *p.shape[1:]), dtype=p.dtype, device=device) for p in part)
-        for result, p in zip(results, part): result[i:i + rows] = p
+        part = quantize(w[i : i + rows].to(device), **options)
+        if (
+            results is None
+        ):  # allocated once, filled slice by slice: never the slices and their join at once
+            results = tuple(
+                torch.empty((w.shape[0], *p.shape[1:]), dtype=p.dtype, device=device) for p in part
+            )
+        for result, p in zip(results, part):
+            result[i : i + rows] = p
     return results

@@ -8,11 +8,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.backend import (INTERPRETED, _pow2, _wait_for_previous, kernel_backend, pdl_supported, tl,
-                                          triton)
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _pow2,
+    _wait_for_previous,
+    kernel_backend,
+    pdl_supported,
+    tl,
+    triton,
+)
 from ..kernels.elementwise import _silu_times
-from ..kernels.gemv import (GEMV_MAX_ROWS, _norm_scale, _program_row, _rows_epilogue_operands, _start_gemv,
-                                       check_gemv_folds, hand_off_operands)
+from forge_engine.kernels.gemv import (
+    GEMV_MAX_ROWS,
+    _norm_scale,
+    _program_row,
+    _rows_epilogue_operands,
+    _start_gemv,
+    check_gemv_folds,
+    hand_off_operands,
+)
 from .formats import dequantize_int4
 from .split_k import _int4_matmul_kernel, _skinny_kernel, _skinny_matmul
 
@@ -26,7 +40,9 @@ __all__ = ['ROUND_TO_INTEGER', 'GEMV_MIN_PROGRAMS', 'INT4_EARLY_WEIGHTS', 'INT4_
 def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
     """A uint8 tile -> (128 + low nibble, 128 + high nibble / 16) in fp32, exactly: the low nibble in the mantissa
     bits 16-19 of 128 (0x43000000), the high one in bits 12-15."""
-    if BYTE_ASM:  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
+    if (
+        BYTE_ASM
+    ):  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 l, r, t;
@@ -41,8 +57,13 @@ def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
             lop3.b32 $5, $8, 0x0000F000, 0x43000000, 0xEA;
             lop3.b32 $6, r, 0x0000F000, 0x43000000, 0xEA;
             lop3.b32 $7, t, 0x0000F000, 0x43000000, 0xEA;
-            }""", constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True,
-            pack=4)
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=4,
+        )
     b = b.to(tl.int32)
     low = ((b & 0x0F) << 16) | 0x43000000
     high = ((b >> 4) << 12) | 0x43000000
@@ -55,14 +76,31 @@ def _x_chunk(b0, lane, K, GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.con
     its low nibbles multiply (the high ones': GROUP / 2 further on)."""
     start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])
     # x's chunk starts at a multiple of CHUNK: said, so it comes in vector loads (one-warp tiles lost that: 2-byte loads)
-    return (start < K // 2) | EVEN, tl.multiple_of((start // (GROUP // 2)) * GROUP + start % (GROUP // 2), [CHUNK, CHUNK])
+    return (start < K // 2) | EVEN, tl.multiple_of(
+        (start // (GROUP // 2)) * GROUP + start % (GROUP // 2), [CHUNK, CHUNK]
+    )
 
 
 @triton.jit
-def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+def _int4_step_floats(
+    accs,
+    ws,
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     "`_int4_step` in FP32: nibbles made floats (`_nibbles_to_f32`), multiplied and added one by one."
-    HALF: tl.constexpr = GROUP // 2  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
+    HALF: tl.constexpr = (
+        GROUP // 2
+    )  # bytes per group and row: byte j holds inputs j (low) and j + HALF (high)
     c_ok, x_first = _x_chunk(b0, lane, K, GROUP, CHUNK, EVEN)
     x_at = x_ptr + x_first[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
     xs = ()  # the inputs of the chunk's low nibbles (and + HALF, the high ones), for each row m of x
@@ -79,12 +117,16 @@ def _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK
         f_lo, f_hi = _nibbles_to_f32(b, BYTE_ASM)  # 128 + q_lo, 128 + q_hi / 16
         for m in tl.static_range(ROWS):
             x_lo, x_hi, offset, x_sum = xs[m]
-            xq = tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset  # Σ x q in the chunk
+            xq = (
+                tl.sum(x_lo * f_lo, axis=2) + 16.0 * tl.sum(x_hi * f_hi, axis=2) - offset
+            )  # Σ x q in the chunk
             new = new + (accs[r * ROWS + m] + xq * s + x_sum * mn,)
     return new
 
 # %% ../../nbs/10c_quant_gemv.ipynb #59757bda
-ROUND_TO_INTEGER = tl.constexpr(1.5 * 2**23)  # v + this (|v| < 2^22) holds v rounded to an integer in its low bits
+ROUND_TO_INTEGER = tl.constexpr(
+    1.5 * 2**23
+)  # v + this (|v| < 2^22) holds v rounded to an integer in its low bits
 
 
 @triton.jit
@@ -95,7 +137,9 @@ def _x_as_floats(x_ptr, first, ok):
     if x_ptr.dtype.element_ty == tl.bfloat16:
         at = tl.multiple_of(first // 2, [4, 4, 4]) + tl.arange(0, 4)[None, None, :]
         words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + at, mask=ok, other=0)
-        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(
+            tl.float32, bitcast=True
+        )
     x = tl.load(x_ptr + first + tl.arange(0, 8)[None, None, :], mask=ok, other=0.0).to(tl.float32)
     return tl.split(tl.reshape(x, (x.shape[0], 32, 4, 2)))
 
@@ -104,11 +148,19 @@ def _x_as_floats(x_ptr, first, ok):
 def _int16_pairs(even, odd, scale, BYTE_ASM: tl.constexpr):
     """x's halves (`_x_as_floats`) times scale [SLABS, 32], rounded to integers, as 16-bit pairs in 32-bit words:
     (inputs 4i and 4i + 1, inputs 4i + 2 and 4i + 3), each [SLABS, 32, 2]."""
-    even = (even * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)  # the integer in the low 16 bits
+    even = (even * scale[:, :, None] + ROUND_TO_INTEGER).to(
+        tl.int32, bitcast=True
+    )  # the integer in the low 16 bits
     odd = (odd * scale[:, :, None] + ROUND_TO_INTEGER).to(tl.int32, bitcast=True)
     if BYTE_ASM:  # one PRMT: the low halves of both
-        pairs = tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, $2, 0x5410;", constraints="=r,r,r", args=[even, odd],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+        pairs = tl.inline_asm_elementwise(
+            asm="prmt.b32 $0, $1, $2, 0x5410;",
+            constraints="=r,r,r",
+            args=[even, odd],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
     else:
         pairs = (even & 0xFFFF) | (odd << 16)
     return tl.split(tl.reshape(pairs, (pairs.shape[0], 32, 2, 2)))
@@ -117,21 +169,37 @@ def _int16_pairs(even, odd, scale, BYTE_ASM: tl.constexpr):
 @triton.jit
 def _pairs_sum(pair, SIXTEEN: tl.constexpr, BYTE_ASM: tl.constexpr):
     "A word's two int16 added (SIXTEEN: each times 16), by one dp2a with the bytes (1, 1) or (16, 16)."
-    ones = tl.full(pair.shape, 4112 if SIXTEEN else 257, tl.int32)  # (ptxas takes the constant as an immediate)
+    ones = tl.full(
+        pair.shape, 4112 if SIXTEEN else 257, tl.int32
+    )  # (ptxas takes the constant as an immediate)
     if BYTE_ASM:
-        return tl.inline_asm_elementwise(asm="dp2a.lo.s32.u32 $0, $1, $2, 0;", constraints="=r,r,r", args=[pair, ones],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            asm="dp2a.lo.s32.u32 $0, $1, $2, 0;",
+            constraints="=r,r,r",
+            args=[pair, ones],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
     return _pair_dot(pair, ones)
 
 
 # a word's nibbles as two words of bytes (the high ones shifted down, or IN_PLACE as bytes of 16 q), then four dp2a
 # (two bytes times two int16, added): `_nibbles_dot`'s PTX
-_NIBBLE_BYTES = {False: "and.b32 lo, $1, 0x0F0F0F0F; shr.u32 t, $1, 4; and.b32 hi, t, 0x0F0F0F0F;",
-                 True: "and.b32 lo, $1, 0x0F0F0F0F; and.b32 hi, $1, 0xF0F0F0F0;"}
-_FOUR_DP2A = ("dp2a.lo.s32.u32 t, $2, lo, 0; dp2a.hi.s32.u32 t, $3, lo, t; dp2a.lo.s32.u32 t, $4, hi, t; "
-              "dp2a.hi.s32.u32 $0, $5, hi, t;")
-_NIBBLES_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }")
-_NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr("{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }")
+_NIBBLE_BYTES = {
+    False: "and.b32 lo, $1, 0x0F0F0F0F; shr.u32 t, $1, 4; and.b32 hi, t, 0x0F0F0F0F;",
+    True: "and.b32 lo, $1, 0x0F0F0F0F; and.b32 hi, $1, 0xF0F0F0F0;",
+}
+_FOUR_DP2A = (
+    "dp2a.lo.s32.u32 t, $2, lo, 0; dp2a.hi.s32.u32 t, $3, lo, t; dp2a.lo.s32.u32 t, $4, hi, t; "
+    "dp2a.hi.s32.u32 $0, $5, hi, t;"
+)
+_NIBBLES_DOT_ASM = tl.constexpr(
+    "{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[False] + _FOUR_DP2A + " }"
+)
+_NIBBLES_IN_PLACE_DOT_ASM = tl.constexpr(
+    "{ .reg .b32 lo, hi, t; " + _NIBBLE_BYTES[True] + _FOUR_DP2A + " }"
+)
 
 
 @triton.jit
@@ -140,14 +208,23 @@ def _nibbles_dot(w, lo01, lo23, hi01, hi23, IN_PLACE: tl.constexpr, BYTE_ASM: tl
     (`_int16_pairs` of the low inputs, of the high ones): an int32. IN_PLACE: the high nibbles taken where they sit,
     as bytes of 16 q (their inputs scaled by a further 1/16): two instructions for the bytes instead of three."""
     if BYTE_ASM:
-        return tl.inline_asm_elementwise(asm=_NIBBLES_IN_PLACE_DOT_ASM if IN_PLACE else _NIBBLES_DOT_ASM,
-                                         constraints="=r,r,r,r,r,r", args=[w, lo01, lo23, hi01, hi23], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            asm=_NIBBLES_IN_PLACE_DOT_ASM if IN_PLACE else _NIBBLES_DOT_ASM,
+            constraints="=r,r,r,r,r,r",
+            args=[w, lo01, lo23, hi01, hi23],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
     lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
     if IN_PLACE:
         hi = hi << 4
-    return (_pair_dot(lo01, lo & 0xFFFF) + _pair_dot(lo23, (lo >> 16) & 0xFFFF)
-            + _pair_dot(hi01, hi & 0xFFFF) + _pair_dot(hi23, (hi >> 16) & 0xFFFF))
+    return (
+        _pair_dot(lo01, lo & 0xFFFF)
+        + _pair_dot(lo23, (lo >> 16) & 0xFFFF)
+        + _pair_dot(hi01, hi & 0xFFFF)
+        + _pair_dot(hi23, (hi >> 16) & 0xFFFF)
+    )
 
 
 @triton.jit
@@ -157,8 +234,19 @@ def _pair_dot(pair, two_bytes):
 
 
 @triton.jit
-def _x_integers(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                EVEN: tl.constexpr, IN_PLACE: tl.constexpr, BYTE_ASM: tl.constexpr):
+def _x_integers(
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     """For each row m of x, this thread's chunk of a step as `_int4_step_integers` takes it: (its 16-bit pairs per 8
     bytes of weights (low inputs 01, 23, high inputs 01, 23), 2^e / 2^SHIFT, Σx): scaled by a power of two (IN_PLACE:
     the high inputs by a further 1/16), summed from the same integers."""
@@ -176,20 +264,30 @@ def _x_integers(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.constexpr, 
             lo = _x_as_floats(x_ptr, first, x_ok)
             hi = _x_as_floats(x_ptr, first + HALF, x_ok)
             for half in tl.static_range(2):
-                big = tl.maximum(big, tl.maximum(tl.max(tl.abs(lo[half]), axis=2), tl.max(tl.abs(hi[half]), axis=2)))
+                big = tl.maximum(
+                    big,
+                    tl.maximum(tl.max(tl.abs(lo[half]), axis=2), tl.max(tl.abs(hi[half]), axis=2)),
+                )
             loaded = loaded + ((lo, hi),)
         # 2^e <= max |x| with e >= -100 (a chunk of zeros, or below 2^-100: zeros); x * 2^(SHIFT - e) < 2^(SHIFT + 1)
         power = tl.maximum(big.to(tl.int32, bitcast=True) & 0x7F800000, 27 << 23)
         scale = (((127 + SHIFT) << 23) - (power - (127 << 23))).to(tl.float32, bitcast=True)
         unscale = power.to(tl.float32, bitcast=True) * (1.0 / (1 << SHIFT))
         pairs = ()
-        sums = tl.zeros_like(lane)  # Σ x of the chunk as the dot takes it: its integers (IN_PLACE: the high ones' x 16)
+        sums = tl.zeros_like(
+            lane
+        )  # Σ x of the chunk as the dot takes it: its integers (IN_PLACE: the high ones' x 16)
         for h in tl.static_range(CHUNK // 8):
             lo, hi = loaded[h]
             lo01, lo23 = _int16_pairs(lo[0], lo[1], scale, BYTE_ASM)
             hi01, hi23 = _int16_pairs(hi[0], hi[1], scale * 0.0625 if IN_PLACE else scale, BYTE_ASM)
-            sums += tl.sum(_pairs_sum(lo01, False, BYTE_ASM) + _pairs_sum(lo23, False, BYTE_ASM)
-                           + _pairs_sum(hi01, IN_PLACE, BYTE_ASM) + _pairs_sum(hi23, IN_PLACE, BYTE_ASM), axis=2)
+            sums += tl.sum(
+                _pairs_sum(lo01, False, BYTE_ASM)
+                + _pairs_sum(lo23, False, BYTE_ASM)
+                + _pairs_sum(hi01, IN_PLACE, BYTE_ASM)
+                + _pairs_sum(hi23, IN_PLACE, BYTE_ASM),
+                axis=2,
+            )
             pairs = pairs + ((lo01, lo23, hi01, hi23),)
         x_sum = ((sums + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER) * unscale
         xs = xs + ((pairs, unscale, x_sum),)
@@ -197,11 +295,26 @@ def _x_integers(x_ptr, b0, lane, M, K, ROWS: tl.constexpr, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr):
+def _int4_step_integers(
+    accs,
+    ws,
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
     """`_int4_step` in integers: x's chunk as 16-bit integers once for all rows (`_x_integers`), each weight word's
     nibbles multiplied and added by `_nibbles_dot`, 8 bytes of a chunk at a time."""
-    IN_PLACE: tl.constexpr = CHUNK == 8  # (16-byte chunks would keep 9 bits of their high inputs: they shift instead)
+    IN_PLACE: tl.constexpr = (
+        CHUNK == 8
+    )  # (16-byte chunks would keep 9 bits of their high inputs: they shift instead)
     xs = _x_integers(x_ptr, b0, lane, M, K, ROWS, GROUP, CHUNK, EVEN, IN_PLACE, BYTE_ASM)
     new = ()
     for r in tl.static_range(BLOCK_N):
@@ -212,7 +325,9 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
             dots = tl.zeros_like(lane)
             for h in tl.static_range(CHUNK // 8):
                 lo01, lo23, hi01, hi23 = pairs[h]
-                dots += tl.sum(_nibbles_dot(chunk[h], lo01, lo23, hi01, hi23, IN_PLACE, BYTE_ASM), axis=2)
+                dots += tl.sum(
+                    _nibbles_dot(chunk[h], lo01, lo23, hi01, hi23, IN_PLACE, BYTE_ASM), axis=2
+                )
             # Σ (x scaled) q of the chunk, |.| < 2^22: a float by the rounding trick backwards
             xq = (dots + 0x4B400000).to(tl.float32, bitcast=True) - ROUND_TO_INTEGER
             new = new + (accs[r * ROWS + m] + xq * (s * unscale) + x_sum * mn,)
@@ -220,88 +335,244 @@ def _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLO
 
 # %% ../../nbs/10c_quant_gemv.ipynb #0e6a2ce6
 @triton.jit
-def _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N: tl.constexpr,
-                  GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
-                  INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
+def _int4_weights(
+    q_ptr,
+    scale_ptr,
+    min_ptr,
+    b0,
+    lane,
+    first_col,
+    N,
+    K,
+    stride_qn,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    INT_DOT: tl.constexpr,
+    PAIRED: tl.constexpr,
+):
     """A step's weights of the program's rows: per row (this thread's chunk of bytes, its group's scale and minimum).
     INT_DOT: the chunk as CHUNK / 8 tiles of two 32-bit words each (`_int4_step_integers`). PAIRED: each scale
     followed by its minimum (`pair_scales`), both in one 4-byte load."""
-    start = tl.multiple_of(b0 + lane * CHUNK, [CHUNK, CHUNK])  # [SLABS, 32] a thread's first byte in the row
+    start = tl.multiple_of(
+        b0 + lane * CHUNK, [CHUNK, CHUNK]
+    )  # [SLABS, 32] a thread's first byte in the row
     c_ok = (start < K // 2) | EVEN  # EVEN: whole steps, whole programs and ROWS == M: no masks
-    g = start // (GROUP // 2)  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
+    g = start // (
+        GROUP // 2
+    )  # the chunk's group (a chunk never straddles two: half a group is whole chunks)
     ws = ()
     for r in tl.static_range(BLOCK_N):
         row, row_ok = _program_row(first_col, r, N, BLOCK_N // 2, SWIGLU)
         ok = c_ok & (row_ok | EVEN)
         at = row * (K // GROUP) + g
-        if INT_DOT:  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
-            words = q_ptr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(row * (stride_qn // 4) + start // 4, [2, 2])
+        if (
+            INT_DOT
+        ):  # 8 bytes a tile: 16 in one would be laid out over two threads, as x's 16 inputs are
+            words = q_ptr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(
+                row * (stride_qn // 4) + start // 4, [2, 2]
+            )
             chunk = ()
             for h in tl.static_range(CHUNK // 8):
-                chunk = chunk + (tl.load(words[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
-                                         mask=ok[:, :, None], other=0),)
+                chunk = chunk + (
+                    tl.load(
+                        words[:, :, None] + 2 * h + tl.arange(0, 2)[None, None, :],
+                        mask=ok[:, :, None],
+                        other=0,
+                    ),
+                )
         else:
-            chunk = tl.load(q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
-                            mask=ok[:, :, None], other=0)
+            chunk = tl.load(
+                q_ptr + row * stride_qn + start[:, :, None] + tl.arange(0, CHUNK)[None, None, :],
+                mask=ok[:, :, None],
+                other=0,
+            )
         if PAIRED:
-            pair = tl.load(scale_ptr + tl.multiple_of(2 * at, [2, 2])[:, :, None] + tl.arange(0, 2)[None, None, :],
-                           mask=ok[:, :, None], other=0.0)
+            pair = tl.load(
+                scale_ptr
+                + tl.multiple_of(2 * at, [2, 2])[:, :, None]
+                + tl.arange(0, 2)[None, None, :],
+                mask=ok[:, :, None],
+                other=0.0,
+            )
             s, mn = tl.split(pair)
             ws = ws + ((chunk, s, mn),)
         else:
-            ws = ws + ((chunk, tl.load(scale_ptr + at, mask=ok, other=0.0), tl.load(min_ptr + at, mask=ok, other=0.0)),)
+            ws = ws + (
+                (
+                    chunk,
+                    tl.load(scale_ptr + at, mask=ok, other=0.0),
+                    tl.load(min_ptr + at, mask=ok, other=0.0),
+                ),
+            )
     return ws
 
 
 @triton.jit
-def _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-               CHUNK: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, INT_DOT: tl.constexpr):
+def _int4_step(
+    accs,
+    ws,
+    x_ptr,
+    b0,
+    lane,
+    M,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    INT_DOT: tl.constexpr,
+):
     "accs + one step: x's chunk (loaded, converted and summed once for all rows) times each row's weights `ws`."
     if INT_DOT:
-        new = _int4_step_integers(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+        new = _int4_step_integers(
+            accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM
+        )
     else:
-        new = _int4_step_floats(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM)
+        new = _int4_step_floats(
+            accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM
+        )
     return new
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_ptr, next_g_ptr, normed_ptr,
-                      M, N, K, stride_qn, stride_rm, eps,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                      SLABS: tl.constexpr, EVEN: tl.constexpr, BYTE_ASM: tl.constexpr, PDL: tl.constexpr,
-                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr,
-                      RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr,
-                      EARLY_EPI: tl.constexpr, INT_DOT: tl.constexpr, PAIRED: tl.constexpr):
+def _int4_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    min_ptr,
+    out_ptr,
+    res_ptr,
+    sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    stride_rm,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLABS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    PDL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+    EARLY_EPI: tl.constexpr,
+    INT_DOT: tl.constexpr,
+    PAIRED: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: a dependent launch
-    STEP: tl.constexpr = SLABS * 32 * CHUNK  # bytes of a row per step: a slab of 32 x CHUNK per warp
-    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
-    HALF_N: tl.constexpr = BLOCK_N // 2  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
-    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
-    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (BLOCK_N * ROWS)  # [row r, x row m] at r * ROWS + m
+    STEP: tl.constexpr = (
+        SLABS * 32 * CHUNK
+    )  # bytes of a row per step: a slab of 32 x CHUNK per warp
+    lane = (
+        tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    )  # [SLABS, 32]: a thread's place in a step
+    HALF_N: tl.constexpr = (
+        BLOCK_N // 2
+    )  # SWIGLU: rows r < HALF_N of the gate half, r >= HALF_N their up rows
+    first_col = tl.program_id(0) * (
+        HALF_N if SWIGLU else BLOCK_N
+    )  # the program's first output column
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (
+        BLOCK_N * ROWS
+    )  # [row r, x row m] at r * ROWS + m
     first = 0
-    if EARLY_W:  # the first EARLY_W steps' weights asked for before waiting for x (as chapter 09's GEMV)
+    if (
+        EARLY_W
+    ):  # the first EARLY_W steps' weights asked for before waiting for x (as chapter 09's GEMV)
         early = ()
         for e in tl.static_range(EARLY_W):
-            early = early + (_int4_weights(q_ptr, scale_ptr, min_ptr, e * STEP, lane, first_col, N, K, stride_qn,
-                                           BLOCK_N, GROUP, CHUNK, EVEN, SWIGLU, INT_DOT, PAIRED),)
+            early = early + (
+                _int4_weights(
+                    q_ptr,
+                    scale_ptr,
+                    min_ptr,
+                    e * STEP,
+                    lane,
+                    first_col,
+                    N,
+                    K,
+                    stride_qn,
+                    BLOCK_N,
+                    GROUP,
+                    CHUNK,
+                    EVEN,
+                    SWIGLU,
+                    INT_DOT,
+                    PAIRED,
+                ),
+            )
         _wait_for_previous(PDL)
         for e in tl.static_range(EARLY_W):
-            accs = _int4_step(accs, early[e], x_ptr, e * STEP, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM,
-                              INT_DOT)
+            accs = _int4_step(
+                accs,
+                early[e],
+                x_ptr,
+                e * STEP,
+                lane,
+                M,
+                K,
+                ROWS,
+                BLOCK_N,
+                GROUP,
+                CHUNK,
+                EVEN,
+                BYTE_ASM,
+                INT_DOT,
+            )
         first = EARLY_W * STEP
     handed = ()  # NORM_SUMS: each row's squares summed by the GEMV before (chapter 09's `hand_off`), asked for once
-    for m in tl.static_range(ROWS if NORM_SUMS else 0):  # x is there (as chapter 09's GEMV), used at the end
+    for m in tl.static_range(
+        ROWS if NORM_SUMS else 0
+    ):  # x is there (as chapter 09's GEMV), used at the end
         handed = handed + (tl.load(sums_ptr + m, mask=m < M, other=0.0),)
-    if EARLY_EPI:  # the epilogue's residual and norm weights asked for before the loop (as chapter 09's GEMV)
-        residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
-                                                     RESIDUAL, HAND_OFF)
-    for b0 in tl.range(first, K // 2, STEP, num_stages=1):  # the loop as written, as chapter 09's GEMV
-        ws = _int4_weights(q_ptr, scale_ptr, min_ptr, b0, lane, first_col, N, K, stride_qn, BLOCK_N, GROUP, CHUNK, EVEN,
-                           SWIGLU, INT_DOT, PAIRED)
-        accs = _int4_step(accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM, INT_DOT)
+    if (
+        EARLY_EPI
+    ):  # the epilogue's residual and norm weights asked for before the loop (as chapter 09's GEMV)
+        residuals, next_gs = _rows_epilogue_operands(
+            res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N, RESIDUAL, HAND_OFF
+        )
+    for b0 in tl.range(
+        first, K // 2, STEP, num_stages=1
+    ):  # the loop as written, as chapter 09's GEMV
+        ws = _int4_weights(
+            q_ptr,
+            scale_ptr,
+            min_ptr,
+            b0,
+            lane,
+            first_col,
+            N,
+            K,
+            stride_qn,
+            BLOCK_N,
+            GROUP,
+            CHUNK,
+            EVEN,
+            SWIGLU,
+            INT_DOT,
+            PAIRED,
+        )
+        accs = _int4_step(
+            accs, ws, x_ptr, b0, lane, M, K, ROWS, BLOCK_N, GROUP, CHUNK, EVEN, BYTE_ASM, INT_DOT
+        )
     if not EARLY_EPI:
-        residuals, next_gs = _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N,
-                                                     RESIDUAL, HAND_OFF)
+        residuals, next_gs = _rows_epilogue_operands(
+            res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS, BLOCK_N, RESIDUAL, HAND_OFF
+        )
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # chapter 09's `gemv` epilogue, one output at a time
         rstd = _norm_scale(handed[m], K, eps) if NORM_SUMS else 1.0
@@ -312,21 +583,24 @@ def _int4_gemv_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, sums_p
             total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0) * rstd
             if SWIGLU:  # silu(gate) * up, rounded as the GEMV's stores and `silu_mul` round them (chapter 09)
                 up = tl.sum(tl.sum(accs[(r + HALF_N) * ROWS + m], axis=1), axis=0) * rstd
-                tl.store(out_ptr + m * (N // 2) + row, _silu_times(total.to(dtype).to(tl.float32),
-                                                                   up.to(dtype).to(tl.float32), dtype), mask=ok)
+                tl.store(
+                    out_ptr + m * (N // 2) + row,
+                    _silu_times(total.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
+                    mask=ok,
+                )
             else:
                 if RESIDUAL:  # added as rounded, as a separate add would find it
                     total = total.to(dtype).to(tl.float32) + residuals[r * ROWS + m]
                 tl.store(out_ptr + m * N + row, total.to(dtype), mask=ok)
-                if HAND_OFF:  # the next norm but its 1 / rms: h x its weight stored, h's squares summed
+                if (
+                    HAND_OFF
+                ):  # the next norm but its 1 / rms: h x its weight stored, h's squares summed
                     h = total.to(dtype).to(tl.float32)
                     tl.store(normed_ptr + m * N + row, (h * next_gs[r]).to(dtype), mask=ok)
                     squares += tl.where(ok, h * h, 0.0)
         if HAND_OFF:
             if m < M:  # (M may be specialised to 1, so m < M a constant: an `if`, not a mask)
                 tl.atomic_add(sums_ptr + m, squares, sem="relaxed")
-
-
 
 # %% ../../nbs/10c_quant_gemv.ipynb #11ec3e7a
 GEMV_MIN_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
@@ -336,12 +610,22 @@ INT4_EARLY_EPILOGUE = True  # the residual and norm weights of the epilogue aske
 # compiles to 128, 16 warps an SM; at 96 it spills nothing and 21 fit, and the int4 decode step measured faster; in
 # integers qkv's 4 x 2 x 8 with its three early steps takes 72 and spills six values, at 80 none (the step the same);
 # o's 4 x 2 x 16 in integers takes 66 uncapped, 87 under a cap of 96: fewer warps an SM, yet the step measured faster
-INT4_TILE_MAXNREG = {(8, 1, 8, False): 96, (8, 1, 8, True): 96, (4, 2, 8, True): 80, (4, 2, 16, True): 96}
+INT4_TILE_MAXNREG = {
+    (8, 1, 8, False): 96,
+    (8, 1, 8, True): 96,
+    (4, 2, 8, True): 80,
+    (4, 2, 16, True): 96,
+}
 # steps of weights a program asks for before its wait, for tiles (BLOCK_N, warps, CHUNK, in integers) at one row of x
 # (others: INT4_EARLY_WEIGHTS): qkv's 4 x 2 x 8 its whole row (three steps), down's 4 x 4 x 16 two of its three; in
 # integers the gate-up's 8 x 1 x 8 two of its five (96 registers, no spills; in FP32 they spill under its cap) (below)
-INT4_TILE_EARLY_STEPS = {(4, 2, 8, False): 3, (4, 2, 8, True): 3, (4, 4, 16, False): 2, (4, 4, 16, True): 2,
-                         (8, 1, 8, True): 2}
+INT4_TILE_EARLY_STEPS = {
+    (4, 2, 8, False): 3,
+    (4, 2, 8, True): 3,
+    (4, 4, 16, False): 2,
+    (4, 4, 16, True): 2,
+    (8, 1, 8, True): 2,
+}
 # the GEMV's arithmetic in integers (x as 16-bit integers, nibbles as bytes, dp2a: `_int4_step_integers`) where the
 # packed rows are whole 32-bit words; else in FP32 (`_int4_step_floats`): measured faster (below)
 INT4_INT_DOT = True
@@ -349,7 +633,9 @@ INT4_INT_DOT = True
 
 def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     "(BLOCK_N, num_warps, CHUNK bytes) for the int4 GEMV of an [n, k] weight at one row (the H200 labs' winners)."
-    if k >= 4096:  # long rows (o, down): 16-byte chunks, K split over four warps; o's 4,096 inputs over two
+    if (
+        k >= 4096
+    ):  # long rows (o, down): 16-byte chunks, K split over four warps; o's 4,096 inputs over two
         block_n, warps, chunk = 4, 4 if k > 4096 else 2, 16
     else:
         block_n, warps, chunk = (4, 2, 8) if n < 16384 else (8, 1, 8)
@@ -358,11 +644,22 @@ def quant_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return block_n, warps, chunk
 
 # %% ../../nbs/10c_quant_gemv.ipynb #f14686b0
-def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, num_warps: int,
-                 pdl: bool | None = None, maxnreg: int | None = None, swiglu: bool = False,
-                 residual: torch.Tensor | None = None,
-                 norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
-                 **constexprs):
+def _gemv_launch(
+    kernel,
+    x: torch.Tensor,
+    weights: tuple,
+    n: int,
+    block_n: int,
+    num_warps: int,
+    pdl: bool | None = None,
+    maxnreg: int | None = None,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple | None = None,
+    eps: float = 1e-6,
+    **constexprs,
+):
     """Launch a quantized GEMV kernel (grid over output tiles; x [M <= GEMV_MAX_ROWS, K], weights[0] [N, bytes per row])
     -> [M, N] (`swiglu`: [M, N / 2], a program's BLOCK_N rows half gate, half up); as a dependent launch where the GPU
     has it (default). `residual`, `norm_sums`, `hand_off`, `eps`: as
@@ -376,13 +673,28 @@ def _gemv_launch(kernel, x: torch.Tensor, weights: tuple, n: int, block_n: int, 
     pdl = pdl_supported(x.device) if pdl is None else pdl
     if m:
         kernel[(triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)](
-                                           x, *weights, out, *folds, m, n, k, weights[0].stride(0),
-                                           0 if residual is None else residual.stride(0), eps, ROWS=_pow2(m),
-                                           BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
-                                           num_warps=num_warps,
-                                           **({"maxnreg": maxnreg} if maxnreg else {}), SWIGLU=swiglu,
-                                           RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None,
-                                           HAND_OFF=hand_off is not None, **constexprs)
+            x,
+            *weights,
+            out,
+            *folds,
+            m,
+            n,
+            k,
+            weights[0].stride(0),
+            0 if residual is None else residual.stride(0),
+            eps,
+            ROWS=_pow2(m),
+            BLOCK_N=block_n,
+            PDL=pdl,
+            launch_pdl=pdl,
+            num_warps=num_warps,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+            SWIGLU=swiglu,
+            RESIDUAL=residual is not None,
+            NORM_SUMS=norm_sums is not None,
+            HAND_OFF=hand_off is not None,
+            **constexprs,
+        )
     return out if hand_off is None else (out, normed)
 
 
@@ -392,12 +704,17 @@ def pair_scales(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     return torch.stack((scale, minimum), dim=-1)
 
 
-def _scales_as_kernels_read(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _scales_as_kernels_read(
+    scale: torch.Tensor, minimum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(scale, minimum, paired): the two views of one `pair_scales` tensor as they are (paired), else each contiguous
     [N, groups], the layout the kernels index."""
     n, groups = scale.shape
-    paired = (scale.dtype == minimum.dtype and scale.stride() == minimum.stride() == (2 * groups, 2)
-              and minimum.data_ptr() - scale.data_ptr() == scale.element_size())
+    paired = (
+        scale.dtype == minimum.dtype
+        and scale.stride() == minimum.stride() == (2 * groups, 2)
+        and minimum.data_ptr() - scale.data_ptr() == scale.element_size()
+    )
     return (scale, minimum, True) if paired else (scale.contiguous(), minimum.contiguous(), False)
 
 
@@ -405,16 +722,31 @@ def _early_steps(pdl: bool, early_weights: int | None, row_bytes: int, step_byte
     "Steps of weights a program asks for before its wait: none unless launched as a dependent, at most a row's steps."
     steps = INT4_EARLY_WEIGHTS if early_weights is None else int(early_weights)
     if steps < 0:
-        raise ValueError(f"int4_gemv's early_weights is a number of steps, 0 or more, got {early_weights}")
+        raise ValueError(
+            f"int4_gemv's early_weights is a number of steps, 0 or more, got {early_weights}"
+        )
     return min(steps, triton.cdiv(row_bytes, step_bytes)) if pdl else 0
 
 
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              block_n: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-              byte_asm: bool | None = None, pdl: bool | None = None, maxnreg: int | None = None, swiglu: bool = False,
-              early_weights: int | None = None, residual: torch.Tensor | None = None,
-              norm_sums: torch.Tensor | None = None, hand_off: tuple | None = None, eps: float = 1e-6,
-              int_dot: bool | None = None):
+def int4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    chunk: int | None = None,
+    byte_asm: bool | None = None,
+    pdl: bool | None = None,
+    maxnreg: int | None = None,
+    swiglu: bool = False,
+    early_weights: int | None = None,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple | None = None,
+    eps: float = 1e-6,
+    int_dot: bool | None = None,
+):
     """x [M <= GEMV_MAX_ROWS, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_gemv_kernel`; `swiglu`:
     the weight is a gate-up matrix [gate | up] and the result silu(gate) * up [M, N / 2], in the kernel's epilogue.
     `residual`, `norm_sums`, `hand_off` (-> (h, h x the norm's weight)), `eps`: the folds of chapter 09's `gemv`.
@@ -437,19 +769,30 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     if not block_n:
         block_n = max(2 if swiglu else 1, default[0] // _pow2(max(m, 1)))
         block_n += swiglu and block_n % 2  # (a tile of gate rows and their up rows: even)
-    num_warps, chunk = num_warps or default[1], chunk or min(default[2], group // 2)  # (groups of 16: 8-byte chunks)
+    num_warps, chunk = (
+        num_warps or default[1],
+        chunk or min(default[2], group // 2),
+    )  # (groups of 16: 8-byte chunks)
     if chunk not in (8, 16) or (group // 2) % chunk:
-        raise ValueError(f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}")
+        raise ValueError(
+            f"int4_gemv's chunk is 8 or 16 bytes, dividing half a group ({group // 2} bytes), got {chunk}"
+        )
     if packed.numel() >= 2**31:  # the kernel's offsets are 32-bit
-        raise ValueError(f"int4_gemv takes weights of under 2^31 bytes, got {packed.numel()}: split the matrix")
+        raise ValueError(
+            f"int4_gemv takes weights of under 2^31 bytes, got {packed.numel()}: split the matrix"
+        )
     if swiglu and (n % 2 or block_n % 2):
-        raise ValueError(f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
-                         f"{n} and {block_n}")
+        raise ValueError(
+            f"int4_gemv with swiglu takes gate rows with their up rows: an even N and block_n, got "
+            f"{n} and {block_n}"
+        )
     check_gemv_folds("int4_gemv", x, n, swiglu, residual, norm_sums, hand_off)
     whole_words = packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0
     if int_dot and not whole_words:
-        raise ValueError(f"int4_gemv's int_dot reads the packed rows as 32-bit words: they must start at multiples of "
-                         f"4 bytes, got address {packed.data_ptr()} and row stride {packed.stride(0)}")
+        raise ValueError(
+            f"int4_gemv's int_dot reads the packed rows as 32-bit words: they must start at multiples of "
+            f"4 bytes, got address {packed.data_ptr()} and row stride {packed.stride(0)}"
+        )
     int_dot = (INT4_INT_DOT and whole_words) if int_dot is None else int_dot
     tile = (block_n, num_warps, chunk, bool(int_dot))
     if maxnreg is None and m == 1 and not INTERPRETED:
@@ -459,15 +802,41 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimu
     step_bytes = 32 * chunk * num_warps  # of a row, per loop step
     even = n % block_n == 0 and (k // 2) % step_bytes == 0 and m == _pow2(max(m, 1))
     scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
-    return _gemv_launch(_int4_gemv_kernel, x, (packed, scale, minimum), n, block_n, num_warps, pdl,
-                        maxnreg, swiglu, residual, norm_sums, hand_off, eps, GROUP=group, CHUNK=chunk, SLABS=num_warps,
-                        EVEN=even, EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
-                        EARLY_EPI=INT4_EARLY_EPILOGUE, BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
-                        INT_DOT=bool(int_dot), PAIRED=paired)
+    return _gemv_launch(
+        _int4_gemv_kernel,
+        x,
+        (packed, scale, minimum),
+        n,
+        block_n,
+        num_warps,
+        pdl,
+        maxnreg,
+        swiglu,
+        residual,
+        norm_sums,
+        hand_off,
+        eps,
+        GROUP=group,
+        CHUNK=chunk,
+        SLABS=num_warps,
+        EVEN=even,
+        EARLY_W=_early_steps(pdl, early_weights, k // 2, step_bytes),
+        EARLY_EPI=INT4_EARLY_EPILOGUE,
+        BYTE_ASM=not INTERPRETED if byte_asm is None else byte_asm,
+        INT_DOT=bool(int_dot),
+        PAIRED=paired,
+    )
 
 # %% ../../nbs/10c_quant_gemv.ipynb #c3023476
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                impl: str = "auto", kernel: str | None = None, **launch) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    impl: str = "auto",
+    kernel: str | None = None,
+    **launch,
+) -> torch.Tensor:
     "x [M, K] @ dequantize_int4(packed, scale, minimum).T -> [M, N] in x's dtype; `launch` goes to the kernel's launcher."
     if kernel_backend(x.device, impl) == "torch":
         return int4_matmul_reference(x, packed, scale, minimum)
@@ -475,8 +844,16 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         return int4_gemv(x, packed, scale, minimum, **launch)
     group = x.shape[1] // scale.shape[1]
     scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
-    return _skinny_matmul(_int4_matmul_kernel, x, (packed, scale, minimum), packed.shape[0], group, GROUP=group,
-                          PAIRED=paired, **launch)
+    return _skinny_matmul(
+        _int4_matmul_kernel,
+        x,
+        (packed, scale, minimum),
+        packed.shape[0],
+        group,
+        GROUP=group,
+        PAIRED=paired,
+        **launch,
+    )
 
 
 def int4_matmul_reference(x, packed, scale, minimum):

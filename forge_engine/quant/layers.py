@@ -14,8 +14,13 @@ from torch import nn
 from ..kernels.backend import kernel_backend
 from ..kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
 from ..model import Transformer, load_weights
-from .formats import (dequantize_int4, int8_rows, quantize_int4, quantize_int8,
-                                        quantize_rows)
+from forge_engine.quant.formats import (
+    dequantize_int4,
+    int8_rows,
+    quantize_int4,
+    quantize_int8,
+    quantize_rows,
+)
 from .gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
 from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
@@ -29,24 +34,37 @@ __all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANT
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
 
 
-def cpu_int4pack(nibbles: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor) -> tuple | None:
+def cpu_int4pack(
+    nibbles: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple | None:
     """Operands of PyTorch's CPU int4 GEMM for weights (q - 8) · scale + zero: nibbles uint8 [N, K/2] (a group's byte
     j holds q j and j + group/2), scale and zero [N, K/group] -> (its packed nibbles, group, scale and zero
     [K/group, N, 2] bf16); None off the CPU, without that kernel, or for a shape it does not take (N a multiple of
     16, groups of 32-256)."""
     n = nibbles.shape[0]
-    if (n % 16 or group not in (32, 64, 128, 256) or nibbles.device.type != "cpu"
-            or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+    if (
+        n % 16
+        or group not in (32, 64, 128, 256)
+        or nibbles.device.type != "cpu"
+        or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    ):
         return None
     b = nibbles.reshape(n, -1, group // 2)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1).to(torch.int32)
-    scale_zero = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    scale_zero = (
+        torch.stack([scale.float(), zero.float()], dim=-1)
+        .transpose(0, 1)
+        .contiguous()
+        .to(torch.bfloat16)
+    )
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group, scale_zero
 
 
 def cpu_int4pack_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     "x [M, K] @ the weights of `cpu_int4pack`'s operands .T -> [M, N] in x's dtype, through PyTorch's CPU int4 GEMM in bf16."
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), *operands).to(x.dtype)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16).contiguous(), *operands
+    ).to(x.dtype)
 
 
 def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
@@ -55,24 +73,38 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     out = torch.zeros(x.shape[0], q.shape[1], dtype=torch.float32, device=x.device)
     for b in range(q.shape[0]):
-        out += torch._weight_int8pack_mm(xb[:, 32 * b:32 * b + 32].contiguous(), q[b], ones).float() * d[b]
+        out += (
+            torch._weight_int8pack_mm(xb[:, 32 * b : 32 * b + 32].contiguous(), q[b], ones).float()
+            * d[b]
+        )
     return out.to(x.dtype)
 
 
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
     from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
+
     if qtype not in (2, 3, 8) or raw.device.type != "cpu":
         return None
     n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
     blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
     d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each of these blocks opens with d
-    if qtype in (2, 3):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
+    if qtype in (
+        2,
+        3,
+    ):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
         zero = torch.zeros_like(d) if qtype == 2 else _f16(blocks, 2).reshape(n, -1) + 8 * d
-        operands = cpu_int4pack(blocks[:, size - 16:].reshape(n, -1), 32, d, zero)
+        operands = cpu_int4pack(blocks[:, size - 16 :].reshape(n, -1), 32, d, zero)
         return None if operands is None else (cpu_int4pack_mm, operands)
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
-        q = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, -1, 32).permute(1, 0, 2).contiguous()
+        q = (
+            blocks[:, 2:]
+            .contiguous()
+            .view(torch.int8)
+            .reshape(n, -1, 32)
+            .permute(1, 0, 2)
+            .contiguous()
+        )
         return _q8_0_blocks_mm, (q, d.t().contiguous(), torch.ones(n, dtype=torch.bfloat16))
     return None
 
@@ -82,23 +114,34 @@ DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
 
 class QuantLinear(nn.Module):
     "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device=None):
         "`device`: where the bias goes (default: where it is)."
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        bias = None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        bias = (
+            None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        )
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
-    def dense_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # x @ weight rows start:end, dequantized
+    def skinny(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # the fused kernel
+
+    def dense_rows(
+        self, x: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:  # x @ weight rows start:end, dequantized
         raise NotImplementedError
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
+
+    def rows(
+        self, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
         rows = max(1, tile_weights // self.in_features)
-        if rows >= self.out_features: return self.dense_rows(x, 0, self.out_features)
+        if rows >= self.out_features:
+            return self.dense_rows(x, 0, self.out_features)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, self.out_features, rows):
             end = min(start + rows, self.out_features)
@@ -111,57 +154,81 @@ class QuantLinear(nn.Module):
             y = self.skinny(x2)
         else:
             y = self.dense(x2)
-        if self.bias is not None: y = y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}"
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8Linear(QuantLinear):
     """int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's.
     `linear`: an nn.Linear, or any module with a `weight` [N, K] (a tied model's embedding, as its LM head)."""
+
     def __init__(self, linear: nn.Module, device=None):
-        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
+        super().__init__(
+            linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device
+        )
         q, scale = quantize_rows(quantize_int8, linear.weight, device)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
     def skinny(self, x):
-        if x.shape[0] <= GEMV_MAX_ROWS:  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
+        if (
+            x.shape[0] <= GEMV_MAX_ROWS
+        ):  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
             return gemv(x, self.qweight, None, self.scale, impl="triton")
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16))
+            y = torch._weight_int8pack_mm(
+                x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16)
+            )
             return y.to(x.dtype)
         return super().dense(x, tile_weights)
 
-    def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
-    def rows(self, ids, dtype): return int8_rows(ids, self.qweight, self.scale, dtype)
-    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
+    def dense_rows(self, x, start, end):
+        return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+
+    def rows(self, ids, dtype):
+        return int8_rows(ids, self.qweight, self.scale, dtype)
+
+    def gemv_operands(self):
+        return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
 
 
 class Int4Linear(QuantLinear):
     "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs; quantized on `device`, as Int8Linear."
+
     def __init__(self, linear: nn.Module, group: int | None = None, device=None):
-        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
+        super().__init__(
+            linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device
+        )
         packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
-        self.register_buffer("scale_minimum", pair_scales(scale, minimum))  # one 4-byte load a group in the GEMV
+        self.register_buffer(
+            "scale_minimum", pair_scales(scale, minimum)
+        )  # one 4-byte load a group in the GEMV
 
     @property
-    def scale(self) -> torch.Tensor: return self.scale_minimum[..., 0]
+    def scale(self) -> torch.Tensor:
+        return self.scale_minimum[..., 0]
 
     @property
-    def minimum(self) -> torch.Tensor: return self.scale_minimum[..., 1]
+    def minimum(self) -> torch.Tensor:
+        return self.scale_minimum[..., 1]
 
-    def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
+    def skinny(self, x):
+        return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (cpu := self.cpu_pack()) is not None:
-            return cpu_int4pack_mm(x, cpu)  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
+            return cpu_int4pack_mm(
+                x, cpu
+            )  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
         return super().dense(x, tile_weights)
 
     def cpu_pack(self) -> tuple | None:
@@ -169,35 +236,57 @@ class Int4Linear(QuantLinear):
         tiled order), built on the first CPU call and kept; None where it does not fit. Its weights are
         (q - 8) · scale + zero: zero = minimum + 8 · scale."""
         if "_cpu_pack" not in self.__dict__:
-            self.__dict__["_cpu_pack"] = cpu_int4pack(self.qweight, self.in_features // self.scale.shape[1], self.scale,
-                                                      self.minimum.float() + 8 * self.scale.float())
+            self.__dict__["_cpu_pack"] = cpu_int4pack(
+                self.qweight,
+                self.in_features // self.scale.shape[1],
+                self.scale,
+                self.minimum.float() + 8 * self.scale.float(),
+            )
         return self.__dict__["_cpu_pack"]
 
     def dense_rows(self, x, start, end):
-        return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
+        return int4_matmul_reference(
+            x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end]
+        )
 
     def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
         """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
         09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
         `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
         if self.bias is not None and (swiglu or residual is not None):
-            raise ValueError("Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual")
-        out = int4_gemv(x, self.qweight, self.scale, self.minimum, swiglu=swiglu, residual=residual,
-                        norm_sums=norm_sums, hand_off=hand_off, eps=eps)
+            raise ValueError(
+                "Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual"
+            )
+        out = int4_gemv(
+            x,
+            self.qweight,
+            self.scale,
+            self.minimum,
+            swiglu=swiglu,
+            residual=residual,
+            norm_sums=norm_sums,
+            hand_off=hand_off,
+            eps=eps,
+        )
         return out if self.bias is None else out + self.bias
 
     def hands_off_norms(self) -> bool:
         "Whether a decode step hands its norms between this format's GEMVs (chapter 09's `gemv_hands_off_norms`)."
         return gemv_hands_off_norms(self.qweight)
 
-    def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
+    def rows(self, ids, dtype):
+        return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 
 
 class TiedEmbedding(nn.Module):
     "A tied model's embedding read from its quantized LM head (the same table): a token's row, dequantized."
+
     def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
-        self.head, self.dtype = head, dtype  # shared with the model's lm_head, not copied: one table serves both ends
+        self.head, self.dtype = (
+            head,
+            dtype,
+        )  # shared with the model's lm_head, not copied: one table serves both ends
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
@@ -205,33 +294,49 @@ class TiedEmbedding(nn.Module):
 # %% ../../nbs/10e_quant_layers.ipynb #44a8d074
 class GGUFLinear(QuantLinear):
     "Rows of GGUF blocks, as stored in the file, in one or more runs of the same quant type."
-    def __init__(self, parts: list[tuple[str, int, tuple[int, int], torch.Tensor]], bias: torch.Tensor | None = None):
+
+    def __init__(
+        self,
+        parts: list[tuple[str, int, tuple[int, int], torch.Tensor]],
+        bias: torch.Tensor | None = None,
+    ):
         "parts: (name, GGML type number, (rows, cols), bytes) in output order; every part has the same cols."
         runs: list[tuple[int, list[torch.Tensor]]] = []
         in_features = parts[0][2][1]
         for name, qtype, shape, raw in parts:
             if int(qtype) not in KEPT_GGUF_TYPES:
                 kept = ", ".join(t for t, _, _ in KEPT_GGUF_TYPES.values())
-                raise ValueError(f"{name}: GGUF type {getattr(qtype, 'name', qtype)} cannot be kept quantized; "
-                                 f"--quantization gguf supports {kept} (load without it: dequantized)")
+                raise ValueError(
+                    f"{name}: GGUF type {getattr(qtype, 'name', qtype)} cannot be kept quantized; "
+                    f"--quantization gguf supports {kept} (load without it: dequantized)"
+                )
             qtype = int(qtype)
             type_name, block, type_size = KEPT_GGUF_TYPES[qtype]
             if len(shape) != 2 or shape[1] != in_features:
-                raise ValueError(f"{name}: shape {list(shape)} does not fit a layer with {in_features} inputs")
+                raise ValueError(
+                    f"{name}: shape {list(shape)} does not fit a layer with {in_features} inputs"
+                )
             if shape[1] % block:
-                raise ValueError(f"{name}: {type_name} stores rows in blocks of {block}, but the row length is {shape[1]}")
+                raise ValueError(
+                    f"{name}: {type_name} stores rows in blocks of {block}, but the row length is {shape[1]}"
+                )
             expected = shape[0] * shape[1] // block * type_size
             if raw.numel() != expected:
-                raise ValueError(f"{name}: {type_name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+                raise ValueError(
+                    f"{name}: {type_name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}"
+                )
             rows = raw.reshape(shape[0], -1)
-            if runs and runs[-1][0] == qtype: runs[-1][1].append(rows)
-            else: runs.append((qtype, [rows]))
+            if runs and runs[-1][0] == qtype:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((qtype, [rows]))
         super().__init__(in_features, sum(shape[0] for _, _, shape, _ in parts), bias)
         self.qtypes = tuple(q for q, _ in runs)
         for i, (_, rows) in enumerate(runs):
             self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
 
-    def _runs(self): return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
+    def _runs(self):
+        return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
@@ -248,24 +353,35 @@ class GGUFLinear(QuantLinear):
         return self.__dict__["_cpu_packs"]
 
     def skinny(self, x):
-        return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
+        return torch.cat(
+            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1
+        )
 
     def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
         outs, first = [], 0
         for qtype, raw in self._runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
-            if lo < hi: outs.append(gguf_matmul_reference(x, raw[lo - first:hi - first], qtype))
+            if lo < hi:
+                outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))
             first += raw.shape[0]
         return torch.cat(outs, dim=-1)
 
     def rows(self, ids, dtype):
         from forge_engine.gguf_file import DEQUANTIZERS
-        if len(self.qtypes) != 1:
-            raise ValueError("rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows")
-        qtype, raw = self.qtypes[0], self.blocks0
-        return DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2])).reshape(ids.shape[0], -1).to(dtype)
 
-    def extra_repr(self): return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
+        if len(self.qtypes) != 1:
+            raise ValueError(
+                "rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows"
+            )
+        qtype, raw = self.qtypes[0], self.blocks0
+        return (
+            DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2]))
+            .reshape(ids.shape[0], -1)
+            .to(dtype)
+        )
+
+    def extra_repr(self):
+        return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
 
 # %% ../../nbs/10e_quant_layers.ipynb #d340395c
 QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
@@ -273,13 +389,17 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer, mode: str, int4_group: int | None = None, device=None) -> Transformer:
+def quantize_model(
+    model: Transformer, mode: str, int4_group: int | None = None, device=None
+) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time, and
     the LM head for an int8 one (a tied embedding then reads its rows from it).
     `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
     `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
     if mode not in QUANTIZERS:
-        raise ValueError(f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}")
+        raise ValueError(
+            f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}"
+        )
     options = {"group": int4_group} if mode == "int4" else {}
     options["device"] = device
     for layer in model.layers:
@@ -300,8 +420,12 @@ def quantize_model(model: Transformer, mode: str, int4_group: int | None = None,
     return model
 
 # %% ../../nbs/10e_quant_layers.ipynb #923cdbae
-_GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
-               "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
+_GGUF_PARTS = {
+    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn.o": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+}
 
 
 def _materialize(model: nn.Module, device, dtype) -> None:
@@ -309,7 +433,13 @@ def _materialize(model: nn.Module, device, dtype) -> None:
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
-                setattr(module, name, nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False))
+                setattr(
+                    module,
+                    name,
+                    nn.Parameter(
+                        torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False
+                    ),
+                )
 
 
 @torch.no_grad()
@@ -317,6 +447,7 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
     """A model whose layer matrices and LM head keep the `GGUFFile`'s quantized blocks (a tied model's embedding reads
     its rows from the head's); everything else dequantized to `dtype`."""
     from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
+
     config = gguf.model_config()
     infos = {t.name: t for t in gguf.tensor_infos}
     with torch.device("meta"):
@@ -327,9 +458,13 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parts = []
             for part in file_parts:
                 name = f"blk.{i}.{part}.weight"
-                if name not in infos: raise ValueError(f"{gguf.path}: tensor {name} is missing")
+                if name not in infos:
+                    raise ValueError(f"{gguf.path}: tensor {name} is missing")
                 info, rows = infos[name], gguf.raw(name).to(device)
-                if config.architecture == "llama" and part in ("attn_q", "attn_k"):  # whole rows move: blocks too
+                if config.architecture == "llama" and part in (
+                    "attn_q",
+                    "attn_k",
+                ):  # whole rows move: blocks too
                     heads = config.num_heads if part == "attn_q" else config.num_kv_heads
                     rows = llama_cpp_unpermute(rows.reshape(info.shape[0], -1), heads)
                 parts.append((f"{gguf.path.name}: {name}", info.qtype, info.shape, rows))
@@ -337,12 +472,21 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parent_name, _, attr = ours.rpartition(".")
             parent = layer.get_submodule(parent_name)
             bias = getattr(parent, attr).bias
-            setattr(parent, attr, GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")))
+            setattr(
+                parent,
+                attr,
+                GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")),
+            )
     head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    if head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES:  # (a head stored as F16 / F32 is loaded dense)
+    if (
+        head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES
+    ):  # (a head stored as F16 / F32 is loaded dense)
         info = infos[head]
-        model.lm_head = GGUFLinear([(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))])
-        if config.tie_word_embeddings: model.embed = TiedEmbedding(model.lm_head, dtype)
+        model.lm_head = GGUFLinear(
+            [(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))]
+        )
+        if config.tie_word_embeddings:
+            model.embed = TiedEmbedding(model.lm_head, dtype)
         kept.add(head)
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
@@ -355,7 +499,8 @@ def perplexity(model: Transformer, token_ids) -> float:
     "exp(mean NLL of token t+1 given tokens 0..t) over one sequence, through the plain forward."
     device = next(model.parameters()).device
     ids = torch.as_tensor(list(token_ids), device=device)
-    if ids.numel() < 2: raise ValueError("perplexity needs at least 2 tokens")
+    if ids.numel() < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
     logits = model.compute_logits(model(ids[:-1], torch.arange(ids.numel() - 1, device=device)))
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
 

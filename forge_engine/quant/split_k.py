@@ -9,7 +9,15 @@ import functools
 
 import torch
 
-from ..kernels.backend import INTERPRETED, _dot, _dot_precision, _pow2, kernel_backend, tl, triton
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _dot,
+    _dot_precision,
+    _pow2,
+    kernel_backend,
+    tl,
+    triton,
+)
 from ..kernels.gemv import GEMV_MAX_ROWS, gemv_reference
 
 # %% auto #0
@@ -20,7 +28,9 @@ __all__ = ['SKINNY_MAX_ROWS', 'SKINNY_KERNELS', 'int8_matmul', 'int8_matmul_refe
 def _accumulate(acc, x, w, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     "acc [BM, BN] += x [BM, BK] @ w [BN, BK].T"
     if USE_DOT:
-        if UPCAST:  # the interpreter: fp32 operands (see chapter 09; it also mangles int8 -> bf16 casts)
+        if (
+            UPCAST
+        ):  # the interpreter: fp32 operands (see chapter 09; it also mangles int8 -> bf16 casts)
             acc += _dot(x, tl.trans(w.to(tl.float32)), UPCAST, PRECISION)
         else:
             acc += _dot(x, tl.trans(w.to(x.dtype)), UPCAST, PRECISION)
@@ -48,43 +58,98 @@ def _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k):
 
 
 @triton.jit
-def _int8_matmul_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, k_per_split,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _int8_matmul_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        q = tl.load(q_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * K + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        q = tl.load(
+            q_ptr + offs_n[:, None] * K + offs_k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0,
+        )
         acc = _accumulate(acc, x, q, USE_DOT, UPCAST, PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     _store_partial(out_ptr, acc * scale[None, :], offs_m, offs_n, M, N, pid_k)
 
 
 @triton.jit
-def _int4_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, k_per_split,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                        USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr):
+def _int4_matmul_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    min_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PAIRED: tl.constexpr,
+):
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
     offs_j = tl.arange(0, GROUP // 2)
-    STRIDE: tl.constexpr = 2 if PAIRED else 1  # PAIRED: scales and minimums side by side (`pair_scales`)
+    STRIDE: tl.constexpr = (
+        2 if PAIRED else 1
+    )  # PAIRED: scales and minimums side by side (`pair_scales`)
     m_mask, n_mask = offs_m < M, offs_n < N
     groups = K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, GROUP):  # one group per step: one scale and minimum per output row
+    for k0 in range(
+        k_start, k_end, GROUP
+    ):  # one group per step: one scale and minimum per output row
         g = k0 // GROUP
-        b = tl.load(q_ptr + offs_n[:, None] * (K // 2) + g * (GROUP // 2) + offs_j[None, :], mask=n_mask[:, None], other=0)
+        b = tl.load(
+            q_ptr + offs_n[:, None] * (K // 2) + g * (GROUP // 2) + offs_j[None, :],
+            mask=n_mask[:, None],
+            other=0,
+        )
         x_ptrs = x_ptr + offs_m[:, None] * K + k0 + offs_j[None, :]
         x_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)  # inputs j of the group
         x_hi = tl.load(x_ptrs + GROUP // 2, mask=m_mask[:, None], other=0.0)  # inputs j + GROUP/2
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        xq = _accumulate(_accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION), x_hi, b >> 4, USE_DOT, UPCAST, PRECISION)
+        xq = _accumulate(
+            _accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION),
+            x_hi,
+            b >> 4,
+            USE_DOT,
+            UPCAST,
+            PRECISION,
+        )
         x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-        scale = tl.load(scale_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(min_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(
+            tl.float32
+        )
+        minimum = tl.load(min_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(
+            tl.float32
+        )
         acc += xq * scale[None, :] + x_sum[:, None] * minimum[None, :]
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
@@ -110,36 +175,70 @@ def _target_programs(device: torch.device) -> int:
     return 8
 
 
-def _skinny_matmul(kernel, x: torch.Tensor, weights: tuple, n: int, k_step: int, block_n: int | None = None,
-                   split: int | None = None, num_warps: int = 4, use_dot: bool | None = None,
-                   **constexprs) -> torch.Tensor:
+def _skinny_matmul(
+    kernel,
+    x: torch.Tensor,
+    weights: tuple,
+    n: int,
+    k_step: int,
+    block_n: int | None = None,
+    split: int | None = None,
+    num_warps: int = 4,
+    use_dot: bool | None = None,
+    **constexprs,
+) -> torch.Tensor:
     "Launch one of the skinny kernels on x [M, K]; returns [M, N] in x's dtype. use_dot: tl.dot tiles (default: above 2 rows)."
     x = x.contiguous()
     m, k = x.shape
     use_dot = m > 2 if use_dot is None else use_dot
     block_m = max(16, min(_pow2(m), 64)) if use_dot else _pow2(m)
     block_n = block_n or (64 if use_dot else 64 // block_m)
-    n_tiles, m_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, k_step)
+    n_tiles, m_tiles, k_steps = (
+        triton.cdiv(n, block_n),
+        triton.cdiv(m, block_m),
+        triton.cdiv(k, k_step),
+    )
     if split is None:
         split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no empty slices
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    partials = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    partials = (
+        out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    )
     kernel[(n_tiles, split, m_tiles)](
-        x, *weights, partials, m, n, k, steps_per_split * k_step, BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_DOT=use_dot, UPCAST=INTERPRETED, PRECISION=_dot_precision(x.dtype), num_warps=num_warps, **constexprs)
+        x,
+        *weights,
+        partials,
+        m,
+        n,
+        k,
+        steps_per_split * k_step,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_DOT=use_dot,
+        UPCAST=INTERPRETED,
+        PRECISION=_dot_precision(x.dtype),
+        num_warps=num_warps,
+        **constexprs,
+    )
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](partials, out, m * n, SPLIT=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
+            partials, out, m * n, SPLIT=split, BLOCK=1024
+        )
     return out
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto", **launch) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto", **launch
+) -> torch.Tensor:
     "x [M, K] @ (scale[:, None] * q).T -> [M, N] in x's dtype."
     if kernel_backend(x.device, impl) == "torch":
         return int8_matmul_reference(x, q, scale)
     block_k = launch.pop("block_k", 128)
-    return _skinny_matmul(_int8_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, **launch)
+    return _skinny_matmul(
+        _int8_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, **launch
+    )
 
 
 SKINNY_KERNELS = ("gemv", "split_k")
@@ -171,6 +270,9 @@ def assert_matches(got, want, label, atol=1e-4):
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert rel < 1e-2, (label, rel)
 
+
 def check_kernel(fn, reference, x, atol=1e-4, **launch):
     "`assert_matches` of `fn(x, impl='triton', **launch)` (a kernel under test) against `reference(x)`."
-    assert_matches(fn(x, impl="triton", **launch), reference(x), f"M={x.shape[0]} {x.dtype} {launch}", atol)
+    assert_matches(
+        fn(x, impl="triton", **launch), reference(x), f"M={x.shape[0]} {x.dtype} {launch}", atol
+    )

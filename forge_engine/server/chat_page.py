@@ -21,7 +21,11 @@ def static_text(name: str) -> str:
     return (STATIC / name).read_bytes().decode("utf-8")
 
 
-CHAT_STYLE, CHAT_SCRIPT, CHAT_HTML = static_text("chat.css"), static_text("chat.js"), static_text("chat.html")
+CHAT_STYLE, CHAT_SCRIPT, CHAT_HTML = (
+    static_text("chat.css"),
+    static_text("chat.js"),
+    static_text("chat.html"),
+)
 
 
 def csp_hash(code: str) -> str:
@@ -32,7 +36,8 @@ def csp_hash(code: str) -> str:
 CHAT_PAGE = CHAT_HTML.replace("%STYLE%", CHAT_STYLE).replace("%SCRIPT%", CHAT_SCRIPT)
 CHAT_PAGE_HEADERS = {
     "Content-Security-Policy": f"default-src 'none'; script-src {csp_hash(CHAT_SCRIPT)}; "
-                               f"style-src {csp_hash(CHAT_STYLE)}; connect-src 'self'; img-src data:; "
-                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+    f"style-src {csp_hash(CHAT_STYLE)}; connect-src 'self'; img-src data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
 }

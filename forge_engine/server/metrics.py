@@ -19,34 +19,56 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class ServerMetrics:
     "The Prometheus metrics of one server, in a registry of its own."
+
     def __init__(self):
         self.registry = r = CollectorRegistry()
         histogram = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = histogram("forge_time_to_first_token_seconds", "Arrival to first generated token.")
-        self.itl = histogram("forge_inter_token_latency_seconds", "Time between two outputs of one request.")
+        self.ttft = histogram(
+            "forge_time_to_first_token_seconds", "Arrival to first generated token."
+        )
+        self.itl = histogram(
+            "forge_inter_token_latency_seconds", "Time between two outputs of one request."
+        )
         self.e2e = histogram("forge_e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = histogram("forge_request_queue_time_seconds", "Arrival to first scheduled.")
-        self.prompt_tokens = Counter("forge_prompt_tokens", "Prompt tokens of requests that started generating.",
-                                     registry=r)
+        self.prompt_tokens = Counter(
+            "forge_prompt_tokens", "Prompt tokens of requests that started generating.", registry=r
+        )
         self.generation_tokens = Counter("forge_generation_tokens", "Generated tokens.", registry=r)
-        self.requests = Counter("forge_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
-        for reason in FINISH_REASONS: self.requests.labels(reason)  # every series exists from the start
+        self.requests = Counter(
+            "forge_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)  # every series exists from the start
         self.running = Gauge("forge_requests_running", "Requests being decoded.", registry=r)
         self.waiting = Gauge("forge_requests_waiting", "Requests queued for admission.", registry=r)
-        self.kv_used = Gauge("forge_kv_cache_used_blocks", "KV blocks held by requests.", registry=r)
-        self.kv_usage = Gauge("forge_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", registry=r)
-        self.prefix_hit_rate = Gauge("forge_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
-                                     registry=r)
+        self.kv_used = Gauge(
+            "forge_kv_cache_used_blocks", "KV blocks held by requests.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "forge_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "forge_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / looked up.",
+            registry=r,
+        )
 
     def observe(self, out: RequestOutput, since_last_tokens: float | None) -> None:
         "One output of a request; `since_last_tokens`: seconds since its previous output with tokens."
         if out.delta_token_ids:
             self.generation_tokens.inc(len(out.delta_token_ids))
-            if since_last_tokens is not None: self.itl.observe(since_last_tokens)
+            if since_last_tokens is not None:
+                self.itl.observe(since_last_tokens)
         if out.finished:
             self.requests.labels(out.finish_reason).inc()
-            for histogram, key in ((self.queue, "queue_s"), (self.ttft, "ttft_s"), (self.e2e, "e2e_s")):
-                if key in out.metrics: histogram.observe(out.metrics[key])
+            for histogram, key in (
+                (self.queue, "queue_s"),
+                (self.ttft, "ttft_s"),
+                (self.e2e, "e2e_s"),
+            ):
+                if key in out.metrics:
+                    histogram.observe(out.metrics[key])
 
     def exposition(self, stats: EngineStats | None) -> bytes:
         "The text format, with the gauges read from `stats` (None: the engine is not there yet)."

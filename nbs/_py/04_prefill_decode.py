@@ -55,6 +55,7 @@ from forge_engine.model import empty_model, init_random_weights
 #| export
 class ContiguousKVCache:
     "K/V of one sequence in preallocated buffers; an attention backend for `Transformer.forward`."
+
     def __init__(self, config: ModelConfig, max_len: int, device="cpu", dtype=torch.float32):
         shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -68,7 +69,8 @@ class ContiguousKVCache:
         self.k[layer, start:end], self.v[layer, start:end] = k, v
         return causal_attention(q, self.k[layer, :end], self.v[layer, :end], q_offset=start)
 
-    def advance(self, n: int): self.length += n
+    def advance(self, n: int):
+        self.length += n
 
 
 @torch.no_grad()
@@ -123,17 +125,29 @@ class StructuredOutput:
     """What the output must match (chapter 06a makes a token mask of it). `spec` by `kind`: json_schema, the schema
     (a dict, or its JSON text); json_object, None (any JSON object); regex, a pattern; grammar, a Lark grammar;
     choice, a list of strings (the output is one of them)."""
+
     kind: str
     spec: Any = None
 
     def __post_init__(self):
         if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}")
-        wanted = {"json_schema": (dict, str), "regex": str, "grammar": str, "choice": (list, tuple)}.get(self.kind)
+            raise ValueError(
+                f"invalid structured output kind {self.kind!r}: one of {', '.join(STRUCTURED_KINDS)}"
+            )
+        wanted = {
+            "json_schema": (dict, str),
+            "regex": str,
+            "grammar": str,
+            "choice": (list, tuple),
+        }.get(self.kind)
         if wanted is None and self.spec is not None:
-            raise ValueError(f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}")
+            raise ValueError(
+                f"structured output {self.kind} takes no spec, got {type(self.spec).__name__}"
+            )
         if wanted is not None and not (isinstance(self.spec, wanted) and self.spec):
-            raise ValueError(f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}")
+            raise ValueError(
+                f"structured output {self.kind} needs a non-empty spec, got {self.spec!r}"
+            )
         if self.kind == "choice" and not all(isinstance(c, str) and c for c in self.spec):
             raise ValueError("structured output choice needs non-empty strings")
 
@@ -141,6 +155,7 @@ class StructuredOutput:
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop. Names follow vLLM."
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_k: int = -1  # -1 (or 0): off
@@ -158,46 +173,82 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to report per token
     skip_special_tokens: bool = True
     n: int = 1
-    structured: StructuredOutput | None = None  # the output must match a schema, regex, grammar or choice
+    structured: StructuredOutput | None = (
+        None  # the output must match a schema, regex, grammar or choice
+    )
 
     def __post_init__(self):
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
             ("n", self.n == 1, "only n=1 is supported"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), "must be >= 0"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            (
+                "temperature",
+                self.temperature >= 0 and math.isfinite(self.temperature),
+                "must be >= 0",
+            ),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1 (off) or >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be in [0, max_tokens]",
+            ),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("logit_bias", all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "values must be in [-100, 100]"),
-            ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
-             "must be a StructuredOutput"),
+            (
+                "logit_bias",
+                all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()),
+                "values must be in [-100, 100]",
+            ),
+            (
+                "structured",
+                self.structured is None or isinstance(self.structured, StructuredOutput),
+                "must be a StructuredOutput",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+                raise ValueError(
+                    f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+                )
 
     @property
-    def greedy(self) -> bool: return self.temperature == 0
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 # %%
 assert SamplingParams(stop="\n").stop == ["\n"]
-for bad in [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0), dict(n=2),
-            dict(structured={"type": "object"})]:
+for bad in [
+    dict(temperature=-1),
+    dict(top_p=0.0),
+    dict(top_p=1.5),
+    dict(top_k=-2),
+    dict(max_tokens=0),
+    dict(n=2),
+    dict(structured={"type": "object"}),
+]:
     with pytest.raises(ValueError, match=f"invalid sampling parameter {next(iter(bad))}="):
         SamplingParams(**bad)
 assert SamplingParams(structured=StructuredOutput("regex", "[0-9]+")).structured.spec == "[0-9]+"
-for kind, spec, why in [("xml", None, "invalid structured output kind"), ("regex", "", "needs a non-empty spec"),
-                        ("json_object", {"type": "object"}, "takes no spec"), ("choice", ["a", 1], "non-empty strings")]:
+for kind, spec, why in [
+    ("xml", None, "invalid structured output kind"),
+    ("regex", "", "needs a non-empty spec"),
+    ("json_object", {"type": "object"}, "takes no spec"),
+    ("choice", ["a", 1], "non-empty strings"),
+]:
     with pytest.raises(ValueError, match=why):
         StructuredOutput(kind, spec)
 
@@ -216,24 +267,36 @@ for kind, spec, why in [("xml", None, "invalid structured output kind"), ("regex
 
 # %%
 #| export
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+) -> torch.Tensor:
     "Logit bias, repetition penalty (prompt + output) and presence/frequency penalties (output)."
     logits = logits.clone()
     for token, bias in (params.logit_bias or {}).items():
         logits[int(token)] += bias
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(
+            sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device
+        )
         if len(seen):
             x = logits[seen]
-            logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+            logits[seen] = torch.where(
+                x > 0, x / params.repetition_penalty, x * params.repetition_penalty
+            )
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel()).float()
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=logits.numel()
+        ).float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     return logits
 
 
-def filter_probs(probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+def filter_probs(
+    probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     "Zero out tokens outside top-k, outside the top-p nucleus, or below min_p x the top probability; renormalise."
     probs = probs.clone()
     if top_k > 0 and top_k < probs.numel():
@@ -247,11 +310,15 @@ def filter_probs(probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p
     return probs / probs.sum()
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
     "Greedy, or temperature + filters + an exponential race drawn from `generator`."
     if params.greedy:
         return int(logits.argmax())
-    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params.top_k, params.top_p, params.min_p)
+    probs = filter_probs(
+        torch.softmax(logits / params.temperature, dim=-1), params.top_k, params.top_p, params.min_p
+    )
     race = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / race).argmax())
 
@@ -261,15 +328,21 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 # %%
 import matplotlib.pyplot as plt
+
 torch.manual_seed(0)
 logits = torch.randn(40) * 2
 probs = torch.softmax(logits / 0.8, -1)
-steps = {"softmax(logits / 0.8)": probs, "top_k=10": filter_probs(probs, top_k=10),
-         "top_p=0.8": filter_probs(probs, top_p=0.8), "min_p=0.1": filter_probs(probs, min_p=0.1)}
+steps = {
+    "softmax(logits / 0.8)": probs,
+    "top_k=10": filter_probs(probs, top_k=10),
+    "top_p=0.8": filter_probs(probs, top_p=0.8),
+    "min_p=0.1": filter_probs(probs, min_p=0.1),
+}
 fig, axes = plt.subplots(1, 4, figsize=(12, 2.2), sharey=True)
 order = probs.argsort(descending=True)
 for ax, (title, p) in zip(axes, steps.items()):
-    ax.bar(range(40), p[order]); ax.set_title(f"{title}: {(p > 0).sum()} left", fontsize=9)
+    ax.bar(range(40), p[order])
+    ax.set_title(f"{title}: {(p > 0).sum()} left", fontsize=9)
 plt.show()
 
 # %%
@@ -279,15 +352,30 @@ assert torch.equal(filter_probs(p, top_p=0.8) > 0, torch.tensor([True, True, Fal
 assert torch.equal(filter_probs(p, top_p=0.81) > 0, torch.tensor([True, True, True, False]))
 assert torch.equal(filter_probs(p, min_p=0.5) > 0, torch.tensor([True, True, False, False]))
 # fp32: 0.3 rounded, then the sum and each quotient: three roundings of 2^-24 at most
-assert torch.allclose(filter_probs(p, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), rtol=1e-6, atol=0)
+assert torch.allclose(
+    filter_probs(p, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), rtol=1e-6, atol=0
+)
 # the race draws in proportion to p, and a seed repeats it
-draws = [sample_token(p.log(), SamplingParams(temperature=1.0), torch.Generator().manual_seed(s)) for s in range(4000)]
+draws = [
+    sample_token(p.log(), SamplingParams(temperature=1.0), torch.Generator().manual_seed(s))
+    for s in range(4000)
+]
 freq = torch.bincount(torch.tensor(draws), minlength=4) / 4000
-assert torch.allclose(freq, p, atol=0.03), freq  # 4000 draws: standard errors <= sqrt(0.25 / 4000) = 0.008
+assert torch.allclose(freq, p, atol=0.03), (
+    freq
+)  # 4000 draws: standard errors <= sqrt(0.25 / 4000) = 0.008
 assert sample_token(p.log(), SamplingParams(), torch.Generator().manual_seed(7)) == draws[7]
-pen = apply_penalties(torch.tensor([2.0, -2.0, 1.0, 0.0]), SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
-                      frequency_penalty=0.25, logit_bias={3: 5.0}), prompt_ids=[0], output_ids=[1, 1])
-assert torch.equal(pen, torch.tensor([1.0, -4.0 - 0.5 - 0.5, 1.0, 5.0]))  # halves and quarters: exact in binary
+pen = apply_penalties(
+    torch.tensor([2.0, -2.0, 1.0, 0.0]),
+    SamplingParams(
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 5.0}
+    ),
+    prompt_ids=[0],
+    output_ids=[1, 1],
+)
+assert torch.equal(
+    pen, torch.tensor([1.0, -4.0 - 0.5 - 0.5, 1.0, 5.0])
+)  # halves and quarters: exact in binary
 
 
 # %% [markdown]
@@ -309,28 +397,39 @@ def failure_table(s: str) -> list[int]:
     "Knuth-Morris-Pratt: `table[i]` is the length of the longest proper prefix of `s[:i + 1]` that also ends it."
     table, k = [0] * len(s), 0
     for i in range(1, len(s)):
-        while k and s[i] != s[k]: k = table[k - 1]
-        if s[i] == s[k]: k += 1
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
         table[i] = k
     return table
 
 
 class StopStringMatcher:
     "Feeds streamed text; releases only text that can no longer become part of a stop string. Linear time."
+
     def __init__(self, stops: Sequence[str]):
         self.stops, self.pending, self.stopped = list(stops), "", False
         self._tables = [failure_table(s) for s in self.stops]
-        self._states = [0] * len(self.stops)  # per stop string: its longest prefix that ends the text fed so far
+        self._states = [0] * len(
+            self.stops
+        )  # per stop string: its longest prefix that ends the text fed so far
 
     def feed(self, delta: str) -> str:
         "New text in; the part now safe to emit out. Sets `stopped` when a stop string appears."
-        if self.stopped: return ""
-        text, first = self.pending + delta, None  # first: where the earliest stop string found starts in `text`
+        if self.stopped:
+            return ""
+        text, first = (
+            self.pending + delta,
+            None,
+        )  # first: where the earliest stop string found starts in `text`
         for j, (s, table) in enumerate(zip(self.stops, self._tables)):
             k = self._states[j]
             for i, c in enumerate(delta, len(self.pending)):
-                while k and s[k] != c: k = table[k - 1]
-                if s[k] == c: k += 1
+                while k and s[k] != c:
+                    k = table[k - 1]
+                if s[k] == c:
+                    k += 1
                 if k == len(s):
                     first = i + 1 - k if first is None else min(first, i + 1 - k)
                     break
@@ -339,8 +438,8 @@ class StopStringMatcher:
             self.stopped, self.pending = True, ""
             return text[:first]
         hold = max(self._states, default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold]
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
 
     def flush(self) -> str:
         "At the end of generation what was held back is safe."
@@ -370,22 +469,30 @@ def reference(stops, deltas):
     for delta in deltas:
         text = pending + delta
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if hits: return out + [text[:min(hits)]]
+        if hits:
+            return out + [text[: min(hits)]]
         hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        pending = text[len(text) - hold:] if hold else ""
-        out.append(text[:len(text) - hold])
+        pending = text[len(text) - hold :] if hold else ""
+        out.append(text[: len(text) - hold])
     return out + [pending]
 
 
 rng = random.Random(0)
 for _ in range(500):
-    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
-    deltas = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+    stops = [
+        "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        for _ in range(rng.randint(1, 3))
+    ]
+    deltas = [
+        "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+        for _ in range(rng.randint(1, 8))
+    ]
     m = StopStringMatcher(stops)
     got = []
     for d in deltas:
         got.append(m.feed(d))
-        if m.stopped: break
+        if m.stopped:
+            break
     assert got + ([] if m.stopped else [m.flush()]) == reference(stops, deltas), (stops, deltas)
 
 # %% [markdown]
@@ -409,13 +516,19 @@ assert m.flush() == "a" * 50_000 and time.perf_counter() - t0 < 10
 #| export
 class TextStream:
     "Token ids in, displayable text deltas out; notices stop strings."
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ):
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
         self.stops = StopStringMatcher(params.stop)
         self.text = ""
 
     @property
-    def stopped(self) -> bool: return self.stops.stopped
+    def stopped(self) -> bool:
+        return self.stops.stopped
 
     def add(self, token_id: int) -> str:
         delta = self.stops.feed(self.detokenizer.add(token_id))
@@ -431,6 +544,7 @@ class TextStream:
 
 # %%
 from forge_engine.registry import fetch
+
 qwen_tok = Tokenizer.from_file(fetch("qwen3-tokenizer"))
 ids = qwen_tok.encode("Stars 🌟 are far. ### The end")
 stream = TextStream(qwen_tok, SamplingParams(stop=["###"]))
@@ -450,18 +564,25 @@ assert all("\ufffd" not in d and "#" not in d for d in deltas)
 @dataclass
 class Completion:
     "What came out of one request."
+
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (end token, stop token or stop string) or "length"
-    logprobs: list[dict[int, float]] | None = None  # per token: its own and the top-N log-probabilities
+    logprobs: list[dict[int, float]] | None = (
+        None  # per token: its own and the top-N log-probabilities
+    )
     ttft_seconds: float | None = None
     seconds: float | None = None
 
 
-def finish_reason_for(token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]) -> str | None:
+def finish_reason_for(
+    token: int, num_generated: int, params: SamplingParams, eos_ids: Sequence[int]
+) -> str | None:
     "Token-level stop rules, applied after `token` became the `num_generated`-th output (stop tokens are masked before `min_tokens`)."
-    if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos): return "stop"
-    if num_generated >= params.max_tokens: return "length"
+    if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
     return None
 
 
@@ -475,19 +596,32 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
     return result
 
 
-def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
-                    eos_ids: Sequence[int] = (), max_model_len: int | None = None,
-                    on_token: Callable[[int], bool | None] | None = None) -> Completion:
+def generate_tokens(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_ids: Sequence[int] = (),
+    max_model_len: int | None = None,
+    on_token: Callable[[int], bool | None] | None = None,
+) -> Completion:
     "Generate for one prompt over a contiguous cache. `on_token` returning True stops early (stop string)."
     prompt_ids = list(prompt_ids)
     limit = max_model_len or model.config.max_position_embeddings
     if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {limit} (prompt + at least 1 new token)")
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; the context holds {limit} (prompt + at least 1 new token)"
+        )
     if not prompt_ids:
         raise ValueError("prompt is empty")
     param = next(model.parameters())
-    cache = ContiguousKVCache(model.config, min(limit, len(prompt_ids) + params.max_tokens), param.device, param.dtype)
-    generator = torch.Generator(device=param.device).manual_seed(params.seed) if params.seed is not None else None
+    cache = ContiguousKVCache(
+        model.config, min(limit, len(prompt_ids) + params.max_tokens), param.device, param.dtype
+    )
+    generator = (
+        torch.Generator(device=param.device).manual_seed(params.seed)
+        if params.seed is not None
+        else None
+    )
     never_early = [*eos_ids, *params.stop_token_ids] if params.min_tokens else []
     out = Completion(prompt_ids, logprobs=[] if params.logprobs is not None else None)
     start = time.perf_counter()
@@ -498,12 +632,17 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
             adjusted[never_early] = -math.inf
         token = sample_token(adjusted, params, generator)
         out.token_ids.append(token)
-        if out.ttft_seconds is None: out.ttft_seconds = time.perf_counter() - start
-        if out.logprobs is not None: out.logprobs.append(token_logprobs(logits, token, params.logprobs))
+        if out.ttft_seconds is None:
+            out.ttft_seconds = time.perf_counter() - start
+        if out.logprobs is not None:
+            out.logprobs.append(token_logprobs(logits, token, params.logprobs))
         out.finish_reason = finish_reason_for(token, len(out.token_ids), params, eos_ids)
-        if on_token is not None and on_token(token): out.finish_reason = "stop"
-        if out.finish_reason is None and cache.length >= cache.max_len: out.finish_reason = "length"
-        if out.finish_reason: break
+        if on_token is not None and on_token(token):
+            out.finish_reason = "stop"
+        if out.finish_reason is None and cache.length >= cache.max_len:
+            out.finish_reason = "length"
+        if out.finish_reason:
+            break
         logits = decode_step(model, cache, token)
     out.seconds = time.perf_counter() - start
     return out
@@ -518,13 +657,22 @@ def greedy_without_cache(model, prompt, n):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))[-1:]).argmax()))
-    return ids[len(prompt):]
+            ids.append(
+                int(
+                    model.compute_logits(
+                        model(torch.tensor(ids), torch.arange(len(ids)))[-1:]
+                    ).argmax()
+                )
+            )
+    return ids[len(prompt) :]
+
 
 for name in ["qwen3-tiny", "qwen2-tiny", "llama-tiny"]:
     m = init_random_weights(empty_model(preset(name)), seed=3, std=0.1)
     done = generate_tokens(m, tokens, SamplingParams(max_tokens=10, temperature=0))
-    assert done.token_ids == greedy_without_cache(m, tokens, 10) and done.finish_reason == "length", name
+    assert (
+        done.token_ids == greedy_without_cache(m, tokens, 10) and done.finish_reason == "length"
+    ), name
 
 # %% [markdown]
 # Stop rules, seeds and errors:
@@ -532,13 +680,22 @@ for name in ["qwen3-tiny", "qwen2-tiny", "llama-tiny"]:
 # %%
 greedy10 = generate_tokens(tiny, tokens, SamplingParams(max_tokens=10, temperature=0)).token_ids
 stop_at = greedy10[3]
-done = generate_tokens(tiny, tokens, SamplingParams(max_tokens=10, temperature=0), eos_ids=[stop_at])
-assert done.token_ids == greedy10[:greedy10.index(stop_at) + 1] and done.finish_reason == "stop"
-done = generate_tokens(tiny, tokens, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), eos_ids=[stop_at])
+done = generate_tokens(
+    tiny, tokens, SamplingParams(max_tokens=10, temperature=0), eos_ids=[stop_at]
+)
+assert done.token_ids == greedy10[: greedy10.index(stop_at) + 1] and done.finish_reason == "stop"
+done = generate_tokens(
+    tiny, tokens, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), eos_ids=[stop_at]
+)
 assert done.token_ids == greedy10
-done = generate_tokens(tiny, tokens, SamplingParams(max_tokens=10, temperature=0, min_tokens=10), eos_ids=[stop_at])
+done = generate_tokens(
+    tiny, tokens, SamplingParams(max_tokens=10, temperature=0, min_tokens=10), eos_ids=[stop_at]
+)
 assert len(done.token_ids) == 10 and stop_at not in done.token_ids
-seeded = [generate_tokens(tiny, tokens, SamplingParams(max_tokens=8, temperature=1.0, seed=s)).token_ids for s in (1, 1, 2)]
+seeded = [
+    generate_tokens(tiny, tokens, SamplingParams(max_tokens=8, temperature=1.0, seed=s)).token_ids
+    for s in (1, 1, 2)
+]
 assert seeded[0] == seeded[1] != seeded[2]
 done = generate_tokens(tiny, tokens, SamplingParams(max_tokens=3, temperature=0, logprobs=2))
 assert all(len(lp) in (2, 3) and t in lp for lp, t in zip(done.logprobs, done.token_ids))

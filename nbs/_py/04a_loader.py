@@ -28,8 +28,15 @@ import torch
 
 from forge_engine.config import QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
 from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
-from forge_engine.model import (Transformer, checkpoint_target, empty_model, fill_random_, hf_state_dict,
-                                init_random_weights, load_weights)
+from forge_engine.model import (
+    Transformer,
+    checkpoint_target,
+    empty_model,
+    fill_random_,
+    hf_state_dict,
+    init_random_weights,
+    load_weights,
+)
 from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
 
@@ -54,14 +61,17 @@ def resolve_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU (see `forge-engine doctor`)")
+        raise ValueError(
+            "device 'cuda' was asked for, but torch sees no CUDA GPU (see `forge-engine doctor`)"
+        )
     return device
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype): return dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -77,9 +87,19 @@ def choose_auto_model() -> tuple[str, str | None, str]:
         return AUTO_CPU_MODEL, "cpu", "no CUDA GPU found, so the small SmolLM2 on the CPU"
     free, _ = torch.cuda.mem_get_info()
     if free < AUTO_MIN_FREE_GPU_BYTES:
-        return AUTO_CPU_MODEL, "cpu", (f"the GPU has {free / 2**30:.1f} GiB free, Qwen3-4B needs "
-                                       f"{AUTO_MIN_FREE_GPU_BYTES / 2**30:.0f} GiB, so SmolLM2 on the CPU")
-    return AUTO_GPU_MODEL, "cuda", f"a CUDA GPU with {free / 2**30:.0f} GiB free, so Qwen3-4B in BF16"
+        return (
+            AUTO_CPU_MODEL,
+            "cpu",
+            (
+                f"the GPU has {free / 2**30:.1f} GiB free, Qwen3-4B needs "
+                f"{AUTO_MIN_FREE_GPU_BYTES / 2**30:.0f} GiB, so SmolLM2 on the CPU"
+            ),
+        )
+    return (
+        AUTO_GPU_MODEL,
+        "cuda",
+        f"a CUDA GPU with {free / 2**30:.0f} GiB free, so Qwen3-4B in BF16",
+    )
 
 
 # %% [markdown]
@@ -92,7 +112,9 @@ def choose_auto_model() -> tuple[str, str | None, str]:
 
 # %%
 #| export
-def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tuple[str, str | None]:
+def pick_model(
+    model: str, device: str | None, log: Callable[[str], None]
+) -> tuple[str, str | None]:
     "Resolve `--model auto` (saying what was chosen and why); other names pass through."
     if model != "auto":
         return model, device
@@ -106,15 +128,25 @@ def pick_model(model: str, device: str | None, log: Callable[[str], None]) -> tu
 
 def add_quantization_flag(p: argparse.ArgumentParser):
     "`--quantization` (chapter 10), for every command that loads a model."
-    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)",
+    )
 
 
 def add_memory_budget_flag(p: argparse.ArgumentParser):
     "`--gpu-memory-budget 8GiB` (chapter 10a): plan before loading, refuse with the numbers, cap the GPU memory."
     from forge_engine.memory_plan import parse_bytes
-    p.add_argument("--gpu-memory-budget", type=parse_bytes, default=None, metavar="SIZE",
-                   help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)")
+
+    p.add_argument(
+        "--gpu-memory-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)",
+    )
 
 
 # %%
@@ -124,8 +156,10 @@ assert pick_model("random:qwen3-tiny", None, log=print) == ("random:qwen3-tiny",
 flags = argparse.ArgumentParser()
 add_quantization_flag(flags)
 add_memory_budget_flag(flags)
-assert vars(flags.parse_args(["--quantization", "int4", "--gpu-memory-budget", "8GiB"])) == \
-    {"quantization": "int4", "gpu_memory_budget": 8 * 2**30}
+assert vars(flags.parse_args(["--quantization", "int4", "--gpu-memory-budget", "8GiB"])) == {
+    "quantization": "int4",
+    "gpu_memory_budget": 8 * 2**30,
+}
 assert vars(flags.parse_args([])) == {"quantization": "none", "gpu_memory_budget": None}
 
 
@@ -147,41 +181,60 @@ def model_bytes(model: torch.nn.Module) -> int:
 @dataclass
 class LoadedModel:
     "A model ready to run, its tokenizer (None when the checkpoint has none) and how loading went."
+
     name: str
     model: Transformer
     tokenizer: Tokenizer | None
     stats: LoadStats
-    parallel: "TensorParallel | None" = None  # with tensor parallelism: the other ranks (chapter 09c)
-    metadata: dict = field(default_factory=dict)  # what the registry knows (architecture, quantization, license, ...)
+    parallel: "TensorParallel | None" = None  # noqa: F821 (chapter 09g's: the loader may not import it) the other ranks
+    metadata: dict = field(
+        default_factory=dict
+    )  # what the registry knows (architecture, quantization, license, ...)
 
     @property
-    def config(self) -> ModelConfig: return self.model.config
+    def config(self) -> ModelConfig:
+        return self.model.config
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.eos_token_ids) if self.tokenizer else tuple(self.config.eos_token_ids)
+        return (
+            tuple(self.tokenizer.eos_token_ids)
+            if self.tokenizer
+            else tuple(self.config.eos_token_ids)
+        )
 
 
 def model_config_of(resolved: ResolvedModel) -> ModelConfig:
     "The shape of a resolved model, read without loading its weights."
-    if resolved.format == "random": return preset(resolved.preset)
+    if resolved.format == "random":
+        return preset(resolved.preset)
     if resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
+
         return GGUFFile(resolved.path).model_config()
     return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
 
 
-def finish_stats(stats: LoadStats, model: torch.nn.Module, start: float, device: torch.device) -> None:
+def finish_stats(
+    stats: LoadStats, model: torch.nn.Module, start: float, device: torch.device
+) -> None:
     "Complete `stats` once the weights are in place: time (after the device caught up), peak memory, tensors, bytes."
-    if device.type == "cuda": torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     stats.seconds, stats.peak_rss_bytes = time.perf_counter() - start, peak_rss_bytes()
     stats.tensors = stats.tensors or sum(1 for _ in model.parameters())
     stats.bytes_read = stats.bytes_read or model_bytes(model)
 
 
-def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0, progress: bool = True, quantization: str = "none",
-               memory_budget: int | None = None) -> LoadedModel:
+def load_model(
+    name: str,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    quantization: str = "none",
+    memory_budget: int | None = None,
+) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
     "gguf" keeps a GGUF file's quantized blocks as they are. Over several processes: chapter 09c.
@@ -189,32 +242,47 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
     so the GPU never holds more than the quantized matrices and one slice."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        raise ValueError(
+            f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
     if quantization == "gguf" and resolved.format != "gguf":
-        raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
-                         f"use int8 or int4")
+        raise ValueError(
+            f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
+            f"use int8 or int4"
+        )
     staging = device
     if memory_budget is not None and device.type == "cuda":
         from forge_engine.memory_plan import plan_memory
-        if quantization != "gguf":  # (a GGUF file's blocks: the engine measures what they take once loaded)
-            plan = plan_memory(model_config_of(resolved), memory_budget, quantization, torch.finfo(dtype).bits // 8)
-            if progress: print(plan.describe(), file=sys.stderr)
-        if quantization in ("int8", "int4"): staging = torch.device("cpu")
+
+        if (
+            quantization != "gguf"
+        ):  # (a GGUF file's blocks: the engine measures what they take once loaded)
+            plan = plan_memory(
+                model_config_of(resolved), memory_budget, quantization, torch.finfo(dtype).bits // 8
+            )
+            if progress:
+                print(plan.describe(), file=sys.stderr)
+        if quantization in ("int8", "int4"):
+            staging = torch.device("cpu")
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random" and staging == device:
         model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
-    elif resolved.format == "random":  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
+    elif (
+        resolved.format == "random"
+    ):  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
         model = empty_model(preset(resolved.preset), staging, dtype)
         load_weights(model, random_checkpoint(preset(resolved.preset), seed, device, dtype))
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
+
         gguf = GGUFFile(resolved.path)
         if quantization == "gguf":
             from forge_engine.quant.layers import load_gguf_quantized
+
             model = load_gguf_quantized(gguf, device, dtype)
         else:
             model = empty_model(gguf.model_config(), staging, dtype)
@@ -223,18 +291,26 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
     else:
         model = empty_model(model_config_of(resolved), staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
-    if quantization in ("int8", "int4"):  # quantized on `device` even when staged on the CPU: fast, and a low peak
+    if quantization in (
+        "int8",
+        "int4",
+    ):  # quantized on `device` even when staged on the CPU: fast, and a low peak
         from forge_engine.quant.layers import quantize_model
+
         quantize_model(model, quantization, device=device)
     model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
-    if device.type == "cuda":  # chapter 09a: the layers through the kernels, where they run compiled
+    if (
+        device.type == "cuda"
+    ):  # chapter 09a: the layers through the kernels, where they run compiled
         from forge_engine.fused_layers import install_fused_layers
+
         install_fused_layers(model)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)
     metadata = describe_model(resolved)
-    if quantization != "none": metadata["quantization"] = quantization  # what runs, not what the file holds
+    if quantization != "none":
+        metadata["quantization"] = quantization  # what runs, not what the file holds
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
 
 
@@ -245,8 +321,9 @@ def load_model(name: str, device: str | None = None, dtype: str | torch.dtype | 
 
 # %%
 #| export
-def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype,
-                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+def random_checkpoint(
+    config: ModelConfig, seed: int, device, dtype: torch.dtype, std: float = 0.02
+) -> Iterator[tuple[str, torch.Tensor]]:
     "The tensors of `init_random_weights(empty_model(config, device, dtype), seed)`, one full tensor at a time, HF-named."
     with torch.device("meta"):
         layout = Transformer(config)
@@ -257,7 +334,9 @@ def random_checkpoint(config: ModelConfig, seed: int, device, dtype: torch.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in layout.named_parameters():
         value = torch.empty(p.shape, dtype=dtype, device=device)
-        fill_random_(name, value, gen, std)  # the same draws, in the same order, as init_random_weights
+        fill_random_(
+            name, value, gen, std
+        )  # the same draws, in the same order, as init_random_weights
         for hf_name, rows in pieces[name]:
             yield hf_name, value[rows]
 
@@ -283,12 +362,18 @@ assert all(torch.equal(hf_state_dict(whole)[name], t) for name, t in drawn.items
 smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
 print(smol.stats)
 assert (smol.metadata["architecture"], smol.metadata["quantization"]) == ("llama", "Q4_1")
-prompt_ids = smol.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+prompt_ids = smol.tokenizer.encode_chat(
+    [{"role": "user", "content": "What is the capital of France?"}]
+)
 params = SamplingParams(temperature=0, max_tokens=24)
 stream, pieces = TextStream(smol.tokenizer, params, prompt_ids), []
+
+
 def on_token(token):
     pieces.append(stream.add(token))
     return stream.stopped
+
+
 done = generate_tokens(smol.model, prompt_ids, params, smol.eos_token_ids, on_token=on_token)
 pieces.append(stream.finish())
 decode_tok_s = (len(done.token_ids) - 1) / (done.seconds - done.ttft_seconds)

@@ -111,6 +111,7 @@ assert chain_hash(None, [1, 2, 3, 4]) != chain_hash(None, [1, 2, 4, 3])
 @dataclass(frozen=True)
 class KVCacheStats:
     "A snapshot of the block pool. free + cached + used == total; cached blocks can be handed out."
+
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -119,10 +120,12 @@ class KVCacheStats:
     query_tokens: int  # prompt tokens looked up in the prefix cache
 
     @property
-    def hit_rate(self) -> float: return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     @property
-    def usage(self) -> float: return self.used_blocks / self.total_blocks
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -131,16 +134,23 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockAllocator:
     "Reference-counted KV blocks with prefix caching. Bookkeeping only: the K/V lives in `PagedKVCache`."
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks  # set only on the block that owns the hash
+        self._block_hash: list[int | None] = [
+            None
+        ] * num_blocks  # set only on the block that owns the hash
         self._hash_to_block: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))  # count 0, no hash
-        self._cached: OrderedDict[int, None] = OrderedDict()  # count 0 with a hash; first = least recently freed
+        self._cached: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # count 0 with a hash; first = least recently freed
         self.hit_tokens = self.query_tokens = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -152,9 +162,11 @@ class BlockAllocator:
         "Blocks `allocate` can hand out now: free plus cached (evictable)."
         return len(self._free) + len(self._cached)
 
-    def can_allocate(self, n: int) -> bool: return n <= self.num_free_blocks
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
 
-    def ref_count(self, block_id: int) -> int: return self._ref_counts[self._checked(block_id)]
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[self._checked(block_id)]
 
     def hash_of(self, block_id: int) -> int | None:
         "The prefix hash a block is cached under (None if it holds no registered prefix)."
@@ -165,8 +177,10 @@ class BlockAllocator:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if not self.can_allocate(n):
-            raise NoFreeBlocksError(f"cannot allocate {n} blocks: only {self.num_free_blocks} of "
-                                    f"{self.num_blocks} are free or evictable")
+            raise NoFreeBlocksError(
+                f"cannot allocate {n} blocks: only {self.num_free_blocks} of "
+                f"{self.num_blocks} are free or evictable"
+            )
         blocks = []
         for _ in range(n):
             if self._free:
@@ -185,25 +199,34 @@ class BlockAllocator:
         wanted = Counter(self._checked(b) for b in block_ids)
         for block, times in wanted.items():
             if times > self._ref_counts[block]:
-                raise ValueError(f"double free: block {block} has {self._ref_counts[block]} references, "
-                                 f"asked to drop {times}")
+                raise ValueError(
+                    f"double free: block {block} has {self._ref_counts[block]} references, "
+                    f"asked to drop {times}"
+                )
         for block in reversed(block_ids):  # the tail of a chain becomes the first to evict
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                if self._block_hash[block] is None: self._free.append(block)
-                else: self._cached[block] = None
+                if self._block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._cached[block] = None
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         "Blocks caching the longest full-block prefix of `token_ids` (never all of it), one reference taken on each."
-        if not self.enable_prefix_caching: return []
+        if not self.enable_prefix_caching:
+            return []
         matched, parent = [], None
-        for i in range((len(token_ids) - 1) // self.block_size):  # full blocks before the last token
-            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for i in range(
+            (len(token_ids) - 1) // self.block_size
+        ):  # full blocks before the last token
+            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self._hash_to_block.get(parent)
-            if block is None: break
+            if block is None:
+                break
             matched.append(block)
         for block in matched:
-            if self._ref_counts[block] == 0: del self._cached[block]
+            if self._ref_counts[block] == 0:
+                del self._cached[block]
             self._ref_counts[block] += 1
         self.query_tokens += len(token_ids)
         self.hit_tokens += len(matched) * self.block_size
@@ -215,36 +238,55 @@ class BlockAllocator:
         self.query_tokens -= num_query_tokens
         self.hit_tokens -= len(block_ids) * self.block_size
 
-    def register_full_block(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
+    def register_full_block(
+        self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]
+    ) -> int | None:
         "Offer a full block, whose K/V is written, to the prefix cache; returns its hash (None when caching is off)."
         block = self._checked(block_id)
         if self._ref_counts[block] == 0:
-            raise ValueError(f"block {block} is not allocated; register only blocks a sequence holds")
+            raise ValueError(
+                f"block {block} is not allocated; register only blocks a sequence holds"
+            )
         if len(token_ids) != self.block_size:
             raise ValueError(f"a full block has {self.block_size} tokens, got {len(token_ids)}")
-        if not self.enable_prefix_caching: return None
+        if not self.enable_prefix_caching:
+            return None
         h = chain_hash(parent_hash, token_ids)
         if self._block_hash[block] not in (None, h):
             raise ValueError(f"block {block} is already registered under another hash")
-        if h not in self._hash_to_block:  # else another block holds the same K/V: keep that one only
+        if (
+            h not in self._hash_to_block
+        ):  # else another block holds the same K/V: keep that one only
             self._hash_to_block[h], self._block_hash[block] = block, h
         return h
 
     def stats(self) -> KVCacheStats:
-        return KVCacheStats(self.num_blocks, self.num_blocks - self.num_free_blocks, len(self._free),
-                            len(self._cached), self.hit_tokens, self.query_tokens)
+        return KVCacheStats(
+            self.num_blocks,
+            self.num_blocks - self.num_free_blocks,
+            len(self._free),
+            len(self._cached),
+            self.hit_tokens,
+            self.query_tokens,
+        )
 
     def check_invariants(self) -> None:
         "Raise if the bookkeeping is inconsistent (for tests and debug runs; O(num_blocks))."
         refs, free, cached = self._ref_counts, set(self._free), set(self._cached)
         problems = []
-        if min(refs) < 0: problems.append("negative reference count")
-        if len(free) != len(self._free) or free & cached: problems.append("a block is listed twice as free")
+        if min(refs) < 0:
+            problems.append("negative reference count")
+        if len(free) != len(self._free) or free & cached:
+            problems.append("a block is listed twice as free")
         if free | cached != {b for b in range(self.num_blocks) if refs[b] == 0}:
             problems.append("free + cached blocks are not exactly the unreferenced ones")
-        if any(self._block_hash[b] is not None for b in free) or any(self._block_hash[b] is None for b in cached):
+        if any(self._block_hash[b] is not None for b in free) or any(
+            self._block_hash[b] is None for b in cached
+        ):
             problems.append("a free block has a hash, or a cached one has none")
-        if {b: h for b, h in enumerate(self._block_hash) if h is not None} != {b: h for h, b in self._hash_to_block.items()}:
+        if {b: h for b, h in enumerate(self._block_hash) if h is not None} != {
+            b: h for h, b in self._hash_to_block.items()
+        }:
             problems.append("block hashes and the hash index disagree")
         if problems:
             raise RuntimeError("block allocator is inconsistent: " + "; ".join(problems))
@@ -254,7 +296,9 @@ class BlockAllocator:
         self.check_invariants()
         held = [b for b, r in enumerate(self._ref_counts) if r]
         if held:
-            raise RuntimeError(f"{len(held)} blocks are still referenced while idle, e.g. {held[:8]}")
+            raise RuntimeError(
+                f"{len(held)} blocks are still referenced while idle, e.g. {held[:8]}"
+            )
 
     def reset_prefix_cache(self) -> None:
         "Forget every cached prefix (an idle allocator only): cached blocks become plain free blocks, hit counts restart."
@@ -278,7 +322,12 @@ class BlockAllocator:
 # %%
 alloc = BlockAllocator(num_blocks=6, block_size=4)
 a = alloc.allocate(3)
-assert a == [0, 1, 2] and alloc.ref_count(0) == 1 and alloc.can_allocate(3) and not alloc.can_allocate(4)
+assert (
+    a == [0, 1, 2]
+    and alloc.ref_count(0) == 1
+    and alloc.can_allocate(3)
+    and not alloc.can_allocate(4)
+)
 with pytest.raises(NoFreeBlocksError, match="cannot allocate 4 blocks: only 3 of 6"):
     alloc.allocate(4)
 alloc.free(a)
@@ -306,7 +355,9 @@ alloc.free(b)
 alloc = BlockAllocator(num_blocks=8, block_size=4)
 prompt_a = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 table_a = alloc.allocate(alloc.blocks_needed(len(prompt_a)))
-assert alloc.match_prefix(prompt_a) == []  # nothing registered yet: not computed means not matchable
+assert (
+    alloc.match_prefix(prompt_a) == []
+)  # nothing registered yet: not computed means not matchable
 h0 = alloc.register_full_block(table_a[0], None, prompt_a[0:4])
 h1 = alloc.register_full_block(table_a[1], h0, prompt_a[4:8])
 assert alloc.hash_of(table_a[1]) == h1 == chain_hash(chain_hash(None, prompt_a[:4]), prompt_a[4:8])
@@ -319,7 +370,9 @@ assert (s.hit_tokens, s.query_tokens) == (8 + 4, 10 + 11 + 8 + 9) and s.used_blo
 again = alloc.match_prefix(prompt_a[:8] + [5, 5])  # a sequence that then cannot be admitted...
 alloc.cancel_match(again, 10)  # ...gives its references back and is not counted as a lookup
 assert alloc.stats() == s and alloc.ref_count(table_a[0]) == 3
-alloc.free(hit); alloc.free(table_a[:1]); alloc.free(table_a)
+alloc.free(hit)
+alloc.free(table_a[:1])
+alloc.free(table_a)
 s = alloc.stats()
 assert (s.used_blocks, s.cached_blocks, s.free_blocks) == (0, 2, 6)
 alloc.check_idle()
@@ -335,11 +388,15 @@ alloc.free(table_a[:2])
 fresh = alloc.allocate(6)  # the 6 free blocks: the cache is untouched
 assert not set(fresh) & set(table_a[:2]) and alloc.stats().cached_blocks == 2
 assert alloc.allocate(1) == [table_a[1]]  # eviction takes the tail of the chain first
-assert alloc.hash_of(table_a[1]) is None and alloc.match_prefix(prompt_a) == table_a[:1]  # the head is left
+assert (
+    alloc.hash_of(table_a[1]) is None and alloc.match_prefix(prompt_a) == table_a[:1]
+)  # the head is left
 alloc.free(fresh + table_a[:2])
 
 dup = alloc.allocate(2)
-assert alloc.register_full_block(dup[0], None, prompt_a[:4]) == h0  # block table_a[0] holds h0 already
+assert (
+    alloc.register_full_block(dup[0], None, prompt_a[:4]) == h0
+)  # block table_a[0] holds h0 already
 assert alloc.hash_of(dup[0]) is None and alloc.hash_of(table_a[0]) == h0
 with pytest.raises(ValueError, match="a full block has 4 tokens"):
     alloc.register_full_block(dup[1], None, [1, 2])
@@ -362,7 +419,10 @@ alloc.check_idle()
 
 off = BlockAllocator(4, 4, enable_prefix_caching=False)
 blk = off.allocate(2)
-assert off.register_full_block(blk[0], None, [1, 2, 3, 4]) is None and off.match_prefix([1, 2, 3, 4, 5]) == []
+assert (
+    off.register_full_block(blk[0], None, [1, 2, 3, 4]) is None
+    and off.match_prefix([1, 2, 3, 4, 5]) == []
+)
 off.free(blk)
 assert off.stats().cached_blocks == 0 and off.stats().free_blocks == 4
 
@@ -394,9 +454,19 @@ def triton_kernel(name: str):
 
 class PagedKVCache:
     "The K/V pool: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device="cpu", dtype=torch.float32):
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device="cpu",
+        dtype=torch.float32,
+    ):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -408,35 +478,49 @@ class PagedKVCache:
         return block_size * config.kv_bytes_per_token(dtype.itemsize)
 
     @staticmethod
-    def num_blocks_for(config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    def num_blocks_for(
+        config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         "How many blocks fit in `budget_bytes`; an error if not even one does."
         per_block = PagedKVCache.bytes_per_block(config, block_size, dtype)
         if budget_bytes < per_block:
-            raise ValueError(f"a KV budget of {budget_bytes:,} bytes holds no block ({per_block:,} bytes each)")
+            raise ValueError(
+                f"a KV budget of {budget_bytes:,} bytes holds no block ({per_block:,} bytes each)"
+            )
         return budget_bytes // per_block
 
     @property
-    def nbytes(self) -> int: return self.k_cache.nbytes + self.v_cache.nbytes
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         "Store the K/V of new tokens (k, v [T, kv_heads, head_dim]) in their slots."
-        if k.is_cuda and (fused := triton_kernel("write_kv")) is not None:  # both in one kernel (chapter 09)
+        if (
+            k.is_cuda and (fused := triton_kernel("write_kv")) is not None
+        ):  # both in one kernel (chapter 09)
             return fused(self.k_cache[layer], self.v_cache[layer], slot_mapping, k, v)
         self.k_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v_cache[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int,
-               first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int, first_block: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V of a sequence's first `length` tokens, read through its block table: two [length, kv_heads, head_dim].
         `first_block`: the caller knows the table's blocks are first_block, first_block + 1, ... (`consecutive_from`):
         then they are a view of the pool, not a copy."""
         n = -(-length // self.block_size)
         if first_block is not None:
-            return (self.k_cache[layer][first_block:first_block + n].flatten(0, 1)[:length],
-                    self.v_cache[layer][first_block:first_block + n].flatten(0, 1)[:length])
+            return (
+                self.k_cache[layer][first_block : first_block + n].flatten(0, 1)[:length],
+                self.v_cache[layer][first_block : first_block + n].flatten(0, 1)[:length],
+            )
         blocks = block_table[:n]
-        return (self.k_cache[layer][blocks].flatten(0, 1)[:length],
-                self.v_cache[layer][blocks].flatten(0, 1)[:length])
+        return (
+            self.k_cache[layer][blocks].flatten(0, 1)[:length],
+            self.v_cache[layer][blocks].flatten(0, 1)[:length],
+        )
 
 
 def consecutive_from(block_ids: list[int]) -> int | None:
@@ -449,12 +533,17 @@ def consecutive_from(block_ids: list[int]) -> int | None:
 # %%
 q4b = preset("qwen3-4b")
 assert PagedKVCache.bytes_per_block(q4b, 16, torch.bfloat16) == 16 * 147_456
-assert PagedKVCache.num_blocks_for(q4b, 10 * 2**30, 16, torch.bfloat16) == 4551  # ~72k tokens in 10 GiB
+assert (
+    PagedKVCache.num_blocks_for(q4b, 10 * 2**30, 16, torch.bfloat16) == 4551
+)  # ~72k tokens in 10 GiB
 with pytest.raises(ValueError, match="holds no block"):
     PagedKVCache.num_blocks_for(q4b, 1000, 16, torch.bfloat16)
 cfg = preset("qwen3-tiny")
 pool = PagedKVCache(cfg, num_blocks=5, block_size=4)
-assert pool.k_cache[0].shape == (5, 4, cfg.num_kv_heads, cfg.head_dim) and pool.k_cache[1].is_contiguous()
+assert (
+    pool.k_cache[0].shape == (5, 4, cfg.num_kv_heads, cfg.head_dim)
+    and pool.k_cache[1].is_contiguous()
+)
 assert pool.nbytes == 5 * PagedKVCache.bytes_per_block(cfg, 4, torch.float32)
 k = torch.randn(6, cfg.num_kv_heads, cfg.head_dim)
 pool.write(1, torch.tensor([12, 13, 14, 15, 4, 5]), k, -k)  # 6 tokens: block 3, then block 1
@@ -463,9 +552,17 @@ assert torch.equal(got_k, k) and torch.equal(got_v, -k) and pool.k_cache[0].abs(
 # blocks 1, 2 in a row: the same K/V as a view of the pool (what a lone request's table usually is)
 pool.write(1, torch.tensor([4, 5, 6, 7, 8]), k[:5], -k[:5])
 view_k, view_v = pool.gather(1, torch.tensor([1, 2, -1]), 5, first_block=consecutive_from([1, 2]))
-assert torch.equal(view_k, k[:5]) and torch.equal(view_v, -k[:5]) and view_k.data_ptr() == pool.k_cache[1, 1].data_ptr()
+assert (
+    torch.equal(view_k, k[:5])
+    and torch.equal(view_v, -k[:5])
+    and view_k.data_ptr() == pool.k_cache[1, 1].data_ptr()
+)
 assert torch.equal(pool.gather(1, torch.tensor([1, 2, -1]), 5)[0], view_k)
-assert consecutive_from([3, 4, 5]) == 3 and consecutive_from([3, 5]) is None and consecutive_from([]) is None
+assert (
+    consecutive_from([3, 4, 5]) == 3
+    and consecutive_from([3, 5]) is None
+    and consecutive_from([]) is None
+)
 
 
 # %% [markdown]
@@ -498,14 +595,16 @@ assert consecutive_from([3, 4, 5]) == 3 and consecutive_from([3, 5]) is None and
 #| export
 def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     "`dst.copy_(src)` for a host `src`, queued behind the GPU's work instead of waiting for it (pinned memory)."
-    if dst.device.type != "cuda": return dst.copy_(src)
+    if dst.device.type != "cuda":
+        return dst.copy_(src)
     return dst.copy_(src.pin_memory(), non_blocking=True)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     "A host tensor on `device`, copied as `copy_to_device` does."
     device = torch.device(device)
-    if device.type != "cuda": return t.to(device)
+    if device.type != "cuda":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
@@ -513,12 +612,15 @@ def to_device_together(tensors: Sequence[torch.Tensor], device) -> list[torch.Te
     """Host tensors of one dtype on `device` by one copy (each copy queued on a GPU costs a few microseconds, whatever
     its size): concatenated, copied as `to_device` does, and split again into views of their shapes."""
     flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return [
+        part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)
+    ]
 
 
 @dataclass
 class StepLayout:
     "Where the tokens of one flattened engine step go and what they attend to. B sequences, T tokens."
+
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long
     query_start: torch.Tensor  # [B+1] long
@@ -529,23 +631,31 @@ class StepLayout:
     num_new: list[int]
 
     @property
-    def num_seqs(self) -> int: return len(self.num_new)
+    def num_seqs(self) -> int:
+        return len(self.num_new)
 
     @property
-    def num_tokens(self) -> int: return self.positions.shape[0]
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
 
 
-def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size: int, device="cpu") -> StepLayout:
+def build_step_layout(
+    seqs: Sequence[tuple[Sequence[int], int, int]], block_size: int, device="cpu"
+) -> StepLayout:
     "The layout of one step from `(block_table, num_computed, num_new)` per sequence."
     if not seqs:
         raise ValueError("a step needs at least one sequence")
     positions, slots = [], []
     for i, (table, computed, new) in enumerate(seqs):
         if computed < 0 or new < 1:
-            raise ValueError(f"sequence {i}: needs num_computed >= 0 and num_new >= 1, got {computed} and {new}")
+            raise ValueError(
+                f"sequence {i}: needs num_computed >= 0 and num_new >= 1, got {computed} and {new}"
+            )
         if len(table) * block_size < computed + new:
-            raise ValueError(f"sequence {i}: {computed + new} tokens need {-(-(computed + new) // block_size)} "
-                             f"blocks of {block_size}, its block table has {len(table)}")
+            raise ValueError(
+                f"sequence {i}: {computed + new} tokens need {-(-(computed + new) // block_size)} "
+                f"blocks of {block_size}, its block table has {len(table)}"
+            )
         if min(table) < 0:
             raise ValueError(f"sequence {i}: block table has a negative block id")
         pos = torch.arange(computed, computed + new)
@@ -555,9 +665,20 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
     query_start = torch.tensor([0, *num_new]).cumsum(0)
     width = max(len(s[0]) for s in seqs)
     block_tables = torch.tensor([list(s[0]) + [-1] * (width - len(s[0])) for s in seqs])
-    parts = to_device_together([t.long() for t in (torch.cat(positions), torch.cat(slots), query_start,
-                                                   torch.tensor(num_computed) + torch.tensor(num_new), block_tables,
-                                                   query_start[1:] - 1)], device)  # one copy, not six
+    parts = to_device_together(
+        [
+            t.long()
+            for t in (
+                torch.cat(positions),
+                torch.cat(slots),
+                query_start,
+                torch.tensor(num_computed) + torch.tensor(num_new),
+                block_tables,
+                query_start[1:] - 1,
+            )
+        ],
+        device,
+    )  # one copy, not six
     return StepLayout(*parts, num_computed=num_computed, num_new=num_new)
 
 
@@ -567,13 +688,17 @@ def build_step_layout(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
 
 # %%
 lay = build_step_layout([([7, 2], 0, 6), ([0, 5, 9], 9, 1), ([4, 8], 4, 3)], block_size=4)
-assert lay.positions.untyped_storage().data_ptr() == lay.block_tables.untyped_storage().data_ptr()  # one tensor
+assert (
+    lay.positions.untyped_storage().data_ptr() == lay.block_tables.untyped_storage().data_ptr()
+)  # one tensor
 assert lay.positions.tolist() == [0, 1, 2, 3, 4, 5, 9, 4, 5, 6]
 assert lay.slot_mapping.tolist() == [28, 29, 30, 31, 8, 9, 37, 32, 33, 34]
 assert lay.query_start.tolist() == [0, 6, 7, 10] and lay.context_lens.tolist() == [6, 10, 7]
 assert lay.block_tables.tolist() == [[7, 2, -1], [0, 5, 9], [4, 8, -1]]
 assert lay.last_token_index.tolist() == [5, 6, 9] and (lay.num_seqs, lay.num_tokens) == (3, 10)
-with pytest.raises(ValueError, match="sequence 1: 9 tokens need 3 blocks of 4, its block table has 2"):
+with pytest.raises(
+    ValueError, match="sequence 1: 9 tokens need 3 blocks of 4, its block table has 2"
+):
     build_step_layout([([7, 2], 0, 6), ([0, 5], 8, 1)], block_size=4)
 with pytest.raises(ValueError, match="num_new >= 1"):
     build_step_layout([([7], 0, 0)], block_size=4)
@@ -599,8 +724,13 @@ with pytest.raises(ValueError, match="num_new >= 1"):
 
 # %%
 #| export
-def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
     """One query per sequence against its paged context: q [B, Hq, D], k/v_layer [num_blocks, block_size, Hkv, D],
     block_tables [B, W] (padding may be any valid block id or -1), context_lens [B] -> [B, Hq, D].
     Reads all W blocks of every row and masks what lies past the context: fixed shapes, so it can
@@ -610,17 +740,20 @@ def paged_decode_attention_torch(q: torch.Tensor, k_layer: torch.Tensor, v_layer
     v_ctx = v_layer[tables].flatten(1, 2).transpose(1, 2)
     positions = torch.arange(k_ctx.shape[2], device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k_ctx, v_ctx, attn_mask=mask,
-                                         enable_gqa=q.shape[1] != k_layer.shape[2])
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k_ctx, v_ctx, attn_mask=mask, enable_gqa=q.shape[1] != k_layer.shape[2]
+    )
     return out[:, :, 0, :]
 
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "One query that sees every key (a decode): q [1, Hq, D], k/v [L, Hkv, D] -> [1, Hq, D], in fp32 matmuls."
     q_heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    grouped = q.float().reshape(kv_heads, q_heads // kv_heads, dim)  # the query heads of each KV head: rows
+    grouped = q.float().reshape(
+        kv_heads, q_heads // kv_heads, dim
+    )  # the query heads of each KV head: rows
     k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, L, D]
-    probs = (grouped @ k.transpose(1, 2) * dim ** -0.5).softmax(-1)  # [Hkv, group, L]
+    probs = (grouped @ k.transpose(1, 2) * dim**-0.5).softmax(-1)  # [Hkv, group, L]
     return (probs @ v).reshape(1, q_heads, dim).to(q.dtype)
 
 
@@ -632,10 +765,13 @@ class PagedAttention:
     masked, unless there is one, or `batch_decodes=False`: then each is attended alone
     (`single_query_attention`), so its result never depends on the others (the batch-invariant mode
     of the engine needs that)."""
+
     def __init__(self, cache: PagedKVCache, layout: StepLayout, batch_decodes: bool = True):
         if int(layout.block_tables.max()) >= cache.num_blocks:
-            raise ValueError(f"block tables name block {int(layout.block_tables.max())}; "
-                             f"the pool has {cache.num_blocks}")
+            raise ValueError(
+                f"block tables name block {int(layout.block_tables.max())}; "
+                f"the pool has {cache.num_blocks}"
+            )
         self.cache, self.layout = cache, layout
         starts = layout.query_start.tolist()
         single = [i for i, new in enumerate(layout.num_new) if new == 1]
@@ -652,9 +788,14 @@ class PagedAttention:
         if self.batched:  # the decoding sequences' rows, block tables and context lengths
             index = torch.tensor(self.batched, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
-            self.batched_tables, self.batched_lens = layout.block_tables[index], layout.context_lens[index]
+            self.batched_tables, self.batched_lens = (
+                layout.block_tables[index],
+                layout.context_lens[index],
+            )
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         layout = self.layout
         if q.shape[0] != layout.num_tokens:
             raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
@@ -662,15 +803,23 @@ class PagedAttention:
         out = torch.empty_like(q)
         for i in self.one_by_one:
             start, computed, new = self.starts[i], layout.num_computed[i], layout.num_new[i]
-            k_seq, v_seq = self.cache.gather(layer, layout.block_tables[i], computed + new, self.first_blocks.get(i))
+            k_seq, v_seq = self.cache.gather(
+                layer, layout.block_tables[i], computed + new, self.first_blocks.get(i)
+            )
             if new == 1:
-                out[start:start + 1] = single_query_attention(q[start:start + 1], k_seq, v_seq)
+                out[start : start + 1] = single_query_attention(q[start : start + 1], k_seq, v_seq)
             else:
-                out[start:start + new] = causal_attention(q[start:start + new], k_seq, v_seq, q_offset=computed)
+                out[start : start + new] = causal_attention(
+                    q[start : start + new], k_seq, v_seq, q_offset=computed
+                )
         if self.batched:
             out[self.batched_rows] = paged_decode_attention_torch(
-                q[self.batched_rows], self.cache.k_cache[layer], self.cache.v_cache[layer],
-                self.batched_tables, self.batched_lens)
+                q[self.batched_rows],
+                self.cache.k_cache[layer],
+                self.cache.v_cache[layer],
+                self.batched_tables,
+                self.batched_lens,
+            )
         return out
 
 
@@ -687,6 +836,7 @@ def paged_step(model, cache, seqs, token_ids):
     hidden = model(torch.tensor(token_ids), layout.positions, PagedAttention(cache, layout))
     return model.compute_logits(hidden)
 
+
 model = init_random_weights(empty_model(preset("qwen3-tiny")), seed=0, std=0.1)
 tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32]
 with torch.no_grad():
@@ -695,7 +845,7 @@ cache = PagedKVCache(model.config, num_blocks=10, block_size=4)
 table = [7, 2, 9, 4]  # scattered, not in order
 done, logits = 0, []
 for n in [5, 3, 4, 1, 1, 1]:
-    logits.append(paged_step(model, cache, [(table, done, n)], tokens[done:done + n]))
+    logits.append(paged_step(model, cache, [(table, done, n)], tokens[done : done + n]))
     done += n
 # fp32: paged attention sums the same products in another order (blocks, chunks), ~1e-7 relative each, through 2
 # layers: ~1e-6 on logits of O(1) (measured 2.9e-6), so 1e-5; the same below
@@ -710,9 +860,15 @@ with pytest.raises(ValueError, match="the pool has 10"):
 others = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
 mixed_cache = PagedKVCache(model.config, num_blocks=10, block_size=4)
 tables = [[0, 3], [8, 1], [6, 5]]
-paged_step(model, mixed_cache, [(tables[1], 0, 5), (tables[2], 0, 2)], others[0][:5] + others[1][:2])
-mixed = paged_step(model, mixed_cache, [(tables[0], 0, 6), (tables[1], 5, 1), (tables[2], 2, 1)],
-                   tokens[:6] + others[0][5:] + others[1][2:])
+paged_step(
+    model, mixed_cache, [(tables[1], 0, 5), (tables[2], 0, 2)], others[0][:5] + others[1][:2]
+)
+mixed = paged_step(
+    model,
+    mixed_cache,
+    [(tables[0], 0, 6), (tables[1], 5, 1), (tables[2], 2, 1)],
+    tokens[:6] + others[0][5:] + others[1][2:],
+)
 torch.testing.assert_close(mixed[:6], full[:6], rtol=1e-5, atol=1e-5)
 for row, seq in zip(mixed[6:], others):
     with torch.no_grad():
@@ -732,6 +888,7 @@ for row, seq in zip(mixed[6:], others):
 import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 
+
 def simulate_pool():
     "Run a few admissions, decodes and finishes; snapshot (owner per block, refs, label) after each event."
     alloc = BlockAllocator(num_blocks=16, block_size=4)
@@ -749,55 +906,90 @@ def simulate_pool():
         tokens, table = live[name]
         parent = None
         for i in range(len(tokens) // 4):
-            parent = alloc.register_full_block(table[i], parent, tokens[4 * i:4 * i + 4])
+            parent = alloc.register_full_block(table[i], parent, tokens[4 * i : 4 * i + 4])
 
     def decode(name, n):
         tokens, table = live[name]
         for _ in range(n):
             tokens.append(len(tokens) + 100)
-            if len(tokens) > 4 * len(table): table += alloc.allocate(1)
+            if len(tokens) > 4 * len(table):
+                table += alloc.allocate(1)
         register(name)
 
-    def finish(name): alloc.free(live.pop(name)[1])
+    def finish(name):
+        alloc.free(live.pop(name)[1])
 
     def snap(label):
         owner = [""] * alloc.num_blocks
         for name, (_, table) in live.items():
-            for b in table: owner[b] = owner[b] + name
-        snapshots.append((label, owner, [alloc.ref_count(b) for b in range(16)],
-                          [alloc.hash_of(b) is not None for b in range(16)]))
+            for b in table:
+                owner[b] = owner[b] + name
+        snapshots.append(
+            (
+                label,
+                owner,
+                [alloc.ref_count(b) for b in range(16)],
+                [alloc.hash_of(b) is not None for b in range(16)],
+            )
+        )
 
-    admit("A", system + [20, 21, 22, 23, 24]); snap("A: prompt of 13")
-    admit("B", system + [30, 31, 32]); snap("B: same 8-token prefix")
-    decode("A", 4); decode("B", 2); snap("both decode")
-    admit("C", [50 + i for i in range(9)]); snap("C: another prompt")
-    finish("A"); snap("A finishes")
-    finish("B"); snap("B finishes")
-    admit("D", system + [40, 41, 42, 43, 44, 45]); snap("D: finds the prefix")
-    admit("E", [200 + i for i in range(30)]); snap("E: evicts cached blocks")
-    for name in ["C", "D", "E"]: finish(name)
+    admit("A", system + [20, 21, 22, 23, 24])
+    snap("A: prompt of 13")
+    admit("B", system + [30, 31, 32])
+    snap("B: same 8-token prefix")
+    decode("A", 4)
+    decode("B", 2)
+    snap("both decode")
+    admit("C", [50 + i for i in range(9)])
+    snap("C: another prompt")
+    finish("A")
+    snap("A finishes")
+    finish("B")
+    snap("B finishes")
+    admit("D", system + [40, 41, 42, 43, 44, 45])
+    snap("D: finds the prefix")
+    admit("E", [200 + i for i in range(30)])
+    snap("E: evicts cached blocks")
+    for name in ["C", "D", "E"]:
+        finish(name)
     snap("all finish: idle")
     alloc.check_idle()
     return snapshots, alloc.stats()
+
 
 snapshots, final = simulate_pool()
 assert final.used_blocks == 0 and final.hit_tokens == 16 and final.cached_blocks > 0
 
 names = ["free", "cached", "A", "B", "C", "D", "E", "shared"]
 colors = ["white", "#d9d9d9", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#937860", "#8172b3"]
+
+
 def state(owner, cached):
-    if len(owner) > 1: return names.index("shared")
+    if len(owner) > 1:
+        return names.index("shared")
     return names.index(owner) if owner else names.index("cached" if cached else "free")
+
+
 grid = [[state(o, c) for o, c in zip(owner, cached)] for _, owner, _, cached in snapshots]
 fig, ax = plt.subplots(figsize=(9, 3.6))
 ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(names) - 1)
 for row, (_, owner, refs, _) in enumerate(snapshots):
     for col, r in enumerate(refs):
-        if r: ax.text(col, row, str(r), ha="center", va="center", color="white", fontsize=8)
-ax.set_xticks(range(16)); ax.set_yticks(range(len(snapshots)), [s[0] for s in snapshots])
-ax.set_xticks([x - 0.5 for x in range(17)], minor=True); ax.set_yticks([y - 0.5 for y in range(len(snapshots) + 1)], minor=True)
-ax.grid(which="minor", color="black", linewidth=0.5); ax.tick_params(which="minor", length=0)
+        if r:
+            ax.text(col, row, str(r), ha="center", va="center", color="white", fontsize=8)
+ax.set_xticks(range(16))
+ax.set_yticks(range(len(snapshots)), [s[0] for s in snapshots])
+ax.set_xticks([x - 0.5 for x in range(17)], minor=True)
+ax.set_yticks([y - 0.5 for y in range(len(snapshots) + 1)], minor=True)
+ax.grid(which="minor", color="black", linewidth=0.5)
+ax.tick_params(which="minor", length=0)
 ax.set(xlabel="block id", title="the block pool after each event (number = references)")
-ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in colors], labels=names,
-          loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-plt.tight_layout(); plt.show()
+ax.legend(
+    handles=[plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in colors],
+    labels=names,
+    loc="upper left",
+    bbox_to_anchor=(1.01, 1),
+    fontsize=8,
+)
+plt.tight_layout()
+plt.show()

@@ -100,18 +100,25 @@ class GrammarError(ValueError):
 def grammar_of(structured: StructuredOutput) -> str:
     "The llguidance grammar (its JSON form) for a `StructuredOutput`."
     from llguidance import LLMatcher  # optional until a request asks for a format
+
     kind, spec = structured.kind, structured.spec
     if kind in ("json_schema", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else spec
         if isinstance(schema, str):
-            try: schema = json.loads(schema)
-            except json.JSONDecodeError as e: raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        try: return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
-        except ValueError as e: raise GrammarError(f"json_schema: {e}") from None
-    if kind == "regex": return LLMatcher.grammar_from_regex(spec)
-    if kind == "choice": return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
+        except ValueError as e:
+            raise GrammarError(f"json_schema: {e}") from None
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
     return LLMatcher.grammar_from_lark(spec)
 
 
@@ -132,12 +139,15 @@ def grammar_of(structured: StructuredOutput) -> str:
 class GrammarCompiler:
     """Grammars compiled against one tokenizer's byte view of the vocabulary. Thread-safe: `compile` may run on any
     thread (a complex schema takes a while, so the server compiles beside the engine's thread)."""
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         import llguidance  # optional until a request asks for a format
+
         self._llg = llguidance
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
 
     def compile(self, structured: StructuredOutput):
         "A fresh matcher for one request; `GrammarError` naming the problem if the grammar is refused."
@@ -149,18 +159,33 @@ class GrammarCompiler:
 
     def fill_masks(self, matchers: Sequence[Any], out: torch.Tensor) -> None:
         "Row i of `out` (int32 `[len(matchers), words]`, on the host) := the tokens matcher i allows next."
-        if out.dtype != torch.int32 or out.device.type != "cpu" or tuple(out.shape) != (len(matchers), self.words) \
-                or not out.is_contiguous():
-            raise ValueError(f"masks go to a contiguous int32 host tensor of shape ({len(matchers)}, {self.words})")
+        if (
+            out.dtype != torch.int32
+            or out.device.type != "cpu"
+            or tuple(out.shape) != (len(matchers), self.words)
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"masks go to a contiguous int32 host tensor of shape ({len(matchers)}, {self.words})"
+            )
         for row, matcher in zip(out, matchers):
-            matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)  # (checked: this row's bytes, above)
+            matcher.unsafe_compute_mask_ptr(
+                row.data_ptr(), self.words * 4
+            )  # (checked: this row's bytes, above)
 
     def allowed_tokens(self, rows: Sequence[int], matchers: Sequence[Any], device) -> AllowedTokens:
         "The masks of a step's rows under a grammar, on `device` (the copy queued, the host does not wait)."
-        bits = torch.empty(len(matchers), self.words, dtype=torch.int32,
-                           pin_memory=torch.device(device).type == "cuda")
+        bits = torch.empty(
+            len(matchers),
+            self.words,
+            dtype=torch.int32,
+            pin_memory=torch.device(device).type == "cuda",
+        )
         self.fill_masks(matchers, bits)
-        return AllowedTokens(torch.tensor(list(rows)).to(device, non_blocking=True), bits.to(device, non_blocking=True))
+        return AllowedTokens(
+            torch.tensor(list(rows)).to(device, non_blocking=True),
+            bits.to(device, non_blocking=True),
+        )
 
 
 # %% [markdown]
@@ -189,12 +214,18 @@ assert tokenizer.encode("7")[0] in allowed and tokenizer.encode("a")[0] not in a
 assert not any(t >= tokenizer.vocab_size for t in allowed)  # padding rows of the LM head: never
 assert three_digits.consume_token(tokenizer.encode("12")[0])  # two digits in one token
 compiler.fill_masks([three_digits], mask)
-after = [tokenizer.decode([t]) for t in unpack_bits(mask, compiler.vocab_size)[0].nonzero().squeeze(1).tolist()]
+after = [
+    tokenizer.decode([t])
+    for t in unpack_bits(mask, compiler.vocab_size)[0].nonzero().squeeze(1).tolist()
+]
 assert after and all(len(t) == 1 and t.isdigit() for t in after)  # one digit is left
 print(len(allowed), "tokens may start the number,", len(after), "may end it")
 
-for bad, why in [(StructuredOutput("regex", "[0-9"), "regex"), (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
-                 (StructuredOutput("grammar", "start: undefined_rule"), "grammar")]:
+for bad, why in [
+    (StructuredOutput("regex", "[0-9"), "regex"),
+    (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
+    (StructuredOutput("grammar", "start: undefined_rule"), "grammar"),
+]:
     with pytest.raises(GrammarError, match=why):
         compiler.compile(bad)
 
@@ -214,13 +245,22 @@ for bad, why in [(StructuredOutput("regex", "[0-9"), "regex"), (StructuredOutput
 # every time (the strings bounded by `maxLength`, so random picks end in a few dozen tokens).
 
 # %%
-schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "pet"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-                         "pet": {"enum": ["cat", "dog", None]}}}
+schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags", "pet"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "pet": {"enum": ["cat", "dog", None]},
+    },
+}
 
 
-def random_document(seed: int, structured: StructuredOutput, max_tokens: int = 200) -> tuple[str, float]:
+def random_document(
+    seed: int, structured: StructuredOutput, max_tokens: int = 200
+) -> tuple[str, float]:
     "Sample under the grammar from random logits (chapter 06's sampler), until eos; the text and mask time per token."
     matcher, generator = compiler.compile(structured), torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
@@ -230,9 +270,12 @@ def random_document(seed: int, structured: StructuredOutput, max_tokens: int = 2
         allowed = compiler.allowed_tokens([0], [matcher], "cpu")
         mask_s += time.perf_counter() - t0
         logits = torch.randn(1, compiler.vocab_size, generator=generator) * 3
-        batch = SamplingBatch.build([SamplingRow(params, [], out, generator)], compiler.vocab_size, eos, allowed=allowed)
+        batch = SamplingBatch.build(
+            [SamplingRow(params, [], out, generator)], compiler.vocab_size, eos, allowed=allowed
+        )
         token = int(sample(logits, batch).token_ids[0])
-        if token in eos: return tokenizer.decode(out), mask_s / (len(out) + 1)
+        if token in eos:
+            return tokenizer.decode(out), mask_s / (len(out) + 1)
         assert matcher.consume_token(token), matcher.get_error()
         out.append(token)
     raise AssertionError(f"no end in {max_tokens} tokens: {tokenizer.decode(out)!r}")
@@ -244,7 +287,9 @@ for seed in range(20):
     jsonschema.validate(json.loads(text), schema)
     mask_times.append(per_token)
 print(text)
-print(f"mask per token, this machine: median {sorted(mask_times)[10] * 1e3:.2f} ms (Qwen3's 151,936 tokens)")
+print(
+    f"mask per token, this machine: median {sorted(mask_times)[10] * 1e3:.2f} ms (Qwen3's 151,936 tokens)"
+)
 for seed in range(5):
     text, _ = random_document(seed, StructuredOutput("choice", ["yes", "no", "not sure"]))
     assert text in ("yes", "no", "not sure"), text
@@ -255,5 +300,8 @@ for seed in range(5):
 
 # %%
 json_mode = compiler.compile(StructuredOutput("json_object"))
-assert json_mode.consume_tokens(tokenizer.encode('{"a": [1, "x"], "b": {"c": null}}')) and json_mode.is_accepting()
+assert (
+    json_mode.consume_tokens(tokenizer.encode('{"a": [1, "x"], "b": {"c": null}}'))
+    and json_mode.is_accepting()
+)
 assert not compiler.compile(StructuredOutput("json_object")).consume_token(tokenizer.encode("[")[0])

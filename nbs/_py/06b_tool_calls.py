@@ -68,26 +68,43 @@ def check_tools(tools: Any) -> list[dict]:
         raise ValueError(f"tools must be a list of 1 to {MAX_TOOLS} tools")
     names = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not NAME.fullmatch(function["name"]):
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
-                             f"1-64 letters, digits, '_' or '-'")
-        if not isinstance(function.get("parameters", {}), dict) \
-                or not isinstance(function.get("description", ""), str):
-            raise ValueError(f"tools[{i}]: parameters must be a JSON schema object, description a string")
+        function = (
+            tool.get("function")
+            if isinstance(tool, dict) and tool.get("type") == "function"
+            else None
+        )
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not NAME.fullmatch(function["name"])
+        ):
+            raise ValueError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
+                f"1-64 letters, digits, '_' or '-'"
+            )
+        if not isinstance(function.get("parameters", {}), dict) or not isinstance(
+            function.get("description", ""), str
+        ):
+            raise ValueError(
+                f"tools[{i}]: parameters must be a JSON schema object, description a string"
+            )
         names.append(function["name"])
     if len(set(names)) < len(names):
-        raise ValueError(f"tools name a function twice: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        raise ValueError(
+            f"tools name a function twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
+        )
     return tools
 
 
 def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str | None:
     "'none', 'auto' or 'required' as they are, or the name a `{'type': 'function', 'function': {'name'}}` choice names."
-    if tool_choice in ("none", "auto", "required"): return tool_choice
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if tool_choice is None or not isinstance(name, str) or tool_choice.get("type") != "function":
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+        raise ValueError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
     if name not in [t["function"]["name"] for t in tools]:
         raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
     return name
@@ -105,16 +122,28 @@ def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str | None:
 #| export
 def call_schema(tools: Sequence[dict], name: str | None = None) -> dict:
     "The JSON schema of one call: of the tool called `name`, or of any of them."
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": t["function"]["name"]},
-                               "arguments": t["function"].get("parameters") or {"type": "object"}}}
-               for t in tools if name is None or t["function"]["name"] == name]
+    options = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+        }
+        for t in tools
+        if name is None or t["function"]["name"] == name
+    ]
     return {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_FORMAT}
 
 
-def tool_call_output(tools: Sequence[dict], tool_choice: str, parallel: bool = True) -> StructuredOutput | None:
+def tool_call_output(
+    tools: Sequence[dict], tool_choice: str, parallel: bool = True
+) -> StructuredOutput | None:
     "The grammar `tool_choice` asks for ('required' or a tool's name): only calls; None for 'auto' and 'none'."
-    if tool_choice in ("auto", "none"): return None
+    if tool_choice in ("auto", "none"):
+        return None
     schema = call_schema(tools, None if tool_choice == "required" else tool_choice)
     calls = 'call ("\\n" call)*' if parallel and tool_choice == "required" else "call"
     # the tags are single tokens of Qwen3's vocabulary, written as tokens (`<...>`), not as text
@@ -130,22 +159,34 @@ def tool_call_output(tools: Sequence[dict], tool_choice: str, parallel: bool = T
 @dataclass
 class ToolCall:
     "One call, as OpenAI's `tool_calls` entry wants it."
+
     name: str
     arguments: str  # a JSON object, as text
     id: str = ""
 
-    def __post_init__(self): self.id = self.id or "call_" + uuid.uuid4().hex[:24]
+    def __post_init__(self):
+        self.id = self.id or "call_" + uuid.uuid4().hex[:24]
 
     def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        d = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return d if index is None else {"index": index, **d}
 
 
 def parse_call(block: str) -> ToolCall | None:
     "The call inside one block's text, or None when it is not a name and an object of arguments."
-    try: data = json.loads(block)
-    except json.JSONDecodeError: return None
-    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("arguments", {}), dict)):
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not (
+        isinstance(data, dict)
+        and isinstance(data.get("name"), str)
+        and isinstance(data.get("arguments", {}), dict)
+    ):
         return None
     return ToolCall(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
 
@@ -160,13 +201,18 @@ def parse_call(block: str) -> ToolCall | None:
 #| export
 class ToolCallStream:
     "A reply's text delta by delta: content as it comes, each call when its block closes."
-    def __init__(self): self.pending, self.in_call, self.calls = "", False, 0
+
+    def __init__(self):
+        self.pending, self.in_call, self.calls = "", False, 0
 
     @staticmethod
     def _held(text: str) -> int:
         "How many characters at the end of `text` could still begin a block: a prefix of `<tool_call>`, newlines."
-        keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
-        rest = text[:len(text) - keep]
+        keep = next(
+            (k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])),
+            0,
+        )
+        rest = text[: len(text) - keep]
         return keep + len(rest) - len(rest.rstrip("\n"))
 
     def add(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -176,22 +222,32 @@ class ToolCallStream:
             if self.in_call:
                 end = self.pending.find(CLOSE)
                 if end < 0:
-                    if final: pieces.append(OPEN + self.pending); self.pending = ""  # never closed: text
+                    if final:
+                        pieces.append(OPEN + self.pending)
+                        self.pending = ""  # never closed: text
                     break
-                block, self.pending, self.in_call = self.pending[:end], self.pending[end + len(CLOSE):], False
-                if (call := parse_call(block)) is None: pieces.append(OPEN + block + CLOSE)
-                else: calls.append(call); self.calls += 1
+                block, self.pending, self.in_call = (
+                    self.pending[:end],
+                    self.pending[end + len(CLOSE) :],
+                    False,
+                )
+                if (call := parse_call(block)) is None:
+                    pieces.append(OPEN + block + CLOSE)
+                else:
+                    calls.append(call)
+                    self.calls += 1
                 continue
             at = self.pending.find(OPEN)
             if at >= 0:
                 pieces.append(self.pending[:at].rstrip("\n"))
-                self.pending, self.in_call = self.pending[at + len(OPEN):], True
+                self.pending, self.in_call = self.pending[at + len(OPEN) :], True
                 continue
             cut = len(self.pending) - (0 if final else self._held(self.pending))
             pieces.append(self.pending[:cut])
             self.pending = self.pending[cut:]
             break
-        if self.calls: pieces = [p for p in pieces if p.strip("\n")]
+        if self.calls:
+            pieces = [p for p in pieces if p.strip("\n")]
         return "".join(pieces), calls
 
 
@@ -201,13 +257,19 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
 
 
 # %%
-reply = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
-        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+reply = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
 content, calls = parse_tool_calls(reply)
 assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
-assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+assert (
+    json.loads(calls[0].arguments) == {"city": "Paris"}
+    and calls[0].id.startswith("call_")
+    and calls[0].id != calls[1].id
+)
 assert parse_tool_calls("no calls here") == ("no calls here", [])
-broken = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n</tool_call>"
+broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
 assert parse_tool_calls(broken) == (broken, [])
 assert parse_tool_calls("plain text\n") == ("plain text\n", [])
 
@@ -215,14 +277,23 @@ assert parse_tool_calls("plain text\n") == ("plain text\n", [])
 # %%
 def streamed(text, size):
     stream, content, calls = ToolCallStream(), "", []
-    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         c, k = stream.add(piece, final=i == len(pieces) - 1)
         content, calls = content + c, calls + k
     return content, [(k.name, k.arguments) for k in calls]
 
-for size in (1, 3, 7, 1000):  # however the text is cut, the same content and calls as the whole reply's
-    assert streamed(reply, size) == ("Let me check.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]), size
+
+for size in (
+    1,
+    3,
+    7,
+    1000,
+):  # however the text is cut, the same content and calls as the whole reply's
+    assert streamed(reply, size) == (
+        "Let me check.",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    ), size
     assert streamed("a < b and <tool", size) == ("a < b and <tool", [])
     assert streamed(broken, size)[1] == []
 
@@ -240,23 +311,45 @@ from forge_engine.tokenizer import Tokenizer
 
 tokenizer = Tokenizer.from_file(fetch("qwen3-tokenizer"))
 compiler = GrammarCompiler(tokenizer, 151_936, tokenizer.eos_token_ids)
-weather = {"type": "object", "required": ["city"], "additionalProperties": False,
-           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}
-tools = check_tools([{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
-                     {"type": "function", "function": {"name": "get_time", "parameters": {
-                         "type": "object", "properties": {}, "additionalProperties": False}}}])
+weather = {
+    "type": "object",
+    "required": ["city"],
+    "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+}
+tools = check_tools(
+    [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            },
+        },
+    ]
+)
 
 
 def random_calls(choice, seed, parallel=True):
     matcher = compiler.compile(tool_call_output(tools, choice, parallel))
-    generator, out, mask = torch.Generator().manual_seed(seed), [], torch.zeros(1, compiler.words, dtype=torch.int32)
+    generator, out, mask = (
+        torch.Generator().manual_seed(seed),
+        [],
+        torch.zeros(1, compiler.words, dtype=torch.int32),
+    )
     from forge_engine.sampling import unpack_bits
+
     for _ in range(300):
         compiler.fill_masks([matcher], mask)
-        logits = torch.randn(compiler.vocab_size, generator=generator).masked_fill(~unpack_bits(mask, compiler.vocab_size)[0], -1e9)
+        logits = torch.randn(compiler.vocab_size, generator=generator).masked_fill(
+            ~unpack_bits(mask, compiler.vocab_size)[0], -1e9
+        )
         token = int(logits.argmax())
-        if token in tokenizer.eos_token_ids: return parse_tool_calls(tokenizer.decode(out))
-        assert matcher.consume_token(token); out.append(token)
+        if token in tokenizer.eos_token_ids:
+            return parse_tool_calls(tokenizer.decode(out))
+        assert matcher.consume_token(token)
+        out.append(token)
     raise AssertionError(tokenizer.decode(out))
 
 
@@ -264,14 +357,24 @@ for seed in range(6):
     content, calls = random_calls("required", seed)
     assert content == "" and calls, content
     for call in calls:
-        if call.name == "get_weather": jsonschema.validate(json.loads(call.arguments), weather)
-        else: assert call.name == "get_time" and json.loads(call.arguments) == {}
+        if call.name == "get_weather":
+            jsonschema.validate(json.loads(call.arguments), weather)
+        else:
+            assert call.name == "get_time" and json.loads(call.arguments) == {}
     assert [c.name for c in random_calls("get_weather", seed)[1]] == ["get_weather"]
     assert len(random_calls("required", seed, parallel=False)[1]) == 1
 assert tool_call_output(tools, "auto") is None and tool_call_output(tools, "none") is None
 assert chosen_tool({"type": "function", "function": {"name": "get_time"}}, tools) == "get_time"
-for bad, why in [({"type": "function", "function": {"name": "nope"}}, "not one of the tools"), ("sometimes", "must be")]:
-    with pytest.raises(ValueError, match=why): chosen_tool(bad, tools)
-for bad, why in [([], "1 to 128"), ([{"type": "function", "function": {"name": "a b"}}], "letters"),
-                 ([tools[0], tools[0]], "twice: get_weather")]:
-    with pytest.raises(ValueError, match=why): check_tools(bad)
+for bad, why in [
+    ({"type": "function", "function": {"name": "nope"}}, "not one of the tools"),
+    ("sometimes", "must be"),
+]:
+    with pytest.raises(ValueError, match=why):
+        chosen_tool(bad, tools)
+for bad, why in [
+    ([], "1 to 128"),
+    ([{"type": "function", "function": {"name": "a b"}}], "letters"),
+    ([tools[0], tools[0]], "twice: get_weather"),
+]:
+    with pytest.raises(ValueError, match=why):
+        check_tools(bad)

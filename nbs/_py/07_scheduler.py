@@ -65,6 +65,7 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     "A request inside the engine."
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -72,7 +73,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int | None] = field(default_factory=list)  # chain hashes of the registered full blocks
+    block_hashes: list[int | None] = field(
+        default_factory=list
+    )  # chain hashes of the registered full blocks
     num_computed: int = 0  # tokens whose K/V is in the cache
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
@@ -80,22 +83,28 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # served by the prefix cache at the last admission
 
     @property
-    def token_ids(self) -> list[int]: return self.prompt_ids + self.output_ids
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
-    def last_token(self) -> int: return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
-    def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_uncomputed(self) -> int: return self.num_tokens - self.num_computed
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
 
     @property
-    def is_decoding(self) -> bool: return self.num_uncomputed == 1 and self.num_computed >= len(self.prompt_ids)
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1 and self.num_computed >= len(self.prompt_ids)
 
     @property
-    def finished(self) -> bool: return self.status is Status.FINISHED
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
 
 
 # %% [markdown]
@@ -118,12 +127,16 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler: grew past the whole pool
+    finished: list[Sequence] = field(
+        default_factory=list
+    )  # ended by the scheduler: grew past the whole pool
 
     @property
-    def num_tokens(self) -> int: return sum(s.num_new for s in self.scheduled)
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
 
-    def __bool__(self) -> bool: return bool(self.scheduled)
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
 
 
 class QueueFullError(RuntimeError):
@@ -137,10 +150,13 @@ class QueueFullError(RuntimeError):
 #| export
 class Scheduler:
     "Continuous batching under a sequence bound and a per-step token budget, with chunked prefill and preemption."
+
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int):
         if config.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({config.max_num_seqs}) so every running sequence can decode each step")
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({config.max_num_seqs}) so every running sequence can decode each step"
+            )
         self.config, self.allocator, self.max_model_len = config, allocator, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
@@ -152,30 +168,40 @@ class Scheduler:
         if n == 0:
             raise ValueError("prompt is empty")
         if n + 1 > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)")
+            raise ValueError(
+                f"prompt has {n} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)"
+            )
         pool_tokens = self.allocator.num_blocks * self.allocator.block_size
         if n + 1 > pool_tokens:
-            raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
-                             f"so it can never run (give the cache more memory)")
+            raise ValueError(
+                f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens in all, "
+                f"so it can never run (give the cache more memory)"
+            )
 
     def add(self, seq: Sequence) -> None:
         "Queue a new request, or refuse it (with the numbers) when it could never run or the queue is full."
         self.check_prompt_len(len(seq.prompt_ids))
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
-                                 f"try again later")
+            raise QueueFullError(
+                f"waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} requests); "
+                f"try again later"
+            )
         seq.arrival, seq.status = next(self._arrivals), Status.WAITING
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         "End a sequence in any state (stop, length, abort, error) and give its blocks back now."
-        if seq.finished: return
-        if seq in self.running: self.running.remove(seq)
-        elif seq in self.waiting: self.waiting.remove(seq)
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
-    def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
@@ -183,13 +209,17 @@ class Scheduler:
 
     # -- one step --
     def _blocks_for(self, seq: Sequence, num_new: int) -> int:
-        return max(0, self.allocator.blocks_needed(seq.num_computed + num_new) - len(seq.block_table))
+        return max(
+            0, self.allocator.blocks_needed(seq.num_computed + num_new) - len(seq.block_table)
+        )
 
     def _preempt_youngest(self, plan: StepPlan) -> Sequence:
         victim = self.running.pop()  # youngest: running is in arrival order
         self._release(victim)
         victim.status, victim.num_preemptions = Status.WAITING, victim.num_preemptions + 1
-        self.waiting.appendleft(victim)  # the older a victim, the later it is pushed: arrival order kept
+        self.waiting.appendleft(
+            victim
+        )  # the older a victim, the later it is pushed: arrival order kept
         plan.preempted.append(victim)
         return victim
 
@@ -199,22 +229,32 @@ class Scheduler:
         decoding = [s for s in self.running if s.is_decoding]
         prefilling = [s for s in self.running if not s.is_decoding]
         for seq in decoding + prefilling:  # oldest first within each group
-            if seq.status is not Status.RUNNING: continue  # preempted earlier in this loop
-            if self._outgrew_pool(seq, plan): continue
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._outgrew_pool(seq, plan):
+                continue
             uncomputed = seq.num_uncomputed
             num_new = min(uncomputed, budget)
-            if num_new == 0: continue
-            need = self._blocks_for(seq, num_new)  # most decode steps need none: the last block has room
+            if num_new == 0:
+                continue
+            need = self._blocks_for(
+                seq, num_new
+            )  # most decode steps need none: the last block has room
             while need and not self.allocator.can_allocate(need):
-                if self._preempt_youngest(plan) is seq: break
-            if seq.status is not Status.RUNNING: continue
-            if need: seq.block_table += self.allocator.allocate(need)
+                if self._preempt_youngest(plan) is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if need:
+                seq.block_table += self.allocator.allocate(need)
             plan.scheduled.append(ScheduledSeq(seq, num_new, num_new == uncomputed))
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._outgrew_pool(seq, plan): continue
-            if not self._admit(seq, budget, plan): break  # FCFS: nobody jumps the queue
+            if self._outgrew_pool(seq, plan):
+                continue
+            if not self._admit(seq, budget, plan):
+                break  # FCFS: nobody jumps the queue
             budget -= plan.scheduled[-1].num_new
         return plan
 
@@ -224,7 +264,8 @@ class Scheduler:
 
     def _outgrew_pool(self, seq: Sequence, plan: StepPlan) -> bool:
         "End (reason `length`) a sequence that `outgrows_pool`."
-        if not self.outgrows_pool(seq): return False
+        if not self.outgrows_pool(seq):
+            return False
         self.finish(seq, "length")
         plan.finished.append(seq)
         return True
@@ -236,7 +277,9 @@ class Scheduler:
         num_new = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq, num_new)
         if not self.allocator.can_allocate(need):
-            self.allocator.cancel_match(cached, seq.num_tokens)  # it will be looked up again when it fits
+            self.allocator.cancel_match(
+                cached, seq.num_tokens
+            )  # it will be looked up again when it fits
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             return False
         seq.block_table += self.allocator.allocate(need)
@@ -249,7 +292,8 @@ class Scheduler:
 
     def _insert_running(self, seq: Sequence) -> None:
         i = len(self.running)
-        while i > 0 and self.running[i - 1].arrival > seq.arrival: i -= 1
+        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+            i -= 1
         self.running.insert(i, seq)
 
     def step_done(self, plan: StepPlan) -> None:
@@ -257,14 +301,20 @@ class Scheduler:
         size = self.allocator.block_size
         for item in plan.scheduled:
             seq = item.seq
-            if seq.finished: continue  # aborted while the step ran; its blocks are already back
+            if seq.finished:
+                continue  # aborted while the step ran; its blocks are already back
             seq.num_computed += item.num_new
             newly_full = range(len(seq.block_hashes), seq.num_computed // size)
-            tokens = seq.token_ids if newly_full else None  # building the list costs O(length): only when needed
+            tokens = (
+                seq.token_ids if newly_full else None
+            )  # building the list costs O(length): only when needed
             for i in newly_full:
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
-                seq.block_hashes.append(self.allocator.register_full_block(
-                    seq.block_table[i], parent, tokens[i * size:(i + 1) * size]))
+                seq.block_hashes.append(
+                    self.allocator.register_full_block(
+                        seq.block_table[i], parent, tokens[i * size : (i + 1) * size]
+                    )
+                )
 
 
 # %% [markdown]
@@ -279,25 +329,38 @@ def simulate(scheduler, seqs_by_step, max_steps=500, next_token=lambda seq: 7):
     "Add the sequences listed for each step, run steps to the end; return the timeline."
     timeline = []
     for step in range(max_steps):
-        for seq in seqs_by_step.get(step, []): scheduler.add(seq)
+        for seq in seqs_by_step.get(step, []):
+            scheduler.add(seq)
         if not scheduler.has_unfinished():
-            if step > max(seqs_by_step, default=0): break
+            if step > max(seqs_by_step, default=0):
+                break
             continue
         plan = scheduler.schedule()
         scheduler.step_done(plan)
         for item in plan.scheduled:
-            kind = "decode" if item.num_new == 1 and item.seq.num_computed > len(item.seq.prompt_ids) else "prefill"
+            kind = (
+                "decode"
+                if item.num_new == 1 and item.seq.num_computed > len(item.seq.prompt_ids)
+                else "prefill"
+            )
             timeline.append((step, item.seq.request_id, kind, item.num_new))
             if item.samples:
                 item.seq.output_ids.append(next_token(item.seq))
                 if len(item.seq.output_ids) >= item.seq.params.max_tokens:
                     scheduler.finish(item.seq, "length")
-        for seq in plan.preempted: timeline.append((step, seq.request_id, "preempted", 0))
-        for seq in plan.finished: timeline.append((step, seq.request_id, "ended: pool too small", 0))
+        for seq in plan.preempted:
+            timeline.append((step, seq.request_id, "preempted", 0))
+        for seq in plan.finished:
+            timeline.append((step, seq.request_id, "ended: pool too small", 0))
     return timeline
 
+
 def make_seq(rid, prompt_len, max_tokens):
-    return Sequence(rid, list(range(1000 * len(rid), 1000 * len(rid) + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    return Sequence(
+        rid,
+        list(range(1000 * len(rid), 1000 * len(rid) + prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+    )
 
 
 # %% [markdown]
@@ -306,29 +369,45 @@ def make_seq(rid, prompt_len, max_tokens):
 
 # %%
 alloc = BlockAllocator(num_blocks=64, block_size=4)
-sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=32), alloc, max_model_len=4096)
-arrivals = {0: [make_seq("a", 5, 12), make_seq("b", 7, 12), make_seq("c", 3, 12)], 2: [make_seq("long", 100, 4)]}
+sched = Scheduler(
+    EngineConfig(max_num_seqs=8, max_num_batched_tokens=32), alloc, max_model_len=4096
+)
+arrivals = {
+    0: [make_seq("a", 5, 12), make_seq("b", 7, 12), make_seq("c", 3, 12)],
+    2: [make_seq("long", 100, 4)],
+}
 timeline = simulate(sched, arrivals)
 alloc.check_idle()
 
 import matplotlib.pyplot as plt
+
 rows = ["a", "b", "c", "long"]
 colors = {"prefill": "tab:orange", "decode": "tab:blue", "preempted": "tab:red"}
 fig, ax = plt.subplots(figsize=(9, 1.8))
 for step, rid, kind, n in timeline:
     ax.barh(rows.index(rid), 1, left=step, color=colors[kind], edgecolor="white")
-    if kind == "prefill": ax.text(step + 0.5, rows.index(rid), str(n), ha="center", va="center", fontsize=7)
-ax.set(yticks=range(4), yticklabels=rows, xlabel="engine step", title="orange: prefill chunk (tokens), blue: decode")
+    if kind == "prefill":
+        ax.text(step + 0.5, rows.index(rid), str(n), ha="center", va="center", fontsize=7)
+ax.set(
+    yticks=range(4),
+    yticklabels=rows,
+    xlabel="engine step",
+    title="orange: prefill chunk (tokens), blue: decode",
+)
 plt.show()
 
 # %%
 steps_of = lambda rid, kind: [s for s, r, k, _ in timeline if r == rid and k == kind]
 long_chunks = [n for s, r, k, n in timeline if r == "long" and k == "prefill"]
 assert sum(long_chunks) == 100 and len(long_chunks) > 1  # chunked
-for rid in "abc":  # every decode of the short requests ran in consecutive steps: never stalled by the long prompt
+for rid in (
+    "abc"
+):  # every decode of the short requests ran in consecutive steps: never stalled by the long prompt
     d = steps_of(rid, "decode")
     assert d == list(range(d[0], d[0] + len(d))), (rid, d)
-assert all(sum(n for s, _, _, n in timeline if s == step) <= 32 for step in range(60))  # the token budget holds
+assert all(
+    sum(n for s, _, _, n in timeline if s == step) <= 32 for step in range(60)
+)  # the token budget holds
 
 # %% [markdown]
 # ## Preemption by recompute
@@ -339,7 +418,9 @@ assert all(sum(n for s, _, _, n in timeline if s == step) <= 32 for step in rang
 
 # %%
 alloc = BlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)
-sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), alloc, max_model_len=4096)
+sched = Scheduler(
+    EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), alloc, max_model_len=4096
+)
 seqs = [make_seq(r, 8, 12) for r in ("x", "yy", "zzz")]
 timeline = simulate(sched, {0: seqs})
 preempted = [r for _, r, k, _ in timeline if k == "preempted"]
@@ -353,20 +434,28 @@ alloc.check_idle()
 
 # %%
 alloc = BlockAllocator(num_blocks=6, block_size=4, enable_prefix_caching=False)
-sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), alloc, max_model_len=4096)
+sched = Scheduler(
+    EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), alloc, max_model_len=4096
+)
 big, small = make_seq("big", 20, 2), make_seq("small", 2, 2)
 first = make_seq("first", 10, 2)
-sched.add(first); sched.schedule()  # first holds 3 blocks
-sched.add(big); sched.add(small)
+sched.add(first)
+sched.schedule()  # first holds 3 blocks
+sched.add(big)
+sched.add(small)
 plan = sched.schedule()
-assert [i.seq.request_id for i in plan.scheduled] == ["first"]  # big (5 blocks) waits, small must not overtake
+assert [i.seq.request_id for i in plan.scheduled] == [
+    "first"
+]  # big (5 blocks) waits, small must not overtake
 
 # %% [markdown]
 # Bad input is refused before anything is queued, with the numbers:
 
 # %%
 alloc = BlockAllocator(num_blocks=4, block_size=4)
-sched = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_waiting=1), alloc, max_model_len=64)
+sched = Scheduler(
+    EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_waiting=1), alloc, max_model_len=64
+)
 with pytest.raises(ValueError, match="prompt has 70 tokens; the context holds 64"):
     sched.add(make_seq("p", 70, 1))
 with pytest.raises(ValueError, match="prompt has 20 tokens; the KV pool holds 16 tokens"):
@@ -392,27 +481,41 @@ def random_workload(seed):
     for step in range(400):
         if step < 40 and rng.random() < 0.4:
             n = rng.randint(1, min(alloc.num_blocks * alloc.block_size - 1, 30))
-            seq = Sequence(f"r{step}", [rng.randint(0, 3) for _ in range(n)], SamplingParams(max_tokens=rng.randint(1, 10)))
-            sched.add(seq); seqs.append(seq)
+            seq = Sequence(
+                f"r{step}",
+                [rng.randint(0, 3) for _ in range(n)],
+                SamplingParams(max_tokens=rng.randint(1, 10)),
+            )
+            sched.add(seq)
+            seqs.append(seq)
         if seqs and rng.random() < 0.05:
             victim = rng.choice(seqs)
-            if not victim.finished: sched.finish(victim, "abort"); finished[victim.request_id] = finished.get(victim.request_id, 0) + 1
+            if not victim.finished:
+                sched.finish(victim, "abort")
+                finished[victim.request_id] = finished.get(victim.request_id, 0) + 1
         plan = sched.schedule()
-        for seq in plan.finished: finished[seq.request_id] = finished.get(seq.request_id, 0) + 1
-        assert plan.num_tokens <= cfg.max_num_batched_tokens and len(sched.running) <= cfg.max_num_seqs
+        for seq in plan.finished:
+            finished[seq.request_id] = finished.get(seq.request_id, 0) + 1
+        assert (
+            plan.num_tokens <= cfg.max_num_batched_tokens and len(sched.running) <= cfg.max_num_seqs
+        )
         sched.step_done(plan)
         for item in plan.scheduled:
             if item.samples and not item.seq.finished:
                 item.seq.output_ids.append(rng.randint(0, 3))
                 if len(item.seq.output_ids) >= item.seq.params.max_tokens:
-                    sched.finish(item.seq, "length"); finished[item.seq.request_id] = finished.get(item.seq.request_id, 0) + 1
+                    sched.finish(item.seq, "length")
+                    finished[item.seq.request_id] = finished.get(item.seq.request_id, 0) + 1
         alloc.check_invariants()
-        if step >= 40 and not sched.has_unfinished(): break
+        if step >= 40 and not sched.has_unfinished():
+            break
     assert not sched.has_unfinished(), f"seed {seed}: work left"
     assert all(finished.get(s.request_id) == 1 and s.finished for s in seqs), f"seed {seed}"
     alloc.check_idle()
 
-for seed in range(30): random_workload(seed)
+
+for seed in range(30):
+    random_workload(seed)
 
 # %% [markdown]
 # A sequence that outgrows the whole pool ends with `length` instead of preempting others, or
@@ -420,15 +523,21 @@ for seed in range(30): random_workload(seed)
 
 # %%
 alloc = BlockAllocator(num_blocks=3, block_size=4, enable_prefix_caching=False)
-sched = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16), alloc, max_model_len=4096)
+sched = Scheduler(
+    EngineConfig(max_num_seqs=2, max_num_batched_tokens=16), alloc, max_model_len=4096
+)
 lone = make_seq("lone", 8, 20)
 timeline = simulate(sched, {0: [lone]})
-assert lone.finish_reason == "length" and len(lone.output_ids) == 4 + 1  # 12 slots: 8 prompt + 4 computed outputs, +1 sampled
+assert (
+    lone.finish_reason == "length" and len(lone.output_ids) == 4 + 1
+)  # 12 slots: 8 prompt + 4 computed outputs, +1 sampled
 alloc.check_idle()
 
 # a preempted sequence whose recompute no longer fits must not come back in chunks forever
 alloc = BlockAllocator(num_blocks=8, block_size=2, enable_prefix_caching=False)
-sched = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=11), alloc, max_model_len=4096)
+sched = Scheduler(
+    EngineConfig(max_num_seqs=2, max_num_batched_tokens=11), alloc, max_model_len=4096
+)
 pair = [make_seq("u", 1, 7), make_seq("vv", 7, 12)]
 timeline = simulate(sched, {0: pair}, max_steps=200)
 assert all(s.finished for s in pair) and pair[1].finish_reason == "length"

@@ -41,7 +41,14 @@ from forge_engine.config import EngineConfig
 from forge_engine.cuda_graphs import DecodeRunner, decode_attention_for
 from forge_engine.generate import SamplingParams, StructuredOutput, TextStream, finish_reason_for
 from forge_engine.grammar import GrammarCompiler, GrammarError
-from forge_engine.kv_cache import BlockAllocator, KVCacheStats, PagedAttention, PagedKVCache, build_step_layout, to_device
+from forge_engine.kv_cache import (
+    BlockAllocator,
+    KVCacheStats,
+    PagedAttention,
+    PagedKVCache,
+    build_step_layout,
+    to_device,
+)
 from forge_engine.loader import LoadedModel
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.sampling import SampleResult, SamplingBatch, SamplingRow, make_generator, sample
@@ -68,43 +75,72 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total: int) -> int:
     "The KV pool under `gpu_memory_budget`: what the measured peak, the graphs' pool and the overhead leave."
-    from forge_engine.memory_plan import MIN_KV_BYTES, OVERHEAD_BYTES, MemoryPlanError, activation_bytes, format_gib
+    from forge_engine.memory_plan import (
+        MIN_KV_BYTES,
+        OVERHEAD_BYTES,
+        MemoryPlanError,
+        activation_bytes,
+        format_gib,
+    )
+
     budget, param = config.gpu_memory_budget, next(model.parameters())
     if budget > total:
-        raise MemoryPlanError(f"gpu_memory_budget {format_gib(budget)} is more than the GPU's {format_gib(total)}")
-    torch.cuda.set_per_process_memory_fraction(budget / total, param.device)  # past the budget, allocations fail
-    graphs = activation_bytes(model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()) \
-        if config.cuda_graphs is not False else 0
+        raise MemoryPlanError(
+            f"gpu_memory_budget {format_gib(budget)} is more than the GPU's {format_gib(total)}"
+        )
+    torch.cuda.set_per_process_memory_fraction(
+        budget / total, param.device
+    )  # past the budget, allocations fail
+    graphs = (
+        activation_bytes(
+            model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()
+        )
+        if config.cuda_graphs is not False
+        else 0
+    )
     torch.cuda.empty_cache()  # the cap counts what the allocator holds: what it cannot give back is not free either
     held = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(param.device)
     kv = budget - peak - held - graphs - OVERHEAD_BYTES
     if kv < MIN_KV_BYTES:
-        raise MemoryPlanError(f"under the {format_gib(budget)} budget the KV cache would get {format_gib(kv)}: measured "
-                              f"peak of weights + activations {format_gib(peak)}, held in the allocator's fragments "
-                              f"{format_gib(held)}, CUDA graphs {format_gib(graphs)}, overhead {format_gib(OVERHEAD_BYTES)} "
-                              f"(minimum {format_gib(MIN_KV_BYTES)})")
+        raise MemoryPlanError(
+            f"under the {format_gib(budget)} budget the KV cache would get {format_gib(kv)}: measured "
+            f"peak of weights + activations {format_gib(peak)}, held in the allocator's fragments "
+            f"{format_gib(held)}, CUDA graphs {format_gib(graphs)}, overhead {format_gib(OVERHEAD_BYTES)} "
+            f"(minimum {format_gib(MIN_KV_BYTES)})"
+        )
     return kv
 
 
 @torch.no_grad()
 def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
     "Bytes for the KV pool on the model's device."
-    if config.kv_cache_bytes is not None: return config.kv_cache_bytes
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
     device = next(model.parameters()).device
-    if device.type != "cuda": return CPU_DEFAULT_KV_BYTES
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     n = config.max_num_batched_tokens  # the activation peak of the largest step
-    model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
-                               no_cache_attention)[-config.max_num_seqs:])
+    model.compute_logits(
+        model(
+            torch.zeros(n, dtype=torch.long, device=device),
+            torch.arange(n, device=device),
+            no_cache_attention,
+        )[-config.max_num_seqs :]
+    )
     peak = torch.cuda.max_memory_allocated(device)
     _, total = torch.cuda.mem_get_info(device)
-    if config.gpu_memory_budget is not None:  # a fixed budget (chapter 10a): the allocator is capped at it
+    if (
+        config.gpu_memory_budget is not None
+    ):  # a fixed budget (chapter 10a): the allocator is capped at it
         return budgeted_kv_bytes(model, config, peak, total)
     budget = int(total * config.gpu_memory_utilization) - peak
     if budget <= 0:
-        raise ValueError(f"no GPU memory left for the KV cache: {config.gpu_memory_utilization:.0%} of "
-                         f"{total / 2**30:.1f} GiB is less than the {peak / 2**30:.1f} GiB peak of weights + activations")
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {config.gpu_memory_utilization:.0%} of "
+            f"{total / 2**30:.1f} GiB is less than the {peak / 2**30:.1f} GiB peak of weights + activations"
+        )
     return budget
 
 
@@ -141,22 +177,31 @@ PENDING = -1  # an output token sampled on the device, not yet read back by the 
 @dataclass
 class PendingTokens:
     "A launched step's sampled tokens, on the device: inputs of the next step before the host has read them."
+
     token_ids: torch.Tensor  # [rows] on the device
     row_of: dict[Seq, int]  # each sampling sequence's row
 
     def inputs_of(self, items) -> tuple[list[int], list[int]] | None:
         """(indices into `items`, rows of `token_ids`) of the scheduled sequences whose last token is pending.
         That token is an input only where the step reaches the sequence's end, which is where it samples."""
-        which = [(k, self.row_of[i.seq]) for k, i in enumerate(items) if i.samples and i.seq.last_token == PENDING]
+        which = [
+            (k, self.row_of[i.seq])
+            for k, i in enumerate(items)
+            if i.samples and i.seq.last_token == PENDING
+        ]
         return tuple(map(list, zip(*which))) if which else None
 
     def fill(self, ids: torch.Tensor, positions: list[int], rows: list[int]) -> None:
         "ids[positions] = the tokens of `rows`, copied on the device: the host does not wait for them."
         n = len(rows)
-        if positions == rows == list(range(n)):  # a decode step of the same sequences in the same order: one copy
+        if (
+            positions == rows == list(range(n))
+        ):  # a decode step of the same sequences in the same order: one copy
             ids[:n].copy_(self.token_ids[:n])
         else:  # the index lists go to the device, then one gather and one scatter
-            ids[to_device(torch.tensor(positions), ids.device)] = self.token_ids[to_device(torch.tensor(rows), ids.device)]
+            ids[to_device(torch.tensor(positions), ids.device)] = self.token_ids[
+                to_device(torch.tensor(rows), ids.device)
+            ]
 
 
 # %%
@@ -166,15 +211,28 @@ ROW_TILE = 8
 
 class ModelRunner:
     "Runs one scheduled step of the model over the paged KV cache."
-    def __init__(self, model: Transformer, cache: PagedKVCache, batch_invariant: bool = False,
-                 decode: DecodeRunner | None = None):
-        self.model, self.cache, self.batch_invariant, self.decode = model, cache, batch_invariant, decode
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        batch_invariant: bool = False,
+        decode: DecodeRunner | None = None,
+    ):
+        self.model, self.cache, self.batch_invariant, self.decode = (
+            model,
+            cache,
+            batch_invariant,
+            decode,
+        )
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
             from forge_engine.kernels.backend import kernels_available
             from forge_engine.kernels.prefill_attention import KernelPagedAttention
-            if kernels_available(self.device): self.attention = KernelPagedAttention
+
+            if kernels_available(self.device):
+                self.attention = KernelPagedAttention
 
     @torch.no_grad()
     def run(self, plan: StepPlan, pending: PendingTokens | None = None) -> torch.Tensor:
@@ -182,18 +240,33 @@ class ModelRunner:
         on the device; a sequence whose last token is `PENDING` reads it from there."""
         items = plan.scheduled
         unread = pending.inputs_of(items) if pending is not None else None
-        if self.decode is not None and all(i.num_new == 1 and i.samples for i in items) \
-                and len(items) <= self.decode.buckets[-1]:  # a pure decode step: replay a CUDA graph
+        if (
+            self.decode is not None
+            and all(i.num_new == 1 and i.samples for i in items)
+            and len(items) <= self.decode.buckets[-1]
+        ):  # a pure decode step: replay a CUDA graph
             return self._run_decode(items, pending, unread)
-        ids = [t for i in items for t in i.seq.token_ids[i.seq.num_computed:i.seq.num_computed + i.num_new]]
+        ids = [
+            t
+            for i in items
+            for t in i.seq.token_ids[i.seq.num_computed : i.seq.num_computed + i.num_new]
+        ]
         last_rows = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
         due = [k for k, i in enumerate(items) if i.samples]
-        ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)  # without waiting for the GPU (chapter 05)
-        if unread: pending.fill(ids, last_rows[unread[0]].tolist(), unread[1])  # a pending token is its sequence's last
+        ids = to_device(
+            torch.tensor(ids, dtype=torch.long), self.device
+        )  # without waiting for the GPU (chapter 05)
+        if unread:
+            pending.fill(
+                ids, last_rows[unread[0]].tolist(), unread[1]
+            )  # a pending token is its sequence's last
         if self.batch_invariant:
             return self._run_invariant(items, ids, last_rows[due].tolist())
-        layout = build_step_layout([(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
-                                   self.cache.block_size, self.device)
+        layout = build_step_layout(
+            [(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
+            self.cache.block_size,
+            self.device,
+        )
         rows = to_device(last_rows[due], self.device)
         hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[rows])
@@ -205,29 +278,55 @@ class ModelRunner:
     def check_step(self) -> None:
         "Raise if a finished step's device work cannot be trusted; alone, nothing fails behind the host's back (chapter 09c)."
 
-    def _run_decode(self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None):
+    def _run_decode(
+        self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None
+    ):
         size = self.cache.block_size
         positions = [i.seq.num_computed for i in items]
         slots = [i.seq.block_table[p // size] * size + p % size for i, p in zip(items, positions)]
-        fill = (lambda ids: pending.fill(ids, *unread)) if unread else None  # one token per sequence: item k is row k
-        return self.decode.run([i.seq.last_token for i in items], positions, slots,
-                               [i.seq.block_table for i in items], [p + 1 for p in positions], fill)
+        fill = (
+            (lambda ids: pending.fill(ids, *unread)) if unread else None
+        )  # one token per sequence: item k is row k
+        return self.decode.run(
+            [i.seq.last_token for i in items],
+            positions,
+            slots,
+            [i.seq.block_table for i in items],
+            [p + 1 for p in positions],
+            fill,
+        )
 
     def _run_invariant(self, items, ids: torch.Tensor, due_rows: list[int]) -> torch.Tensor:
         # every token as its own query: (its sequence's block table, its position, 1 new token)
-        queries = [(i.seq.block_table, i.seq.num_computed + j, 1) for i in items for j in range(i.num_new)]
+        queries = [
+            (i.seq.block_table, i.seq.num_computed + j, 1) for i in items for j in range(i.num_new)
+        ]
         hidden = []
         for start in range(0, len(ids), ROW_TILE):
-            tile_ids, tile_queries = ids[start:start + ROW_TILE], queries[start:start + ROW_TILE]
+            tile_ids, tile_queries = (
+                ids[start : start + ROW_TILE],
+                queries[start : start + ROW_TILE],
+            )
             pad = ROW_TILE - len(tile_ids)
-            tile_ids, tile_queries = torch.cat([tile_ids, tile_ids[-1:].expand(pad)]), tile_queries + tile_queries[-1:] * pad
+            tile_ids, tile_queries = (
+                torch.cat([tile_ids, tile_ids[-1:].expand(pad)]),
+                tile_queries + tile_queries[-1:] * pad,
+            )
             layout = build_step_layout(tile_queries, self.cache.block_size, self.device)
-            out = self.model(tile_ids, layout.positions, PagedAttention(self.cache, layout, batch_decodes=False))
-            hidden.append(out[:ROW_TILE - pad])
+            out = self.model(
+                tile_ids, layout.positions, PagedAttention(self.cache, layout, batch_decodes=False)
+            )
+            hidden.append(out[: ROW_TILE - pad])
         rows = torch.cat(hidden)[torch.tensor(due_rows, device=self.device, dtype=torch.long)]
-        padded = torch.cat([rows, rows[-1:].expand(-len(rows) % ROW_TILE, -1)]) if len(rows) else rows
+        padded = (
+            torch.cat([rows, rows[-1:].expand(-len(rows) % ROW_TILE, -1)]) if len(rows) else rows
+        )
         logits = [self.model.compute_logits(tile) for tile in padded.split(ROW_TILE)]
-        return torch.cat(logits)[:len(rows)] if logits else padded.new_empty(0, self.model.config.vocab_size)
+        return (
+            torch.cat(logits)[: len(rows)]
+            if logits
+            else padded.new_empty(0, self.model.config.vocab_size)
+        )
 
 
 # %% [markdown]
@@ -239,22 +338,38 @@ class ModelRunner:
 
 # %%
 #| export
-def build_runner(model: Transformer, config: EngineConfig,
-                 agree_num_blocks: Callable[[int], int] = lambda n: n) -> ModelRunner:
+def build_runner(
+    model: Transformer, config: EngineConfig, agree_num_blocks: Callable[[int], int] = lambda n: n
+) -> ModelRunner:
     "The KV pool (one scratch block more than the allocator hands out), the decode runner and the model runner."
     param = next(model.parameters())
-    if param.device.type == "cuda":  # chapter 09a's fused layers (a model built by hand too), before the KV budget's run
+    if (
+        param.device.type == "cuda"
+    ):  # chapter 09a's fused layers (a model built by hand too), before the KV budget's run
         from forge_engine.fused_layers import install_fused_layers
+
         install_fused_layers(model)
     budget = kv_cache_budget(model, config)
-    num_blocks = agree_num_blocks(PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype))
+    num_blocks = agree_num_blocks(
+        PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)
+    )
     # one block more than the allocator hands out: padded rows of a graphed decode write there
     cache = PagedKVCache(model.config, num_blocks + 1, config.block_size, param.device, param.dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
-    decode = DecodeRunner(model, cache, config.max_num_seqs, max_model_len, scratch_block=num_blocks,
-                          attention=decode_attention_for(param.device), use_graphs=param.device.type == "cuda") \
-        if graphs and not config.batch_invariant else None
+    decode = (
+        DecodeRunner(
+            model,
+            cache,
+            config.max_num_seqs,
+            max_model_len,
+            scratch_block=num_blocks,
+            attention=decode_attention_for(param.device),
+            use_graphs=param.device.type == "cuda",
+        )
+        if graphs and not config.batch_invariant
+        else None
+    )
     return ModelRunner(model, cache, config.batch_invariant, decode)
 
 
@@ -269,6 +384,7 @@ def build_runner(model: Transformer, config: EngineConfig,
 @dataclass
 class RequestOutput:
     "A request's state after a step. `finish_reason`: stop, length, abort or error (then `error` says why)."
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -305,19 +421,23 @@ class _Request:
 @dataclass(frozen=True)
 class StepRecord:
     "What one step did."
+
     index: int
     seconds: float
     prefill_tokens: int
     decode_seqs: int
     sampled: int
     preempted: int
-    kv_used_blocks: int = 0  # blocks held by requests after the step: with `ended_at`, the KV usage over time
+    kv_used_blocks: int = (
+        0  # blocks held by requests after the step: with `ended_at`, the KV usage over time
+    )
     ended_at: float = 0.0  # time.perf_counter() at the end of the step
 
 
 @dataclass(frozen=True)
 class EngineStats:
     "A snapshot, safe to hand to another thread."
+
     running: int
     waiting: int
     kv: KVCacheStats
@@ -365,6 +485,7 @@ class EngineStats:
 @dataclass
 class _LaunchedStep:
     "A step queued on the device whose sampled tokens the host has not read yet."
+
     plan: StepPlan
     due: list[Seq]  # the sampling sequences, in row order; each ends in a PENDING placeholder
     result: SampleResult
@@ -381,6 +502,7 @@ class _LaunchedStep:
 class SerialEngine:
     """Requests in, `RequestOutput`s out, one `step()` at a time: schedule → run → sample → postprocess.
     Not thread-safe: one thread owns it."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
         gc.collect()
@@ -388,21 +510,32 @@ class SerialEngine:
         self.device = next(loaded.model.parameters()).device
         world = loaded.parallel.world if loaded.parallel is not None else 1
         if self.config.tensor_parallel_size != world:
-            raise ValueError(f"EngineConfig asks for tensor_parallel_size {self.config.tensor_parallel_size}, but the "
-                             f"model was loaded over {world} process(es): pass the same size to load_model")
+            raise ValueError(
+                f"EngineConfig asks for tensor_parallel_size {self.config.tensor_parallel_size}, but the "
+                f"model was loaded over {world} process(es): pass the same size to load_model"
+            )
         # with tensor parallelism every rank builds the same runner over its own slice (chapter 09c)
-        self.runner = loaded.parallel.build_runner(self.config) if loaded.parallel is not None \
+        self.runner = (
+            loaded.parallel.build_runner(self.config)
+            if loaded.parallel is not None
             else build_runner(loaded.model, self.config)
+        )
         self.cache = self.runner.cache
         num_blocks = self.cache.num_blocks - 1  # the last block is the decode graphs' scratch block
-        self.allocator = BlockAllocator(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.max_model_len = self.config.max_model_len or loaded.model.config.max_position_embeddings
+        self.allocator = BlockAllocator(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.max_model_len = (
+            self.config.max_model_len or loaded.model.config.max_position_embeddings
+        )
         self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
         self.steps = self.generated_tokens = 0
-        self._grammars: GrammarCompiler | None = None  # built on the first structured output (the tokenizer's bytes)
+        self._grammars: GrammarCompiler | None = (
+            None  # built on the first structured output (the tokenizer's bytes)
+        )
         self._grammars_lock = threading.Lock()
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
         # a full collection while decoding then scans only what decoding made (above)
@@ -424,13 +557,22 @@ class SerialEngine:
         with self._grammars_lock:
             if self._grammars is None:
                 if self.loaded.tokenizer is None:
-                    raise GrammarError(f"model {self.loaded.name!r} has no tokenizer: structured outputs need one")
-                self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.config.vocab_size,
-                                                 self.loaded.eos_token_ids)
+                    raise GrammarError(
+                        f"model {self.loaded.name!r} has no tokenizer: structured outputs need one"
+                    )
+                self._grammars = GrammarCompiler(
+                    self.loaded.tokenizer, self.loaded.config.vocab_size, self.loaded.eos_token_ids
+                )
         return self._grammars.compile(structured)
 
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt: str | None = None, grammar: Any = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        grammar: Any = None,
+    ) -> str:
         """Queue a request; refused with a clear error (nothing queued) when it cannot run. `grammar`: the matcher
         `compile_grammar` made of `params.structured` (compiled here when not given)."""
         params = params or SamplingParams()
@@ -446,8 +588,14 @@ class SerialEngine:
         self.scheduler.add(seq)  # raises on a prompt that cannot fit, or a full queue
         tokenizer = self.loaded.tokenizer
         text = TextStream(tokenizer, params, ids) if tokenizer is not None else None
-        self.requests[request_id] = _Request(seq, prompt, text, time.perf_counter(),
-                                             logprobs=[] if params.logprobs is not None else None, grammar=grammar)
+        self.requests[request_id] = _Request(
+            seq,
+            prompt,
+            text,
+            time.perf_counter(),
+            logprobs=[] if params.logprobs is not None else None,
+            grammar=grammar,
+        )
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -458,18 +606,29 @@ class SerialEngine:
         self.scheduler.finish(request.seq, "abort")
         return self._output(request, "", [])
 
-    def has_unfinished(self) -> bool: return bool(self.requests)
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
 
     def warm_up(self, prompt_len: int = 40, max_tokens: int = 4) -> float:
         """Run one throwaway greedy request (a prefill, then decode steps) so that the first real request does not
         wait for kernels to compile on first use; afterwards the step counters, step records and prefix cache are
         as if it had never run. Needs an idle engine. Returns the seconds it took."""
         if self.requests:
-            raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight")
+            raise RuntimeError(
+                f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight"
+            )
         start, vocab = time.perf_counter(), self.loaded.config.vocab_size
-        prompt = [1 + i % (vocab - 1) for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))]
-        self.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), "warm-up")
-        while self.has_unfinished(): self.step()
+        prompt = [
+            1 + i % (vocab - 1)
+            for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))
+        ]
+        self.add_request(
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            "warm-up",
+        )
+        while self.has_unfinished():
+            self.step()
         self.allocator.reset_prefix_cache()
         self.recent.clear()
         self.steps = self.generated_tokens = 0
@@ -480,7 +639,8 @@ class SerialEngine:
         "Schedule, run the model, sample, apply the tokens: outputs for every request that changed."
         start = time.perf_counter()
         plan, outputs = self._schedule(start)
-        if not plan: return outputs
+        if not plan:
+            return outputs
         try:
             launched = self._launch(plan)  # run + sample
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
@@ -507,43 +667,65 @@ class SerialEngine:
         due = [item.seq for item in plan.scheduled if item.samples]
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
-            batch = SamplingBatch.build(rows, logits.shape[-1], self.loaded.eos_token_ids, self.device,
-                                        allowed=self._allowed_tokens(due))
+            batch = SamplingBatch.build(
+                rows,
+                logits.shape[-1],
+                self.loaded.eos_token_ids,
+                self.device,
+                allowed=self._allowed_tokens(due),
+            )
             result = sample(logits, batch, greedy=self.runner.greedy_tokens(logits))
         else:
             result = SampleResult(torch.empty(0, dtype=torch.long), None)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        tokens = result.token_ids.to("cpu", non_blocking=True)  # into pinned memory: the host does not wait here
-        if ready is not None: ready.record()
+        tokens = result.token_ids.to(
+            "cpu", non_blocking=True
+        )  # into pinned memory: the host does not wait here
+        if ready is not None:
+            ready.record()
         return _LaunchedStep(plan, due, result, tokens, ready)
 
     def _allowed_tokens(self, due: list[Seq]):
         "The grammars' masks of the rows under one, or None (a sequence ended meanwhile is left unmasked)."
-        rows = [(row, self.requests[s.request_id].grammar) for row, s in enumerate(due)
-                if not s.finished and self.requests[s.request_id].grammar is not None]
-        if not rows: return None
-        return self._grammars.allowed_tokens([r for r, _ in rows], [g for _, g in rows], self.device)
+        rows = [
+            (row, self.requests[s.request_id].grammar)
+            for row, s in enumerate(due)
+            if not s.finished and self.requests[s.request_id].grammar is not None
+        ]
+        if not rows:
+            return None
+        return self._grammars.allowed_tokens(
+            [r for r, _ in rows], [g for _, g in rows], self.device
+        )
 
     def _step_done(self, plan: StepPlan, launched: _LaunchedStep) -> None:
         "The step's tokens count as computed; each sampling sequence holds a place for its token."
-        self.scheduler.step_done(plan)  # (before any token lands: newly full blocks hold real tokens only)
+        self.scheduler.step_done(
+            plan
+        )  # (before any token lands: newly full blocks hold real tokens only)
         for seq in launched.due:
-            if not seq.finished: seq.output_ids.append(PENDING)  # (ended meanwhile: its token will be dropped)
+            if not seq.finished:
+                seq.output_ids.append(PENDING)  # (ended meanwhile: its token will be dropped)
 
     def _land(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
         "Read a launched step's tokens (waiting for the device if needed) and apply them: rules, text, outputs."
-        if launched is None: return []
+        if launched is None:
+            return []
         try:
-            if launched.ready is not None: launched.ready.synchronize()
+            if launched.ready is not None:
+                launched.ready.synchronize()
             self.runner.check_step()  # (with tensor parallelism: did every rank finish the step?)
             tokens = launched.tokens.tolist()
         except Exception as e:  # the step failed on the device
             return [self._fail(seq, e) for seq in launched.due if not seq.finished]
         outputs = []
         for k, (seq, token) in enumerate(zip(launched.due, tokens)):
-            if seq.finished: continue  # ended (stop, abort, error) after the step was launched: its token is dropped
+            if seq.finished:
+                continue  # ended (stop, abort, error) after the step was launched: its token is dropped
             try:
-                logprobs = launched.result.logprobs[k] if launched.result.logprobs is not None else None
+                logprobs = (
+                    launched.result.logprobs[k] if launched.result.logprobs is not None else None
+                )
                 outputs.append(self._apply_token(seq, token, logprobs))
             except Exception as e:
                 outputs.append(self._fail(seq, e))
@@ -552,23 +734,36 @@ class SerialEngine:
     def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         return [self._fail(item.seq, error) for item in plan.scheduled if not item.seq.finished]
 
-    def _apply_token(self, seq: Seq, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _apply_token(
+        self, seq: Seq, token: int, logprobs: dict[int, float] | None
+    ) -> RequestOutput:
         "The sampled token in place of its placeholder, the token rules and stop strings, the text delta."
         request = self.requests[seq.request_id]
         seq.output_ids[-1] = token
         request.first_token = request.first_token or time.perf_counter()
-        if logprobs is not None: request.logprobs.append(logprobs)
-        reason = finish_reason_for(token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids)
-        if request.grammar is not None and reason is None:  # the grammar follows the token; done, the output is
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        reason = finish_reason_for(
+            token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids
+        )
+        if (
+            request.grammar is not None and reason is None
+        ):  # the grammar follows the token; done, the output is
             if not request.grammar.consume_token(token):
-                raise GrammarError(f"token {token} broke the grammar: {request.grammar.get_error()}")
-            if request.grammar.is_stopped(): reason = "stop"
-        if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
+                raise GrammarError(
+                    f"token {token} broke the grammar: {request.grammar.get_error()}"
+                )
+            if request.grammar.is_stopped():
+                reason = "stop"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
         delta = request.text.add(token) if request.text is not None else ""
-        if reason is None and request.text is not None and request.text.stopped: reason = "stop"
+        if reason is None and request.text is not None and request.text.stopped:
+            reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            if request.text is not None: delta += request.text.finish()
+            if request.text is not None:
+                delta += request.text.finish()
         return self._output(request, delta, [token])
 
     def _fail(self, seq: Seq, error: Exception) -> RequestOutput:
@@ -579,8 +774,10 @@ class SerialEngine:
 
     def _output(self, request: _Request, delta: str, new_tokens: list[int]) -> RequestOutput:
         seq, now = request.seq, time.perf_counter()
-        if seq.finished: del self.requests[seq.request_id]  # its last output: the engine forgets it
-        if seq.output_ids[-1:] == [PENDING]: seq.output_ids.pop()  # ended with a token in flight: it is dropped
+        if seq.finished:
+            del self.requests[seq.request_id]  # its last output: the engine forgets it
+        if seq.output_ids[-1:] == [PENDING]:
+            seq.output_ids.pop()  # ended with a token in flight: it is dropped
         metrics = {"queue_s": (request.first_scheduled or now) - request.arrival}
         if request.first_token is not None:
             metrics["ttft_s"] = request.first_token - request.arrival
@@ -588,31 +785,69 @@ class SerialEngine:
             decode_s = now - request.first_token
             metrics["decode_tok_s"] = (len(seq.output_ids) - 1) / decode_s if decode_s > 0 else 0.0
         return RequestOutput(
-            seq.request_id, request.prompt, seq.prompt_ids, request.text.text if request.text else "",
-            list(seq.output_ids), seq.finished, seq.finish_reason, request.error, delta, new_tokens,
-            list(request.logprobs) if request.logprobs is not None else None, seq.num_cached_prompt_tokens, metrics)
+            seq.request_id,
+            request.prompt,
+            seq.prompt_ids,
+            request.text.text if request.text else "",
+            list(seq.output_ids),
+            seq.finished,
+            seq.finish_reason,
+            request.error,
+            delta,
+            new_tokens,
+            list(request.logprobs) if request.logprobs is not None else None,
+            seq.num_cached_prompt_tokens,
+            metrics,
+        )
 
     # -- statistics --
     def _record(self, plan: StepPlan, sampled: int, seconds: float):
         self.steps += 1
         self.generated_tokens += sampled
-        decode = sum(1 for i in plan.scheduled if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids))
+        decode = sum(
+            1
+            for i in plan.scheduled
+            if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids)
+        )
         prefill = plan.num_tokens - decode
         used = self.allocator.num_blocks - self.allocator.num_free_blocks
-        self.recent.append(StepRecord(self.steps, seconds, prefill, decode, sampled, len(plan.preempted), used,
-                                      time.perf_counter()))
+        self.recent.append(
+            StepRecord(
+                self.steps,
+                seconds,
+                prefill,
+                decode,
+                sampled,
+                len(plan.preempted),
+                used,
+                time.perf_counter(),
+            )
+        )
 
     def block_map(self) -> str:
         a = self.allocator
-        return "".join("c" if a.ref_count(b) == 0 and a.hash_of(b) is not None else
-                       "." if a.ref_count(b) == 0 else str(min(a.ref_count(b), 9)) for b in range(a.num_blocks))
+        return "".join(
+            "c"
+            if a.ref_count(b) == 0 and a.hash_of(b) is not None
+            else "."
+            if a.ref_count(b) == 0
+            else str(min(a.ref_count(b), 9))
+            for b in range(a.num_blocks)
+        )
 
     def stats(self) -> EngineStats:
         window = list(self.recent)[-32:]
         seconds = sum(r.seconds for r in window)
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.stats(),
-                           self.block_map(), self.steps, self.generated_tokens,
-                           sum(r.sampled for r in window) / seconds if seconds else 0.0, tuple(self.recent))
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.allocator.stats(),
+            self.block_map(),
+            self.steps,
+            self.generated_tokens,
+            sum(r.sampled for r in window) / seconds if seconds else 0.0,
+            tuple(self.recent),
+        )
 
 
 # %% [markdown]
@@ -626,22 +861,35 @@ class SerialEngine:
 def tiny_engine(name="qwen3-tiny", engine=SerialEngine, tokenizer=None, **config):
     model = init_random_weights(empty_model(preset(name)), seed=0, std=0.1)
     loaded = LoadedModel(name, model, tokenizer, None)
-    return engine(loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config))
+    return engine(
+        loaded, EngineConfig(kv_cache_bytes=config.pop("kv_cache_bytes", 2**20), **config)
+    )
+
 
 def run_to_end(engine):
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finished: finals[out.request_id] = out
+            if out.finished:
+                finals[out.request_id] = out
     return finals
 
+
 import weakref
+
 probe = []
-probe.append(probe)  # a cycle alive before the engine is built: frozen with the rest, out of later collections
+probe.append(
+    probe
+)  # a cycle alive before the engine is built: frozen with the rest, out of later collections
 engine = tiny_engine(block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
 assert not any(o is probe for o in gc.get_objects()) and gc.get_freeze_count() > 0
+
+
 # frozen garbage in a cycle: a plain collection leaves it, the next engine built collects it first
-class Probe: pass
+class Probe:
+    pass
+
+
 cycle = Probe()
 cycle.me, cycle_alive = cycle, weakref.ref(cycle)
 gc.freeze()  # (as an engine built now would)
@@ -652,14 +900,17 @@ tiny_engine()
 assert cycle_alive() is None
 prompts = [[5, 6, 7], list(range(100, 140)), [9] * 11]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-for i, p in enumerate(prompts): engine.add_request(p, greedy, request_id=f"r{i}")
+for i, p in enumerate(prompts):
+    engine.add_request(p, greedy, request_id=f"r{i}")
 finals = run_to_end(engine)
 for i, p in enumerate(prompts):
     alone = generate_tokens(engine.loaded.model, p, greedy).token_ids
     assert finals[f"r{i}"].token_ids == alone and finals[f"r{i}"].finish_reason == "length", i
 engine.allocator.check_idle()
 print(engine.stats().recent_steps[:4])
-records = engine.stats().recent_steps  # a time series: blocks held after each step, and when it ended
+records = (
+    engine.stats().recent_steps
+)  # a time series: blocks held after each step, and when it ended
 assert max(r.kv_used_blocks for r in records) > 0 and records[-1].kv_used_blocks == 0
 assert all(a.ended_at < b.ended_at for a, b in zip(records, records[1:]))
 
@@ -672,7 +923,11 @@ engine.add_request(shared + [1, 2], greedy, request_id="first")
 first = run_to_end(engine)["first"]
 engine.add_request(shared + [1, 2], greedy, request_id="again")
 again = run_to_end(engine)["again"]
-assert again.token_ids == first.token_ids and again.num_cached_tokens == 32 and first.num_cached_tokens == 0
+assert (
+    again.token_ids == first.token_ids
+    and again.num_cached_tokens == 32
+    and first.num_cached_tokens == 0
+)
 assert engine.stats().kv.hit_tokens >= 32
 engine.allocator.check_idle()
 
@@ -690,7 +945,9 @@ with pytest.raises(ValueError, match="unknown request id 'gone'"):
 with pytest.raises(ValueError, match="outside the vocabulary"):
     engine.add_request([10**7])
 pool_tokens = engine.allocator.num_blocks * 4
-with pytest.raises(ValueError, match=f"prompt has {pool_tokens} tokens; the KV pool holds {pool_tokens} tokens"):
+with pytest.raises(
+    ValueError, match=f"prompt has {pool_tokens} tokens; the KV pool holds {pool_tokens} tokens"
+):
     engine.add_request([1] * pool_tokens)
 assert not engine.has_unfinished()
 
@@ -700,7 +957,9 @@ assert not engine.has_unfinished()
 # %%
 engine.add_request([3, 4, 5], greedy, request_id="doomed")
 real_run = engine.runner.run
-engine.runner.run = lambda plan, pending=None: (_ for _ in ()).throw(RuntimeError("simulated kernel failure"))
+engine.runner.run = lambda plan, pending=None: (_ for _ in ()).throw(
+    RuntimeError("simulated kernel failure")
+)
 [failed] = engine.step()
 engine.runner.run = real_run
 assert failed.finish_reason == "error" and "simulated kernel failure" in failed.error
@@ -767,36 +1026,54 @@ with pytest.raises(RuntimeError, match="idle engine; 1 request"):
 class LLMEngine(SerialEngine):
     """The engine the server, the bench and `LLM` use: `SerialEngine`'s step, but on a GPU (or when
     `async_scheduling` says so) each step is launched before the previous one's tokens are applied."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         super().__init__(loaded, config)
         overlap = self.config.async_scheduling
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap  # the default: on GPUs
-        self._launched: _LaunchedStep | None = None  # the step whose tokens the host has not read yet
+        self.overlap = (
+            self.device.type == "cuda" if overlap is None else overlap
+        )  # the default: on GPUs
+        self._launched: _LaunchedStep | None = (
+            None  # the step whose tokens the host has not read yet
+        )
 
     def step(self) -> list[RequestOutput]:
         "Schedule and launch a step, then apply the previous one's tokens while the device computes this one."
-        if not self.overlap: return super().step()
+        if not self.overlap:
+            return super().step()
         start = time.perf_counter()
         outputs = self._land(self._take_launched()) if self._must_land_first() else []
         plan, ended = self._schedule(start)
         outputs += ended
-        if not plan: return outputs + self._land(self._take_launched())
+        if not plan:
+            return outputs + self._land(self._take_launched())
         try:
-            logits = self.runner.run(plan, self._launched.pending if self._launched is not None else None)
-            if self._under_grammar(plan):  # the masks need the previous tokens: read them while the device runs
+            logits = self.runner.run(
+                plan, self._launched.pending if self._launched is not None else None
+            )
+            if self._under_grammar(
+                plan
+            ):  # the masks need the previous tokens: read them while the device runs
                 outputs += self._land(self._take_launched())
             launched = self._sample(plan, logits)
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
-            outputs += self._land(self._take_launched())  # (which may already have ended some of them)
+            outputs += self._land(
+                self._take_launched()
+            )  # (which may already have ended some of them)
             return outputs + self._fail_step(plan, e)
-        outputs += self._land(self._take_launched())  # the previous step's tokens, while the device computes this one
+        outputs += self._land(
+            self._take_launched()
+        )  # the previous step's tokens, while the device computes this one
         self._step_done(plan, launched)
         self._launched = launched
         self._record(plan, len(launched.due), time.perf_counter() - start)
         return outputs
 
     def _under_grammar(self, plan: StepPlan) -> bool:
-        return any(item.samples and self.requests[item.seq.request_id].grammar is not None for item in plan.scheduled)
+        return any(
+            item.samples and self.requests[item.seq.request_id].grammar is not None
+            for item in plan.scheduled
+        )
 
     def _take_launched(self) -> _LaunchedStep | None:
         launched, self._launched = self._launched, None
@@ -804,12 +1081,22 @@ class LLMEngine(SerialEngine):
 
     def _must_land_first(self) -> bool:
         "Whether the next schedule needs the launched step's tokens on the host (see above)."
-        if self._launched is None: return False
-        def needs_its_token(s: Seq) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
+        if self._launched is None:
+            return False
+
+        def needs_its_token(
+            s: Seq,
+        ) -> bool:  # the sampler counts its tokens, or the pending one is surely its last
             p = s.params
-            return p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty \
-                or len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len \
+            return (
+                p.repetition_penalty != 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+                or len(s.output_ids) >= p.max_tokens
+                or s.num_tokens >= self.max_model_len
                 or self.scheduler.outgrows_pool(s)
+            )
+
         return any(not s.finished and needs_its_token(s) for s in self._launched.due)
 
 
@@ -823,20 +1110,44 @@ def run_arrivals(engine, arrivals):
     "Step the engine until idle, adding the requests of `arrivals[i]` before step i; the final outputs."
     finals, i = {}, 0
     while engine.has_unfinished() or i <= max(arrivals):
-        for request_id, prompt, params in arrivals.get(i, []): engine.add_request(prompt, params, request_id)
+        for request_id, prompt, params in arrivals.get(i, []):
+            engine.add_request(prompt, params, request_id)
         for out in engine.step():
-            if out.finished: finals[out.request_id] = (out.token_ids, out.finish_reason, out.logprobs)
+            if out.finished:
+                finals[out.request_id] = (out.token_ids, out.finish_reason, out.logprobs)
         i += 1
     engine.allocator.check_idle()
     return finals
 
-mixed = {0: [("greedy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
-             ("penalised", list(range(20, 31)), SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.3,
-                                                                ignore_eos=True))],
-         2: [("sampled", [9] * 6, SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2, ignore_eos=True))],
-         3: [("to the context", list(range(40, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))]}
+
+mixed = {
+    0: [
+        ("greedy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
+        (
+            "penalised",
+            list(range(20, 31)),
+            SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.3, ignore_eos=True),
+        ),
+    ],
+    2: [
+        (
+            "sampled",
+            [9] * 6,
+            SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2, ignore_eos=True),
+        )
+    ],
+    3: [
+        (
+            "to the context",
+            list(range(40, 50)),
+            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+        )
+    ],
+}
 serial = run_arrivals(tiny_engine(block_size=4, max_model_len=24), mixed)
-overlapped_engine = tiny_engine(engine=LLMEngine, block_size=4, max_model_len=24, async_scheduling=True)
+overlapped_engine = tiny_engine(
+    engine=LLMEngine, block_size=4, max_model_len=24, async_scheduling=True
+)
 assert type(overlapped_engine) is LLMEngine and overlapped_engine.overlap
 assert run_arrivals(overlapped_engine, mixed) == serial and len(serial) == 4
 assert serial["to the context"][1] == "length" and len(serial["to the context"][0]) == 24 - 10
@@ -855,22 +1166,55 @@ from forge_engine.registry import fetch
 from forge_engine.tokenizer import Tokenizer
 
 qwen3 = Tokenizer.from_file(fetch("qwen3-tokenizer"))  # the tiny models share Qwen3's vocabulary
-schema = {"type": "object", "required": ["answer", "score"], "additionalProperties": False,
-          "properties": {"answer": {"type": "string", "maxLength": 6},
-                         "score": {"type": "integer", "minimum": 0, "maximum": 100}}}
+schema = {
+    "type": "object",
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+    "properties": {
+        "answer": {"type": "string", "maxLength": 6},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+}
 as_schema = StructuredOutput("json_schema", schema)
-constrained = {0: [(f"json {i}", [5 + i, 6, 7], SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured=as_schema))
-                   for i in range(3)] + [("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))],
-               2: [("choice", [9, 9], SamplingParams(temperature=0, max_tokens=8,
-                                                     structured=StructuredOutput("choice", ["red", "green", "blue"])))]}
+constrained = {
+    0: [
+        (
+            f"json {i}",
+            [5 + i, 6, 7],
+            SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured=as_schema),
+        )
+        for i in range(3)
+    ]
+    + [("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))],
+    2: [
+        (
+            "choice",
+            [9, 9],
+            SamplingParams(
+                temperature=0,
+                max_tokens=8,
+                structured=StructuredOutput("choice", ["red", "green", "blue"]),
+            ),
+        )
+    ],
+}
 serial = run_arrivals(tiny_engine(tokenizer=qwen3, block_size=4), constrained)
-assert run_arrivals(tiny_engine(engine=LLMEngine, tokenizer=qwen3, block_size=4, async_scheduling=True), constrained) == serial
+assert (
+    run_arrivals(
+        tiny_engine(engine=LLMEngine, tokenizer=qwen3, block_size=4, async_scheduling=True),
+        constrained,
+    )
+    == serial
+)
 for request_id, (ids, reason, _) in serial.items():
-    if request_id == "plain": continue  # (a random model: ids past the tokenizer's vocabulary too)
+    if request_id == "plain":
+        continue  # (a random model: ids past the tokenizer's vocabulary too)
     text = qwen3.decode([t for t in ids if t not in qwen3.eos_token_ids])
     assert reason == "stop", (request_id, reason, text)
-    if request_id.startswith("json"): jsonschema.validate(json.loads(text), schema)
-    if request_id == "choice": assert text in ("red", "green", "blue"), text
+    if request_id.startswith("json"):
+        jsonschema.validate(json.loads(text), schema)
+    if request_id == "choice":
+        assert text in ("red", "green", "blue"), text
 print(text, [qwen3.decode(serial[f"json {i}"][0][:-1]) for i in range(3)])
 
 refusing = tiny_engine(tokenizer=qwen3)

@@ -43,23 +43,42 @@ import pytest
 
 # %%
 #| export
-def load_model_over(name: str, device: str | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
-                    progress: bool = True, quantization: str = "none", tensor_parallel_size: int = 1,
-                    memory_budget: int | None = None) -> LoadedModel:
+def load_model_over(
+    name: str,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    quantization: str = "none",
+    tensor_parallel_size: int = 1,
+    memory_budget: int | None = None,
+) -> LoadedModel:
     "`load_model` (chapter 04a) in this process, or `load_model_parallel` (chapter 09c) over `tensor_parallel_size`."
     if tensor_parallel_size == 1:
-        return load_model(name, device, dtype, seed=seed, progress=progress, quantization=quantization,
-                          memory_budget=memory_budget)
+        return load_model(
+            name,
+            device,
+            dtype,
+            seed=seed,
+            progress=progress,
+            quantization=quantization,
+            memory_budget=memory_budget,
+        )
     if quantization != "none":
-        raise ValueError("tensor parallelism runs unquantized weights: use --quantization none with it")
+        raise ValueError(
+            "tensor parallelism runs unquantized weights: use --quantization none with it"
+        )
     from forge_engine.tensor_parallel.ranks import load_model_parallel
+
     return load_model_parallel(name, device, dtype, seed, world=tensor_parallel_size)
 
 
 # %%
 one = load_model_over("random:qwen3-tiny", "cpu", seed=3, progress=False)
 alone = load_model("random:qwen3-tiny", "cpu", seed=3, progress=False)
-assert one.parallel is None and all(torch.equal(a, b) for a, b in zip(one.model.parameters(), alone.model.parameters()))
+assert one.parallel is None and all(
+    torch.equal(a, b) for a, b in zip(one.model.parameters(), alone.model.parameters())
+)
 with pytest.raises(ValueError, match="tensor parallelism runs unquantized weights"):
     load_model_over("random:qwen3-tiny", "cpu", quantization="int8", tensor_parallel_size=2)
 
@@ -74,32 +93,57 @@ with pytest.raises(ValueError, match="tensor parallelism runs unquantized weight
 #| export
 class LLM:
     "Offline generation: `LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages, ...)`."
-    def __init__(self, model: str = "smollm2-135m-instruct", device: str | None = None, dtype: str | None = None,
-                 seed: int = 0, progress: bool = True, **engine_options):
-        self.loaded = load_model_over(model, device, dtype, seed=seed, progress=progress,
-                                      memory_budget=engine_options.get("gpu_memory_budget"),
-                                      quantization=engine_options.get("quantization", "none"),
-                                      tensor_parallel_size=engine_options.get("tensor_parallel_size", 1))
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        device: str | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        progress: bool = True,
+        **engine_options,
+    ):
+        self.loaded = load_model_over(
+            model,
+            device,
+            dtype,
+            seed=seed,
+            progress=progress,
+            memory_budget=engine_options.get("gpu_memory_budget"),
+            quantization=engine_options.get("quantization", "none"),
+            tensor_parallel_size=engine_options.get("tensor_parallel_size", 1),
+        )
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options))
+        self.engine = LLMEngine(
+            self.loaded, EngineConfig(device=device, dtype=dtype, seed=seed, **engine_options)
+        )
 
     def _prompt_ids(self, prompt: str | None, ids: Sequence[int] | None) -> list[int]:
-        if ids is not None: return list(ids)
+        if ids is not None:
+            return list(ids)
         if self.tokenizer is None:
-            raise ValueError(f"model {self.loaded.name!r} has no tokenizer: pass prompt_token_ids instead of text")
+            raise ValueError(
+                f"model {self.loaded.name!r} has no tokenizer: pass prompt_token_ids instead of text"
+            )
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[RequestOutput]:
         "Generate for each prompt (text, or token ids), batched. `on_text(index, delta)` streams text as it comes."
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass either prompts or prompt_token_ids")
-        if isinstance(prompts, str): prompts = [prompts]
+        if isinstance(prompts, str):
+            prompts = [prompts]
         texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
-        ids = [self._prompt_ids(t, prompt_token_ids[i] if prompt_token_ids is not None else None)
-               for i, t in enumerate(texts)]
+        ids = [
+            self._prompt_ids(t, prompt_token_ids[i] if prompt_token_ids is not None else None)
+            for i, t in enumerate(texts)
+        ]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(ids)
         if len(params) != len(ids):
@@ -117,12 +161,18 @@ class LLM:
                 index_of[self.engine.add_request(ids[i], params[i], prompt=texts[i])] = i
             for out in self.engine.step():
                 i = index_of[out.request_id]
-                if on_text is not None and out.delta_text: on_text(i, out.delta_text)
-                if out.finished: results[i] = out
+                if on_text is not None and out.delta_text:
+                    on_text(i, out.delta_text)
+                if out.finished:
+                    results[i] = out
         return results
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[RequestOutput]:
         "Apply the model's chat template to one conversation (or a list of them) and generate."
         if self.tokenizer is None:
             raise ValueError(f"model {self.loaded.name!r} has no tokenizer, so no chat template")
@@ -136,11 +186,20 @@ class LLM:
 
 # %%
 llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
-questions = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
+questions = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+]
 streamed = {}
-outs = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(temperature=0, max_tokens=24),
-                on_text=lambda i, d: streamed.__setitem__(i, streamed.get(i, "") + d))
-for q, o in zip(questions, outs): print(f"{q} -> {o.text!r} ({o.finish_reason})")
+outs = llm.chat(
+    [[{"role": "user", "content": q}] for q in questions],
+    SamplingParams(temperature=0, max_tokens=24),
+    on_text=lambda i, d: streamed.__setitem__(i, streamed.get(i, "") + d),
+)
+for q, o in zip(questions, outs):
+    print(f"{q} -> {o.text!r} ({o.finish_reason})")
 assert "Paris" in outs[0].text and all(streamed.get(i, "") == o.text for i, o in enumerate(outs))
 llm.engine.allocator.check_idle()
 
@@ -149,10 +208,23 @@ llm.engine.allocator.check_idle()
 
 # %%
 import matplotlib.pyplot as plt
+
 steps = llm.engine.stats().recent_steps
 fig, ax = plt.subplots(figsize=(9, 2))
-ax.bar([s.index for s in steps], [s.prefill_tokens for s in steps], color="tab:orange", label="prefill tokens")
-ax.bar([s.index for s in steps], [s.decode_seqs for s in steps], bottom=[s.prefill_tokens for s in steps],
-       color="tab:blue", label="decode tokens")
-ax.set(xlabel="engine step", ylabel="tokens", yscale="log"); ax.legend(); plt.show()
+ax.bar(
+    [s.index for s in steps],
+    [s.prefill_tokens for s in steps],
+    color="tab:orange",
+    label="prefill tokens",
+)
+ax.bar(
+    [s.index for s in steps],
+    [s.decode_seqs for s in steps],
+    bottom=[s.prefill_tokens for s in steps],
+    color="tab:blue",
+    label="decode tokens",
+)
+ax.set(xlabel="engine step", ylabel="tokens", yscale="log")
+ax.legend()
+plt.show()
 print(llm.engine.stats().block_map[:120])

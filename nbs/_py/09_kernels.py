@@ -77,12 +77,19 @@ INTERPRETED = interpret_without_a_gpu()  # (at import, before `import triton` ju
 try:
     import triton
     import triton.language as tl
+
     TRITON_VERSION: str | None = triton.__version__
-except ImportError:  # the PyTorch paths still work; the kernel definitions below are read but never launched
+except (
+    ImportError
+):  # the PyTorch paths still work; the kernel definitions below are read but never launched
+
     class _NoTriton:
         constexpr = None
+
         @staticmethod
-        def jit(fn): return fn
+        def jit(fn):
+            return fn
+
     triton = tl = _NoTriton()
     TRITON_VERSION = None
 
@@ -102,16 +109,25 @@ IMPLS = ("auto", "triton", "torch")
 def kernel_backend(device, impl: str = "auto") -> str:
     "'triton' or 'torch': what runs for tensors on `device`. 'auto' takes Triton on a CUDA device when Triton is installed."
     if impl not in IMPLS:
-        raise ValueError(f"unknown kernel implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+        raise ValueError(
+            f"unknown kernel implementation {impl!r}; choose one of {', '.join(IMPLS)}"
+        )
     if impl == "triton" and TRITON_VERSION is None:
         raise ValueError("impl='triton' needs the triton package, which is not installed")
-    if impl != "auto": return impl
-    return "triton" if TRITON_VERSION is not None and torch.device(device).type == "cuda" else "torch"
+    if impl != "auto":
+        return impl
+    return (
+        "triton" if TRITON_VERSION is not None and torch.device(device).type == "cuda" else "torch"
+    )
 
 
 def kernels_available(device="cuda") -> bool:
     "True when the Triton kernels run natively (not interpreted) on `device`."
-    return torch.device(device).type == "cuda" and torch.cuda.is_available() and kernel_backend(device) == "triton"
+    return (
+        torch.device(device).type == "cuda"
+        and torch.cuda.is_available()
+        and kernel_backend(device) == "triton"
+    )
 
 
 def kernels_report() -> str:
@@ -119,8 +135,10 @@ def kernels_report() -> str:
     if TRITON_VERSION is None:
         return "PyTorch (Triton not installed)"
     if kernels_available():
-        return (f"Triton {TRITON_VERSION} on CUDA: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV; "
-                f"paged decode (Triton: the CUDA C++ contender of kernels_lab was 2.4-8x slower) and prefill attention")
+        return (
+            f"Triton {TRITON_VERSION} on CUDA: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, GEMV; "
+            f"paged decode (Triton: the CUDA C++ contender of kernels_lab was 2.4-8x slower) and prefill attention"
+        )
     return f"PyTorch (no CUDA GPU; Triton {TRITON_VERSION} runs the kernels only interpreted, for tests)"
 
 
@@ -152,13 +170,16 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-def _dot_precision(dtype: torch.dtype) -> str: return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
-def _stages(num_stages: int | None) -> dict: return {} if num_stages is None else {"num_stages": num_stages}
+def _stages(num_stages: int | None) -> dict:
+    return {} if num_stages is None else {"num_stages": num_stages}
 
 
 # Programmatic dependent launch (Hopper and newer; chapter 09_kernels_gemv tells why): a
@@ -168,7 +189,11 @@ def _stages(num_stages: int | None) -> dict: return {} if num_stages is None els
 def pdl_supported(device) -> bool:
     "Programmatic dependent launch here: compiled kernels on compute capability 9 (Hopper) or newer."
     device = torch.device(device)
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+    return (
+        device.type == "cuda"
+        and not INTERPRETED
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 @triton.jit
@@ -187,7 +212,9 @@ def _wait_for_previous(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-DEPENDENT_LAUNCH_MAX_ROWS = 4  # the small decode kernels launched as dependents in steps of at most this many rows
+DEPENDENT_LAUNCH_MAX_ROWS = (
+    4  # the small decode kernels launched as dependents in steps of at most this many rows
+)
 # (tokens or sequences): the GEMV steps, where it was measured faster (chapter 09_kernels_gemv)
 
 

@@ -11,8 +11,16 @@
 import torch
 import torch.nn.functional as F
 
-from forge_engine.kernels.backend import (INTERPRETED, _pow2, _stages, _wait_for_previous, kernel_backend,
-                                          pdl_supported, tl, triton)
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _pow2,
+    _stages,
+    _wait_for_previous,
+    kernel_backend,
+    pdl_supported,
+    tl,
+    triton,
+)
 from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm_reference, silu_mul
 
 # %%
@@ -149,28 +157,46 @@ def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
 
 
 GEMV_ROWS_MAX_N = 65536  # `_gemv_rows_kernel` for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
-GEMV_ROWS_INT8_MIN_N = 16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
+GEMV_ROWS_INT8_MIN_N = (
+    16384  # int8 short rows (k < 4096) through the rows kernel from this many outputs on (gate-up)
+)
 
 
 def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
     """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
     shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
     measured it faster, else 'tile' (`_gemv_kernel`)."""
-    if n < GEMV_ROWS_MAX_N and k < 4096 and (
-            (weight_bytes == 2 and 16384 <= n and 512 <= k) or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)):
+    if (
+        n < GEMV_ROWS_MAX_N
+        and k < 4096
+        and (
+            (weight_bytes == 2 and 16384 <= n and 512 <= k)
+            or (weight_bytes == 1 and GEMV_ROWS_INT8_MIN_N <= n)
+        )
+    ):
         return "rows"
     return "tile"
 
 
-def gemv_config(n: int, k: int, weight_bytes: int = 2, layout: str | None = None) -> tuple[int, int, int]:
+def gemv_config(
+    n: int, k: int, weight_bytes: int = 2, layout: str | None = None
+) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
     `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
     a shape in one graph; the LM head from kernels_lab/gemv.py)."""
     if (layout or gemv_layout(n, k, weight_bytes)) == "rows":
-        if weight_bytes == 1:  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
+        if (
+            weight_bytes == 1
+        ):  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
             return (8, 512, 2) if n >= 16384 else (2, 512, 1)
-        return 4, 2 * 32 * 16 // weight_bytes, 2  # 4 rows, 16 bytes of each a thread and step, 2 warps
-    if weight_bytes == 1 and n < 65536:  # int8 (its LM head takes BF16's tile: the decode step's sweep)
+        return (
+            4,
+            2 * 32 * 16 // weight_bytes,
+            2,
+        )  # 4 rows, 16 bytes of each a thread and step, 2 warps
+    if (
+        weight_bytes == 1 and n < 65536
+    ):  # int8 (its LM head takes BF16's tile: the decode step's sweep)
         return (4, 2048, 4) if k >= 4096 else ((4, 1024, 4) if n < 16384 else (8, 512, 2))
     if k >= 4096:  # long rows (o, down): wide K tiles, few rows a program
         return 2, 1024, 4
@@ -194,7 +220,13 @@ def _int8x4_to_f32(w):
         sub.f32 $1, $1, 0f4B000080;
         sub.f32 $2, $2, 0f4B000080;
         sub.f32 $3, $3, 0f4B000080;
-        }""", constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[w],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -203,7 +235,9 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
     if w.dtype == tl.int8:
         if BYTE_ASM:  # compiled for the GPU (the interpreter runs no PTX)
             return _int8x4_to_f32(w)
-        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000  # 2^23 + (w + 128), exactly
+        bits = (
+            w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80
+        ) | 0x4B000000  # 2^23 + (w + 128), exactly
         return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
 
@@ -235,8 +269,22 @@ def _norm_scale(sq, K, eps):
 
 
 @triton.jit
-def _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
-               BYTE_ASM: tl.constexpr, NORM: tl.constexpr, w=None):
+def _gemv_step(
+    acc,
+    sq,
+    x_rows,
+    w_rows,
+    g_ptr,
+    k,
+    K,
+    m_ok,
+    n_ok,
+    EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    NORM: tl.constexpr,
+    w=None,
+):
     """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
     `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
@@ -263,8 +311,17 @@ def _step_inputs(w_ptr, k0, offs_k):
 
 
 @triton.jit
-def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAND_OFF: tl.constexpr):
+def _tile_constants(
+    scale_ptr,
+    b_ptr,
+    next_g_ptr,
+    offs_n,
+    n_ok,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     """A tile GEMV's epilogue constants, fp32 [BLOCK_N]: its rows' scales, biases and (HAND_OFF) the next norm's
     weights (zeros where there are none: unused, compiled away)."""
     none = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -275,15 +332,46 @@ def _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, next_g_ptr, normed_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr, BYTE_ASM: tl.constexpr, SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 NORM_SUMS: tl.constexpr, HAND_OFF: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    b_ptr,
+    g_ptr,
+    res_ptr,
+    out_ptr,
+    sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
         lane = tl.arange(0, BLOCK_N)
-        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)  # the output columns (of N / 2)
+        cols = tl.program_id(0) * (BLOCK_N // 2) + lane % (
+            BLOCK_N // 2
+        )  # the output columns (of N / 2)
         offs_n, n_ok = cols + (lane // (BLOCK_N // 2)) * (N // 2), cols < N // 2
     else:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,32 +379,62 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
     offs_m, offs_k = tl.arange(0, ROWS), tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     out_ok = m_ok[:, None] & n_ok[None, :]
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # the LM head has 389M elements: int64 offsets
+    w_rows = (
+        w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    )  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)  # NORM: x's squares (unused, and compiled away, without)
+    sq = tl.zeros(
+        (ROWS, BLOCK_K), dtype=tl.float32
+    )  # NORM: x's squares (unused, and compiled away, without)
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
         # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
         k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :], other=0)
+        w = tl.load(
+            w_rows + k[None, :],
+            mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :],
+            other=0,
+        )
         _wait_for_previous(PDL)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w)
+        acc, sq = _gemv_step(
+            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w
+        )
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
-        handed = tl.load(sums_ptr + offs_m, mask=m_ok, other=0.0)  # for once x is there, used at the end
-    for k0 in tl.range(first, K, BLOCK_K, num_stages=1):  # the loop as written (pipelined by Triton: slower, above)
-        acc, sq = _gemv_step(acc, sq, x_rows, w_rows, g_ptr, _step_inputs(w_ptr, k0, offs_k), K, m_ok, n_ok, EVEN_K,
-                             ROWS, BYTE_ASM, NORM)
+        handed = tl.load(
+            sums_ptr + offs_m, mask=m_ok, other=0.0
+        )  # for once x is there, used at the end
+    for k0 in tl.range(
+        first, K, BLOCK_K, num_stages=1
+    ):  # the loop as written (pipelined by Triton: slower, above)
+        acc, sq = _gemv_step(
+            acc,
+            sq,
+            x_rows,
+            w_rows,
+            g_ptr,
+            _step_inputs(w_ptr, k0, offs_k),
+            K,
+            m_ok,
+            n_ok,
+            EVEN_K,
+            ROWS,
+            BYTE_ASM,
+            NORM,
+        )
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
     # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
-    scale, bias, next_g = _tile_constants(scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS,
-                                          HAND_OFF)
+    scale, bias, next_g = _tile_constants(
+        scale_ptr, b_ptr, next_g_ptr, offs_n, n_ok, BLOCK_N, HAS_SCALE, HAS_BIAS, HAND_OFF
+    )
     if RESIDUAL:
-        residual = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+        residual = tl.load(
+            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0
+        )
     out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
@@ -329,19 +447,40 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_p
     if SWIGLU:  # silu(gate) * up, rounded at each step as the GEMV's stores and `_silu_mul_kernel` round them
         half: tl.constexpr = BLOCK_N // 2
         h = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        gate, up = tl.split(tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1]))  # [ROWS, half] each
+        gate, up = tl.split(
+            tl.permute(tl.reshape(h, [ROWS, 2, half]), [0, 2, 1])
+        )  # [ROWS, half] each
         cols = tl.program_id(0) * half + tl.arange(0, half)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], _silu_times(gate, up, out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (cols < N // 2)[None, :])
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + cols[None, :],
+            _silu_times(gate, up, out_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & (cols < N // 2)[None, :],
+        )
     else:
-        if RESIDUAL:  # added to the output as rounded (as a separate add after the GEMV's store would)
+        if (
+            RESIDUAL
+        ):  # added to the output as rounded (as a separate add after the GEMV's store would)
             out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_ok,
+        )
         if HAND_OFF:  # the next RMSNorm's work but its 1 / rms: h (as stored) x the norm's weight, and h's squares,
-            h = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # summed over the programs into sums_ptr
-            tl.store(normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                     (h * next_g[None, :]).to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_add(sums_ptr + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), axis=1), mask=m_ok, sem="relaxed")
+            h = out.to(out_ptr.dtype.element_ty).to(
+                tl.float32
+            )  # summed over the programs into sums_ptr
+            tl.store(
+                normed_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                (h * next_g[None, :]).to(out_ptr.dtype.element_ty),
+                mask=out_ok,
+            )
+            tl.atomic_add(
+                sums_ptr + offs_m,
+                tl.sum(tl.where(out_ok, h * h, 0.0), axis=1),
+                mask=m_ok,
+                sem="relaxed",
+            )
 
 
 @triton.jit
@@ -358,7 +497,10 @@ def _program_row(first_col, r, N, HALF_N: tl.constexpr, SWIGLU: tl.constexpr):
 def _rows_chunk(k0, lane, K, CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """A step's inputs in a rows-layout program: each thread's CHUNK from k0 + lane * CHUNK on ([SLABS, 32, CHUNK]
     offsets), and which exist."""
-    at = tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None] + tl.arange(0, CHUNK)[None, None, :]
+    at = (
+        tl.multiple_of(k0 + lane * CHUNK, [CHUNK, CHUNK])[:, :, None]
+        + tl.arange(0, CHUNK)[None, None, :]
+    )
     return at, (at < K) | EVEN
 
 
@@ -373,10 +515,23 @@ def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_ASM: tl.constexpr, NORM: tl.constexpr):
+def _rows_step(
+    accs,
+    sq,
+    ws,
+    x_ptr,
+    g_ptr,
+    at,
+    ok,
+    BLOCK_N: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
     `sq`, `g_ptr`, NORM: `_normed_x`."""
-    x, sq = _normed_x(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM)
+    x, sq = _normed_x(
+        tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM
+    )
     new = ()
     for r in tl.static_range(BLOCK_N):
         new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
@@ -384,8 +539,16 @@ def _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N: tl.constexpr, BYTE_A
 
 
 @triton.jit
-def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
-                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _rows_constants(
+    scale_ptr,
+    b_ptr,
+    first_col,
+    N,
+    BLOCK_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     "A rows-layout program's epilogue constants, fp32: (each row's scale, each row's bias), each () where there are none."
     scales, biases = (), ()
     for r in tl.static_range(BLOCK_N):
@@ -398,8 +561,18 @@ def _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N: tl.constexpr, SWIGL
 
 
 @triton.jit
-def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROWS: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, HAND_OFF: tl.constexpr):
+def _rows_epilogue_operands(
+    res_ptr,
+    next_g_ptr,
+    first_col,
+    M,
+    N,
+    stride_rm,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
     """A rows-layout program's epilogue operands, fp32 (no SwiGLU): the residual at each (row r, x row m),
     r * ROWS + m, and (HAND_OFF) the next norm's weight at each row r. (Chapter 10's int4 GEMV's too.)"""
     residuals, next_gs = (), ()
@@ -408,22 +581,53 @@ def _rows_epilogue_operands(res_ptr, next_g_ptr, first_col, M, N, stride_rm, ROW
         if HAND_OFF:
             next_gs = next_gs + (tl.load(next_g_ptr + row, mask=row < N, other=0.0).to(tl.float32),)
         for m in tl.static_range(ROWS if RESIDUAL else 0):
-            residuals = residuals + (tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0)
-                                     .to(tl.float32),)
+            residuals = residuals + (
+                tl.load(res_ptr + m * stride_rm + row, mask=(row < N) & (m < M), other=0.0).to(
+                    tl.float32
+                ),
+            )
     return residuals, next_gs
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, sums_ptr, N, K, stride_wn, eps,
-                      BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BYTE_ASM: tl.constexpr,
-                      SWIGLU: tl.constexpr, EARLY_W: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                      NORM_SUMS: tl.constexpr):
+def _gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    b_ptr,
+    g_ptr,
+    res_ptr,
+    out_ptr,
+    sums_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLABS: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EARLY_W: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+):
     _start_gemv(PDL, not EARLY_W)
-    STEP: tl.constexpr = SLABS * 32 * CHUNK  # inputs of a row per step: a slab of 32 x CHUNK per warp
+    STEP: tl.constexpr = (
+        SLABS * 32 * CHUNK
+    )  # inputs of a row per step: a slab of 32 x CHUNK per warp
     HALF_N: tl.constexpr = BLOCK_N // 2
-    lane = tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [SLABS, 32]: a thread's place in a step
-    first_col = tl.program_id(0) * (HALF_N if SWIGLU else BLOCK_N)  # the program's first output column
+    lane = (
+        tl.arange(0, SLABS)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    )  # [SLABS, 32]: a thread's place in a step
+    first_col = tl.program_id(0) * (
+        HALF_N if SWIGLU else BLOCK_N
+    )  # the program's first output column
     rows, row_ok = (), ()
     for r in tl.static_range(BLOCK_N):
         row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
@@ -441,11 +645,25 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
         handed = tl.load(sums_ptr)
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
-        accs, sq = _rows_step(accs, sq, _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N), x_ptr, g_ptr, at, ok,
-                              BLOCK_N, BYTE_ASM, NORM)
-    scales, biases = _rows_constants(scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS)  # together
+        accs, sq = _rows_step(
+            accs,
+            sq,
+            _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N),
+            x_ptr,
+            g_ptr,
+            at,
+            ok,
+            BLOCK_N,
+            BYTE_ASM,
+            NORM,
+        )
+    scales, biases = _rows_constants(
+        scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS
+    )  # together
     if RESIDUAL:  # (as `_gemv_kernel`'s)
-        residuals = _rows_epilogue_operands(res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False)[0]
+        residuals = _rows_epilogue_operands(
+            res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False
+        )[0]
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
     if NORM_SUMS:
@@ -466,7 +684,11 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
             gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
             tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
         elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
-            tl.store(out_ptr + row, (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype), mask=real)
+            tl.store(
+                out_ptr + row,
+                (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype),
+                mask=real,
+            )
         else:
             tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
 
@@ -474,12 +696,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, scale_ptr, b_ptr, g_ptr, res_ptr, out_ptr, s
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
     "PyTorch: `F.linear`, the weight converted to x's dtype and each output scaled where it is int8."
     out = F.linear(x, weight.to(x.dtype))
-    if scale is not None: out = out * scale.to(x.dtype)
+    if scale is not None:
+        out = out * scale.to(x.dtype)
     return out if bias is None else out + bias
 
 
-def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None,
-                      unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hand_off_operands(
+    out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None, unused: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GEMV launch's (sums, next norm's weight, normed output) for its folds `norm_sums` / `hand_off` (the normed
     output new, shaped as `out`); `unused` in the places the launch does not read (also chapter 10's int4 GEMV)."""
     if hand_off is None:
@@ -487,29 +711,63 @@ def hand_off_operands(out: torch.Tensor, norm_sums: torch.Tensor | None, hand_of
     return hand_off[1], hand_off[0], torch.empty_like(out)
 
 
-def check_gemv_folds(kernel: str, x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None,
-                     norm_sums: torch.Tensor | None, hand_off: tuple | None):
+def check_gemv_folds(
+    kernel: str,
+    x: torch.Tensor,
+    n: int,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+    norm_sums: torch.Tensor | None,
+    hand_off: tuple | None,
+):
     """Raise a ValueError naming `kernel` where a GEMV's epilogue folds (`gemv`'s `residual`, `norm_sums`, `hand_off`,
     also chapter 10's int4 GEMV's) do not fit x [M, K] and N outputs."""
     m = x.shape[0]
     if residual is not None and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
-                         f"swiglu), got {tuple(residual.shape)}")
-    for name, sums in (("norm_sums", norm_sums), ("hand_off's sums", None if hand_off is None else hand_off[1])):
-        if sums is not None and (sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device):
-            raise ValueError(f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
-                             f"{tuple(sums.shape)} on {sums.device}")
+        raise ValueError(
+            f"{kernel}'s residual must be [{m}, {n}] with unit stride in its last dimension (and no "
+            f"swiglu), got {tuple(residual.shape)}"
+        )
+    for name, sums in (
+        ("norm_sums", norm_sums),
+        ("hand_off's sums", None if hand_off is None else hand_off[1]),
+    ):
+        if sums is not None and (
+            sums.dtype != torch.float32 or sums.shape != (m,) or sums.device != x.device
+        ):
+            raise ValueError(
+                f"{kernel}'s {name} must be float32 [{m}] on {x.device}, got {sums.dtype} "
+                f"{tuple(sums.shape)} on {sums.device}"
+            )
     if hand_off is not None and (residual is None or hand_off[0].shape != (n,)):
-        raise ValueError(f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
-                         f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}")
+        raise ValueError(
+            f"{kernel}'s hand_off needs a residual and a norm weight [{n}], got "
+            f"{'no residual' if residual is None else 'a residual'} and {tuple(hand_off[0].shape)}"
+        )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-         impl: str = "auto", block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool | None = None, byte_asm: bool | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, early_weights: bool = True, layout: str | None = None,
-         norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-         norm_sums: torch.Tensor | None = None, hand_off: tuple[torch.Tensor, torch.Tensor] | None = None):
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    impl: str = "auto",
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pdl: bool | None = None,
+    byte_asm: bool | None = None,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    early_weights: bool = True,
+    layout: str | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
@@ -524,72 +782,149 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
     choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
-        raise ValueError(f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}")
+        raise ValueError(
+            f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}"
+        )
     (m, k), n = x.shape, weight.shape[0]
     if layout not in (None, "tile", "rows"):
         raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
     if layout == "rows" and m != 1:
         raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
-    if out is not None and (swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
-                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}")
+    if out is not None and (
+        swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"gemv's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got "
+            f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}"
+        )
     if norm is not None and norm.shape != (k,):
         raise ValueError(f"gemv's norm is an RMSNorm weight [{k}], got {tuple(norm.shape)}")
     if norm_sums is not None and norm is not None:
-        raise ValueError("gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both")
+        raise ValueError(
+            "gemv takes a norm to apply (norm) or the sums of one applied before it (norm_sums), not both"
+        )
     check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        if norm is not None: x = add_rmsnorm_reference(x, None, norm, eps)[0]
-        if norm_sums is not None: x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
+        if norm is not None:
+            x = add_rmsnorm_reference(x, None, norm, eps)[0]
+        if norm_sums is not None:
+            x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
         result = gemv_reference(x, weight, bias, scale)
-        if swiglu: return silu_mul(result, backend)
-        if residual is not None: result = residual + result
+        if swiglu:
+            return silu_mul(result, backend)
+        if residual is not None:
+            result = residual + result
         result = result if out is None else out.copy_(result)
-        if hand_off is None: return result
+        if hand_off is None:
+            return result
         hand_off[1].add_(result.float().square().sum(-1))
         return result, result * hand_off[0].to(result.dtype)
     if hand_off is not None and layout == "rows":
         raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
-    layout = layout or (gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile")
-    default = gemv_config(n, k, weight.element_size(), layout)  # the measured configuration, where none is asked for
-    block_n, block_k, num_warps = block_n or default[0], block_k or default[1], num_warps or default[2]
+    layout = layout or (
+        gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile"
+    )
+    default = gemv_config(
+        n, k, weight.element_size(), layout
+    )  # the measured configuration, where none is asked for
+    block_n, block_k, num_warps = (
+        block_n or default[0],
+        block_k or default[1],
+        num_warps or default[2],
+    )
     block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and (block_n < 2 or block_n % 2):
-        raise ValueError(f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}")
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device) if out is None else out
+        raise ValueError(
+            f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}"
+        )
+    out = (
+        torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+        if out is None
+        else out
+    )
     pdl = pdl_supported(x.device) if pdl is None else pdl
     early = pdl and early_weights
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
-    operands = (x, weight, *(t if t is not None else weight for t in (scale, bias, norm, residual)), out, sums)
-    folds = dict(NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None)
+    operands = (
+        x,
+        weight,
+        *(t if t is not None else weight for t in (scale, bias, norm, residual)),
+        out,
+        sums,
+    )
+    folds = dict(
+        NORM=norm is not None, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None
+    )
     byte_asm = not INTERPRETED if byte_asm is None else byte_asm
     if layout == "rows":
         chunk = block_k // (32 * num_warps)  # inputs of a row a thread takes per step
         if chunk < 1 or block_k % (32 * num_warps):
-            raise ValueError(f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
-                             f"is no multiple of 32 x {num_warps}")
+            raise ValueError(
+                f"gemv's rows layout steps over 32 x num_warps x a chunk of inputs: block_k {block_k} "
+                f"is no multiple of 32 x {num_warps}"
+            )
         whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
         _gemv_rows_kernel[grid](
-            *operands, n, k, weight.stride(0), eps, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps,
-            EVEN=whole_rows and k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl,
-            launch_pdl=pdl, BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds, num_warps=num_warps,
-            **_stages(num_stages))
+            *operands,
+            n,
+            k,
+            weight.stride(0),
+            eps,
+            BLOCK_N=block_n,
+            CHUNK=chunk,
+            SLABS=num_warps,
+            EVEN=whole_rows and k % block_k == 0,
+            HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None,
+            PDL=pdl,
+            launch_pdl=pdl,
+            BYTE_ASM=byte_asm,
+            SWIGLU=swiglu,
+            EARLY_W=early,
+            **folds,
+            num_warps=num_warps,
+            **_stages(num_stages),
+        )
         return out
     if m:
         _gemv_kernel[grid](
-            *operands, next_g, normed, m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
-            out.stride(0), eps, ROWS=max(1, _pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl,
-            BYTE_ASM=byte_asm, SWIGLU=swiglu, EARLY_W=early, **folds,
-            HAND_OFF=hand_off is not None, num_warps=num_warps, **_stages(num_stages))
+            *operands,
+            next_g,
+            normed,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            0 if residual is None else residual.stride(0),
+            out.stride(0),
+            eps,
+            ROWS=max(1, _pow2(m)),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None,
+            PDL=pdl,
+            launch_pdl=pdl,
+            BYTE_ASM=byte_asm,
+            SWIGLU=swiglu,
+            EARLY_W=early,
+            **folds,
+            HAND_OFF=hand_off is not None,
+            num_warps=num_warps,
+            **_stages(num_stages),
+        )
     return out if hand_off is None else (out, normed)
 
 
@@ -604,13 +939,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 for m, n, k, with_bias in ((1, 12, 64, False), (3, 10, 100, True), (4, 8, 1024, False)):
     x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
-    torch.testing.assert_close(gemv(x, weight, bias, impl="triton", block_k=64), F.linear(x, weight, bias),
-                               rtol=1e-4, atol=1e-4)
-    q, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
-    torch.testing.assert_close(gemv(x, q, bias, scale, impl="triton", block_k=64), gemv_reference(x, q, bias, scale),
-                               rtol=1e-4, atol=1e-4)
-xb, wb = torch.randn(2, 256, generator=gen).bfloat16(), torch.randn(16, 256, generator=gen).bfloat16()
-torch.testing.assert_close(gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(
+        gemv(x, weight, bias, impl="triton", block_k=64),
+        F.linear(x, weight, bias),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    q, scale = (
+        torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+        torch.rand(n, generator=gen) / 64,
+    )
+    torch.testing.assert_close(
+        gemv(x, q, bias, scale, impl="triton", block_k=64),
+        gemv_reference(x, q, bias, scale),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+xb, wb = (
+    torch.randn(2, 256, generator=gen).bfloat16(),
+    torch.randn(16, 256, generator=gen).bfloat16(),
+)
+torch.testing.assert_close(
+    gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2
+)
 # `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
 for impl in ("triton", "torch"):
     into = torch.full((2, 16), float("nan")).bfloat16()
@@ -620,79 +971,171 @@ with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 \
     gemv(xb, wb, impl="triton", out=torch.empty(16, 2).bfloat16().t())
 # `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue gives the bits of the GEMV followed by `silu_mul`
 # in fp32 and bf16, with int8 weights, over 1-2 rows and a K that is not a multiple of the tile
-for m, inter, k, dtype, int8 in ((1, 24, 64, torch.float32, False), (2, 40, 100, torch.float32, True),
-                                 (1, 48, 256, torch.bfloat16, False), (1, 20, 64, torch.bfloat16, True)):
+for m, inter, k, dtype, int8 in (
+    (1, 24, 64, torch.float32, False),
+    (2, 40, 100, torch.float32, True),
+    (1, 48, 256, torch.bfloat16, False),
+    (1, 20, 64, torch.bfloat16, True),
+):
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(2 * inter, k, generator=gen).to(dtype)
     scale = None
-    if int8: w, scale = torch.randint(-127, 128, (2 * inter, k), generator=gen, dtype=torch.int8), torch.rand(2 * inter, generator=gen) / 64
+    if int8:
+        w, scale = (
+            torch.randint(-127, 128, (2 * inter, k), generator=gen, dtype=torch.int8),
+            torch.rand(2 * inter, generator=gen) / 64,
+        )
     want = silu_mul(gemv(x, w, None, scale, impl="triton", block_k=64), impl="triton")
-    assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (m, inter)
+    assert torch.equal(gemv(x, w, None, scale, impl="triton", block_k=64, swiglu=True), want), (
+        m,
+        inter,
+    )
     # fp32: as the GEMV above; bf16: the GEMV's output, SiLU and the product each truncated here: three ulps, 2.3e-2
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
-    torch.testing.assert_close(want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(), **tol)
+    torch.testing.assert_close(
+        want.float(), silu_mul_reference(gemv_reference(x, w, None, scale)).float(), **tol
+    )
 with pytest.raises(ValueError, match="even number of rows"):
     gemv(torch.zeros(1, 8), torch.zeros(3, 8), swiglu=True)
 with pytest.raises(ValueError, match="an even block_n, got 3"):
-    gemv(torch.zeros(1, 64), torch.zeros(8, 64), impl="triton", swiglu=True, layout="rows", block_n=3, block_k=64, num_warps=1)
+    gemv(
+        torch.zeros(1, 64),
+        torch.zeros(8, 64),
+        impl="triton",
+        swiglu=True,
+        layout="rows",
+        block_n=3,
+        block_k=64,
+        num_warps=1,
+    )
 with pytest.raises(ValueError, match="at most 4 rows"):
     gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
 # rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
-for n, k, dtype, int8, with_bias, block_k, warps in ((12, 256, torch.float32, False, True, 128, 2),
-                                                     (10, 100, torch.float32, True, False, 64, 1),
-                                                     (16, 512, torch.bfloat16, False, False, 512, 2),
-                                                     (8, 192, torch.bfloat16, True, True, 128, 1)):
-    x, w, scale = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype), None
-    if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
+for n, k, dtype, int8, with_bias, block_k, warps in (
+    (12, 256, torch.float32, False, True, 128, 2),
+    (10, 100, torch.float32, True, False, 64, 1),
+    (16, 512, torch.bfloat16, False, False, 512, 2),
+    (8, 192, torch.bfloat16, True, True, 128, 1),
+):
+    x, w, scale = (
+        torch.randn(1, k, generator=gen).to(dtype),
+        torch.randn(n, k, generator=gen).to(dtype),
+        None,
+    )
+    if int8:
+        w, scale = (
+            torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+            torch.rand(n, generator=gen) / 64,
+        )
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     rows = dict(impl="triton", layout="rows", block_k=block_k, num_warps=warps)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)  # as for the tile GEMV
-    torch.testing.assert_close(gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol)
-    assert torch.equal(gemv(x, w, None, scale, swiglu=True, **rows),
-                       silu_mul(gemv(x, w, None, scale, **rows), impl="triton")), (n, k, dtype)
-assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (4, 512, 2)  # Qwen3-4B's gate-up in BF16
-assert gemv_layout(19456, 2560, 1) == "rows" and gemv_config(19456, 2560, 1) == (8, 512, 2)  # ... and in int8
+    tol = (
+        dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    )  # as for the tile GEMV
+    torch.testing.assert_close(
+        gemv(x, w, bias, scale, **rows).float(), gemv_reference(x, w, bias, scale).float(), **tol
+    )
+    assert torch.equal(
+        gemv(x, w, None, scale, swiglu=True, **rows),
+        silu_mul(gemv(x, w, None, scale, **rows), impl="triton"),
+    ), (n, k, dtype)
+assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (
+    4,
+    512,
+    2,
+)  # Qwen3-4B's gate-up in BF16
+assert gemv_layout(19456, 2560, 1) == "rows" and gemv_config(19456, 2560, 1) == (
+    8,
+    512,
+    2,
+)  # ... and in int8
 assert gemv_layout(6144, 2560) == gemv_layout(6144, 2560, 1) == gemv_layout(151936, 2560) == "tile"
-assert gemv_layout(2560, 9728, 1) == gemv_layout(151936, 2560, 1) == "tile"  # int8 down, the int8 LM head
+assert (
+    gemv_layout(2560, 9728, 1) == gemv_layout(151936, 2560, 1) == "tile"
+)  # int8 down, the int8 LM head
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
 with pytest.raises(ValueError, match="takes one row of x, got 2"):
     gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
 with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
-    gemv(torch.zeros(1, 32), torch.zeros(2, 32), impl="triton", layout="rows", block_k=32, num_warps=2)
+    gemv(
+        torch.zeros(1, 32),
+        torch.zeros(2, 32),
+        impl="triton",
+        layout="rows",
+        block_k=32,
+        num_warps=2,
+    )
 # `norm` and `residual` folded in (the batch-1 decode step's add + RMSNorm kernels gone, below): in both layouts, fp32
 # and bf16, several rows, a K that fills no whole step, with a bias, int8 weights and `swiglu`. The residual add is the
 # bits of the GEMV followed by `add_rmsnorm`'s add; the norm agrees with `rmsnorm` then the GEMV to rounding (here x is normalised
 # in fp32 and never rounded)
 for layout, m, n, k, dtype, int8, with_bias, swiglu in (
-        ("tile", 1, 12, 256, torch.float32, False, True, False), ("tile", 3, 10, 100, torch.float32, True, False, False),
-        ("rows", 1, 16, 512, torch.bfloat16, False, False, False), ("tile", 2, 16, 192, torch.bfloat16, False, False, True),
-        ("rows", 1, 24, 200, torch.bfloat16, True, True, False), ("rows", 1, 16, 256, torch.float32, False, False, True)):
-    x, g = (3 * torch.randn(m, k, generator=gen)).to(dtype), (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    ("tile", 1, 12, 256, torch.float32, False, True, False),
+    ("tile", 3, 10, 100, torch.float32, True, False, False),
+    ("rows", 1, 16, 512, torch.bfloat16, False, False, False),
+    ("tile", 2, 16, 192, torch.bfloat16, False, False, True),
+    ("rows", 1, 24, 200, torch.bfloat16, True, True, False),
+    ("rows", 1, 16, 256, torch.float32, False, False, True),
+):
+    x, g = (
+        (3 * torch.randn(m, k, generator=gen)).to(dtype),
+        (torch.rand(k, generator=gen) + 0.5).to(dtype),
+    )
     w, scale = torch.randn(n, k, generator=gen).to(dtype), None
-    if int8: w, scale = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
-    bias, res = torch.randn(n, generator=gen).to(dtype) if with_bias else None, torch.randn(m, n, generator=gen).to(dtype)
+    if int8:
+        w, scale = (
+            torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+            torch.rand(n, generator=gen) / 64,
+        )
+    bias, res = (
+        torch.randn(n, generator=gen).to(dtype) if with_bias else None,
+        torch.randn(m, n, generator=gen).to(dtype),
+    )
     launch = dict(impl="triton", layout=layout, block_k=64, num_warps=1, swiglu=swiglu)
     normed = gemv(x, w, bias, scale, norm=g, eps=1e-5, **launch).float()
     want = gemv(rmsnorm(x, g, 1e-5, impl="triton"), w, bias, scale, **launch).float()
     # bf16: here x is normalised in fp32, there `rmsnorm` rounds it twice (2^-7 each, truncating): errors of random sign
     # that add up over K as the outputs do, ~2^-7 of a typical output, plus the output's own rounding: 1e-2 of the largest
-    bf16_tol = (3e-2 if swiglu else 1e-2) * want.abs().max().item()  # (SiLU-mul multiplies two gate / up errors)
+    bf16_tol = (
+        3e-2 if swiglu else 1e-2
+    ) * want.abs().max().item()  # (SiLU-mul multiplies two gate / up errors)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=bf16_tol)
-    torch.testing.assert_close(normed, want, **tol)  # (bf16: a few units of the largest output's last place)
-    if dtype == torch.bfloat16: tol["atol"] *= 3  # the PyTorch path rounds x, x · g and (int8) the scales to bf16 too
-    torch.testing.assert_close(normed, gemv(x, w, bias, scale, impl="torch", norm=g, eps=1e-5, swiglu=swiglu).float(), **tol)
+    torch.testing.assert_close(
+        normed, want, **tol
+    )  # (bf16: a few units of the largest output's last place)
+    if dtype == torch.bfloat16:
+        tol["atol"] *= 3  # the PyTorch path rounds x, x · g and (int8) the scales to bf16 too
+    torch.testing.assert_close(
+        normed,
+        gemv(x, w, bias, scale, impl="torch", norm=g, eps=1e-5, swiglu=swiglu).float(),
+        **tol,
+    )
     if not swiglu:
-        added = add_rmsnorm(gemv(x, w, bias, scale, **launch), res, torch.ones(n, dtype=dtype), 1e-6, impl="triton")[1]
-        assert torch.equal(gemv(x, w, bias, scale, residual=res, **launch), added), layout  # (the add it replaces)
-        added = add_rmsnorm(gemv(x, w, bias, scale, impl="torch"), res, torch.ones(n, dtype=dtype), 1e-6, impl="torch")[1]
-        assert torch.equal(gemv(x, w, bias, scale, impl="torch", residual=res), added)  # (and on the PyTorch path)
+        added = add_rmsnorm(
+            gemv(x, w, bias, scale, **launch), res, torch.ones(n, dtype=dtype), 1e-6, impl="triton"
+        )[1]
+        assert torch.equal(gemv(x, w, bias, scale, residual=res, **launch), added), (
+            layout
+        )  # (the add it replaces)
+        added = add_rmsnorm(
+            gemv(x, w, bias, scale, impl="torch"),
+            res,
+            torch.ones(n, dtype=dtype),
+            1e-6,
+            impl="torch",
+        )[1]
+        assert torch.equal(
+            gemv(x, w, bias, scale, impl="torch", residual=res), added
+        )  # (and on the PyTorch path)
 with pytest.raises(ValueError, match=r"norm is an RMSNorm weight \[8\], got \(4,\)"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(4))
-with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swiglu\), got \(1, 2\)"):
+with pytest.raises(
+    ValueError, match=r"residual must be \[1, 4\] .*\(and no swiglu\), got \(1, 2\)"
+):
     gemv(torch.zeros(1, 8), torch.zeros(4, 8), residual=torch.zeros(1, 2))
 
 # %% [markdown]
@@ -717,14 +1160,26 @@ with pytest.raises(ValueError, match=r"residual must be \[1, 4\] .*\(and no swig
 # h = r + W1·x with norm(h)·g handed to W2: h is the plain residual GEMV's bits, h·g its product
 # rounded once, the sums h's squares; W2 over (h·g, sums) agrees with W2 over `rmsnorm(h, g)` to
 # rounding (x·g·(1/rms) is not rounded in between); both layouts for the consumer, int8 and bf16
-for m, n, k, dtype, int8, layout in ((1, 48, 96, torch.bfloat16, True, "rows"), (2, 40, 64, torch.float32, False, "tile"),
-                                     (1, 32, 80, torch.bfloat16, False, "tile")):
-    x, r = torch.randn(m, k, generator=gen).to(dtype), (4 * torch.randn(m, n, generator=gen)).to(dtype)
+for m, n, k, dtype, int8, layout in (
+    (1, 48, 96, torch.bfloat16, True, "rows"),
+    (2, 40, 64, torch.float32, False, "tile"),
+    (1, 32, 80, torch.bfloat16, False, "tile"),
+):
+    x, r = (
+        torch.randn(m, k, generator=gen).to(dtype),
+        (4 * torch.randn(m, n, generator=gen)).to(dtype),
+    )
     w1, scale1 = torch.randn(n, k, generator=gen).to(dtype), None
     w2, scale2 = torch.randn(64, n, generator=gen).to(dtype), None
     if int8:
-        w1, scale1 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 64
-        w2, scale2 = torch.randint(-127, 128, (64, n), generator=gen, dtype=torch.int8), torch.rand(64, generator=gen) / 64
+        w1, scale1 = (
+            torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+            torch.rand(n, generator=gen) / 64,
+        )
+        w2, scale2 = (
+            torch.randint(-127, 128, (64, n), generator=gen, dtype=torch.int8),
+            torch.rand(64, generator=gen) / 64,
+        )
     g = (torch.rand(n, generator=gen) + 0.5).to(dtype)
     sums = torch.zeros(m)
     tile = dict(impl="triton", block_k=32, num_warps=1, block_n=8)
@@ -732,29 +1187,70 @@ for m, n, k, dtype, int8, layout in ((1, 48, 96, torch.bfloat16, True, "rows"), 
     assert torch.equal(h, gemv(x, w1, None, scale1, residual=r, **tile))
     # (bit for bit on a GPU; the interpreter truncates to bf16: one ulp, 2^-7, within the default bf16 rtol 1.6e-2)
     torch.testing.assert_close(hg, h * g)
-    torch.testing.assert_close(sums, h.float().square().sum(-1))  # (default fp32 tolerance: 40-48 squares, another order)
-    got = gemv(hg, w2, None, scale2, impl="triton", norm_sums=sums, eps=1e-5, layout=layout, block_k=64, num_warps=1)
-    want = gemv(rmsnorm(h, g, 1e-5, impl="triton"), w2, None, scale2, impl="triton", layout=layout, block_k=64, num_warps=1)
+    torch.testing.assert_close(
+        sums, h.float().square().sum(-1)
+    )  # (default fp32 tolerance: 40-48 squares, another order)
+    got = gemv(
+        hg,
+        w2,
+        None,
+        scale2,
+        impl="triton",
+        norm_sums=sums,
+        eps=1e-5,
+        layout=layout,
+        block_k=64,
+        num_warps=1,
+    )
+    want = gemv(
+        rmsnorm(h, g, 1e-5, impl="triton"),
+        w2,
+        None,
+        scale2,
+        impl="triton",
+        layout=layout,
+        block_k=64,
+        num_warps=1,
+    )
     # fp32: sums in another order (as the GEMV above); bf16: the consumer's x·g·(1/rms) not rounded in between, h·g
     # truncated: a couple of ulps of the largest output, 2^-7 of it each
     tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol if dtype == torch.float32 else 0, atol=tol)
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=tol if dtype == torch.float32 else 0, atol=tol
+    )
     torch_sums = torch.zeros(m)  # the PyTorch path: the same three results as the kernels
     h_t, hg_t = gemv(x, w1, None, scale1, impl="torch", residual=r, hand_off=(g, torch_sums))
     # h_t is PyTorch's GEMV + r, h the kernel's: in bf16 (truncated here) W·x and the sum h each an ulp apart, 2^-7 of
     # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24
     fp32 = dtype == torch.float32
     torch.testing.assert_close(torch_sums, sums, rtol=1e-5 if fp32 else 3e-2, atol=0)
-    torch.testing.assert_close(hg_t, hg, rtol=1e-5 if fp32 else 0, atol=1e-5 if fp32 else 2e-2 * hg.float().abs().max().item())
+    torch.testing.assert_close(
+        hg_t,
+        hg,
+        rtol=1e-5 if fp32 else 0,
+        atol=1e-5 if fp32 else 2e-2 * hg.float().abs().max().item(),
+    )
     # (the PyTorch path rounds x·(1/rms) to the dtype before its GEMV, and its h·g differs as above: three times the bound)
-    torch.testing.assert_close(gemv(hg_t, w2, None, scale2, impl="torch", norm_sums=torch_sums, eps=1e-5).float(),
-                               want.float(), rtol=3 * tol if dtype == torch.float32 else 0, atol=3 * tol)
-with pytest.raises(ValueError, match=r"norm_sums must be float32 \[1\] on cpu, got torch.float16 \(1,\)"):
+    torch.testing.assert_close(
+        gemv(hg_t, w2, None, scale2, impl="torch", norm_sums=torch_sums, eps=1e-5).float(),
+        want.float(),
+        rtol=3 * tol if dtype == torch.float32 else 0,
+        atol=3 * tol,
+    )
+with pytest.raises(
+    ValueError, match=r"norm_sums must be float32 \[1\] on cpu, got torch.float16 \(1,\)"
+):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm_sums=torch.zeros(1, dtype=torch.float16))
 with pytest.raises(ValueError, match="hand_off needs a residual"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), hand_off=(torch.ones(2), torch.zeros(1)))
 with pytest.raises(ValueError, match="norm to apply .* not both"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(8), norm_sums=torch.zeros(1))
 with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
-    gemv(torch.zeros(1, 64), torch.zeros(2, 64), impl="triton", layout="rows", residual=torch.zeros(1, 2),
-         hand_off=(torch.ones(2), torch.zeros(1)))
+    gemv(
+        torch.zeros(1, 64),
+        torch.zeros(2, 64),
+        impl="triton",
+        layout="rows",
+        residual=torch.zeros(1, 2),
+        hand_off=(torch.ones(2), torch.zeros(1)),
+    )

@@ -12,10 +12,22 @@ import math
 
 import torch
 
-from forge_engine.kernels.backend import INTERPRETED, _dot_precision, _pow2, _stages, kernel_backend, tl, triton
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _dot_precision,
+    _pow2,
+    _stages,
+    kernel_backend,
+    tl,
+    triton,
+)
 from forge_engine.kernels.elementwise import NormRope
-from forge_engine.kernels.paged_attention import (_attend_keys, _check_attention_args, paged_attention_reference,
-                                                  paged_decode_attention)
+from forge_engine.kernels.paged_attention import (
+    _attend_keys,
+    _check_attention_args,
+    paged_attention_reference,
+    paged_decode_attention,
+)
 
 # %%
 #| hide
@@ -50,12 +62,36 @@ PREFILL_ROWS = 64  # rows of a program's query tile: tokens x heads of the group
 PREFILL_BLOCK_N = 64  # keys per tile
 
 
-@triton.jit(do_not_specialize=["stride_tb"])  # the table's width changes from step to step: one compiled kernel for all
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_kb, stride_kt, stride_kh, qk_scale,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["stride_tb"]
+)  # the table's width changes from step to step: one compiled kernel for all
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    query_start_ptr,
+    context_lens_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
@@ -71,35 +107,103 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, context_le
     d_mask = offs_d < HEAD_DIM
     mask = row_mask[:, None] & d_mask[None, :]
     row_t = (q_start + token).to(tl.int64)
-    q = tl.load(q_ptr + row_t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    q = tl.load(
+        q_ptr + row_t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
     acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
     row_pos = ctx - q_len + token
-    full_end = (ctx - q_len + first) // BLOCK_N * BLOCK_N  # keys every row of the tile sees: no mask
+    full_end = (
+        (ctx - q_len + first) // BLOCK_N * BLOCK_N
+    )  # keys every row of the tile sees: no mask
     end = tl.minimum(ctx, ctx - q_len + first + BLOCK_M)  # one past the last token's position
-    k_ptr, v_ptr, tables_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, tables_ptr + seq * stride_tb
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, 0, full_end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
-    acc, m_i, l_i = _attend_keys(q, row_pos, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr, full_end, end, stride_kb,
-                                 stride_kt, offs_d, d_mask, qk_scale, True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+    k_ptr, v_ptr, tables_ptr = (
+        k_ptr + kv_head * stride_kh,
+        v_ptr + kv_head * stride_kh,
+        tables_ptr + seq * stride_tb,
+    )
+    acc, m_i, l_i = _attend_keys(
+        q,
+        row_pos,
+        acc,
+        m_i,
+        l_i,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        0,
+        full_end,
+        stride_kb,
+        stride_kt,
+        offs_d,
+        d_mask,
+        qk_scale,
+        False,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
+    )
+    acc, m_i, l_i = _attend_keys(
+        q,
+        row_pos,
+        acc,
+        m_i,
+        l_i,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        full_end,
+        end,
+        stride_kb,
+        stride_kt,
+        offs_d,
+        d_mask,
+        qk_scale,
+        True,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
+    )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row_t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row_t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float,
-                            impl: str = "auto", rows: int = PREFILL_ROWS, block_n: int = PREFILL_BLOCK_N,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    impl: str = "auto",
+    rows: int = PREFILL_ROWS,
+    block_n: int = PREFILL_BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     "Causal varlen attention: q [T, Hq, D], sequence b's rows query_start[b]:query_start[b+1] -> [T, Hq, D]."
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if query_start.shape != (block_tables.shape[0] + 1,):
-        raise ValueError(f"query_start must be [B+1] = [{block_tables.shape[0] + 1}], got {tuple(query_start.shape)}")
+        raise ValueError(
+            f"query_start must be [B+1] = [{block_tables.shape[0] + 1}], got {tuple(query_start.shape)}"
+        )
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     if kernel_backend(q.device, impl) == "torch":
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+        return paged_attention_reference(
+            q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+        )
     q_heads, head_dim = q.shape[1:]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -108,12 +212,34 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     grid = (-(-max_query_len // block_m), block_tables.shape[0], kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start, context_lens, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=INTERPRETED, PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or (4 if block_m * group_pad <= 64 else 8), **_stages(num_stages))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start,
+        context_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        scale * math.log2(math.e),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, _pow2(head_dim)),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        UPCAST=INTERPRETED,
+        PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps or (4 if block_m * group_pad <= 64 else 8),
+        **_stages(num_stages),
+    )
     return out
 
 
@@ -127,8 +253,12 @@ k_cache, v_cache, tables = random_paged_kv(lens, num_kv_heads=2, head_dim=32, bl
 q = torch.randn(sum(num_new), 8, 32, generator=gen)
 query_start, ctx = torch.tensor([0, 20, 27, 28]), torch.tensor(lens)
 want = paged_attention_reference(q, k_cache, v_cache, tables, query_start, ctx, 32**-0.5)
-got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 32**-0.5, impl="triton")
-torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: as for decode, sums in another order
+got = paged_prefill_attention(
+    q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 32**-0.5, impl="triton"
+)
+torch.testing.assert_close(
+    got, want, rtol=1e-5, atol=1e-5
+)  # fp32: as for decode, sums in another order
 with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[4\]"):
     paged_prefill_attention(q, k_cache, v_cache, tables, query_start[:3], ctx, 20, 1.0)
 
@@ -145,56 +275,110 @@ with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[4\]"):
 #| export
 class KernelPagedAttention:
     "Attention backend over the paged pool (see `forge_engine.kv_cache.PagedAttention`) running this chapter's kernels."
+
     def __init__(self, cache, layout, impl: str = "auto"):
         self.cache, self.layout, self.impl = cache, layout, impl
         self.max_query_len = max(layout.num_new)
-        self.scale = cache.config.head_dim ** -0.5
+        self.scale = cache.config.head_dim**-0.5
 
     @property
     def rope_inside(self) -> bool:
         "Decodes only: the decode kernel applies q/k-norm and RoPE too (chapter 09a hands over q and k unrotated)."
         return self.max_query_len == 1
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: NormRope | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: NormRope | None = None,
+    ) -> torch.Tensor:
         layout, cache = self.layout, self.cache
         if rope is not None and self.max_query_len != 1:
             raise ValueError("rope (q/k-norm and RoPE inside attention) is for decode steps only")
         if q.shape[0] != layout.num_tokens:
             raise ValueError(f"the step has {layout.num_tokens} tokens, attention got {q.shape[0]}")
         k_cache, v_cache = cache.k_cache[layer], cache.v_cache[layer]
-        if self.max_query_len == 1:  # decodes only: the decode attention stores their K/V (chapter 09b's graphs too)
-            return paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
-                                          self.scale, self.impl, new_kv=(k, v, layout.slot_mapping), rope=rope)
+        if (
+            self.max_query_len == 1
+        ):  # decodes only: the decode attention stores their K/V (chapter 09b's graphs too)
+            return paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                layout.block_tables,
+                layout.context_lens,
+                self.scale,
+                self.impl,
+                new_kv=(k, v, layout.slot_mapping),
+                rope=rope,
+            )
         cache.write(layer, layout.slot_mapping, k, v)
-        return paged_prefill_attention(q, k_cache, v_cache, layout.block_tables, layout.query_start,
-                                       layout.context_lens, self.max_query_len, self.scale, self.impl)
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            layout.block_tables,
+            layout.query_start,
+            layout.context_lens,
+            self.max_query_len,
+            self.scale,
+            self.impl,
+        )
 
 
 class KernelDecodeAttention:
     """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
     K/V (`new_kv`) in the same launch and applies q/k-norm and RoPE (`rope`)."""
+
     stores_kv = True
 
     def __init__(self, impl: str = "auto"):
-        self.impl, self.counters = impl, None  # the last-split-merges counters: zeros, kept across calls and graphs
+        self.impl, self.counters = (
+            impl,
+            None,
+        )  # the last-split-merges counters: zeros, kept across calls and graphs
 
     def _counters(self, needed: int, device: torch.device) -> torch.Tensor:
         "Counters for `needed` (sequence, KV head) pairs. They grow only outside a CUDA graph recording (chapter 09b warms up at its largest batch first)."
-        if self.counters is None or self.counters.numel() < needed or self.counters.device != device:
+        if (
+            self.counters is None
+            or self.counters.numel() < needed
+            or self.counters.device != device
+        ):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"decode attention: {needed} merge counters needed while a CUDA graph records; "
-                                   "call it once at the largest batch before recording")
+                raise RuntimeError(
+                    f"decode attention: {needed} merge counters needed while a CUDA graph records; "
+                    "call it once at the largest batch before recording"
+                )
             self.counters = torch.zeros(needed, device=device, dtype=torch.int32)
         return self.counters
 
     rope_inside = True  # the decode kernel normalises and rotates q and the new K (chapter 09a hands them unrotated)
 
-    def __call__(self, q, k_layer, v_layer, block_tables, context_lens, new_kv=None,
-                 rope: NormRope | None = None) -> torch.Tensor:
-        return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens, q.shape[-1] ** -0.5, self.impl,
-                                      new_kv=new_kv, rope=rope,
-                                      counters=self._counters(q.shape[0] * k_layer.shape[2], q.device))
+    def __call__(
+        self,
+        q,
+        k_layer,
+        v_layer,
+        block_tables,
+        context_lens,
+        new_kv=None,
+        rope: NormRope | None = None,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            q,
+            k_layer,
+            v_layer,
+            block_tables,
+            context_lens,
+            q.shape[-1] ** -0.5,
+            self.impl,
+            new_kv=new_kv,
+            rope=rope,
+            counters=self._counters(q.shape[0] * k_layer.shape[2], q.device),
+        )
 
 
 # %% [markdown]
@@ -206,11 +390,19 @@ from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layou
 from forge_engine.model import empty_model, init_random_weights
 
 model = init_random_weights(empty_model(preset("qwen3-tiny")), seed=0, std=0.1)
-caches = {name: PagedKVCache(model.config, num_blocks=12, block_size=4) for name in ("reference", "kernels")}
-backends = {"reference": PagedAttention, "kernels": lambda c, lay: KernelPagedAttention(c, lay, impl="triton")}
-steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
-         ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
-         ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26])]
+caches = {
+    name: PagedKVCache(model.config, num_blocks=12, block_size=4)
+    for name in ("reference", "kernels")
+}
+backends = {
+    "reference": PagedAttention,
+    "kernels": lambda c, lay: KernelPagedAttention(c, lay, impl="triton"),
+}
+steps = [
+    ([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
+    ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
+    ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26]),
+]
 with torch.no_grad():
     for seqs, ids in steps:
         logits = {}
@@ -262,15 +454,28 @@ with torch.no_grad():
 if torch.cuda.is_available():  # also harmless where the `gpu` flag is not skipped
     q4b = preset("qwen3-4b")
     lens = [1, 100, 1000, 2048]
-    k_cache, v_cache, tables = random_paged_kv(lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache, tables = random_paged_kv(
+        lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda"
+    )
     q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     ctx = torch.tensor(lens, device="cuda")
-    want = paged_attention_reference(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"),
-                                     ctx, 128**-0.5)
+    want = paged_attention_reference(
+        q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device="cuda"), ctx, 128**-0.5
+    )
     # bf16: the softmax weights rounded before P·V and the output rounded (2^-8 each); the norm: the normalised row
     # and the output rounded: as in tests/test_kernels.py's TOL
-    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5), want,
-                               rtol=5e-2, atol=1e-2)
-    x, r, w = (torch.randn(n, q4b.hidden_size, device="cuda", dtype=torch.bfloat16) for n in (64, 64, 1))
-    torch.testing.assert_close(add_rmsnorm(x, r, w[0], 1e-6)[0], add_rmsnorm_reference(x, r, w[0], 1e-6)[0],
-                               rtol=5e-2, atol=1e-2)
+    torch.testing.assert_close(
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, 128**-0.5),
+        want,
+        rtol=5e-2,
+        atol=1e-2,
+    )
+    x, r, w = (
+        torch.randn(n, q4b.hidden_size, device="cuda", dtype=torch.bfloat16) for n in (64, 64, 1)
+    )
+    torch.testing.assert_close(
+        add_rmsnorm(x, r, w[0], 1e-6)[0],
+        add_rmsnorm_reference(x, r, w[0], 1e-6)[0],
+        rtol=5e-2,
+        atol=1e-2,
+    )

@@ -69,7 +69,8 @@ GEMV_ROWS = 1  # steps of up to this many tokens use `gemv` on a GPU (measured: 
 
 
 @functools.cache
-def _kernels_compiled() -> bool: return kernels_available("cuda")  # (asked once: every linear layer asks, every step)
+def _kernels_compiled() -> bool:
+    return kernels_available("cuda")  # (asked once: every linear layer asks, every step)
 
 
 def takes_gemv(x: torch.Tensor) -> bool:
@@ -77,20 +78,30 @@ def takes_gemv(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and _kernels_compiled()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """F.linear; a decode step's rows on a GPU (`takes_gemv`) through `gemv`. `out`: a contiguous [rows, out_features]
     tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
     if takes_gemv(x):
         return gemv(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
-    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+    return (
+        torch.mm(x, weight.t(), out=out)
+        if bias is None
+        else torch.addmm(bias, x, weight.t(), out=out)
+    )
 
 
 class FusedLinear(nn.Linear):
     "nn.Linear through `linear`: a decode step's row by the GEMV kernel."
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def gemv_operands(self) -> tuple:
         "(weight, bias, scale) as `gemv` takes them: what a folded GEMV reads (chapter 10's int8 layer has them too)."
@@ -99,9 +110,13 @@ class FusedLinear(nn.Linear):
 
 class FusedRMSNorm(RMSNorm):
     "RMSNorm by one kernel instead of eight, and the residual add with it (`add_rmsnorm`: each row read once)."
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return rmsnorm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
@@ -118,41 +133,70 @@ class FusedRMSNorm(RMSNorm):
 #| export
 class HandedNorm(NamedTuple):
     "An RMSNorm handed from a decode GEMV to the next (`gemv`'s `hand_off`, `norm_sums`): the norm, and its sums."
+
     norm: RMSNorm
-    sums: torch.Tensor  # [rows] float32: the squares of the norm's input, added up by the GEMV that makes it; from 0
+    sums: (
+        torch.Tensor
+    )  # [rows] float32: the squares of the norm's input, added up by the GEMV that makes it; from 0
 
 
-def folded_gemv(layer: nn.Module, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                swiglu: bool = False, handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None):
+def folded_gemv(
+    layer: nn.Module,
+    x: torch.Tensor,
+    norm: RMSNorm | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    handed_in: HandedNorm | None = None,
+    hand_off: HandedNorm | None = None,
+):
     """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of `gemv` (the layer has
     `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue.
     `handed_in`: x is that norm applied but for its 1 / rms, which the GEMV takes from the sums. `hand_off` (with
     `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums.
     A layer with a GEMV of its own (`decode_gemv`: chapter 10's int4) takes the same folds but `norm`."""
     eps = norm.eps if norm is not None else handed_in.norm.eps if handed_in is not None else 1e-6
-    folds = dict(swiglu=swiglu, residual=residual, eps=eps, norm_sums=None if handed_in is None else handed_in.sums,
-                 hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums))
+    folds = dict(
+        swiglu=swiglu,
+        residual=residual,
+        eps=eps,
+        norm_sums=None if handed_in is None else handed_in.sums,
+        hand_off=None if hand_off is None else (hand_off.norm.weight, hand_off.sums),
+    )
     if hasattr(layer, "decode_gemv"):
         if norm is not None:
-            raise ValueError(f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)")
+            raise ValueError(
+                f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)"
+            )
         return layer.decode_gemv(x, **folds)
     return gemv(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
 
 
 # %%
 class OwnGemv(nn.Module):
-    def decode_gemv(self, x, **folds): return folds
+    def decode_gemv(self, x, **folds):
+        return folds
+
+
 norm, sums = RMSNorm(4, 1e-5), torch.zeros(1)
-folds = folded_gemv(OwnGemv(), torch.zeros(1, 4), residual=torch.ones(1, 4), handed_in=HandedNorm(norm, sums))
-assert folds["norm_sums"] is sums and folds["eps"] == 1e-5 and folds["hand_off"] is None and not folds["swiglu"]
+folds = folded_gemv(
+    OwnGemv(), torch.zeros(1, 4), residual=torch.ones(1, 4), handed_in=HandedNorm(norm, sums)
+)
+assert (
+    folds["norm_sums"] is sums
+    and folds["eps"] == 1e-5
+    and folds["hand_off"] is None
+    and not folds["swiglu"]
+)
 with pytest.raises(ValueError, match="OwnGemv's own GEMV takes no norm to apply"):
     folded_gemv(OwnGemv(), torch.zeros(1, 4), norm=norm)
 # a layer `gemv` reads: the fold is the GEMV's, norm and residual as `gemv` applies them (here its PyTorch path)
 layer = FusedLinear(4, 3)
 gen = torch.Generator().manual_seed(0)
 x, r = torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)
-assert torch.equal(folded_gemv(layer, x, norm, residual=r), gemv(x, layer.weight, layer.bias, norm=norm.weight, eps=1e-5,
-                                                                 residual=r))
+assert torch.equal(
+    folded_gemv(layer, x, norm, residual=r),
+    gemv(x, layer.weight, layer.bias, norm=norm.weight, eps=1e-5, residual=r),
+)
 
 
 # %% [markdown]
@@ -167,53 +211,116 @@ assert torch.equal(folded_gemv(layer, x, norm, residual=r), gemv(x, layer.weight
 #| export
 class FusedAttention(Attention):
     "Attention with q/k-norm and RoPE in one launch (`norm_rope`), or inside the attention kernel (`rope_inside`)."
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend,
-                norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None) -> torch.Tensor:
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        handed_in: HandedNorm | None = None,
+        hand_off: HandedNorm | None = None,
+    ) -> torch.Tensor:
         """`norm`, `residual`: a decode step's folds (see FusedDecoderLayer): x normalised by the qkv GEMV, residual
         added by o's. `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
         c = self.config
-        qkv = self.qkv(x) if norm is None and handed_in is None else folded_gemv(self.qkv, x, norm, handed_in=handed_in)
+        qkv = (
+            self.qkv(x)
+            if norm is None and handed_in is None
+            else folded_gemv(self.qkv, x, norm, handed_in=handed_in)
+        )
         q, k, v = self.heads(qkv)
-        q_weight, k_weight = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        if getattr(attention, "rope_inside", False):  # the attention kernel normalises and rotates them itself
-            out = attention(self.layer, q, k, v, rope=NormRope(q_weight, k_weight, c.rms_norm_eps, cos, sin))
+        q_weight, k_weight = (
+            (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        )
+        if getattr(
+            attention, "rope_inside", False
+        ):  # the attention kernel normalises and rotates them itself
+            out = attention(
+                self.layer, q, k, v, rope=NormRope(q_weight, k_weight, c.rms_norm_eps, cos, sin)
+            )
         else:  # q and k in one kernel
-            qk = norm_rope(self.qk_heads(qkv), q_weight, c.rms_norm_eps, cos, sin, k_weight=k_weight,
-                           num_q_heads=c.num_heads)
-            out = attention(self.layer, qk[:, :c.num_heads], qk[:, c.num_heads:], v)
+            qk = norm_rope(
+                self.qk_heads(qkv),
+                q_weight,
+                c.rms_norm_eps,
+                cos,
+                sin,
+                k_weight=k_weight,
+                num_q_heads=c.num_heads,
+            )
+            out = attention(self.layer, qk[:, : c.num_heads], qk[:, c.num_heads :], v)
         out = out.reshape(x.shape[0], c.q_size)
-        return self.o(out) if residual is None else folded_gemv(self.o, out, residual=residual, hand_off=hand_off)
+        return (
+            self.o(out)
+            if residual is None
+            else folded_gemv(self.o, out, residual=residual, hand_off=hand_off)
+        )
 
 
 class FusedMLP(MLP):
     "SwiGLU with SiLU-mul in one launch (`silu_mul`), or in the gate-up GEMV's epilogue for a decode row."
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                handed_in: HandedNorm | None = None, hand_off: HandedNorm | None = None) -> torch.Tensor:
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        handed_in: HandedNorm | None = None,
+        hand_off: HandedNorm | None = None,
+    ) -> torch.Tensor:
         """`norm`, `residual`: a decode step's folds (see FusedDecoderLayer): residual + down(silu_mul(gate_up(norm(x)))).
         `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
-        if norm is not None or handed_in is not None:  # two GEMVs: the norm and SiLU-mul in the first, the add in the second
-            return folded_gemv(self.down, folded_gemv(self.gate_up, x, norm, swiglu=True, handed_in=handed_in),
-                               residual=residual, hand_off=hand_off)
+        if (
+            norm is not None or handed_in is not None
+        ):  # two GEMVs: the norm and SiLU-mul in the first, the add in the second
+            return folded_gemv(
+                self.down,
+                folded_gemv(self.gate_up, x, norm, swiglu=True, handed_in=handed_in),
+                residual=residual,
+                hand_off=hand_off,
+            )
         if takes_gemv(x):
             if hasattr(self.gate_up, "gemv_operands"):
-                return self.down(gemv(x, *self.gate_up.gemv_operands(), swiglu=True))  # SiLU-mul by the GEMV
-            if hasattr(self.gate_up, "decode_gemv"):  # a layer with a GEMV of its own (chapter 10's int4)
+                return self.down(
+                    gemv(x, *self.gate_up.gemv_operands(), swiglu=True)
+                )  # SiLU-mul by the GEMV
+            if hasattr(
+                self.gate_up, "decode_gemv"
+            ):  # a layer with a GEMV of its own (chapter 10's int4)
                 return self.down(self.gate_up.decode_gemv(x, swiglu=True))
-        return self.down(silu_mul(self.gate_up(x)))  # one kernel for silu, the halves and the product
+        return self.down(
+            silu_mul(self.gate_up(x))
+        )  # one kernel for silu, the halves and the product
 
 
 class FusedDecoderLayer(DecoderLayer):
     """A decoder layer whose one-row decode steps fold each add + RMSNorm into the GEMVs around it (`folds_norms`: four
     launches, not six) or hand the norms from GEMV to GEMV (`forward_handing_off`)."""
+
     def forward(self, x, residual, cos, sin, attention):
         if residual is None and self.folds_norms(x):
-            h = self.attn(x, cos, sin, attention, norm=self.attn_norm, residual=x)  # x + attn(norm(x))
-            return self.mlp(h, norm=self.mlp_norm, residual=h), None  # the whole residual stream, nothing left to add
+            h = self.attn(
+                x, cos, sin, attention, norm=self.attn_norm, residual=x
+            )  # x + attn(norm(x))
+            return self.mlp(
+                h, norm=self.mlp_norm, residual=h
+            ), None  # the whole residual stream, nothing left to add
         return super().forward(x, residual, cos, sin, attention)
 
-    def forward_handing_off(self, h, x, handed_in: HandedNorm | None, cos, sin, attention, sums: torch.Tensor,
-                            hand_off: HandedNorm | None):
+    def forward_handing_off(
+        self,
+        h,
+        x,
+        handed_in: HandedNorm | None,
+        cos,
+        sin,
+        attention,
+        sums: torch.Tensor,
+        hand_off: HandedNorm | None,
+    ):
         """`forward` for a decode step whose norms travel between the GEMVs (`hands_off_norms`): h is the residual
         stream, x its attn_norm as `handed_in` says (None: normalised already). Returns (h after the layer,
         `hand_off`'s norm of it but for 1 / rms, or None without one). `sums`: zeroed floats [rows] for mlp_norm's."""
@@ -233,12 +340,16 @@ class FusedDecoderLayer(DecoderLayer):
         layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0])
-        return takes_gemv(x) and all(hasattr(layer, "decode_gemv") and layer.hands_off_norms()
-                                     for layer in self._projections())
+        return takes_gemv(x) and all(
+            hasattr(layer, "decode_gemv") and layer.hands_off_norms()
+            for layer in self._projections()
+        )
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for the GEMV, and each of the four layers is one it reads."
-        return takes_gemv(x) and all(hasattr(layer, "gemv_operands") for layer in self._projections())
+        return takes_gemv(x) and all(
+            hasattr(layer, "gemv_operands") for layer in self._projections()
+        )
 
     def _projections(self) -> tuple[nn.Module, ...]:
         return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
@@ -246,8 +357,10 @@ class FusedDecoderLayer(DecoderLayer):
 
 class FusedTransformer(Transformer):
     "The model whose one-row decode steps hand their norms between the GEMVs, and whose tied LM head is a GEMV too."
-    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attention: AttentionBackend) -> torch.Tensor:
+
+    def run_layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         if self.layers[0].hands_off_norms(x):
             return self._run_layers_handing_off(x, cos, sin, attention)
         return super().run_layers(x, cos, sin, attention)
@@ -255,18 +368,24 @@ class FusedTransformer(Transformer):
     def _run_layers_handing_off(self, h, cos, sin, attention) -> torch.Tensor:
         """`run_layers` for a decode step whose norms travel between the GEMVs (FusedDecoderLayer's `hands_off_norms`):
         the first layer's norm and the final one are kernels of their own, the 71 between are not."""
-        sums = torch.zeros(2 * len(self.layers), h.shape[0], device=h.device)  # per norm and row; one memset a step
+        sums = torch.zeros(
+            2 * len(self.layers), h.shape[0], device=h.device
+        )  # per norm and row; one memset a step
         x, handed = self.layers[0].attn_norm(h), None
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             hand_off = None if last else HandedNorm(self.layers[i + 1].attn_norm, sums[2 * i + 1])
-            h, x = layer.forward_handing_off(h, x, handed, cos, sin, attention, sums[2 * i], hand_off)
+            h, x = layer.forward_handing_off(
+                h, x, handed, cos, sin, attention, sums[2 * i], hand_off
+            )
             handed = hand_off
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return linear(hidden, self.embed.weight).float()  # tied: the embedding matrix is the head
+            return linear(
+                hidden, self.embed.weight
+            ).float()  # tied: the embedding matrix is the head
         return super().compute_logits(hidden)
 
 
@@ -278,8 +397,14 @@ class FusedTransformer(Transformer):
 
 # %%
 #| export
-FUSED_LAYERS = {nn.Linear: FusedLinear, RMSNorm: FusedRMSNorm, Attention: FusedAttention, MLP: FusedMLP,
-                DecoderLayer: FusedDecoderLayer, Transformer: FusedTransformer}
+FUSED_LAYERS = {
+    nn.Linear: FusedLinear,
+    RMSNorm: FusedRMSNorm,
+    Attention: FusedAttention,
+    MLP: FusedMLP,
+    DecoderLayer: FusedDecoderLayer,
+    Transformer: FusedTransformer,
+}
 
 
 def install_fused_layers(model: Transformer, force: bool = False) -> Transformer:
@@ -302,31 +427,48 @@ def install_fused_layers(model: Transformer, force: bool = False) -> Transformer
 
 # %%
 model = init_random_weights(empty_model(preset("qwen3-tiny")), seed=0, std=0.1)
-steps = [([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
-         ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
-         ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26])]
+steps = [
+    ([([7, 2, 9, 4], 0, 6)], [3, 14, 15, 92, 65, 35]),
+    ([([7, 2, 9, 4], 6, 4), ([1, 5], 0, 3)], [89, 79, 32, 38, 7, 8, 9]),
+    ([([7, 2, 9, 4], 10, 1), ([1, 5], 3, 1)], [46, 26]),
+]
 assert install_fused_layers(model) is model and type(model) is Transformer  # (a CPU: unchanged)
 fused = install_fused_layers(copy.deepcopy(model), force=True)
 assert type(fused) is FusedTransformer and type(fused.layers[1].attn) is FusedAttention
-assert type(fused.layers[0].attn.qkv) is FusedLinear and type(fused.layers[0].attn.k_norm) is FusedRMSNorm
-assert [(n, p.shape) for n, p in fused.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
-assert install_fused_layers(fused, force=True) is fused and type(fused.layers[0].mlp) is FusedMLP  # (twice: the same)
+assert (
+    type(fused.layers[0].attn.qkv) is FusedLinear
+    and type(fused.layers[0].attn.k_norm) is FusedRMSNorm
+)
+assert [(n, p.shape) for n, p in fused.named_parameters()] == [
+    (n, p.shape) for n, p in model.named_parameters()
+]
+assert (
+    install_fused_layers(fused, force=True) is fused and type(fused.layers[0].mlp) is FusedMLP
+)  # (twice: the same)
 
 
 class RopeSpy(KernelPagedAttention):
     "The kernel backend, noting whether the model handed it q and k unrotated (`rope`)."
+
     def __call__(self, layer, q, k, v, rope=None):
         handed_rope.append(rope is not None)
         return super().__call__(layer, q, k, v, rope)
 
 
-caches = {name: PagedKVCache(model.config, num_blocks=12, block_size=4) for name in ("reference", "fused")}
+caches = {
+    name: PagedKVCache(model.config, num_blocks=12, block_size=4) for name in ("reference", "fused")
+}
 with torch.no_grad():
     for seqs, ids in steps:
         handed_rope, layout = [], build_step_layout(seqs, 4)
-        want = model.compute_logits(model(torch.tensor(ids), layout.positions, PagedAttention(caches["reference"], layout)))
-        got = fused.compute_logits(fused(torch.tensor(ids), layout.positions,
-                                         RopeSpy(caches["fused"], layout, impl="triton")))
+        want = model.compute_logits(
+            model(torch.tensor(ids), layout.positions, PagedAttention(caches["reference"], layout))
+        )
+        got = fused.compute_logits(
+            fused(
+                torch.tensor(ids), layout.positions, RopeSpy(caches["fused"], layout, impl="triton")
+            )
+        )
         # fp32: attention's sums in another order (~1e-7 relative) through 2 layers, logits of O(4): as in chapter 09
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         decodes_only = all(new == 1 for _, _, new in seqs)

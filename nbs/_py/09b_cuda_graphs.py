@@ -58,7 +58,9 @@ from forge_engine.model import empty_model, init_random_weights
 
 # %%
 #| export
-DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -83,6 +85,7 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
     if torch.device(device).type == "cuda":
         from forge_engine.kernels.backend import kernels_available
         from forge_engine.kernels.prefill_attention import KernelDecodeAttention
+
         if kernels_available(device):
             return KernelDecodeAttention()
     return paged_decode_attention_torch
@@ -91,17 +94,30 @@ def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
     attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
-    def __init__(self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn):
-        self.cache, self.slots, self.tables, self.lens, self.attention = cache, slots, block_tables, context_lens, attention
+
+    def __init__(
+        self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn
+    ):
+        self.cache, self.slots, self.tables, self.lens, self.attention = (
+            cache,
+            slots,
+            block_tables,
+            context_lens,
+            attention,
+        )
 
     @property
-    def rope_inside(self) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
+    def rope_inside(
+        self,
+    ) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
         return getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if getattr(self.attention, "stores_kv", False):
-            return self.attention(q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope)
+            return self.attention(
+                q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
+            )
         self.cache.write(layer, self.slots, k, v)
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
 
@@ -109,7 +125,10 @@ class StaticDecodeAttention:
 # %%
 assert decode_buckets(1) == [1] and decode_buckets(20) == [1, 2, 4, 8, 16, 20]
 assert context_buckets(262144, 16) == [32, 128, 512, 2048, 16384] and context_buckets(64, 4) == [16]
-assert decode_buckets(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and decode_buckets(256)[-2:] == [224, 256]
+assert decode_buckets(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and decode_buckets(256)[-2:] == [
+    224,
+    256,
+]
 
 
 # %% [markdown]
@@ -138,16 +157,18 @@ def decode_inputs_bytes(b: int, w: int) -> int:
 def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, ...]:
     """Views of a uint8 `buffer` as (ids, positions, slots [b] int64, context lengths [b] int32, block tables
     [b, w] int32), back to back from its start (every view aligned to its element)."""
-    longs = buffer[:24 * b].view(torch.int64)
-    ints = buffer[24 * b:decode_inputs_bytes(b, w)].view(torch.int32)
-    return longs[:b], longs[b:2 * b], longs[2 * b:], ints[:b], ints[b:].view(b, w)
+    longs = buffer[: 24 * b].view(torch.int64)
+    ints = buffer[24 * b : decode_inputs_bytes(b, w)].view(torch.int32)
+    return longs[:b], longs[b : 2 * b], longs[2 * b :], ints[:b], ints[b:].view(b, w)
 
 
 # %%
 buffer = torch.zeros(decode_inputs_bytes(4, 3), dtype=torch.uint8)
 ids, positions, slots, lens, tables = decode_inputs(buffer, 4, 3)
 ids[:], slots[:], tables[:] = 7, -1, 5
-assert positions.eq(0).all() and lens.eq(0).all() and tables.shape == (4, 3)  # no view overlaps another
+assert (
+    positions.eq(0).all() and lens.eq(0).all() and tables.shape == (4, 3)
+)  # no view overlaps another
 assert buffer.numel() == ids.numel() * 8 * 3 + lens.numel() * 4 + tables.numel() * 4
 
 # %% [markdown]
@@ -163,27 +184,49 @@ assert buffer.numel() == ids.numel() * 8 * 3 + lens.numel() * 4 + tables.numel()
 
 # %%
 #| export
-GREEDY_IN_GRAPH = True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
-GREEDY_IN_GRAPH_MAX_ROWS = 8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+GREEDY_IN_GRAPH = (
+    True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
+)
+GREEDY_IN_GRAPH_MAX_ROWS = (
+    8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
+)
 #                                would pay for it too)
 
 
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
-    def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
-                 scratch_block: int, attention: DecodeAttentionFn = paged_decode_attention_torch,
-                 use_graphs: bool | None = None):
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        scratch_block: int,
+        attention: DecodeAttentionFn = paged_decode_attention_torch,
+        use_graphs: bool | None = None,
+    ):
         self.model, self.cache, self.attention = model, cache, attention
         self.device = next(model.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.buckets, self.widths = decode_buckets(max_num_seqs), context_buckets(max_model_len, cache.block_size)
+        self.buckets, self.widths = (
+            decode_buckets(max_num_seqs),
+            context_buckets(max_model_len, cache.block_size),
+        )
         b, width = self.buckets[-1], self.widths[-1]
         self.scratch_slot = scratch_block * cache.block_size
-        self.inputs = torch.zeros(decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, table width) -> graph
+        self.inputs = torch.zeros(
+            decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
+        )
+        self.graphs: dict[
+            tuple[int, int], torch.cuda.CUDAGraph
+        ] = {}  # (batch bucket, table width) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.greedy: dict[int, torch.Tensor] = {}  # a graph's logits (their address) -> their argmax, recorded too
-        if self.use_graphs: self.capture()
+        self.greedy: dict[
+            int, torch.Tensor
+        ] = {}  # a graph's logits (their address) -> their argmax, recorded too
+        if self.use_graphs:
+            self.capture()
 
     @torch.no_grad()
     def _forward(self, b: int, w: int) -> torch.Tensor:
@@ -193,14 +236,20 @@ class DecodeRunner:
 
     def capture(self) -> None:
         "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
-        from forge_engine.kernels.elementwise import argmax_rows  # (Triton's kernels: imported where a GPU records graphs)
+        from forge_engine.kernels.elementwise import (
+            argmax_rows,
+        )  # (Triton's kernels: imported where a GPU records graphs)
+
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
             for w in self.widths:
                 self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
                 logits = self._forward(self.buckets[-1], w)
-                if GREEDY_IN_GRAPH: argmax_rows(logits)  # (compiled and loaded here: no module loads while recording)
+                if GREEDY_IN_GRAPH:
+                    argmax_rows(
+                        logits
+                    )  # (compiled and loaded here: no module loads while recording)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for b in reversed(self.buckets):
@@ -227,9 +276,11 @@ class DecodeRunner:
         """Each row's argmax of `logits` as `run` returned them from a graph (GREEDY_IN_GRAPH: taken in the same
         replay, no launch of its own); None for logits of an eager run."""
         tokens = self.greedy.get(logits.data_ptr())
-        return None if tokens is None else tokens[:logits.shape[0]]
+        return None if tokens is None else tokens[: logits.shape[0]]
 
-    def _write_inputs(self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens) -> None:
+    def _write_inputs(
+        self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens
+    ) -> None:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
         one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
         position 0, written to the scratch slot, attending to itself."""
@@ -243,22 +294,31 @@ class DecodeRunner:
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
         # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
         tables[:n][np.arange(w)[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
-        copy_to_device(self.inputs[:host.numel()], host)
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum())
+        )
+        copy_to_device(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
-            fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Logits [n, vocab] for n decoding sequences. `fill_ids(ids)` may then write, on the device, input tokens
         the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
         b = self.bucket_for(n)
         w = next(x for x in self.widths if x >= max(map(len, block_tables)))
         self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
-        if fill_ids is not None: fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
+        if fill_ids is not None:
+            fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
         if self.use_graphs:
-            if not self.graphs: raise RuntimeError("this decode runner's CUDA graphs were released")
+            if not self.graphs:
+                raise RuntimeError("this decode runner's CUDA graphs were released")
             self.graphs[b, w].replay()
             return self.logits[b, w][:n]
         return self._forward(b, w)[:n]
@@ -285,19 +345,27 @@ with torch.no_grad():
 next_tokens = [11, 12, 13]
 positions = [len(p) for p in prompts]
 slots = [t[pos // block_size] * block_size + pos % block_size for t, pos in zip(tables, positions)]
-runner = DecodeRunner(model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks, use_graphs=False)
+runner = DecodeRunner(
+    model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks, use_graphs=False
+)
 before = cache.k_cache.clone()
 static_logits = runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
 written = (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
-assert written == sorted({s // block_size for s in slots} | {num_blocks}), written  # the 3 real slots + scratch
+assert written == sorted({s // block_size for s in slots} | {num_blocks}), (
+    written
+)  # the 3 real slots + scratch
 with torch.no_grad():
     cache.k_cache.copy_(before)  # undo, then the reference step
     layout = build_step_layout([(t, pos, 1) for t, pos in zip(tables, positions)], block_size)
-    reference = model.compute_logits(model(torch.tensor(next_tokens), layout.positions, PagedAttention(cache, layout)))
+    reference = model.compute_logits(
+        model(torch.tensor(next_tokens), layout.positions, PagedAttention(cache, layout))
+    )
 # fp32: the static step's attention sums in another order (~1e-7 relative) through 2 layers: measured 2e-6 on logits
 # of O(4), so 1e-5; the same below
 torch.testing.assert_close(static_logits, reference, rtol=1e-5, atol=1e-5)
-assert runner.greedy_tokens(static_logits) is None  # (no graph recorded an argmax: the sampler takes its own)
+assert (
+    runner.greedy_tokens(static_logits) is None
+)  # (no graph recorded an argmax: the sampler takes its own)
 
 # %% [markdown]
 # With chapter 09_kernels_paged_attention's decode kernel (here interpreted), which is handed the
@@ -311,25 +379,48 @@ import copy
 from forge_engine.fused_layers import install_fused_layers
 from forge_engine.kernels.prefill_attention import KernelDecodeAttention
 
-fused_model = install_fused_layers(copy.deepcopy(model), force=True)  # (forced: on a CPU, their PyTorch paths)
+fused_model = install_fused_layers(
+    copy.deepcopy(model), force=True
+)  # (forced: on a CPU, their PyTorch paths)
 for impl in ("torch", "triton"):
     cache.k_cache.copy_(before)
-    kernel_runner = DecodeRunner(fused_model, cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks,
-                                 attention=KernelDecodeAttention(impl=impl), use_graphs=False)
+    kernel_runner = DecodeRunner(
+        fused_model,
+        cache,
+        max_num_seqs=8,
+        max_model_len=64,
+        scratch_block=num_blocks,
+        attention=KernelDecodeAttention(impl=impl),
+        use_graphs=False,
+    )
     logits = kernel_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
-    assert (cache.k_cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == written, impl
+    assert (cache.k_cache != before).any(
+        dim=(0, 2, 3, 4)
+    ).nonzero().flatten().tolist() == written, impl
 
 # %% [markdown]
 # On a GPU the same runner records graphs (the cell below runs only with the `gpu` flag):
 
 # %%
 #| gpu
-gpu_model = install_fused_layers(init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1))
+gpu_model = install_fused_layers(
+    init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
+)
 gpu_cache = PagedKVCache(config, num_blocks + 1, block_size, "cuda", torch.bfloat16)
-gpu_cache.k_cache.copy_(cache.k_cache); gpu_cache.v_cache.copy_(cache.v_cache)
-graphed = DecodeRunner(gpu_model, gpu_cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks)
-eager = DecodeRunner(gpu_model, gpu_cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks, use_graphs=False)
+gpu_cache.k_cache.copy_(cache.k_cache)
+gpu_cache.v_cache.copy_(cache.v_cache)
+graphed = DecodeRunner(
+    gpu_model, gpu_cache, max_num_seqs=8, max_model_len=64, scratch_block=num_blocks
+)
+eager = DecodeRunner(
+    gpu_model,
+    gpu_cache,
+    max_num_seqs=8,
+    max_model_len=64,
+    scratch_block=num_blocks,
+    use_graphs=False,
+)
 args = (next_tokens, positions, slots, tables, [p + 1 for p in positions])
 # bf16: recorded, the step may fold each norm into the GEMVs (a rounding fewer): logits of O(4) a few 2^-8 apart
 torch.testing.assert_close(graphed.run(*args).clone(), eager.run(*args), rtol=2e-2, atol=2e-2)

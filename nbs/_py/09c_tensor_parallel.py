@@ -85,7 +85,13 @@ from torch import nn
 from forge_engine.config import ModelConfig
 from forge_engine.fused_layers import FusedRMSNorm, linear
 from forge_engine.loader import random_checkpoint
-from forge_engine.loading import LoadStats, TensorEntry, checkpoint_shards, read_safetensors_header, read_tensor
+from forge_engine.loading import (
+    LoadStats,
+    TensorEntry,
+    checkpoint_shards,
+    read_safetensors_header,
+    read_tensor,
+)
 from forge_engine.model import Transformer, checkpoint_target, load_weights
 from forge_engine.registry import ResolvedModel
 
@@ -96,7 +102,13 @@ from pathlib import Path
 import pytest
 from forge_engine.config import preset
 from forge_engine.generate import SamplingParams
-from forge_engine.model import causal_attention, empty_model, hf_state_dict, init_random_weights, rope_cos_sin
+from forge_engine.model import (
+    causal_attention,
+    empty_model,
+    hf_state_dict,
+    init_random_weights,
+    rope_cos_sin,
+)
 
 # %% [markdown]
 # ## The plan: which slice a rank holds
@@ -110,8 +122,13 @@ from forge_engine.model import causal_attention, empty_model, hf_state_dict, ini
 # %%
 #| export
 _SPLIT_LAYER = {  # HF name inside model.layers.{i} -> (dimension cut, which range)
-    "self_attn.q_proj": (0, "q"), "self_attn.k_proj": (0, "kv"), "self_attn.v_proj": (0, "kv"),
-    "self_attn.o_proj": (1, "q"), "mlp.gate_proj": (0, "mlp"), "mlp.up_proj": (0, "mlp"), "mlp.down_proj": (1, "mlp"),
+    "self_attn.q_proj": (0, "q"),
+    "self_attn.k_proj": (0, "kv"),
+    "self_attn.v_proj": (0, "kv"),
+    "self_attn.o_proj": (1, "q"),
+    "mlp.gate_proj": (0, "mlp"),
+    "mlp.up_proj": (0, "mlp"),
+    "mlp.down_proj": (1, "mlp"),
 }
 _SPLIT_TOP = {"model.embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab")}
 _LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(.+)\.(?:weight|bias)$")
@@ -120,6 +137,7 @@ _LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(.+)\.(?:weight|bias)$")
 @dataclass(frozen=True)
 class ShardPlan:
     "The slices rank `rank` of `world` holds of a model with (full) `config`."
+
     config: ModelConfig
     rank: int
     world: int
@@ -128,33 +146,51 @@ class ShardPlan:
         c, n = self.config, self.world
         if not 0 <= self.rank < n:
             raise ValueError(f"rank {self.rank} is outside 0..{n - 1}")
-        for what, size in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size),
-                           ("vocab_size", c.vocab_size)):
+        for what, size in (
+            ("num_heads", c.num_heads),
+            ("intermediate_size", c.intermediate_size),
+            ("vocab_size", c.vocab_size),
+        ):
             if size % n:
-                raise ValueError(f"tensor_parallel_size {n} does not divide the model's {what} ({size})")
+                raise ValueError(
+                    f"tensor_parallel_size {n} does not divide the model's {what} ({size})"
+                )
         if c.num_kv_heads % n and n % c.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {n} and the model's {c.num_kv_heads} KV heads: one must divide the other")
+            raise ValueError(
+                f"tensor_parallel_size {n} and the model's {c.num_kv_heads} KV heads: one must divide the other"
+            )
 
     @property
     def kv_heads(self) -> range:
         "This rank's KV heads: its share, or (fewer KV heads than ranks) the one its query heads use."
         kv, n, r = self.config.num_kv_heads, self.world, self.rank
-        return range(r * kv // n, (r + 1) * kv // n) if kv >= n else range(r * kv // n, r * kv // n + 1)
+        return (
+            range(r * kv // n, (r + 1) * kv // n)
+            if kv >= n
+            else range(r * kv // n, r * kv // n + 1)
+        )
 
     @property
     def shard_config(self) -> ModelConfig:
         c, n = self.config, self.world
-        return c.replace(num_heads=c.num_heads // n, num_kv_heads=len(self.kv_heads),
-                         intermediate_size=c.intermediate_size // n)
+        return c.replace(
+            num_heads=c.num_heads // n,
+            num_kv_heads=len(self.kv_heads),
+            intermediate_size=c.intermediate_size // n,
+        )
 
     @property
-    def vocab_part(self) -> int: return self.config.vocab_size // self.world
+    def vocab_part(self) -> int:
+        return self.config.vocab_size // self.world
 
     def _range(self, which: str) -> tuple[int, int]:
         c, r, n = self.config, self.rank, self.world
-        if which == "q": return r * c.q_size // n, (r + 1) * c.q_size // n
-        if which == "kv": return self.kv_heads.start * c.head_dim, self.kv_heads.stop * c.head_dim
-        if which == "mlp": return r * c.intermediate_size // n, (r + 1) * c.intermediate_size // n
+        if which == "q":
+            return r * c.q_size // n, (r + 1) * c.q_size // n
+        if which == "kv":
+            return self.kv_heads.start * c.head_dim, self.kv_heads.stop * c.head_dim
+        if which == "mlp":
+            return r * c.intermediate_size // n, (r + 1) * c.intermediate_size // n
         return r * self.vocab_part, (r + 1) * self.vocab_part
 
     def slice_for(self, hf_name: str) -> tuple[int, int, int] | None:
@@ -168,7 +204,9 @@ class ShardPlan:
         return (dim, *self._range(which))
 
 
-def shard_tensors(plan: ShardPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_tensors(
+    plan: ShardPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     "Each (hf_name, full tensor) as (hf_name, this rank's slice of it): a view, copied later by `load_weights`."
     for hf_name, tensor in named_tensors:
         cut = plan.slice_for(hf_name)
@@ -182,7 +220,11 @@ def shard_tensors(plan: ShardPlan, named_tensors: Iterable[tuple[str, torch.Tens
 # %%
 q4b = preset("qwen3-4b")
 p1 = ShardPlan(q4b, rank=1, world=2)
-assert (p1.shard_config.num_heads, p1.shard_config.num_kv_heads, p1.shard_config.intermediate_size) == (16, 4, 4864)
+assert (
+    p1.shard_config.num_heads,
+    p1.shard_config.num_kv_heads,
+    p1.shard_config.intermediate_size,
+) == (16, 4, 4864)
 assert p1.slice_for("model.layers.3.self_attn.q_proj.weight") == (0, 2048, 4096)
 assert p1.slice_for("model.layers.3.self_attn.k_proj.weight") == (0, 512, 1024)
 assert p1.slice_for("model.layers.3.self_attn.o_proj.weight") == (1, 2048, 4096)
@@ -191,7 +233,12 @@ assert p1.slice_for("model.embed_tokens.weight") == (0, 75968, 151936)
 assert p1.slice_for("model.layers.3.input_layernorm.weight") is None
 one_kv = preset("qwen2-tiny")  # 4 heads, 1 KV head
 assert [ShardPlan(one_kv, r, 2).kv_heads for r in (0, 1)] == [range(0, 1), range(0, 1)]
-assert [ShardPlan(q4b, r, 16).kv_heads for r in (0, 1, 2, 15)] == [range(0, 1), range(0, 1), range(1, 2), range(7, 8)]
+assert [ShardPlan(q4b, r, 16).kv_heads for r in (0, 1, 2, 15)] == [
+    range(0, 1),
+    range(0, 1),
+    range(1, 2),
+    range(7, 8),
+]
 with pytest.raises(ValueError, match="does not divide the model's num_heads"):
     ShardPlan(preset("llama-tiny"), 0, 4)  # 6 heads
 
@@ -203,17 +250,30 @@ with pytest.raises(ValueError, match="does not divide the model's num_heads"):
 # %%
 cfg = preset("llama-tiny")  # 6 heads, 2 KV heads, hidden 48
 full = init_random_weights(empty_model(cfg), seed=3, std=0.2)
-x, pos = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0)), torch.arange(5)
+x, pos = (
+    torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0)),
+    torch.arange(5),
+)
 cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
 no_cache = lambda layer, q, k, v: causal_attention(q, k, v)
 want_attn, want_mlp = full.layers[0].attn(x, cos, sin, no_cache), full.layers[0].mlp(x)
 got_attn = got_mlp = 0
 for rank in range(2):
     plan = ShardPlan(cfg, rank, 2)
-    part = empty_model(plan.shard_config)  # plain modules, no all-reduce: we add the partial outputs by hand
+    part = empty_model(
+        plan.shard_config
+    )  # plain modules, no all-reduce: we add the partial outputs by hand
     tensors = dict(shard_tensors(plan, hf_state_dict(full).items()))
-    tensors.update({n: t for n, t in hf_state_dict(full).items() if n in ("model.embed_tokens.weight", "lm_head.weight")})
-    load_weights(part, tensors.items())  # (the vocabulary stays whole here: a plain embedding has no all-reduce)
+    tensors.update(
+        {
+            n: t
+            for n, t in hf_state_dict(full).items()
+            if n in ("model.embed_tokens.weight", "lm_head.weight")
+        }
+    )
+    load_weights(
+        part, tensors.items()
+    )  # (the vocabulary stays whole here: a plain embedding has no all-reduce)
     got_attn = got_attn + part.layers[0].attn(x, cos, sin, no_cache)
     got_mlp = got_mlp + part.layers[0].mlp(x)
 # fp32: each rank sums half of each dot product, the halves added after: the same products summed in another order,
@@ -250,6 +310,7 @@ torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-5, atol=1e-6)
 #| export
 class AllReduce:
     "Sum a tensor over the ranks, in place: through `fast` (set up later, GPUs only) when it takes it, else torch.distributed."
+
     def __init__(self, group=None):
         self.group, self.fast = group, None
         self.path = "torch.distributed"  # what runs, in words (see `setup_all_reduce`)
@@ -259,21 +320,27 @@ class AllReduce:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0) -> torch.Tensor | None:
+    def staging(
+        self, shape: tuple[int, ...], dtype: torch.dtype, half: int = 0
+    ) -> torch.Tensor | None:
         """Where the fast path stages a message of this shape (a layer may write its output there: no copy), in half
         `half` (0 or 1) of its buffer; None where it does not take such a message."""
         return self.fast.staging(shape, dtype, half) if self.fast is not None else None
 
-    def add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_rmsnorm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         "The fast path's all-reduce + residual add + RMSNorm in one kernel, where it staged `partial`; else None."
-        return self.fast.add_rmsnorm(partial, residual, weight, eps) if self.fast is not None else None
+        return (
+            self.fast.add_rmsnorm(partial, residual, weight, eps) if self.fast is not None else None
+        )
 
 
 class RowParallelLinear(nn.Linear):
     """A linear layer over this rank's slice of the input features: this rank's *partial* output. The sum over the
     ranks is finished by the norm that takes it (`ReducingRMSNorm.add_and_norm`). `half`: where in the fast path's
     buffer it stages (the output projections 0, the down projections 1: consecutive layers alternate)."""
+
     def __init__(self, in_features: int, out_features: int, all_reduce: AllReduce, half: int):
         super().__init__(in_features, out_features, bias=False)
         self.all_reduce, self.half = all_reduce, half
@@ -281,24 +348,34 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the GEMV kernel for one row on a GPU, like every other layer; its output straight into the fast path's
         # buffer where that takes the message (every rank asks with the same shape, so all take the same path)
-        return linear(x, self.weight, out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half))
+        return linear(
+            x,
+            self.weight,
+            out=self.all_reduce.staging((*x.shape[:-1], self.out_features), x.dtype, self.half),
+        )
 
 
 class ReducingRMSNorm(FusedRMSNorm):
     """The norm after a row-parallel layer: `add_and_norm` gets that layer's partial output, sums it over the ranks,
     adds the residual and normalises. One kernel where the fast path staged the message; else an all-reduce first,
     then chapter 09a's fused add + norm (its PyTorch path on a CPU)."""
+
     def __init__(self, dim: int, eps: float, all_reduce: AllReduce):
         super().__init__(dim, eps)
         self.all_reduce = all_reduce
 
-    def add_and_norm(self, partial: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         fused = self.all_reduce.add_rmsnorm(partial, residual, self.weight, self.eps)
-        return fused if fused is not None else super().add_and_norm(self.all_reduce(partial), residual)
+        return (
+            fused if fused is not None else super().add_and_norm(self.all_reduce(partial), residual)
+        )
 
 
 class VocabParallelEmbedding(nn.Embedding):
     "This rank's rows of the embedding; ids outside them give zeros, and an all-reduce fills in the rest."
+
     def __init__(self, vocab_start: int, vocab_part: int, hidden: int, all_reduce: AllReduce):
         super().__init__(vocab_part, hidden)
         self.vocab_start, self.all_reduce = vocab_start, all_reduce
@@ -306,18 +383,25 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings)
-        return self.all_reduce(F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype))
+        return self.all_reduce(
+            F.embedding(torch.where(mine, local, 0), self.weight)
+            * mine[:, None].to(self.weight.dtype)
+        )
 
 
 def _agree_min(n: int) -> int:
     "The smallest `n` of all ranks (an all-reduce with MIN): the number of KV blocks every rank can hold, a yes from all."
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    )
     t = torch.tensor([n], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
 
-def all_gather_columns(x: torch.Tensor, world: int, group=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def all_gather_columns(
+    x: torch.Tensor, world: int, group=None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """[n, v] on every rank -> [n, world * v] (in `dtype`, default x's): rank r's columns at r * v (the logits row put
     back together)."""
     x = x.contiguous()
@@ -327,34 +411,48 @@ def all_gather_columns(x: torch.Tensor, world: int, group=None, dtype: torch.dty
     else:
         dist.all_gather(list(out.unbind(0)), x, group=group)
     rows = torch.empty(x.shape[0], world, x.shape[1], dtype=dtype or x.dtype, device=x.device)
-    return rows.copy_(out.permute(1, 0, 2)).view(x.shape[0], world * x.shape[1])  # one copy: reorder and convert
+    return rows.copy_(out.permute(1, 0, 2)).view(
+        x.shape[0], world * x.shape[1]
+    )  # one copy: reorder and convert
 
 
 class ShardedTransformer(Transformer):
     "Rank `plan.rank`'s part of the model: the shard config's layers, with the parallel modules swapped in."
+
     def __init__(self, plan: ShardPlan, group=None):
         super().__init__(plan.shard_config)
         self.plan, self.group = plan, group
-        self.all_reduce = AllReduce(group)  # one for every layer: the fast path is set up once, for all of them
+        self.all_reduce = AllReduce(
+            group
+        )  # one for every layer: the fast path is set up once, for all of them
         c = plan.shard_config
-        self.embed = VocabParallelEmbedding(plan.rank * plan.vocab_part, plan.vocab_part, c.hidden_size, self.all_reduce)
+        self.embed = VocabParallelEmbedding(
+            plan.rank * plan.vocab_part, plan.vocab_part, c.hidden_size, self.all_reduce
+        )
         if self.lm_head is not None:
             self.lm_head = nn.Linear(c.hidden_size, plan.vocab_part, bias=False)
         for layer in self.layers:
             layer.attn.o = RowParallelLinear(c.q_size, c.hidden_size, self.all_reduce, half=0)
-            layer.mlp.down = RowParallelLinear(c.intermediate_size, c.hidden_size, self.all_reduce, half=1)
+            layer.mlp.down = RowParallelLinear(
+                c.intermediate_size, c.hidden_size, self.all_reduce, half=1
+            )
             # the norms that take their outputs (the next layer's attn_norm, and the final norm, take down's)
-            layer.attn_norm, layer.mlp_norm = (ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
-                                               for _ in range(2))
+            layer.attn_norm, layer.mlp_norm = (
+                ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce) for _ in range(2)
+            )
         self.norm = ReducingRMSNorm(c.hidden_size, c.rms_norm_eps, self.all_reduce)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [N, hidden] -> the whole logits [N, vocab] in fp32, on every rank."
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return all_gather_columns(linear(hidden, weight), self.plan.world, self.group, torch.float32)
+        return all_gather_columns(
+            linear(hidden, weight), self.plan.world, self.group, torch.float32
+        )
 
 
-def empty_sharded_model(plan: ShardPlan, device="cpu", dtype=torch.float32, group=None) -> ShardedTransformer:
+def empty_sharded_model(
+    plan: ShardPlan, device="cpu", dtype=torch.float32, group=None
+) -> ShardedTransformer:
     "A rank's part, with allocated but uninitialised weights: built on `meta`, then given real storage."
     with torch.device("meta"):
         model = ShardedTransformer(plan, group)
@@ -376,35 +474,56 @@ def empty_sharded_model(plan: ShardPlan, device="cpu", dtype=torch.float32, grou
 
 # %%
 #| export
-def read_checkpoint_shard(directory, plan: ShardPlan, stats: LoadStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def read_checkpoint_shard(
+    directory, plan: ShardPlan, stats: LoadStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     "Yield (hf_name, this rank's slice) for every tensor the model uses; row slices read only their bytes."
     files = [(path, read_safetensors_header(path)) for path in checkpoint_shards(directory)]
-    staging = torch.empty(max((e.nbytes for _, entries in files for e in entries), default=0), dtype=torch.uint8)
+    staging = torch.empty(
+        max((e.nbytes for _, entries in files for e in entries), default=0), dtype=torch.uint8
+    )
     stats = stats if stats is not None else LoadStats()
     for path, entries in files:
         with open(path, "rb") as f:
             for entry in entries:
-                if checkpoint_target(plan.config, entry.name) is None: continue  # tied lm_head, inv_freq
+                if checkpoint_target(plan.config, entry.name) is None:
+                    continue  # tied lm_head, inv_freq
                 cut = plan.slice_for(entry.name)
                 if cut is not None and cut[0] == 0:  # rows: a contiguous byte range of the file
                     row_bytes = entry.nbytes // entry.shape[0]
-                    entry = TensorEntry(entry.name, entry.dtype, (cut[2] - cut[1], *entry.shape[1:]),
-                                        entry.begin + cut[1] * row_bytes, (cut[2] - cut[1]) * row_bytes)
+                    entry = TensorEntry(
+                        entry.name,
+                        entry.dtype,
+                        (cut[2] - cut[1], *entry.shape[1:]),
+                        entry.begin + cut[1] * row_bytes,
+                        (cut[2] - cut[1]) * row_bytes,
+                    )
                     cut = None
                 tensor = read_tensor(f, entry, staging)
                 stats.bytes_read += entry.nbytes
                 stats.tensors += 1
-                yield entry.name, tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+                yield (
+                    entry.name,
+                    tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]),
+                )
 
 
-def load_shard(resolved: ResolvedModel, plan: ShardPlan, device, dtype: torch.dtype, seed: int = 0,
-               group=None, stats: LoadStats | None = None) -> ShardedTransformer:
+def load_shard(
+    resolved: ResolvedModel,
+    plan: ShardPlan,
+    device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    group=None,
+    stats: LoadStats | None = None,
+) -> ShardedTransformer:
     "This rank's part of the model, filled from its slices of the checkpoint."
     model = empty_sharded_model(plan, device, dtype, group)
     if resolved.format == "random":
         tensors = shard_tensors(plan, random_checkpoint(plan.config, seed, device, dtype))
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
+
         tensors = shard_tensors(plan, GGUFFile(resolved.path).tensors(dtype=dtype))
     else:
         tensors = read_checkpoint_shard(resolved.path, plan, stats)

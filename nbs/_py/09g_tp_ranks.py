@@ -31,15 +31,35 @@ import torch.distributed as dist
 from forge_engine.config import EngineConfig, ModelConfig
 from forge_engine.engine import ModelRunner, PendingTokens, build_runner
 from forge_engine.kv_cache import to_device
-from forge_engine.loader import LoadedModel, finish_stats, model_config_of, resolve_device, resolve_dtype
+from forge_engine.loader import (
+    LoadedModel,
+    finish_stats,
+    model_config_of,
+    resolve_device,
+    resolve_dtype,
+)
 from forge_engine.loading import LoadStats, rss_bytes
 from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
 from forge_engine.tensor_parallel.collective_timing import time_collectives
-from forge_engine.tensor_parallel.peer_all_reduce import (RELEASE_LAUNCH_WAIT_S, SymmMemAllReduce, all_reduce_choice,
-                                                          setup_all_reduce)
-from forge_engine.tensor_parallel.shards import ShardPlan, ShardedTransformer, _agree_min, load_shard
-from forge_engine.tensor_parallel.step_message import StepReader, StepWriter, broadcast_pending, received_pending
+from forge_engine.tensor_parallel.peer_all_reduce import (
+    RELEASE_LAUNCH_WAIT_S,
+    SymmMemAllReduce,
+    all_reduce_choice,
+    setup_all_reduce,
+)
+from forge_engine.tensor_parallel.shards import (
+    ShardPlan,
+    ShardedTransformer,
+    _agree_min,
+    load_shard,
+)
+from forge_engine.tensor_parallel.step_message import (
+    StepReader,
+    StepWriter,
+    broadcast_pending,
+    received_pending,
+)
 
 # %%
 #| hide
@@ -48,7 +68,13 @@ from pathlib import Path
 import pytest
 from forge_engine.config import preset
 from forge_engine.generate import SamplingParams
-from forge_engine.model import causal_attention, empty_model, hf_state_dict, init_random_weights, rope_cos_sin
+from forge_engine.model import (
+    causal_attention,
+    empty_model,
+    hf_state_dict,
+    init_random_weights,
+    rope_cos_sin,
+)
 
 
 # ## Rank 0's side: workers, their pipes, and a watch on them
@@ -134,8 +160,11 @@ STACKS_ENV = "FORGE_TP_STACKS"
 def _stack_dump_seconds() -> float | None:
     "With FORGE_TP_STACKS=S: Python stacks on SIGUSR1 from now on, and S (None without it)."
     seconds = os.environ.get(STACKS_ENV)
-    if not seconds or sys.__stderr__ is None: return None
-    if hasattr(signal, "SIGUSR1"):  # (the process's own stderr: a test runner may have swapped sys.stderr)
+    if not seconds or sys.__stderr__ is None:
+        return None
+    if hasattr(
+        signal, "SIGUSR1"
+    ):  # (the process's own stderr: a test runner may have swapped sys.stderr)
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     return float(seconds)
 
@@ -156,7 +185,8 @@ def _stacks_if_slower_than(seconds: float | None):
 def _stop_workers(processes, timeout: float = 10.0) -> None:
     "Terminate every worker still running and wait for it."
     for p in processes:
-        if p.is_alive(): p.terminate()
+        if p.is_alive():
+            p.terminate()
     for p in processes:
         p.join(timeout)
         if p.is_alive():
@@ -168,12 +198,15 @@ def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
     """Make a collective that waits on a dead rank return (NCCL; gloo notices a closed socket by itself).
     The abort raises NCCL's abort flag at once, then reclaims the communicator; it runs on a helper
     thread so that a slow reclaim cannot hold up the caller past `wait_s`."""
-    if backend != "nccl" or not dist.is_initialized(): return
+    if backend != "nccl" or not dist.is_initialized():
+        return
+
     def abort():
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # best effort: the failure is already recorded
             pass
+
     helper = threading.Thread(target=abort, name="forge-tp-abort", daemon=True)
     helper.start()
     helper.join(wait_s)
@@ -181,6 +214,7 @@ def _abort_collectives(backend: str, wait_s: float = 30.0) -> None:
 
 class _Group:
     "What rank 0's handle, its watcher thread and its finalizer share (not the handle itself: it must stay collectable)."
+
     def __init__(self, processes, backend: str, fast: SymmMemAllReduce | None = None):
         self.processes, self.backend, self.fast = processes, backend, fast
         self.failure: str | None = None
@@ -189,37 +223,59 @@ class _Group:
         # one thread reaps at a time: a second waitpid on a child another thread is reaping finds none (ECHILD),
         # and `exitcode` then says None, so a report raced by the watcher lost the dead worker's exit code
         self.reaping = threading.Lock()
-        self.graph_owners = weakref.WeakSet()  # rank 0's decode runners: their graphs hold NCCL collectives
+        self.graph_owners = (
+            weakref.WeakSet()
+        )  # rank 0's decode runners: their graphs hold NCCL collectives
         self.releaser: threading.Thread | None = None
 
     def check(self) -> None:
-        if self.failure is not None: raise TensorParallelError(self.failure)
-        if self.closing: raise TensorParallelError("the tensor-parallel group is closed")
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        if self.closing:
+            raise TensorParallelError("the tensor-parallel group is closed")
 
     def release_graphs(self) -> None:
-        for runner in list(self.graph_owners): runner.release_graphs()
+        for runner in list(self.graph_owners):
+            runner.release_graphs()
 
     def death_report(self, wait_s: float = 0.0) -> str | None:
         "Which worker died and how, waiting up to `wait_s` for a dying one to be reaped; None when all live."
         from multiprocessing.connection import wait
+
         ended = wait([p.sentinel for p in self.processes], timeout=wait_s)
         with self.reaping:
-            for p in self.processes:  # an exiting worker's pipe closes a moment before it can be reaped: wait that out
-                if p.sentinel in ended: p.join()  # (or rank 0, failing at the same moment, names the socket, not it)
+            for p in (
+                self.processes
+            ):  # an exiting worker's pipe closes a moment before it can be reaped: wait that out
+                if p.sentinel in ended:
+                    p.join()  # (or rank 0, failing at the same moment, names the socket, not it)
             dead = next((p for p in self.processes if p.exitcode is not None), None)
-        return None if dead is None else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+        return (
+            None
+            if dead is None
+            else f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+        )
 
     def fail(self, why: str) -> None:
         "Record the first failure, then: graphs, abort, stop the workers (in that order: see above). Once."
         with self.lock:
-            if self.failure is not None or self.closing: return
+            if self.failure is not None or self.closing:
+                return
             self.failure = why
-            if self.fast is not None:  # symmetric-memory kernels waiting for the dead rank: let them finish
+            if (
+                self.fast is not None
+            ):  # symmetric-memory kernels waiting for the dead rank: let them finish
                 launched = threading.Event()
-                self.releaser = threading.Thread(target=self.fast.release_waiters, args=(lambda: self.closing, launched),
-                                                 name="forge-tp-release", daemon=True)
+                self.releaser = threading.Thread(
+                    target=self.fast.release_waiters,
+                    args=(lambda: self.closing, launched),
+                    name="forge-tp-release",
+                    daemon=True,
+                )
                 self.releaser.start()
-                launched.wait(RELEASE_LAUNCH_WAIT_S)  # the release kernel queued before anything here may block launches
+                launched.wait(
+                    RELEASE_LAUNCH_WAIT_S
+                )  # the release kernel queued before anything here may block launches
             self.release_graphs()
             _abort_collectives(self.backend)
             _stop_workers(self.processes)
@@ -240,13 +296,18 @@ def _finalize_group(group: _Group) -> None:
 
 class TensorParallel:
     "Rank 0's handle on the other ranks: sends them work, watches them, stops them."
+
     def __init__(self, model: ShardedTransformer, processes, pipes, backend: str):
         self.model, self.processes, self.pipes, self.backend = model, processes, pipes, backend
         self.world = model.plan.world
-        self.all_reduce_path = model.all_reduce.path  # which path the model's all-reduces take, in words
+        self.all_reduce_path = (
+            model.all_reduce.path
+        )  # which path the model's all-reduces take, in words
         self.group = _Group(processes, backend, model.all_reduce.fast)
         self.engines = 0  # engines built: the workers keep the newest one's runner only
-        self._watcher = threading.Thread(target=_watch_workers, args=(self.group,), name="forge-tp-watch", daemon=True)
+        self._watcher = threading.Thread(
+            target=_watch_workers, args=(self.group,), name="forge-tp-watch", daemon=True
+        )
         self._watcher.start()
         self._finalize = weakref.finalize(self, _finalize_group, self.group)
 
@@ -257,9 +318,13 @@ class TensorParallel:
         for pipe, process in zip(self.pipes, self.processes):
             try:
                 pipe.send_bytes(message)
-            except OSError as e:  # (when no worker is found dead within _fail's wait, this names the one)
-                self._fail(f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
-                           f"({type(e).__name__}: {e})")
+            except (
+                OSError
+            ) as e:  # (when no worker is found dead within _fail's wait, this names the one)
+                self._fail(
+                    f"tensor-parallel worker {process.name} (pid {process.pid}) is gone: its pipe broke "
+                    f"({type(e).__name__}: {e})"
+                )
 
     def _fail(self, why: str):
         "Record the failure (a dead worker's exit code when one died: the root cause), stop the rest, raise."
@@ -280,8 +345,11 @@ class TensorParallel:
 
     def build_runner(self, config: EngineConfig) -> "ParallelRunner":
         "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
-        runner = self._collective("engine", config, lambda: build_runner(self.model, config, _agree_min))
-        if runner.decode is not None: self.group.graph_owners.add(runner.decode)
+        runner = self._collective(
+            "engine", config, lambda: build_runner(self.model, config, _agree_min)
+        )
+        if runner.decode is not None:
+            self.group.graph_owners.add(runner.decode)
         self.engines += 1
         return ParallelRunner(runner, self, self.engines)
 
@@ -289,47 +357,69 @@ class TensorParallel:
         "Seconds per decode step of its all-reduces and of its logits all-gather at `batch` sequences (see above)."
         p = next(self.model.parameters())
         args = (self.model.plan.config, self.world, batch, p.device, p.dtype, repeats)
-        return self._collective("time_collectives", args, lambda: time_collectives(*args, self.model.all_reduce))
+        return self._collective(
+            "time_collectives", args, lambda: time_collectives(*args, self.model.all_reduce)
+        )
 
     def close(self) -> None:
         "Stop the workers, destroy the decode graphs, leave the process group (see Shutdown above)."
         if self._finalize.alive:
-            with self.group.lock:  # a failure being handled finishes first; later ones are ours, not failures
+            with (
+                self.group.lock
+            ):  # a failure being handled finishes first; later ones are ours, not failures
                 self.group.closing = True
             for pipe in self.pipes:
-                try: pipe.send_bytes(pickle.dumps(("stop", None)))
-                except OSError: pass
+                try:
+                    pipe.send_bytes(pickle.dumps(("stop", None)))
+                except OSError:
+                    pass
             self._watcher.join(5.0)
-            if self.group.releaser is not None: self.group.releaser.join(5.0)
+            if self.group.releaser is not None:
+                self.group.releaser.join(5.0)
             self.group.release_graphs()
             if dist.is_initialized() and (self.group.failure is None or self.backend != "nccl"):
                 dist.destroy_process_group()  # while the workers leave too (a failed NCCL group was aborted instead)
-            for p in self.processes: p.join(15.0)  # a clean exit; whoever is still there is then terminated
+            for p in self.processes:
+                p.join(15.0)  # a clean exit; whoever is still there is then terminated
             self._finalize()
 
     @property
-    def alive(self) -> bool: return self._finalize.alive and self.group.failure is None
+    def alive(self) -> bool:
+        return self._finalize.alive and self.group.failure is None
 
 
 class ParallelRunner:
     "Rank 0's runner: sends each step (what changed since the last one) to the workers, then runs its own part of it."
+
     def __init__(self, runner: ModelRunner, parallel: TensorParallel, engine_number: int):
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
         self.cache, self.decode = runner.cache, runner.decode
         self.writer = StepWriter()
-        self.step_ends: deque[torch.cuda.Event] = deque()  # the end of each launched step's GPU work, oldest first
+        self.step_ends: deque[torch.cuda.Event] = (
+            deque()
+        )  # the end of each launched step's GPU work, oldest first
 
-    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None: return self.inner.greedy_tokens(logits)
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.greedy_tokens(logits)
 
     def run(self, plan, pending: PendingTokens | None = None) -> torch.Tensor:
         if self.engine_number != self.parallel.engines:
-            raise TensorParallelError("a newer engine was built on this tensor-parallel model: this one cannot run steps")
+            raise TensorParallelError(
+                "a newer engine was built on this tensor-parallel model: this one cannot run steps"
+            )
         self.parallel.group.check()
         unread = pending.inputs_of(plan.scheduled) if pending is not None else None
+
         def step():
-            if unread: broadcast_pending(pending.token_ids[to_device(torch.tensor(unread[1]), pending.token_ids.device)])
+            if unread:
+                broadcast_pending(
+                    pending.token_ids[to_device(torch.tensor(unread[1]), pending.token_ids.device)]
+                )
             return self.inner.run(plan, pending)
-        logits = self.parallel._collective("step", self.writer.encode(plan, unread[0] if unread else ()), step)
+
+        logits = self.parallel._collective(
+            "step", self.writer.encode(plan, unread[0] if unread else ()), step
+        )
         if logits.is_cuda:  # no wait here: the engine samples while the GPU still runs this step
             self.step_ends.append(torch.cuda.Event())
             self.step_ends[-1].record(torch.cuda.current_stream(logits.device))
@@ -339,7 +429,8 @@ class ParallelRunner:
     def check_step(self) -> None:
         """Raise if the group failed before the oldest unchecked step's GPU work ended (see *a step's GPU work* above).
         The engine calls it once it has that step's tokens, which came after it on the same stream: the wait is free."""
-        if self.step_ends: self.step_ends.popleft().synchronize()
+        if self.step_ends:
+            self.step_ends.popleft().synchronize()
         self.parallel.group.check()
 
 
@@ -367,14 +458,20 @@ class _WorkerSpec:
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:
-    if device_type != "cuda": return torch.device("cpu")
+    if device_type != "cuda":
+        return torch.device("cpu")
     torch.cuda.set_device(rank)
     return torch.device("cuda", rank)
 
 
 def _join_group(spec: _WorkerSpec, rank: int, store) -> None:
-    dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=spec.world, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        "nccl" if spec.device_type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=spec.world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
 
 
 def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
@@ -386,13 +483,24 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
     runner, stopped = None, False
     try:
         with _stacks_if_slower_than(slow):
-            _join_group(spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False))
-            model = load_shard(spec.resolved, ShardPlan(spec.config, rank, spec.world), device, spec.dtype, spec.seed)
+            _join_group(
+                spec, rank, dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
+            )
+            model = load_shard(
+                spec.resolved,
+                ShardPlan(spec.config, rank, spec.world),
+                device,
+                spec.dtype,
+                spec.seed,
+            )
             dist.barrier()  # loaded
             setup_all_reduce(model)
-            if model.all_reduce.fast is not None: _exit_when_orphaned()
+            if model.all_reduce.fast is not None:
+                _exit_when_orphaned()
         while True:
-            kind, payload = pickle.loads(pipe.recv_bytes())  # EOFError when rank 0 is gone: we leave
+            kind, payload = pickle.loads(
+                pipe.recv_bytes()
+            )  # EOFError when rank 0 is gone: we leave
             if kind == "stop":
                 stopped = True
                 break
@@ -416,34 +524,56 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
 def _exit_when_orphaned() -> None:
     "A background thread that ends this worker when rank 0's process ends (its kernels may wait for rank 0 for ever)."
     import multiprocessing
+
     def watch(parent):
         from multiprocessing.connection import wait
+
         wait([parent.sentinel])
-        print(f"{multiprocessing.current_process().name}: rank 0 is gone; exiting", file=sys.__stderr__, flush=True)
+        print(
+            f"{multiprocessing.current_process().name}: rank 0 is gone; exiting",
+            file=sys.__stderr__,
+            flush=True,
+        )
         os._exit(1)
+
     parent = multiprocessing.parent_process()
-    if parent is not None: threading.Thread(target=watch, args=(parent,), name="forge-tp-orphan", daemon=True).start()
+    if parent is not None:
+        threading.Thread(target=watch, args=(parent,), name="forge-tp-orphan", daemon=True).start()
 
 
 def _release(runner: ModelRunner | None) -> None:
-    if runner is not None and runner.decode is not None: runner.decode.release_graphs()
+    if runner is not None and runner.decode is not None:
+        runner.decode.release_graphs()
 
 
-def load_model_parallel(name: str, device: str | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
-                        world: int = 2) -> LoadedModel:
+def load_model_parallel(
+    name: str,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+    world: int = 2,
+) -> LoadedModel:
     """`load_model` (chapter 04a) split over `world` processes: start ranks 1..world-1, load rank 0's slices here,
     and return rank 0's model with the handle on the others."""
     import torch.multiprocessing as mp
+
     device = resolve_device(device)
     dtype, resolved = resolve_dtype(dtype, device), resolve(name)
-    if world < 1: raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
     if device.type == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
+        raise ValueError(
+            f"tensor_parallel_size {world} needs {world} GPUs; torch sees {torch.cuda.device_count()}"
+        )
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not {device.type!r}")
+        raise ValueError(
+            f"tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not {device.type!r}"
+        )
     if dist.is_initialized():
-        raise ValueError("this process already belongs to a tensor-parallel group: close the other model first "
-                         "(loaded.parallel.close())")
+        raise ValueError(
+            "this process already belongs to a tensor-parallel group: close the other model first "
+            "(loaded.parallel.close())"
+        )
     all_reduce_choice()  # a bad FORGE_TP_ALL_REDUCE fails here, before any process starts
     config = model_config_of(resolved)
     plan = ShardPlan(config, 0, world)  # checks divisibility before any process starts
@@ -454,7 +584,9 @@ def load_model_parallel(name: str, device: str | None = None, dtype: str | torch
     processes, pipes = [], []
     for rank in range(1, world):
         ours, theirs = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker_main, args=(rank, spec, ours), name=f"forge-tp-rank{rank}", daemon=True)
+        p = ctx.Process(
+            target=_worker_main, args=(rank, spec, ours), name=f"forge-tp-rank{rank}", daemon=True
+        )
         p.start()
         ours.close()
         processes.append(p)
@@ -468,17 +600,21 @@ def load_model_parallel(name: str, device: str | None = None, dtype: str | torch
         setup_all_reduce(model)
     except BaseException:
         _stop_workers(processes)
-        if dist.is_initialized(): dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
     tokenizer = None
     if resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
+
         tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(resolved.path).metadata)
     if resolved.tokenizer_path is not None:
         tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
     finish_stats(stats, model, start, device)
     parallel = TensorParallel(model, processes, pipes, dist.get_backend())
-    return LoadedModel(resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved))
+    return LoadedModel(
+        resolved.name, model, tokenizer, stats, parallel=parallel, metadata=describe_model(resolved)
+    )
 
 
 # %% [markdown]
@@ -493,20 +629,31 @@ def load_model_parallel(name: str, device: str | None = None, dtype: str | torch
 # %%
 from forge_engine.engine import LLMEngine
 from forge_engine.loader import load_model
-from forge_engine.tensor_parallel.ranks import load_model_parallel  # the module's: spawned workers find their code there
+from forge_engine.tensor_parallel.ranks import (
+    load_model_parallel,
+)  # the module's: spawned workers find their code there
+
 
 def run_all(engine, prompts, params):
     ids = [engine.add_request(p, params) for p in prompts]
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finished: finals[out.request_id] = out
+            if out.finished:
+                finals[out.request_id] = out
     return [finals[i] for i in ids]
+
 
 prompts = [[5, 6, 7], list(range(100, 130)), [9] * 11]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-small = dict(kv_cache_bytes=2**20, block_size=4, max_num_batched_tokens=16, max_num_seqs=8, cuda_graphs=True)
-alone = run_all(LLMEngine(load_model("random:llama-tiny", "cpu", progress=False), EngineConfig(**small)), prompts, greedy)
+small = dict(
+    kv_cache_bytes=2**20, block_size=4, max_num_batched_tokens=16, max_num_seqs=8, cuda_graphs=True
+)
+alone = run_all(
+    LLMEngine(load_model("random:llama-tiny", "cpu", progress=False), EngineConfig(**small)),
+    prompts,
+    greedy,
+)
 split = load_model_parallel("random:llama-tiny", "cpu", world=2)
 engine = LLMEngine(split, EngineConfig(**small, tensor_parallel_size=2))
 together = run_all(engine, prompts, greedy)
@@ -519,8 +666,10 @@ engine.allocator.check_idle()
 print("all-reduces:", split.parallel.all_reduce_path)
 assert split.parallel.all_reduce_path.startswith("torch.distributed (gloo)")
 times = split.parallel.time_collectives(1)
-print(f"gloo on this CPU, one decode step at batch 1: all-reduces {times['all_reduce_s'] * 1e3:.2f} ms, "
-      f"logits all-gather {times['all_gather_s'] * 1e3:.2f} ms")
+print(
+    f"gloo on this CPU, one decode step at batch 1: all-reduces {times['all_reduce_s'] * 1e3:.2f} ms, "
+    f"logits all-gather {times['all_gather_s'] * 1e3:.2f} ms"
+)
 assert times["all_reduce_s"] > 0 and times["all_gather_s"] > 0
 
 # %% [markdown]

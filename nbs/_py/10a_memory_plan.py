@@ -46,29 +46,49 @@ from forge_engine.config import preset
 #| export
 GiB = 2**30
 MIN_KV_BYTES = GiB  # a plan that leaves less KV cache than this is refused
-OVERHEAD_BYTES = 256 * 2**20  # allocator slack, cuBLAS workspaces, Triton: not in any tensor we count
+OVERHEAD_BYTES = (
+    256 * 2**20
+)  # allocator slack, cuBLAS workspaces, Triton: not in any tensor we count
 INT4_GROUP = 128
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
     "'8GiB', '7.5GB', '512MiB', '1000000' -> bytes; a clear error for anything else."
-    if isinstance(text, int): return text
+    if isinstance(text, int):
+        return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a memory size: {text!r} (write e.g. 8GiB, 7.5GB, 512MiB or a number of bytes)")
+        raise ValueError(
+            f"not a memory size: {text!r} (write e.g. 8GiB, 7.5GB, 512MiB or a number of bytes)"
+        )
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValueError(f"a memory size must be positive, got {text!r}")
     return value
 
 
-def format_gib(n: int) -> str: return f"{n / GiB:.2f} GiB"
+def format_gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
 
 
 # %%
-assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("7.5GB") == 7_500_000_000 and parse_bytes(4096) == 4096
+assert (
+    parse_bytes("8GiB") == 8 * 2**30
+    and parse_bytes("7.5GB") == 7_500_000_000
+    and parse_bytes(4096) == 4096
+)
 for bad in ("eight", "8 GiBs", "-1GiB", "0"):
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes(bad)
@@ -87,33 +107,58 @@ for bad in ("eight", "8 GiBs", "-1GiB", "0"):
 #| export
 def layer_matrices(c: ModelConfig) -> list[tuple[int, int]]:
     "(out_features, in_features) of one layer's qkv, o, gate_up and down."
-    return [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
-            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return [
+        (c.q_size + 2 * c.kv_size, c.hidden_size),
+        (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
 
 
 def matrix_bytes(n: int, k: int, quantization: str, dtype_bytes: int) -> int:
     "Bytes of an [n, k] weight stored as `quantization` (chapter 10's layouts)."
-    if quantization == "none": return n * k * dtype_bytes
-    if quantization == "int8": return n * k + 4 * n  # int8 weights, an fp32 scale per row
-    if quantization == "int4": return n * k // 2 + 4 * n * math.ceil(k / INT4_GROUP)  # nibbles, fp16 scale + minimum
-    raise ValueError(f"no size rule for quantization {quantization!r} (a GGUF file's blocks: plan from the file size)")
+    if quantization == "none":
+        return n * k * dtype_bytes
+    if quantization == "int8":
+        return n * k + 4 * n  # int8 weights, an fp32 scale per row
+    if quantization == "int4":
+        return n * k // 2 + 4 * n * math.ceil(k / INT4_GROUP)  # nibbles, fp16 scale + minimum
+    raise ValueError(
+        f"no size rule for quantization {quantization!r} (a GGUF file's blocks: plan from the file size)"
+    )
 
 
 def weight_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
     "All weights: the layer matrices in `quantization` and the LM head in int8 when quantized, the rest in the compute dtype."
-    matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c)) * c.num_layers
-    rest = c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers  # embedding, head, norms, biases
-    if quantization == "none": return matrices + rest * dtype_bytes
+    matrices = (
+        sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c))
+        * c.num_layers
+    )
+    rest = (
+        c.num_parameters - sum(n * k for n, k in layer_matrices(c)) * c.num_layers
+    )  # embedding, head, norms, biases
+    if quantization == "none":
+        return matrices + rest * dtype_bytes
     head = c.vocab_size * c.hidden_size  # in `rest` once when tied: then it is the embedding too
-    return matrices + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes) + (rest - head) * dtype_bytes
+    return (
+        matrices
+        + matrix_bytes(c.vocab_size, c.hidden_size, "int8", dtype_bytes)
+        + (rest - head) * dtype_bytes
+    )
 
 
-DEQUANTIZE_TILE_BYTES = 12 * 2**24  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
+DEQUANTIZE_TILE_BYTES = (
+    12 * 2**24
+)  # chapter 10's DENSE_TILE_WEIGHTS, each under 12 bytes of temporaries
 
 
-def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none") -> int:
+def activation_bytes(
+    c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 2, quantization: str = "none"
+) -> int:
     "An upper estimate of one forward's live tensors: `tokens` tokens, logits for `rows` of them."
-    per_token = (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
+    per_token = (
+        (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size + 4 * c.hidden_size
+    )
     tile = 0 if quantization == "none" else DEQUANTIZE_TILE_BYTES
     return tokens * per_token * dtype_bytes + rows * c.vocab_size * (dtype_bytes + 4 + 4) + tile
 
@@ -130,7 +175,9 @@ def activation_bytes(c: ModelConfig, tokens: int, rows: int, dtype_bytes: int = 
 
 # %%
 #| export
-QUANTIZE_SLICE_BYTES = 24 * 2**24  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
+QUANTIZE_SLICE_BYTES = (
+    24 * 2**24
+)  # chapter 10's QUANTIZE_CHUNK weights, each under 24 bytes of temporaries
 
 
 def load_peak_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
@@ -147,14 +194,23 @@ q4b = preset("qwen3-4b")
 assert weight_bytes(q4b) == 8_044_936_192
 print({q: format_gib(weight_bytes(q4b, q)) for q in ("none", "int8", "int4")})
 # int8: a byte a weight for two, a 4-byte scale a row of 2,560 or more, the norms in bf16: 0.5006
-assert 0.49 < weight_bytes(q4b, "int8") / weight_bytes(q4b) < 0.51  # tied: one int8 table is embedding and head
+assert (
+    0.49 < weight_bytes(q4b, "int8") / weight_bytes(q4b) < 0.51
+)  # tied: one int8 table is embedding and head
 # int4: half a byte a weight and 4 bytes of scale and minimum a group of 128 (0.53 bytes for 2), the head (10% of the
 # weights) in int8: 0.288
 assert 0.28 < weight_bytes(q4b, "int4") / weight_bytes(q4b) < 0.29
-q8b = preset("qwen3-8b")  # untied: the embedding stays in BF16 (read a row a token), the head becomes int8
+q8b = preset(
+    "qwen3-8b"
+)  # untied: the embedding stays in BF16 (read a row a token), the head becomes int8
 head = q8b.vocab_size * q8b.hidden_size
-assert weight_bytes(q8b, "int8") - weight_bytes(q8b.replace(vocab_size=1), "int8") == (head - q8b.hidden_size) * 3 + 4 * (q8b.vocab_size - 1)
-assert load_peak_bytes(q4b) == weight_bytes(q4b) and load_peak_bytes(q4b, "int8") < weight_bytes(q4b, "int8") + 2**29
+assert weight_bytes(q8b, "int8") - weight_bytes(q8b.replace(vocab_size=1), "int8") == (
+    head - q8b.hidden_size
+) * 3 + 4 * (q8b.vocab_size - 1)
+assert (
+    load_peak_bytes(q4b) == weight_bytes(q4b)
+    and load_peak_bytes(q4b, "int8") < weight_bytes(q4b, "int8") + 2**29
+)
 
 # %% [markdown]
 # The counts are what chapter 10 builds: small models of both kinds, tied and untied (with
@@ -167,11 +223,19 @@ from forge_engine.model import empty_model, init_random_weights
 from forge_engine.quant.layers import quantize_model
 
 for name in ("qwen3-tiny", "qwen2-tiny"):
-    small = preset(name).replace(vocab_size=1000, hidden_size=128, intermediate_size=256)  # inputs: multiples of 128
+    small = preset(name).replace(
+        vocab_size=1000, hidden_size=128, intermediate_size=256
+    )  # inputs: multiples of 128
     for mode in ("none", "int8", "int4"):
         model = init_random_weights(empty_model(small, dtype=torch.bfloat16), seed=0)
-        if mode != "none": quantize_model(model, mode)
-        assert model_bytes(model) == weight_bytes(small, mode), (name, mode, model_bytes(model), weight_bytes(small, mode))
+        if mode != "none":
+            quantize_model(model, mode)
+        assert model_bytes(model) == weight_bytes(small, mode), (
+            name,
+            mode,
+            model_bytes(model),
+            weight_bytes(small, mode),
+        )
 
 
 # %% [markdown]
@@ -196,28 +260,60 @@ class MemoryPlan:
     load_peak: int  # the weights' peak while loading (load_peak_bytes)
 
     def describe(self) -> str:
-        return (f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
-                f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
-                f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
-                f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}")
+        return (
+            f"memory plan for {format_gib(self.budget)}: weights ({self.quantization}) {format_gib(self.weights)}, "
+            f"activations {format_gib(self.activations)}, CUDA graphs {format_gib(self.graphs)}, "
+            f"overhead {format_gib(self.overhead)} -> KV cache {format_gib(self.kv_cache)} "
+            f"({self.kv_tokens:,} tokens); loading peak {format_gib(self.load_peak)}"
+        )
 
 
-def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_bytes: int = 2,
-                max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, cuda_graphs: bool = True) -> MemoryPlan:
+def plan_memory(
+    c: ModelConfig,
+    budget: int,
+    quantization: str = "none",
+    dtype_bytes: int = 2,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    cuda_graphs: bool = True,
+) -> MemoryPlan:
     "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
+
     def plan(mode: str) -> MemoryPlan:
         weights = weight_bytes(c, mode, dtype_bytes)
         acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
-        graphs = activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
+        graphs = (
+            activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
+        )
         kv = budget - weights - acts - graphs - OVERHEAD_BYTES
-        return MemoryPlan(budget, mode, weights, acts, graphs, OVERHEAD_BYTES, kv,
-                          max(0, kv) // c.kv_bytes_per_token(dtype_bytes), load_peak_bytes(c, mode, dtype_bytes))
+        return MemoryPlan(
+            budget,
+            mode,
+            weights,
+            acts,
+            graphs,
+            OVERHEAD_BYTES,
+            kv,
+            max(0, kv) // c.kv_bytes_per_token(dtype_bytes),
+            load_peak_bytes(c, mode, dtype_bytes),
+        )
+
     chosen = plan(quantization)
-    if chosen.kv_cache >= MIN_KV_BYTES: return chosen
-    others = [p for p in map(plan, ("none", "int8", "int4")) if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES]
-    hint = f"; it would fit as {others[0].quantization} with {format_gib(others[0].kv_cache)} of KV cache" if others else \
-        "; it does not fit in any weight format: lower max_num_batched_tokens / max_num_seqs or use a smaller model"
-    raise MemoryPlanError(f"{chosen.describe()}, under the {format_gib(MIN_KV_BYTES)} minimum{hint}")
+    if chosen.kv_cache >= MIN_KV_BYTES:
+        return chosen
+    others = [
+        p
+        for p in map(plan, ("none", "int8", "int4"))
+        if p.quantization != quantization and p.kv_cache >= MIN_KV_BYTES
+    ]
+    hint = (
+        f"; it would fit as {others[0].quantization} with {format_gib(others[0].kv_cache)} of KV cache"
+        if others
+        else "; it does not fit in any weight format: lower max_num_batched_tokens / max_num_seqs or use a smaller model"
+    )
+    raise MemoryPlanError(
+        f"{chosen.describe()}, under the {format_gib(MIN_KV_BYTES)} minimum{hint}"
+    )
 
 
 # %% [markdown]
@@ -228,7 +324,10 @@ def plan_memory(c: ModelConfig, budget: int, quantization: str = "none", dtype_b
 with pytest.raises(MemoryPlanError, match=r"under the 1.00 GiB minimum; it would fit as int8"):
     plan_memory(q4b, parse_bytes("8GiB"))
 p8 = plan_memory(q4b, parse_bytes("8GiB"), "int8")
-assert p8.kv_cache >= MIN_KV_BYTES and p8.weights + p8.activations + p8.graphs + p8.overhead + p8.kv_cache == p8.budget
+assert (
+    p8.kv_cache >= MIN_KV_BYTES
+    and p8.weights + p8.activations + p8.graphs + p8.overhead + p8.kv_cache == p8.budget
+)
 print(p8.describe())
 assert p8.load_peak == p8.weights + QUANTIZE_SLICE_BYTES and p8.load_peak + p8.overhead < p8.budget
 assert plan_memory(q4b, parse_bytes("80GiB")).kv_tokens > 400_000

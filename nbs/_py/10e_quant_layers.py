@@ -26,8 +26,13 @@ from torch import nn
 from forge_engine.kernels.backend import kernel_backend
 from forge_engine.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
 from forge_engine.model import Transformer, load_weights
-from forge_engine.quant.formats import (dequantize_int4, int8_rows, quantize_int4, quantize_int8,
-                                        quantize_rows)
+from forge_engine.quant.formats import (
+    dequantize_int4,
+    int8_rows,
+    quantize_int4,
+    quantize_int8,
+    quantize_rows,
+)
 from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from forge_engine.quant.split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
@@ -69,24 +74,37 @@ from forge_engine.quant.gguf_blocks import gguf_bytes
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
 
 
-def cpu_int4pack(nibbles: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor) -> tuple | None:
+def cpu_int4pack(
+    nibbles: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple | None:
     """Operands of PyTorch's CPU int4 GEMM for weights (q - 8) · scale + zero: nibbles uint8 [N, K/2] (a group's byte
     j holds q j and j + group/2), scale and zero [N, K/group] -> (its packed nibbles, group, scale and zero
     [K/group, N, 2] bf16); None off the CPU, without that kernel, or for a shape it does not take (N a multiple of
     16, groups of 32-256)."""
     n = nibbles.shape[0]
-    if (n % 16 or group not in (32, 64, 128, 256) or nibbles.device.type != "cpu"
-            or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+    if (
+        n % 16
+        or group not in (32, 64, 128, 256)
+        or nibbles.device.type != "cpu"
+        or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    ):
         return None
     b = nibbles.reshape(n, -1, group // 2)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1).to(torch.int32)
-    scale_zero = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    scale_zero = (
+        torch.stack([scale.float(), zero.float()], dim=-1)
+        .transpose(0, 1)
+        .contiguous()
+        .to(torch.bfloat16)
+    )
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group, scale_zero
 
 
 def cpu_int4pack_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     "x [M, K] @ the weights of `cpu_int4pack`'s operands .T -> [M, N] in x's dtype, through PyTorch's CPU int4 GEMM in bf16."
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), *operands).to(x.dtype)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16).contiguous(), *operands
+    ).to(x.dtype)
 
 
 def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
@@ -95,24 +113,38 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     out = torch.zeros(x.shape[0], q.shape[1], dtype=torch.float32, device=x.device)
     for b in range(q.shape[0]):
-        out += torch._weight_int8pack_mm(xb[:, 32 * b:32 * b + 32].contiguous(), q[b], ones).float() * d[b]
+        out += (
+            torch._weight_int8pack_mm(xb[:, 32 * b : 32 * b + 32].contiguous(), q[b], ones).float()
+            * d[b]
+        )
     return out.to(x.dtype)
 
 
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
     from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
+
     if qtype not in (2, 3, 8) or raw.device.type != "cpu":
         return None
     n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
     blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
     d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each of these blocks opens with d
-    if qtype in (2, 3):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
+    if qtype in (
+        2,
+        3,
+    ):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
         zero = torch.zeros_like(d) if qtype == 2 else _f16(blocks, 2).reshape(n, -1) + 8 * d
-        operands = cpu_int4pack(blocks[:, size - 16:].reshape(n, -1), 32, d, zero)
+        operands = cpu_int4pack(blocks[:, size - 16 :].reshape(n, -1), 32, d, zero)
         return None if operands is None else (cpu_int4pack_mm, operands)
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
-        q = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, -1, 32).permute(1, 0, 2).contiguous()
+        q = (
+            blocks[:, 2:]
+            .contiguous()
+            .view(torch.int8)
+            .reshape(n, -1, 32)
+            .permute(1, 0, 2)
+            .contiguous()
+        )
         return _q8_0_blocks_mm, (q, d.t().contiguous(), torch.ones(n, dtype=torch.bfloat16))
     return None
 
@@ -124,23 +156,34 @@ DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
 
 class QuantLinear(nn.Module):
     "A linear layer with quantized weights: the fused kernel for few rows on a GPU, dequantize + matmul otherwise."
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device=None):
         "`device`: where the bias goes (default: where it is)."
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        bias = None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        bias = (
+            None if bias is None else bias.detach() if device is None else bias.detach().to(device)
+        )
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def skinny(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError  # the fused kernel
-    def dense_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # x @ weight rows start:end, dequantized
+    def skinny(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # the fused kernel
+
+    def dense_rows(
+        self, x: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:  # x @ weight rows start:end, dequantized
         raise NotImplementedError
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
+
+    def rows(
+        self, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:  # weight rows `ids` [n], dequantized: [n, K]
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
         rows = max(1, tile_weights // self.in_features)
-        if rows >= self.out_features: return self.dense_rows(x, 0, self.out_features)
+        if rows >= self.out_features:
+            return self.dense_rows(x, 0, self.out_features)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, self.out_features, rows):
             end = min(start + rows, self.out_features)
@@ -153,57 +196,81 @@ class QuantLinear(nn.Module):
             y = self.skinny(x2)
         else:
             y = self.dense(x2)
-        if self.bias is not None: y = y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}"
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8Linear(QuantLinear):
     """int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's.
     `linear`: an nn.Linear, or any module with a `weight` [N, K] (a tied model's embedding, as its LM head)."""
+
     def __init__(self, linear: nn.Module, device=None):
-        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
+        super().__init__(
+            linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device
+        )
         q, scale = quantize_rows(quantize_int8, linear.weight, device)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
     def skinny(self, x):
-        if x.shape[0] <= GEMV_MAX_ROWS:  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
+        if (
+            x.shape[0] <= GEMV_MAX_ROWS
+        ):  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
             return gemv(x, self.qweight, None, self.scale, impl="triton")
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16))
+            y = torch._weight_int8pack_mm(
+                x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16)
+            )
             return y.to(x.dtype)
         return super().dense(x, tile_weights)
 
-    def dense_rows(self, x, start, end): return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
-    def rows(self, ids, dtype): return int8_rows(ids, self.qweight, self.scale, dtype)
-    def gemv_operands(self): return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
+    def dense_rows(self, x, start, end):
+        return int8_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+
+    def rows(self, ids, dtype):
+        return int8_rows(ids, self.qweight, self.scale, dtype)
+
+    def gemv_operands(self):
+        return self.qweight, self.bias, self.scale  # (as chapter 09a's FusedLinear: its gemv)
 
 
 class Int4Linear(QuantLinear):
     "4-bit weights, two per byte, with an fp16 scale and minimum per group of 128 inputs; quantized on `device`, as Int8Linear."
+
     def __init__(self, linear: nn.Module, group: int | None = None, device=None):
-        super().__init__(linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device)
+        super().__init__(
+            linear.weight.shape[1], linear.weight.shape[0], getattr(linear, "bias", None), device
+        )
         packed, scale, minimum = quantize_rows(quantize_int4, linear.weight, device, group=group)
         self.register_buffer("qweight", packed)
-        self.register_buffer("scale_minimum", pair_scales(scale, minimum))  # one 4-byte load a group in the GEMV
+        self.register_buffer(
+            "scale_minimum", pair_scales(scale, minimum)
+        )  # one 4-byte load a group in the GEMV
 
     @property
-    def scale(self) -> torch.Tensor: return self.scale_minimum[..., 0]
+    def scale(self) -> torch.Tensor:
+        return self.scale_minimum[..., 0]
 
     @property
-    def minimum(self) -> torch.Tensor: return self.scale_minimum[..., 1]
+    def minimum(self) -> torch.Tensor:
+        return self.scale_minimum[..., 1]
 
-    def skinny(self, x): return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
+    def skinny(self, x):
+        return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (cpu := self.cpu_pack()) is not None:
-            return cpu_int4pack_mm(x, cpu)  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
+            return cpu_int4pack_mm(
+                x, cpu
+            )  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
         return super().dense(x, tile_weights)
 
     def cpu_pack(self) -> tuple | None:
@@ -211,35 +278,57 @@ class Int4Linear(QuantLinear):
         tiled order), built on the first CPU call and kept; None where it does not fit. Its weights are
         (q - 8) · scale + zero: zero = minimum + 8 · scale."""
         if "_cpu_pack" not in self.__dict__:
-            self.__dict__["_cpu_pack"] = cpu_int4pack(self.qweight, self.in_features // self.scale.shape[1], self.scale,
-                                                      self.minimum.float() + 8 * self.scale.float())
+            self.__dict__["_cpu_pack"] = cpu_int4pack(
+                self.qweight,
+                self.in_features // self.scale.shape[1],
+                self.scale,
+                self.minimum.float() + 8 * self.scale.float(),
+            )
         return self.__dict__["_cpu_pack"]
 
     def dense_rows(self, x, start, end):
-        return int4_matmul_reference(x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end])
+        return int4_matmul_reference(
+            x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end]
+        )
 
     def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
         """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
         09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
         `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
         if self.bias is not None and (swiglu or residual is not None):
-            raise ValueError("Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual")
-        out = int4_gemv(x, self.qweight, self.scale, self.minimum, swiglu=swiglu, residual=residual,
-                        norm_sums=norm_sums, hand_off=hand_off, eps=eps)
+            raise ValueError(
+                "Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual"
+            )
+        out = int4_gemv(
+            x,
+            self.qweight,
+            self.scale,
+            self.minimum,
+            swiglu=swiglu,
+            residual=residual,
+            norm_sums=norm_sums,
+            hand_off=hand_off,
+            eps=eps,
+        )
         return out if self.bias is None else out + self.bias
 
     def hands_off_norms(self) -> bool:
         "Whether a decode step hands its norms between this format's GEMVs (chapter 09's `gemv_hands_off_norms`)."
         return gemv_hands_off_norms(self.qweight)
 
-    def rows(self, ids, dtype): return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
+    def rows(self, ids, dtype):
+        return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 
 
 class TiedEmbedding(nn.Module):
     "A tied model's embedding read from its quantized LM head (the same table): a token's row, dequantized."
+
     def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
-        self.head, self.dtype = head, dtype  # shared with the model's lm_head, not copied: one table serves both ends
+        self.head, self.dtype = (
+            head,
+            dtype,
+        )  # shared with the model's lm_head, not copied: one table serves both ends
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
@@ -253,25 +342,37 @@ class TiedEmbedding(nn.Module):
 linear = nn.Linear(48, 10, bias=True)
 x = torch.randn(5, 48)
 for layer in (Int4Linear(linear, group=16), Int8Linear(linear)):
-    full = F.linear(x, dequantize_int4(layer.qweight, layer.scale, layer.minimum) if isinstance(layer, Int4Linear)
-                    else dequantize_int8(layer.qweight, layer.scale))
+    full = F.linear(
+        x,
+        dequantize_int4(layer.qweight, layer.scale, layer.minimum)
+        if isinstance(layer, Int4Linear)
+        else dequantize_int8(layer.qweight, layer.scale),
+    )
     # the tiled path itself: the same FP32 products, in tiles (K = 48: 1e-5 leaves ~100 ulps)
-    torch.testing.assert_close(QuantLinear.dense(layer, x, tile_weights=3 * 48), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        QuantLinear.dense(layer, x, tile_weights=3 * 48), full, rtol=1e-5, atol=1e-5
+    )
     # int8 on the CPU goes to PyTorch's int8 GEMM in BF16 (x and output rounded, 2^-8 each; |y| < 2 here)
     torch.testing.assert_close(layer(x), full + linear.bias, rtol=0, atol=2e-2)
 # int4 on the CPU: PyTorch's int4 GEMM where the shape suits it (N a multiple of 16), in BF16, the same weights
 wide, x96 = Int4Linear(nn.Linear(96, 32, bias=False), group=32), torch.randn(5, 96)
 full = F.linear(x96, dequantize_int4(wide.qweight, wide.scale, wide.minimum))
 assert wide.cpu_pack() is not None and Int4Linear(linear, group=16).cpu_pack() is None  # (N = 10)
-torch.testing.assert_close(wide(x96), full, rtol=0, atol=2e-2 * full.abs().max().item())  # BF16 x, scales, output
+torch.testing.assert_close(
+    wide(x96), full, rtol=0, atol=2e-2 * full.abs().max().item()
+)  # BF16 x, scales, output
 table = nn.Embedding(10, 40)
 head = Int8Linear(table)
 tokens = torch.tensor([[3, 9], [0, 3]])
 rows = TiedEmbedding(head, torch.bfloat16)(tokens)
 assert rows.shape == (2, 2, 40) and rows.dtype == torch.bfloat16 and head.bias is None
-torch.testing.assert_close(rows.float(), dequantize_int8(head.qweight, head.scale)[tokens], rtol=2**-8, atol=0)  # to BF16
+torch.testing.assert_close(
+    rows.float(), dequantize_int8(head.qweight, head.scale)[tokens], rtol=2**-8, atol=0
+)  # to BF16
 # and the table's own rows within int8's step (half of max|w| / 127, and BF16's rounding: under a whole step)
-torch.testing.assert_close(rows.float(), table.weight[tokens].detach(), rtol=0, atol=table.weight.abs().max().item() / 127)
+torch.testing.assert_close(
+    rows.float(), table.weight[tokens].detach(), rtol=0, atol=table.weight.abs().max().item() / 127
+)
 
 
 # %% [markdown]
@@ -284,33 +385,49 @@ torch.testing.assert_close(rows.float(), table.weight[tokens].detach(), rtol=0, 
 #| export
 class GGUFLinear(QuantLinear):
     "Rows of GGUF blocks, as stored in the file, in one or more runs of the same quant type."
-    def __init__(self, parts: list[tuple[str, int, tuple[int, int], torch.Tensor]], bias: torch.Tensor | None = None):
+
+    def __init__(
+        self,
+        parts: list[tuple[str, int, tuple[int, int], torch.Tensor]],
+        bias: torch.Tensor | None = None,
+    ):
         "parts: (name, GGML type number, (rows, cols), bytes) in output order; every part has the same cols."
         runs: list[tuple[int, list[torch.Tensor]]] = []
         in_features = parts[0][2][1]
         for name, qtype, shape, raw in parts:
             if int(qtype) not in KEPT_GGUF_TYPES:
                 kept = ", ".join(t for t, _, _ in KEPT_GGUF_TYPES.values())
-                raise ValueError(f"{name}: GGUF type {getattr(qtype, 'name', qtype)} cannot be kept quantized; "
-                                 f"--quantization gguf supports {kept} (load without it: dequantized)")
+                raise ValueError(
+                    f"{name}: GGUF type {getattr(qtype, 'name', qtype)} cannot be kept quantized; "
+                    f"--quantization gguf supports {kept} (load without it: dequantized)"
+                )
             qtype = int(qtype)
             type_name, block, type_size = KEPT_GGUF_TYPES[qtype]
             if len(shape) != 2 or shape[1] != in_features:
-                raise ValueError(f"{name}: shape {list(shape)} does not fit a layer with {in_features} inputs")
+                raise ValueError(
+                    f"{name}: shape {list(shape)} does not fit a layer with {in_features} inputs"
+                )
             if shape[1] % block:
-                raise ValueError(f"{name}: {type_name} stores rows in blocks of {block}, but the row length is {shape[1]}")
+                raise ValueError(
+                    f"{name}: {type_name} stores rows in blocks of {block}, but the row length is {shape[1]}"
+                )
             expected = shape[0] * shape[1] // block * type_size
             if raw.numel() != expected:
-                raise ValueError(f"{name}: {type_name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}")
+                raise ValueError(
+                    f"{name}: {type_name} data of shape {list(shape)} needs {expected} bytes, got {raw.numel()}"
+                )
             rows = raw.reshape(shape[0], -1)
-            if runs and runs[-1][0] == qtype: runs[-1][1].append(rows)
-            else: runs.append((qtype, [rows]))
+            if runs and runs[-1][0] == qtype:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((qtype, [rows]))
         super().__init__(in_features, sum(shape[0] for _, _, shape, _ in parts), bias)
         self.qtypes = tuple(q for q, _ in runs)
         for i, (_, rows) in enumerate(runs):
             self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
 
-    def _runs(self): return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
+    def _runs(self):
+        return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
@@ -327,63 +444,123 @@ class GGUFLinear(QuantLinear):
         return self.__dict__["_cpu_packs"]
 
     def skinny(self, x):
-        return torch.cat([gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1)
+        return torch.cat(
+            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1
+        )
 
     def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
         outs, first = [], 0
         for qtype, raw in self._runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
-            if lo < hi: outs.append(gguf_matmul_reference(x, raw[lo - first:hi - first], qtype))
+            if lo < hi:
+                outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))
             first += raw.shape[0]
         return torch.cat(outs, dim=-1)
 
     def rows(self, ids, dtype):
         from forge_engine.gguf_file import DEQUANTIZERS
-        if len(self.qtypes) != 1:
-            raise ValueError("rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows")
-        qtype, raw = self.qtypes[0], self.blocks0
-        return DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2])).reshape(ids.shape[0], -1).to(dtype)
 
-    def extra_repr(self): return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
+        if len(self.qtypes) != 1:
+            raise ValueError(
+                "rows of a GGUF layer of several types: only a single tensor (an embedding) reads rows"
+            )
+        qtype, raw = self.qtypes[0], self.blocks0
+        return (
+            DEQUANTIZERS[qtype](raw[ids].reshape(-1, KEPT_GGUF_TYPES[qtype][2]))
+            .reshape(ids.shape[0], -1)
+            .to(dtype)
+        )
+
+    def extra_repr(self):
+        return super().extra_repr() + f", qtypes={[KEPT_GGUF_TYPES[q][0] for q in self.qtypes]}"
 
 
 # %%
-parts = [("blk.0.attn_q.weight", QType.Q4_K, (20, 512), gguf_bytes(QType.Q4_K, 20, 512)),  # as in a Q4_K_M file
-         ("blk.0.attn_k.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512)),
-         ("blk.0.attn_v.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512, seed=1))]
+parts = [
+    (
+        "blk.0.attn_q.weight",
+        QType.Q4_K,
+        (20, 512),
+        gguf_bytes(QType.Q4_K, 20, 512),
+    ),  # as in a Q4_K_M file
+    ("blk.0.attn_k.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512)),
+    ("blk.0.attn_v.weight", QType.Q6_K, (8, 512), gguf_bytes(QType.Q6_K, 8, 512, seed=1)),
+]
 layer = GGUFLinear(parts, bias=torch.randn(36))
 assert layer.qtypes == (12, 14) and layer.blocks1.shape == (16, 2 * 210)
 x = torch.randn(3, 512)
 want = torch.cat([gguf_matmul_reference(x, raw, qt) for _, qt, _, raw in parts], -1) + layer.bias
-torch.testing.assert_close(layer(x), want)  # FP32 defaults (1.3e-6 relative): the same dequantize + matmul, tiled
-torch.testing.assert_close(layer.skinny(x) + layer.bias, want, rtol=1e-4, atol=1e-4)  # FP32 sums over K = 512, reordered
-assert layer.cpu_packs() is None  # Q4_K, Q6_K: no PyTorch CPU GEMM for them, the tiled dense path above
+torch.testing.assert_close(
+    layer(x), want
+)  # FP32 defaults (1.3e-6 relative): the same dequantize + matmul, tiled
+torch.testing.assert_close(
+    layer.skinny(x) + layer.bias, want, rtol=1e-4, atol=1e-4
+)  # FP32 sums over K = 512, reordered
+assert (
+    layer.cpu_packs() is None
+)  # Q4_K, Q6_K: no PyTorch CPU GEMM for them, the tiled dense path above
 
 # %% [markdown]
 # On a CPU, runs of Q4_0, Q4_1 and Q8_0 (SmolLM2's file: Q4_1 layers, a Q8_0 embedding and head) go to PyTorch's CPU
 # GEMMs (`cpu_packs`), in bf16: within bf16's rounding of the reference.
 
 # %%
-parts = [("blk.0.attn_q.weight", QType.Q4_1, (32, 256), gguf_bytes(QType.Q4_1, 32, 256)),
-         ("blk.0.attn_k.weight", QType.Q4_0, (16, 256), gguf_bytes(QType.Q4_0, 16, 256)),
-         ("blk.0.attn_v.weight", QType.Q8_0, (16, 256), gguf_bytes(QType.Q8_0, 16, 256))]
+parts = [
+    ("blk.0.attn_q.weight", QType.Q4_1, (32, 256), gguf_bytes(QType.Q4_1, 32, 256)),
+    ("blk.0.attn_k.weight", QType.Q4_0, (16, 256), gguf_bytes(QType.Q4_0, 16, 256)),
+    ("blk.0.attn_v.weight", QType.Q8_0, (16, 256), gguf_bytes(QType.Q8_0, 16, 256)),
+]
 layer, x = GGUFLinear(parts), torch.randn(3, 256)
 want = torch.cat([gguf_matmul_reference(x, raw, qt) for _, qt, _, raw in parts], -1)
-assert [matmul.__name__ for matmul, _ in layer.cpu_packs()] == ["cpu_int4pack_mm", "cpu_int4pack_mm", "_q8_0_blocks_mm"]
-torch.testing.assert_close(layer(x), want, rtol=0, atol=2e-2 * want.abs().max().item())  # BF16 x, scales, outputs
-torch.testing.assert_close(QuantLinear.dense(layer, x), want, rtol=1e-5, atol=1e-5)  # (the tiled reference path: FP32)
-assert GGUFLinear(parts[:1] + [("v", QType.Q4_1, (8, 256), gguf_bytes(QType.Q4_1, 8, 256))]).cpu_packs() is None  # 8 rows
+assert [matmul.__name__ for matmul, _ in layer.cpu_packs()] == [
+    "cpu_int4pack_mm",
+    "cpu_int4pack_mm",
+    "_q8_0_blocks_mm",
+]
+torch.testing.assert_close(
+    layer(x), want, rtol=0, atol=2e-2 * want.abs().max().item()
+)  # BF16 x, scales, outputs
+torch.testing.assert_close(
+    QuantLinear.dense(layer, x), want, rtol=1e-5, atol=1e-5
+)  # (the tiled reference path: FP32)
+assert (
+    GGUFLinear(
+        parts[:1] + [("v", QType.Q4_1, (8, 256), gguf_bytes(QType.Q4_1, 8, 256))]
+    ).cpu_packs()
+    is None
+)  # 8 rows
 
 # %% [markdown]
 # Bad input names the tensor:
 
 # %%
-with pytest.raises(ValueError, match=r"blk.0.attn_q.weight: Q8_0 data of shape \[20, 512\] needs 10880 bytes, got 10846"):
-    GGUFLinear([("blk.0.attn_q.weight", QType.Q8_0, (20, 512), gguf_bytes(QType.Q8_0, 20, 512).reshape(-1)[:-34])])
-with pytest.raises(ValueError, match="blk.3.ffn_down.weight: GGUF type Q3_K cannot be kept quantized"):
-    GGUFLinear([("blk.3.ffn_down.weight", QType.Q3_K, (4, 256), torch.zeros(4 * 110, dtype=torch.uint8))])
-with pytest.raises(ValueError, match="blk.1.attn_k.weight: Q4_K stores rows in blocks of 256, but the row length is 128"):
-    GGUFLinear([("blk.1.attn_k.weight", QType.Q4_K, (4, 128), torch.zeros(4 * 72, dtype=torch.uint8))])
+with pytest.raises(
+    ValueError,
+    match=r"blk.0.attn_q.weight: Q8_0 data of shape \[20, 512\] needs 10880 bytes, got 10846",
+):
+    GGUFLinear(
+        [
+            (
+                "blk.0.attn_q.weight",
+                QType.Q8_0,
+                (20, 512),
+                gguf_bytes(QType.Q8_0, 20, 512).reshape(-1)[:-34],
+            )
+        ]
+    )
+with pytest.raises(
+    ValueError, match="blk.3.ffn_down.weight: GGUF type Q3_K cannot be kept quantized"
+):
+    GGUFLinear(
+        [("blk.3.ffn_down.weight", QType.Q3_K, (4, 256), torch.zeros(4 * 110, dtype=torch.uint8))]
+    )
+with pytest.raises(
+    ValueError,
+    match="blk.1.attn_k.weight: Q4_K stores rows in blocks of 256, but the row length is 128",
+):
+    GGUFLinear(
+        [("blk.1.attn_k.weight", QType.Q4_K, (4, 128), torch.zeros(4 * 72, dtype=torch.uint8))]
+    )
 
 # %% [markdown]
 # ## Quantizing a loaded model, module by module
@@ -413,13 +590,17 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer, mode: str, int4_group: int | None = None, device=None) -> Transformer:
+def quantize_model(
+    model: Transformer, mode: str, int4_group: int | None = None, device=None
+) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time, and
     the LM head for an int8 one (a tied embedding then reads its rows from it).
     `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
     `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
     if mode not in QUANTIZERS:
-        raise ValueError(f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}")
+        raise ValueError(
+            f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}"
+        )
     options = {"group": int4_group} if mode == "int4" else {}
     options["device"] = device
     for layer in model.layers:
@@ -441,7 +622,11 @@ def quantize_model(model: Transformer, mode: str, int4_group: int | None = None,
 
 
 # %%
-tiny = init_random_weights(empty_model(preset("qwen2-tiny").replace(vocab_size=512, intermediate_size=256)), seed=2, std=0.05)
+tiny = init_random_weights(
+    empty_model(preset("qwen2-tiny").replace(vocab_size=512, intermediate_size=256)),
+    seed=2,
+    std=0.05,
+)
 ids, positions = torch.randint(0, 512, (12,)), torch.arange(12)
 with torch.inference_mode():
     want = tiny.compute_logits(tiny(ids, positions))
@@ -449,19 +634,33 @@ with torch.inference_mode():
     # (~1/40 of a typical one), int4's 1/15 of a group's range, so ~0.5-1% and ~10% of the logits' norm are expected
     for mode, limit in (("int8", 0.03), ("int4", 0.3)):
         quantized = quantize_model(copy.deepcopy(tiny), mode)
-        assert all(isinstance(layer.get_submodule(n), QUANTIZERS[mode]) for layer in quantized.layers for n in QUANTIZED_LINEARS)
-        assert quantized.layers[0].attn.qkv.bias is not None  # qwen2's qkv bias is kept, in the compute dtype
-        assert isinstance(quantized.lm_head, Int8Linear) and isinstance(quantized.embed, nn.Embedding)  # untied
+        assert all(
+            isinstance(layer.get_submodule(n), QUANTIZERS[mode])
+            for layer in quantized.layers
+            for n in QUANTIZED_LINEARS
+        )
+        assert (
+            quantized.layers[0].attn.qkv.bias is not None
+        )  # qwen2's qkv bias is kept, in the compute dtype
+        assert isinstance(quantized.lm_head, Int8Linear) and isinstance(
+            quantized.embed, nn.Embedding
+        )  # untied
         got = quantized.compute_logits(quantized(ids, positions))
         rel = ((got - want).norm() / want.norm()).item()
-        print(f"{mode}: {model_bytes(quantized):,} bytes (fp32: {model_bytes(tiny):,}); relative logit error {rel:.4f}")
+        print(
+            f"{mode}: {model_bytes(quantized):,} bytes (fp32: {model_bytes(tiny):,}); relative logit error {rel:.4f}"
+        )
         assert 0 < rel < limit, (mode, rel)
-tied = init_random_weights(empty_model(preset("qwen3-tiny")), seed=2, std=0.05)  # qwen3-tiny ties its embedding
+tied = init_random_weights(
+    empty_model(preset("qwen3-tiny")), seed=2, std=0.05
+)  # qwen3-tiny ties its embedding
 with torch.inference_mode():
     want = tied.compute_logits(tied(ids, positions))
     quantized = quantize_model(copy.deepcopy(tied), "int8")
     got = quantized.compute_logits(quantized(ids, positions))
-assert quantized.embed.head is quantized.lm_head and model_bytes(quantized) < model_bytes(tied) / 3  # one int8 table
+assert (
+    quantized.embed.head is quantized.lm_head and model_bytes(quantized) < model_bytes(tied) / 3
+)  # one int8 table
 assert 0 < ((got - want).norm() / want.norm()).item() < 0.03  # int8's steps, as above
 with pytest.raises(ValueError, match="already quantized"):
     quantize_model(quantize_model(copy.deepcopy(tiny), "int8"), "int4")
@@ -473,7 +672,9 @@ with pytest.raises(ValueError, match="unknown quantization 'int3'"):
 # compares) keeps, matrix by matrix, exactly what the whole-matrix functions make of the original weights:
 
 # %%
-staged = copy.deepcopy(tiny).to(torch.bfloat16)  # as chapter 04a stages a model: in the compute dtype
+staged = copy.deepcopy(tiny).to(
+    torch.bfloat16
+)  # as chapter 04a stages a model: in the compute dtype
 originals = {n: staged.layers[1].get_submodule(n).weight.clone() for n in QUANTIZED_LINEARS}
 for mode, quantize in (("int8", quantize_int8), ("int4", quantize_int4)):
     quantized = quantize_model(copy.deepcopy(staged), mode, device="cpu")
@@ -494,8 +695,12 @@ for mode, quantize in (("int8", quantize_int8), ("int4", quantize_int4)):
 
 # %%
 #| export
-_GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
-               "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
+_GGUF_PARTS = {
+    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn.o": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+}
 
 
 def _materialize(model: nn.Module, device, dtype) -> None:
@@ -503,7 +708,13 @@ def _materialize(model: nn.Module, device, dtype) -> None:
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
-                setattr(module, name, nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False))
+                setattr(
+                    module,
+                    name,
+                    nn.Parameter(
+                        torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False
+                    ),
+                )
 
 
 @torch.no_grad()
@@ -511,6 +722,7 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
     """A model whose layer matrices and LM head keep the `GGUFFile`'s quantized blocks (a tied model's embedding reads
     its rows from the head's); everything else dequantized to `dtype`."""
     from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
+
     config = gguf.model_config()
     infos = {t.name: t for t in gguf.tensor_infos}
     with torch.device("meta"):
@@ -521,9 +733,13 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parts = []
             for part in file_parts:
                 name = f"blk.{i}.{part}.weight"
-                if name not in infos: raise ValueError(f"{gguf.path}: tensor {name} is missing")
+                if name not in infos:
+                    raise ValueError(f"{gguf.path}: tensor {name} is missing")
                 info, rows = infos[name], gguf.raw(name).to(device)
-                if config.architecture == "llama" and part in ("attn_q", "attn_k"):  # whole rows move: blocks too
+                if config.architecture == "llama" and part in (
+                    "attn_q",
+                    "attn_k",
+                ):  # whole rows move: blocks too
                     heads = config.num_heads if part == "attn_q" else config.num_kv_heads
                     rows = llama_cpp_unpermute(rows.reshape(info.shape[0], -1), heads)
                 parts.append((f"{gguf.path.name}: {name}", info.qtype, info.shape, rows))
@@ -531,12 +747,21 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
             parent_name, _, attr = ours.rpartition(".")
             parent = layer.get_submodule(parent_name)
             bias = getattr(parent, attr).bias
-            setattr(parent, attr, GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")))
+            setattr(
+                parent,
+                attr,
+                GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")),
+            )
     head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    if head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES:  # (a head stored as F16 / F32 is loaded dense)
+    if (
+        head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES
+    ):  # (a head stored as F16 / F32 is loaded dense)
         info = infos[head]
-        model.lm_head = GGUFLinear([(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))])
-        if config.tie_word_embeddings: model.embed = TiedEmbedding(model.lm_head, dtype)
+        model.lm_head = GGUFLinear(
+            [(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))]
+        )
+        if config.tie_word_embeddings:
+            model.embed = TiedEmbedding(model.lm_head, dtype)
         kept.add(head)
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
@@ -556,10 +781,18 @@ from forge_engine.gguf_file import GGUFFile, write_gguf
 from forge_engine.model import hf_state_dict
 
 tmp_dir = tempfile.TemporaryDirectory()
-llama = preset("llama-tiny").replace(vocab_size=128, num_layers=2, hidden_size=64, head_dim=16, num_heads=4,
-                                     intermediate_size=128)
-state = {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(llama), 3, std=0.05)).items()}
-qtypes = {name: [QType.Q8_0, QType.Q4_0, QType.Q4_1][i % 3] for i, name in enumerate(state) if "proj" in name}
+llama = preset("llama-tiny").replace(
+    vocab_size=128, num_layers=2, hidden_size=64, head_dim=16, num_heads=4, intermediate_size=128
+)
+state = {
+    k: v.contiguous()
+    for k, v in hf_state_dict(init_random_weights(empty_model(llama), 3, std=0.05)).items()
+}
+qtypes = {
+    name: [QType.Q8_0, QType.Q4_0, QType.Q4_1][i % 3]
+    for i, name in enumerate(state)
+    if "proj" in name
+}
 qtypes["lm_head.weight"] = QType.Q4_1
 gguf_path = write_gguf(Path(tmp_dir.name) / "tiny.gguf", llama, state, qtypes)
 gguf_file = GGUFFile(gguf_path)
@@ -567,7 +800,11 @@ kept = load_gguf_quantized(gguf_file)
 dequantized = empty_model(llama)
 load_weights(dequantized, gguf_file.tensors())
 assert isinstance(kept.layers[1].mlp.down, GGUFLinear) and len(kept.layers[0].attn.qkv.qtypes) == 3
-assert isinstance(kept.lm_head, GGUFLinear) and isinstance(kept.embed, nn.Embedding)  # untied: the embedding is dense
+assert isinstance(kept.lm_head, GGUFLinear) and isinstance(
+    kept.embed, nn.Embedding
+)  # untied: the embedding is dense
+
+
 def kept_logits_match(kept, dequantized, ids):
     "Kept quantized: the dequantized model's logits, exactly on the dequantizing path, within bf16 on the CPU GEMMs."
     global CPU_WEIGHT_GEMMS
@@ -577,13 +814,18 @@ def kept_logits_match(kept, dequantized, ids):
         CPU_WEIGHT_GEMMS = False
         exact = kept.compute_logits(kept(ids, torch.arange(len(ids))))
         CPU_WEIGHT_GEMMS = True
-    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)  # the same FP32 weights: only sums reordered
+    torch.testing.assert_close(
+        exact, want, rtol=1e-5, atol=1e-5
+    )  # the same FP32 weights: only sums reordered
     # BF16 GEMMs: x, scales and outputs rounded (2^-8 each) in every matmul of two layers and the head
     assert ((got - want).norm() / want.norm()).item() < 2e-2
 
+
 ids = torch.randint(0, 128, (9,))
 kept_logits_match(kept, dequantized, ids)
-print(f"kept quantized: {model_bytes(kept):,} bytes; dequantized fp32: {model_bytes(dequantized):,} bytes")
+print(
+    f"kept quantized: {model_bytes(kept):,} bytes; dequantized fp32: {model_bytes(dequantized):,} bytes"
+)
 assert model_bytes(kept) < model_bytes(dequantized) / 2
 
 # %% [markdown]
@@ -592,13 +834,24 @@ assert model_bytes(kept) < model_bytes(dequantized) / 2
 
 # %%
 tied = preset("qwen3-tiny").replace(vocab_size=128, intermediate_size=128)
-state = {k: v.contiguous() for k, v in hf_state_dict(init_random_weights(empty_model(tied), 4, std=0.05)).items()}
-tied_path = write_gguf(Path(tmp_dir.name) / "tied.gguf", tied, state,
-                       {name: QType.Q8_0 for name in state if "proj" in name or "embed_tokens" in name})
+state = {
+    k: v.contiguous()
+    for k, v in hf_state_dict(init_random_weights(empty_model(tied), 4, std=0.05)).items()
+}
+tied_path = write_gguf(
+    Path(tmp_dir.name) / "tied.gguf",
+    tied,
+    state,
+    {name: QType.Q8_0 for name in state if "proj" in name or "embed_tokens" in name},
+)
 kept = load_gguf_quantized(GGUFFile(tied_path))
 dequantized = empty_model(tied)
 load_weights(dequantized, GGUFFile(tied_path).tensors())
-assert isinstance(kept.embed, TiedEmbedding) and kept.embed.head is kept.lm_head and kept.lm_head.qtypes == (8,)
+assert (
+    isinstance(kept.embed, TiedEmbedding)
+    and kept.embed.head is kept.lm_head
+    and kept.lm_head.qtypes == (8,)
+)
 kept_logits_match(kept, dequantized, ids)
 assert model_bytes(kept) < model_bytes(dequantized) / 3
 
@@ -618,7 +871,8 @@ def perplexity(model: Transformer, token_ids) -> float:
     "exp(mean NLL of token t+1 given tokens 0..t) over one sequence, through the plain forward."
     device = next(model.parameters()).device
     ids = torch.as_tensor(list(token_ids), device=device)
-    if ids.numel() < 2: raise ValueError("perplexity needs at least 2 tokens")
+    if ids.numel() < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
     logits = model.compute_logits(model(ids[:-1], torch.arange(ids.numel() - 1, device=device)))
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
 
@@ -646,24 +900,34 @@ and the gravel that the floods used to carry down to the coast stayed behind the
 # %%
 import forge_engine.quant.layers
 from forge_engine.loader import load_model
+
 smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
 kept = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="gguf").model
 text_ids = smol.tokenizer.encode(FIXED_TEXT)
-variants = {"none": lambda: smol.model, "int8": lambda: quantize_model(copy.deepcopy(smol.model), "int8"),
-            "int4": lambda: quantize_model(copy.deepcopy(smol.model), "int4"),
-            "int4, groups of 32": lambda: quantize_model(copy.deepcopy(smol.model), "int4", int4_group=32),
-            "gguf": lambda: kept}
+variants = {
+    "none": lambda: smol.model,
+    "int8": lambda: quantize_model(copy.deepcopy(smol.model), "int8"),
+    "int4": lambda: quantize_model(copy.deepcopy(smol.model), "int4"),
+    "int4, groups of 32": lambda: quantize_model(copy.deepcopy(smol.model), "int4", int4_group=32),
+    "gguf": lambda: kept,
+}
 ppl = {}
 for mode, make in variants.items():
     start, model = time.perf_counter(), make()
     ppl[mode] = perplexity(model, text_ids)
-    print(f"{mode:18s} perplexity {ppl[mode]:7.3f} ({100 * (ppl[mode] / ppl['none'] - 1):+6.2f}%)  "
-          f"layer matrices + rest: {model_bytes(model) / 2**20:5.1f} MiB  ({time.perf_counter() - start:.1f} s)")
+    print(
+        f"{mode:18s} perplexity {ppl[mode]:7.3f} ({100 * (ppl[mode] / ppl['none'] - 1):+6.2f}%)  "
+        f"layer matrices + rest: {model_bytes(model) / 2**20:5.1f} MiB  ({time.perf_counter() - start:.1f} s)"
+    )
     del model
-forge_engine.quant.layers.CPU_WEIGHT_GEMMS = False  # (the package's switch: load_model's layers are the package's)
+forge_engine.quant.layers.CPU_WEIGHT_GEMMS = (
+    False  # (the package's switch: load_model's layers are the package's)
+)
 ppl["gguf, in FP32"] = perplexity(kept, text_ids)
 forge_engine.quant.layers.CPU_WEIGHT_GEMMS = True
-print(f"gguf, in FP32      perplexity {ppl['gguf, in FP32']:7.3f} ({ppl['gguf, in FP32'] / ppl['none'] - 1:+.1e})")
+print(
+    f"gguf, in FP32      perplexity {ppl['gguf, in FP32']:7.3f} ({ppl['gguf, in FP32'] / ppl['none'] - 1:+.1e})"
+)
 print(f"{len(text_ids)} tokens")
 
 # %% [markdown]
@@ -707,7 +971,10 @@ assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.0125
 assert abs(ppl["int8"] / ppl["none"] - 1) < 0.015
 assert abs(ppl["int4, groups of 32"] / ppl["none"] - 1) < 0.015
 assert 1 < ppl["int4"] / ppl["none"] < 1.75
-with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's blocks, but 'random:qwen3-tiny' is random"):
+with pytest.raises(
+    ValueError,
+    match="--quantization gguf keeps a GGUF file's blocks, but 'random:qwen3-tiny' is random",
+):
     load_model("random:qwen3-tiny", quantization="gguf")
 with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
     load_model("random:qwen3-tiny", quantization="fp8")

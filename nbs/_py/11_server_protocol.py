@@ -63,53 +63,102 @@ from forge_engine.registry import fetch
 
 # %%
 #| export
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "server_error",
-               503: "server_error"}
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
     "An error for the client: an HTTP status and OpenAI's error object."
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.status, self.message, self.param, self.code, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            headers,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> Response:
         "The JSON response (ASCII-escaped: a message quoting a client's lone surrogate still encodes)."
-        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
-                        media_type="application/json")
+        return Response(
+            json.dumps(self.body()),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
 
 
 def submit_error(e: Exception) -> APIError:
     "What an exception raised by submitting a request means to the client."
-    if isinstance(e, QueueFullError):  # backpressure: come back later rather than queue without bound
+    if isinstance(
+        e, QueueFullError
+    ):  # backpressure: come back later rather than queue without bound
         return APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable")
     if isinstance(e, ValueError):
         too_long = "context holds" in str(e) or "KV pool holds" in str(e)
-        return APIError(400, str(e), param="messages" if too_long else None,
-                        code="context_length_exceeded" if too_long else None)
+        return APIError(
+            400,
+            str(e),
+            param="messages" if too_long else None,
+            code="context_length_exceeded" if too_long else None,
+        )
     return APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
 
 
 def output_error(out: RequestOutput, engine: AsyncEngine) -> APIError:
     "The error of an output that finished with finish_reason 'error'."
     kind, _, message = (out.error or "unknown error").partition(": ")
-    if kind in ("QueueFullError", "ValueError"):  # refused on the engine thread: the same as refused at submit
-        return submit_error(QueueFullError(message) if kind == "QueueFullError" else ValueError(message))
+    if kind in (
+        "QueueFullError",
+        "ValueError",
+    ):  # refused on the engine thread: the same as refused at submit
+        return submit_error(
+            QueueFullError(message) if kind == "QueueFullError" else ValueError(message)
+        )
     dead = not engine.alive or (out.error or "").startswith("the engine")
-    return APIError(503 if dead else 500, out.error or "unknown error", code="engine_unavailable" if dead else "internal_error")
+    return APIError(
+        503 if dead else 500,
+        out.error or "unknown error",
+        code="engine_unavailable" if dead else "internal_error",
+    )
 
 
 # %%
 e = submit_error(QueueFullError("waiting queue is full (4 of 4 requests)"))
-assert e.status == 429 and e.headers == {"Retry-After": "1"} and e.body()["error"]["type"] == "rate_limit_error"
-e = submit_error(ValueError("prompt has 5000 tokens; the context holds 4096 (prompt + at least 1 new token)"))
+assert (
+    e.status == 429
+    and e.headers == {"Retry-After": "1"}
+    and e.body()["error"]["type"] == "rate_limit_error"
+)
+e = submit_error(
+    ValueError("prompt has 5000 tokens; the context holds 4096 (prompt + at least 1 new token)")
+)
 assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "messages")
 assert submit_error(EngineDeadError("gone")).status == 503
 assert set(APIError(404, "no such model").body()["error"]) == {"message", "type", "param", "code"}
@@ -139,7 +188,7 @@ MAX_JSON_DEPTH = 32  # levels of arrays and objects in a request body
 MAX_STOPS, MAX_STOP_CHARS = 4, 1024  # stop strings: how many, and how long each (in characters)
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
-SEED_RANGE = (-2**63, 2**63)  # a signed 64-bit integer, as in OpenAI's schema
+SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as in OpenAI's schema
 
 
 def _no_constant(name: str):
@@ -150,8 +199,14 @@ def check_depth(data, limit: int = MAX_JSON_DEPTH) -> None:
     "A 400 if `data` nests more than `limit` levels of arrays and objects (walked level by level, no recursion)."
     level = [data]
     for _ in range(limit):
-        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
-        if not level: return
+        level = [
+            v
+            for c in level
+            for v in (c.values() if isinstance(c, dict) else c)
+            if isinstance(v, (dict, list))
+        ]
+        if not level:
+            return
     raise APIError(400, f"request body nests deeper than {limit} levels of arrays and objects")
 
 
@@ -159,16 +214,24 @@ async def read_json(request: Request, limit: int) -> dict:
     "The request body as a JSON object; 413 as soon as it passes `limit` bytes, 400 if it is not a JSON object."
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
+        raise APIError(
+            413,
+            f"request body is {int(declared)} bytes; the limit is {limit}",
+            code="request_too_large",
+        )
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+            raise APIError(
+                413, f"request body is over the limit of {limit} bytes", code="request_too_large"
+            )
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except RecursionError:  # the parser's own stack: far deeper than MAX_JSON_DEPTH
-        raise APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects") from None
+        raise APIError(
+            400, f"request body nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects"
+        ) from None
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -177,44 +240,106 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def get_field(body: dict, name: str, kind: type, default=None):
     "`body[name]` checked to be of `kind` (absent or null: `default`); a 400 naming the field otherwise."
     value = body.get(name)
-    if value is None: return default
-    ok = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float) if kind is float else kind) and (
+        kind is bool or not isinstance(value, bool)
+    )
     if not ok:
-        raise APIError(400, f"'{name}' must be {_KIND_NAMES[kind]}, got {json.dumps(value)[:40]}", param=name)
+        raise APIError(
+            400, f"'{name}' must be {_KIND_NAMES[kind]}, got {json.dumps(value)[:40]}", param=name
+        )
     return value
 
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
-    "modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (), "prediction": (),
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    "audio": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "prediction": (),
     "verbosity": (),
 }
 NO_EFFECT = {  # accepted (type-checked) and without effect on the reply: bookkeeping for the client's side
-    "user": str, "store": bool, "metadata": dict, "service_tier": str,
-    "prompt_cache_key": str, "safety_identifier": str,
+    "user": str,
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "prompt_cache_key": str,
+    "safety_identifier": str,
 }
 SAMPLING_FIELDS = {  # request fields that are SamplingParams fields of the same name
-    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "presence_penalty": float,
-    "frequency_penalty": float, "repetition_penalty": float, "seed": int,
-    "ignore_eos": bool, "min_tokens": int, "stop_token_ids": list,  # vLLM's extras
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "seed": int,
+    "ignore_eos": bool,
+    "min_tokens": int,
+    "stop_token_ids": list,  # vLLM's extras
 }
 
 
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}  # vLLM's names for a structured output, on both endpoints
-COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
-                 "logprobs", "n", *SAMPLING_FIELDS, *NO_EFFECT, *GUIDED_FIELDS}
+GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # vLLM's names for a structured output, on both endpoints
+COMMON_FIELDS = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "logit_bias",
+    "logprobs",
+    "n",
+    *SAMPLING_FIELDS,
+    *NO_EFFECT,
+    *GUIDED_FIELDS,
+}
 KNOWN_FIELDS = {  # per kind: every field a request may name
-    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                             "functions",
-                             "function_call", "modalities", "audio", "web_search_options", "reasoning_effort",
-                             "prediction", "verbosity"},
+    "chat": COMMON_FIELDS
+    | {
+        "messages",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "modalities",
+        "audio",
+        "web_search_options",
+        "reasoning_effort",
+        "prediction",
+        "verbosity",
+    },
     "text": COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
 }
 
@@ -222,27 +347,44 @@ KNOWN_FIELDS = {  # per kind: every field a request may name
 def check_fields(body: dict, kind: str) -> None:
     "A 400 naming the first field this server does not know, cannot honour, or whose value is of the wrong type."
     if unknown := sorted(set(body) - KNOWN_FIELDS[kind]):
-        raise APIError(400, f"unrecognized request argument supplied: {json.dumps(unknown[0][:100])}",
-                       param=unknown[0][:100])
+        raise APIError(
+            400,
+            f"unrecognized request argument supplied: {json.dumps(unknown[0][:100])}",
+            param=unknown[0][:100],
+        )
     for name, accepted in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in accepted:
             if not accepted:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
-            raise APIError(400, f"{name}={json.dumps(body[name])[:40]} is not supported; this server "
-                                f"only does {name}={json.dumps(accepted[0])}", param=name)
-    for name, kind_ in NO_EFFECT.items(): get_field(body, name, kind_)
+            raise APIError(
+                400,
+                f"{name}={json.dumps(body[name])[:40]} is not supported; this server "
+                f"only does {name}={json.dumps(accepted[0])}",
+                param=name,
+            )
+    for name, kind_ in NO_EFFECT.items():
+        get_field(body, name, kind_)
 
 
 def check_stop(stop) -> list[str]:
     "The stop strings of a request: a string or a list of at most MAX_STOPS, each at most MAX_STOP_CHARS long."
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}", param="stop")
+        raise APIError(
+            400,
+            f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}",
+            param="stop",
+        )
     if len(stops) > MAX_STOPS:
-        raise APIError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", param="stop")
+        raise APIError(
+            400, f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", param="stop"
+        )
     if long := [s for s in stops if len(s) > MAX_STOP_CHARS]:
-        raise APIError(400, f"a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS} are allowed",
-                       param="stop")
+        raise APIError(
+            400,
+            f"a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS} are allowed",
+            param="stop",
+        )
     if not all(stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
     return stops
@@ -253,26 +395,40 @@ def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
     `json_object`, or `json_schema` with its `schema`) or one of vLLM's `guided_*` fields. At most one."""
     asked = [name for name in ("response_format", *GUIDED_FIELDS) if body.get(name) is not None]
     if len(asked) > 1:
-        raise APIError(400, f"ask for one structured output, not {' and '.join(asked)}", param=asked[1])
-    if not asked: return None, None
+        raise APIError(
+            400, f"ask for one structured output, not {' and '.join(asked)}", param=asked[1]
+        )
+    if not asked:
+        return None, None
     name, value = asked[0], body[asked[0]]
     try:
         if name != "response_format":
             return StructuredOutput(GUIDED_FIELDS[name], value), name
         kind = get_field(value, "type", str) if isinstance(value, dict) else None
-        if kind == "text": return None, None
-        if kind == "json_object": return StructuredOutput("json_object"), name
+        if kind == "text":
+            return None, None
+        if kind == "json_object":
+            return StructuredOutput("json_object"), name
         if kind == "json_schema":
             spec = get_field(value, "json_schema", dict)
-            if spec is None: raise ValueError("'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
-            if not isinstance(spec.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", spec["name"]):
+            if spec is None:
+                raise ValueError(
+                    "'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'"
+                )
+            if not isinstance(spec.get("name"), str) or not re.fullmatch(
+                r"[A-Za-z0-9_-]{1,64}", spec["name"]
+            ):
                 raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
             schema = spec.get("schema", {"type": "object"})  # (enforced whether `strict` or not)
             if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), bool):
-                raise ValueError("json_schema.schema must be an object, json_schema.strict a boolean")
+                raise ValueError(
+                    "json_schema.schema must be an object, json_schema.strict a boolean"
+                )
             return StructuredOutput("json_schema", schema), name
-        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                         f"got {json.dumps(kind)[:40]}")
+        raise ValueError(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+            f"got {json.dumps(kind)[:40]}"
+        )
     except (ValueError, APIError) as e:
         raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
@@ -280,6 +436,7 @@ def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
 @dataclass(frozen=True)
 class ToolRequest:
     "The tools a chat request offers, which `tool_choice` it makes and whether several calls may come at once."
+
     tools: list[dict]
     choice: str  # 'none', 'auto', 'required' or a tool's name
     parallel: bool = True
@@ -292,79 +449,146 @@ def tool_request(body: dict) -> ToolRequest | None:
         if body.get("tool_choice") not in (None, "none"):
             raise APIError(400, "'tool_choice' needs 'tools' to choose from", param="tool_choice")
         return None
-    try: tools = check_tools(body["tools"])
-    except ValueError as e: raise APIError(400, str(e), param="tools") from None
-    try: choice = chosen_tool(body.get("tool_choice", "auto"), tools)
-    except ValueError as e: raise APIError(400, str(e), param="tool_choice") from None
+    try:
+        tools = check_tools(body["tools"])
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    try:
+        choice = chosen_tool(body.get("tool_choice", "auto"), tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
     return ToolRequest(tools, choice, parallel)
 
 
-def sampling_params(body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+def sampling_params(
+    body: dict, kind: str, prompt_len: int, max_model_len: int, vocab_size: int
+) -> SamplingParams:
     "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
     check_fields(body, kind)
-    options = {name: value for name, t in SAMPLING_FIELDS.items() if (value := get_field(body, name, t)) is not None}
+    options = {
+        name: value
+        for name, t in SAMPLING_FIELDS.items()
+        if (value := get_field(body, name, t)) is not None
+    }
     room = max_model_len - prompt_len
     max_tokens = get_field(body, "max_completion_tokens", int, get_field(body, "max_tokens", int))
-    if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 tokens for text
+    if (
+        max_tokens is None
+    ):  # OpenAI's defaults: the rest of the context for chat, 16 tokens for text
         max_tokens = room if kind == "chat" else min(16, room)
     elif max_tokens > room:
-        raise APIError(400, f"this model's context holds {max_model_len} tokens; the prompt has {prompt_len}, "
-                            f"so at most {room} more fit, but max_tokens asks for {max_tokens}",
-                       param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's context holds {max_model_len} tokens; the prompt has {prompt_len}, "
+            f"so at most {room} more fit, but max_tokens asks for {max_tokens}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     stop = check_stop(body["stop"]) if body.get("stop") is not None else None
     if "seed" in options and not SEED_RANGE[0] <= options["seed"] < SEED_RANGE[1]:
-        raise APIError(400, f"'seed' must be a 64-bit signed integer, in [-2**63, 2**63); got {options['seed']}",
-                       param="seed")
+        raise APIError(
+            400,
+            f"'seed' must be a 64-bit signed integer, in [-2**63, 2**63); got {options['seed']}",
+            param="seed",
+        )
     ids = options.get("stop_token_ids", [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise APIError(400, f"'stop_token_ids' holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
-                       param="stop_token_ids")
+        raise APIError(
+            400,
+            f"'stop_token_ids' holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+            param="stop_token_ids",
+        )
     if bad := [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]:
-        raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {vocab_size}), got {json.dumps(bad[0])[:40]}",
-                       param="stop_token_ids")
+        raise APIError(
+            400,
+            f"'stop_token_ids' must hold token ids in [0, {vocab_size}), got {json.dumps(bad[0])[:40]}",
+            param="stop_token_ids",
+        )
     bias = get_field(body, "logit_bias", dict)
     if bias and len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
-                       param="logit_bias")
+        raise APIError(
+            400,
+            f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+            param="logit_bias",
+        )
     if bias:
         try:
-            options["logit_bias"] = {int(t): float(b) for t, b in bias.items() if type(b) in (int, float)}
-            if len(options["logit_bias"]) < len(bias): raise ValueError("a bias is not a number")
+            options["logit_bias"] = {
+                int(t): float(b) for t, b in bias.items() if type(b) in (int, float)
+            }
+            if len(options["logit_bias"]) < len(bias):
+                raise ValueError("a bias is not a number")
         except (TypeError, ValueError):
-            raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias") from None
+            raise APIError(
+                400, "'logit_bias' must map token ids to numbers", param="logit_bias"
+            ) from None
         if bad := [t for t in options["logit_bias"] if not 0 <= t < vocab_size]:
-            raise APIError(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab_size})",
-                           param="logit_bias")
-    if kind == "chat":  # chat: logprobs is a switch, top_logprobs the count; text: logprobs is the count
+            raise APIError(
+                400,
+                f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
+    if (
+        kind == "chat"
+    ):  # chat: logprobs is a switch, top_logprobs the count; text: logprobs is the count
         top = get_field(body, "top_logprobs", int)
-        if get_field(body, "logprobs", bool, False): options["logprobs"] = top or 0
-        elif top is not None: raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if get_field(body, "logprobs", bool, False):
+            options["logprobs"] = top or 0
+        elif top is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
         options["logprobs"] = get_field(body, "logprobs", int)
     try:
         structured, asked_by = structured_output(body)
         tools = tool_request(body) if kind == "chat" else None
-        if tools is not None and (forced := tool_call_output(tools.tools, tools.choice, tools.parallel)) is not None:
+        if (
+            tools is not None
+            and (forced := tool_call_output(tools.tools, tools.choice, tools.parallel)) is not None
+        ):
             if structured is not None:
-                raise APIError(400, f"tool_choice={json.dumps(body['tool_choice'])[:40]} already fixes the output: "
-                                    f"drop {asked_by}", param=asked_by)
+                raise APIError(
+                    400,
+                    f"tool_choice={json.dumps(body['tool_choice'])[:40]} already fixes the output: "
+                    f"drop {asked_by}",
+                    param=asked_by,
+                )
             structured = forced
         return SamplingParams(max_tokens=max_tokens, stop=stop, structured=structured, **options)
-    except ValueError as e:  # SamplingParams names the bad field: "invalid sampling parameter top_p=..."
+    except (
+        ValueError
+    ) as e:  # SamplingParams names the bad field: "invalid sampling parameter top_p=..."
         name = re.match(r"invalid sampling parameter (\w+)", str(e))
         raise APIError(400, str(e), param=name.group(1) if name else None) from None
 
 
 # %%
-p = sampling_params({"temperature": 0, "max_tokens": 5, "stop": "\n", "logit_bias": {"42": -100}}, "chat", 10, 100, 500)
-assert (p.temperature, p.max_tokens, p.stop, p.logit_bias, p.logprobs) == (0, 5, ["\n"], {42: -100.0}, None)
-assert sampling_params({}, "chat", 10, 100, 500).max_tokens == 90 and sampling_params({}, "text", 10, 100, 500).max_tokens == 16
+p = sampling_params(
+    {"temperature": 0, "max_tokens": 5, "stop": "\n", "logit_bias": {"42": -100}},
+    "chat",
+    10,
+    100,
+    500,
+)
+assert (p.temperature, p.max_tokens, p.stop, p.logit_bias, p.logprobs) == (
+    0,
+    5,
+    ["\n"],
+    {42: -100.0},
+    None,
+)
+assert (
+    sampling_params({}, "chat", 10, 100, 500).max_tokens == 90
+    and sampling_params({}, "text", 10, 100, 500).max_tokens == 16
+)
 assert sampling_params({"logprobs": True, "top_logprobs": 3}, "chat", 1, 100, 500).logprobs == 3
-assert sampling_params({"logprobs": 2, "max_completion_tokens": 7}, "text", 1, 100, 500).logprobs == 2
+assert (
+    sampling_params({"logprobs": 2, "max_completion_tokens": 7}, "text", 1, 100, 500).logprobs == 2
+)
 
 
 def refused(body, kind="chat"):
-    with pytest.raises(APIError) as info: sampling_params(body, kind, 10, 100, 500)
+    with pytest.raises(APIError) as info:
+        sampling_params(body, kind, 10, 100, 500)
     return info.value
 
 
@@ -372,24 +596,56 @@ assert refused({"n": 2}).param == "n" and "only does n=1" in refused({"n": 2}).m
 assert refused({"temperature": "hot"}).message == "'temperature' must be a number, got \"hot\""
 assert refused({"top_p": 0}).param == "top_p"  # SamplingParams' own check, mapped to its field
 e = refused({"max_tokens": 200})
-assert e.status == 400 and "holds 100 tokens" in e.message and "has 10" in e.message and "asks for 200" in e.message
+assert (
+    e.status == 400
+    and "holds 100 tokens" in e.message
+    and "has 10" in e.message
+    and "asks for 200" in e.message
+)
 assert refused({"logit_bias": {"900": 1}}).param == "logit_bias"
 assert refused({"top_logprobs": 2}).param == "top_logprobs"
 assert refused({"tools": [{"type": "function"}]}).param == "tools"
-for field, value in [("tool_choice", "auto"), ("function_call", "auto"), ("modalities", ["text", "audio"]),
-                     ("audio", {"voice": "alloy"}), ("web_search_options", {}), ("reasoning_effort", "low")]:
-    assert refused({field: value}).param == field, field  # each changes what the reply means: never ignored
-assert sampling_params({"tool_choice": "none", "modalities": ["text"], "user": "u1"}, "chat", 10, 100, 500).n == 1
+for field, value in [
+    ("tool_choice", "auto"),
+    ("function_call", "auto"),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy"}),
+    ("web_search_options", {}),
+    ("reasoning_effort", "low"),
+]:
+    assert refused({field: value}).param == field, (
+        field
+    )  # each changes what the reply means: never ignored
+assert (
+    sampling_params(
+        {"tool_choice": "none", "modalities": ["text"], "user": "u1"}, "chat", 10, 100, 500
+    ).n
+    == 1
+)
 assert refused({"colour": "blue"}).message == 'unrecognized request argument supplied: "colour"'
-assert refused({"echo": True}).param == "echo" and refused({"prompt": "hi"}).param == "prompt"  # not chat's fields
+assert (
+    refused({"echo": True}).param == "echo" and refused({"prompt": "hi"}).param == "prompt"
+)  # not chat's fields
 assert refused({"user": 5}).param == "user"
-assert refused({"stop": ["a", "b", "c", "d", "e"]}).message == "'stop' holds 5 strings; at most 4 are allowed"
+assert (
+    refused({"stop": ["a", "b", "c", "d", "e"]}).message
+    == "'stop' holds 5 strings; at most 4 are allowed"
+)
 e = refused({"stop": "x" * (MAX_STOP_CHARS + 1)})
 assert e.param == "stop" and f"has {MAX_STOP_CHARS + 1} characters" in e.message
 assert refused({"stop": [""]}).param == "stop" and refused({"stop": [1]}).param == "stop"
-assert sampling_params({"stop": ["x" * MAX_STOP_CHARS] * 4}, "chat", 10, 100, 500).stop == ["x" * MAX_STOP_CHARS] * 4
-assert refused({"seed": 2**63}).param == "seed" and sampling_params({"seed": -2**63}, "chat", 1, 100, 500).seed == -2**63
-assert refused({"stop_token_ids": [500]}).param == "stop_token_ids" and refused({"stop_token_ids": ["1"]}).param == "stop_token_ids"
+assert (
+    sampling_params({"stop": ["x" * MAX_STOP_CHARS] * 4}, "chat", 10, 100, 500).stop
+    == ["x" * MAX_STOP_CHARS] * 4
+)
+assert (
+    refused({"seed": 2**63}).param == "seed"
+    and sampling_params({"seed": -(2**63)}, "chat", 1, 100, 500).seed == -(2**63)
+)
+assert (
+    refused({"stop_token_ids": [500]}).param == "stop_token_ids"
+    and refused({"stop_token_ids": ["1"]}).param == "stop_token_ids"
+)
 assert refused({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}).param == "stop_token_ids"
 assert refused({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}).param == "logit_bias"
 assert refused({"logit_bias": {"1": "5"}}).param == "logit_bias"
@@ -403,19 +659,51 @@ assert refused({"logit_bias": {"1": "5"}}).param == "logit_bias"
 
 # %%
 schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-as_schema = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
-assert sampling_params({"response_format": as_schema}, "chat", 1, 100, 500).structured == StructuredOutput("json_schema", schema)
-assert sampling_params({"response_format": {"type": "json_object"}}, "chat", 1, 100, 500).structured.kind == "json_object"
-assert sampling_params({"response_format": {"type": "text"}}, "chat", 1, 100, 500).structured is None
-assert sampling_params({"guided_choice": ["yes", "no"]}, "text", 1, 100, 500).structured == StructuredOutput("choice", ["yes", "no"])
+as_schema = {
+    "type": "json_schema",
+    "json_schema": {"name": "place", "schema": schema, "strict": True},
+}
+assert sampling_params(
+    {"response_format": as_schema}, "chat", 1, 100, 500
+).structured == StructuredOutput("json_schema", schema)
+assert (
+    sampling_params(
+        {"response_format": {"type": "json_object"}}, "chat", 1, 100, 500
+    ).structured.kind
+    == "json_object"
+)
+assert (
+    sampling_params({"response_format": {"type": "text"}}, "chat", 1, 100, 500).structured is None
+)
+assert sampling_params(
+    {"guided_choice": ["yes", "no"]}, "text", 1, 100, 500
+).structured == StructuredOutput("choice", ["yes", "no"])
 assert sampling_params({"guided_regex": "[0-9]+"}, "chat", 1, 100, 500).structured.kind == "regex"
-assert refused({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}).param == "response_format"
+assert (
+    refused(
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a b", "schema": schema},
+            }
+        }
+    ).param
+    == "response_format"
+)
 assert refused({"response_format": {"type": "json_schema"}}).param == "response_format"
 assert refused({"response_format": {"type": "xml"}}).param == "response_format"
 assert refused({"response_format": "json"}).param == "response_format"
-assert refused({"guided_regex": ""}).param == "guided_regex" and refused({"guided_choice": "yes"}).param == "guided_choice"
-assert refused({"response_format": {"type": "json_object"}, "guided_regex": "a"}).param == "guided_regex"
-assert refused({"response_format": {"type": "json_object"}}, "text").param == "response_format"  # a chat field
+assert (
+    refused({"guided_regex": ""}).param == "guided_regex"
+    and refused({"guided_choice": "yes"}).param == "guided_choice"
+)
+assert (
+    refused({"response_format": {"type": "json_object"}, "guided_regex": "a"}).param
+    == "guided_regex"
+)
+assert (
+    refused({"response_format": {"type": "json_object"}}, "text").param == "response_format"
+)  # a chat field
 
 # %% [markdown]
 # **Tools** (chapter 06b): `tools` are rendered into the prompt by the chat template;
@@ -424,16 +712,41 @@ assert refused({"response_format": {"type": "json_object"}}, "text").param == "r
 # output; `parallel_tool_calls: false` allows one call.
 
 # %%
-weather = {"type": "function", "function": {"name": "get_weather",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-assert sampling_params({"tools": [weather]}, "chat", 1, 100, 500).structured is None  # auto: parsed afterwards
-forced = sampling_params({"tools": [weather], "tool_choice": "required"}, "chat", 1, 100, 500).structured
+weather = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+assert (
+    sampling_params({"tools": [weather]}, "chat", 1, 100, 500).structured is None
+)  # auto: parsed afterwards
+forced = sampling_params(
+    {"tools": [weather], "tool_choice": "required"}, "chat", 1, 100, 500
+).structured
 assert forced.kind == "grammar" and '"const": "get_weather"' in forced.spec
-assert tool_request({"tools": [weather], "parallel_tool_calls": False}) == ToolRequest([weather], "auto", False)
+assert tool_request({"tools": [weather], "parallel_tool_calls": False}) == ToolRequest(
+    [weather], "auto", False
+)
 named = {"type": "function", "function": {"name": "get_weather"}}
 assert tool_request({"tools": [weather], "tool_choice": named}).choice == "get_weather"
-assert refused({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "nope"}}}).param == "tool_choice"
-assert refused({"tools": [weather], "tool_choice": "required", "response_format": {"type": "json_object"}}).param == "response_format"
+assert (
+    refused(
+        {"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    ).param
+    == "tool_choice"
+)
+assert (
+    refused(
+        {"tools": [weather], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    ).param
+    == "response_format"
+)
 assert refused({"tool_choice": "required"}).message == "'tool_choice' needs 'tools' to choose from"
 assert refused({"tools": [weather], "parallel_tool_calls": "yes"}).param == "parallel_tool_calls"
 
@@ -447,11 +760,16 @@ assert refused({"tools": [weather], "parallel_tool_calls": "yes"}).param == "par
 def chat_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
     "Token ids of the templated conversation in `body['messages']`."
     if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so no chat template: send token ids to /v1/completions",
-                       param="messages")
+        raise APIError(
+            400,
+            "this model has no tokenizer, so no chat template: send token ids to /v1/completions",
+            param="messages",
+        )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        raise APIError(
+            400, "'messages' must be a non-empty list of {role, content} objects", param="messages"
+        )
     tools = tool_request(body)
     try:
         return tokenizer.encode_chat(messages, tools=tools.tools if tools is not None else None)
@@ -462,28 +780,39 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
 def completion_prompt_ids(tokenizer: Tokenizer | None, body: dict) -> list[int]:
     "Token ids of `body['prompt']`: a string, a list of token ids, or a list holding one of those."
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)): prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            raise APIError(
+                400, "this model has no tokenizer: send the prompt as token ids", param="prompt"
+            )
         try:
             return tokenizer.encode(prompt)
         except ValueError as e:  # not valid Unicode: a lone surrogate
             raise APIError(400, str(e), param="prompt") from None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
-    raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-                   param="prompt")
+    raise APIError(
+        400,
+        "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+        param="prompt",
+    )
 
 
 # %%
 tok = Tokenizer.from_file(fetch("qwen3-tokenizer"))  # the packaged Qwen3 tokenizer
-with pytest.raises(APIError) as info: completion_prompt_ids(tok, {"prompt": "a\ud800b"})
-assert info.value.param == "prompt" and "lone surrogate" in info.value.message  # not valid Unicode: a 400, like chat
-with pytest.raises(APIError) as info: chat_prompt_ids(tok, {"messages": [{"role": "user", "content": "a\ud800b"}]})
+with pytest.raises(APIError) as info:
+    completion_prompt_ids(tok, {"prompt": "a\ud800b"})
+assert (
+    info.value.param == "prompt" and "lone surrogate" in info.value.message
+)  # not valid Unicode: a 400, like chat
+with pytest.raises(APIError) as info:
+    chat_prompt_ids(tok, {"messages": [{"role": "user", "content": "a\ud800b"}]})
 assert info.value.param == "messages"
 check_depth({"a": [[{"b": 1}]]}, limit=4)
-with pytest.raises(APIError) as info: check_depth({"a": [[{"b": []}]]}, limit=4)
+with pytest.raises(APIError) as info:
+    check_depth({"a": [[{"b": []}]]}, limit=4)
 assert "deeper than 4 levels" in info.value.message
 assert json.loads(APIError(400, "bad \ud800").response().body)["error"]["message"] == "bad \ud800"
 
@@ -503,13 +832,18 @@ assert json.loads(APIError(400, "bad \ud800").response().body)["error"]["message
 #| export
 def _nullable(schema: dict) -> dict:
     "`schema`, or JSON null (which means: absent)."
-    if "type" in schema: return {**schema, "type": [schema["type"], "null"]}
-    if "anyOf" in schema: return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    if "type" in schema:
+        return {**schema, "type": [schema["type"], "null"]}
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
     return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _error_response(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
 
 
 def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None) -> dict:
@@ -520,11 +854,18 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
     vocab = f" in [0, {vocab_size})" if vocab_size else " in the vocabulary"
     context = f" ({max_model_len} tokens)" if max_model_len else ""
     props = {
-        "model": _nullable({"type": "string", "description": "the served model's id (GET /v1/models); default: it"}),
+        "model": _nullable(
+            {"type": "string", "description": "the served model's id (GET /v1/models); default: it"}
+        ),
         "stream": _nullable({"type": "boolean"}),
-        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
-        "max_tokens": integer(minimum=1, description=f"prompt + max_tokens must fit the context{context}; default: "
-                              + ("the rest of the context" if kind == "chat" else "16")),
+        "stream_options": _nullable(
+            {"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}
+        ),
+        "max_tokens": integer(
+            minimum=1,
+            description=f"prompt + max_tokens must fit the context{context}; default: "
+            + ("the rest of the context" if kind == "chat" else "16"),
+        ),
         "max_completion_tokens": integer(minimum=1, description="the same as max_tokens"),
         "temperature": number(minimum=0, description="0: greedy"),
         "top_p": number(exclusiveMinimum=0, maximum=1),
@@ -534,173 +875,451 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         "frequency_penalty": number(minimum=-2, maximum=2),
         "repetition_penalty": number(exclusiveMinimum=0),
         "seed": integer(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1),
-        "stop": _nullable({"anyOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOPS}]}),
-        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
-                                     "items": {"type": "integer", "minimum": 0}, "description": f"token ids{vocab}"}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
-                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-                                 "description": f"token id (as a string){vocab} -> bias"}),
+        "stop": _nullable(
+            {"anyOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOPS}]}
+        ),
+        "stop_token_ids": _nullable(
+            {
+                "type": "array",
+                "maxItems": MAX_STOP_TOKEN_IDS,
+                "items": {"type": "integer", "minimum": 0},
+                "description": f"token ids{vocab}",
+            }
+        ),
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "maxProperties": MAX_LOGIT_BIAS,
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                "description": f"token id (as a string){vocab} -> bias",
+            }
+        ),
         "ignore_eos": _nullable({"type": "boolean"}),
         "min_tokens": integer(minimum=0, description="at most max_tokens"),
         "n": integer(minimum=1, maximum=1),
-        "guided_json": _nullable({"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}),
-        "guided_regex": _nullable({"type": "string", "minLength": 1, "description": "a regex the output matches"}),
-        "guided_choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
-                                    "description": "the output is one of these"}),
-        "guided_grammar": _nullable({"type": "string", "minLength": 1, "description": "a Lark grammar"}),
-        **{name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]}) for name, t in NO_EFFECT.items()},
+        "guided_json": _nullable(
+            {"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}
+        ),
+        "guided_regex": _nullable(
+            {"type": "string", "minLength": 1, "description": "a regex the output matches"}
+        ),
+        "guided_choice": _nullable(
+            {
+                "type": "array",
+                "minItems": 1,
+                "items": {"type": "string", "minLength": 1},
+                "description": "the output is one of these",
+            }
+        ),
+        "guided_grammar": _nullable(
+            {"type": "string", "minLength": 1, "description": "a Lark grammar"}
+        ),
+        **{
+            name: _nullable({"type": {str: "string", bool: "boolean", dict: "object"}[t]})
+            for name, t in NO_EFFECT.items()
+        },
     }
     if kind == "chat":
-        part = {"type": "object", "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-        message = {"type": "object", "required": ["role"], "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}],
-                        "description": "null only in an assistant message with tool_calls"},
-            "name": {"type": "string"}, "tool_call_id": {"type": "string"},
-            "tool_calls": {"type": "array", "items": TOOL_CALL_SCHEMA, "description": "assistant messages only"}}}
-        props.update({
-            "messages": {"type": "array", "minItems": 1, "items": message},
-            "logprobs": _nullable({"type": "boolean"}),
-            "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
-            "response_format": _nullable({"oneOf": [
-                {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-                {"type": "object", "required": ["type", "json_schema"], "properties": {
-                    "type": {"const": "json_schema"},
-                    "json_schema": {"type": "object", "required": ["name"], "properties": {
-                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
-                        "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}]}),
-            "tools": _nullable({"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": {
-                "type": "object", "required": ["type", "function"], "properties": {
-                    "type": {"const": "function"},
-                    "function": {"type": "object", "required": ["name"], "properties": {
-                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
-                        "parameters": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}}),
-            "tool_choice": _nullable({"anyOf": [
-                {"enum": ["none", "auto", "required"]},
-                {"type": "object", "required": ["type", "function"], "properties": {
-                    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
-                                                                "properties": {"name": {"type": "string"}}}}}],
-                "description": "needs tools (but 'none')"}),
-            "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "functions": _nullable({"type": "array", "maxItems": 0}), "function_call": _nullable({"const": "none"}),
-            "modalities": _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}),
-        })
+        part = {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        }
+        message = {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                "content": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": part},
+                        {"type": "null"},
+                    ],
+                    "description": "null only in an assistant message with tool_calls",
+                },
+                "name": {"type": "string"},
+                "tool_call_id": {"type": "string"},
+                "tool_calls": {
+                    "type": "array",
+                    "items": TOOL_CALL_SCHEMA,
+                    "description": "assistant messages only",
+                },
+            },
+        }
+        props.update(
+            {
+                "messages": {"type": "array", "minItems": 1, "items": message},
+                "logprobs": _nullable({"type": "boolean"}),
+                "top_logprobs": integer(minimum=0, maximum=20, description="needs logprobs: true"),
+                "response_format": _nullable(
+                    {
+                        "oneOf": [
+                            {
+                                "type": "object",
+                                "required": ["type"],
+                                "properties": {"type": {"enum": ["text", "json_object"]}},
+                            },
+                            {
+                                "type": "object",
+                                "required": ["type", "json_schema"],
+                                "properties": {
+                                    "type": {"const": "json_schema"},
+                                    "json_schema": {
+                                        "type": "object",
+                                        "required": ["name"],
+                                        "properties": {
+                                            "name": {
+                                                "type": "string",
+                                                "pattern": "^[A-Za-z0-9_-]{1,64}$",
+                                            },
+                                            "description": {"type": "string"},
+                                            "schema": {"type": "object"},
+                                            "strict": _nullable({"type": "boolean"}),
+                                        },
+                                    },
+                                },
+                            },
+                        ]
+                    }
+                ),
+                "tools": _nullable(
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_TOOLS,
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "function"],
+                            "properties": {
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                    "properties": {
+                                        "name": {
+                                            "type": "string",
+                                            "pattern": "^[A-Za-z0-9_-]{1,64}$",
+                                        },
+                                        "description": {"type": "string"},
+                                        "parameters": {"type": "object"},
+                                        "strict": _nullable({"type": "boolean"}),
+                                    },
+                                },
+                            },
+                        },
+                    }
+                ),
+                "tool_choice": _nullable(
+                    {
+                        "anyOf": [
+                            {"enum": ["none", "auto", "required"]},
+                            {
+                                "type": "object",
+                                "required": ["type", "function"],
+                                "properties": {
+                                    "type": {"const": "function"},
+                                    "function": {
+                                        "type": "object",
+                                        "required": ["name"],
+                                        "properties": {"name": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        ],
+                        "description": "needs tools (but 'none')",
+                    }
+                ),
+                "parallel_tool_calls": _nullable({"type": "boolean"}),
+                "functions": _nullable({"type": "array", "maxItems": 0}),
+                "function_call": _nullable({"const": "none"}),
+                "modalities": _nullable(
+                    {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}
+                ),
+            }
+        )
     else:
-        props.update({
-            "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
-                                  "description": f"token ids{vocab}"}]},
-            "logprobs": integer(minimum=0, maximum=20), "echo": _nullable({"const": False}),
-            "suffix": _nullable({"const": ""}), "best_of": integer(minimum=1, maximum=1),
-        })
+        props.update(
+            {
+                "prompt": {
+                    "anyOf": [
+                        {"type": "string", "minLength": 1},
+                        {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "integer", "minimum": 0},
+                            "description": f"token ids{vocab}",
+                        },
+                    ]
+                },
+                "logprobs": integer(minimum=0, maximum=20),
+                "echo": _nullable({"const": False}),
+                "suffix": _nullable({"const": ""}),
+                "best_of": integer(minimum=1, maximum=1),
+            }
+        )
     required = ["messages"] if kind == "chat" else ["prompt"]
-    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+    return {
+        "type": "object",
+        "required": required,
+        "properties": props,
+        "additionalProperties": False,
+    }
 
 
-TOOL_CALL_SCHEMA = {"type": "object", "required": ["id", "type", "function"], "properties": {
-    "id": {"type": "string"}, "type": {"const": "function"},
-    "function": {"type": "object", "required": ["name", "arguments"],
-                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}}}}}
+TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "JSON"},
+            },
+        },
+    },
+}
 
 
 def _reply_schema(kind: str) -> dict:
     "The JSON schema of a whole (not streamed) reply."
     logprobs = {"type": ["object", "null"]}
     if kind == "chat":
-        choice = {"index": {"type": "integer"}, "logprobs": logprobs,
-                  "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
-                  "message": {"type": "object", "required": ["role", "content"], "properties": {
-                      "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-                      "tool_calls": {"type": "array", "items": TOOL_CALL_SCHEMA}}}}
+        choice = {
+            "index": {"type": "integer"},
+            "logprobs": logprobs,
+            "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},
+                    "tool_calls": {"type": "array", "items": TOOL_CALL_SCHEMA},
+                },
+            },
+        }
     else:
-        choice = {"index": {"type": "integer"}, "logprobs": logprobs, "finish_reason": {"enum": ["stop", "length"]},
-                  "text": {"type": "string"}}
-    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-             "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
-        "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
-        "choices": {"type": "array", "minItems": 1, "maxItems": 1,
-                    "items": {"type": "object", "required": list(choice), "properties": choice}}}}
+        choice = {
+            "index": {"type": "integer"},
+            "logprobs": logprobs,
+            "finish_reason": {"enum": ["stop", "length"]},
+            "text": {"type": "string"},
+        }
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            k: {"type": "integer", "minimum": 0}
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "usage": usage,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {"type": "object", "required": list(choice), "properties": choice},
+            },
+        },
+    }
 
 
-def openapi_schema(model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
-                   max_model_len: int | None = None, api_key: bool = False) -> dict:
+def openapi_schema(
+    model_name: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+    api_key: bool = False,
+) -> dict:
     "The OpenAPI 3.1 description of this server: the routes, the request fields with their limits, the replies."
-    errors = {"400": _error_response("a field is wrong: `param` names it"),
-              "403": _error_response("a web page's request, or a foreign Host header (no API key set)"),
-              "404": _error_response("no such model"),
-              "413": _error_response(f"the body is over {max_body_bytes} bytes"),
-              "415": _error_response("the body is not sent as application/json (no API key set)"),
-              "429": _error_response("the waiting queue is full: retry after Retry-After seconds"),
-              "503": _error_response("the model is loading, the engine stopped, or the server is shutting down")}
-    if api_key: errors["401"] = _error_response("missing or wrong API key")
+    errors = {
+        "400": _error_response("a field is wrong: `param` names it"),
+        "403": _error_response("a web page's request, or a foreign Host header (no API key set)"),
+        "404": _error_response("no such model"),
+        "413": _error_response(f"the body is over {max_body_bytes} bytes"),
+        "415": _error_response("the body is not sent as application/json (no API key set)"),
+        "429": _error_response("the waiting queue is full: retry after Retry-After seconds"),
+        "503": _error_response(
+            "the model is loading, the engine stopped, or the server is shutting down"
+        ),
+    }
+    if api_key:
+        errors["401"] = _error_response("missing or wrong API key")
 
     def completion(kind: str, summary: str) -> dict:
-        return {"post": {"summary": summary, "operationId": f"create_{kind}_completion",
-                         "requestBody": {"required": True, "content": {"application/json": {
-                             "schema": _request_schema(kind, vocab_size, max_model_len)}}},
-                         "responses": {"200": {"description": "the reply, whole or (stream: true) as server-sent events",
-                                               "content": {"application/json": {"schema": _reply_schema(kind)},
-                                                           "text/event-stream": {"schema": {"type": "string"}}}},
-                                       **errors}}}
+        return {
+            "post": {
+                "summary": summary,
+                "operationId": f"create_{kind}_completion",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": _request_schema(kind, vocab_size, max_model_len)
+                        }
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "the reply, whole or (stream: true) as server-sent events",
+                        "content": {
+                            "application/json": {"schema": _reply_schema(kind)},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        }
 
-    model_card = {"type": "object", "required": ["id", "object", "created", "owned_by"],
-                  "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                                 "owned_by": {"type": "string"}}}
-    listing = {"type": "object", "required": ["object", "data"],
-               "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": model_card}}}
-    json_reply = lambda schema, description="OK": {"description": description,
-                                                   "content": {"application/json": {"schema": schema}}}
+    model_card = {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    }
+    listing = {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": model_card}},
+    }
+    json_reply = lambda schema, description="OK": {
+        "description": description,
+        "content": {"application/json": {"schema": schema}},
+    }
     v1_errors = {k: v for k, v in errors.items() if k in ("401", "403", "503")}
     schema = {
         "openapi": "3.1.0",
-        "info": {"title": "forge-engine", "version": "1",
-                 "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice; "
-                                f"tools, structured outputs), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
-                                f"{MAX_JSON_DEPTH} levels deep."},
+        "info": {
+            "title": "forge-engine",
+            "version": "1",
+            "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice; "
+            f"tools, structured outputs), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
+            f"{MAX_JSON_DEPTH} levels deep.",
+        },
         "paths": {
             "/v1/chat/completions": completion("chat", "a chat completion"),
             "/v1/completions": completion("text", "a text completion"),
-            "/v1/models": {"get": {"summary": "the served model", "operationId": "list_models",
-                                   "responses": {"200": json_reply(listing), **v1_errors}}},
-            "/v1/models/{model}": {"get": {"summary": "one model", "operationId": "retrieve_model",
-                                           "parameters": [{"name": "model", "in": "path", "required": True,
-                                                           "schema": {"type": "string"}}],
-                                           "responses": {"200": json_reply(model_card), "404": errors["404"],
-                                                         **v1_errors}}},
-            "/v1/engine/stats": {"get": {"summary": "the engine's live numbers (the chat page's panel)",
-                                         "operationId": "engine_stats",
-                                         "responses": {"200": json_reply({"type": "object"}), **v1_errors}}},
-            "/health": {"get": {"summary": "200 once the model is loaded and warmed up", "operationId": "health",
-                                "responses": {"200": json_reply({"type": "object", "required": ["status"]}),
-                                              "503": json_reply({"type": "object", "required": ["status"]},
-                                                                "loading, or unavailable"),
-                                              "403": errors["403"]}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
-                                 "responses": {"200": {"description": "the text format",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
-                                               "403": errors["403"]}}},
+            "/v1/models": {
+                "get": {
+                    "summary": "the served model",
+                    "operationId": "list_models",
+                    "responses": {"200": json_reply(listing), **v1_errors},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "one model",
+                    "operationId": "retrieve_model",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {"200": json_reply(model_card), "404": errors["404"], **v1_errors},
+                }
+            },
+            "/v1/engine/stats": {
+                "get": {
+                    "summary": "the engine's live numbers (the chat page's panel)",
+                    "operationId": "engine_stats",
+                    "responses": {"200": json_reply({"type": "object"}), **v1_errors},
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 once the model is loaded and warmed up",
+                    "operationId": "health",
+                    "responses": {
+                        "200": json_reply({"type": "object", "required": ["status"]}),
+                        "503": json_reply(
+                            {"type": "object", "required": ["status"]}, "loading, or unavailable"
+                        ),
+                        "403": errors["403"],
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "operationId": "metrics",
+                    "responses": {
+                        "200": {
+                            "description": "the text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        "403": errors["403"],
+                    },
+                }
+            },
         },
-        "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}},
+        "components": {
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "param", "code"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                }
+            }
+        },
     }
     if api_key:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in schema["paths"].items():
             if path.startswith("/v1/"):
-                for operation in item.values(): operation["security"] = [{"bearer": []}]
+                for operation in item.values():
+                    operation["security"] = [{"bearer": []}]
     return schema
 
 
 # %%
 spec = openapi_schema("qwen3-tiny", vocab_size=500, max_model_len=100)
-chat_body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-assert chat_body["properties"]["stop"]["anyOf"][1]["maxItems"] == MAX_STOPS and chat_body["additionalProperties"] is False
+chat_body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
+    "application/json"
+]["schema"]
+assert (
+    chat_body["properties"]["stop"]["anyOf"][1]["maxItems"] == MAX_STOPS
+    and chat_body["additionalProperties"] is False
+)
 assert set(chat_body["properties"]) <= KNOWN_FIELDS["chat"]
-text_body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-assert set(text_body["properties"]) <= KNOWN_FIELDS["text"] and "401" not in spec["paths"]["/v1/models"]["get"]["responses"]
-assert openapi_schema("m", api_key=True)["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+text_body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"][
+    "schema"
+]
+assert (
+    set(text_body["properties"]) <= KNOWN_FIELDS["text"]
+    and "401" not in spec["paths"]["/v1/models"]["get"]["responses"]
+)
+assert openapi_schema("m", api_key=True)["paths"]["/v1/models"]["get"]["security"] == [
+    {"bearer": []}
+]

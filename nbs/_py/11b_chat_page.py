@@ -49,7 +49,11 @@ def static_text(name: str) -> str:
     return (STATIC / name).read_bytes().decode("utf-8")
 
 
-CHAT_STYLE, CHAT_SCRIPT, CHAT_HTML = static_text("chat.css"), static_text("chat.js"), static_text("chat.html")
+CHAT_STYLE, CHAT_SCRIPT, CHAT_HTML = (
+    static_text("chat.css"),
+    static_text("chat.js"),
+    static_text("chat.html"),
+)
 
 
 def csp_hash(code: str) -> str:
@@ -60,14 +64,22 @@ def csp_hash(code: str) -> str:
 CHAT_PAGE = CHAT_HTML.replace("%STYLE%", CHAT_STYLE).replace("%SCRIPT%", CHAT_SCRIPT)
 CHAT_PAGE_HEADERS = {
     "Content-Security-Policy": f"default-src 'none'; script-src {csp_hash(CHAT_SCRIPT)}; "
-                               f"style-src {csp_hash(CHAT_STYLE)}; connect-src 'self'; img-src data:; "
-                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+    f"style-src {csp_hash(CHAT_STYLE)}; connect-src 'self'; img-src data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
 }
 
 # %%
-assert "innerHTML" not in CHAT_SCRIPT and "insertAdjacentHTML" not in CHAT_SCRIPT and "document.write" not in CHAT_SCRIPT
-assert CHAT_PAGE.count("<script>") == 1 and csp_hash(CHAT_SCRIPT) in CHAT_PAGE_HEADERS["Content-Security-Policy"]
+assert (
+    "innerHTML" not in CHAT_SCRIPT
+    and "insertAdjacentHTML" not in CHAT_SCRIPT
+    and "document.write" not in CHAT_SCRIPT
+)
+assert (
+    CHAT_PAGE.count("<script>") == 1
+    and csp_hash(CHAT_SCRIPT) in CHAT_PAGE_HEADERS["Content-Security-Policy"]
+)
 
 # %% [markdown]
 # The hashes in the policy are those of what the page inlines, byte for byte: a browser
@@ -77,8 +89,11 @@ assert CHAT_PAGE.count("<script>") == 1 and csp_hash(CHAT_SCRIPT) in CHAT_PAGE_H
 # %%
 inline_script = re.search(r"<script>(.*)</script>", CHAT_PAGE, re.S).group(1)
 inline_style = re.search(r"<style>(.*)</style>", CHAT_PAGE, re.S).group(1)
-assert (inline_script, inline_style) == (CHAT_SCRIPT, CHAT_STYLE) 
+assert (inline_script, inline_style) == (CHAT_SCRIPT, CHAT_STYLE)
 assert "%STYLE%" not in CHAT_PAGE and "%SCRIPT%" not in CHAT_PAGE
 policy = CHAT_PAGE_HEADERS["Content-Security-Policy"]
-assert f"script-src {csp_hash(inline_script)};" in policy and f"style-src {csp_hash(inline_style)};" in policy
+assert (
+    f"script-src {csp_hash(inline_script)};" in policy
+    and f"style-src {csp_hash(inline_style)};" in policy
+)
 assert (STATIC / "chat.js").read_bytes() == inline_script.encode()

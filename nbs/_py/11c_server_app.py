@@ -39,9 +39,22 @@ from forge_engine.grammar import GrammarError
 from forge_engine.scheduler import QueueFullError
 from forge_engine.server.chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from forge_engine.server.metrics import ServerMetrics
-from forge_engine.server.protocol import (DEFAULT_MAX_BODY_BYTES, APIError, chat_prompt_ids, check_fields,
-                                          completion_prompt_ids, get_field, openapi_schema, output_error, read_json,
-                                          sampling_params, structured_output, submit_error, tool_request, ToolRequest)
+from forge_engine.server.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    chat_prompt_ids,
+    check_fields,
+    completion_prompt_ids,
+    get_field,
+    openapi_schema,
+    output_error,
+    read_json,
+    sampling_params,
+    structured_output,
+    submit_error,
+    tool_request,
+    ToolRequest,
+)
 from forge_engine.tokenizer import Tokenizer
 from forge_engine.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -71,9 +84,21 @@ def sse(data: dict | str) -> str:
 
 class Reply:
     "OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text')."
-    def __init__(self, kind: str, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None = None,
-                 tools: ToolRequest | None = None):
-        self.kind, self.model, self.tokenizer, self.top_logprobs = kind, model, tokenizer, top_logprobs
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        tokenizer: Tokenizer | None,
+        top_logprobs: int | None = None,
+        tools: ToolRequest | None = None,
+    ):
+        self.kind, self.model, self.tokenizer, self.top_logprobs = (
+            kind,
+            model,
+            tokenizer,
+            top_logprobs,
+        )
         # tool calls are read out of the text (chapter 06b) unless the request offers none or chose 'none'
         self.calls = ToolCallStream() if tools is not None and tools.choice != "none" else None
         self.calls_sent = 0
@@ -81,37 +106,74 @@ class Reply:
         self.created = int(time.time())
 
     def _head(self, streamed: bool) -> dict:
-        obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.kind == "chat" else "text_completion"
+        obj = (
+            ("chat.completion.chunk" if streamed else "chat.completion")
+            if self.kind == "chat"
+            else "text_completion"
+        )
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish_reason: str | None, logprobs: dict | None, streamed: bool,
-                role: bool = False) -> dict:
+    def _choice(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict | None,
+        streamed: bool,
+        role: bool = False,
+    ) -> dict:
         if self.kind == "text":
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if not streamed: message = {"role": "assistant", "content": text}
-        else: message = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-        return {"index": 0, "delta" if streamed else "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not streamed:
+            message = {"role": "assistant", "content": text}
+        else:
+            message = (
+                {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            )
+        return {
+            "index": 0,
+            "delta" if streamed else "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     def logprobs(self, out: RequestOutput, start: int) -> dict | None:
         "Log-probabilities of `out.token_ids[start:]`, shaped as this kind of reply wants them."
-        if self.top_logprobs is None or out.logprobs is None: return None
+        if self.top_logprobs is None or out.logprobs is None:
+            return None
         rows = []
         for token, alternatives in zip(out.token_ids[start:], out.logprobs[start:]):
-            top = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self.top_logprobs]
-            rows.append((self.token_text(token), alternatives[token], [(self.token_text(t), lp) for t, lp in top]))
+            top = sorted(alternatives.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
+            rows.append(
+                (
+                    self.token_text(token),
+                    alternatives[token],
+                    [(self.token_text(t), lp) for t, lp in top],
+                )
+            )
         if self.kind == "text":
-            return {"tokens": [s for s, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-                    "top_logprobs": [dict(top) for _, _, top in rows]}
+            return {
+                "tokens": [s for s, _, _ in rows],
+                "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [dict(top) for _, _, top in rows],
+            }
         entry = lambda s, lp: {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {"content": [{**entry(s, lp), "top_logprobs": [entry(*a) for a in top]} for s, lp, top in rows]}
+        return {
+            "content": [
+                {**entry(s, lp), "top_logprobs": [entry(*a) for a in top]} for s, lp, top in rows
+            ]
+        }
 
     def usage(self, out: RequestOutput) -> dict:
         n, m = len(out.prompt_token_ids), len(out.token_ids)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": m,
+            "total_tokens": n + m,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        }
 
     def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
         return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
@@ -119,13 +181,21 @@ class Reply:
     def whole(self, out: RequestOutput) -> dict:
         "The reply to a request with stream=false, from its final output."
         content, calls = parse_tool_calls(out.text) if self.calls is not None else (out.text, [])
-        choice = self._choice(content, self._finish_reason(out, bool(calls)), self.logprobs(out, 0), False)
-        if calls: choice["message"].update(content=content or None, tool_calls=[c.openai() for c in calls])
+        choice = self._choice(
+            content, self._finish_reason(out, bool(calls)), self.logprobs(out, 0), False
+        )
+        if calls:
+            choice["message"].update(
+                content=content or None, tool_calls=[c.openai() for c in calls]
+            )
         return {**self._head(False), "choices": [choice], "usage": self.usage(out)}
 
     def role_chunk(self, include_usage: bool) -> dict:
-        return {**self._head(True), "choices": [self._choice("", None, None, True, role=True)],
-                **({"usage": None} if include_usage else {})}
+        return {
+            **self._head(True),
+            "choices": [self._choice("", None, None, True, role=True)],
+            **({"usage": None} if include_usage else {}),
+        }
 
     def chunks(self, out: RequestOutput, include_usage: bool) -> list[dict]:
         "The stream chunks one output adds: its new text, then (when it is the last) the finish reason and usage."
@@ -133,30 +203,68 @@ class Reply:
         start = len(out.token_ids) - len(out.delta_token_ids)
         logprobs = self.logprobs(out, start) if out.delta_token_ids else None
         chunks, text, calls = [], out.delta_text, []
-        if self.calls is not None: text, calls = self.calls.add(out.delta_text, final=out.finished)
+        if self.calls is not None:
+            text, calls = self.calls.add(out.delta_text, final=out.finished)
         if text or logprobs:
             chunks.append({**head, "choices": [self._choice(text, None, logprobs, True)], **usage})
         for call in calls:  # each call whole, in one chunk, when its block closes
             delta = {"tool_calls": [call.openai(index=self.calls_sent)]}
             self.calls_sent += 1
-            chunks.append({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-                           **usage})
+            chunks.append(
+                {
+                    **head,
+                    "choices": [
+                        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                    ],
+                    **usage,
+                }
+            )
         if out.finished:
-            chunks.append({**head, "choices": [self._choice("", self._finish_reason(out, self.calls_sent > 0), None, True)],
-                           **usage})
-            if include_usage: chunks.append({**head, "choices": [], "usage": self.usage(out)})
+            chunks.append(
+                {
+                    **head,
+                    "choices": [
+                        self._choice("", self._finish_reason(out, self.calls_sent > 0), None, True)
+                    ],
+                    **usage,
+                }
+            )
+            if include_usage:
+                chunks.append({**head, "choices": [], "usage": self.usage(out)})
         return chunks
 
 
 # %%
-out = RequestOutput("r", None, [1, 2, 3], "Hi there", [7, 8], finished=True, finish_reason="stop",
-                    delta_text=" there", delta_token_ids=[8], logprobs=[{7: -0.1, 9: -3.0}, {8: -0.5, 7: -1.5, 9: -2.0}])
+out = RequestOutput(
+    "r",
+    None,
+    [1, 2, 3],
+    "Hi there",
+    [7, 8],
+    finished=True,
+    finish_reason="stop",
+    delta_text=" there",
+    delta_token_ids=[8],
+    logprobs=[{7: -0.1, 9: -3.0}, {8: -0.5, 7: -1.5, 9: -2.0}],
+)
 chat = Reply("chat", "m", None, top_logprobs=1)
 whole = chat.whole(out)
-assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
-assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
-assert whole["choices"][0]["logprobs"]["content"][1] == {"token": "8", "logprob": -0.5, "bytes": [56],
-                                                          "top_logprobs": [{"token": "8", "logprob": -0.5, "bytes": [56]}]}
+assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
+    "role": "assistant",
+    "content": "Hi there",
+}
+assert whole["usage"] == {
+    "prompt_tokens": 3,
+    "completion_tokens": 2,
+    "total_tokens": 5,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
+assert whole["choices"][0]["logprobs"]["content"][1] == {
+    "token": "8",
+    "logprob": -0.5,
+    "bytes": [56],
+    "top_logprobs": [{"token": "8", "logprob": -0.5, "bytes": [56]}],
+}
 text, finish, usage = chat.chunks(out, include_usage=True)
 assert text["choices"][0]["delta"] == {"content": " there"} and text["usage"] is None
 assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
@@ -164,26 +272,46 @@ assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
 completion = Reply("text", "m", None, top_logprobs=2).whole(out)
 assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == "Hi there"
 assert completion["choices"][0]["logprobs"]["top_logprobs"][1] == {"8": -0.5, "7": -1.5}
-assert sse({"a": "line\nbreak"}) == 'data: {"a": "line\\nbreak"}\n\n' and sse("[DONE]") == "data: [DONE]\n\n"
+assert (
+    sse({"a": "line\nbreak"}) == 'data: {"a": "line\\nbreak"}\n\n'
+    and sse("[DONE]") == "data: [DONE]\n\n"
+)
 
 # a reply with tool calls (chapter 06b), whole and streamed in pieces: content, one chunk per call, "tool_calls"
 tools = ToolRequest([{"type": "function", "function": {"name": "get_weather"}}], "auto")
-said = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-whole = Reply("chat", "m", None, tools=tools).whole(RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop"))
+said = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+whole = Reply("chat", "m", None, tools=tools).whole(
+    RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop")
+)
 message = whole["choices"][0]["message"]
 assert message["content"] == "Checking." and whole["choices"][0]["finish_reason"] == "tool_calls"
-assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+assert message["tool_calls"][0]["function"] == {
+    "name": "get_weather",
+    "arguments": '{"city": "Paris"}',
+}
 streaming, chunks = Reply("chat", "m", None, tools=tools), []
 for i in range(0, len(said), 5):
-    piece = RequestOutput("r", None, [1], said[:i + 5], [5], finished=i + 5 >= len(said), finish_reason="stop",
-                          delta_text=said[i:i + 5], delta_token_ids=[5])
+    piece = RequestOutput(
+        "r",
+        None,
+        [1],
+        said[: i + 5],
+        [5],
+        finished=i + 5 >= len(said),
+        finish_reason="stop",
+        delta_text=said[i : i + 5],
+        delta_token_ids=[5],
+    )
     chunks += streaming.chunks(piece, include_usage=False)
 deltas = [c["choices"][0]["delta"] for c in chunks]
 assert "".join(d.get("content", "") for d in deltas) == "Checking."
 assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == [0]
 assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 plain = Reply("chat", "m", None, tools=ToolRequest(tools.tools, "none")).whole(
-    RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop"))
+    RequestOutput("r", None, [1], said, [5], finished=True, finish_reason="stop")
+)
 assert plain["choices"][0]["message"]["content"] == said  # tool_choice none: the text as it is
 
 
@@ -215,65 +343,97 @@ class ClientGone(Exception):
 
 
 async def wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect": pass
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable):
     "Await `awaitable`, but cancel it and raise ClientGone as soon as the client disconnects."
-    work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(wait_for_disconnect(request))
+    work, gone = (
+        asyncio.ensure_future(awaitable),
+        asyncio.ensure_future(wait_for_disconnect(request)),
+    )
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client went first: cancel the work and wait until it is cancelled (or done)
+        if (
+            not work.done()
+        ):  # the client went first: cancel the work and wait until it is cancelled (or done)
             work.cancel()
             await asyncio.wait((work,))
     finally:
         gone.cancel()
-        if not work.done(): work.cancel()
-    if work.cancelled(): raise ClientGone()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ClientGone()
     return work.result()
 
 
 class Generation:
     "One request in flight: submitted to the engine, its outputs counted in the metrics, aborted if abandoned."
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str, live: set | None = None, grammar=None):
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        live: set | None = None,
+        grammar=None,
+    ):
         self.engine, self.metrics, self.request_id = engine, metrics, request_id
         self._outputs = engine.stream(prompt_ids, params, request_id=request_id, grammar=grammar)
         self.last: RequestOutput | None = None
         self._tokens_at: float | None = None
-        self.live = live if live is not None else set()  # the requests in flight, which shutdown cuts off
+        self.live = (
+            live if live is not None else set()
+        )  # the requests in flight, which shutdown cuts off
         self.submitted = self.was_cut_off = False
 
     async def next(self) -> RequestOutput:
         "The next output. Before the first, refusals and engine errors raise APIError."
-        if self.last is None: self.live.add(self); self.submitted = True  # the first call submits, unless refused
+        if self.last is None:
+            self.live.add(self)
+            self.submitted = True  # the first call submits, unless refused
         try:
             out = await anext(self._outputs)
         except (QueueFullError, EngineDeadError, ValueError) as e:
-            self.live.discard(self); self.submitted = False
+            self.live.discard(self)
+            self.submitted = False
             raise submit_error(e) from None
         now = time.perf_counter()
-        if self.last is None: self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-        since = now - self._tokens_at if self._tokens_at is not None and out.delta_token_ids else None
+        if self.last is None:
+            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        since = (
+            now - self._tokens_at if self._tokens_at is not None and out.delta_token_ids else None
+        )
         self.metrics.observe(out, since)
-        if out.delta_token_ids: self._tokens_at = now
+        if out.delta_token_ids:
+            self._tokens_at = now
         first, self.last = self.last is None, out
-        if out.finished: self.live.discard(self)
-        if first and out.finish_reason == "error": raise output_error(out, self.engine)
+        if out.finished:
+            self.live.discard(self)
+        if first and out.finish_reason == "error":
+            raise output_error(out, self.engine)
         return out
 
     async def final(self) -> RequestOutput:
         out = await self.next()
-        while not out.finished: out = await self.next()
+        while not out.finished:
+            out = await self.next()
         return out
 
     def abandon(self) -> None:
         "Nobody listens any more: abort the request unless it finished (its blocks come back within one step)."
         self.live.discard(self)
-        if not self.submitted or (self.last is not None and self.last.finished): return
+        if not self.submitted or (self.last is not None and self.last.finished):
+            return
         try:
             self.engine.abort(self.request_id)
-        except ValueError:  # its abort is through already: AsyncEngine.stream's, when the wait was cancelled
+        except (
+            ValueError
+        ):  # its abort is through already: AsyncEngine.stream's, when the wait was cancelled
             pass
         self.submitted = False  # counted once
         self.metrics.requests.labels("abort").inc()
@@ -287,22 +447,31 @@ class Generation:
             pass
 
 
-SHUTDOWN_ERROR = APIError(503, "the server is shutting down: this reply was cut off", code="server_shutting_down")
+SHUTDOWN_ERROR = APIError(
+    503, "the server is shutting down: this reply was cut off", code="server_shutting_down"
+)
 
 
-async def sse_events(reply: Reply, generation: Generation, first: RequestOutput, include_usage: bool) -> AsyncIterator[str]:
+async def sse_events(
+    reply: Reply, generation: Generation, first: RequestOutput, include_usage: bool
+) -> AsyncIterator[str]:
     "The body of a streamed reply, from its first output on."
     out = first
     try:
-        if reply.kind == "chat": yield sse(reply.role_chunk(include_usage))
+        if reply.kind == "chat":
+            yield sse(reply.role_chunk(include_usage))
         while True:
-            if out.finish_reason == "error":  # the status line is long gone: report it in the stream
+            if (
+                out.finish_reason == "error"
+            ):  # the status line is long gone: report it in the stream
                 yield sse(output_error(out, generation.engine).body())
                 break
-            for chunk in reply.chunks(out, include_usage): yield sse(chunk)
+            for chunk in reply.chunks(out, include_usage):
+                yield sse(chunk)
             if out.finish_reason == "abort" and generation.was_cut_off:
                 yield sse(SHUTDOWN_ERROR.body())
-            if out.finished: break
+            if out.finished:
+                break
             out = await generation.next()
         yield sse("[DONE]")
     finally:  # also on cancellation (the client disconnected) and when the generator is closed early
@@ -341,6 +510,7 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 @dataclass
 class ServerState:
     "What the HTTP side knows: the served model name, the engine once it is there, the limits and the metrics."
+
     model_name: str
     engine: AsyncEngine | None = None
     api_key: str | None = None
@@ -348,7 +518,9 @@ class ServerState:
     load_error: str | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
-    allowed_hosts: frozenset[str] = LOCAL_HOSTS  # Host header names (no port) answered without an API key
+    allowed_hosts: frozenset[str] = (
+        LOCAL_HOSTS  # Host header names (no port) answered without an API key
+    )
     cors_origins: frozenset[str] = frozenset()
     live: set = field(default_factory=set)  # the Generations in flight
     shutting_down: bool = False
@@ -357,67 +529,122 @@ class ServerState:
         "The engine, or a 503 saying why there is none."
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
-        if self.load_error is not None: raise APIError(503, self.load_error, code="engine_unavailable")
+        if self.load_error is not None:
+            raise APIError(503, self.load_error, code="engine_unavailable")
         if self.engine is None:
-            raise APIError(503, f"model {self.model_name!r} is still loading; retry when GET /health says ok",
-                           code="model_loading", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                f"model {self.model_name!r} is still loading; retry when GET /health says ok",
+                code="model_loading",
+                headers={"Retry-After": "5"},
+            )
         if not self.engine.alive:
-            why = f"{type(self.engine.error).__name__}: {self.engine.error}" if self.engine.error else "it was closed"
+            why = (
+                f"{type(self.engine.error).__name__}: {self.engine.error}"
+                if self.engine.error
+                else "it was closed"
+            )
             raise APIError(503, f"the engine has stopped ({why})", code="engine_unavailable")
         return self.engine
 
     def model_card(self) -> dict:
         "An OpenAI model object, plus the loaded model's metadata from the registry once it is loaded."
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "forge-engine"}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "forge-engine",
+        }
         if self.engine is not None:
             card["max_model_len"] = self.engine.engine.max_model_len
-            card.update({k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card})
+            card.update(
+                {k: v for k, v in self.engine.engine.loaded.metadata.items() if k not in card}
+            )
         return card
 
     async def drain(self, grace: float) -> None:
         "Shut down: refuse new requests, give those in flight `grace` seconds, then cut the rest off."
         self.shutting_down = True
         deadline = time.monotonic() + grace
-        while self.live and time.monotonic() < deadline: await asyncio.sleep(0.05)
-        if self.live: logger.warning("cutting off %d request(s) still running after %.1f s", len(self.live), grace)
-        for generation in list(self.live): generation.cut_off()
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live:
+            logger.warning(
+                "cutting off %d request(s) still running after %.1f s", len(self.live), grace
+            )
+        for generation in list(self.live):
+            generation.cut_off()
 
     def browser_error(self, scope: dict) -> APIError | None:
         "Without an API key: why a request that a web page could have made is refused (None: it is not)."
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
-        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        name = (
+            host[1 : host.index("]")]
+            if host.startswith("[") and "]" in host
+            else host.rsplit(":", 1)[0]
+        )
         if host and "*" not in self.allowed_hosts and name.lower() not in self.allowed_hosts:
-            return APIError(403, f"Host {host[:100]!r} is not a name this server answers to without an API key (a page "
-                                 f"on that domain could use it: DNS rebinding); start it with --allowed-hosts "
-                                 f"{name[:100]} or with --api-key", code="host_not_allowed")
+            return APIError(
+                403,
+                f"Host {host[:100]!r} is not a name this server answers to without an API key (a page "
+                f"on that domain could use it: DNS rebinding); start it with --allowed-hosts "
+                f"{name[:100]} or with --api-key",
+                code="host_not_allowed",
+            )
         origin = headers.get("origin")
-        if origin is not None and origin not in self.cors_origins and urlsplit(origin).netloc.lower() != host.lower():
-            return APIError(403, f"requests from web pages at {origin[:100]!r} are refused: without an API key any page "
-                                 f"could use this server; start it with --cors-origin {origin[:100]} or with --api-key",
-                            code="origin_not_allowed")
+        if (
+            origin is not None
+            and origin not in self.cors_origins
+            and urlsplit(origin).netloc.lower() != host.lower()
+        ):
+            return APIError(
+                403,
+                f"requests from web pages at {origin[:100]!r} are refused: without an API key any page "
+                f"could use this server; start it with --cors-origin {origin[:100]} or with --api-key",
+                code="origin_not_allowed",
+            )
         if scope["method"] == "POST" and scope["path"].startswith("/v1/"):
             media_type = headers.get("content-type", "").split(";")[0].strip().lower()
             if media_type != "application/json":
-                return APIError(415, f"the body must be sent as 'Content-Type: application/json', not "
-                                     f"{media_type[:100] or 'without one'!r}", code="unsupported_media_type")
+                return APIError(
+                    415,
+                    f"the body must be sent as 'Content-Type: application/json', not "
+                    f"{media_type[:100] or 'without one'!r}",
+                    code="unsupported_media_type",
+                )
         return None
 
     def check_model(self, body: dict) -> None:
         model = get_field(body, "model", str)
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
 
 def engine_stats_json(stats: EngineStats) -> dict:
     "The engine snapshot for the chat page's live panel."
     kv = stats.kv
-    return {"running": stats.running, "waiting": stats.waiting, "steps": stats.steps,
-            "generated_tokens": stats.generated_tokens, "tokens_per_s": stats.tokens_per_s,
-            "kv": {"total_blocks": kv.total_blocks, "used_blocks": kv.used_blocks, "cached_blocks": kv.cached_blocks,
-                   "free_blocks": kv.free_blocks, "usage": kv.usage, "prefix_hit_rate": kv.hit_rate},
-            "block_map": stats.block_map}
+    return {
+        "running": stats.running,
+        "waiting": stats.waiting,
+        "steps": stats.steps,
+        "generated_tokens": stats.generated_tokens,
+        "tokens_per_s": stats.tokens_per_s,
+        "kv": {
+            "total_blocks": kv.total_blocks,
+            "used_blocks": kv.used_blocks,
+            "cached_blocks": kv.cached_blocks,
+            "free_blocks": kv.free_blocks,
+            "usage": kv.usage,
+            "prefix_hit_rate": kv.hit_rate,
+        },
+        "block_map": stats.block_map,
+    }
 
 
 async def complete(state: ServerState, request: Request, kind: str) -> Response:
@@ -427,113 +654,179 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
     state.check_model(body)
     check_fields(body, kind)
     stream = get_field(body, "stream", bool, False)
-    include_usage = stream and get_field(get_field(body, "stream_options", dict, {}), "include_usage", bool, False)
+    include_usage = stream and get_field(
+        get_field(body, "stream_options", dict, {}), "include_usage", bool, False
+    )
     tokenizer = engine.engine.loaded.tokenizer
-    ids = await run_in_threadpool(chat_prompt_ids if kind == "chat" else completion_prompt_ids, tokenizer, body)
+    ids = await run_in_threadpool(
+        chat_prompt_ids if kind == "chat" else completion_prompt_ids, tokenizer, body
+    )
     try:
         ids = engine.engine.check_prompt(ids)  # reads constants only: safe off the engine thread
     except ValueError as e:
         raise submit_error(e) from None
-    params = sampling_params(body, kind, len(ids), engine.engine.max_model_len, engine.engine.loaded.config.vocab_size)
+    params = sampling_params(
+        body, kind, len(ids), engine.engine.max_model_len, engine.engine.loaded.config.vocab_size
+    )
     grammar = None
-    if params.structured is not None:  # compiled off the event loop: a large schema takes a while (chapter 06a)
+    if (
+        params.structured is not None
+    ):  # compiled off the event loop: a large schema takes a while (chapter 06a)
         try:
             grammar = await run_in_threadpool(engine.engine.compile_grammar, params.structured)
         except GrammarError as e:
             raise APIError(400, str(e), param=structured_output(body)[1] or "tools") from None
-    reply = Reply(kind, state.model_name, tokenizer, params.logprobs, tool_request(body) if kind == "chat" else None)
+    reply = Reply(
+        kind,
+        state.model_name,
+        tokenizer,
+        params.logprobs,
+        tool_request(body) if kind == "chat" else None,
+    )
     generation = Generation(engine, state.metrics, ids, params, reply.id, state.live, grammar)
     try:
         if not stream:
             out = await unless_disconnected(request, generation.final())
-            if out.finish_reason == "error": raise output_error(out, engine)
-            if out.finish_reason == "abort" and generation.was_cut_off: raise SHUTDOWN_ERROR
+            if out.finish_reason == "error":
+                raise output_error(out, engine)
+            if out.finish_reason == "abort" and generation.was_cut_off:
+                raise SHUTDOWN_ERROR
             return JSONResponse(reply.whole(out))
         first = await unless_disconnected(request, generation.next())
     except ClientGone:
         generation.abandon()
         return Response(status_code=499)  # nobody reads it
-    return StreamingResponse(sse_events(reply, generation, first, include_usage), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        sse_events(reply, generation, first, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 class CatchAll:
     "ASGI middleware: an exception before the response began becomes a 500 in OpenAI's shape, the connection kept."
-    def __init__(self, app): self.app = app
+
+    def __init__(self, app):
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         started = False
+
         async def watch(message):
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
+
         try:
             await self.app(scope, receive, watch)
         except Exception as e:
-            if started or scope["type"] != "http": raise  # half a response: only closing the connection tells
+            if started or scope["type"] != "http":
+                raise  # half a response: only closing the connection tells
             logger.exception("internal error on %s %s", scope["method"], scope["path"])
-            await APIError(500, f"internal error: {type(e).__name__}: {e}"[:500], code="internal_error").response()(
-                scope, receive, send)
+            await APIError(
+                500, f"internal error: {type(e).__name__}: {e}"[:500], code="internal_error"
+            ).response()(scope, receive, send)
 
 
 class BrowserGuard:
     "ASGI middleware: `ServerState.browser_error` refusals, when no API key is set."
-    def __init__(self, app, state: ServerState): self.app, self.state = app, state
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.state.api_key is None and (e := self.state.browser_error(scope)):
+        if (
+            scope["type"] == "http"
+            and self.state.api_key is None
+            and (e := self.state.browser_error(scope))
+        ):
             return await e.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: Sequence[str] = ()) -> FastAPI:
+def create_app(
+    engine: AsyncEngine | None,
+    model_name: str,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: Sequence[str] = (),
+) -> FastAPI:
     """The HTTP app around a running `AsyncEngine` (None while it loads: set `app.state.forge.engine` later).
     `allowed_hosts`: Host names answered without an API key besides localhost, 127.0.0.1 and ::1 ('*': any)."""
-    state = ServerState(model_name, engine, api_key or None, max_body_bytes,
-                        allowed_hosts=LOCAL_HOSTS | {h.lower().strip("[]") for h in allowed_hosts},
-                        cors_origins=frozenset(cors_origins))
+    state = ServerState(
+        model_name,
+        engine,
+        api_key or None,
+        max_body_bytes,
+        allowed_hosts=LOCAL_HOSTS | {h.lower().strip("[]") for h in allowed_hosts},
+        cors_origins=frozenset(cors_origins),
+    )
     app = FastAPI(title="forge-engine", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.forge = state
 
     def openapi() -> dict:
         "The schema, with the loaded model's vocabulary and context once it is there."
         e = state.engine.engine if state.engine is not None else None
-        return openapi_schema(model_name, max_body_bytes, e and e.loaded.config.vocab_size, e and e.max_model_len,
-                              api_key=state.api_key is not None)
+        return openapi_schema(
+            model_name,
+            max_body_bytes,
+            e and e.loaded.config.vocab_size,
+            e and e.max_model_len,
+            api_key=state.api_key is not None,
+        )
+
     app.openapi = openapi
     app.add_middleware(CatchAll)
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(BrowserGuard, state=state)
 
-    async def api_error(request, e: APIError): return e.response()
+    async def api_error(request, e: APIError):
+        return e.response()
+
     async def http_error(request, e: HTTPException):
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        message = {
+            404: f"no route {request.method} {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(e.status_code, str(e.detail))
         return APIError(e.status_code, message[:300], headers=e.headers).response()
+
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
 
     async def require_key(request: Request) -> None:
-        if state.api_key is None: return
+        if state.api_key is None:
+            return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), state.api_key.encode())):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if not (
+            scheme.lower() == "bearer"
+            and hmac.compare_digest(given.strip().encode(), state.api_key.encode())
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     @v1.post("/chat/completions")
-    async def chat_completions(request: Request): return await complete(state, request, "chat")
+    async def chat_completions(request: Request):
+        return await complete(state, request, "chat")
 
     @v1.post("/completions")
-    async def completions(request: Request): return await complete(state, request, "text")
+    async def completions(request: Request):
+        return await complete(state, request, "text")
 
     @v1.get("/models")
-    async def models(): return {"object": "list", "data": [state.model_card()]}
+    async def models():
+        return {"object": "list", "data": [state.model_card()]}
 
     @v1.get("/models/{model:path}")
     async def model(model: str):
@@ -541,7 +834,8 @@ def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None 
         return state.model_card()
 
     @v1.get("/engine/stats")
-    async def engine_stats(): return engine_stats_json(state.ready_engine().stats())
+    async def engine_stats():
+        return engine_stats_json(state.ready_engine().stats())
 
     app.include_router(v1)
 
@@ -560,7 +854,8 @@ def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None 
         return Response(state.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/")
-    async def chat_page(): return HTMLResponse(CHAT_PAGE, headers=CHAT_PAGE_HEADERS)
+    async def chat_page():
+        return HTMLResponse(CHAT_PAGE, headers=CHAT_PAGE_HEADERS)
 
     return app
 
@@ -571,28 +866,61 @@ def create_app(engine: AsyncEngine | None, model_name: str, api_key: str | None 
 # `TestClient` calls the app in-process, no socket needed:
 
 # %%
-loading = TestClient(create_app(None, "qwen3-tiny", api_key="secret", cors_origins=["http://localhost:3000"]))
+loading = TestClient(
+    create_app(None, "qwen3-tiny", api_key="secret", cors_origins=["http://localhost:3000"])
+)
 r = loading.get("/health")
 assert r.status_code == 503 and r.json()["status"] == "loading"
-r = loading.post("/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer secret"})
-assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "5"
+r = loading.post(
+    "/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer secret"}
+)
+assert (
+    r.status_code == 503
+    and r.json()["error"]["code"] == "model_loading"
+    and r.headers["retry-after"] == "5"
+)
 assert loading.get("/v1/models").status_code == 401  # no key
-assert loading.get("/v1/models", headers={"Authorization": "Bearer nope"}).json()["error"]["code"] == "invalid_api_key"
-assert loading.get("/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == "qwen3-tiny"
+assert (
+    loading.get("/v1/models", headers={"Authorization": "Bearer nope"}).json()["error"]["code"]
+    == "invalid_api_key"
+)
+assert (
+    loading.get("/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"]
+    == "qwen3-tiny"
+)
 assert loading.get("/nothing/here").json()["error"]["message"] == "no route GET /nothing/here"
-r = loading.post("/v1/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1), headers={"Authorization": "Bearer secret"})
+r = loading.post(
+    "/v1/completions",
+    content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1),
+    headers={"Authorization": "Bearer secret"},
+)
 assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
-r = loading.post("/v1/completions", content=b"{not json", headers={"Authorization": "Bearer secret"})
+r = loading.post(
+    "/v1/completions", content=b"{not json", headers={"Authorization": "Bearer secret"}
+)
 assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 page = loading.get("/")
-assert page.headers["content-security-policy"].startswith("default-src 'none'") and 'id="stop"' in page.text
-cors = loading.options("/v1/models", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "GET"})
+assert (
+    page.headers["content-security-policy"].startswith("default-src 'none'")
+    and 'id="stop"' in page.text
+)
+cors = loading.options(
+    "/v1/models",
+    headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "GET"},
+)
 assert cors.headers["access-control-allow-origin"] == "http://localhost:3000"
-plain = TestClient(create_app(None, "m"), base_url="http://localhost")  # without a key: only local Host names
-assert "access-control-allow-origin" not in plain.get("/health", headers={"Origin": "http://localhost:3000"}).headers
+plain = TestClient(
+    create_app(None, "m"), base_url="http://localhost"
+)  # without a key: only local Host names
+assert (
+    "access-control-allow-origin"
+    not in plain.get("/health", headers={"Origin": "http://localhost:3000"}).headers
+)
 assert plain.get("/v1/models").status_code == 200  # no key set: none needed
 
-assert loading.get("/v1/models", headers={"Authorization": "bearer secret"}).status_code == 200  # any case of the scheme
+assert (
+    loading.get("/v1/models", headers={"Authorization": "bearer secret"}).status_code == 200
+)  # any case of the scheme
 schema = loading.get("/openapi.json").json()
 assert schema["openapi"].startswith("3.1") and "/v1/chat/completions" in schema["paths"]
 assert schema["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
@@ -602,19 +930,44 @@ assert schema["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
 # requests (same origin, JSON) are not:
 
 # %%
-local = TestClient(create_app(None, "m", cors_origins=["http://localhost:5173"], allowed_hosts=["forge.lan"]),
-                   base_url="http://127.0.0.1:8000")
-r = local.post("/v1/chat/completions", content=b'{"messages": []}', headers={"Content-Type": "text/plain"})
+local = TestClient(
+    create_app(None, "m", cors_origins=["http://localhost:5173"], allowed_hosts=["forge.lan"]),
+    base_url="http://127.0.0.1:8000",
+)
+r = local.post(
+    "/v1/chat/completions", content=b'{"messages": []}', headers={"Content-Type": "text/plain"}
+)
 assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
 r = local.post("/v1/chat/completions", json={}, headers={"Origin": "http://evil.test"})
 assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
-r = local.get("/health", headers={"Host": "evil.test:8000"})  # DNS rebinding: evil.test resolves to 127.0.0.1
-assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed" and "--allowed-hosts evil.test" in r.text
+r = local.get(
+    "/health", headers={"Host": "evil.test:8000"}
+)  # DNS rebinding: evil.test resolves to 127.0.0.1
+assert (
+    r.status_code == 403
+    and r.json()["error"]["code"] == "host_not_allowed"
+    and "--allowed-hosts evil.test" in r.text
+)
 for host in ["localhost:8000", "127.0.0.1", "[::1]:8000", "forge.lan:8000", "LOCALHOST"]:
     assert local.get("/v1/models", headers={"Host": host}).status_code == 200, host
-assert local.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://127.0.0.1:8000"}).status_code == 503
-assert local.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://localhost:5173"}).status_code == 503
-assert TestClient(create_app(None, "m", allowed_hosts=["*"])).get("/health", headers={"Host": "a.b"}).status_code == 503
+assert (
+    local.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://127.0.0.1:8000"}
+    ).status_code
+    == 503
+)
+assert (
+    local.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://localhost:5173"}
+    ).status_code
+    == 503
+)
+assert (
+    TestClient(create_app(None, "m", allowed_hosts=["*"]))
+    .get("/health", headers={"Host": "a.b"})
+    .status_code
+    == 503
+)
 
 # %% [markdown]
 # An unexpected exception is a 500 in OpenAI's shape, and the connection stays usable (the
@@ -622,8 +975,17 @@ assert TestClient(create_app(None, "m", allowed_hosts=["*"])).get("/health", hea
 
 # %%
 broken = create_app(None, "m")
+
+
 @broken.get("/boom")
-async def boom(): raise RuntimeError("kaboom")
+async def boom():
+    raise RuntimeError("kaboom")
+
+
 r = TestClient(broken, base_url="http://localhost").get("/boom")
-assert r.status_code == 500 and r.json()["error"] == {"message": "internal error: RuntimeError: kaboom",
-                                                      "type": "server_error", "param": None, "code": "internal_error"}
+assert r.status_code == 500 and r.json()["error"] == {
+    "message": "internal error: RuntimeError: kaboom",
+    "type": "server_error",
+    "param": None,
+    "code": "internal_error",
+}

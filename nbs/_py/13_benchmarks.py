@@ -85,7 +85,8 @@ def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"): return line.split(":", 1)[1].strip()
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
@@ -93,29 +94,57 @@ def cpu_name() -> str:
 
 def package_version(package: str) -> str | None:
     try:
-        return importlib.metadata.version(package)  # without importing it (triton on a CPU, transformers: slow)
+        return importlib.metadata.version(
+            package
+        )  # without importing it (triton on a CPU, transformers: slow)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
 def environment() -> dict:
     "What a benchmark figure depends on: hardware, driver, versions, commit, command line."
-    env = {"forge_engine": forge_engine.__version__, "python": platform.python_version(), "torch": torch.__version__,
-           "triton": package_version("triton"), "transformers": package_version("transformers"), "cpu": cpu_name(),
-           "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(), "machine": platform.machine()}
+    env = {
+        "forge_engine": forge_engine.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "cpu_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
     if torch.cuda.is_available():
-        driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
-                   driver=driver.splitlines()[0] if driver else None)
+        driver = _command_output(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        )
+        env.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_count=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+            driver=driver.splitlines()[0] if driver else None,
+        )
     package_dir = os.path.dirname(os.path.abspath(forge_engine.__file__))
-    if stated := os.environ.get("FORGE_COMMIT"):  # a tree copied without (or with stale) git metadata says it here
+    if stated := os.environ.get(
+        "FORGE_COMMIT"
+    ):  # a tree copied without (or with stale) git metadata says it here
         env["commit"], env["dirty"] = stated.removesuffix("-dirty"), stated.endswith("-dirty")
     else:
         env["commit"] = _command_output(["git", "rev-parse", "--short", "HEAD"], cwd=package_dir)
-        if env["commit"]:  # uncommitted changes to tracked files: the commit alone does not say what ran
-            env["dirty"] = bool(_command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir))
-    env["command"] = " ".join(["forge-engine" if i == 0 and a.endswith(("forge-engine", "__main__.py")) else a
-                               for i, a in enumerate(sys.argv)])
+        if env[
+            "commit"
+        ]:  # uncommitted changes to tracked files: the commit alone does not say what ran
+            env["dirty"] = bool(
+                _command_output(
+                    ["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir
+                )
+            )
+    env["command"] = " ".join(
+        [
+            "forge-engine" if i == 0 and a.endswith(("forge-engine", "__main__.py")) else a
+            for i, a in enumerate(sys.argv)
+        ]
+    )
     return env
 
 
@@ -125,7 +154,9 @@ def _slug(text: str) -> str:
 
 def hardware_slug(env: dict) -> str:
     "The folder of a result: the GPU's name, or the CPU's with its core count."
-    return _slug(env["gpu"]) if env.get("gpu") else _slug(f"cpu {env['cpu']} {env['cpu_count']} cores")
+    return (
+        _slug(env["gpu"]) if env.get("gpu") else _slug(f"cpu {env['cpu']} {env['cpu_count']} cores")
+    )
 
 
 def result_stem(result: dict) -> str:
@@ -138,14 +169,19 @@ def result_stem(result: dict) -> str:
 
 def result_path(result: dict, root: str = "docs/benchmarks") -> str:
     "`<root>/<hardware>/<workload>-<model>-<version>-<commit>.json`."
-    return os.path.join(root, hardware_slug(result["environment"]), f"{result['workload'].lower()}-{result_stem(result)}.json")
+    return os.path.join(
+        root,
+        hardware_slug(result["environment"]),
+        f"{result['workload'].lower()}-{result_stem(result)}.json",
+    )
 
 
 def save_result(result: dict, root: str = "docs/benchmarks") -> str:
     "Write `result` as JSON where `result_path` says; the path."
     path = result_path(result, root)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f: json.dump(result, f, indent=1)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)  # never a half-written result
     return path
 
@@ -154,11 +190,26 @@ def save_result(result: dict, root: str = "docs/benchmarks") -> str:
 env = environment()
 assert {"torch", "python", "commit", "cpu", "command", "forge_engine"} <= set(env)
 assert hardware_slug({"gpu": "NVIDIA H200"}) == "nvidia-h200"
-assert hardware_slug({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2}) == "cpu-intel-xeon-processor-2-cores"
-fake = {"workload": "W1", "model": "random:qwen3-4b", "environment": {"gpu": "NVIDIA H200", "forge_engine": "0.1.0",
-                                                                       "commit": "abc1234", "dirty": True}}
-assert result_path(fake, "out") == os.path.join("out", "nvidia-h200", "w1-random-qwen3-4b-0.1.0-abc1234-dirty.json")
-assert result_path({**fake, "quantization": "int4"}, "out").endswith("w1-random-qwen3-4b-int4-0.1.0-abc1234-dirty.json")
+assert (
+    hardware_slug({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
+    == "cpu-intel-xeon-processor-2-cores"
+)
+fake = {
+    "workload": "W1",
+    "model": "random:qwen3-4b",
+    "environment": {
+        "gpu": "NVIDIA H200",
+        "forge_engine": "0.1.0",
+        "commit": "abc1234",
+        "dirty": True,
+    },
+}
+assert result_path(fake, "out") == os.path.join(
+    "out", "nvidia-h200", "w1-random-qwen3-4b-0.1.0-abc1234-dirty.json"
+)
+assert result_path({**fake, "quantization": "int4"}, "out").endswith(
+    "w1-random-qwen3-4b-int4-0.1.0-abc1234-dirty.json"
+)
 # a tree copied to another machine without its git history states its commit (FORGE_COMMIT, `-dirty` optional)
 os.environ["FORGE_COMMIT"] = "abc1234-dirty"
 try:
@@ -179,14 +230,20 @@ assert environment()["commit"] != "abc1234"
 
 # %%
 #| export
-def random_prompts(count: int, min_len: int, max_len: int, vocab_limit: int = 10000, seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    count: int, min_len: int, max_len: int, vocab_limit: int = 10000, seed: int = 0
+) -> list[list[int]]:
     "Prompts of random token ids (the nano-vllm workload): lengths uniform in [min_len, max_len]."
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_limit) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+    return [
+        [rng.randrange(vocab_limit) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
 
 
 def sync(device):
-    if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -197,7 +254,8 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     while engine.has_unfinished():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter() - start)
-            if out.finished: finals[out.request_id] = out
+            if out.finished:
+                finals[out.request_id] = out
         if engine.recent and (not records or engine.recent[-1].index != records[-1].index):
             records.append(engine.recent[-1])
     sync(engine.device)
@@ -205,26 +263,41 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     engine.allocator.check_idle()  # every run ends with the KV pool free (cached prefixes count as free), or fails here
     output_tokens = sum(len(finals[i].token_ids) for i in ids)
     ttfts = sorted(first[i] for i in ids)
-    return {"requests": len(ids), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
-            "wall_s": wall, "output_tok_s": output_tokens / wall, "ttft_median_s": ttfts[len(ttfts) // 2],
-            "kv_used_blocks_after": engine.allocator.stats().used_blocks, "records": records, "start": start}
+    return {
+        "requests": len(ids),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": output_tokens,
+        "wall_s": wall,
+        "output_tok_s": output_tokens / wall,
+        "ttft_median_s": ttfts[len(ttfts) // 2],
+        "kv_used_blocks_after": engine.allocator.stats().used_blocks,
+        "records": records,
+        "start": start,
+    }
 
 
 def free_memory():
     "Give back what freed engines and models held (a GPU's KV pool is most of its memory)."
     gc.unfreeze()  # (an engine froze what was alive when it was built: chapter 08)
     gc.collect()
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) -> dict:
     "The step records as columns (seconds since `start`), with what is needed to read KV usage as bytes."
     cache = engine.cache
-    return {"t_s": [r.ended_at - start for r in records], "step_s": [r.seconds for r in records],
-            "prefill_tokens": [r.prefill_tokens for r in records], "decode_seqs": [r.decode_seqs for r in records],
-            "kv_used_blocks": [r.kv_used_blocks for r in records], "kv_total_blocks": engine.allocator.num_blocks,
-            "kv_bytes_per_block": PagedKVCache.bytes_per_block(engine.loaded.config, engine.config.block_size,
-                                                               cache.k_cache.dtype)}
+    return {
+        "t_s": [r.ended_at - start for r in records],
+        "step_s": [r.seconds for r in records],
+        "prefill_tokens": [r.prefill_tokens for r in records],
+        "decode_seqs": [r.decode_seqs for r in records],
+        "kv_used_blocks": [r.kv_used_blocks for r in records],
+        "kv_total_blocks": engine.allocator.num_blocks,
+        "kv_bytes_per_block": PagedKVCache.bytes_per_block(
+            engine.loaded.config, engine.config.block_size, cache.k_cache.dtype
+        ),
+    }
 
 
 # %% [markdown]
@@ -241,28 +314,53 @@ def step_timeline(records: list[StepRecord], start: float, engine: LLMEngine) ->
 def model_size(loaded: LoadedModel) -> tuple[int, int]:
     "(parameters, bytes) of the weights; a quantized layer counts its logical weights and its stored bytes."
     from forge_engine.quant.layers import QuantLinear  # (its weights are buffers, not parameters)
+
     params = sum(p.numel() for p in loaded.model.parameters())
-    params += sum(m.in_features * m.out_features for m in loaded.model.modules() if isinstance(m, QuantLinear))
+    params += sum(
+        m.in_features * m.out_features for m in loaded.model.modules() if isinstance(m, QuantLinear)
+    )
     return params, model_bytes(loaded.model)
 
 
-def weight_bytes(loaded: LoadedModel) -> int: return model_size(loaded)[1]
+def weight_bytes(loaded: LoadedModel) -> int:
+    return model_size(loaded)[1]
 
 
-def decode_point(label: str, timeline: dict, loaded: LoadedModel, batch: int | None = None) -> dict | None:
+def decode_point(
+    label: str, timeline: dict, loaded: LoadedModel, batch: int | None = None
+) -> dict | None:
     "The median pure-decode step with `batch` sequences (default: the largest batch seen): time, bytes read, FLOPs."
-    decode = [i for i, (p, d) in enumerate(zip(timeline["prefill_tokens"], timeline["decode_seqs"])) if p == 0 and d > 0]
-    if not decode: return None
+    decode = [
+        i
+        for i, (p, d) in enumerate(zip(timeline["prefill_tokens"], timeline["decode_seqs"]))
+        if p == 0 and d > 0
+    ]
+    if not decode:
+        return None
     batch = batch or max(timeline["decode_seqs"][i] for i in decode)
-    steps = sorted((timeline["step_s"][i], timeline["kv_used_blocks"][i]) for i in decode
-                   if timeline["decode_seqs"][i] == batch)
-    if not steps: return None
+    steps = sorted(
+        (timeline["step_s"][i], timeline["kv_used_blocks"][i])
+        for i in decode
+        if timeline["decode_seqs"][i] == batch
+    )
+    if not steps:
+        return None
     step_s, kv_blocks = steps[len(steps) // 2]
     params, weights = model_size(loaded)
-    kv = kv_blocks * timeline["kv_bytes_per_block"]  # every held block is read (a slight overcount: last blocks are partial)
-    return {"label": label, "batch": batch, "steps": len(steps), "step_s": step_s, "weight_bytes": weights,
-            "kv_bytes": kv, "flops": 2 * params * batch, "bytes_per_s": (weights + kv) / step_s,
-            "flops_per_s": 2 * params * batch / step_s}
+    kv = (
+        kv_blocks * timeline["kv_bytes_per_block"]
+    )  # every held block is read (a slight overcount: last blocks are partial)
+    return {
+        "label": label,
+        "batch": batch,
+        "steps": len(steps),
+        "step_s": step_s,
+        "weight_bytes": weights,
+        "kv_bytes": kv,
+        "flops": 2 * params * batch,
+        "bytes_per_s": (weights + kv) / step_s,
+        "flops_per_s": 2 * params * batch / step_s,
+    }
 
 
 # %% [markdown]
@@ -270,55 +368,116 @@ def decode_point(label: str, timeline: dict, loaded: LoadedModel, batch: int | N
 
 # %%
 #| export
-def w1_single_stream(loaded: LoadedModel, config: EngineConfig, prompt_len: int = 128, new_tokens: int = 256,
-                     repeats: int = 3) -> dict:
+def w1_single_stream(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    prompt_len: int = 128,
+    new_tokens: int = 256,
+    repeats: int = 3,
+) -> dict:
     "W1: one request, 128-token prompt, 256 greedy tokens. Decode tok/s, TTFT and bytes read per second."
     engine = LLMEngine(loaded, config)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     prompt = random_prompts(1, prompt_len, prompt_len, seed=1)[0]
-    run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    run_batch(
+        engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )  # warm-up
     runs = []
     for _ in range(repeats):
         r = run_batch(engine, [prompt], params)
         decode_s = r["wall_s"] - r["ttft_median_s"]
-        runs.append({"ttft_s": r["ttft_median_s"], "decode_tok_s": (new_tokens - 1) / decode_s,
-                     "kv_used_blocks_after": r["kv_used_blocks_after"],
-                     "timeline": step_timeline(r["records"], r["start"], engine)})
+        runs.append(
+            {
+                "ttft_s": r["ttft_median_s"],
+                "decode_tok_s": (new_tokens - 1) / decode_s,
+                "kv_used_blocks_after": r["kv_used_blocks_after"],
+                "timeline": step_timeline(r["records"], r["start"], engine),
+            }
+        )
     best = sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2]  # the median run
-    step_bytes = weight_bytes(loaded)  # every decode step reads all weights (plus a little KV cache)
-    return {"workload": "W1", "prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_s": best["ttft_s"],
-            "decode_tok_s": best["decode_tok_s"], "runs": [{k: r[k] for k in ("ttft_s", "decode_tok_s", "kv_used_blocks_after")} for r in runs],
-            "weight_bytes": step_bytes, "achieved_bytes_per_s": step_bytes * best["decode_tok_s"],
-            "timeline": best["timeline"], "decode_points": [decode_point("W1 batch 1", best["timeline"], loaded, 1)]}
+    step_bytes = weight_bytes(
+        loaded
+    )  # every decode step reads all weights (plus a little KV cache)
+    return {
+        "workload": "W1",
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "ttft_s": best["ttft_s"],
+        "decode_tok_s": best["decode_tok_s"],
+        "runs": [
+            {k: r[k] for k in ("ttft_s", "decode_tok_s", "kv_used_blocks_after")} for r in runs
+        ],
+        "weight_bytes": step_bytes,
+        "achieved_bytes_per_s": step_bytes * best["decode_tok_s"],
+        "timeline": best["timeline"],
+        "decode_points": [decode_point("W1 batch 1", best["timeline"], loaded, 1)],
+    }
 
 
-def w2_offline_throughput(loaded: LoadedModel, config: EngineConfig, count: int = 256, min_len: int = 100,
-                          max_len: int = 1024, new_tokens: int = 512) -> dict:
+def w2_offline_throughput(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    count: int = 256,
+    min_len: int = 100,
+    max_len: int = 1024,
+    new_tokens: int = 512,
+) -> dict:
     "W2: 256 requests, prompts of 100-1024 random ids (seed 0), 512 tokens each ignoring EOS."
     engine = LLMEngine(loaded, config)
-    run_batch(engine, random_prompts(2, 16, 16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    r = run_batch(engine, random_prompts(count, min_len, max_len, seed=0),
-                  SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    run_batch(
+        engine,
+        random_prompts(2, 16, 16),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
+    r = run_batch(
+        engine,
+        random_prompts(count, min_len, max_len, seed=0),
+        SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+    )
     timeline = step_timeline(r.pop("records"), r.pop("start"), engine)
     point = decode_point("W2 largest decode batch", timeline, loaded)
-    return {"workload": "W2", "new_tokens": new_tokens, "prompt_lens": [min_len, max_len], **r, "timeline": timeline,
-            "decode_points": [point] if point else []}
+    return {
+        "workload": "W2",
+        "new_tokens": new_tokens,
+        "prompt_lens": [min_len, max_len],
+        **r,
+        "timeline": timeline,
+        "decode_points": [point] if point else [],
+    }
 
 
-def w4_cpu_classroom(loaded: LoadedModel, config: EngineConfig, concurrency=(1, 8), new_tokens: int = 128) -> dict:
+def w4_cpu_classroom(
+    loaded: LoadedModel, config: EngineConfig, concurrency=(1, 8), new_tokens: int = 128
+) -> dict:
     "W4: a short chat prompt; output tok/s with 1 and with 8 concurrent requests."
     engine = LLMEngine(loaded, config)
     prompt = w4_prompt(loaded)
-    run_batch(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    run_batch(
+        engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )  # warm-up
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    result = {"workload": "W4", "new_tokens": new_tokens, "prompt_len": len(prompt), "decode_points": []}
+    result = {
+        "workload": "W4",
+        "new_tokens": new_tokens,
+        "prompt_len": len(prompt),
+        "decode_points": [],
+    }
     for n in concurrency:
         r = run_batch(engine, [prompt] * n, params)
         timeline = step_timeline(r["records"], r["start"], engine)
-        result[f"concurrency_{n}"] = {k: r[k] for k in ("output_tok_s", "wall_s", "ttft_median_s", "output_tokens",
-                                                        "kv_used_blocks_after")}
+        result[f"concurrency_{n}"] = {
+            k: r[k]
+            for k in (
+                "output_tok_s",
+                "wall_s",
+                "ttft_median_s",
+                "output_tokens",
+                "kv_used_blocks_after",
+            )
+        }
         result["timeline"] = timeline  # the last (largest) run's
-        if point := decode_point(f"W4 {n} at once", timeline, loaded, n): result["decode_points"].append(point)
+        if point := decode_point(f"W4 {n} at once", timeline, loaded, n):
+            result["decode_points"].append(point)
     return result
 
 
@@ -345,7 +504,8 @@ def read_bandwidth(device, gib: float = 4.0, repeats: int = 10, dtype=torch.bflo
     x.sum()
     sync(device)
     start = time.perf_counter()
-    for _ in range(repeats): x.sum()
+    for _ in range(repeats):
+        x.sum()
     sync(device)
     return x.nbytes * repeats / (time.perf_counter() - start)
 
@@ -356,7 +516,8 @@ def matmul_flops(device, n: int = 8192, repeats: int = 10, dtype=torch.bfloat16)
     a @ a
     sync(device)
     start = time.perf_counter()
-    for _ in range(repeats): a @ a
+    for _ in range(repeats):
+        a @ a
     sync(device)
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
@@ -364,16 +525,26 @@ def matmul_flops(device, n: int = 8192, repeats: int = 10, dtype=torch.bfloat16)
 def ceilings(device) -> dict:
     "Both ceilings, sized to the device: a GPU in BF16, a CPU in fp32 (its weights' dtype here) and smaller."
     if torch.device(device).type == "cuda":
-        return {"read_bytes_per_s": read_bandwidth(device), "matmul_flops_per_s": matmul_flops(device),
-                "dtype": "bfloat16"}
-    return {"read_bytes_per_s": read_bandwidth(device, gib=0.5, repeats=5, dtype=torch.float32),
-            "matmul_flops_per_s": matmul_flops(device, n=1024, repeats=5, dtype=torch.float32), "dtype": "float32"}
+        return {
+            "read_bytes_per_s": read_bandwidth(device),
+            "matmul_flops_per_s": matmul_flops(device),
+            "dtype": "bfloat16",
+        }
+    return {
+        "read_bytes_per_s": read_bandwidth(device, gib=0.5, repeats=5, dtype=torch.float32),
+        "matmul_flops_per_s": matmul_flops(device, n=1024, repeats=5, dtype=torch.float32),
+        "dtype": "float32",
+    }
 
 
 # %%
 c = ceilings("cpu")
-assert c["read_bytes_per_s"] > 1e8 and c["matmul_flops_per_s"] > 1e8  # any CPU: GB/s and GFLOP/s; 0.1 catches a broken timer
-print(f"this CPU: {c['read_bytes_per_s'] / 1e9:.1f} GB/s read, {c['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s fp32 matmul")
+assert (
+    c["read_bytes_per_s"] > 1e8 and c["matmul_flops_per_s"] > 1e8
+)  # any CPU: GB/s and GFLOP/s; 0.1 catches a broken timer
+print(
+    f"this CPU: {c['read_bytes_per_s'] / 1e9:.1f} GB/s read, {c['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s fp32 matmul"
+)
 
 # %% [markdown]
 # ## A small run
@@ -384,15 +555,27 @@ print(f"this CPU: {c['read_bytes_per_s'] / 1e9:.1f} GB/s read, {c['matmul_flops_
 # %%
 from forge_engine.config import preset
 from forge_engine.model import empty_model, init_random_weights
-tiny = LoadedModel("random:qwen3-tiny", init_random_weights(empty_model(preset("qwen3-tiny")), seed=0), None, None)
+
+tiny = LoadedModel(
+    "random:qwen3-tiny", init_random_weights(empty_model(preset("qwen3-tiny")), seed=0), None, None
+)
 config = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_seqs=8, max_num_batched_tokens=256)
 w1 = w1_single_stream(tiny, config, prompt_len=16, new_tokens=16, repeats=1)
 w2 = w2_offline_throughput(tiny, config, count=8, min_len=4, max_len=32, new_tokens=8)
 w4 = w4_cpu_classroom(tiny, config, new_tokens=8)
-print({k: v for k, v in w1.items() if k != "timeline"}, {k: v for k, v in w4.items() if k != "timeline"}, sep="\n")
+print(
+    {k: v for k, v in w1.items() if k != "timeline"},
+    {k: v for k, v in w4.items() if k != "timeline"},
+    sep="\n",
+)
 assert w2["output_tokens"] == 8 * 8 and w4["concurrency_8"]["output_tokens"] == 8 * 8
 # every run ended with the KV pool free (`run_batch` checks the allocator idle, and says how many blocks are held)
-assert w2["kv_used_blocks_after"] == w1["runs"][0]["kv_used_blocks_after"] == w4["concurrency_8"]["kv_used_blocks_after"] == 0
+assert (
+    w2["kv_used_blocks_after"]
+    == w1["runs"][0]["kv_used_blocks_after"]
+    == w4["concurrency_8"]["kv_used_blocks_after"]
+    == 0
+)
 
 # %% [markdown]
 # The timeline is the engine's own record: in W2 the first steps are prompt chunks, then 8
@@ -404,7 +587,11 @@ t = w2["timeline"]
 assert len(t["t_s"]) == len(t["decode_seqs"]) and t["t_s"] == sorted(t["t_s"])
 assert t["prefill_tokens"][0] > 0 and max(t["decode_seqs"]) == 8 and t["kv_used_blocks"][-1] == 0
 [point] = w2["decode_points"]
-assert point["batch"] == 8 and point["flops"] == 2 * model_size(tiny)[0] * 8 and point["bytes_per_s"] > 0
+assert (
+    point["batch"] == 8
+    and point["flops"] == 2 * model_size(tiny)[0] * 8
+    and point["bytes_per_s"] > 0
+)
 assert w1["decode_points"][0]["batch"] == 1 and [p["batch"] for p in w4["decode_points"]] == [1, 8]
 
 
@@ -416,26 +603,39 @@ assert w1["decode_points"][0]["batch"] == 1 and [p["batch"] for p in w4["decode_
 
 # %%
 #| export
-def rate_label(rate) -> str: return "all at once" if rate == "inf" else f"{rate:g} req/s"
+def rate_label(rate) -> str:
+    return "all at once" if rate == "inf" else f"{rate:g} req/s"
 
 
 def summary_line(result: dict) -> str:
     "One line a person reads first."
     w, peers = result["workload"], result.get("peers", [])
     if w == "W1":
-        line = f"W1 {result['decode_tok_s']:.1f} tok/s decode, TTFT {result['ttft_s'] * 1000:.0f} ms"
-        if "ratio_to_read_ceiling" in result: line += f", {result['ratio_to_read_ceiling']:.0%} of the read ceiling"
+        line = (
+            f"W1 {result['decode_tok_s']:.1f} tok/s decode, TTFT {result['ttft_s'] * 1000:.0f} ms"
+        )
+        if "ratio_to_read_ceiling" in result:
+            line += f", {result['ratio_to_read_ceiling']:.0%} of the read ceiling"
     elif w == "W2":
         line = f"W2 {result['output_tok_s']:.0f} output tok/s ({result['output_tokens']} tokens in {result['wall_s']:.1f} s)"
     elif w == "W4":
-        line = "W4 " + ", ".join(f"{k.split('_')[1]} at once: {v['output_tok_s']:.1f} tok/s"
-                                 for k, v in result.items() if k.startswith("concurrency_"))
+        line = "W4 " + ", ".join(
+            f"{k.split('_')[1]} at once: {v['output_tok_s']:.1f} tok/s"
+            for k, v in result.items()
+            if k.startswith("concurrency_")
+        )
     else:
-        line = "W3 " + "; ".join(f"{rate_label(r['rate'])}: {r['output_throughput']:.0f} tok/s, "
-                                 f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms" if r["ttft_ms"] else f"{rate_label(r['rate'])}: failed"
-                                 for r in result["runs"])
-    return line + "".join(f"\n    {p['ratio']:.2f}x {p['peer']}" + (f" batch {p['batch']}" if "batch" in p else "")
-                          for p in peers)
+        line = "W3 " + "; ".join(
+            f"{rate_label(r['rate'])}: {r['output_throughput']:.0f} tok/s, "
+            f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms"
+            if r["ttft_ms"]
+            else f"{rate_label(r['rate'])}: failed"
+            for r in result["runs"]
+        )
+    return line + "".join(
+        f"\n    {p['ratio']:.2f}x {p['peer']}" + (f" batch {p['batch']}" if "batch" in p else "")
+        for p in peers
+    )
 
 
 # %%
@@ -456,6 +656,7 @@ assert summary_line({**w2, "peers": [{"peer": "p", "ratio": 2.0}]}).endswith("\n
 from forge_engine.bench_plots import plot_latencies, plot_roofline, plot_throughput, plot_timeline
 from forge_engine.bench_server import ServerProcess, w3_online_serving
 from forge_engine.loader import choose_auto_model
+
 model, device, why = choose_auto_model()
 print(f"{model} on {device}: {why}")
 server = ServerProcess(model, device)
@@ -463,7 +664,9 @@ url = server.start()
 print("serving at", url)
 
 # %%
-w3 = await w3_online_serving(url, rates=(4.0, math.inf), num_prompts=4, prompt_words=12, max_tokens=8)
+w3 = await w3_online_serving(
+    url, rates=(4.0, math.inf), num_prompts=4, prompt_words=12, max_tokens=8
+)
 w3.update(model=model, environment=environment())
 print(summary_line(w3))
 idle = server.wait_idle()
@@ -484,11 +687,13 @@ for run in w3["runs"]:
 import io
 from IPython.display import Image, display
 
+
 def show(fig):
     "A Figure inline, as a PNG (needs no matplotlib backend set up in the notebook)."
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=90)
     display(Image(png.getvalue()))
+
 
 for fig in (plot_timeline(w3), plot_latencies(w3), plot_throughput(w3)):
     show(fig)
@@ -499,5 +704,6 @@ for fig in (plot_timeline(w3), plot_latencies(w3), plot_throughput(w3)):
 # at once move it right, towards more FLOPs per byte.
 
 # %%
-for r in (w1, w4): r["ceilings"] = c
+for r in (w1, w4):
+    r["ceilings"] = c
 show(plot_roofline([w1, w4]))

@@ -46,22 +46,34 @@ import pytest
 def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
     "Facts about this machine that decide how the engine runs, and about `model` (auto: what `--model auto` picks)."
     from forge_engine.registry import forge_home
+
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
-            rows.append((f"cuda:{i}", f"{props.name}, compute capability {props.major}.{props.minor}, "
-                                      f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"))
+            rows.append(
+                (
+                    f"cuda:{i}",
+                    f"{props.name}, compute capability {props.major}.{props.minor}, "
+                    f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+                )
+            )
         rows.append(("cuda runtime", str(torch.version.cuda)))
     else:
         rows.append(("cuda", "no CUDA GPU visible to torch: the engine runs on the CPU"))
-    from forge_engine.kernels.backend import kernels_report  # first: it decides how Triton is imported on a CPU
+    from forge_engine.kernels.backend import (
+        kernels_report,
+    )  # first: it decides how Triton is imported on a CPU
+
     rows.append(("kernels", kernels_report()))
-    rows.append(("decode", "CUDA graphs per batch bucket" if torch.cuda.is_available() else "eager (CPU)"))
+    rows.append(
+        ("decode", "CUDA graphs per batch bucket" if torch.cuda.is_available() else "eager (CPU)")
+    )
     rows.append(("cpu threads", str(torch.get_num_threads())))
     rows.append(("model cache", str(forge_home())))
     from forge_engine.loader import choose_auto_model
+
     name, device, why = choose_auto_model()
     rows.append(("--model auto", f"{name} on {device}: {why}"))
     rows.append(("model", _model_summary(name if model == "auto" else model)))
@@ -71,6 +83,7 @@ def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
 def _model_summary(name: str) -> str:
     "What `name` is, from the cache or its files, without downloading; or why that is not known."
     from forge_engine.registry import describe_model, resolve, summarize
+
     try:
         return f"{name}: {summarize(describe_model(resolve(name, fetch=False)))}"
     except (ValueError, FileNotFoundError) as e:
@@ -82,7 +95,9 @@ rows = dict(doctor_report())
 assert rows["torch"] == torch.__version__ and "model cache" in rows and "--model auto" in rows
 assert rows["model"].startswith(rows["--model auto"].split()[0] + ": ")
 if not torch.cuda.is_available():
-    assert rows["model"].startswith("smollm2-135m-instruct: llama, 134.5M parameters, Q4_1, context 8,192")
+    assert rows["model"].startswith(
+        "smollm2-135m-instruct: llama, 134.5M parameters, Q4_1, context 8,192"
+    )
 assert dict(doctor_report("random:qwen3-tiny"))["model"].startswith("random:qwen3-tiny: qwen3, ")
 assert "unknown model 'gpt-5'" in dict(doctor_report("gpt-5"))["model"]
 
@@ -101,7 +116,9 @@ assert "unknown model 'gpt-5'" in dict(doctor_report("gpt-5"))["model"]
 # %%
 #| export
 def _add_model_flags(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="auto", help="registry name, local path, random:<preset>, or auto")
+    p.add_argument(
+        "--model", default="auto", help="registry name, local path, random:<preset>, or auto"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-tokens", type=int, default=256)
@@ -110,77 +127,123 @@ def _add_model_flags(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many GPUs (processes)")
-    add_quantization_flag(p)  # (these two and `pick_model`: chapter 04a, shared with serve and bench)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs (processes)",
+    )
+    add_quantization_flag(
+        p
+    )  # (these two and `pick_model`: chapter 04a, shared with serve and bench)
     add_memory_budget_flag(p)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     "The parser; `serve`'s and `bench`'s flags are added only when they are the command (they import much)."
-    parser = argparse.ArgumentParser(prog="forge-engine", description="A small, readable inference engine for Qwen3.")
+    parser = argparse.ArgumentParser(
+        prog="forge-engine", description="A small, readable inference engine for Qwen3."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine can run").add_argument(
-        "--model", default="auto", help="also describe this model (default: what --model auto picks)")
+        "--model",
+        default="auto",
+        help="also describe this model (default: what --model auto picks)",
+    )
     gen = sub.add_parser("generate", help="answer one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     _add_model_flags(gen)
-    chat = sub.add_parser("chat", help="chat in the terminal (in this process, or with a server: --url)")
+    chat = sub.add_parser(
+        "chat", help="chat in the terminal (in this process, or with a server: --url)"
+    )
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_model_flags(chat)
     add_chat_url_arguments(chat)
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server, with a browser chat at /")
+    serve = sub.add_parser(
+        "serve", help="the OpenAI-compatible HTTP server, with a browser chat at /"
+    )
     if argv and argv[0] == "serve":
         from forge_engine.server import serve as server
+
         server.add_arguments(serve)
-    bench = sub.add_parser("bench", help="benchmark workloads W1-W4 (see chapter 13), and their plots")
+    bench = sub.add_parser(
+        "bench", help="benchmark workloads W1-W4 (see chapter 13), and their plots"
+    )
     if argv and argv[0] == "bench":
         from forge_engine import bench_command
+
         bench_command.add_arguments(bench.add_subparsers(dest="workload", required=True))
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="action", required=True)
     models_sub.add_parser("list", help="known models and whether they are in the cache")
-    for action, what in [("info", "what the catalog and the cache say about a model"),
-                         ("pull", "download a model (resuming a partial download) and check its sha256"),
-                         ("verify", "re-hash a pulled model's files"), ("rm", "remove a pulled model from the cache")]:
+    for action, what in [
+        ("info", "what the catalog and the cache say about a model"),
+        ("pull", "download a model (resuming a partial download) and check its sha256"),
+        ("verify", "re-hash a pulled model's files"),
+        ("rm", "remove a pulled model from the cache"),
+    ]:
         models_sub.add_parser(action, help=what).add_argument("name")
-    search = models_sub.add_parser("search", help="search the model hub (needs network access to it)")
+    search = models_sub.add_parser(
+        "search", help="search the model hub (needs network access to it)"
+    )
     search.add_argument("query")
     search.add_argument("--limit", type=int, default=20)
     return parser
 
 
 def sampling_from_args(args) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
 
 
 def _load_llm(args):
     from forge_engine.llm import LLM
+
     log = lambda msg: print(msg, file=sys.stderr)
     model, device = pick_model(args.model, args.device, log)
-    llm = LLM(model, device=device, dtype=args.dtype, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, gpu_memory_budget=args.gpu_memory_budget)
+    llm = LLM(
+        model,
+        device=device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_budget=args.gpu_memory_budget,
+    )
     param = next(llm.loaded.model.parameters())
-    log(f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}")
+    log(
+        f"{llm.loaded.name} on {param.device} in {str(param.dtype).removeprefix('torch.')}: {llm.loaded.stats}"
+    )
     return llm
 
 
 def run_models(args) -> int:
     "`forge-engine models list | info | pull | verify | rm | search`: results on stdout, progress on stderr."
     from forge_engine import registry
+
     if args.action == "list":
         rows = registry.list_models()
         width = max(len(r.name) for r in rows)
         print(f"{'NAME':<{width}}  {'FORMAT':<11}  {'SIZE':>10}  {'PULLED':<6}  SOURCE")
         for r in rows:
-            print(f"{r.name:<{width}}  {r.format:<11}  {registry.format_bytes(r.size):>10}  "
-                  f"{'yes' if r.pulled else 'no':<6}  {r.source}")
+            print(
+                f"{r.name:<{width}}  {r.format:<11}  {registry.format_bytes(r.size):>10}  "
+                f"{'yes' if r.pulled else 'no':<6}  {r.source}"
+            )
     elif args.action == "info":
         for key, value in registry.model_info(args.name).items():
             if isinstance(value, dict):
                 print(f"{key}:")
-                for k, v in value.items(): print(f"  {k}  {v}")
+                for k, v in value.items():
+                    print(f"  {k}  {v}")
             else:
                 print(f"{key}: {registry.format_bytes(value) if key == 'size_bytes' else value}")
     elif args.action == "pull":
@@ -190,10 +253,12 @@ def run_models(args) -> int:
     elif args.action == "verify":
         report = registry.verify(args.name)
         print(f"{args.name}: {'ok' if report else 'FAILED'}")
-        for problem in report.problems: print(f"  {problem}")
+        for problem in report.problems:
+            print(f"  {problem}")
         return 0 if report else 1
     elif args.action == "rm":
-        for path in registry.remove(args.name): print(f"removed {path}")
+        for path in registry.remove(args.name):
+            print(f"removed {path}")
     elif args.action == "search":
         print(registry.format_hits(registry.search_hub(args.query, limit=args.limit)))
     return 0
@@ -210,9 +275,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_models(args)
         elif args.command == "bench":
             from forge_engine import bench_command
-            return load_client.run(args) if args.workload == "serve" else bench_command.run_from_args(args)
+
+            return (
+                load_client.run(args)
+                if args.workload == "serve"
+                else bench_command.run_from_args(args)
+            )
         elif args.command == "serve":
             from forge_engine.server import serve as server
+
             return server.run(args)
         elif args.command == "chat" and args.url:
             return run_remote_chat(args, sampling_from_args(args))
@@ -227,22 +298,38 @@ def main(argv: list[str] | None = None) -> int:
                 if args.raw or llm.tokenizer is None:
                     [out] = llm.generate(args.prompt, params, on_text=write)
                 else:
-                    [out] = llm.chat([{"role": "user", "content": args.prompt}], params, on_text=write)
+                    [out] = llm.chat(
+                        [{"role": "user", "content": args.prompt}], params, on_text=write
+                    )
                 print()
-                print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} new, "
-                      f"{out.metrics['decode_tok_s']:.1f} tok/s decode, first token {out.metrics['ttft_s'] * 1000:.0f} ms, "
-                      f"finish: {out.finish_reason}]", file=sys.stderr)
+                print(
+                    f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} new, "
+                    f"{out.metrics['decode_tok_s']:.1f} tok/s decode, first token {out.metrics['ttft_s'] * 1000:.0f} ms, "
+                    f"finish: {out.finish_reason}]",
+                    file=sys.stderr,
+                )
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if os.environ.get("FORGE_TRACEBACK"): traceback.print_exc()  # where it came from, for a bug report
+        if os.environ.get("FORGE_TRACEBACK"):
+            traceback.print_exc()  # where it came from, for a bug report
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 # %%
-assert build_parser().parse_args(["generate", "--quantization", "int8", "hi"]).quantization == "int8"
-assert build_parser().parse_args(["generate", "--gpu-memory-budget", "8GiB", "hi"]).gpu_memory_budget == 8 * 2**30
-argv = ["bench", "w4", "--quantization", "gguf"]  # (bench adds its flags only when it is the command)
+assert (
+    build_parser().parse_args(["generate", "--quantization", "int8", "hi"]).quantization == "int8"
+)
+assert (
+    build_parser().parse_args(["generate", "--gpu-memory-budget", "8GiB", "hi"]).gpu_memory_budget
+    == 8 * 2**30
+)
+argv = [
+    "bench",
+    "w4",
+    "--quantization",
+    "gguf",
+]  # (bench adds its flags only when it is the command)
 assert build_parser(argv).parse_args(argv).quantization == "gguf"
 assert build_parser().parse_args(["chat"]).quantization == "none"
 
@@ -253,27 +340,47 @@ assert build_parser().parse_args(["chat"]).quantization == "none"
 # %%
 import contextlib, io, tempfile
 from pathlib import Path
+
+
 def run_cli(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err): code = main(list(argv))
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
     return code, out.getvalue(), err.getvalue()
+
 
 code, out, _ = run_cli("models", "list")
 assert code == 0 and out.splitlines()[0].split() == ["NAME", "FORMAT", "SIZE", "PULLED", "SOURCE"]
-assert [l.split()[:5] for l in out.splitlines() if l.startswith("smollm2")] == [["smollm2-135m-instruct", "gguf", "93.8", "MiB", "yes"]]
+assert [l.split()[:5] for l in out.splitlines() if l.startswith("smollm2")] == [
+    ["smollm2-135m-instruct", "gguf", "93.8", "MiB", "yes"]
+]
 code, out, _ = run_cli("models", "info", "smollm2-135m-instruct")
-assert code == 0 and "quantization: Q4_1" in out and "license: apache-2.0" in out and "context_length: 8192" in out
+assert (
+    code == 0
+    and "quantization: Q4_1" in out
+    and "license: apache-2.0" in out
+    and "context_length: 8192" in out
+)
 with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
     mp.setenv("FORGE_HOME", d)
     code, _, err = run_cli("models", "rm", "smollm2-135m-instruct")
     assert code == 2 and "smollm2-135m-instruct is not pulled: nothing to remove" in err
     import huggingface_hub
+
     class NoHub:
-        def __init__(self, endpoint=None): pass
-        def list_models(self, **kwargs): raise ConnectionError("[Errno 111] Connection refused")
+        def __init__(self, endpoint=None):
+            pass
+
+        def list_models(self, **kwargs):
+            raise ConnectionError("[Errno 111] Connection refused")
+
     mp.setattr(huggingface_hub, "HfApi", NoHub)
     code, out, err = run_cli("models", "search", "qwen3")
-    assert code == 2 and out == "" and "the model hub (the default endpoint) is not reachable: ConnectionError" in err
+    assert (
+        code == 2
+        and out == ""
+        and "the model hub (the default endpoint) is not reachable: ConnectionError" in err
+    )
 print(err)
 
 
@@ -284,20 +391,55 @@ print(err)
 
 # %%
 def forge(*args, stdin=subprocess.DEVNULL, timeout=600):
-    return subprocess.run([sys.executable, "-m", "forge_engine", *args], stdin=stdin, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "forge_engine", *args],
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
-r = forge("generate", "--model", "smollm2-135m-instruct", "--device", "cpu", "--temperature", "0",
-          "--max-tokens", "24", "What is the capital of France?")
+
+r = forge(
+    "generate",
+    "--model",
+    "smollm2-135m-instruct",
+    "--device",
+    "cpu",
+    "--temperature",
+    "0",
+    "--max-tokens",
+    "24",
+    "What is the capital of France?",
+)
 print(r.stdout, r.stderr[-400:])
 assert r.returncode == 0 and "Paris" in r.stdout
 
 # %%
-p = subprocess.run([sys.executable, "-m", "forge_engine", "chat", "--model", "smollm2-135m-instruct", "--device", "cpu",
-                    "--temperature", "0", "--max-tokens", "16"], input="What is the capital of France?\n",
-                   capture_output=True, text=True, timeout=600)
+p = subprocess.run(
+    [
+        sys.executable,
+        "-m",
+        "forge_engine",
+        "chat",
+        "--model",
+        "smollm2-135m-instruct",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "16",
+    ],
+    input="What is the capital of France?\n",
+    capture_output=True,
+    text=True,
+    timeout=600,
+)
 assert p.returncode == 0 and "Paris" in p.stdout, p.stderr[-500:]
-r = forge("chat", "--model", "smollm2-135m-instruct", "--device", "cpu")  # stdin is /dev/null: leaves at once
+r = forge(
+    "chat", "--model", "smollm2-135m-instruct", "--device", "cpu"
+)  # stdin is /dev/null: leaves at once
 assert r.returncode == 0, r.stderr[-500:]
 r = forge("generate", "--model", "no-such-model", "hi")
 assert r.returncode == 2 and "no-such-model" in r.stderr and "smollm2-135m-instruct" in r.stderr

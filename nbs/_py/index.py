@@ -67,7 +67,10 @@
 from forge_engine import LLM, SamplingParams
 
 llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
-[out] = llm.chat([{"role": "user", "content": "Name three primary colors."}], SamplingParams(temperature=0, max_tokens=40))
+[out] = llm.chat(
+    [{"role": "user", "content": "Name three primary colors."}],
+    SamplingParams(temperature=0, max_tokens=40),
+)
 print(out.text)
 assert out.token_ids and out.finish_reason in ("stop", "length")
 
