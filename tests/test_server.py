@@ -188,8 +188,8 @@ def test_errors_are_the_openai_clients_exceptions(tiny):
         c.chat.completions.create(model=TINY, messages=HELLO, extra_body={"temperature": "hot"})
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=TINY, messages=[{"role": "tool", "content": "x"}])
-    assert e.value.param == "messages"
+        c.chat.completions.create(model=TINY, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.param == "messages" and "role 'robot'" in e.value.message
 
 
 def test_raw_http_errors_keep_the_openai_shape(tiny):
