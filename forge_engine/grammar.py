@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from .sampling import AllowedTokens
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['JSON_FORMAT', 'GrammarError', 'grammar_of', 'GrammarCompiler']
+__all__ = ['JSON_FORMAT', 'CACHED_GRAMMARS', 'GrammarError', 'grammar_of', 'GrammarCompiler']
 
 # %% ../nbs/06a_grammar.ipynb #c9c1f83a
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -52,6 +53,9 @@ def grammar_of(structured: StructuredOutput) -> str:
     return LLMatcher.grammar_from_lark(spec)
 
 # %% ../nbs/06a_grammar.ipynb #c7701ade
+CACHED_GRAMMARS = 64
+
+
 class GrammarCompiler:
     """Grammars compiled against one tokenizer's byte view of the vocabulary. Thread-safe: `compile` may run on any
     thread (a complex schema takes a while, so the server compiles beside the engine's thread)."""
@@ -64,14 +68,31 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
+        self._compiled: OrderedDict[str, Any] = (
+            OrderedDict()
+        )  # grammar text -> a fresh matcher, newest last
+        self._lock = threading.Lock()
+        self.compiles = self.reuses = 0
 
     def compile(self, structured: StructuredOutput):
         "A fresh matcher for one request; `GrammarError` naming the problem if the grammar is refused."
         text = grammar_of(structured)
-        matcher = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"{structured.kind}: {matcher.get_error()}")
-        return matcher
+        with self._lock:
+            if (fresh := self._compiled.get(text)) is not None:
+                self._compiled.move_to_end(text)
+                self.reuses += 1
+                return fresh.deep_copy()
+        fresh = self._llg.LLMatcher(
+            self.tokenizer, text, log_level=0
+        )  # (outside the lock: it may take a while)
+        if fresh.is_error():
+            raise GrammarError(f"{structured.kind}: {fresh.get_error()}")
+        with self._lock:
+            self._compiled[text] = fresh
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            self.compiles += 1
+        return fresh.deep_copy()
 
     def fill_masks(self, matchers: Sequence[Any], out: torch.Tensor) -> None:
         "Row i of `out` (int32 `[len(matchers), words]`, on the host) := the tokens matcher i allows next."

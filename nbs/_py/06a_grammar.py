@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -133,9 +134,16 @@ def grammar_of(structured: StructuredOutput) -> str:
 #
 # The mask covers the *model's* vocabulary, which may be larger than the tokenizer's (Qwen3's
 # LM head has 151,936 rows for 151,669 tokens): rows past the tokenizer's are never allowed.
+#
+# Clients send the same schema again and again (one per tool set, one per response format), so
+# the last `CACHED_GRAMMARS` compiled grammars are kept: a request whose grammar is among them
+# gets a copy of its fresh matcher instead of a compile.
 
 # %%
 #| export
+CACHED_GRAMMARS = 64
+
+
 class GrammarCompiler:
     """Grammars compiled against one tokenizer's byte view of the vocabulary. Thread-safe: `compile` may run on any
     thread (a complex schema takes a while, so the server compiles beside the engine's thread)."""
@@ -148,14 +156,31 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
+        self._compiled: OrderedDict[str, Any] = (
+            OrderedDict()
+        )  # grammar text -> a fresh matcher, newest last
+        self._lock = threading.Lock()
+        self.compiles = self.reuses = 0
 
     def compile(self, structured: StructuredOutput):
         "A fresh matcher for one request; `GrammarError` naming the problem if the grammar is refused."
         text = grammar_of(structured)
-        matcher = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"{structured.kind}: {matcher.get_error()}")
-        return matcher
+        with self._lock:
+            if (fresh := self._compiled.get(text)) is not None:
+                self._compiled.move_to_end(text)
+                self.reuses += 1
+                return fresh.deep_copy()
+        fresh = self._llg.LLMatcher(
+            self.tokenizer, text, log_level=0
+        )  # (outside the lock: it may take a while)
+        if fresh.is_error():
+            raise GrammarError(f"{structured.kind}: {fresh.get_error()}")
+        with self._lock:
+            self._compiled[text] = fresh
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            self.compiles += 1
+        return fresh.deep_copy()
 
     def fill_masks(self, matchers: Sequence[Any], out: torch.Tensor) -> None:
         "Row i of `out` (int32 `[len(matchers), words]`, on the host) := the tokens matcher i allows next."
@@ -221,6 +246,12 @@ after = [
 assert after and all(len(t) == 1 and t.isdigit() for t in after)  # one digit is left
 print(len(allowed), "tokens may start the number,", len(after), "may end it")
 
+# the same grammar again: a copy of the cached matcher, its own state
+again = compiler.compile(StructuredOutput("regex", "[0-9]{3}"))
+assert compiler.reuses == 1 and again is not three_digits
+assert again.consume_token(tokenizer.encode("7")[0]) and not again.consume_token(
+    tokenizer.encode("a")[0]
+)
 for bad, why in [
     (StructuredOutput("regex", "[0-9"), "regex"),
     (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
