@@ -264,8 +264,8 @@ def test_models(tiny):
 def test_errors_are_the_openai_clients_exceptions(tiny):
     c = client(tiny)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=TINY, messages=HELLO, n=2)
-    assert e.value.param == "n" and "n=1" in e.value.message
+        c.chat.completions.create(model=TINY, messages=HELLO, n=17)
+    assert e.value.param == "n" and "[1, 16]" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="gpt-4o", messages=HELLO)
     assert e.value.code == "model_not_found"
@@ -438,6 +438,31 @@ def test_real_model_answers_paris_and_health_said_loading_first(servers):
         temperature=0,
     )
     assert "Paris" in r.choices[0].message.content
+    # real weights under a JSON schema (chapter 06a): a document that validates, with the answer in it
+    import jsonschema
+
+    capital = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["country", "capital"],
+        "properties": {
+            "country": {"type": "string", "maxLength": 20},
+            "capital": {"type": "string", "maxLength": 20},
+        },
+    }
+    r = client(smol, api_key="unused").chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "capital", "schema": capital},
+        },
+    )
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, capital)
+    assert r.choices[0].finish_reason == "stop" and "Paris" in answer["capital"], answer
 
 
 PLACE = {
@@ -626,3 +651,40 @@ def test_tool_call_round_trip(tiny):
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(model=TINY, messages=ask, max_tokens=4, **kwargs)
         assert info.value.body["param"] == param, (kwargs, info.value.body)
+
+
+def test_n_choices_whole_and_streamed(tiny):
+    "n choices: seeded ones differ from each other and repeat; streamed, told apart by index; the usage of all."
+    c = client(tiny)
+    ask = dict(
+        model=TINY,
+        messages=HELLO,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    r = c.chat.completions.create(**ask)
+    texts = [ch.message.content for ch in r.choices]
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert r.usage.completion_tokens == 18 and r.usage.total_tokens == r.usage.prompt_tokens + 18
+    assert [
+        ch.message.content for ch in c.chat.completions.create(**ask).choices
+    ] == texts  # seeded: repeatable
+    chunks = list(
+        c.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = {i: "" for i in range(3)}
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in range(3)] == texts
+    assert sorted(
+        ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason
+    ) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 18 and not chunks[-1].choices
+    greedy = c.completions.create(model=TINY, prompt="The forge", n=2, max_tokens=4, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text and [
+        ch.index for ch in greedy.choices
+    ] == [0, 1]

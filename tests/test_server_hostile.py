@@ -197,7 +197,7 @@ def test_pooled_client_survives_refusals(open_server):
         {"seed": 2**64},
         {"stop_token_ids": [-1]},
         {"stop": "x" * (MAX_STOP_CHARS + 1)},
-        {"n": 2},
+        {"n": 17},
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model=TINY, prompt="Hi", max_tokens=2, extra_body=bad)

@@ -34,6 +34,8 @@ from forge_engine.server.protocol import (
     APIError,
     chat_prompt_ids,
     check_fields,
+    choice_params,
+    choices_asked,
     completion_prompt_ids,
     get_field,
     openapi_schema,
@@ -51,9 +53,9 @@ from ..tool_calls import ToolCallStream, parse_tool_calls
 logger = logging.getLogger("forge_engine.server")
 
 # %% auto #0
-__all__ = ['logger', 'SHUTDOWN_ERROR', 'LOCAL_HOSTS', 'sse', 'Reply', 'ClientGone', 'wait_for_disconnect', 'unless_disconnected',
-           'Generation', 'sse_events', 'ServerState', 'engine_stats_json', 'complete', 'CatchAll', 'BrowserGuard',
-           'create_app']
+__all__ = ['logger', 'SHUTDOWN_ERROR', 'LOCAL_HOSTS', 'sse', 'Reply', 'whole_reply', 'ClientGone', 'wait_for_disconnect',
+           'unless_disconnected', 'Generation', 'sse_events', 'ServerState', 'engine_stats_json', 'complete',
+           'CatchAll', 'BrowserGuard', 'create_app']
 
 # %% ../../nbs/11c_server_app.ipynb #c536ce57
 def sse(data: dict | str) -> str:
@@ -62,7 +64,8 @@ def sse(data: dict | str) -> str:
 
 
 class Reply:
-    "OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text')."
+    """OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text').
+    With `n` choices, one `Reply` a choice (`index`), each sharing the first one's id (`of`)."""
 
     def __init__(
         self,
@@ -71,6 +74,8 @@ class Reply:
         tokenizer: Tokenizer | None,
         top_logprobs: int | None = None,
         tools: ToolRequest | None = None,
+        index: int = 0,
+        of: Reply | None = None,
     ):
         self.kind, self.model, self.tokenizer, self.top_logprobs = (
             kind,
@@ -81,8 +86,9 @@ class Reply:
         # tool calls are read out of the text (chapter 06b) unless the request offers none or chose 'none'
         self.calls = ToolCallStream() if tools is not None and tools.choice != "none" else None
         self.calls_sent = 0
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.index = index
+        self.id = of.id if of else ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = of.created if of else int(time.time())
 
     def _head(self, streamed: bool) -> dict:
         obj = (
@@ -101,7 +107,12 @@ class Reply:
         role: bool = False,
     ) -> dict:
         if self.kind == "text":
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {
+                "index": self.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         if not streamed:
             message = {"role": "assistant", "content": text}
         else:
@@ -109,7 +120,7 @@ class Reply:
                 {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
             )
         return {
-            "index": 0,
+            "index": self.index,
             "delta" if streamed else "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -145,13 +156,14 @@ class Reply:
             ]
         }
 
-    def usage(self, out: RequestOutput) -> dict:
-        n, m = len(out.prompt_token_ids), len(out.token_ids)
+    def usage(self, *outs: RequestOutput) -> dict:
+        "Tokens of the prompt (once) and of every choice's output."
+        n, m = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
         return {
             "prompt_tokens": n,
             "completion_tokens": m,
             "total_tokens": n + m,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
         }
 
     def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
@@ -176,8 +188,11 @@ class Reply:
             **({"usage": None} if include_usage else {}),
         }
 
-    def chunks(self, out: RequestOutput, include_usage: bool) -> list[dict]:
-        "The stream chunks one output adds: its new text, then (when it is the last) the finish reason and usage."
+    def chunks(
+        self, out: RequestOutput, include_usage: bool, usage_chunk: bool = True
+    ) -> list[dict]:
+        """The stream chunks one output adds: its new text, then (when it is the last) the finish reason and, unless
+        `usage_chunk` is off (n choices: the usage of all comes once, at the end), the usage."""
         head, usage = self._head(True), {"usage": None} if include_usage else {}
         start = len(out.token_ids) - len(out.delta_token_ids)
         logprobs = self.logprobs(out, start) if out.delta_token_ids else None
@@ -193,7 +208,12 @@ class Reply:
                 {
                     **head,
                     "choices": [
-                        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                        {
+                            "index": self.index,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
                     ],
                     **usage,
                 }
@@ -208,9 +228,22 @@ class Reply:
                     **usage,
                 }
             )
-            if include_usage:
+            if include_usage and usage_chunk:
                 chunks.append({**head, "choices": [], "usage": self.usage(out)})
         return chunks
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
+        return {**self._head(True), "choices": [], "usage": self.usage(*outs)}
+
+
+def whole_reply(replies: list[Reply], outs: list[RequestOutput]) -> dict:
+    "The reply to a request of n choices with stream=false: each choice as its `Reply` writes it, the usage of all."
+    parts = [reply.whole(out) for reply, out in zip(replies, outs)]
+    return {
+        **parts[0],
+        "choices": [part["choices"][0] for part in parts],
+        "usage": replies[0].usage(*outs),
+    }
 
 # %% ../../nbs/11c_server_app.ipynb #4794ee60
 class ClientGone(Exception):
@@ -239,7 +272,8 @@ async def unless_disconnected(request: Request, awaitable: Awaitable):
         gone.cancel()
         if not work.done():
             work.cancel()
-    if work.cancelled():
+    # (a gather of n choices, cancelled, ends with a CancelledError as its exception rather than cancelled)
+    if work.cancelled() or isinstance(work.exception(), asyncio.CancelledError):
         raise ClientGone()
     return work.result()
 
@@ -328,29 +362,61 @@ SHUTDOWN_ERROR = APIError(
 
 
 async def sse_events(
-    reply: Reply, generation: Generation, first: RequestOutput, include_usage: bool
+    replies: list[Reply],
+    generations: list[Generation],
+    firsts: list[RequestOutput],
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    "The body of a streamed reply, from its first output on."
-    out = first
+    """The body of a streamed reply of one choice or n, from their first outputs on: each choice's chunks as its
+    outputs come (interleaved, told apart by `index`), then the usage of all, then `[DONE]`."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def follow(
+        i: int,
+    ) -> None:  # one choice's outputs into the queue, the first one already there
+        out = firsts[i]
+        try:
+            while True:
+                await arrived.put((i, out))
+                if out.finished:
+                    return
+                out = await generations[i].next()
+        except Exception as e:  # (reported below, in the stream)
+            await arrived.put((i, e))
+
+    followers = [asyncio.create_task(follow(i)) for i in range(len(replies))]
+    finals: list[RequestOutput | None] = [None] * len(replies)
     try:
-        if reply.kind == "chat":
-            yield sse(reply.role_chunk(include_usage))
-        while True:
+        if replies[0].kind == "chat":
+            for reply in replies:
+                yield sse(reply.role_chunk(include_usage))
+        while None in finals:
+            i, out = await arrived.get()
+            if isinstance(out, Exception):
+                yield sse(
+                    APIError(500, f"{type(out).__name__}: {out}", code="internal_error").body()
+                )
+                break
             if (
                 out.finish_reason == "error"
             ):  # the status line is long gone: report it in the stream
-                yield sse(output_error(out, generation.engine).body())
+                yield sse(output_error(out, generations[i].engine).body())
                 break
-            for chunk in reply.chunks(out, include_usage):
+            for chunk in replies[i].chunks(out, include_usage, usage_chunk=len(replies) == 1):
                 yield sse(chunk)
-            if out.finish_reason == "abort" and generation.was_cut_off:
+            if out.finish_reason == "abort" and generations[i].was_cut_off:
                 yield sse(SHUTDOWN_ERROR.body())
             if out.finished:
-                break
-            out = await generation.next()
+                finals[i] = out
+        else:
+            if include_usage and len(replies) > 1:
+                yield sse(replies[0].usage_chunk(finals))
         yield sse("[DONE]")
     finally:  # also on cancellation (the client disconnected) and when the generator is closed early
-        generation.abandon()
+        for follower in followers:
+            follower.cancel()
+        for generation in generations:
+            generation.abandon()
 
 # %% ../../nbs/11c_server_app.ipynb #b88b8511
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -525,28 +591,51 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
             grammar = await run_in_threadpool(engine.engine.compile_grammar, params.structured)
         except GrammarError as e:
             raise APIError(400, str(e), param=structured_output(body)[1] or "tools") from None
-    reply = Reply(
-        kind,
-        state.model_name,
-        tokenizer,
-        params.logprobs,
-        tool_request(body) if kind == "chat" else None,
-    )
-    generation = Generation(engine, state.metrics, ids, params, reply.id, state.live, grammar)
+    n = choices_asked(body)
+    tools = tool_request(body) if kind == "chat" else None
+    replies = [Reply(kind, state.model_name, tokenizer, params.logprobs, tools)]
+    replies += [
+        Reply(kind, state.model_name, tokenizer, params.logprobs, tools, i, replies[0])
+        for i in range(1, n)
+    ]
+    # n choices are n requests of the same prompt (its blocks shared through the prefix cache), each with its
+    # own seed when one was given, so that seeded choices differ and repeat
+    generations = [
+        Generation(
+            engine,
+            state.metrics,
+            ids,
+            choice_params(params, i),
+            replies[0].id if n == 1 else f"{replies[0].id}-{i}",
+            state.live,
+            grammar if i == 0 or grammar is None else grammar.deep_copy(),
+        )
+        for i in range(n)
+    ]
     try:
         if not stream:
-            out = await unless_disconnected(request, generation.final())
-            if out.finish_reason == "error":
-                raise output_error(out, engine)
-            if out.finish_reason == "abort" and generation.was_cut_off:
-                raise SHUTDOWN_ERROR
-            return JSONResponse(reply.whole(out))
-        first = await unless_disconnected(request, generation.next())
+            outs = await unless_disconnected(
+                request, asyncio.gather(*(g.final() for g in generations))
+            )
+            for out, generation in zip(outs, generations):
+                if out.finish_reason == "error":
+                    raise output_error(out, engine)
+                if out.finish_reason == "abort" and generation.was_cut_off:
+                    raise SHUTDOWN_ERROR
+            return JSONResponse(whole_reply(replies, outs))
+        firsts = await unless_disconnected(
+            request, asyncio.gather(*(g.next() for g in generations))
+        )
     except ClientGone:
-        generation.abandon()
+        for generation in generations:
+            generation.abandon()
         return Response(status_code=499)  # nobody reads it
+    except APIError:
+        for generation in generations:  # (one choice refused: the others are not wanted either)
+            generation.abandon()
+        raise
     return StreamingResponse(
-        sse_events(reply, generation, first, include_usage),
+        sse_events(replies, generations, firsts, include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import dataclasses
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -21,10 +22,11 @@ from ..tool_calls import MAX_TOOLS, check_tools, chosen_tool, tool_call_output
 
 # %% auto #0
 __all__ = ['ERROR_TYPES', 'DEFAULT_MAX_BODY_BYTES', 'MAX_JSON_DEPTH', 'MAX_STOPS', 'MAX_STOP_CHARS', 'MAX_STOP_TOKEN_IDS',
-           'MAX_LOGIT_BIAS', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS', 'GUIDED_FIELDS',
-           'COMMON_FIELDS', 'KNOWN_FIELDS', 'TOOL_CALL_SCHEMA', 'APIError', 'submit_error', 'output_error',
-           'check_depth', 'read_json', 'get_field', 'check_fields', 'check_stop', 'structured_output', 'ToolRequest',
-           'tool_request', 'sampling_params', 'chat_prompt_ids', 'completion_prompt_ids', 'openapi_schema']
+           'MAX_LOGIT_BIAS', 'MAX_CHOICES', 'SEED_RANGE', 'UNSUPPORTED', 'NO_EFFECT', 'SAMPLING_FIELDS',
+           'GUIDED_FIELDS', 'COMMON_FIELDS', 'KNOWN_FIELDS', 'TOOL_CALL_SCHEMA', 'APIError', 'submit_error',
+           'output_error', 'check_depth', 'read_json', 'get_field', 'check_fields', 'check_stop', 'structured_output',
+           'choices_asked', 'choice_params', 'ToolRequest', 'tool_request', 'sampling_params', 'chat_prompt_ids',
+           'completion_prompt_ids', 'openapi_schema']
 
 # %% ../../nbs/11_server_protocol.ipynb #dd1e85cc
 ERROR_TYPES = {
@@ -118,6 +120,7 @@ MAX_JSON_DEPTH = 32  # levels of arrays and objects in a request body
 MAX_STOPS, MAX_STOP_CHARS = 4, 1024  # stop strings: how many, and how long each (in characters)
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
+MAX_CHOICES = 16  # n: choices of one request (each a request of the engine's)
 SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as in OpenAI's schema
 
 
@@ -196,7 +199,6 @@ def get_field(body: dict, name: str, kind: type, default=None):
 
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -363,6 +365,22 @@ def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
         raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
 
+def choices_asked(body: dict) -> int:
+    "`n`: how many choices, 1 to MAX_CHOICES."
+    n = get_field(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    return n
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    "Choice i's parameters: a seed of its own (the request's + i, kept in range) where the request gave one."
+    if params.seed is None or i == 0:
+        return params
+    seed = params.seed + i if params.seed + i < SEED_RANGE[1] else params.seed - i
+    return dataclasses.replace(params, seed=seed)
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     "The tools a chat request offers, which `tool_choice` it makes and whether several calls may come at once."
@@ -395,6 +413,7 @@ def sampling_params(
 ) -> SamplingParams:
     "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
     check_fields(body, kind)
+    choices_asked(body)
     options = {
         name: value
         for name, t in SAMPLING_FIELDS.items()
@@ -600,7 +619,7 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         ),
         "ignore_eos": _nullable({"type": "boolean"}),
         "min_tokens": integer(minimum=0, description="at most max_tokens"),
-        "n": integer(minimum=1, maximum=1),
+        "n": integer(minimum=1, maximum=MAX_CHOICES),
         "guided_json": _nullable(
             {"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}
         ),
@@ -629,27 +648,33 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
             "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
         }
-        message = {
+        content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+        said = lambda roles: {  # a message of one of these roles: its text, required
             "type": "object",
-            "required": ["role"],
-            "properties": {
-                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                "content": {
-                    "anyOf": [
-                        {"type": "string"},
-                        {"type": "array", "items": part},
-                        {"type": "null"},
-                    ],
-                    "description": "null only in an assistant message with tool_calls",
+            "required": ["role", "content"],
+            "properties": {"role": {"enum": roles}, "content": content, "name": {"type": "string"}},
+        }
+        message = {
+            "anyOf": [
+                said(["system", "developer", "user"]),
+                {
+                    **said(["tool"]),
+                    "properties": {
+                        **said(["tool"])["properties"],
+                        "tool_call_id": {"type": "string"},
+                    },
                 },
-                "name": {"type": "string"},
-                "tool_call_id": {"type": "string"},
-                "tool_calls": {
-                    "type": "array",
-                    "items": TOOL_CALL_SCHEMA,
-                    "description": "assistant messages only",
+                {  # an assistant's turn: its text, or tool calls with or without text
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {"anyOf": [*content["anyOf"], {"type": "null"}]},
+                        "tool_calls": {"type": "array", "minItems": 1, "items": TOOL_CALL_SCHEMA},
+                    },
+                    "anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}],
                 },
-            },
+            ]
         }
         props.update(
             {
@@ -768,6 +793,7 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         "required": required,
         "properties": props,
         "additionalProperties": False,
+        **({"dependentRequired": {"tool_choice": ["tools"]}} if kind == "chat" else {}),
     }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import re
+import dataclasses
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -188,6 +189,7 @@ MAX_JSON_DEPTH = 32  # levels of arrays and objects in a request body
 MAX_STOPS, MAX_STOP_CHARS = 4, 1024  # stop strings: how many, and how long each (in characters)
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
+MAX_CHOICES = 16  # n: choices of one request (each a request of the engine's)
 SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer, as in OpenAI's schema
 
 
@@ -266,7 +268,6 @@ def get_field(body: dict, name: str, kind: type, default=None):
 
 
 UNSUPPORTED = {  # field -> the values accepted (its defaults; none: any value is refused); never ignored
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -433,6 +434,22 @@ def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
         raise APIError(400, getattr(e, "message", None) or str(e), param=name) from None
 
 
+def choices_asked(body: dict) -> int:
+    "`n`: how many choices, 1 to MAX_CHOICES."
+    n = get_field(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    return n
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    "Choice i's parameters: a seed of its own (the request's + i, kept in range) where the request gave one."
+    if params.seed is None or i == 0:
+        return params
+    seed = params.seed + i if params.seed + i < SEED_RANGE[1] else params.seed - i
+    return dataclasses.replace(params, seed=seed)
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     "The tools a chat request offers, which `tool_choice` it makes and whether several calls may come at once."
@@ -465,6 +482,7 @@ def sampling_params(
 ) -> SamplingParams:
     "SamplingParams for an OpenAI request body (`kind`: 'chat' or 'text'); a 400 naming the field on bad input."
     check_fields(body, kind)
+    choices_asked(body)
     options = {
         name: value
         for name, t in SAMPLING_FIELDS.items()
@@ -592,7 +610,22 @@ def refused(body, kind="chat"):
     return info.value
 
 
-assert refused({"n": 2}).param == "n" and "only does n=1" in refused({"n": 2}).message
+assert (
+    refused({"n": MAX_CHOICES + 1}).param == "n"
+    and f"[1, {MAX_CHOICES}]" in refused({"n": 0}).message
+)
+assert choices_asked({"n": 3}) == 3 and choices_asked({}) == 1
+seeded = sampling_params({"seed": 7}, "chat", 1, 100, 500)
+assert [choice_params(seeded, i).seed for i in range(3)] == [
+    7,
+    8,
+    9,
+]  # each choice its own, repeatable draws
+assert choice_params(sampling_params({}, "chat", 1, 100, 500), 2).seed is None
+assert (
+    choice_params(sampling_params({"seed": SEED_RANGE[1] - 1}, "chat", 1, 100, 500), 2).seed
+    == SEED_RANGE[1] - 3
+)
 assert refused({"temperature": "hot"}).message == "'temperature' must be a number, got \"hot\""
 assert refused({"top_p": 0}).param == "top_p"  # SamplingParams' own check, mapped to its field
 e = refused({"max_tokens": 200})
@@ -894,7 +927,7 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         ),
         "ignore_eos": _nullable({"type": "boolean"}),
         "min_tokens": integer(minimum=0, description="at most max_tokens"),
-        "n": integer(minimum=1, maximum=1),
+        "n": integer(minimum=1, maximum=MAX_CHOICES),
         "guided_json": _nullable(
             {"type": "object", "description": "a JSON schema the output follows (vLLM's name)"}
         ),
@@ -923,27 +956,33 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
             "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
         }
-        message = {
+        content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+        said = lambda roles: {  # a message of one of these roles: its text, required
             "type": "object",
-            "required": ["role"],
-            "properties": {
-                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                "content": {
-                    "anyOf": [
-                        {"type": "string"},
-                        {"type": "array", "items": part},
-                        {"type": "null"},
-                    ],
-                    "description": "null only in an assistant message with tool_calls",
+            "required": ["role", "content"],
+            "properties": {"role": {"enum": roles}, "content": content, "name": {"type": "string"}},
+        }
+        message = {
+            "anyOf": [
+                said(["system", "developer", "user"]),
+                {
+                    **said(["tool"]),
+                    "properties": {
+                        **said(["tool"])["properties"],
+                        "tool_call_id": {"type": "string"},
+                    },
                 },
-                "name": {"type": "string"},
-                "tool_call_id": {"type": "string"},
-                "tool_calls": {
-                    "type": "array",
-                    "items": TOOL_CALL_SCHEMA,
-                    "description": "assistant messages only",
+                {  # an assistant's turn: its text, or tool calls with or without text
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {"anyOf": [*content["anyOf"], {"type": "null"}]},
+                        "tool_calls": {"type": "array", "minItems": 1, "items": TOOL_CALL_SCHEMA},
+                    },
+                    "anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}],
                 },
-            },
+            ]
         }
         props.update(
             {
@@ -1062,6 +1101,7 @@ def _request_schema(kind: str, vocab_size: int | None, max_model_len: int | None
         "required": required,
         "properties": props,
         "additionalProperties": False,
+        **({"dependentRequired": {"tool_choice": ["tools"]}} if kind == "chat" else {}),
     }
 
 

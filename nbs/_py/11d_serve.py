@@ -447,7 +447,7 @@ assert (
 # %%
 too_long = {**question, "messages": [{"role": "user", "content": "hi " * 5000}]}
 for body, status in [
-    ({**question, "n": 3}, 400),
+    ({**question, "n": 17}, 400),
     ({**question, "model": "gpt-4"}, 404),
     (too_long, 400),
     ({**question, "max_tokens": 5000}, 400),
