@@ -588,7 +588,9 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
         params.structured is not None
     ):  # compiled off the event loop: a large schema takes a while (chapter 06a)
         try:
+            start = time.perf_counter()
             grammar = await run_in_threadpool(engine.engine.compile_grammar, params.structured)
+            state.metrics.grammar_time.observe(time.perf_counter() - start)
         except GrammarError as e:
             raise APIError(400, str(e), param=structured_output(body)[1] or "tools") from None
     n = choices_asked(body)
