@@ -14,6 +14,9 @@ from typing import Any, Sequence
 import torch
 
 from .generate import StructuredOutput
+from forge_engine.kv_cache import (
+    to_device,
+)  # host tensors to the GPU without waiting for it (chapter 05)
 from .sampling import AllowedTokens
 from .tokenizer import Tokenizer
 
@@ -116,10 +119,6 @@ class GrammarCompiler:
             len(matchers),
             self.words,
             dtype=torch.int32,
-            pin_memory=torch.device(device).type == "cuda",
         )
         self.fill_masks(matchers, bits)
-        return AllowedTokens(
-            torch.tensor(list(rows)).to(device, non_blocking=True),
-            bits.to(device, non_blocking=True),
-        )
+        return AllowedTokens(to_device(torch.tensor(list(rows)), device), to_device(bits, device))
