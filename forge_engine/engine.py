@@ -626,9 +626,8 @@ class SerialEngine:
         reason = finish_reason_for(
             token, len(seq.output_ids), seq.params, self.loaded.eos_token_ids
         )
-        if (
-            request.grammar is not None and reason is None
-        ):  # the grammar follows the token; done, the output is
+        # under a grammar (chapter 06a) the matcher follows each token; when it is done, so is the output
+        if request.grammar is not None and reason is None:
             if not request.grammar.consume_token(token):
                 raise GrammarError(
                     f"token {token} broke the grammar: {request.grammar.get_error()}"
