@@ -10,14 +10,15 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 # %% auto #0
-__all__ = ['API_KEY_ENV', 'SSEDecoder', 'sse_data', 'request_body', 'ChatError', 'Chunk', 'parse_chunk', 'error_text', 'Reply',
-           'LocalChat', 'api_base', 'api_headers', 'RemoteChat', 'chat_loop', 'add_chat_url_arguments',
-           'run_remote_chat', 'ChatWidget']
+__all__ = ['API_KEY_ENV', 'SSEDecoder', 'sse_data', 'openai_tool_choice', 'request_body', 'ChatError', 'Chunk', 'parse_chunk',
+           'error_text', 'Reply', 'call_line', 'reply_ending', 'tool_message', 'LocalChat', 'api_base', 'api_headers',
+           'RemoteChat', 'chat_loop', 'load_tools', 'chat_tool_options', 'add_chat_url_arguments', 'run_remote_chat',
+           'ChatWidget']
 
 # %% ../nbs/12_chat.ipynb #eee27687
 class SSEDecoder:
@@ -65,14 +66,24 @@ _EXTENSIONS = {
 }
 
 
+def openai_tool_choice(choice: str | dict) -> str | dict:
+    "`tool_choice` as OpenAI spells it: 'auto', 'required', 'none', or a function name's object."
+    if isinstance(choice, dict) or choice in ("auto", "required", "none"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
 def request_body(
     params,
     model: str,
     messages: list[dict] | None = None,
     prompt: str | None = None,
     stream: bool = True,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict | None = None,
 ) -> dict:
-    "The JSON body of a chat (`messages`) or completion (`prompt`) request from `SamplingParams`."
+    """The JSON body of a chat (`messages`) or completion (`prompt`) request from `SamplingParams`;
+    a chat may offer `tools`, and say which it wants called (`tool_choice`: a name will do)."""
     if (messages is None) == (prompt is None):
         raise ValueError("pass either messages (chat) or prompt (completion)")
     body = {
@@ -96,6 +107,10 @@ def request_body(
             if getattr(params, k) != neutral
         }
     )
+    if tools:
+        body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = openai_tool_choice(tool_choice)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
@@ -107,11 +122,12 @@ class ChatError(RuntimeError):
 
 @dataclass
 class Chunk:
-    "What one streamed chunk says: a piece of text, maybe a finish reason, maybe the token usage."
+    "What one streamed chunk says: a piece of text, a finish reason, the usage, tool call pieces."
 
     text: str = ""
     finish_reason: str | None = None
     usage: dict | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # `delta.tool_calls` entries
 
 
 def parse_chunk(data: str) -> Chunk:
@@ -125,9 +141,14 @@ def parse_chunk(data: str) -> Chunk:
     if "error" in obj:
         raise ChatError(f"the server failed the request mid-stream: {error_text(obj)}")
     choices = obj.get("choices") or [{}]
-    choice = choices[0]
-    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-    return Chunk(text, choice.get("finish_reason"), obj.get("usage"))
+    choice, delta = choices[0], choices[0].get("delta") or {}
+    text = delta.get("content") or choice.get("text") or ""
+    calls = delta.get("tool_calls") or []
+    if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        raise ChatError(
+            f"the server sent tool_calls that are not a list of objects: {data[:200]!r}"
+        )
+    return Chunk(text, choice.get("finish_reason"), obj.get("usage"), calls)
 
 
 def error_text(body) -> str:
@@ -159,6 +180,7 @@ class Reply:
         0  # tokens counted from the pieces (exact in-process, one per piece remotely)
     )
     e2e_s: float | None = None
+    tool_calls: list[dict] = field(default_factory=list)
 
     def add(self, text: str, num_tokens: int = 1) -> None:
         "Record a piece that carried `num_tokens` new tokens, now."
@@ -172,9 +194,39 @@ class Reply:
             self.usage = chunk.usage
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
-        if chunk.text:
+        for piece in chunk.tool_calls:
+            self.take_call(piece)
+        if chunk.text or chunk.tool_calls:  # a call is output too: it may come first, or alone
             self.add(chunk.text)
         return chunk.text
+
+    def take_call(self, piece: dict) -> None:
+        "Join a `delta.tool_calls` entry: a call's index, id and name, then its arguments' pieces."
+        index = piece.get("index", len(self.tool_calls))
+        if not isinstance(index, int) or not 0 <= index <= len(self.tool_calls):
+            raise ChatError(f"the server sent a tool call piece with a bad index: {piece!r:.200}")
+        if index == len(self.tool_calls):
+            self.tool_calls.append(
+                {
+                    "id": f"call_{index}",
+                    "type": "function",
+                    "function": {"name": "", "arguments": ""},
+                }
+            )
+        call, function = self.tool_calls[index], piece.get("function") or {}
+        call["id"] = piece.get("id") or call["id"]
+        call["function"]["name"] = function.get("name") or call["function"]["name"]
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+    def message(self) -> dict:
+        "The assistant message this reply adds: its text, and its tool calls unless it was stopped."
+        if self.tool_calls and self.finish_reason != "abort":
+            return {
+                "role": "assistant",
+                "content": self.text or None,
+                "tool_calls": self.tool_calls,
+            }
+        return {"role": "assistant", "content": self.text}
 
     def finish_stream(self) -> None:
         "The server's stream is over: it must have said how the reply finished."
@@ -206,8 +258,8 @@ class Reply:
 
     @property
     def tpot_s(self) -> float | None:
-        if self.num_tokens < 2 or self.e2e_s is None:
-            return None
+        if self.num_tokens < 2 or self.e2e_s is None or len(self.piece_times) < 2:
+            return None  # a rate needs two arrivals (a call held back until it closed comes in one)
         return (self.e2e_s - self.ttft_s) / (self.num_tokens - 1)
 
     def summary(self) -> str:
@@ -220,7 +272,28 @@ class Reply:
             parts.append(f"first token {self.ttft_s * 1000:.0f} ms")
         return f"[{', '.join(parts)}, {self.finish_reason}]"
 
-# %% ../nbs/12_chat.ipynb #2ff675fd
+# %% ../nbs/12_chat.ipynb #33189301
+def call_line(call: dict) -> str:
+    'A tool call as a person reads it: `get_weather({"city": "Paris"})` (not JSON: as given).'
+    function = call["function"]
+    try:
+        arguments = json.dumps(json.loads(function["arguments"]), ensure_ascii=False)
+    except ValueError:
+        arguments = function["arguments"]
+    return f"{function['name']}({arguments})"
+
+
+def reply_ending(reply: Reply) -> str:
+    "What a chat shows after a reply's text: the end of its line, then each tool call on a line."
+    calls = "".join(f"→ {call_line(c)}\n" for c in reply.message().get("tool_calls", []))
+    return ("\n" if reply.text or not calls else "") + calls
+
+
+def tool_message(call: dict, result: str) -> dict:
+    "The message that gives a tool call's result back to the model."
+    return {"role": "tool", "tool_call_id": call["id"], "content": result}
+
+# %% ../nbs/12_chat.ipynb #063d81bc
 class LocalChat:
     "A chat source over an in-process `LLM` (chapter 08b)."
 
@@ -232,26 +305,54 @@ class LocalChat:
         self.llm = llm
         self.model = llm.loaded.name
 
-    def stream(self, messages: list[dict], params, reply: Reply) -> Iterator[str]:
-        engine = self.llm.engine
+    def stream(
+        self,
+        messages: list[dict],
+        params,
+        reply: Reply,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict = "auto",
+    ) -> Iterator[str]:
+        engine, calls = self.llm.engine, None
+        if tools:
+            from forge_engine.tool_calls import (
+                ToolCallStream,
+                check_tools,
+                chosen_tool,
+                tool_call_output,
+            )
+
+            choice = chosen_tool(openai_tool_choice(tool_choice), check_tools(tools))
+            if (forced := tool_call_output(tools, choice)) is not None:
+                if params.structured is not None:
+                    raise ValueError(f"tool_choice {choice!r} already fixes the output")
+                params = replace(params, structured=forced)
+            calls = ToolCallStream() if choice != "none" else None
         reply.start = time.perf_counter()
-        rid = engine.add_request(self.llm.tokenizer.encode_chat(messages), params)
+        rid = engine.add_request(self.llm.tokenizer.encode_chat(messages, tools=tools), params)
         try:
             while True:
                 for out in engine.step():
                     if out.request_id != rid:
                         continue
+                    text, made = (
+                        calls.add(out.delta_text, final=out.finished)
+                        if calls is not None
+                        else (out.delta_text, [])
+                    )
+                    reply.tool_calls += [call.openai() for call in made]
                     if out.delta_token_ids:
-                        reply.add(out.delta_text, len(out.delta_token_ids))
-                    elif out.delta_text:
-                        reply.text += out.delta_text  # text held back until the end
+                        reply.add(text, len(out.delta_token_ids))
+                    elif text:
+                        reply.text += text  # text held back until the end
                     if out.finished:
-                        reply.end(out.finish_reason)
+                        called = reply.tool_calls and out.finish_reason == "stop"
+                        reply.end("tool_calls" if called else out.finish_reason)
                         if out.finish_reason == "error":
                             raise ChatError(f"the engine failed the request: {out.error}")
-                        yield out.delta_text
+                        yield text
                         return
-                    yield out.delta_text  # every step, so a consumer can stop between any two
+                    yield text  # every step, so a consumer can stop between any two
         finally:
             if rid in engine.requests:  # left early: abort, the blocks are free when this returns
                 engine.abort(rid)
@@ -309,10 +410,19 @@ class RemoteChat:
             self._model = models[0]
         return self._model
 
-    def stream(self, messages: list[dict], params, reply: Reply) -> Iterator[str]:
+    def stream(
+        self,
+        messages: list[dict],
+        params,
+        reply: Reply,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict = "auto",
+    ) -> Iterator[str]:
         import httpx
 
-        body = request_body(params, self.model, messages=messages)
+        body = request_body(
+            params, self.model, messages=messages, tools=tools, tool_choice=tool_choice
+        )
         reply.start = time.perf_counter()
         try:
             with self.client.stream("POST", self.base + "/chat/completions", json=body) as response:
@@ -343,6 +453,8 @@ def chat_loop(
     read: Callable[[str], str] = input,
     write: Callable[[str], None] = _stdout_write,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    tools: list[dict] | None = None,
+    tool_choice: str | dict = "auto",
 ) -> list[Reply]:
     "Chat over a chat source (`LocalChat` / `RemoteChat`) until end of input; returns the replies."
     history = [{"role": "system", "content": system}] if system else []
@@ -362,30 +474,92 @@ def chat_loop(
             del history[int(bool(system)) :]
             write("(new conversation)\n")
             continue
+        start, choice = len(history), tool_choice
         history.append({"role": "user", "content": line})
-        reply = Reply()
-        pieces = chat.stream(history, params, reply)
-        try:
-            for piece in pieces:
-                write(piece)
-        except KeyboardInterrupt:
-            pieces.close()  # aborts the request if it is still running
-            reply.end("abort")
-        except ChatError as e:
-            reply.error = str(e)
-            history.pop()
-        write("\n")
-        log(reply.summary())
-        if not reply.error:
-            history.append({"role": "assistant", "content": reply.text})
-        replies.append(reply)
+        while True:
+            reply = _write_reply(chat, history, params, write, tools, choice)
+            log(reply.summary())
+            replies.append(reply)
+            if reply.error:
+                del history[start:]
+                break
+            history.append(message := reply.message())
+            if "tool_calls" not in message:
+                break
+            try:
+                for call in message["tool_calls"]:
+                    result = read(f"result of {call['function']['name']}: ")
+                    history.append(tool_message(call, result))
+            except (EOFError, KeyboardInterrupt):
+                write("\n")
+                return replies
+            choice = "auto"
+
+
+def _write_reply(chat, history, params, write, tools, tool_choice) -> Reply:
+    "Stream a reply to `write`, then its tool calls; Ctrl+C stops it, a failure is `reply.error`."
+    reply = Reply()
+    offered = {"tools": tools, "tool_choice": tool_choice} if tools else {}
+    pieces = chat.stream(history, params, reply, **offered)
+    try:
+        for piece in pieces:
+            write(piece)
+    except KeyboardInterrupt:
+        pieces.close()  # aborts the request if it is still running
+        reply.end("abort")
+    except ChatError as e:
+        reply.error = str(e)
+    write("\n" if reply.error else reply_ending(reply))
+    return reply
 
 # %% ../nbs/12_chat.ipynb #4fa997d1
 API_KEY_ENV = "FORGE_API_KEY"
 
 
+def load_tools(path: str) -> list[dict]:
+    "The OpenAI `tools` list in a JSON file, checked; a `ValueError` says what is wrong with it."
+    from forge_engine.tool_calls import check_tools
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read the tools file {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"the tools file {path} is not JSON: {e}") from None
+    try:
+        return check_tools(tools)
+    except ValueError as e:
+        raise ValueError(f"the tools file {path}: {e}") from None
+
+
+def _tools_argument(path: str) -> list[dict]:
+    import argparse
+
+    try:
+        return load_tools(path)
+    except ValueError as e:  # argparse shows this message (a plain ValueError, only the flag)
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def chat_tool_options(args) -> dict:
+    "`chat_loop`'s `tools` and `tool_choice` from the command line (none without `--tools`)."
+    tools, choice = getattr(args, "tools", None), getattr(args, "tool_choice", None)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ValueError("--tool-choice needs --tools to choose from")
+        return {}
+    names = [tool["function"]["name"] for tool in tools]
+    if choice not in (None, "auto", "required", "none", *names):
+        raise ValueError(
+            f"--tool-choice {choice!r} is none of auto, required, none or a tool: "
+            + ", ".join(names)
+        )
+    return {"tools": tools, "tool_choice": choice or "auto"}
+
+
 def add_chat_url_arguments(parser) -> None:
-    "The flags `forge-engine chat` needs to talk to a server instead of loading a model."
+    "The flags of `forge-engine chat` read here: a server to chat with instead of a model; tools."
     parser.add_argument(
         "--url",
         default=None,
@@ -398,12 +572,27 @@ def add_chat_url_arguments(parser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the server (with --url)"
     )
+    parser.add_argument(
+        "--tools",
+        type=_tools_argument,
+        default=None,
+        metavar="FILE",
+        help="offer the tools of this JSON file (an OpenAI tools list); "
+        "you answer each call the model makes",
+    )
+    parser.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto (default), required, none, or a tool's name (with --tools)",
+    )
 
 
 def run_remote_chat(args, params) -> int:
-    "`forge-engine chat --url ...`: 0 at end of input, 2 when the server cannot be used."
+    "`forge-engine chat --url ...`: 0 at end of input, 2 when the server or tool flags will not do."
     model = None if getattr(args, "model", "auto") in (None, "auto") else args.model
     try:
+        offered = chat_tool_options(args)
         chat = RemoteChat(
             args.url, args.api_key or os.environ.get(API_KEY_ENV), model, args.timeout
         )
@@ -412,7 +601,7 @@ def run_remote_chat(args, params) -> int:
         print(f"forge-engine: error: {e}", file=sys.stderr)
         return 2
     try:
-        chat_loop(chat, params, system=getattr(args, "system", None))
+        chat_loop(chat, params, system=getattr(args, "system", None), **offered)
     finally:
         chat.close()
     return 0
@@ -427,16 +616,28 @@ class ChatWidget:
         system: str | None = None,
         api_key: str | None = None,
         model: str | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict = "auto",
     ):
         import ipywidgets as w
 
+        if tools:
+            from forge_engine.tool_calls import check_tools
+
+            check_tools(tools)
         if isinstance(source, str):
             source = RemoteChat(source, api_key or os.environ.get(API_KEY_ENV), model)
         elif not hasattr(source, "stream"):
             source = LocalChat(source)
         self.chat, self.system = source, system
+        self.tools, self.tool_choice = tools, tool_choice
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
         self.replies: list[Reply] = []
+        self.waiting: list[dict] = []  # the last reply's tool calls that have no result yet
+        self._results: list[dict] = []  # the tool messages of those that have one
+        self._start = len(
+            self.history
+        )  # where the exchange in progress starts (a failure drops it)
         self.transcript = ""
         self._stop, self._thread = threading.Event(), None
         self.prompt = w.Textarea(placeholder="Your message", rows=2, layout=w.Layout(width="100%"))
@@ -477,21 +678,52 @@ class ChatWidget:
         )
 
     def send(self, text: str | None = None) -> bool:
-        "Send the text box's message (or `text`); False when a reply is still streaming or there is nothing to send."
+        """Send the text box's message (or `text`), or the result of the first tool call waiting for
+        one; False when a reply is still streaming or there is nothing to send."""
         text = self.prompt.value if text is None else text
         if self.busy or not text.strip():
             return False
         self.prompt.value = ""
+        if self.waiting:
+            return self.answer_tool(self.waiting[0]["id"], text)
+        self._start = len(self.history)
         self.history.append({"role": "user", "content": text})
-        self._show(f"you: {text}\nassistant: ")
+        self._show(f"you: {text}\n")
+        self._reply(self.tool_choice)
+        return True
+
+    def answer_tool(self, call_id: str, result: str) -> bool:
+        "The result of a tool call of the last reply; once every call has one, the model answers."
+        call = next((c for c in self.waiting if c["id"] == call_id), None)
+        if call is None:
+            waiting = [c["id"] for c in self.waiting]
+            raise ValueError(f"no tool call {call_id!r} waits for a result; waiting: {waiting}")
+        self.waiting.remove(call)
+        self._results.append(tool_message(call, result))
+        self._show(f"result of {call['function']['name']}: {result}\n")
+        if self.waiting:
+            self._ask_results()
+            return True
+        self.history += self._results
+        self._results = []
+        self.prompt.placeholder = "Your message"
+        self._reply("auto")  # a forced choice was for the reply to the person's message
+        return True
+
+    def _ask_results(self) -> None:
+        name = self.waiting[0]["function"]["name"]
+        self.prompt.placeholder = f"result of {name}"
+        self.status.value = f"waiting for {len(self.waiting)} tool result(s): {name} first"
+
+    def _reply(self, tool_choice) -> None:
+        self._show("assistant: ")
         self._stop.clear()
         self.send_button.disabled, self.stop_button.disabled = True, False
         self.status.value = "streaming..."
         self._thread = threading.Thread(
-            target=self._stream_reply, args=(self.params(),), daemon=True
+            target=self._stream_reply, args=(self.params(), tool_choice), daemon=True
         )
         self._thread.start()
-        return True
 
     def stop(self) -> None:
         "Abort the reply that is streaming (the thread stops at the next piece)."
@@ -509,9 +741,10 @@ class ChatWidget:
             {"output_type": "stream", "name": "stdout", "text": self.transcript},
         )
 
-    def _stream_reply(self, params) -> None:
+    def _stream_reply(self, params, tool_choice) -> None:
         reply = Reply()
-        pieces = self.chat.stream(self.history, params, reply)
+        offered = {"tools": self.tools, "tool_choice": tool_choice} if self.tools else {}
+        pieces = self.chat.stream(self.history, params, reply, **offered)
         try:
             for piece in pieces:
                 if self._stop.is_set():
@@ -524,11 +757,15 @@ class ChatWidget:
             pieces.close()
             if self._stop.is_set():
                 reply.end("abort")
-        self._show(f"\n{reply.summary()}\n\n")
+        ending = "\n" if reply.error else reply_ending(reply)
+        self._show(f"{ending}{reply.summary()}\n\n")
         if reply.error:
-            self.history.pop()
+            del self.history[self._start :]
         else:
-            self.history.append({"role": "assistant", "content": reply.text})
+            self.history.append(message := reply.message())
+            self.waiting = list(message.get("tool_calls", []))
         self.replies.append(reply)
         self.status.value = "error" if reply.error else reply.finish_reason or ""
+        if self.waiting:
+            self._ask_results()
         self.send_button.disabled, self.stop_button.disabled = False, True

@@ -13,7 +13,13 @@ import traceback
 import torch
 
 from . import load_client
-from .chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
+from forge_engine.chat import (
+    LocalChat,
+    add_chat_url_arguments,
+    chat_loop,
+    chat_tool_options,
+    run_remote_chat,
+)
 from .generate import SamplingParams
 from .loader import add_memory_budget_flag, add_quantization_flag, pick_model
 
@@ -242,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_remote_chat(args, sampling_from_args(args))
         else:
             params = sampling_from_args(args)
+            offered = chat_tool_options(args) if args.command == "chat" else {}
             llm = _load_llm(args)
             if args.command == "chat":
                 llm.engine.warm_up()  # kernels compiled now, not during the first reply
-                chat_loop(LocalChat(llm), params, system=args.system)
+                chat_loop(LocalChat(llm), params, system=args.system, **offered)
             else:
                 write = lambda _, delta: (sys.stdout.write(delta), sys.stdout.flush())
                 if args.raw or llm.tokenizer is None:

@@ -6,6 +6,7 @@ over the paged KV cache, and finds its place in the script the way a transformer
 attending back to the last <|im_start|> token and reading its position."""
 
 import importlib.util
+import json
 import os
 import re
 import time
@@ -212,4 +213,99 @@ def test_a_reply_that_ends_by_itself(served, page):
     reply = page.locator(".msg.assistant").last
     assert reply.text_content().startswith(SCRIPT) and "stopped" not in reply.get_attribute("class")
     assert page.text_content("#speed").startswith("30 tokens, ")  # the usage chunk's count
+    assert page.locator(".msg.error").count() == 0
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+        },
+    },
+}
+
+
+def sse_chunks(text: str) -> list[dict]:
+    return [
+        json.loads(event[len("data: ") :])
+        for event in text.split("\n\n")
+        if event.startswith("data: {")
+    ]
+
+
+def test_tool_calls_show_as_blocks_and_their_results_go_back(served, page):
+    "A bad tools box is refused readably; a forced call shows as a block; its result goes back."
+    sent, answers = [], []
+
+    def on_response(response):
+        if response.url.endswith("/v1/chat/completions"):
+            sent.append(json.loads(response.request.post_data))
+            answers.append(response)
+
+    page.on("response", on_response)
+    users, assistants = page.locator(".msg.user").count(), page.locator(".msg.assistant").count()
+    page.fill("#tools", "[{")
+    assert page.text_content("#tools-error").startswith("tools: not JSON: ")
+    page.fill("#tools", json.dumps([{"type": "function", "function": {"name": "get weather"}}]))
+    assert page.text_content("#tools-error").startswith("tools[0] must be {")
+    page.fill("#prompt", "Weather in Paris?")
+    page.press("#prompt", "Enter")  # refused: nothing sent, the message stays in the box
+    assert page.locator(".msg.user").count() == users
+    assert page.input_value("#prompt") == "Weather in Paris?"
+
+    page.fill("#tools", json.dumps([WEATHER]))
+    assert page.text_content("#tools-error") == ""
+    page.select_option(
+        "#tool-choice", "get_weather"
+    )  # the grammar makes the call, whatever the model
+    page.fill("#max-tokens", "120")
+    page.press("#prompt", "Enter")
+    block = page.locator(".msg.tool-call")
+    block.wait_for()
+    page.wait_for_function("() => document.getElementById('stop').disabled")
+    assert block.count() == 1 and block.locator(".call-name").text_content() == "\u2192 get_weather"
+    shown = block.locator(".call-args").text_content()
+    assert shown.startswith('{\n  "city": ') and list(json.loads(shown)) == ["city"]  # pretty JSON
+    assert "<tool_call>" not in page.text_content("#log")
+    assert page.locator(".msg.assistant").count() == assistants  # no empty bubble for a call
+    assert page.is_disabled("#send")  # the call waits for its result first
+    assert sent[-1]["tools"] == [WEATHER] and sent[-1]["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "get_weather"},
+    }
+    [call] = [
+        piece
+        for chunk in sse_chunks(answers[-1].text())
+        for choice in chunk["choices"]
+        for piece in choice["delta"].get("tool_calls") or []
+    ]
+    assert json.loads(call["function"]["arguments"]) == json.loads(shown)
+
+    block.locator(".tool-result").fill('{"temperature": 18, "sky": "clear"}')
+    block.locator("button").click()
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.msg.assistant').length === {assistants + 1} && "
+        "!document.getElementById('send').disabled"
+    )
+    assert len(sent) == 2 and sent[1]["tool_choice"] == "auto"  # replies to results choose
+    assert sent[1]["messages"][-2:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{k: call[k] for k in ("id", "type", "function")}],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": call["id"],
+            "content": '{"temperature": 18, "sky": "clear"}',
+        },
+    ]
+    assert page.locator(".msg.assistant").last.text_content().startswith(SCRIPT)  # it answered
+    assert block.locator(".tool-result").is_disabled()
     assert page.locator(".msg.error").count() == 0

@@ -8,6 +8,7 @@ Two kinds of server:
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from forge_engine.chat import ChatError, ChatWidget, RemoteChat, Reply, chat_loop
+from forge_engine.chat import ChatError, ChatWidget, RemoteChat, Reply, call_line, chat_loop
 
 API_KEY = "test-key"
 
@@ -100,6 +101,38 @@ def forge_server():
     server.stop()
 
 
+TOOL_DELTAS = [
+    {"content": "Let me check."},
+    {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "call_w1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            }
+        ]
+    },
+    {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": ' "Paris"}'}}]},
+    {"tool_calls": [{"index": 1, "id": "call_w2", "function": {"name": "get_time"}}]},
+    {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+        },
+    },
+}
+
+
 # -- the wire-format fixture ------------------------------------------------------------------------------------------
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
@@ -150,6 +183,12 @@ def make_wire_app():
                 yield _sse(
                     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
                 )
+            if quirk == "tools":  # two calls in pieces, as OpenAI streams them
+                for delta in TOOL_DELTAS:
+                    yield _sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+                yield _sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+                yield "data: [DONE]\n\n"
+                return
             for i, w in enumerate(words):
                 await asyncio.sleep(0.002)
                 if quirk == "cut" and i == 2:
@@ -259,6 +298,63 @@ def test_wire_format_errors_are_clear(wire_server):
         RemoteChat("127.0.0.1:8000")
 
 
+def scripted(*answers):
+    "A keyboard that types `answers`, one a prompt, then Ctrl+D; `prompts` keeps what it was asked."
+    lines, prompts = iter(answers), []
+
+    def read(prompt):
+        prompts.append(prompt)
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError
+
+    return read, prompts
+
+
+def record_bodies(chat: RemoteChat) -> list[dict]:
+    "The JSON body of every POST `chat` sends from now on, as it went on the wire."
+    bodies = []
+    chat.client.event_hooks["request"].append(
+        lambda r: r.method == "POST" and bodies.append(json.loads(r.content))
+    )
+    return bodies
+
+
+def test_wire_format_tool_calls_in_pieces(wire_server):
+    "Calls streamed in pieces (index, id and name, then argument pieces) join; the loop shows them."
+    chat = RemoteChat(wire_server.url, api_key=API_KEY)
+    text, reply = collect(chat, [{"role": "user", "content": "tools"}], params())
+    assert text == reply.text == "Let me check." and reply.finish_reason == "tool_calls"
+    assert [call_line(c) for c in reply.tool_calls] == [
+        'get_weather({"city": "Paris"})',
+        "get_time({})",
+    ]
+    assert [c["id"] for c in reply.tool_calls] == ["call_w1", "call_w2"]
+
+    bodies, written = record_bodies(chat), []
+    read, prompts = scripted("tools", "18 C", "12:00")
+    replies = chat_loop(
+        chat,
+        params(max_tokens=3),
+        read=read,
+        write=written.append,
+        log=written.append,
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    shown = "".join(written)
+    assert 'Let me check.\n→ get_weather({"city": "Paris"})\n→ get_time({})\n' in shown
+    assert prompts == [">>> ", "result of get_weather: ", "result of get_time: ", ">>> "]
+    assert [r.finish_reason for r in replies] == ["tool_calls", "length"]
+    assert bodies[0]["tool_choice"] == "required" and bodies[1]["tool_choice"] == "auto"
+    assert bodies[1]["messages"][-3:] == [
+        replies[0].message(),
+        {"role": "tool", "tool_call_id": "call_w1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_w2", "content": "12:00"},
+    ]
+
+
 # -- against the real server ------------------------------------------------------------------------------------------
 def test_remote_chat_streams_from_forge_server(forge_server):
     chat = RemoteChat(forge_server.url, api_key=API_KEY)
@@ -324,16 +420,22 @@ def wait_idle(server, timeout: float = 10):
         time.sleep(0.1)
 
 
-def test_cli_remote_chat_with_piped_stdin(forge_server):
-    "`forge-engine chat --url` (through run_remote_chat) with piped stdin: answers stream, closed stdin exits 0."
-    code = (
+def remote_chat_program(params: str) -> str:
+    "`forge-engine chat --url` as a `python -c` program: its flags, `run_remote_chat`, `params`."
+    return (
         "import sys, argparse\n"
         "from forge_engine.chat import add_chat_url_arguments, run_remote_chat\n"
         "from forge_engine.generate import SamplingParams\n"
-        "p = argparse.ArgumentParser(); p.add_argument('--model', default='auto'); p.add_argument('--system')\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--model', default='auto'); p.add_argument('--system')\n"
         "add_chat_url_arguments(p)\n"
-        "sys.exit(run_remote_chat(p.parse_args(sys.argv[1:]), SamplingParams(max_tokens=6, ignore_eos=True)))\n"
+        f"sys.exit(run_remote_chat(p.parse_args(sys.argv[1:]), SamplingParams({params})))\n"
     )
+
+
+def test_cli_remote_chat_with_piped_stdin(forge_server):
+    "`forge-engine chat --url` (through run_remote_chat) with piped stdin: answers stream, closed stdin exits 0."
+    code = remote_chat_program("max_tokens=6, ignore_eos=True")
     env = {**os.environ, "FORGE_API_KEY": API_KEY}
     r = subprocess.run(
         [sys.executable, "-c", code, "--url", forge_server.url],
@@ -374,4 +476,89 @@ def test_widget_against_forge_server(forge_server):
     widget.stop()
     reply = widget.wait(60)
     assert reply.finish_reason == "abort" and reply.num_tokens < 2048
+    wait_idle(forge_server)
+
+
+def test_terminal_tool_call_round_trip(forge_server):
+    "A call the server forces (a named tool_choice): shown, its result read, sent back with its id."
+    chat = RemoteChat(forge_server.url, api_key=API_KEY)
+    bodies, written = record_bodies(chat), []
+    read, prompts = scripted("Weather in Paris?", '{"temperature": 18}')
+    replies = chat_loop(
+        chat,
+        params(max_tokens=80, temperature=1.0, seed=1),
+        read=read,
+        write=written.append,
+        log=lambda s: None,
+        tools=[WEATHER],
+        tool_choice="get_weather",
+    )
+    [call] = replies[0].tool_calls
+    assert replies[0].finish_reason == "tool_calls" and call["id"].startswith("call_")
+    assert list(json.loads(call["function"]["arguments"])) == ["city"]
+    shown = "".join(written)
+    assert shown.startswith(f"→ {call_line(call)}\n") and "<tool_call>" not in shown
+    assert prompts == [">>> ", "result of get_weather: ", ">>> "]
+    assert bodies[0]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert bodies[1]["tools"] == [WEATHER] and bodies[1]["tool_choice"] == "auto"
+    assert bodies[1]["messages"] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 18}'},
+    ]
+    assert replies[1].error is None and replies[1].finish_reason in ("stop", "length")
+    assert replies[1].usage["prompt_tokens"] > replies[0].usage["prompt_tokens"]
+    wait_idle(forge_server)
+
+
+def test_cli_tools_file(forge_server, tmp_path):
+    "`--tools FILE --tool-choice NAME`, `--url`: the call shown, its result read; bad files fail."
+    code = remote_chat_program("max_tokens=80, temperature=1.0, seed=2")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    env = {**os.environ, "FORGE_API_KEY": API_KEY}
+    run = lambda *flags: subprocess.run(
+        [sys.executable, "-c", code, "--url", forge_server.url, *flags],
+        input="Weather in Paris?\n18 C\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    r = run("--tools", str(tools), "--tool-choice", "get_weather")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^(>>> )?→ get_weather\(\{\"city\": .*\}\)$", r.stdout, re.M), r.stdout
+    assert "result of get_weather: " in r.stdout and r.stdout.count(">>> ") == 2
+    [summary] = [line for line in r.stderr.splitlines() if line.endswith("tool_calls]")]
+    assert "tok/s" not in summary, summary  # the call came in one piece: no rate to show
+    tools.write_text('[{"type": "function", "function": {"name": "get weather"}}]')
+    r = run("--tools", str(tools))
+    assert r.returncode == 2 and "argument --tools: the tools file" in r.stderr
+    assert "tools[0] must be" in r.stderr
+    r = run("--tools", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "cannot read the tools file" in r.stderr
+
+
+def test_widget_tool_call_against_forge_server(forge_server):
+    "The widget shows the forced call; `answer_tool` puts the tool message in the history."
+    widget = ChatWidget(forge_server.url, api_key=API_KEY, tools=[WEATHER], tool_choice="required")
+    widget.max_tokens.value, widget.temperature.value = 80, 1.0
+    assert widget.send("Weather in Paris?")
+    reply = widget.wait(60)
+    assert reply.finish_reason == "tool_calls" and widget.waiting == reply.tool_calls
+    assert all(f"→ {call_line(c)}\n" in widget.transcript for c in reply.tool_calls)
+    for call in list(widget.waiting):
+        assert widget.answer_tool(call["id"], f"18 C ({call['id']})")
+    answer = widget.wait(60)
+    results = widget.history[2 : 2 + len(reply.tool_calls)]
+    assert widget.history[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": reply.tool_calls,
+    }
+    assert results == [
+        {"role": "tool", "tool_call_id": c["id"], "content": f"18 C ({c['id']})"}
+        for c in reply.tool_calls
+    ]
+    assert answer.error is None and widget.history[-1] == answer.message()
     wait_idle(forge_server)

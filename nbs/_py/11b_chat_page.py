@@ -7,7 +7,11 @@
 # One static page at `/`: a conversation, a box to type in, *Stop*, the reply's tokens per
 # second, and an engine panel (running and waiting requests, and the KV block map drawn one
 # pixel per block: grey free, blue cached prefix, green held) polled from
-# `/v1/engine/stats`. Model output is untrusted text: the page only ever sets
+# `/v1/engine/stats`. A tools box in the settings takes an OpenAI `tools` list as JSON
+# (checked as it is typed, with an error that says what is wrong) and a tool choice; a reply's
+# tool calls show as blocks of their own, the function's name and its arguments as indented
+# JSON, each with a box to send its result back as a `tool` message, after which the model
+# answers from the results. Model output is untrusted text: the page only ever sets
 # `textContent`, never HTML, and its Content-Security-Policy allows no script but its own
 # (pinned by hash), so even a mistake could not run a `<script>` the model wrote.
 #
@@ -18,7 +22,7 @@
 # |---|---|
 # | `chat.html` | the page, with `%STYLE%` and `%SCRIPT%` where the other two go |
 # | `chat.css` | the layout: the conversation on the left, the engine panel on the right |
-# | `chat.js` | sending a chat request and reading its SSE stream, *Stop* (an `AbortController`), polling the engine stats, drawing the block map |
+# | `chat.js` | a request and its SSE stream, *Stop*, the tools box, tool call blocks, the engine stats, the block map |
 #
 # They are read once, at import, with `importlib.resources` (so they are found wherever the
 # package is installed), and inlined into one page: one request loads it all, and the CSP can

@@ -27,7 +27,13 @@ import traceback
 import torch
 
 from forge_engine import load_client
-from forge_engine.chat import LocalChat, add_chat_url_arguments, chat_loop, run_remote_chat
+from forge_engine.chat import (
+    LocalChat,
+    add_chat_url_arguments,
+    chat_loop,
+    chat_tool_options,
+    run_remote_chat,
+)
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import add_memory_budget_flag, add_quantization_flag, pick_model
 
@@ -108,7 +114,8 @@ assert "unknown model 'gpt-5'" in dict(doctor_report("gpt-5"))["model"]
 # The loop itself lives in chapter 12 (`forge_engine.chat.chat_loop`): it reads a line, streams
 # the reply, keeps the conversation, and stops a reply on Ctrl+C. Here it is given either the
 # model loaded in this process (`LocalChat`) or a server (`--url`, `RemoteChat`). Ctrl+D, or
-# a closed stdin, leaves.
+# a closed stdin, leaves. `--tools FILE` offers the tools of a JSON file either way: each call
+# the model makes shows as `→ get_weather({"city": "Paris"})` and the loop asks for its result.
 
 # %% [markdown]
 # ## The commands
@@ -289,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_remote_chat(args, sampling_from_args(args))
         else:
             params = sampling_from_args(args)
+            offered = chat_tool_options(args) if args.command == "chat" else {}
             llm = _load_llm(args)
             if args.command == "chat":
                 llm.engine.warm_up()  # kernels compiled now, not during the first reply
-                chat_loop(LocalChat(llm), params, system=args.system)
+                chat_loop(LocalChat(llm), params, system=args.system, **offered)
             else:
                 write = lambda _, delta: (sys.stdout.write(delta), sys.stdout.flush())
                 if args.raw or llm.tokenizer is None:
@@ -441,5 +449,38 @@ r = forge(
     "chat", "--model", "smollm2-135m-instruct", "--device", "cpu"
 )  # stdin is /dev/null: leaves at once
 assert r.returncode == 0, r.stderr[-500:]
+
+# %% [markdown]
+# With `--tools`: the random model is made to call `get_weather` (`--tool-choice` names it, so
+# the grammar leaves it nothing else), the call shows on its line, and the result is read from
+# stdin; a choice that is not one of the tools is refused before the model loads.
+
+# %%
+import json
+
+with tempfile.TemporaryDirectory() as d:
+    tools = Path(d) / "tools.json"
+    city = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+    }
+    tools.write_text(
+        json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": city}}])
+    )
+    chat_args = ["chat", "--model", "random:qwen3-tiny", "--device", "cpu", "--tools", str(tools)]
+    p = subprocess.run(
+        [sys.executable, "-m", "forge_engine", *chat_args, "--tool-choice", "get_weather"]
+        + ["--temperature", "1", "--seed", "1", "--max-tokens", "80"],
+        input="Weather in Paris?\n18 C\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0 and "→ get_weather({" in p.stdout, p.stderr[-500:]
+    assert "result of get_weather: " in p.stdout and "<tool_call>" not in p.stdout
+    r = forge(*chat_args, "--tool-choice", "get_time")
+    assert r.returncode == 2 and "none of auto, required, none or a tool: get_weather" in r.stderr
 r = forge("generate", "--model", "no-such-model", "hi")
 assert r.returncode == 2 and "no-such-model" in r.stderr and "smollm2-135m-instruct" in r.stderr
