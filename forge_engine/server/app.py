@@ -29,6 +29,7 @@ from ..grammar import GrammarError
 from ..scheduler import QueueFullError
 from .chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from .metrics import ServerMetrics
+from .openapi import openapi_schema
 from forge_engine.server.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     APIError,
@@ -38,7 +39,6 @@ from forge_engine.server.protocol import (
     choices_asked,
     completion_prompt_ids,
     get_field,
-    openapi_schema,
     output_error,
     read_json,
     sampling_params,

@@ -39,6 +39,7 @@ from forge_engine.grammar import GrammarError
 from forge_engine.scheduler import QueueFullError
 from forge_engine.server.chat_page import CHAT_PAGE, CHAT_PAGE_HEADERS
 from forge_engine.server.metrics import ServerMetrics
+from forge_engine.server.openapi import openapi_schema
 from forge_engine.server.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     APIError,
@@ -48,7 +49,6 @@ from forge_engine.server.protocol import (
     choices_asked,
     completion_prompt_ids,
     get_field,
-    openapi_schema,
     output_error,
     read_json,
     sampling_params,

@@ -56,6 +56,7 @@
 # | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |
 # | 11c_server_app | `server.app` | SSE and JSON replies, cancellation, backpressure, the routes |
 # | 11d_serve | `server.serve` | `forge-engine serve`; a real server, a real stream |
+# | 11e_server_openapi | `server.openapi` | the OpenAPI schema the server publishes, with its limits |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
 # | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
 # | 13a_load_client | `load_client` | W3: Poisson load against a server |
