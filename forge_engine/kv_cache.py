@@ -55,6 +55,9 @@ class NoFreeBlocksError(RuntimeError):
     "Raised by `BlockAllocator.allocate` when the pool cannot give the blocks asked for."
 
 
+_MAP_CHARS, _MAP_CACHED = b".123456789", ord("c")  # `BlockAllocator.block_map`'s characters
+
+
 class BlockAllocator:
     "Reference-counted KV blocks with prefix caching. Bookkeeping only: the K/V lives in `PagedKVCache`."
 
@@ -75,6 +78,9 @@ class BlockAllocator:
             OrderedDict()
         )  # count 0 with a hash; first = least recently freed
         self.hit_tokens = self.query_tokens = 0
+        # what `block_map` shows, kept up to date block by block: a server reads it every quarter second, and a
+        # pass over tens of thousands of blocks in Python would stall the engine's thread for tens of ms each time
+        self._map = bytearray(b"." * num_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         "How many blocks hold `num_tokens` tokens."
@@ -90,6 +96,17 @@ class BlockAllocator:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[self._checked(block_id)]
+
+    def block_map(self) -> str:
+        "One character per block: '.' free, 'c' cached (free, a reusable prefix), '1'-'9' references (9: or more)."
+        return self._map.decode()
+
+    def _count(self, block: int, n: int) -> None:
+        "Set a block's reference count, and its character in the map."
+        self._ref_counts[block] = n
+        self._map[block] = (
+            _MAP_CHARS[min(n, 9)] if n or self._block_hash[block] is None else _MAP_CACHED
+        )
 
     def hash_of(self, block_id: int) -> int | None:
         "The prefix hash a block is cached under (None if it holds no registered prefix)."
@@ -112,7 +129,7 @@ class BlockAllocator:
                 block, _ = self._cached.popitem(last=False)
                 del self._hash_to_block[self._block_hash[block]]
                 self._block_hash[block] = None
-            self._ref_counts[block] = 1
+            self._count(block, 1)
             blocks.append(block)
         return blocks
 
@@ -127,7 +144,7 @@ class BlockAllocator:
                     f"asked to drop {times}"
                 )
         for block in reversed(block_ids):  # the tail of a chain becomes the first to evict
-            self._ref_counts[block] -= 1
+            self._count(block, self._ref_counts[block] - 1)
             if self._ref_counts[block] == 0:
                 if self._block_hash[block] is None:
                     self._free.append(block)
@@ -150,7 +167,7 @@ class BlockAllocator:
         for block in matched:
             if self._ref_counts[block] == 0:
                 del self._cached[block]
-            self._ref_counts[block] += 1
+            self._count(block, self._ref_counts[block] + 1)
         self.query_tokens += len(token_ids)
         self.hit_tokens += len(matched) * self.block_size
         return matched
@@ -211,6 +228,12 @@ class BlockAllocator:
             b: h for h, b in self._hash_to_block.items()
         }:
             problems.append("block hashes and the hash index disagree")
+        shown = bytes(
+            _MAP_CHARS[min(r, 9)] if r or h is None else _MAP_CACHED
+            for r, h in zip(refs, self._block_hash)
+        )
+        if shown != self._map:
+            problems.append("the block map does not show the reference counts")
         if problems:
             raise RuntimeError("block allocator is inconsistent: " + "; ".join(problems))
 
@@ -229,6 +252,7 @@ class BlockAllocator:
         for block in self._cached:
             del self._hash_to_block[self._block_hash[block]]
             self._block_hash[block] = None
+            self._map[block] = _MAP_CHARS[0]
             self._free.append(block)
         self._cached.clear()
         self.hit_tokens = self.query_tokens = 0

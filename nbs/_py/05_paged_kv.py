@@ -132,6 +132,9 @@ class NoFreeBlocksError(RuntimeError):
     "Raised by `BlockAllocator.allocate` when the pool cannot give the blocks asked for."
 
 
+_MAP_CHARS, _MAP_CACHED = b".123456789", ord("c")  # `BlockAllocator.block_map`'s characters
+
+
 class BlockAllocator:
     "Reference-counted KV blocks with prefix caching. Bookkeeping only: the K/V lives in `PagedKVCache`."
 
@@ -152,6 +155,9 @@ class BlockAllocator:
             OrderedDict()
         )  # count 0 with a hash; first = least recently freed
         self.hit_tokens = self.query_tokens = 0
+        # what `block_map` shows, kept up to date block by block: a server reads it every quarter second, and a
+        # pass over tens of thousands of blocks in Python would stall the engine's thread for tens of ms each time
+        self._map = bytearray(b"." * num_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         "How many blocks hold `num_tokens` tokens."
@@ -167,6 +173,17 @@ class BlockAllocator:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[self._checked(block_id)]
+
+    def block_map(self) -> str:
+        "One character per block: '.' free, 'c' cached (free, a reusable prefix), '1'-'9' references (9: or more)."
+        return self._map.decode()
+
+    def _count(self, block: int, n: int) -> None:
+        "Set a block's reference count, and its character in the map."
+        self._ref_counts[block] = n
+        self._map[block] = (
+            _MAP_CHARS[min(n, 9)] if n or self._block_hash[block] is None else _MAP_CACHED
+        )
 
     def hash_of(self, block_id: int) -> int | None:
         "The prefix hash a block is cached under (None if it holds no registered prefix)."
@@ -189,7 +206,7 @@ class BlockAllocator:
                 block, _ = self._cached.popitem(last=False)
                 del self._hash_to_block[self._block_hash[block]]
                 self._block_hash[block] = None
-            self._ref_counts[block] = 1
+            self._count(block, 1)
             blocks.append(block)
         return blocks
 
@@ -204,7 +221,7 @@ class BlockAllocator:
                     f"asked to drop {times}"
                 )
         for block in reversed(block_ids):  # the tail of a chain becomes the first to evict
-            self._ref_counts[block] -= 1
+            self._count(block, self._ref_counts[block] - 1)
             if self._ref_counts[block] == 0:
                 if self._block_hash[block] is None:
                     self._free.append(block)
@@ -227,7 +244,7 @@ class BlockAllocator:
         for block in matched:
             if self._ref_counts[block] == 0:
                 del self._cached[block]
-            self._ref_counts[block] += 1
+            self._count(block, self._ref_counts[block] + 1)
         self.query_tokens += len(token_ids)
         self.hit_tokens += len(matched) * self.block_size
         return matched
@@ -288,6 +305,12 @@ class BlockAllocator:
             b: h for h, b in self._hash_to_block.items()
         }:
             problems.append("block hashes and the hash index disagree")
+        shown = bytes(
+            _MAP_CHARS[min(r, 9)] if r or h is None else _MAP_CACHED
+            for r, h in zip(refs, self._block_hash)
+        )
+        if shown != self._map:
+            problems.append("the block map does not show the reference counts")
         if problems:
             raise RuntimeError("block allocator is inconsistent: " + "; ".join(problems))
 
@@ -306,6 +329,7 @@ class BlockAllocator:
         for block in self._cached:
             del self._hash_to_block[self._block_hash[block]]
             self._block_hash[block] = None
+            self._map[block] = _MAP_CHARS[0]
             self._free.append(block)
         self._cached.clear()
         self.hit_tokens = self.query_tokens = 0
@@ -328,6 +352,7 @@ assert (
     and alloc.can_allocate(3)
     and not alloc.can_allocate(4)
 )
+assert alloc.block_map() == "111..."  # one character a block, kept as the counts change
 with pytest.raises(NoFreeBlocksError, match="cannot allocate 4 blocks: only 3 of 6"):
     alloc.allocate(4)
 alloc.free(a)
@@ -367,6 +392,7 @@ assert alloc.match_prefix(prompt_a[:8]) == table_a[:1]  # never the whole prompt
 assert alloc.match_prefix([11, 12, 13, 99, 15, 16, 17, 18, 19]) == []
 s = alloc.stats()
 assert (s.hit_tokens, s.query_tokens) == (8 + 4, 10 + 11 + 8 + 9) and s.used_blocks == 3
+assert alloc.block_map() == "321....." and alloc.check_invariants() is None
 again = alloc.match_prefix(prompt_a[:8] + [5, 5])  # a sequence that then cannot be admitted...
 alloc.cancel_match(again, 10)  # ...gives its references back and is not counted as a lookup
 assert alloc.stats() == s and alloc.ref_count(table_a[0]) == 3
@@ -375,6 +401,7 @@ alloc.free(table_a[:1])
 alloc.free(table_a)
 s = alloc.stats()
 assert (s.used_blocks, s.cached_blocks, s.free_blocks) == (0, 2, 6)
+assert alloc.block_map() == "cc......"  # free, but holding a prefix someone may ask for again
 alloc.check_idle()
 
 # %% [markdown]
@@ -414,6 +441,7 @@ assert alloc.stats().cached_blocks == 1 and alloc.hash_of(table_a[0]) == h0
 alloc.reset_prefix_cache()
 s = alloc.stats()
 assert (s.cached_blocks, s.free_blocks, s.hit_tokens, s.query_tokens) == (0, 8, 0, 0)
+assert alloc.block_map() == "." * 8
 assert alloc.hash_of(table_a[0]) is None and alloc.match_prefix(prompt_a) == []
 alloc.check_idle()
 
