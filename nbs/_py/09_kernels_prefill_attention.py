@@ -9,6 +9,7 @@
 # %%
 #| export
 import math
+from typing import Sequence
 
 import torch
 
@@ -45,9 +46,12 @@ gen = torch.Generator().manual_seed(4)
 # one sequence and *all* the query heads of one KV head: its rows are (token, head in group)
 # pairs, so the K/V tiles it reads serve `BLOCK_M x group` rows (the same GQA packing as decode).
 # It walks the keys from 0 to the position of its last token; the causal mask cuts the rest.
-# `max_query_len` (a host int: the scheduler knows it) sizes the grid; tiles past a sequence's
-# last token return at once. `kernels_lab/prefill_attention.py` has the naive one-row-per-
-# program version and a one-head-per-program tiled one this beat.
+# Which tiles exist is a *tile map*: tile i is (sequence, first token), one program per tile and
+# KV head. The engine builds the exact map on the host, where it knows each sequence's new tokens;
+# a map may also hold more tiles than the step needs, padded with sequence -1, whose programs
+# return at once: that is what lets one CUDA graph serve every step of up to T tokens and S
+# sequences (chapter 09b). `kernels_lab/prefill_attention.py` has the naive one-row-per-program
+# version and a one-head-per-program tiled one this beat.
 #
 # Triton compiles a kernel once per *specialisation* of its integer arguments: a value of 1, or a
 # multiple of 16, each get their own compiled code. The block table's row stride is its width,
@@ -72,6 +76,8 @@ def _prefill_kernel(
     tables_ptr,
     query_start_ptr,
     context_lens_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
     out_ptr,
     stride_qt,
     stride_qh,
@@ -92,10 +98,13 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile, seq, kv_head = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    if seq < 0:  # a padding tile of a map sized for more tokens than this step has
+        return
+    first = tl.load(tile_first_ptr + tile)
     q_start = tl.load(query_start_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
-    first = tile * BLOCK_M
     if first >= q_len:
         return
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -177,6 +186,29 @@ def _prefill_kernel(
     )
 
 
+def prefill_block_m(q_heads: int, kv_heads: int, rows: int = PREFILL_ROWS) -> int:
+    "Tokens of one tile: `rows` (token, head) rows of a KV head's group; tensor-core tiles need >= 16 rows."
+    group_pad = _pow2(q_heads // kv_heads)
+    return max(1, rows // group_pad, -(-16 // group_pad))
+
+
+def prefill_tiles(
+    num_new: Sequence[int], block_m: int, num_tiles: int | None = None
+) -> torch.Tensor:
+    """The tile map of a step whose sequences have `num_new` new tokens: [2, N] int32 on the host, row 0 the
+    sequence (-1: a padding tile), row 1 its first token. N is the tiles needed, or `num_tiles` (padded)."""
+    seqs = [b for b, n in enumerate(num_new) for _ in range(-(-n // block_m))]
+    firsts = [t * block_m for n in num_new for t in range(-(-n // block_m))]
+    size = len(seqs) if num_tiles is None else num_tiles
+    if size < len(seqs):
+        raise ValueError(
+            f"the step needs {len(seqs)} tiles of {block_m} tokens, the map has {size}"
+        )
+    tiles = torch.full((2, size), -1, dtype=torch.int32)
+    tiles[0, : len(seqs)], tiles[1, : len(seqs)] = torch.tensor(seqs), torch.tensor(firsts)
+    return tiles
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -191,8 +223,11 @@ def paged_prefill_attention(
     block_n: int = PREFILL_BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    "Causal varlen attention: q [T, Hq, D], sequence b's rows query_start[b]:query_start[b+1] -> [T, Hq, D]."
+    """Causal varlen attention: q [T, Hq, D], sequence b's rows query_start[b]:query_start[b+1] -> [T, Hq, D].
+    `tiles`: the tile map on q's device (`prefill_tiles`); without one, every sequence gets the tiles of
+    `max_query_len` tokens."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if query_start.shape != (block_tables.shape[0] + 1,):
         raise ValueError(
@@ -208,16 +243,19 @@ def paged_prefill_attention(
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
     group_pad = _pow2(group)
-    block_m = max(1, rows // group_pad, -(-16 // group_pad))  # tensor-core tiles need >= 16 rows
+    block_m = prefill_block_m(q_heads, kv_heads, rows)
+    if tiles is None:
+        tiles = prefill_tiles([max_query_len] * block_tables.shape[0], block_m).to(q.device)
     out = torch.empty_like(q)
-    grid = (-(-max_query_len // block_m), block_tables.shape[0], kv_heads)
-    _prefill_kernel[grid](
+    _prefill_kernel[(tiles.shape[1], kv_heads)](
         q,
         k_cache,
         v_cache,
         block_tables,
         query_start,
         context_lens,
+        tiles[0],
+        tiles[1],
         out,
         q.stride(0),
         q.stride(1),
@@ -262,6 +300,22 @@ torch.testing.assert_close(
 with pytest.raises(ValueError, match=r"query_start must be \[B\+1\] = \[4\]"):
     paged_prefill_attention(q, k_cache, v_cache, tables, query_start[:3], ctx, 20, 1.0)
 
+# %% [markdown]
+# The same step through tile maps: the exact one (2 tiles of 16 tokens for the prompt, one each for
+# the chunk and the decode), and one padded to more tiles than needed, as a graph's map is.
+
+# %%
+block_m = prefill_block_m(8, 2)
+tiles = prefill_tiles(num_new, block_m)
+assert block_m == 16 and tiles.tolist() == [[0, 0, 1, 2], [0, 16, 0, 0]]
+for t in (tiles, prefill_tiles(num_new, block_m, num_tiles=9)):
+    got = paged_prefill_attention(
+        q, k_cache, v_cache, tables, query_start, ctx, max(num_new), 32**-0.5, "triton", tiles=t
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+with pytest.raises(ValueError, match="the step needs 4 tiles of 16 tokens, the map has 3"):
+    prefill_tiles(num_new, block_m, num_tiles=3)
+
 
 # %% [markdown]
 # ## An attention backend for the engine
@@ -280,6 +334,13 @@ class KernelPagedAttention:
         self.cache, self.layout, self.impl = cache, layout, impl
         self.max_query_len = max(layout.num_new)
         self.scale = cache.config.head_dim**-0.5
+        self.tiles = None  # the step's tile map, copied once for all layers (a prefill step's)
+        if self.max_query_len > 1:
+            block_m = prefill_block_m(cache.config.num_heads, cache.config.num_kv_heads)
+            tiles, device = prefill_tiles(layout.num_new, block_m), cache.k_cache[0].device
+            self.tiles = (
+                tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles
+            )
 
     @property
     def rope_inside(self) -> bool:
@@ -325,6 +386,7 @@ class KernelPagedAttention:
             self.max_query_len,
             self.scale,
             self.impl,
+            tiles=self.tiles,
         )
 
 
