@@ -15,8 +15,9 @@ from .kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'decode_buckets', 'context_buckets',
-           'decode_attention_for', 'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs', 'DecodeRunner']
+__all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'MIXED_TOKENS', 'MIXED_CONTEXT', 'decode_buckets',
+           'context_buckets', 'decode_attention_for', 'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs',
+           'DecodeRunner', 'mixed_inputs_bytes', 'mixed_inputs', 'StaticPrefillAttention', 'MixedStepRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[
@@ -234,3 +235,181 @@ class DecodeRunner:
             self.graphs[b, w].replay()
             return self.logits[b, w][:n]
         return self._forward(b, w)[:n]
+
+# %% ../nbs/09b_cuda_graphs.ipynb #a4d2f564
+MIXED_TOKENS = (64, 128, 256, 512)  # token counts of the mixed-step graphs; larger steps run eager
+MIXED_CONTEXT = 8192  # tokens of context a mixed-step graph's block tables hold; longer: eager
+
+
+def mixed_inputs_bytes(t: int, s: int, tiles: int, w: int) -> int:
+    "Bytes of a mixed step's inputs for t tokens, s sequences, a tile map of `tiles` and tables w wide."
+    return 8 * (3 * t + s) + 4 * ((s + 1) + s + 2 * tiles + s * w)
+
+
+def mixed_inputs(
+    buffer: torch.Tensor, t: int, s: int, tiles: int, w: int
+) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 `buffer` as (ids, positions, slots [t] int64, logit rows [s] int64, query starts [s+1],
+    context lengths [s], tile map [2, tiles], block tables [s, w] int32), back to back from its start."""
+    longs = buffer[: 8 * (3 * t + s)].view(torch.int64)
+    ints = buffer[8 * (3 * t + s) : mixed_inputs_bytes(t, s, tiles, w)].view(torch.int32)
+    starts, lens = ints[: s + 1], ints[s + 1 : 2 * s + 1]
+    tile_map, tables = ints[2 * s + 1 : 2 * s + 1 + 2 * tiles], ints[2 * s + 1 + 2 * tiles :]
+    return (
+        longs[:t],
+        longs[t : 2 * t],
+        longs[2 * t : 3 * t],
+        longs[3 * t :],
+        starts,
+        lens,
+        tile_map.view(2, tiles),
+        tables.view(s, w),
+    )
+
+
+class StaticPrefillAttention:
+    "Attention over a mixed step's static buffers: K/V written through the slots, then the prefill kernel."
+
+    rope_inside = (
+        False  # (the fused layers rotate q and k themselves for a step with prefill tokens)
+    )
+
+    def __init__(self, cache: PagedKVCache, slots, starts, lens, tile_map, tables, impl="auto"):
+        self.cache, self.slots, self.starts, self.lens = cache, slots, starts, lens
+        self.tile_map, self.tables, self.impl = tile_map, tables, impl
+        self.scale = cache.config.head_dim**-0.5
+
+    def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
+        from forge_engine.kernels.prefill_attention import paged_prefill_attention
+
+        self.cache.write(layer, self.slots, k, v)
+        k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        return paged_prefill_attention(
+            q, k_layer, v_layer, self.tables, self.starts, self.lens, q.shape[0], self.scale,
+            self.impl, tiles=self.tile_map,
+        )  # fmt: skip
+
+
+class MixedStepRunner:
+    """Steps with prefill tokens, of up to `MIXED_TOKENS[-1]` tokens, over static buffers, replayed from one CUDA
+    graph per token bucket (on a CPU, `use_graphs=False`: the same forward, run eagerly)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        scratch_block: int,
+        impl: str = "auto",
+        use_graphs: bool | None = None,
+    ):
+        from forge_engine.kernels.prefill_attention import prefill_block_m
+
+        self.model, self.cache, self.impl = model, cache, impl
+        self.device = next(model.parameters()).device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        budget = min(max_num_batched_tokens, MIXED_TOKENS[-1])
+        self.buckets = [t for t in MIXED_TOKENS if t < budget] + [budget]
+        self.max_num_seqs, self.scratch_slot = max_num_seqs, scratch_block * cache.block_size
+        self.width = -(-min(max_model_len, MIXED_CONTEXT) // cache.block_size)
+        self.block_m = prefill_block_m(model.config.num_heads, model.config.num_kv_heads)
+        self.inputs = torch.zeros(
+            max(mixed_inputs_bytes(*self.shape(t)) for t in self.buckets),
+            dtype=torch.uint8,
+            device=self.device,
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if self.use_graphs:
+            self.capture()
+
+    def shape(self, t: int) -> tuple[int, int, int, int]:
+        "(tokens, sequences, tiles, table width) of bucket t."
+        s = min(self.max_num_seqs, t)
+        return t, s, -(-t // self.block_m) + s, self.width
+
+    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
+        "Whether a step of these sizes has a bucket (else it runs eager)."
+        return (
+            num_tokens <= self.buckets[-1]
+            and num_seqs <= self.max_num_seqs
+            and max_blocks <= self.width
+        )
+
+    @torch.no_grad()
+    def _forward(self, t: int) -> torch.Tensor:
+        ids, positions, slots, rows, starts, lens, tile_map, tables = mixed_inputs(
+            self.inputs, *self.shape(t)
+        )
+        attention = StaticPrefillAttention(
+            self.cache, slots, starts, lens, tile_map, tables, self.impl
+        )
+        return self.model.compute_logits(self.model(ids, positions, attention)[rows])
+
+    def capture(self) -> None:
+        "Record one graph per token bucket, largest first, sharing one memory pool."
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up (compilation, lazy init) outside the recording
+            self._write_inputs(self.buckets[-1], [])
+            self._forward(self.buckets[-1])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = None
+        for t in reversed(self.buckets):
+            self._write_inputs(t, [])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[t] = self._forward(t)
+            pool = graph.pool()
+            self.graphs[t] = graph
+        torch.cuda.synchronize(self.device)
+
+    def release_graphs(self) -> None:
+        "Destroy the graphs now; `run` refuses from then on."
+        self.graphs, self.logits = {}, {}
+
+    def _write_inputs(self, t: int, seqs, rows: Sequence[int] = ()) -> None:
+        """Lay out a step's inputs on the host for bucket t and copy them in with one copy. `seqs`: per sequence
+        (block table, tokens computed, its new token ids). Padding: tokens at position 0 written to the scratch slot,
+        sequences with no tokens, tiles of sequence -1, logit rows 0."""
+        from forge_engine.kernels.prefill_attention import prefill_tiles
+
+        shape = self.shape(t)
+        host = torch.zeros(mixed_inputs_bytes(*shape), dtype=torch.uint8)
+        ids, pos, slot, row, starts, lens, tile_map, tables = (
+            x.numpy() for x in mixed_inputs(host, *shape)
+        )
+        size, n = self.cache.block_size, 0
+        for b, (table, computed, new_ids) in enumerate(seqs):
+            k = len(new_ids)
+            ids[n : n + k] = new_ids
+            pos[n : n + k] = p = np.arange(computed, computed + k)
+            slot[n : n + k] = np.asarray(table)[p // size] * size + p % size
+            starts[b], lens[b], n = n, computed + k, n + k
+            tables[b, : len(table)] = table
+        slot[n:], starts[len(seqs) :] = self.scratch_slot, n
+        row[: len(rows)] = rows
+        tile_map[:] = prefill_tiles([len(s[2]) for s in seqs], self.block_m, shape[2]).numpy()
+        copy_to_device(self.inputs[: host.numel()], host)
+
+    @torch.no_grad()
+    def run(
+        self,
+        seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        rows: Sequence[int],
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(rows), vocab] of the step's tokens at `rows` (flattened in `seqs` order). `seqs`: per sequence
+        (block table, tokens computed, new token ids). `fill_ids(ids)` may then write input tokens on the device."""
+        t = next(b for b in self.buckets if b >= sum(len(s[2]) for s in seqs))
+        self._write_inputs(t, seqs, rows)
+        if fill_ids is not None:
+            fill_ids(mixed_inputs(self.inputs, *self.shape(t))[0])
+        if self.use_graphs:
+            if not self.graphs:
+                raise RuntimeError("this mixed-step runner's CUDA graphs were released")
+            self.graphs[t].replay()
+            return self.logits[t][: len(rows)]
+        return self._forward(t)[: len(rows)]

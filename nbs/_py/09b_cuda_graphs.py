@@ -424,3 +424,230 @@ eager = DecodeRunner(
 args = (next_tokens, positions, slots, tables, [p + 1 for p in positions])
 # bf16: recorded, the step may fold each norm into the GEMVs (a rounding fewer): logits of O(4) a few 2^-8 apart
 torch.testing.assert_close(graphed.run(*args).clone(), eager.run(*args), rtol=2e-2, atol=2e-2)
+
+# %% [markdown]
+# ## Mixed steps: prefill chunks beside decodes
+#
+# Under a server, a new request's prompt joins a batch of running decodes: that step has a
+# prefill chunk and 16 decodes, say, 96 tokens, and so far ran eager. Measured on an H200
+# (random Qwen3-4B, `kernels_lab` has none of this: the engine-only probe of the serving
+# benchmark), the eager step took 24-28 ms for 6 ms of GPU work, while a decode step of the 16
+# takes 3.2 ms in its graph: every running stream waits that long for its next token whenever a
+# request arrives, which is the online p99 inter-token latency.
+#
+# A mixed step can be recorded too, once its shapes are fixed: the step's tokens padded to a
+# bucket of T (64, 128, 256, 512), its sequences to S = min(max_num_seqs, T) (a sequence has at
+# least one token), the block tables to the width of `MIXED_CONTEXT` tokens, and the prefill
+# kernel's tiles to a padded tile map (chapter 09_kernels_prefill_attention): T / BLOCK_M tiles
+# plus one partial tile a sequence. Padded tokens write their K/V to the scratch slot and belong
+# to no sequence, so no tile reads them and their rows are dropped; padded sequences have no
+# tiles. Larger steps (long prompts' chunks of up to the token budget) still run eager: they do
+# enough work per launch.
+
+# %%
+#| export
+MIXED_TOKENS = (64, 128, 256, 512)  # token counts of the mixed-step graphs; larger steps run eager
+MIXED_CONTEXT = 8192  # tokens of context a mixed-step graph's block tables hold; longer: eager
+
+
+def mixed_inputs_bytes(t: int, s: int, tiles: int, w: int) -> int:
+    "Bytes of a mixed step's inputs for t tokens, s sequences, a tile map of `tiles` and tables w wide."
+    return 8 * (3 * t + s) + 4 * ((s + 1) + s + 2 * tiles + s * w)
+
+
+def mixed_inputs(
+    buffer: torch.Tensor, t: int, s: int, tiles: int, w: int
+) -> tuple[torch.Tensor, ...]:
+    """Views of a uint8 `buffer` as (ids, positions, slots [t] int64, logit rows [s] int64, query starts [s+1],
+    context lengths [s], tile map [2, tiles], block tables [s, w] int32), back to back from its start."""
+    longs = buffer[: 8 * (3 * t + s)].view(torch.int64)
+    ints = buffer[8 * (3 * t + s) : mixed_inputs_bytes(t, s, tiles, w)].view(torch.int32)
+    starts, lens = ints[: s + 1], ints[s + 1 : 2 * s + 1]
+    tile_map, tables = ints[2 * s + 1 : 2 * s + 1 + 2 * tiles], ints[2 * s + 1 + 2 * tiles :]
+    return (
+        longs[:t],
+        longs[t : 2 * t],
+        longs[2 * t : 3 * t],
+        longs[3 * t :],
+        starts,
+        lens,
+        tile_map.view(2, tiles),
+        tables.view(s, w),
+    )
+
+
+class StaticPrefillAttention:
+    "Attention over a mixed step's static buffers: K/V written through the slots, then the prefill kernel."
+
+    rope_inside = (
+        False  # (the fused layers rotate q and k themselves for a step with prefill tokens)
+    )
+
+    def __init__(self, cache: PagedKVCache, slots, starts, lens, tile_map, tables, impl="auto"):
+        self.cache, self.slots, self.starts, self.lens = cache, slots, starts, lens
+        self.tile_map, self.tables, self.impl = tile_map, tables, impl
+        self.scale = cache.config.head_dim**-0.5
+
+    def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
+        from forge_engine.kernels.prefill_attention import paged_prefill_attention
+
+        self.cache.write(layer, self.slots, k, v)
+        k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        return paged_prefill_attention(
+            q, k_layer, v_layer, self.tables, self.starts, self.lens, q.shape[0], self.scale,
+            self.impl, tiles=self.tile_map,
+        )  # fmt: skip
+
+
+class MixedStepRunner:
+    """Steps with prefill tokens, of up to `MIXED_TOKENS[-1]` tokens, over static buffers, replayed from one CUDA
+    graph per token bucket (on a CPU, `use_graphs=False`: the same forward, run eagerly)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        scratch_block: int,
+        impl: str = "auto",
+        use_graphs: bool | None = None,
+    ):
+        from forge_engine.kernels.prefill_attention import prefill_block_m
+
+        self.model, self.cache, self.impl = model, cache, impl
+        self.device = next(model.parameters()).device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        budget = min(max_num_batched_tokens, MIXED_TOKENS[-1])
+        self.buckets = [t for t in MIXED_TOKENS if t < budget] + [budget]
+        self.max_num_seqs, self.scratch_slot = max_num_seqs, scratch_block * cache.block_size
+        self.width = -(-min(max_model_len, MIXED_CONTEXT) // cache.block_size)
+        self.block_m = prefill_block_m(model.config.num_heads, model.config.num_kv_heads)
+        self.inputs = torch.zeros(
+            max(mixed_inputs_bytes(*self.shape(t)) for t in self.buckets),
+            dtype=torch.uint8,
+            device=self.device,
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if self.use_graphs:
+            self.capture()
+
+    def shape(self, t: int) -> tuple[int, int, int, int]:
+        "(tokens, sequences, tiles, table width) of bucket t."
+        s = min(self.max_num_seqs, t)
+        return t, s, -(-t // self.block_m) + s, self.width
+
+    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
+        "Whether a step of these sizes has a bucket (else it runs eager)."
+        return (
+            num_tokens <= self.buckets[-1]
+            and num_seqs <= self.max_num_seqs
+            and max_blocks <= self.width
+        )
+
+    @torch.no_grad()
+    def _forward(self, t: int) -> torch.Tensor:
+        ids, positions, slots, rows, starts, lens, tile_map, tables = mixed_inputs(
+            self.inputs, *self.shape(t)
+        )
+        attention = StaticPrefillAttention(
+            self.cache, slots, starts, lens, tile_map, tables, self.impl
+        )
+        return self.model.compute_logits(self.model(ids, positions, attention)[rows])
+
+    def capture(self) -> None:
+        "Record one graph per token bucket, largest first, sharing one memory pool."
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up (compilation, lazy init) outside the recording
+            self._write_inputs(self.buckets[-1], [])
+            self._forward(self.buckets[-1])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = None
+        for t in reversed(self.buckets):
+            self._write_inputs(t, [])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[t] = self._forward(t)
+            pool = graph.pool()
+            self.graphs[t] = graph
+        torch.cuda.synchronize(self.device)
+
+    def release_graphs(self) -> None:
+        "Destroy the graphs now; `run` refuses from then on."
+        self.graphs, self.logits = {}, {}
+
+    def _write_inputs(self, t: int, seqs, rows: Sequence[int] = ()) -> None:
+        """Lay out a step's inputs on the host for bucket t and copy them in with one copy. `seqs`: per sequence
+        (block table, tokens computed, its new token ids). Padding: tokens at position 0 written to the scratch slot,
+        sequences with no tokens, tiles of sequence -1, logit rows 0."""
+        from forge_engine.kernels.prefill_attention import prefill_tiles
+
+        shape = self.shape(t)
+        host = torch.zeros(mixed_inputs_bytes(*shape), dtype=torch.uint8)
+        ids, pos, slot, row, starts, lens, tile_map, tables = (
+            x.numpy() for x in mixed_inputs(host, *shape)
+        )
+        size, n = self.cache.block_size, 0
+        for b, (table, computed, new_ids) in enumerate(seqs):
+            k = len(new_ids)
+            ids[n : n + k] = new_ids
+            pos[n : n + k] = p = np.arange(computed, computed + k)
+            slot[n : n + k] = np.asarray(table)[p // size] * size + p % size
+            starts[b], lens[b], n = n, computed + k, n + k
+            tables[b, : len(table)] = table
+        slot[n:], starts[len(seqs) :] = self.scratch_slot, n
+        row[: len(rows)] = rows
+        tile_map[:] = prefill_tiles([len(s[2]) for s in seqs], self.block_m, shape[2]).numpy()
+        copy_to_device(self.inputs[: host.numel()], host)
+
+    @torch.no_grad()
+    def run(
+        self,
+        seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        rows: Sequence[int],
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(rows), vocab] of the step's tokens at `rows` (flattened in `seqs` order). `seqs`: per sequence
+        (block table, tokens computed, new token ids). `fill_ids(ids)` may then write input tokens on the device."""
+        t = next(b for b in self.buckets if b >= sum(len(s[2]) for s in seqs))
+        self._write_inputs(t, seqs, rows)
+        if fill_ids is not None:
+            fill_ids(mixed_inputs(self.inputs, *self.shape(t))[0])
+        if self.use_graphs:
+            if not self.graphs:
+                raise RuntimeError("this mixed-step runner's CUDA graphs were released")
+            self.graphs[t].replay()
+            return self.logits[t][: len(rows)]
+        return self._forward(t)[: len(rows)]
+
+
+# %% [markdown]
+# A mixed step through the static buffers, interpreted: a new prompt of 6 tokens, a chunk of 3
+# after the first sequence's cached 5, and a decode, in the bucket of 64 tokens; the logits of
+# each sequence's last token are the paged reference's, and only their slots and the scratch
+# block were written.
+
+# %%
+k_before, v_before = cache.k_cache.clone(), cache.v_cache.clone()
+step = [([6, 7], 0, [1, 2, 3, 4, 5, 6]), ([0, 1, 8], 5, [21, 22, 23]), ([5], 2, [9])]
+last_rows = [5, 8, 9]  # each sequence's last token in the flattened step
+with torch.no_grad():
+    want_layout = build_step_layout([(t, c, len(i)) for t, c, i in step], block_size)
+    want_ids = torch.tensor([i for _, _, ids in step for i in ids])
+    want = model.compute_logits(
+        model(want_ids, want_layout.positions, PagedAttention(cache, want_layout))[last_rows]
+    )
+    cache.k_cache.copy_(k_before), cache.v_cache.copy_(v_before)
+mixed = MixedStepRunner(
+    model, cache, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+    scratch_block=num_blocks, impl="triton", use_graphs=False,
+)  # fmt: skip
+assert mixed.buckets == [64] and mixed.shape(64) == (64, 8, 64 // mixed.block_m + 8, 16)
+got = mixed.run(step, last_rows)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+written = (cache.k_cache != k_before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+assert written == [1, 5, 6, 7, num_blocks], written  # the step's slots and the scratch block
+assert mixed.fits(64, 8, 16) and not mixed.fits(65, 1, 1) and not mixed.fits(8, 9, 1)
