@@ -17,7 +17,7 @@ from .generate import SamplingParams
 from .scheduler import QueueFullError
 
 # %% auto #0
-__all__ = ['Sink', 'EngineDeadError', 'AsyncEngine']
+__all__ = ['Sink', 'EngineDeadError', 'LoopSink', 'AsyncEngine']
 
 # %% ../nbs/08a_async_engine.ipynb #215e45e0
 class EngineDeadError(RuntimeError):
@@ -25,6 +25,21 @@ class EngineDeadError(RuntimeError):
 
 
 Sink = Callable[[RequestOutput], None]
+
+
+class LoopSink:
+    "A sink that puts outputs in an asyncio queue on its event loop's thread (`stream`'s)."
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 class AsyncEngine:
@@ -102,7 +117,7 @@ class AsyncEngine:
         rid = self.submit(
             prompt_token_ids,
             params,
-            lambda out: loop.call_soon_threadsafe(outbox.put_nowait, out),
+            LoopSink(loop, outbox),
             request_id,
             prompt,
             grammar,
@@ -143,8 +158,7 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 self._read_inbox(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._deliver_step(self.engine.step())
                 if (
                     time.monotonic() - self._stats_time >= self._stats_interval
                     or not self.engine.has_unfinished()
@@ -186,11 +200,32 @@ class AsyncEngine:
         elif message[0] == "abort" and message[1] in self.engine.requests:
             self._deliver(self.engine.abort(message[1]))
 
-    def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+    def _deliver_step(self, outs: list[RequestOutput]) -> None:
+        "A step's outputs; those bound for one event loop go over in one call (one wake-up of that loop)."
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if isinstance(sink, LoopSink):
+                self._forget(out)
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+            else:
+                self._deliver(out)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # that loop is closed: nobody there waits any more
+                pass
+
+    def _forget(self, out: RequestOutput) -> None:
+        "A finished request's sink and id go."
         if out.finished:
+            self._sinks.pop(out.request_id, None)
             with self._lock:
                 self._live.discard(out.request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        self._forget(out)
         if sink is None:
             return
         try:
