@@ -343,7 +343,8 @@ def openapi_schema(
     max_model_len: int | None = None,
     api_key: bool = False,
 ) -> dict:
-    "The OpenAPI 3.1 description of this server: the routes, the request fields with their limits, the replies."
+    """The OpenAPI 3.1 description of this server: the routes, the request fields with their
+    limits, the replies."""
     errors = {
         "400": _error_response("a field is wrong: `param` names it"),
         "403": _error_response("a web page's request, or a foreign Host header (no API key set)"),
@@ -409,8 +410,9 @@ def openapi_schema(
         "info": {
             "title": "forge-engine",
             "version": "1",
-            "description": f"An OpenAI-compatible server for {model_name!r}: chat and text completions (one choice; "
-            f"tools, structured outputs), streamed or whole. Request bodies: at most {max_body_bytes} bytes, "
+            "description": f"An OpenAI-compatible server for {model_name!r}: chat and text "
+            "completions (one choice; tools, structured outputs), streamed or whole. Request "
+            f"bodies: at most {max_body_bytes} bytes, "
             f"{MAX_JSON_DEPTH} levels deep.",
         },
         "paths": {

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig, ModelConfig
-from ..engine import ModelRunner, PendingTokens, build_runner
 from ..kv_cache import to_device
 from forge_engine.loader import (
     LoadedModel,
@@ -33,6 +32,7 @@ from forge_engine.loader import (
 )
 from ..loading import LoadStats, rss_bytes
 from ..registry import ResolvedModel, describe_model, resolve
+from ..runner import ModelRunner, PendingTokens, build_runner
 from ..tokenizer import Tokenizer
 from .collective_timing import time_collectives
 from forge_engine.tensor_parallel.peer_all_reduce import (

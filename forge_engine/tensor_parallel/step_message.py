@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine import PendingTokens
+from ..runner import PendingTokens
 
 # %% auto #0
 __all__ = ['StepMessage', 'StepWriter', 'StepReader', 'broadcast_pending', 'received_pending']

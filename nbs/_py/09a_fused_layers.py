@@ -11,7 +11,7 @@
 # weights are on a CUDA GPU where the kernels run compiled. A fused layer adds no state: the
 # parameters stay where they are, and loading (chapter 03), quantizing (chapter 10) and saving
 # see the same model. The model is swapped where it is built for a GPU: `load_model` (chapter
-# 04a) and the engine's `build_runner` (chapter 08, which also takes models built by hand).
+# 04a) and the model runner's `build_runner` (chapter 07a, which also takes models built by hand).
 #
 # | fused layer | runs | instead of |
 # |---|---|---|

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from forge_engine.engine import PendingTokens
+from forge_engine.runner import PendingTokens
 
 # %%
 #| hide

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from forge_engine.config import EngineConfig, ModelConfig
-from forge_engine.engine import ModelRunner, PendingTokens, build_runner
 from forge_engine.kv_cache import to_device
 from forge_engine.loader import (
     LoadedModel,
@@ -40,6 +39,7 @@ from forge_engine.loader import (
 )
 from forge_engine.loading import LoadStats, rss_bytes
 from forge_engine.registry import ResolvedModel, describe_model, resolve
+from forge_engine.runner import ModelRunner, PendingTokens, build_runner
 from forge_engine.tokenizer import Tokenizer
 from forge_engine.tensor_parallel.collective_timing import time_collectives
 from forge_engine.tensor_parallel.peer_all_reduce import (

@@ -16,7 +16,7 @@
 #
 # What is left is the KV cache; a plan is refused when that is under `MIN_KV_BYTES` (1 GiB:
 # 7,281 tokens of Qwen3-4B context, e.g. seven 1,000-token conversations). The estimate is
-# made before loading; after loading the engine *measures* the activation peak (chapter 08)
+# made before loading; after loading the runner *measures* the activation peak (chapter 07a)
 # and sizes the pool from the budget and that measurement, and caps the process's allocator
 # at the budget (`torch.cuda.set_per_process_memory_fraction`), so the plan can never be
 # exceeded silently: an allocation past it fails with an out-of-memory error.

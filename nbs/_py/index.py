@@ -30,6 +30,7 @@
 # | 06a_grammar | `grammar` | structured outputs: a JSON schema, regex or grammar as a mask of allowed tokens |
 # | 06b_tool_calls | `tool_calls` | tool calls: the grammar a required call imposes, Qwen3's `<tool_call>` blocks parsed |
 # | 07_scheduler | `scheduler` | continuous batching, token budget, chunked prefill, preemption |
+# | 07a_model_runner | `runner` | one scheduled step through the model over the paged KV cache |
 # | 08_engine | `engine` | one step: schedule, run, sample, stop |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
 # | 08b_llm | `llm` | `LLM`: offline generation; a model in this process or split over several |
