@@ -515,27 +515,34 @@ async def sse_events(
         if replies[0].kind == "chat":
             for reply in replies:
                 yield sse(reply.role_chunk(include_usage))
-        while None in finals:
-            i, out = await arrived.get()
-            if isinstance(out, Exception):
-                yield sse(
-                    APIError(500, f"{type(out).__name__}: {out}", code="internal_error").body()
-                )
-                break
-            if (
-                out.finish_reason == "error"
-            ):  # the status line is long gone: report it in the stream
-                yield sse(output_error(out, generations[i].engine).body())
-                break
-            for chunk in replies[i].chunks(out, include_usage, usage_chunk=len(replies) == 1):
-                yield sse(chunk)
-            if out.finish_reason == "abort" and generations[i].was_cut_off:
-                yield sse(SHUTDOWN_ERROR.body())
-            if out.finished:
-                finals[i] = out
-        else:
-            if include_usage and len(replies) > 1:
-                yield sse(replies[0].usage_chunk(finals))
+        failed = False
+        while None in finals and not failed:
+            batch = [await arrived.get()]
+            while not arrived.empty():  # what arrived meanwhile goes out in the same write
+                batch.append(arrived.get_nowait())
+            events = []
+            for i, out in batch:
+                if isinstance(out, Exception):
+                    error = APIError(500, f"{type(out).__name__}: {out}", code="internal_error")
+                    events.append(sse(error.body()))
+                    failed = True
+                    break
+                if (
+                    out.finish_reason == "error"
+                ):  # the status line is long gone: say it in the stream
+                    events.append(sse(output_error(out, generations[i].engine).body()))
+                    failed = True
+                    break
+                chunks = replies[i].chunks(out, include_usage, usage_chunk=len(replies) == 1)
+                events += [sse(chunk) for chunk in chunks]
+                if out.finish_reason == "abort" and generations[i].was_cut_off:
+                    events.append(sse(SHUTDOWN_ERROR.body()))
+                if out.finished:
+                    finals[i] = out
+            if events:
+                yield "".join(events)
+        if not failed and include_usage and len(replies) > 1:
+            yield sse(replies[0].usage_chunk(finals))
         yield sse("[DONE]")
     finally:  # also on cancellation (the client disconnected) and when the generator is closed early
         for follower in followers:
