@@ -430,15 +430,8 @@ class SerialEngine:
         )
 
     def block_map(self) -> str:
-        a = self.allocator
-        return "".join(
-            "c"
-            if a.ref_count(b) == 0 and a.hash_of(b) is not None
-            else "."
-            if a.ref_count(b) == 0
-            else str(min(a.ref_count(b), 9))
-            for b in range(a.num_blocks)
-        )
+        "One character per KV block (chapter 05's `BlockAllocator.block_map`)."
+        return self.allocator.block_map()
 
     def stats(self) -> EngineStats:
         window = list(self.recent)[-32:]

@@ -5,13 +5,19 @@
 # %% ../nbs/07a_model_runner.ipynb #fdaeff94
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .config import EngineConfig
-from .cuda_graphs import DecodeRunner, decode_attention_for
+from forge_engine.cuda_graphs import (
+    DecodeRunner,
+    MixedStepRunner,
+    decode_attention_for,
+    mixed_buckets,
+)
 from .kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from .model import Transformer, no_cache_attention
 from .scheduler import Sequence as Seq, StepPlan
@@ -43,13 +49,15 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
     torch.cuda.set_per_process_memory_fraction(
         budget / total, param.device
     )  # past the budget, allocations fail
-    graphs = (
-        activation_bytes(
-            model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()
-        )
-        if config.cuda_graphs is not False
-        else 0
-    )
+    graphs = 0
+    if (
+        config.cuda_graphs is not False
+    ):  # the decode graphs' pool, the mixed-step graphs' and their logits
+        c, mixed = model.config, mixed_buckets(config.max_num_batched_tokens)
+        rows = [min(config.max_num_seqs, t) for t in mixed]
+        graphs = activation_bytes(c, config.max_num_seqs, config.max_num_seqs, param.element_size())
+        graphs += activation_bytes(c, mixed[-1], rows[-1], param.element_size())
+        graphs += sum(rows) * c.vocab_size * 4
     # the cap counts what the allocator holds: what it cannot give back is not free either
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(param.device)
@@ -148,13 +156,10 @@ class ModelRunner:
         cache: PagedKVCache,
         batch_invariant: bool = False,
         decode: DecodeRunner | None = None,
+        mixed: MixedStepRunner | None = None,
     ):
-        self.model, self.cache, self.batch_invariant, self.decode = (
-            model,
-            cache,
-            batch_invariant,
-            decode,
-        )
+        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+        self.decode, self.mixed = decode, mixed  # the CUDA graphs of chapter 09b, on a GPU
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
@@ -177,6 +182,10 @@ class ModelRunner:
             and len(items) <= self.decode.buckets[-1]
         ):  # a pure decode step: replay a CUDA graph
             return self._run_decode(items, pending, unread)
+        if self.mixed is not None and self.mixed.fits(
+            sum(i.num_new for i in items), len(items), max(len(i.seq.block_table) for i in items)
+        ):  # prefill chunks, maybe beside decodes: a graph of its token bucket
+            return self._run_mixed(items, pending, unread)
         ids = [
             t
             for i in items
@@ -229,6 +238,26 @@ class ModelRunner:
             fill,
         )
 
+    def _run_mixed(
+        self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None
+    ):
+        seqs = [
+            (
+                i.seq.block_table,
+                i.seq.num_computed,
+                i.seq.token_ids[i.seq.num_computed : i.seq.num_computed + i.num_new],
+            )
+            for i in items
+        ]
+        last_rows = list(itertools.accumulate(i.num_new for i in items))
+        last_rows = [r - 1 for r in last_rows]
+        fill = (
+            (lambda ids: pending.fill(ids, [last_rows[k] for k in unread[0]], unread[1]))
+            if unread
+            else None
+        )  # a pending token is its sequence's last
+        return self.mixed.run(seqs, [r for r, i in zip(last_rows, items) if i.samples], fill)
+
     def _run_invariant(self, items, ids: torch.Tensor, due_rows: list[int]) -> torch.Tensor:
         # every token as its own query: (its sequence's block table, its position, 1 new token)
         queries = [
@@ -263,10 +292,13 @@ class ModelRunner:
 
 # %% ../nbs/07a_model_runner.ipynb #15977ef6
 def build_runner(
-    model: Transformer, config: EngineConfig, agree_num_blocks: Callable[[int], int] = lambda n: n
+    model: Transformer,
+    config: EngineConfig,
+    agree_num_blocks: Callable[[int], int] = lambda n: n,
+    mixed_graphs: bool = True,
 ) -> ModelRunner:
-    """The KV pool (one scratch block more than the allocator hands out), the decode runner and
-    the model runner."""
+    """The KV pool (one scratch block more than the allocator hands out), the graph runners and
+    the model runner. `mixed_graphs=False`: steps with prefill tokens run eager."""
     param = next(model.parameters())
     if (
         param.device.type == "cuda"
@@ -282,6 +314,7 @@ def build_runner(
     cache = PagedKVCache(model.config, num_blocks + 1, config.block_size, param.device, param.dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
+    graphs = graphs and not config.batch_invariant
     decode = (
         DecodeRunner(
             model,
@@ -292,7 +325,28 @@ def build_runner(
             attention=decode_attention_for(param.device),
             use_graphs=param.device.type == "cuda",
         )
-        if graphs and not config.batch_invariant
+        if graphs
         else None
     )
-    return ModelRunner(model, cache, config.batch_invariant, decode)
+    mixed = (
+        MixedStepRunner(
+            model,
+            cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            scratch_block=num_blocks,
+        )
+        if graphs and mixed_graphs and _prefill_kernel_runs(param.device)
+        else None
+    )
+    return ModelRunner(model, cache, config.batch_invariant, decode, mixed)
+
+
+def _prefill_kernel_runs(device: torch.device) -> bool:
+    "Whether chapter 09's prefill kernel runs natively here (what a mixed-step graph records)."
+    if device.type != "cuda":
+        return False
+    from forge_engine.kernels.backend import kernels_available
+
+    return kernels_available(device)

@@ -32,13 +32,19 @@
 #| export
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from forge_engine.config import EngineConfig
-from forge_engine.cuda_graphs import DecodeRunner, decode_attention_for
+from forge_engine.cuda_graphs import (
+    DecodeRunner,
+    MixedStepRunner,
+    decode_attention_for,
+    mixed_buckets,
+)
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.scheduler import Sequence as Seq, StepPlan
@@ -82,13 +88,15 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
     torch.cuda.set_per_process_memory_fraction(
         budget / total, param.device
     )  # past the budget, allocations fail
-    graphs = (
-        activation_bytes(
-            model.config, config.max_num_seqs, config.max_num_seqs, param.element_size()
-        )
-        if config.cuda_graphs is not False
-        else 0
-    )
+    graphs = 0
+    if (
+        config.cuda_graphs is not False
+    ):  # the decode graphs' pool, the mixed-step graphs' and their logits
+        c, mixed = model.config, mixed_buckets(config.max_num_batched_tokens)
+        rows = [min(config.max_num_seqs, t) for t in mixed]
+        graphs = activation_bytes(c, config.max_num_seqs, config.max_num_seqs, param.element_size())
+        graphs += activation_bytes(c, mixed[-1], rows[-1], param.element_size())
+        graphs += sum(rows) * c.vocab_size * 4
     # the cap counts what the allocator holds: what it cannot give back is not free either
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(param.device)
@@ -217,13 +225,10 @@ class ModelRunner:
         cache: PagedKVCache,
         batch_invariant: bool = False,
         decode: DecodeRunner | None = None,
+        mixed: MixedStepRunner | None = None,
     ):
-        self.model, self.cache, self.batch_invariant, self.decode = (
-            model,
-            cache,
-            batch_invariant,
-            decode,
-        )
+        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+        self.decode, self.mixed = decode, mixed  # the CUDA graphs of chapter 09b, on a GPU
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
@@ -246,6 +251,10 @@ class ModelRunner:
             and len(items) <= self.decode.buckets[-1]
         ):  # a pure decode step: replay a CUDA graph
             return self._run_decode(items, pending, unread)
+        if self.mixed is not None and self.mixed.fits(
+            sum(i.num_new for i in items), len(items), max(len(i.seq.block_table) for i in items)
+        ):  # prefill chunks, maybe beside decodes: a graph of its token bucket
+            return self._run_mixed(items, pending, unread)
         ids = [
             t
             for i in items
@@ -298,6 +307,26 @@ class ModelRunner:
             fill,
         )
 
+    def _run_mixed(
+        self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None
+    ):
+        seqs = [
+            (
+                i.seq.block_table,
+                i.seq.num_computed,
+                i.seq.token_ids[i.seq.num_computed : i.seq.num_computed + i.num_new],
+            )
+            for i in items
+        ]
+        last_rows = list(itertools.accumulate(i.num_new for i in items))
+        last_rows = [r - 1 for r in last_rows]
+        fill = (
+            (lambda ids: pending.fill(ids, [last_rows[k] for k in unread[0]], unread[1]))
+            if unread
+            else None
+        )  # a pending token is its sequence's last
+        return self.mixed.run(seqs, [r for r, i in zip(last_rows, items) if i.samples], fill)
+
     def _run_invariant(self, items, ids: torch.Tensor, due_rows: list[int]) -> torch.Tensor:
         # every token as its own query: (its sequence's block table, its position, 1 new token)
         queries = [
@@ -341,10 +370,13 @@ class ModelRunner:
 # %%
 #| export
 def build_runner(
-    model: Transformer, config: EngineConfig, agree_num_blocks: Callable[[int], int] = lambda n: n
+    model: Transformer,
+    config: EngineConfig,
+    agree_num_blocks: Callable[[int], int] = lambda n: n,
+    mixed_graphs: bool = True,
 ) -> ModelRunner:
-    """The KV pool (one scratch block more than the allocator hands out), the decode runner and
-    the model runner."""
+    """The KV pool (one scratch block more than the allocator hands out), the graph runners and
+    the model runner. `mixed_graphs=False`: steps with prefill tokens run eager."""
     param = next(model.parameters())
     if (
         param.device.type == "cuda"
@@ -360,6 +392,7 @@ def build_runner(
     cache = PagedKVCache(model.config, num_blocks + 1, config.block_size, param.device, param.dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
+    graphs = graphs and not config.batch_invariant
     decode = (
         DecodeRunner(
             model,
@@ -370,10 +403,31 @@ def build_runner(
             attention=decode_attention_for(param.device),
             use_graphs=param.device.type == "cuda",
         )
-        if graphs and not config.batch_invariant
+        if graphs
         else None
     )
-    return ModelRunner(model, cache, config.batch_invariant, decode)
+    mixed = (
+        MixedStepRunner(
+            model,
+            cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            scratch_block=num_blocks,
+        )
+        if graphs and mixed_graphs and _prefill_kernel_runs(param.device)
+        else None
+    )
+    return ModelRunner(model, cache, config.batch_invariant, decode, mixed)
+
+
+def _prefill_kernel_runs(device: torch.device) -> bool:
+    "Whether chapter 09's prefill kernel runs natively here (what a mixed-step graph records)."
+    if device.type != "cuda":
+        return False
+    from forge_engine.kernels.backend import kernels_available
+
+    return kernels_available(device)
 
 
 # %% [markdown]
@@ -420,6 +474,20 @@ for row, prompt in zip(logits, prompts):
 alone = prefill(*tiny_runner(batch_invariant=True), prompts[1:])
 batched = prefill(*tiny_runner(batch_invariant=True), prompts)
 assert torch.equal(alone[0], batched[1])
+
+# %% [markdown]
+# On a GPU, a step with prefill tokens replays one of chapter 09b's mixed-step graphs. The same
+# static-buffer path, without recording and with the prefill kernel interpreted, gives the eager
+# step's logits:
+
+# %%
+runner, scheduler = tiny_runner()
+runner.mixed = MixedStepRunner(
+    runner.model, runner.cache, 64, 2048, 4096, runner.cache.num_blocks - 1, "triton", False
+)
+torch.testing.assert_close(
+    prefill(runner, scheduler, prompts), prefill(*tiny_runner(), prompts), rtol=1e-5, atol=1e-5
+)
 
 # %% [markdown]
 # A pending token is copied into its place on the device: a decode step of the same sequences

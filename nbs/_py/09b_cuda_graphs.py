@@ -450,6 +450,12 @@ MIXED_TOKENS = (64, 128, 256, 512)  # token counts of the mixed-step graphs; lar
 MIXED_CONTEXT = 8192  # tokens of context a mixed-step graph's block tables hold; longer: eager
 
 
+def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
+    "Token counts that get a mixed-step graph: `MIXED_TOKENS` under the step's token budget, then the budget."
+    budget = min(max_num_batched_tokens, MIXED_TOKENS[-1])
+    return [t for t in MIXED_TOKENS if t < budget] + [budget]
+
+
 def mixed_inputs_bytes(t: int, s: int, tiles: int, w: int) -> int:
     "Bytes of a mixed step's inputs for t tokens, s sequences, a tile map of `tiles` and tables w wide."
     return 8 * (3 * t + s) + 4 * ((s + 1) + s + 2 * tiles + s * w)
@@ -519,8 +525,7 @@ class MixedStepRunner:
         self.model, self.cache, self.impl = model, cache, impl
         self.device = next(model.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        budget = min(max_num_batched_tokens, MIXED_TOKENS[-1])
-        self.buckets = [t for t in MIXED_TOKENS if t < budget] + [budget]
+        self.buckets = mixed_buckets(max_num_batched_tokens)
         self.max_num_seqs, self.scratch_slot = max_num_seqs, scratch_block * cache.block_size
         self.width = -(-min(max_model_len, MIXED_CONTEXT) // cache.block_size)
         self.block_m = prefill_block_m(model.config.num_heads, model.config.num_kv_heads)

@@ -345,8 +345,11 @@ class TensorParallel:
 
     def build_runner(self, config: EngineConfig) -> "ParallelRunner":
         "Every rank builds its KV pool and decode graphs; the number of blocks is the smallest any rank can hold."
+        # (steps with prefill tokens stay eager here: chapter 09b's mixed-step graphs are not recorded across ranks)
         runner = self._collective(
-            "engine", config, lambda: build_runner(self.model, config, _agree_min)
+            "engine",
+            config,
+            lambda: build_runner(self.model, config, _agree_min, mixed_graphs=False),
         )
         if runner.decode is not None:
             self.group.graph_owners.add(runner.decode)
@@ -508,7 +511,10 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe) -> None:
                 if kind == "engine":
                     _release(runner)
                     runner = None  # free the previous engine's pool first
-                    runner, reader = build_runner(model, payload, _agree_min), StepReader()
+                    runner, reader = (
+                        build_runner(model, payload, _agree_min, mixed_graphs=False),
+                        StepReader(),
+                    )
                 elif kind == "step":
                     plan = reader.decode(payload)
                     runner.run(plan, received_pending(plan, device) if plan.unread else None)
