@@ -35,8 +35,15 @@ PREFILL_BLOCK_N = 64  # keys per tile
 
 
 @triton.jit(
-    do_not_specialize=["stride_tb"]
-)  # the table's width changes from step to step: one compiled kernel for all
+    do_not_specialize=[
+        "stride_tb",
+        "tables_ptr",
+        "query_start_ptr",
+        "context_lens_ptr",
+        "tile_seq_ptr",
+        "tile_first_ptr",
+    ]
+)  # the table's width and the small inputs' alignment change from step to step: one kernel for all
 def _prefill_kernel(
     q_ptr,
     k_ptr,

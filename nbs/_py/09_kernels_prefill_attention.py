@@ -58,7 +58,12 @@ gen = torch.Generator().manual_seed(4)
 # which follows the longest sequence of the step: 1 in a warm-up of short prompts, then a multiple
 # of 16 or not in a real batch, so the first steps of a run compiled the kernel twice more, over a
 # second each, inside the run (two H200s: a W2 run's prefill steps of 1.48 s and 1.31 s
-# against ~0.1 s). `do_not_specialize` keeps one compiled kernel for every width.
+# against ~0.1 s). `do_not_specialize` keeps one compiled kernel for every width. Pointers are
+# specialised too, on whether their address is a multiple of 16 bytes: the step's small inputs
+# (query starts, context lengths, the tile map) are views into one copied buffer at offsets that
+# change with the number of sequences, and a W2 run on an H200 met a new combination in its
+# second step (991 ms against ~100 ms). They are read one number at a time, so they are not
+# specialised either.
 
 # %%
 #| export
@@ -67,8 +72,15 @@ PREFILL_BLOCK_N = 64  # keys per tile
 
 
 @triton.jit(
-    do_not_specialize=["stride_tb"]
-)  # the table's width changes from step to step: one compiled kernel for all
+    do_not_specialize=[
+        "stride_tb",
+        "tables_ptr",
+        "query_start_ptr",
+        "context_lens_ptr",
+        "tile_seq_ptr",
+        "tile_first_ptr",
+    ]
+)  # the table's width and the small inputs' alignment change from step to step: one kernel for all
 def _prefill_kernel(
     q_ptr,
     k_ptr,
