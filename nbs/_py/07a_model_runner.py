@@ -17,8 +17,9 @@
 # - **how big the KV pool is**: measured after the weights are loaded, from the activation
 #   peak of the largest step (`kv_cache_budget`);
 # - **which path runs the step**: the reference paged attention, the Triton kernels of chapter
-#   09 on a GPU, CUDA graphs for pure decode steps (chapter 09b), or a batch-invariant path that
-#   gives a request the same logits whatever else is in its batch;
+#   09 on a GPU, CUDA graphs for decode steps and for steps of up to 512 tokens with prefill
+#   chunks (chapter 09b), or a batch-invariant path that gives a request the same logits
+#   whatever else is in its batch;
 # - **tokens still on the device**: an input the host has not read back yet (`PENDING`), copied
 #   into place on the GPU.
 #

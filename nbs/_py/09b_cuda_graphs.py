@@ -27,8 +27,9 @@
 # - **padding must be harmless**: padded rows write their K/V into a scratch block no sequence
 #   owns, and their outputs are dropped.
 #
-# Prefill steps (many tokens of one sequence) stay eager: their shapes vary and each step does
-# enough work per launch.
+# Steps with prefill tokens get graphs of their own, per bucket of token counts, up to 512
+# tokens (the last section, "Mixed steps"); longer prefill chunks stay eager: each of their
+# launches does enough work.
 #
 # `DecodeRunner(use_graphs=False)` runs exactly the same static-buffer forward without
 # recording, which is how this chapter tests the logic on a CPU.
