@@ -216,25 +216,24 @@ class SerialEngine:
         return bool(self.requests)
 
     def warm_up(self, prompt_len: int = 40, max_tokens: int = 4) -> float:
-        """Run one throwaway greedy request (a prefill, then decode steps) so that the first real request does not
-        wait for kernels to compile on first use; afterwards the step counters, step records and prefix cache are
-        as if it had never run. Needs an idle engine. Returns the seconds it took."""
+        """Run throwaway greedy requests (a prefill, then decode steps) so that the first real request does not
+        wait for kernels to compile on first use: one of `prompt_len` tokens and, where steps with prefill tokens
+        replay graphs up to a size (chapter 09b), one just longer, which runs eager. Afterwards the step counters,
+        step records and prefix cache are as if they had never run. Needs an idle engine. Returns the seconds."""
         if self.requests:
             raise RuntimeError(
                 f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight"
             )
         start, vocab = time.perf_counter(), self.loaded.config.vocab_size
-        prompt = [
-            1 + i % (vocab - 1)
-            for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))
-        ]
-        self.add_request(
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-            "warm-up",
-        )
-        while self.has_unfinished():
-            self.step()
+        lengths, mixed = [prompt_len], getattr(self.runner, "mixed", None)
+        if mixed is not None and mixed.buckets[-1] < self.config.max_num_batched_tokens:
+            lengths.append(mixed.buckets[-1] + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for k, n in enumerate(lengths):  # (other tokens each: no prefix is shared)
+            n = max(1, min(n, self.max_model_len - max_tokens))
+            self.add_request([1 + (i + k) % (vocab - 1) for i in range(n)], params, f"warm-up-{k}")
+            while self.has_unfinished():
+                self.step()
         self.allocator.reset_prefix_cache()
         self.recent.clear()
         self.steps = self.generated_tokens = 0

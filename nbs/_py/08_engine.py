@@ -291,25 +291,24 @@ class SerialEngine:
         return bool(self.requests)
 
     def warm_up(self, prompt_len: int = 40, max_tokens: int = 4) -> float:
-        """Run one throwaway greedy request (a prefill, then decode steps) so that the first real request does not
-        wait for kernels to compile on first use; afterwards the step counters, step records and prefix cache are
-        as if it had never run. Needs an idle engine. Returns the seconds it took."""
+        """Run throwaway greedy requests (a prefill, then decode steps) so that the first real request does not
+        wait for kernels to compile on first use: one of `prompt_len` tokens and, where steps with prefill tokens
+        replay graphs up to a size (chapter 09b), one just longer, which runs eager. Afterwards the step counters,
+        step records and prefix cache are as if they had never run. Needs an idle engine. Returns the seconds."""
         if self.requests:
             raise RuntimeError(
                 f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight"
             )
         start, vocab = time.perf_counter(), self.loaded.config.vocab_size
-        prompt = [
-            1 + i % (vocab - 1)
-            for i in range(max(1, min(prompt_len, self.max_model_len - max_tokens)))
-        ]
-        self.add_request(
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-            "warm-up",
-        )
-        while self.has_unfinished():
-            self.step()
+        lengths, mixed = [prompt_len], getattr(self.runner, "mixed", None)
+        if mixed is not None and mixed.buckets[-1] < self.config.max_num_batched_tokens:
+            lengths.append(mixed.buckets[-1] + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for k, n in enumerate(lengths):  # (other tokens each: no prefix is shared)
+            n = max(1, min(n, self.max_model_len - max_tokens))
+            self.add_request([1 + (i + k) % (vocab - 1) for i in range(n)], params, f"warm-up-{k}")
+            while self.has_unfinished():
+                self.step()
         self.allocator.reset_prefix_cache()
         self.recent.clear()
         self.steps = self.generated_tokens = 0
@@ -641,11 +640,12 @@ engine.add_request([3, 4, 5], greedy, request_id="after")
 assert run_to_end(engine)["after"].finish_reason == "length"
 
 # %% [markdown]
-# `warm_up` runs one throwaway request before serving, so that the first real one does not wait while
+# `warm_up` runs a throwaway request before serving, so that the first real one does not wait while
 # kernels compile on first use (on a fresh H200 the server's first request waited 1.7 s for its first
-# token, the next ones ~36 ms: W3 in `docs/benchmarks.md`). Afterwards the engine looks as if it never
-# ran: no steps counted, no step records, nothing in the prefix cache; and what it then computes is
-# what a fresh engine computes.
+# token, the next ones ~36 ms: W3 in `docs/benchmarks.md`). Where steps with prompts replay graphs up
+# to a size (chapter 09b, on a GPU), a second request just over that size runs the eager path once
+# too. Afterwards the engine looks as if it never ran: no steps counted, no step records, nothing in
+# the prefix cache; and what it then computes is what a fresh engine computes.
 
 # %%
 warm = tiny_engine(block_size=4)
@@ -657,6 +657,20 @@ assert run_to_end(warm)["real"].token_ids == finals["r1"].token_ids and warm.ste
 warm.add_request([1, 2, 3], greedy, request_id="busy")
 with pytest.raises(RuntimeError, match="idle engine; 1 request"):
     warm.warm_up()
+
+# with mixed-step graphs (here their static path, interpreted), a second request runs eager once
+from forge_engine.cuda_graphs import MixedStepRunner
+
+warm = tiny_engine(block_size=4, max_num_batched_tokens=128)
+cache = warm.runner.cache
+warm.runner.mixed = MixedStepRunner(
+    warm.runner.model, cache, 8, 64, 256, cache.num_blocks - 1, "triton", use_graphs=False
+)
+seen = []
+add = warm.add_request
+warm.add_request = lambda ids, *args, **kw: (seen.append(len(ids)), add(ids, *args, **kw))[1]
+warm.warm_up()
+assert seen == [40, 65] and warm.steps == 0  # graphs up to 64 tokens: 65 runs eager
 
 
 # %% [markdown]

@@ -459,26 +459,32 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def mixed_inputs_bytes(t: int, s: int, tiles: int, w: int) -> int:
     "Bytes of a mixed step's inputs for t tokens, s sequences, a tile map of `tiles` and tables w wide."
-    return 8 * (3 * t + s) + 4 * ((s + 1) + s + 2 * tiles + s * w)
+    return 8 * (3 * t + 3 * s + 1 + s * w) + 4 * 2 * tiles
 
 
 def mixed_inputs(
     buffer: torch.Tensor, t: int, s: int, tiles: int, w: int
 ) -> tuple[torch.Tensor, ...]:
-    """Views of a uint8 `buffer` as (ids, positions, slots [t] int64, logit rows [s] int64, query starts [s+1],
-    context lengths [s], tile map [2, tiles], block tables [s, w] int32), back to back from its start."""
-    longs = buffer[: 8 * (3 * t + s)].view(torch.int64)
-    ints = buffer[8 * (3 * t + s) : mixed_inputs_bytes(t, s, tiles, w)].view(torch.int32)
-    starts, lens = ints[: s + 1], ints[s + 1 : 2 * s + 1]
-    tile_map, tables = ints[2 * s + 1 : 2 * s + 1 + 2 * tiles], ints[2 * s + 1 + 2 * tiles :]
+    """Views of a uint8 `buffer` as (ids, positions, slots [t], logit rows [s], query starts [s+1], context lengths
+    [s], block tables [s, w], all int64, then the tile map [2, tiles] int32), back to back from its start. (The
+    dtypes are the eager step's, chapter 05's layout: the prefill kernel then compiles once for both paths.)"""
+    n = 3 * t + 3 * s + 1 + s * w
+    longs, ints = (
+        buffer[: 8 * n].view(torch.int64),
+        buffer[8 * n : mixed_inputs_bytes(t, s, tiles, w)],
+    )
+    ends = itertools.accumulate((t, t, t, s, s + 1, s, s * w))
+    ids, positions, slots, rows, starts, lens, tables = (
+        longs[end - size : end] for end, size in zip(ends, (t, t, t, s, s + 1, s, s * w))
+    )
     return (
-        longs[:t],
-        longs[t : 2 * t],
-        longs[2 * t : 3 * t],
-        longs[3 * t :],
+        ids,
+        positions,
+        slots,
+        rows,
         starts,
         lens,
-        tile_map.view(2, tiles),
+        ints.view(torch.int32).view(2, tiles),
         tables.view(s, w),
     )
 
