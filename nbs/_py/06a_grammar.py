@@ -43,7 +43,10 @@
 #
 # **What it costs a step:** a mask is computed on the host, per row, while the GPU runs the
 # step's forward (chapter 08 launches the forward first); then one small copy and one
-# `masked_fill` of the row. Measured below on this chapter's JSON schema, with Qwen3's vocabulary.
+# `masked_fill` of the row. Measured below on this chapter's JSON schema, with Qwen3's vocabulary;
+# on an H200 with random Qwen3-4B, 16 streams each under a JSON schema decode at 3.34 ms a step
+# (median; p90 3.55) against 3.21 ms (p90 3.27) without one, +4%
+# (`PYTHONPATH=. python3 kernels_lab/grammar_step_cost.py`).
 
 # %%
 #| default_exp grammar
