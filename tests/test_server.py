@@ -690,3 +690,25 @@ def test_n_choices_whole_and_streamed(tiny):
     assert greedy.choices[0].text == greedy.choices[1].text and [
         ch.index for ch in greedy.choices
     ] == [0, 1]
+
+    # the prompt is computed once: the first choice goes ahead, the others find its full blocks (16 tokens each)
+    # in the prefix cache
+    def kv():
+        r = httpx.get(tiny.url + "/v1/engine/stats", headers={"Authorization": f"Bearer {KEY}"})
+        return r.json()["kv"]
+
+    tiny.wait_metric(lambda s: s.metric("forge_requests_running") == 0)
+    before = kv()
+    prompt = " ".join(f"word{i}" for i in range(150))
+    for stream in (False, True):
+        r = c.completions.create(
+            model=TINY, prompt=prompt, n=3, max_tokens=2, temperature=0, stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+        )  # fmt: skip
+        usage = list(r)[-1].usage if stream else r.usage
+    tiny.wait_metric(lambda s: s.metric("forge_requests_running") == 0)
+    time.sleep(0.3)  # the engine's snapshot, refreshed when idle
+    full_blocks = (usage.prompt_tokens - 1) // 16
+    after = kv()
+    # each run: 2 choices x the full blocks (the streamed run finds them for its first choice too)
+    assert after["hit_tokens"] - before["hit_tokens"] >= (2 + 3) * full_blocks * 16, (before, after)

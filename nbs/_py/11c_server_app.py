@@ -469,8 +469,9 @@ class Generation:
             raise output_error(out, self.engine)
         return out
 
-    async def final(self) -> RequestOutput:
-        out = await self.next()
+    async def final(self, out: RequestOutput | None = None) -> RequestOutput:
+        "The last output (from `out`, an output already taken, on)."
+        out = out or await self.next()
         while not out.finished:
             out = await self.next()
         return out
@@ -496,6 +497,19 @@ class Generation:
             self.engine.abort(self.request_id)
         except ValueError:  # it finished meanwhile
             pass
+
+
+async def first_outputs(generations: list[Generation]) -> list[RequestOutput]:
+    """The first output of each of n choices. The first choice goes alone: its first output comes after its prompt's
+    prefill, whose full blocks are then in the prefix cache, so the other choices compute only the rest."""
+    first = await generations[0].next()
+    return [first, *await asyncio.gather(*(g.next() for g in generations[1:]))]
+
+
+async def final_outputs(generations: list[Generation]) -> list[RequestOutput]:
+    "The last output of each of n choices, their prompt computed once (`first_outputs`)."
+    firsts = await first_outputs(generations)
+    return await asyncio.gather(*(g.final(out) for g, out in zip(generations, firsts)))
 
 
 SHUTDOWN_ERROR = APIError(
@@ -749,6 +763,8 @@ def engine_stats_json(stats: EngineStats) -> dict:
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": stats.tokens_per_s,
         "kv": {
+            "hit_tokens": kv.hit_tokens,
+            "query_tokens": kv.query_tokens,
             "total_blocks": kv.total_blocks,
             "used_blocks": kv.used_blocks,
             "cached_blocks": kv.cached_blocks,
@@ -798,8 +814,8 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
         Reply(kind, state.model_name, tokenizer, params.logprobs, tools, i, replies[0])
         for i in range(1, n)
     ]
-    # n choices are n requests of the same prompt (its blocks shared through the prefix cache), each with its
-    # own seed when one was given, so that seeded choices differ and repeat
+    # n choices are n requests of the same prompt (its blocks shared through the prefix cache: `first_outputs`),
+    # each with its own seed when one was given, so that seeded choices differ and repeat
     generations = [
         Generation(
             engine,
@@ -814,18 +830,14 @@ async def complete(state: ServerState, request: Request, kind: str) -> Response:
     ]
     try:
         if not stream:
-            outs = await unless_disconnected(
-                request, asyncio.gather(*(g.final() for g in generations))
-            )
+            outs = await unless_disconnected(request, final_outputs(generations))
             for out, generation in zip(outs, generations):
                 if out.finish_reason == "error":
                     raise output_error(out, engine)
                 if out.finish_reason == "abort" and generation.was_cut_off:
                     raise SHUTDOWN_ERROR
             return JSONResponse(whole_reply(replies, outs))
-        firsts = await unless_disconnected(
-            request, asyncio.gather(*(g.next() for g in generations))
-        )
+        firsts = await unless_disconnected(request, first_outputs(generations))
     except ClientGone:
         for generation in generations:
             generation.abandon()
