@@ -23,6 +23,7 @@ from forge_engine.registry import fetch
 from forge_engine.server.app import create_app
 from forge_engine.server.serve import ServerThread
 from forge_engine.tokenizer import Tokenizer
+from test_chat import WEATHER  # (the same tool as the terminal chat's tests)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -214,21 +215,6 @@ def test_a_reply_that_ends_by_itself(served, page):
     assert reply.text_content().startswith(SCRIPT) and "stopped" not in reply.get_attribute("class")
     assert page.text_content("#speed").startswith("30 tokens, ")  # the usage chunk's count
     assert page.locator(".msg.error").count() == 0
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather now in a city",
-        "parameters": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["city"],
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-        },
-    },
-}
 
 
 def sse_chunks(text: str) -> list[dict]:
