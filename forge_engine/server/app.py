@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Sequence
 from urllib.parse import urlsplit
@@ -45,222 +43,15 @@ from forge_engine.server.protocol import (
     structured_output,
     submit_error,
     tool_request,
-    ToolRequest,
 )
-from ..tokenizer import Tokenizer
-from ..tool_calls import ToolCallStream, parse_tool_calls
+from .replies import Reply, sse, whole_reply
 
 logger = logging.getLogger("forge_engine.server")
 
 # %% auto #0
-__all__ = ['logger', 'SHUTDOWN_ERROR', 'LOCAL_HOSTS', 'sse', 'Reply', 'whole_reply', 'ClientGone', 'wait_for_disconnect',
-           'unless_disconnected', 'Generation', 'first_outputs', 'final_outputs', 'choice_outputs', 'sse_events',
-           'ServerState', 'engine_stats_json', 'complete', 'CatchAll', 'BrowserGuard', 'create_app']
-
-# %% ../../nbs/11c_server_app.ipynb #c536ce57
-def sse(data: dict | str) -> str:
-    "One server-sent event."
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-class Reply:
-    """OpenAI JSON for the outputs of one request: a chat completion (`kind='chat'`) or a text completion ('text').
-    With `n` choices, one `Reply` a choice (`index`), each sharing the first one's id (`of`)."""
-
-    def __init__(
-        self,
-        kind: str,
-        model: str,
-        tokenizer: Tokenizer | None,
-        top_logprobs: int | None = None,
-        tools: ToolRequest | None = None,
-        index: int = 0,
-        of: Reply | None = None,
-    ):
-        self.kind, self.model, self.tokenizer, self.top_logprobs = (
-            kind,
-            model,
-            tokenizer,
-            top_logprobs,
-        )
-        # tool calls are read out of the text (chapter 06b) unless the request offers none or chose 'none'
-        self.calls = ToolCallStream() if tools is not None and tools.choice != "none" else None
-        self.calls_sent = 0
-        self._text_template: list[str] | None = None  # `text_chunk`'s, made on first use
-        self.index = index
-        self.id = of.id if of else ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = of.created if of else int(time.time())
-
-    def _head(self, streamed: bool) -> dict:
-        obj = (
-            ("chat.completion.chunk" if streamed else "chat.completion")
-            if self.kind == "chat"
-            else "text_completion"
-        )
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _choice(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: dict | None,
-        streamed: bool,
-        role: bool = False,
-    ) -> dict:
-        if self.kind == "text":
-            return {
-                "index": self.index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        if not streamed:
-            message = {"role": "assistant", "content": text}
-        else:
-            message = (
-                {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-            )
-        return {
-            "index": self.index,
-            "delta" if streamed else "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
-
-    def logprobs(self, out: RequestOutput, start: int) -> dict | None:
-        "Log-probabilities of `out.token_ids[start:]`, shaped as this kind of reply wants them."
-        if self.top_logprobs is None or out.logprobs is None:
-            return None
-        rows = []
-        for token, alternatives in zip(out.token_ids[start:], out.logprobs[start:]):
-            top = sorted(alternatives.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
-            rows.append(
-                (
-                    self.token_text(token),
-                    alternatives[token],
-                    [(self.token_text(t), lp) for t, lp in top],
-                )
-            )
-        if self.kind == "text":
-            return {
-                "tokens": [s for s, _, _ in rows],
-                "token_logprobs": [lp for _, lp, _ in rows],
-                "top_logprobs": [dict(top) for _, _, top in rows],
-            }
-        entry = lambda s, lp: {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {
-            "content": [
-                {**entry(s, lp), "top_logprobs": [entry(*a) for a in top]} for s, lp, top in rows
-            ]
-        }
-
-    def usage(self, *outs: RequestOutput) -> dict:
-        "Tokens of the prompt (once) and of every choice's output."
-        n, m = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
-        return {
-            "prompt_tokens": n,
-            "completion_tokens": m,
-            "total_tokens": n + m,
-            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
-        }
-
-    def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
-        return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
-
-    def whole(self, out: RequestOutput) -> dict:
-        "The reply to a request with stream=false, from its final output."
-        content, calls = parse_tool_calls(out.text) if self.calls is not None else (out.text, [])
-        choice = self._choice(
-            content, self._finish_reason(out, bool(calls)), self.logprobs(out, 0), False
-        )
-        if calls:
-            choice["message"].update(
-                content=content or None, tool_calls=[c.openai() for c in calls]
-            )
-        return {**self._head(False), "choices": [choice], "usage": self.usage(out)}
-
-    def text_chunk(self, text: str, include_usage: bool) -> str:
-        """The chunk of new text alone, as JSON: the most frequent chunk by far, written from a template made once
-        (about a third of the cost of building and dumping its dict)."""
-        if self._text_template is None:
-            choice = self._choice("\0", None, None, True)
-            chunk = {
-                **self._head(True),
-                "choices": [choice],
-                **({"usage": None} if include_usage else {}),
-            }
-            self._text_template = json.dumps(chunk, ensure_ascii=False).split('"\\u0000"')
-        before, after = self._text_template
-        return before + json.dumps(text, ensure_ascii=False) + after
-
-    def role_chunk(self, include_usage: bool) -> dict:
-        return {
-            **self._head(True),
-            "choices": [self._choice("", None, None, True, role=True)],
-            **({"usage": None} if include_usage else {}),
-        }
-
-    def chunks(
-        self, out: RequestOutput, include_usage: bool, usage_chunk: bool = True
-    ) -> list[dict]:
-        """The stream chunks one output adds: its new text, then (when it is the last) the finish reason and, unless
-        `usage_chunk` is off (n choices: the usage of all comes once, at the end), the usage."""
-        head, usage = self._head(True), {"usage": None} if include_usage else {}
-        start = len(out.token_ids) - len(out.delta_token_ids)
-        logprobs = self.logprobs(out, start) if out.delta_token_ids else None
-        if not out.finished and logprobs is None and self.calls is None:
-            return [self.text_chunk(out.delta_text, include_usage)] if out.delta_text else []
-        chunks, text, calls = [], out.delta_text, []
-        if self.calls is not None:
-            text, calls = self.calls.add(out.delta_text, final=out.finished)
-        if text or logprobs:
-            chunks.append({**head, "choices": [self._choice(text, None, logprobs, True)], **usage})
-        for call in calls:  # each call whole, in one chunk, when its block closes
-            delta = {"tool_calls": [call.openai(index=self.calls_sent)]}
-            self.calls_sent += 1
-            chunks.append(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": self.index,
-                            "delta": delta,
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    **usage,
-                }
-            )
-        if out.finished:
-            chunks.append(
-                {
-                    **head,
-                    "choices": [
-                        self._choice("", self._finish_reason(out, self.calls_sent > 0), None, True)
-                    ],
-                    **usage,
-                }
-            )
-            if include_usage and usage_chunk:
-                chunks.append({**head, "choices": [], "usage": self.usage(out)})
-        return chunks
-
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
-        return {**self._head(True), "choices": [], "usage": self.usage(*outs)}
-
-
-def whole_reply(replies: list[Reply], outs: list[RequestOutput]) -> dict:
-    "The reply to a request of n choices with stream=false: each choice as its `Reply` writes it, the usage of all."
-    parts = [reply.whole(out) for reply, out in zip(replies, outs)]
-    return {
-        **parts[0],
-        "choices": [part["choices"][0] for part in parts],
-        "usage": replies[0].usage(*outs),
-    }
+__all__ = ['logger', 'SHUTDOWN_ERROR', 'LOCAL_HOSTS', 'ClientGone', 'wait_for_disconnect', 'unless_disconnected', 'Generation',
+           'first_outputs', 'final_outputs', 'choice_outputs', 'sse_events', 'ServerState', 'engine_stats_json',
+           'complete', 'CatchAll', 'BrowserGuard', 'create_app']
 
 # %% ../../nbs/11c_server_app.ipynb #4794ee60
 class ClientGone(Exception):

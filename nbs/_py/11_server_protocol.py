@@ -20,11 +20,12 @@
 # loop only parses, checks, formats and waits. Everything a client can get wrong is refused
 # *before* the engine sees it, with an OpenAI-style error object and the right HTTP status.
 #
-# The server is six chapters, one module each in `forge_engine.server`: this one (the
+# The server is seven chapters, one module each in `forge_engine.server`: this one (the
 # protocol: errors, request checks, prompts), 11a (Prometheus metrics), 11b (the browser chat
-# page), 11c (the app: replies, one request in flight, the routes), 11d (`forge-engine
-# serve`, and a real server with a real stream) and 11e (the OpenAPI schema the app publishes,
-# with the limits this chapter sets).
+# page), 11c (the app: one request in flight, the routes), 11d (`forge-engine serve`, and a
+# real server with a real stream), 11e (the OpenAPI schema the app publishes, with the limits
+# this chapter sets) and 11f (the replies: OpenAI's JSON, whole or streamed, that the app
+# sends).
 
 # %%
 #| default_exp server.protocol

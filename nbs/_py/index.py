@@ -55,9 +55,10 @@
 # | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
 # | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
 # | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |
-# | 11c_server_app | `server.app` | SSE and JSON replies, cancellation, backpressure, the routes |
+# | 11c_server_app | `server.app` | one request in flight: cancellation, backpressure; the routes |
 # | 11d_serve | `server.serve` | `forge-engine serve`; a real server, a real stream |
 # | 11e_server_openapi | `server.openapi` | the OpenAPI schema the server publishes, with its limits |
+# | 11f_server_replies | `server.replies` | OpenAI's JSON replies, whole or streamed (SSE); tool calls |
 # | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
 # | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
 # | 13a_load_client | `load_client` | W3: Poisson load against a server |
