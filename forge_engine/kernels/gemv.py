@@ -7,6 +7,13 @@ __all__ = ['GEMV_MAX_ROWS', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'gemv_fol
            'gemv_config', 'gemv_reference', 'hand_off_operands', 'check_gemv_folds', 'gemv']
 
 # %% ../../nbs/09_kernels_gemv.ipynb #4b042ed9
+# Why one module of ~800 lines: it is one concept, the GEMV for one to four rows, and its parts
+# are not used apart. The two layouts (`_gemv_kernel`, `_gemv_rows_kernel`) share the int8
+# conversion, the norm folds and the dependent-launch start; `gemv` checks the folds, picks the
+# layout and the tile (`gemv_layout`, `gemv_config`: the measured winners) and launches one of
+# them; chapter 10's int4 GEMV imports the same pieces. About a quarter of the lines hold one name
+# each: the formatter writes each of the kernels' 32 and 25 parameters, and each launch argument,
+# on a line of its own.
 import torch
 import torch.nn.functional as F
 

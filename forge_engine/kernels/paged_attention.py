@@ -8,6 +8,14 @@ __all__ = ['DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE
            'decode_split_len', 'paged_decode_attention']
 
 # %% ../../nbs/09_kernels_paged_attention.ipynb #8cc0aad6
+# Why one module of ~830 lines: most of it is one kernel and its launcher. `_decode_kernel` is
+# one program of ~280 lines with 54 parameters (each fold a flag: the K/V store, q/k-norm and
+# RoPE, the split merge, the dependent launch), and `paged_decode_attention` (~170 lines) picks
+# the folds, sizes the splits and their partial buffers and passes 55 launch arguments; the
+# formatter puts each parameter and argument on a line of its own, over a third of the module.
+# What comes before them, the reference and the inner loop both attention kernels share (the
+# prefill kernel imports it from here), is ~160 lines: split off, it would leave the decode
+# kernel alone at ~640 lines and take the loop away from the chapter that explains it.
 import math
 
 import torch

@@ -80,6 +80,14 @@
 
 # %%
 #| export
+# Why one module of ~860 lines: it is one kernel, `_int4_gemv_kernel`, with its tiles and its
+# launch. Its weight step comes in two forms read side by side, each measured against the other
+# below: in FP32 (`_int4_step_floats`, the reference, and the path for packed rows that do not
+# start at whole 32-bit words) and in integers (`_int4_step_integers` and its PTX helpers, ~210
+# lines), chosen at the launch (`INT4_INT_DOT`, `int_dot=`); the tile rule and register caps
+# (`quant_gemv_config`, `INT4_TILE_*`) come from the same measurements, and `int4_gemv` launches
+# it. About 260 lines hold one name each: the formatter writes each of the kernel's 31
+# parameters, and each launch argument, on a line of its own.
 from __future__ import annotations
 
 import torch
