@@ -18,17 +18,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator
 
-from forge_engine.chat import (
-    API_KEY_ENV,
-    ChatError,
-    Reply,
-    SSEDecoder,
-    api_base,
-    api_headers,
-    error_text,
-    parse_chunk,
-    request_body,
-)
+from .chat import API_KEY_ENV, Reply, api_base, api_headers
+from .chat_wire import ChatError, SSEDecoder, error_text, parse_chunk, request_body
 
 # %% auto #0
 __all__ = ['WorkloadRequest', 'arrival_times', 'random_prompts', 'synthetic_workload', 'read_trace', 'sse_data_async',
@@ -130,7 +121,7 @@ def read_trace(path: str, default_max_tokens: int = 128) -> list[WorkloadRequest
 
 # %% ../nbs/13a_load_client.ipynb #d36d1e08
 async def sse_data_async(lines: AsyncIterable[str]) -> AsyncIterator[str]:
-    "The async twin of `chat.sse_data`: each event's data up to `[DONE]`."
+    "The async twin of `chat_wire.sse_data`: each event's data up to `[DONE]`."
     decoder = SSEDecoder()
     async for line in lines:
         data = decoder.feed(line)

@@ -18,7 +18,9 @@ import time
 import httpx
 import pytest
 
-from forge_engine.chat import ChatError, ChatWidget, RemoteChat, Reply, call_line, chat_loop
+from forge_engine.chat import RemoteChat, Reply, call_line, chat_loop
+from forge_engine.chat_wire import ChatError
+from forge_engine.chat_widget import ChatWidget
 
 API_KEY = "test-key"
 

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Chat
 #
-# > Talking to the engine: the OpenAI stream on the wire, a terminal chat loop and a notebook chat widget, in-process or against any OpenAI-compatible server.
+# > Talking to the engine: a reply and its timings, chat sources in-process or against any OpenAI-compatible server, and the terminal chat loop with its command line.
 
 # %% [markdown]
 # This is the end of the flow of a request: text deltas arrive and a person reads them. The
@@ -17,6 +17,10 @@
 # aborts the reply; `reply` (a `Reply`) collects the text, the token count and the timings
 # on the way. The terminal loop, the notebook widget and the load client of chapter 13a are
 # all written against that one shape.
+#
+# Two pieces have chapters of their own: the OpenAI stream as a client reads it (server-sent
+# events, request bodies, chunks: chapter 12a), which `RemoteChat` and the load client share,
+# and the notebook widget (chapter 12b), a view over the chat sources of this chapter.
 
 # %%
 #| default_exp chat
@@ -28,314 +32,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
+
+from forge_engine.chat_wire import (
+    ChatError,
+    Chunk,
+    error_text,
+    openai_tool_choice,
+    parse_chunk,
+    request_body,
+    sse_data,
+)
 
 # %%
 #| hide
 import pytest
-
-
-# %% [markdown]
-# ## What the client sees on the wire
-#
-# `POST /v1/chat/completions` with `"stream": true` answers `200` with
-# `Content-Type: text/event-stream`, then keeps the connection open and writes *events*.
-# An event is one or more `field: value` lines ended by a blank line; the only field that
-# matters here is `data`. Each `data` is one JSON *chunk*; the stream ends with the literal
-# `data: [DONE]`:
-#
-# ```
-# data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}
-#
-# data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Par"},"finish_reason":null}]}
-#
-# data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"is"},"finish_reason":"stop"}]}
-#
-# data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":14,"completion_tokens":2,"total_tokens":16}}
-#
-# data: [DONE]
-#
-# ```
-#
-# The first chunk often carries only the role; the last `choices` chunk carries the
-# `finish_reason` (`stop`, `length`, ...); a usage chunk with empty `choices` comes only when
-# the request asked for it with `"stream_options": {"include_usage": true}`. Lines starting
-# with `:` are comments (servers send them as keep-alives), and a `data` field may be split
-# over several lines, which the reader joins with newlines. `/v1/completions` streams the same
-# way with `choices[0].text` instead of `choices[0].delta.content`.
-#
-# A reply that calls tools (chapter 06b) sends them as `delta.tool_calls` entries and ends with
-# `finish_reason: "tool_calls"`. Each entry names the call it belongs to by `index`; the first
-# entry of a call brings its `id` and function `name`, later ones pieces of its `arguments` (a
-# JSON object, as text), to be joined in order:
-#
-# ```
-# data: {..."delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function",
-#                                   "function":{"name":"get_weather","arguments":""}}]}...}
-#
-# data: {..."delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\": "}}]}...}
-#
-# data: {..."delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]}...}
-#
-# data: {..."delta":{},"finish_reason":"tool_calls"}
-# ```
-#
-# (Our server sends each call whole, in one entry, when its `</tool_call>` closes; OpenAI and
-# vLLM send the pieces. A client that joins pieces reads both.)
-#
-# `SSEDecoder` takes the stream one line at a time and hands back each event's data when the
-# blank line ends it. It keeps no I/O of its own, so the synchronous client here and the
-# asyncio load client of chapter 13a share it.
-
-# %%
-#| export
-class SSEDecoder:
-    "Server-sent events, one line at a time: `feed(line)` returns an event's data when the blank line that ends it comes."
-
-    def __init__(self):
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> str | None:
-        line = line.rstrip("\r\n")
-        if not line:
-            return self.flush()
-        if line.startswith(":"):
-            return None  # a comment, e.g. a keep-alive
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return None  # event:, id:, retry: do not matter to an OpenAI stream
-
-    def flush(self) -> str | None:
-        "The pending event's data (a stream may end without the final blank line)."
-        data, self._data = "\n".join(self._data), []
-        return data or None
-
-
-def sse_data(lines: Iterable[str]) -> Iterator[str]:
-    "The data of each event in a stream of lines, up to (not including) `[DONE]`."
-    decoder = SSEDecoder()
-    for line in lines:
-        data = decoder.feed(line)
-        if data == "[DONE]":
-            return
-        if data is not None:
-            yield data
-    if (data := decoder.flush()) not in (None, "[DONE]"):
-        yield data  # the stream left its last event open
-
-
-# %%
-wire = """: keep-alive
-data: {"choices":[{"delta":{"content":"Hel"}}]}
-
-data: {"choices":[{"delta":{"content":"lo"}}]}\r
-\r
-event: message
-data: line one
-data: line two
-
-data: [DONE]
-
-data: never read
-""".split("\n")
-assert list(sse_data(wire)) == [
-    '{"choices":[{"delta":{"content":"Hel"}}]}',
-    '{"choices":[{"delta":{"content":"lo"}}]}',
-    "line one\nline two",
-]
-assert list(sse_data(iter(["data: no blank line at the end"]))) == ["no blank line at the end"]
-assert list(sse_data(["", ": only comments", ""])) == []
-
-# %% [markdown]
-# ## Requests and chunks
-#
-# A request body carries the sampling parameters under OpenAI's names. Parameters OpenAI
-# does not have (`top_k`, `min_p`, `ignore_eos`, ...) are vLLM's extensions; they are sent
-# only when they differ from their neutral value, so a strict server never sees them unless
-# they matter. The model's name is part of every request; `GET /v1/models` lists the names a
-# server takes.
-
-# %%
-#| export
-_EXTENSIONS = {
-    "top_k": -1,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-    "ignore_eos": False,
-}
-
-
-def openai_tool_choice(choice: str | dict) -> str | dict:
-    "`tool_choice` as OpenAI spells it: 'auto', 'required', 'none', or a function name's object."
-    if isinstance(choice, dict) or choice in ("auto", "required", "none"):
-        return choice
-    return {"type": "function", "function": {"name": choice}}
-
-
-def request_body(
-    params,
-    model: str,
-    messages: list[dict] | None = None,
-    prompt: str | None = None,
-    stream: bool = True,
-    tools: list[dict] | None = None,
-    tool_choice: str | dict | None = None,
-) -> dict:
-    """The JSON body of a chat (`messages`) or completion (`prompt`) request from `SamplingParams`;
-    a chat may offer `tools`, and say which it wants called (`tool_choice`: a name will do)."""
-    if (messages is None) == (prompt is None):
-        raise ValueError("pass either messages (chat) or prompt (completion)")
-    body = {
-        "model": model,
-        **({"messages": messages} if messages is not None else {"prompt": prompt}),
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-    }
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name):
-            body[name] = getattr(params, name)
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    body.update(
-        {
-            k: getattr(params, k)
-            for k, neutral in _EXTENSIONS.items()
-            if getattr(params, k) != neutral
-        }
-    )
-    if tools:
-        body["tools"] = tools
-        if tool_choice is not None:
-            body["tool_choice"] = openai_tool_choice(tool_choice)
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
-    return body
-
-
-class ChatError(RuntimeError):
-    "A reply failed: the server refused the request, could not be reached, broke the stream, or the engine failed."
-
-
-@dataclass
-class Chunk:
-    "What one streamed chunk says: a piece of text, a finish reason, the usage, tool call pieces."
-
-    text: str = ""
-    finish_reason: str | None = None
-    usage: dict | None = None
-    tool_calls: list[dict] = field(default_factory=list)  # `delta.tool_calls` entries
-
-
-def parse_chunk(data: str) -> Chunk:
-    "One `data:` payload of a chat or completion stream; an error object raises `ChatError`."
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        raise ChatError(f"the server sent a chunk that is not JSON: {data[:200]!r}") from None
-    if not isinstance(obj, dict):
-        raise ChatError(f"the server sent an unexpected chunk: {data[:200]!r}")
-    if "error" in obj:
-        raise ChatError(f"the server failed the request mid-stream: {error_text(obj)}")
-    choices = obj.get("choices") or [{}]
-    choice, delta = choices[0], choices[0].get("delta") or {}
-    text = delta.get("content") or choice.get("text") or ""
-    calls = delta.get("tool_calls") or []
-    if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-        raise ChatError(
-            f"the server sent tool_calls that are not a list of objects: {data[:200]!r}"
-        )
-    return Chunk(text, choice.get("finish_reason"), obj.get("usage"), calls)
-
-
-def error_text(body) -> str:
-    'The message of an error body: OpenAI\'s `{"error": {"message": ...}}`, FastAPI\'s `{"detail": ...}`, or the raw text.'
-    if isinstance(body, str):
-        try:
-            body = json.loads(body)
-        except ValueError:
-            return body.strip()[:500] or "(empty body)"
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(err)
-    return str(body)[:500]
-
-
-# %%
-class Params:  # any object with SamplingParams' attributes will do; the real one comes later
-    max_tokens, temperature, top_p, top_k, min_p, seed, stop = 8, 0.0, 1.0, -1, 0.0, None, []
-    presence_penalty = frequency_penalty = 0.0
-    repetition_penalty, min_tokens, ignore_eos = 1.0, 0, False
-
-
-body = request_body(Params(), "m", messages=[{"role": "user", "content": "hi"}])
-assert body == {
-    "model": "m",
-    "messages": [{"role": "user", "content": "hi"}],
-    "max_tokens": 8,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "stream": True,
-    "stream_options": {"include_usage": True},
-}
-p = Params()
-p.top_k, p.ignore_eos, p.seed = 5, True, 3
-assert request_body(p, "m", prompt="x", stream=False) == {
-    "model": "m",
-    "prompt": "x",
-    "max_tokens": 8,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "seed": 3,
-    "top_k": 5,
-    "ignore_eos": True,
-}
-with pytest.raises(ValueError, match="either messages"):
-    request_body(p, "m")
-
-assert parse_chunk('{"choices":[{"delta":{"role":"assistant","content":""}}]}') == Chunk()
-assert parse_chunk('{"choices":[{"delta":{"content":"is"},"finish_reason":"stop"}]}') == Chunk(
-    "is", "stop"
-)
-assert parse_chunk('{"choices":[{"text":"x","finish_reason":null}]}') == Chunk("x")
-assert parse_chunk('{"choices":[],"usage":{"completion_tokens":2}}') == Chunk(
-    usage={"completion_tokens": 2}
-)
-with pytest.raises(ChatError, match="mid-stream: engine died"):
-    parse_chunk('{"error":{"message":"engine died"}}')
-with pytest.raises(ChatError, match="not JSON"):
-    parse_chunk("Paris")
-assert (
-    error_text('{"detail":"Not Found"}') == "Not Found"
-    and error_text("<html>bad gateway") == "<html>bad gateway"
-)
-weather_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-body = request_body(
-    Params(), "m", [], stream=False, tools=[weather_tool], tool_choice="get_weather"
-)
-assert body["tools"] == [weather_tool] and body["tool_choice"] == {
-    "type": "function",
-    "function": {"name": "get_weather"},
-}
-required = request_body(Params(), "m", [], tools=[weather_tool], tool_choice="required")
-assert required["tool_choice"] == "required" and required["stream"]
-assert "tools" not in request_body(Params(), "m", [], tool_choice="required")
-piece = '{"index":0,"id":"call_1","function":{"name":"get_weather","arguments":""}}'
-assert parse_chunk('{"choices":[{"delta":{"tool_calls":[' + piece + "]}}]}").tool_calls == [
-    json.loads(piece)
-]
-with pytest.raises(ChatError, match="not a list of objects"):
-    parse_chunk('{"choices":[{"delta":{"tool_calls":"get_weather()"}}]}')
 
 
 # %% [markdown]
@@ -943,6 +657,7 @@ import contextlib
 import io
 import tempfile
 
+weather_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 folder = tempfile.mkdtemp()
 
 
@@ -980,191 +695,6 @@ with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(stderr):
     parser.parse_args(["--tools", tools_file("[1]")])
 assert exit.value.code == 2 and "argument --tools: the tools file " in stderr.getvalue()
 assert "tools[0] must be" in stderr.getvalue()
-
-
-# %% [markdown]
-# ## In a notebook: `ChatWidget`
-#
-# A text box, Send and Stop buttons, sliders for temperature, top-p and the token limit, and
-# the conversation rendered as plain text (a model's output is never interpreted as HTML).
-# `ChatWidget(llm)` chats in-process, `ChatWidget("http://127.0.0.1:8000")` with a server.
-#
-# The reply streams on a background thread so the notebook stays responsive; Stop sets an
-# event that the thread checks between pieces, and it then closes the stream, which aborts
-# the request. The handlers are plain methods (`send`, `stop`, `wait`), so a test can drive
-# the widget without a browser.
-#
-# `ChatWidget(..., tools=[...], tool_choice=...)` offers tools. A reply's calls show as the
-# terminal shows them, `→ get_weather({"city": "Paris"})`, and wait for their results: type
-# one in the box and Send (it answers the first call still waiting; the box's placeholder
-# says which), or call `answer_tool(call_id, result)`. When every call has its result, the model
-# answers from them (choosing for itself whether to call again, as in the terminal).
-
-# %%
-#| export
-class ChatWidget:
-    "A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source."
-
-    def __init__(
-        self,
-        source,
-        system: str | None = None,
-        api_key: str | None = None,
-        model: str | None = None,
-        tools: list[dict] | None = None,
-        tool_choice: str | dict = "auto",
-    ):
-        import ipywidgets as w
-
-        if tools:
-            from forge_engine.tool_calls import check_tools
-
-            check_tools(tools)
-        if isinstance(source, str):
-            source = RemoteChat(source, api_key or os.environ.get(API_KEY_ENV), model)
-        elif not hasattr(source, "stream"):
-            source = LocalChat(source)
-        self.chat, self.system = source, system
-        self.tools, self.tool_choice = tools, tool_choice
-        self.history: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.replies: list[Reply] = []
-        self.waiting: list[dict] = []  # the last reply's tool calls that have no result yet
-        self._results: list[dict] = []  # the tool messages of those that have one
-        self._start = len(
-            self.history
-        )  # where the exchange in progress starts (a failure drops it)
-        self.transcript = ""
-        self._stop, self._thread = threading.Event(), None
-        self.prompt = w.Textarea(placeholder="Your message", rows=2, layout=w.Layout(width="100%"))
-        self.send_button = w.Button(description="Send", button_style="primary")
-        self.stop_button = w.Button(description="Stop", disabled=True)
-        self.temperature = w.FloatSlider(
-            value=0.7, min=0.0, max=2.0, step=0.05, description="temperature"
-        )
-        self.top_p = w.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top-p")
-        self.max_tokens = w.IntSlider(value=256, min=1, max=2048, description="max tokens")
-        self.output = w.Output(layout=w.Layout(border="1px solid #ccc", min_height="6em"))
-        self.status = w.Label()
-        self.send_button.on_click(lambda _: self.send())
-        self.stop_button.on_click(lambda _: self.stop())
-        self.box = w.VBox(
-            [
-                self.output,
-                self.prompt,
-                w.HBox([self.send_button, self.stop_button, self.status]),
-                w.HBox([self.temperature, self.top_p, self.max_tokens]),
-            ]
-        )
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.box._repr_mimebundle_(**kwargs)
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def params(self):
-        from forge_engine.generate import SamplingParams
-
-        return SamplingParams(
-            max_tokens=self.max_tokens.value,
-            temperature=self.temperature.value,
-            top_p=self.top_p.value,
-        )
-
-    def send(self, text: str | None = None) -> bool:
-        """Send the text box's message (or `text`), or the result of the first tool call waiting for
-        one; False when a reply is still streaming or there is nothing to send."""
-        text = self.prompt.value if text is None else text
-        if self.busy or not text.strip():
-            return False
-        self.prompt.value = ""
-        if self.waiting:
-            return self.answer_tool(self.waiting[0]["id"], text)
-        self._start = len(self.history)
-        self.history.append({"role": "user", "content": text})
-        self._show(f"you: {text}\n")
-        self._reply(self.tool_choice)
-        return True
-
-    def answer_tool(self, call_id: str, result: str) -> bool:
-        "The result of a tool call of the last reply; once every call has one, the model answers."
-        call = next((c for c in self.waiting if c["id"] == call_id), None)
-        if call is None:
-            waiting = [c["id"] for c in self.waiting]
-            raise ValueError(f"no tool call {call_id!r} waits for a result; waiting: {waiting}")
-        self.waiting.remove(call)
-        self._results.append(tool_message(call, result))
-        self._show(f"result of {call['function']['name']}: {result}\n")
-        if self.waiting:
-            self._ask_results()
-            return True
-        self.history += self._results
-        self._results = []
-        self.prompt.placeholder = "Your message"
-        self._reply("auto")  # a forced choice was for the reply to the person's message
-        return True
-
-    def _ask_results(self) -> None:
-        name = self.waiting[0]["function"]["name"]
-        self.prompt.placeholder = f"result of {name}"
-        self.status.value = f"waiting for {len(self.waiting)} tool result(s): {name} first"
-
-    def _reply(self, tool_choice) -> None:
-        self._show("assistant: ")
-        self._stop.clear()
-        self.send_button.disabled, self.stop_button.disabled = True, False
-        self.status.value = "streaming..."
-        self._thread = threading.Thread(
-            target=self._stream_reply, args=(self.params(), tool_choice), daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        "Abort the reply that is streaming (the thread stops at the next piece)."
-        self._stop.set()
-
-    def wait(self, timeout: float | None = None) -> Reply | None:
-        "Block until the current reply is done; the last reply."
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self.replies[-1] if self.replies else None
-
-    def _show(self, text: str) -> None:
-        self.transcript += text
-        self.output.outputs = (
-            {"output_type": "stream", "name": "stdout", "text": self.transcript},
-        )
-
-    def _stream_reply(self, params, tool_choice) -> None:
-        reply = Reply()
-        offered = {"tools": self.tools, "tool_choice": tool_choice} if self.tools else {}
-        pieces = self.chat.stream(self.history, params, reply, **offered)
-        try:
-            for piece in pieces:
-                if self._stop.is_set():
-                    break
-                if piece:
-                    self._show(piece)
-        except Exception as e:  # shown, never raised on a thread nobody joins
-            reply.error = str(e)
-        finally:
-            pieces.close()
-            if self._stop.is_set():
-                reply.end("abort")
-        ending = "\n" if reply.error else reply_ending(reply)
-        self._show(f"{ending}{reply.summary()}\n\n")
-        if reply.error:
-            del self.history[self._start :]
-        else:
-            self.history.append(message := reply.message())
-            self.waiting = list(message.get("tool_calls", []))
-        self.replies.append(reply)
-        self.status.value = "error" if reply.error else reply.finish_reason or ""
-        if self.waiting:
-            self._ask_results()
-        self.send_button.disabled, self.stop_button.disabled = False, True
-
 
 # %% [markdown]
 # ## Trying it in-process
@@ -1347,70 +877,6 @@ assert replies[1].finish_reason in ("stop", "length") and not replies[1].tool_ca
 llm.engine.allocator.check_idle()
 
 # %% [markdown]
-# ## The widget
-#
-# Displayed, it looks like a small chat window. Here we press its buttons from code: send a
-# message, watch the text arrive in the output, press Stop in the middle of a long reply.
-
-# %%
-chat_widget = ChatWidget(llm)
-chat_widget
-
-# %%
-chat_widget.max_tokens.value = 8
-assert chat_widget.send("Hello!")
-reply = chat_widget.wait(60)
-shown = chat_widget.output.outputs[0]["text"]
-assert (
-    reply.finish_reason in ("length", "stop")
-    and reply.text in shown
-    and shown.startswith("you: Hello!\nassistant: ")
-)
-assert chat_widget.history[-1] == {"role": "assistant", "content": reply.text}
-
-chat_widget.max_tokens.value = 2048
-assert chat_widget.send("Tell me a long story.") and not chat_widget.send(
-    "too early"
-)  # one reply at a time
-deadline = time.monotonic() + 60
-while len(chat_widget.transcript) < len(shown) + 60 and time.monotonic() < deadline:
-    time.sleep(0.01)  # some text came
-chat_widget.stop_button.click()
-reply = chat_widget.wait(60)
-assert reply.finish_reason == "abort" and reply.num_tokens < 2048 and not chat_widget.busy
-assert not llm.engine.has_unfinished()
-llm.engine.allocator.check_idle()
-assert chat_widget.status.value == "abort" and not chat_widget.send_button.disabled
-
-# %% [markdown]
-# With tools: the call shows as the terminal shows it and waits; its result, given with
-# `answer_tool` (or typed in the box), goes into the history as a `tool` message, and the model
-# answers.
-
-# %%
-tool_widget = ChatWidget(llm, tools=[weather], tool_choice="get_weather")
-tool_widget.max_tokens.value, tool_widget.temperature.value = 120, 1.0
-assert tool_widget.send("Weather in Paris?")
-reply = tool_widget.wait(60)
-[call] = tool_widget.waiting
-assert reply.finish_reason == "tool_calls" and reply.tool_calls == [call]
-assert f"assistant: → {call_line(call)}\n[" in tool_widget.transcript
-assert tool_widget.prompt.placeholder == "result of get_weather"
-with pytest.raises(ValueError, match="no tool call 'call_nope' waits"):
-    tool_widget.answer_tool("call_nope", "18 C")
-assert tool_widget.answer_tool(call["id"], "18 C, clear")
-reply = tool_widget.wait(60)
-assert tool_widget.history[-3:] == [
-    {"role": "assistant", "content": None, "tool_calls": [call]},
-    {"role": "tool", "tool_call_id": call["id"], "content": "18 C, clear"},
-    reply.message(),
-]
-assert "result of get_weather: 18 C, clear\nassistant: " in tool_widget.transcript
-assert reply.error is None and not tool_widget.waiting
-print(tool_widget.transcript)
-llm.engine.allocator.check_idle()
-
-# %% [markdown]
 # ## Against a server
 #
 # The server of chapter 11, on a free loopback port in this process, over the same tiny
@@ -1519,19 +985,6 @@ assert (
     answer.finish_reason in ("stop", "length")
     and answer.usage["prompt_tokens"] > reply.usage["prompt_tokens"]
 )  # the call and its result are in the prompt
-
-# %% [markdown]
-# The widget is the same over a URL: `ChatWidget(url, api_key=...)`.
-
-# %%
-remote_widget = ChatWidget(url, api_key="secret")
-remote_widget.max_tokens.value = 6
-assert remote_widget.send("Hello!")
-assert (
-    remote_widget.wait(60).error is None
-    and remote_widget.replies[-1].text in remote_widget.transcript
-)
 remote.close()
-remote_widget.chat.close()
 server.__exit__(None, None, None)
 served.close()

@@ -8,7 +8,7 @@
 # how long until the first word appears, how smoothly the rest follows, how many requests a
 # second it keeps up with. This chapter is that client, for workload **W3** of the
 # performance guide: the streaming OpenAI endpoint under Poisson arrivals, the method of
-# vLLM's `bench serve`. It speaks only the OpenAI wire format (chapter 12), so it measures
+# vLLM's `bench serve`. It speaks only the OpenAI wire format (chapter 12a), so it measures
 # any compatible server the same way:
 #
 # ```
@@ -37,17 +37,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator
 
-from forge_engine.chat import (
-    API_KEY_ENV,
-    ChatError,
-    Reply,
-    SSEDecoder,
-    api_base,
-    api_headers,
-    error_text,
-    parse_chunk,
-    request_body,
-)
+from forge_engine.chat import API_KEY_ENV, Reply, api_base, api_headers
+from forge_engine.chat_wire import ChatError, SSEDecoder, error_text, parse_chunk, request_body
 
 # %%
 #| hide
@@ -229,7 +220,7 @@ with tempfile.TemporaryDirectory() as tmp:
 # %%
 #| export
 async def sse_data_async(lines: AsyncIterable[str]) -> AsyncIterator[str]:
-    "The async twin of `chat.sse_data`: each event's data up to `[DONE]`."
+    "The async twin of `chat_wire.sse_data`: each event's data up to `[DONE]`."
     decoder = SSEDecoder()
     async for line in lines:
         data = decoder.feed(line)

@@ -59,7 +59,9 @@
 # | 11d_serve | `server.serve` | `forge-engine serve`; a real server, a real stream |
 # | 11e_server_openapi | `server.openapi` | the OpenAPI schema the server publishes, with its limits |
 # | 11f_server_replies | `server.replies` | OpenAI's JSON replies, whole or streamed (SSE); tool calls |
-# | 12_chat | `chat` | terminal and notebook chat, in-process or over HTTP |
+# | 12_chat | `chat` | a reply and its timings; the terminal chat, in-process or over HTTP |
+# | 12a_chat_wire | `chat_wire` | the OpenAI stream as a client reads it: SSE, request bodies, chunks |
+# | 12b_chat_widget | `chat_widget` | the notebook chat widget |
 # | 13_benchmarks | `bench` | workloads W1-W4, peers, results; the final notebook: the server under load |
 # | 13a_load_client | `load_client` | W3: Poisson load against a server |
 # | 14_cli | `cli` | `forge-engine doctor / generate / chat / serve / models / bench` |
