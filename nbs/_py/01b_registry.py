@@ -31,7 +31,7 @@
 
 # %%
 #| export
-# Why one module of ~800 lines: it is one concept, a name made into verified files. The four sources
+# Why one module of ~1,100 lines: it is one concept, a name made into verified files. The four sources
 # (npm, PyPI, the hub, plain URLs) share one rule, verify and then move into place, and one index; each
 # is a section of this chapter, a few functions long, and none is used without the others' catalog.
 from __future__ import annotations

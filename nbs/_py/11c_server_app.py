@@ -14,6 +14,10 @@
 
 # %%
 #| export
+# Why one module of ~650 lines: it is one concept, an HTTP request carried to the engine and back:
+# the generation in flight, the streamed body, the server's state, its two guards (the 500 that keeps
+# the connection, the browser check) and the routes call one another and share one state. The JSON it
+# writes is chapter 11f's, what it reads chapter 11's.
 from __future__ import annotations
 
 import asyncio
