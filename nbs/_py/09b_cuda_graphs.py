@@ -194,6 +194,15 @@ GREEDY_IN_GRAPH_MAX_ROWS = (
 #                                would pay for it too)
 
 
+def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
+    """Write ragged block tables into the first rows of a padded host array (the rest of each row untouched): by
+    one mask, ~7x faster than building a tensor from the lists."""
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    tables[: len(block_tables)][np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=tables.dtype, count=int(lens.sum())
+    )
+
+
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
 
@@ -292,11 +301,7 @@ class DecodeRunner:
         ids[n:], pos[n:], slot[n:], lens[n:] = 0, 0, self.scratch_slot, 1
         tables[:] = 0
         tables[n:, 0] = self.scratch_slot // self.cache.block_size
-        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
-        # the ragged tables as one padded array; numpy builds it ~7x faster than torch.tensor from lists
-        tables[:n][np.arange(w)[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum())
-        )
+        fill_tables(tables, block_tables)
         copy_to_device(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
@@ -602,17 +607,19 @@ class MixedStepRunner:
         ids, pos, slot, row, starts, lens, tile_map, tables = (
             x.numpy() for x in mixed_inputs(host, *shape)
         )
-        size, n = self.cache.block_size, 0
-        for b, (table, computed, new_ids) in enumerate(seqs):
-            k = len(new_ids)
-            ids[n : n + k] = new_ids
-            pos[n : n + k] = p = np.arange(computed, computed + k)
-            slot[n : n + k] = np.asarray(table)[p // size] * size + p % size
-            starts[b], lens[b], n = n, computed + k, n + k
-            tables[b, : len(table)] = table
-        slot[n:], starts[len(seqs) :] = self.scratch_slot, n
+        # whole arrays at once, not a loop over sequences: at 64 sequences that is the step's host time
+        b, size = len(seqs), self.cache.block_size
+        counts = np.fromiter((len(s[2]) for s in seqs), dtype=np.int64, count=b)
+        computed = np.fromiter((s[1] for s in seqs), dtype=np.int64, count=b)
+        n, seq_of = int(counts.sum()), np.repeat(np.arange(b), counts)
+        firsts = np.cumsum(counts) - counts
+        ids[:n] = np.fromiter(itertools.chain.from_iterable(s[2] for s in seqs), np.int64, n)
+        pos[:n] = p = computed[seq_of] + np.arange(n) - firsts[seq_of]
+        fill_tables(tables, [s[0] for s in seqs])
+        slot[:n], slot[n:] = tables[seq_of, p // size] * size + p % size, self.scratch_slot
+        starts[:b], starts[b:], lens[:b] = firsts, n, computed + counts
         row[: len(rows)] = rows
-        tile_map[:] = prefill_tiles([len(s[2]) for s in seqs], self.block_m, shape[2]).numpy()
+        tile_map[:] = prefill_tiles(counts.tolist(), self.block_m, shape[2]).numpy()
         copy_to_device(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
