@@ -187,6 +187,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
         "output_tok_s": output_tokens / wall,
         "ttft_median_s": ttfts[len(ttfts) // 2],
         "kv_used_blocks_after": engine.allocator.stats().used_blocks,
+        "token_ids": [finals[i].token_ids for i in ids],
         "records": records,
         "start": start,
     }
@@ -335,6 +336,7 @@ def w2_offline_throughput(
         SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
     )
     timeline = step_timeline(r.pop("records"), r.pop("start"), engine)
+    del r["token_ids"]
     point = decode_point("W2 largest decode batch", timeline, loaded)
     return {
         "workload": "W2",
@@ -375,6 +377,8 @@ def w4_cpu_classroom(
                 "kv_used_blocks_after",
             )
         }
+        if n == 1:  # what a peer's greedy tokens are compared with
+            result["token_ids"] = r["token_ids"][0]
         result["timeline"] = timeline  # the last (largest) run's
         if point := decode_point(f"W4 {n} at once", timeline, loaded, n):
             result["decode_points"].append(point)
@@ -457,7 +461,12 @@ def summary_line(result: dict) -> str:
             else f"{rate_label(r['rate'])}: failed"
             for r in result["runs"]
         )
-    return line + "".join(
-        f"\n    {p['ratio']:.2f}x {p['peer']}" + (f" batch {p['batch']}" if "batch" in p else "")
-        for p in peers
+    return (
+        line
+        + "".join(
+            f"\n    {p['ratio']:.2f}x {p['peer']}"
+            + (f" batch {p['batch']}" if "batch" in p else "")
+            for p in peers
+        )
+        + "".join(f"\n    skipped {p['peer']}: {p['why']}" for p in result.get("peers_skipped", []))
     )

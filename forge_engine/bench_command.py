@@ -161,7 +161,8 @@ def add_arguments(workloads) -> None:
         w.add_argument(
             "--peers",
             action="store_true",
-            help="also run the transformers peers on the same weights",
+            help="also run the peers: transformers on the same weights; on a GGUF file at w4, "
+            "llama.cpp too (llama-cpp-python, when installed)",
         )
         w.add_argument(
             "--peer-output-len",

@@ -79,6 +79,7 @@ def plot_latencies(result: dict):
 
 def plot_throughput(result: dict):
     "Output tok/s against the number of requests in flight (W3: mean concurrency per rate; W4: 1 and 8)."
+    peers = {}  # W4's peers, a line each: label -> (requests, output tok/s)
     if result["workload"] == "W3":
         points = [
             (r["mean_concurrency"], r["output_throughput"], rate_label(r["rate"]))
@@ -91,18 +92,17 @@ def plot_throughput(result: dict):
             if k.startswith("concurrency_")
         ]
         for peer in result.get("peers", []):
-            points.append((peer["batch"], peer["output_tok_s"], "transformers"))
+            label = "llama.cpp" if peer["peer"] == "llama.cpp" else "transformers generate"
+            peers.setdefault(label, []).append((peer["batch"], peer["output_tok_s"]))
     else:
         return None
     fig, axes = _figure()
     ax = axes[0][0]
-    ours = [(x, y) for x, y, label in points if label != "transformers"]
-    ax.plot(*zip(*ours), "o-", label="forge-engine")
-    theirs = [(x, y) for x, y, label in points if label == "transformers"]
-    if theirs:
-        ax.plot(*zip(*theirs), "s--", label="transformers generate")
+    ax.plot(*zip(*[(x, y) for x, y, _ in points]), "o-", label="forge-engine")
+    for (label, xy), style in zip(peers.items(), ("s--", "^:")):
+        ax.plot(*zip(*xy), style, label=label)
     for x, y, label in points:
-        if label and label != "transformers":
+        if label:
             ax.annotate(label, (x, y), fontsize="small")
     ax.set(
         xlabel="requests in flight",

@@ -271,6 +271,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
         "output_tok_s": output_tokens / wall,
         "ttft_median_s": ttfts[len(ttfts) // 2],
         "kv_used_blocks_after": engine.allocator.stats().used_blocks,
+        "token_ids": [finals[i].token_ids for i in ids],
         "records": records,
         "start": start,
     }
@@ -435,6 +436,7 @@ def w2_offline_throughput(
         SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
     )
     timeline = step_timeline(r.pop("records"), r.pop("start"), engine)
+    del r["token_ids"]
     point = decode_point("W2 largest decode batch", timeline, loaded)
     return {
         "workload": "W2",
@@ -475,6 +477,8 @@ def w4_cpu_classroom(
                 "kv_used_blocks_after",
             )
         }
+        if n == 1:  # what a peer's greedy tokens are compared with
+            result["token_ids"] = r["token_ids"][0]
         result["timeline"] = timeline  # the last (largest) run's
         if point := decode_point(f"W4 {n} at once", timeline, loaded, n):
             result["decode_points"].append(point)
@@ -569,6 +573,7 @@ print(
     sep="\n",
 )
 assert w2["output_tokens"] == 8 * 8 and w4["concurrency_8"]["output_tokens"] == 8 * 8
+assert len(w4["token_ids"]) == 8 and "token_ids" not in w2  # (W4's one request: what peers match)
 # every run ended with the KV pool free (`run_batch` checks the allocator idle, and says how many blocks are held)
 assert (
     w2["kv_used_blocks_after"]
@@ -632,9 +637,14 @@ def summary_line(result: dict) -> str:
             else f"{rate_label(r['rate'])}: failed"
             for r in result["runs"]
         )
-    return line + "".join(
-        f"\n    {p['ratio']:.2f}x {p['peer']}" + (f" batch {p['batch']}" if "batch" in p else "")
-        for p in peers
+    return (
+        line
+        + "".join(
+            f"\n    {p['ratio']:.2f}x {p['peer']}"
+            + (f" batch {p['batch']}" if "batch" in p else "")
+            for p in peers
+        )
+        + "".join(f"\n    skipped {p['peer']}: {p['why']}" for p in result.get("peers_skipped", []))
     )
 
 
@@ -642,6 +652,9 @@ def summary_line(result: dict) -> str:
 print(summary_line(w1), summary_line(w4), sep="\n")
 assert summary_line(w1).startswith("W1 ") and summary_line(w4).startswith("W4 1 at once: ")
 assert summary_line({**w2, "peers": [{"peer": "p", "ratio": 2.0}]}).endswith("\n    2.00x p")
+assert summary_line({**w4, "peers_skipped": [{"peer": "q", "why": "not here"}]}).endswith(
+    "\n    skipped q: not here"
+)
 
 # %% [markdown]
 # ## The final run: a real server, a small load, the plots

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Peers
 #
-# > Hugging Face `transformers` on the same weights, in the same run as forge-engine: the figures chapter 13 divides by.
+# > `transformers` on the same weights, llama.cpp on the same GGUF file: what chapter 13 divides by.
 
 # %%
 #| default_exp bench_peers
@@ -20,6 +20,9 @@
 # the host, so TTFT and the decode rate come from the same run. (Subtracting a 1-token call from an
 # n-token call, as an earlier version did, could come out negative on a busy machine.)
 #
+# On a GGUF file W4 has a second peer: llama.cpp itself, the engine such a file is made for
+# (below, "llama.cpp on the same file").
+#
 # Each peer result carries the ratio forge-engine / peer. This module is imported only when
 # peers run (it imports `transformers`); `forge-engine bench ... --peers` runs it (chapter 13).
 
@@ -27,6 +30,11 @@
 #| export
 from __future__ import annotations
 
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
 import time
 
 import torch
@@ -36,10 +44,13 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import LoadedModel
+from forge_engine.registry import resolve
 
 # %%
 #| hide
 import argparse
+import importlib.util
+import os
 
 import pytest
 
@@ -177,12 +188,229 @@ def hf_generate_batch(
     }
 
 
+# %% [markdown]
+# ## llama.cpp on the same file
+#
+# A GGUF file is llama.cpp's format, and llama.cpp is what a student would otherwise run on a
+# laptop. Through its Python binding (`llama-cpp-python`) it runs the very file forge-engine
+# loaded, on the same prompt ids, with as many threads as PyTorch uses here, greedy, batch 1,
+# for the same number of new tokens, EOS ignored: a warm-up, then the fastest of three runs,
+# each evaluating the prompt again (`reset`: no reuse of the previous run's cache).
+#
+# It runs in a process of its own (`in_own_process`): two engines in one process would share
+# its memory and each leave its threads behind for the other. The child gets only the source
+# of the function it runs, so it imports neither torch nor forge-engine, and `llama_cpp` is
+# imported there and nowhere else. Without `llama_cpp` the peer is skipped, and the result
+# says so and how to install it; it is not a dependency of forge-engine. Its greedy tokens are
+# compared with forge-engine's: how many of the first ones agree (the two round differently,
+# so a near tie can part them).
+
+# %%
+#| export
+LLAMA_CPP_INSTALL = (
+    "pip install llama-cpp-python==0.3.36 "
+    "(it builds llama.cpp from source for this CPU's own instructions: a few minutes)"
+)
+
+
+def in_own_process(fn, timeout: float = 1200, **kwargs) -> dict:
+    """`fn(**kwargs)` in a new process of this Python, from `fn`'s source alone: `fn` imports what
+    it needs inside and returns what JSON holds. The child imports nothing of this process (no
+    torch, no forge-engine)."""
+    code = "\n".join(
+        [
+            "import json, sys",
+            textwrap.dedent(inspect.getsource(fn)),
+            f"print(json.dumps({fn.__name__}(**json.loads(sys.argv[1]))))",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{fn.__name__} failed in its own process (exit {done.returncode}): "
+            + done.stderr[-2000:]
+        )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def llama_cpp_generate(path: str, prompt: list, new_tokens: int, threads: int) -> dict:
+    """llama.cpp on the GGUF file `path`: greedy, exactly `new_tokens` after `prompt` (EOS
+    ignored), batch 1, on `threads` threads; the fastest of 3 runs after a warm-up. For
+    `in_own_process`: imports inside, JSON out; {"missing": why} when `llama_cpp` cannot be
+    imported. With the 1-minute load average before and after: on a busy machine its threads
+    wait for each other at every barrier, and its figure drops by several times."""
+    import os
+    import time
+
+    try:
+        import llama_cpp
+    except ImportError as e:
+        return {"missing": f"{type(e).__name__}: {e}"}
+    llm = llama_cpp.Llama(
+        model_path=path,
+        n_ctx=len(prompt) + new_tokens,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def run():
+        "One request: its tokens, and the clock at its start and as each token arrived."
+        llm.reset()  # the prompt is evaluated again, as forge-engine does for each request
+        tokens, times = [], [time.perf_counter()]
+        for token in llm.generate(prompt, temp=0.0, reset=True):
+            tokens.append(token)
+            times.append(time.perf_counter())
+            if len(tokens) == new_tokens:
+                break
+        return tokens, times
+
+    load_before = os.getloadavg()[0]
+    run()  # warm-up
+    tokens, times = min((run() for _ in range(3)), key=lambda r: r[1][-1] - r[1][0])
+    return {
+        "peer": "llama.cpp",
+        "llama_cpp_python": llama_cpp.__version__,
+        "cpu_features": llama_cpp.llama_print_system_info().decode().strip(),
+        "threads": threads,
+        "batch": 1,
+        "new_tokens": new_tokens,
+        "ttft_s": times[1] - times[0],
+        "decode_tok_s": (new_tokens - 1) / (times[-1] - times[1]),
+        "output_tok_s": new_tokens / (times[-1] - times[0]),
+        "token_ids": tokens,
+        "load_average_1m": [load_before, os.getloadavg()[0]],
+    }
+
+
+def llama_cpp_peer(path, prompt: list[int], result: dict, generate=llama_cpp_generate) -> dict:
+    """W4's llama.cpp peer on the GGUF file `path`, in its own process, with the ratios
+    forge-engine / llama.cpp at one request (output tok/s, the W4 figure; and decode tok/s), or
+    {"peer", "why"} when it could not run."""
+    ours = result["concurrency_1"]
+    try:
+        peer = in_own_process(
+            generate,
+            path=str(path),
+            prompt=prompt,
+            new_tokens=result["new_tokens"],
+            threads=torch.get_num_threads(),
+        )
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"peer": "llama.cpp", "why": f"it failed: {e}"}
+    if "missing" in peer:
+        return {
+            "peer": "llama.cpp",
+            "why": f"llama_cpp cannot be imported ({peer['missing']}); to compare with llama.cpp: "
+            + LLAMA_CPP_INSTALL,
+        }
+    theirs, mine = peer.pop("token_ids"), result.get("token_ids", [])
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine))
+    )
+    our_decode = (ours["output_tokens"] - 1) / (ours["wall_s"] - ours["ttft_median_s"])
+    return {
+        **peer,
+        "same_greedy_tokens": agree,
+        "forge_engine_decode_tok_s": our_decode,
+        "decode_ratio": our_decode / peer["decode_tok_s"],
+        "ratio": ours["output_tok_s"] / peer["output_tok_s"],
+    }
+
+
+# %% [markdown]
+# The child is another process, runs only the function it was given, and imports no torch:
+
+# %%
+def whoami(tag: str) -> dict:
+    import os
+    import sys
+
+    return {"pid": os.getpid(), "tag": tag, "torch_imported": "torch" in sys.modules}
+
+
+child = in_own_process(whoami, tag="x")
+assert child == {"pid": child["pid"], "tag": "x", "torch_imported": False}
+assert child["pid"] != os.getpid()
+
+# %% [markdown]
+# The peer's result and its ratios, from a stand-in for llama.cpp run the same way: forge-engine
+# made 40 output tok/s at one request (4 tokens in 0.1 s, the first after 25 ms, so 3 decode
+# tokens in 75 ms), the stand-in 50 and 60 decode tok/s; it agrees on the first 2 tokens.
+
+# %%
+w4_like = {
+    "new_tokens": 4,
+    "token_ids": [5, 6, 7, 8],
+    "concurrency_1": {
+        "output_tok_s": 40.0,
+        "output_tokens": 4,
+        "wall_s": 0.1,
+        "ttft_median_s": 0.025,
+    },
+}
+
+
+def stand_in(path: str, prompt: list, new_tokens: int, threads: int) -> dict:
+    return {
+        "peer": "llama.cpp",
+        "threads": threads,
+        "batch": 1,
+        "new_tokens": new_tokens,
+        "ttft_s": 0.01,
+        "decode_tok_s": 60.0,
+        "output_tok_s": 50.0,
+        "token_ids": [5, 6, 9, 9][:new_tokens],
+    }
+
+
+peer = llama_cpp_peer("model.gguf", [1, 2, 3], w4_like, generate=stand_in)
+print(peer)
+assert peer["ratio"] == 40.0 / 50.0 and peer["same_greedy_tokens"] == 2
+assert peer["forge_engine_decode_tok_s"] == pytest.approx(3 / 0.075)
+assert peer["decode_ratio"] == pytest.approx(3 / 0.075 / 60.0)
+assert peer["threads"] == torch.get_num_threads() and "token_ids" not in peer
+assert json.loads(json.dumps(peer)) == peer  # it goes into the result file as it is
+
+
+# %% [markdown]
+# Without `llama_cpp` (as in CI), the peer says how to install it instead of running, and a
+# peer that fails in its process is reported, not raised:
+
+# %%
+def without_llama_cpp(path: str, prompt: list, new_tokens: int, threads: int) -> dict:
+    return {"missing": "ModuleNotFoundError: No module named 'llama_cpp'"}
+
+
+def crashing(path: str, prompt: list, new_tokens: int, threads: int) -> dict:
+    raise SystemExit(3)
+
+
+skipped = llama_cpp_peer("model.gguf", [1, 2, 3], w4_like, generate=without_llama_cpp)
+print(skipped["why"])
+assert skipped["peer"] == "llama.cpp" and "ratio" not in skipped
+assert "pip install llama-cpp-python==0.3.36" in skipped["why"]
+failed = llama_cpp_peer("model.gguf", [1, 2, 3], w4_like, generate=crashing)
+assert failed["why"].startswith("it failed: crashing failed in its own process (exit 3)")
+if (
+    importlib.util.find_spec("llama_cpp") is None
+):  # the real function, in this Python, says the same
+    real = llama_cpp_peer("model.gguf", [1, 2, 3], w4_like)
+    assert real["why"] == skipped["why"], real
+
+
 # %%
 #| export
 def run_peers(
     workload: str, loaded: LoadedModel, config: EngineConfig, args, result: dict
 ) -> list[dict]:
-    "The peers of one workload's `result` (w1, w2, w4), each with its ratio forge-engine / peer."
+    """The peers of one workload's `result` (w1, w2, w4), each with its ratio forge-engine /
+    peer; a peer that could not run goes to `result["peers_skipped"]` with why."""
     hf, peers = hf_twin(loaded), []
     if workload == "w1":
         new_tokens = args.peer_output_len or result["new_tokens"]
@@ -230,6 +458,17 @@ def run_peers(
     del hf
     torch.compiler.reset()  # compiled code (the static cache's) holds the peer's model: let its memory go
     free_memory()
+    if workload == "w4":  # llama.cpp, when the weights came from a GGUF file: after the rest, alone
+        model = None if loaded.name.startswith("random:") else resolve(loaded.name, fetch=False)
+        peer = (
+            llama_cpp_peer(model.path, prompt, result)
+            if model is not None and model.format == "gguf"
+            else {"peer": "llama.cpp", "why": f"it runs GGUF files, and {loaded.name} is not one"}
+        )
+        if "ratio" in peer:
+            peers.append(peer)
+        else:
+            result.setdefault("peers_skipped", []).append(peer)
     return peers
 
 

@@ -99,6 +99,7 @@ def plot_latencies(result: dict):
 
 def plot_throughput(result: dict):
     "Output tok/s against the number of requests in flight (W3: mean concurrency per rate; W4: 1 and 8)."
+    peers = {}  # W4's peers, a line each: label -> (requests, output tok/s)
     if result["workload"] == "W3":
         points = [
             (r["mean_concurrency"], r["output_throughput"], rate_label(r["rate"]))
@@ -111,18 +112,17 @@ def plot_throughput(result: dict):
             if k.startswith("concurrency_")
         ]
         for peer in result.get("peers", []):
-            points.append((peer["batch"], peer["output_tok_s"], "transformers"))
+            label = "llama.cpp" if peer["peer"] == "llama.cpp" else "transformers generate"
+            peers.setdefault(label, []).append((peer["batch"], peer["output_tok_s"]))
     else:
         return None
     fig, axes = _figure()
     ax = axes[0][0]
-    ours = [(x, y) for x, y, label in points if label != "transformers"]
-    ax.plot(*zip(*ours), "o-", label="forge-engine")
-    theirs = [(x, y) for x, y, label in points if label == "transformers"]
-    if theirs:
-        ax.plot(*zip(*theirs), "s--", label="transformers generate")
+    ax.plot(*zip(*[(x, y) for x, y, _ in points]), "o-", label="forge-engine")
+    for (label, xy), style in zip(peers.items(), ("s--", "^:")):
+        ax.plot(*zip(*xy), style, label=label)
     for x, y, label in points:
-        if label and label != "transformers":
+        if label:
             ax.annotate(label, (x, y), fontsize="small")
     ax.set(
         xlabel="requests in flight",
@@ -242,6 +242,17 @@ assert [len(ax.lines) for ax in latency.axes] == [2, 2] and list(
 throughput = plot_throughput(w3)
 assert list(throughput.axes[0].lines[0].get_ydata()) == [50.0, 80.0]
 assert plot_latencies(w2) is None and plot_throughput(w2) is None
+w4_peers = [
+    {"peer": "transformers generate (dynamic cache)", "batch": n, "output_tok_s": 10.0 * n}
+    for n in (1, 8)
+] + [{"peer": "llama.cpp", "batch": 1, "output_tok_s": 90.0}]
+lines = plot_throughput({**w4, "peers": w4_peers}).axes[0].lines  # forge-engine, then each peer
+assert [line.get_label() for line in lines] == [
+    "forge-engine",
+    "transformers generate",
+    "llama.cpp",
+]
+assert list(lines[2].get_ydata()) == [90.0]
 roofline = plot_roofline([w2, w4])
 assert len(roofline.axes[0].lines) == 1 + len(w2["decode_points"]) + len(
     w4["decode_points"]

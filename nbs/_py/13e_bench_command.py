@@ -55,7 +55,13 @@ from forge_engine.bench import cpu_name
 # `run_offline` is what `forge-engine bench w1|w2|w4` runs: the workload, then its peers on
 # the same weights, then the ratios. The W2 peer can run on the first N prompts only
 # (`--peer-num-prompts`; `generate_batch` takes ~4.5 minutes for all of W2 on an H200): then
-# forge-engine runs those same N prompts too, and the ratio compares the two on them.
+# forge-engine runs those same N prompts too, and the ratio compares the two on them. W4 on a
+# GGUF file also runs llama.cpp on it, when `llama_cpp` can be imported; when it cannot, the
+# summary and the result's `peers_skipped` say so, with the command that installs it:
+#
+# ```
+# forge-engine bench w4 --model smollm2-135m-instruct --device cpu --quantization gguf --peers
+# ```
 
 # %%
 #| export
@@ -199,7 +205,8 @@ def add_arguments(workloads) -> None:
         w.add_argument(
             "--peers",
             action="store_true",
-            help="also run the transformers peers on the same weights",
+            help="also run the peers: transformers on the same weights; on a GGUF file at w4, "
+            "llama.cpp too (llama-cpp-python, when installed)",
         )
         w.add_argument(
             "--peer-output-len",
@@ -369,6 +376,10 @@ with tempfile.TemporaryDirectory() as out:
         and len(saved["peers"]) == 2
         and saved["peers"][0]["ratio"] > 0
     )
+    # llama.cpp runs GGUF files only: this run says it skipped it, and why
+    assert saved["peers_skipped"] == [
+        {"peer": "llama.cpp", "why": "it runs GGUF files, and random:qwen3-tiny is not one"}
+    ]
     assert [f.split("-")[0] for f in files if f.endswith(".json")] == ["w4"]
     assert any(f.endswith("-timeline.png") for f in files) and any(
         f.startswith("roofline-") for f in files
