@@ -35,6 +35,9 @@
 
 # %%
 #| export
+# Why one module of ~540 lines: it is one file format. Most of it is the dequantizer of each block
+# type, a few lines each, tied to the byte layout the header reader describes; the name map and the
+# writer (used by tests and tools) are the format read the other way.
 from __future__ import annotations
 
 import math

@@ -32,6 +32,9 @@
 
 # %%
 #| export
+# Why one module of ~540 lines: it is one data structure seen from its three sides: the allocator
+# that owns the blocks, the cache tensors that hold them, and the attention that reads them through
+# the block tables and slot mapping a step lays out. The three change together.
 from __future__ import annotations
 
 import functools

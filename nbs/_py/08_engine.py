@@ -25,6 +25,9 @@
 
 # %%
 #| export
+# Why one module of ~520 lines: it is one concept, the engine's step. `SerialEngine` is the step as
+# taught (schedule, run, sample, stop); `LLMEngine` overlaps the next step's launch with the last
+# one's tokens, as a subclass, so that the test "overlap equals serial" compares the two directly.
 from __future__ import annotations
 
 import gc

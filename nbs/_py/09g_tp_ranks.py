@@ -10,6 +10,9 @@
 
 # %%
 #| export
+# Why one module of ~520 lines: it is one concept, the life of a group of rank processes (start,
+# step, watch, stop). Rank 0's side and the worker's loop read each other's messages and failure
+# modes; split apart, neither half could be read without the other.
 from __future__ import annotations
 
 import datetime

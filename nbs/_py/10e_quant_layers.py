@@ -15,6 +15,9 @@
 
 # %%
 #| export
+# Why one module of ~520 lines: it is one concept, the modules that take `nn.Linear`'s place (int8,
+# int4, GGUF blocks) and the functions that install them in a loaded model; they share one base
+# class, `QuantLinear`, and its CPU and GPU paths.
 from __future__ import annotations
 
 import math

@@ -32,6 +32,9 @@
 
 # %%
 #| export
+# Why one module of ~550 lines: it is one concept, a request body checked into what the engine
+# takes. Every field's check shares one error shape (`APIError` with its `param`) and one set of
+# limits; the prompt, stop, sampling, tool and structured-output checks read as one table of rules.
 from __future__ import annotations
 
 import json

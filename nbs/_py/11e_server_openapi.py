@@ -24,6 +24,8 @@
 
 # %%
 #| export
+# Why one module of ~500 lines: most of it is one table, the request schema field by field with
+# its limits, the mirror of chapter 11's checks; the test below holds the two to each other.
 from __future__ import annotations
 
 from forge_engine.server.protocol import (
