@@ -89,12 +89,14 @@ for rate in (16.0, math.inf):
             stamps[out.request_id] += [time.perf_counter()] * len(out.delta_token_ids)
     itl = [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:]) if b > a]
     ttft = [s[1] - s[0] for s in stamps.values()]
+    tpot = [(s[-1] - s[1]) / (len(s) - 2) for s in stamps.values() if len(s) > 2]  # as the bench's client
     steps = [r for r in engine.recent if r.index > first_step]
     decode = [r.seconds for r in steps if not r.prefill_tokens]
     results[f"w3_engine_only_rate_{rate}"] = {
         "itl_ms_p50": pct(itl, 0.5) * 1e3,
         "itl_ms_p99": pct(itl, 0.99) * 1e3,
         "ttft_ms_p50": pct(ttft, 0.5) * 1e3,
+        "tpot_ms_p50": pct(tpot, 0.5) * 1e3,
         "step_with_prefill_ms_p50": pct([r.seconds for r in steps if r.prefill_tokens], 0.5) * 1e3,
         "decode_step_ms_p50": pct(decode, 0.5) * 1e3,
         "decode_step_ms_p99": pct(decode, 0.99) * 1e3,
