@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from forge_engine.generate import SamplingParams
@@ -192,37 +193,53 @@ assert "no-such-model" in str(e.value)  # the server's own words, from its log
 
 # %% [markdown]
 # The load itself is chapter 13a's: Poisson arrivals at each rate, every request streamed and
-# timed from outside. While it runs, `/metrics` is polled every 0.1 s for the engine's gauges
-# (requests running and waiting, KV blocks held): the server's time series, seen from outside.
+# timed from outside. While it runs, `/metrics` is polled for the engine's gauges (requests
+# running and waiting, KV blocks held): the server's time series, seen from outside. The poller
+# has a thread of its own, every 0.25 s (the engine's stats snapshot is that old at most), so
+# that the client's event loop, which times the tokens, never waits for it.
 
 # %%
 #| export
-async def poll_metrics(url: str, done: asyncio.Event, every: float = 0.1) -> dict:
-    "Columns of the engine's gauges from /metrics until `done` is set."
-    import httpx
+class MetricsPoller:
+    "Columns of the engine's gauges from /metrics, sampled on a thread: `with MetricsPoller(url) as p: ...; p.series`."
 
-    names = {
+    NAMES = {
         "running": "forge_requests_running",
         "waiting": "forge_requests_waiting",
         "kv_used_blocks": "forge_kv_cache_used_blocks",
         "kv_usage": "forge_kv_cache_usage_ratio",
     }
-    series, start = {"t_s": [], **{k: [] for k in names}}, time.perf_counter()
-    async with httpx.AsyncClient(timeout=10) as client:
-        while not done.is_set():
-            try:
-                values = parse_metrics((await client.get(url + "/metrics")).text)
-            except httpx.HTTPError:
-                values = None  # a missed sample, not a failed run
-            if values:
-                series["t_s"].append(time.perf_counter() - start)
-                for key, name in names.items():
-                    series[key].append(values[name])
-            try:
-                await asyncio.wait_for(done.wait(), every)
-            except asyncio.TimeoutError:
-                pass
-    return series
+
+    def __init__(self, url: str, every: float = 0.25):
+        self.url, self.every = url, every
+        self.series: dict[str, list] = {"t_s": [], **{k: [] for k in self.NAMES}}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def _run(self) -> None:
+        import httpx
+
+        start = time.perf_counter()
+        with httpx.Client(timeout=10) as client:
+            while True:
+                try:
+                    values = parse_metrics(client.get(self.url + "/metrics").text)
+                except httpx.HTTPError:
+                    values = None  # a missed sample, not a failed run
+                if values:
+                    self.series["t_s"].append(time.perf_counter() - start)
+                    for key, name in self.NAMES.items():
+                        self.series[key].append(values[name])
+                if self._done.wait(self.every):
+                    return
+
+    def __enter__(self) -> "MetricsPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 async def w3_online_serving(
@@ -240,12 +257,8 @@ async def w3_online_serving(
     runs = []
     for rate in rates:
         workload = load_client.synthetic_workload(num_prompts, rate, prompt_words, max_tokens, seed)
-        done = asyncio.Event()
-        poller = asyncio.create_task(poll_metrics(url, done))
-        try:
+        with MetricsPoller(url) as poller:
             result = await load_client.run_workload(url, workload, params)
-        finally:
-            done.set()
         summary = load_client.summarize(result)
         busy_s = sum(r.e2e_s for r in result.replies if r.error is None)
         runs.append(
@@ -256,7 +269,7 @@ async def w3_online_serving(
                 if result.duration_s
                 else 0.0,  # Little's law
                 "requests": load_client.request_records(result),
-                "gauges": await poller,
+                "gauges": poller.series,
             }
         )
     return {
