@@ -54,6 +54,14 @@ from prometheus_client.parser import text_string_to_metric_families
 # The process then exits 0. A signal while the model is still loading exits at once, with
 # 128 + the signal's number (130 for Ctrl-C) and a message: the loading thread cannot be
 # stopped, and leaving the interpreter under it would crash the process.
+#
+# **The HTTP parser.** uvicorn parses requests and frames the streamed chunks with `httptools`
+# (C) when it is installed, as it is with this package, and with `h11` (pure Python) otherwise.
+# The event loop and the engine thread share one GIL, so the Python spent per chunk is taken from
+# the engine's steps: with 64 streams on the H200 the served TPOT was 1.06-1.07× the engine's own
+# decode step with httptools and 1.16-1.19× with h11 (two runs each, one device call:
+# `forge-engine bench w3 --model random:qwen3-4b --rates 16,inf` beside
+# `kernels_lab/serving_steps.py`; docs/benchmarks.md).
 
 # %%
 #| export
