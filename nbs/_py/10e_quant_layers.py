@@ -113,13 +113,12 @@ def cpu_int4pack_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
 def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     "x [M, K] @ Q8_0 weights .T: PyTorch's CPU int8 GEMM once a block of 32 inputs (scale 1), each block's sums times its d."
     q, d, ones = operands  # [K/32, N, 32] int8, [K/32, N] fp32, [N] bf16
-    xb = x.to(torch.bfloat16)
+    blocks = (
+        x.to(torch.bfloat16).reshape(x.shape[0], -1, 32).transpose(0, 1).contiguous()
+    )  # [K/32, M, 32]
     out = torch.zeros(x.shape[0], q.shape[1], dtype=torch.float32, device=x.device)
-    for b in range(q.shape[0]):
-        out += (
-            torch._weight_int8pack_mm(xb[:, 32 * b : 32 * b + 32].contiguous(), q[b], ones).float()
-            * d[b]
-        )
+    for b in range(q.shape[0]):  # (addcmul_: the product and the sum in one pass over [M, N])
+        out.addcmul_(torch._weight_int8pack_mm(blocks[b], q[b], ones), d[b])
     return out.to(x.dtype)
 
 
@@ -194,14 +193,14 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.shape[0] <= SKINNY_MAX_ROWS and x.is_cuda and kernel_backend(x.device) == "triton":
             y = self.skinny(x2)
         else:
             y = self.dense(x2)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -434,6 +433,8 @@ class GGUFLinear(QuantLinear):
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
+            if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
+                return packs[0][0](x, packs[0][1])
             return torch.cat([matmul(x, operands) for matmul, operands in packs], dim=-1)
         return super().dense(x, tile_weights)
 
