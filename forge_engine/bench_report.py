@@ -94,12 +94,23 @@ def report_rows(result: dict) -> list[list[str]]:
             ]
         ]
     if w == "W4":
+
+        def peers(n, run):
+            "The peers at n requests, and at n > 1 llama.cpp's one stream too (what batching is measured against)."
+            what, ratio = _peers(result, n)
+            whats, ratios = ([], []) if what == "—" else ([what], [ratio])
+            for p in result.get("peers", []):
+                if n > 1 and p["peer"] == "llama.cpp" and p.get("batch") == 1:
+                    whats.append(f"llama.cpp, 1 request: {p['output_tok_s']:.1f} output tok/s")
+                    ratios.append(f"**{run['output_tok_s'] / p['output_tok_s']:.2f}×**")
+            return "; ".join(whats) or "—", "; ".join(ratios) or "—"
+
         return [
             [
                 f"W4 {n} request{'s' if n > 1 else ''} at once, {weights}",
                 f"{run['output_tok_s']:.1f} output tok/s, TTFT {_ms(run['ttft_median_s'])}",
                 "—",
-                *_peers(result, n),
+                *peers(n, run),
             ]
             for n, run in (
                 (int(k.split("_")[1]), v) for k, v in result.items() if k.startswith("concurrency_")

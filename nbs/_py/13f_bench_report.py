@@ -119,12 +119,23 @@ def report_rows(result: dict) -> list[list[str]]:
             ]
         ]
     if w == "W4":
+
+        def peers(n, run):
+            "The peers at n requests, and at n > 1 llama.cpp's one stream too (what batching is measured against)."
+            what, ratio = _peers(result, n)
+            whats, ratios = ([], []) if what == "—" else ([what], [ratio])
+            for p in result.get("peers", []):
+                if n > 1 and p["peer"] == "llama.cpp" and p.get("batch") == 1:
+                    whats.append(f"llama.cpp, 1 request: {p['output_tok_s']:.1f} output tok/s")
+                    ratios.append(f"**{run['output_tok_s'] / p['output_tok_s']:.2f}×**")
+            return "; ".join(whats) or "—", "; ".join(ratios) or "—"
+
         return [
             [
                 f"W4 {n} request{'s' if n > 1 else ''} at once, {weights}",
                 f"{run['output_tok_s']:.1f} output tok/s, TTFT {_ms(run['ttft_median_s'])}",
                 "—",
-                *_peers(result, n),
+                *peers(n, run),
             ]
             for n, run in (
                 (int(k.split("_")[1]), v) for k, v in result.items() if k.startswith("concurrency_")
@@ -362,3 +373,29 @@ with tempfile.TemporaryDirectory() as tmp:
         update_report_blocks(doc)
     with pytest.raises(ValueError, match="no report rows for workload 'W9'"):
         report_rows({**w2, "workload": "W9"})
+
+# %% [markdown]
+# W4's row at 8 requests also sets the aggregate beside llama.cpp's one stream: what batching on
+# the CPU is measured against (one weight read serves eight rows).
+
+# %%
+w4 = {
+    "workload": "W4",
+    "model": "smollm2-135m-instruct",
+    "quantization": "gguf",
+    "environment": env,
+    "concurrency_1": {"output_tok_s": 41.0, "ttft_median_s": 0.042},
+    "concurrency_8": {"output_tok_s": 138.0, "ttft_median_s": 0.196},
+    "peers": [
+        {"peer": "transformers generate", "batch": 8, "output_tok_s": 88.0, "ratio": 1.57},
+        {"peer": "llama.cpp", "batch": 1, "output_tok_s": 100.0, "ratio": 0.41},
+    ],
+}
+one, eight = report_rows(w4)
+assert one[3] == "llama.cpp: 100.0 output tok/s" and one[4] == "**0.41×**"
+assert eight[3] == (
+    "transformers generate: 88.0 output tok/s; llama.cpp, 1 request: 100.0 output tok/s"
+)
+assert eight[4] == "**1.57×**; **1.38×**"
+w4_alone = {**w4, "peers": [w4["peers"][1]]}  # no peer at 8 requests: llama.cpp's one stream alone
+assert report_rows(w4_alone)[1][3:] == ["llama.cpp, 1 request: 100.0 output tok/s", "**1.38×**"]
