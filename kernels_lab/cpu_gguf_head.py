@@ -30,7 +30,10 @@ def blocks_sum(x):
     xb = x.to(torch.bfloat16)
     out = torch.zeros(x.shape[0], N)
     for b in range(G):
-        out += torch._weight_int8pack_mm(xb[:, 32 * b : 32 * b + 32].contiguous(), q[b], ones).float() * d[b]
+        out += (
+            torch._weight_int8pack_mm(xb[:, 32 * b : 32 * b + 32].contiguous(), q[b], ones).float()
+            * d[b]
+        )
     return out
 
 
@@ -61,5 +64,9 @@ for m in (1, 8):
         except Exception as e:  # (no C++ compiler for inductor)
             print(f"  {name:12s} skipped: {type(e).__name__}")
             continue
-        err = "" if name == "per_channel" else f"  max |diff| to blocks_sum {(fn() - ref).abs().max():.1e}"
+        err = (
+            ""
+            if name == "per_channel"
+            else f"  max |diff| to blocks_sum {(fn() - ref).abs().max():.1e}"
+        )
         print(f"  {name:12s} {seconds * 1e3:6.2f} ms{err}")

@@ -89,7 +89,8 @@ for rate in (16.0, math.inf):
             stamps[out.request_id] += [time.perf_counter()] * len(out.delta_token_ids)
     itl = [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:]) if b > a]
     ttft = [s[1] - s[0] for s in stamps.values()]
-    tpot = [(s[-1] - s[1]) / (len(s) - 2) for s in stamps.values() if len(s) > 2]  # as the bench's client
+    # TPOT as the bench's client computes it: first token to last over the tokens between
+    tpot = [(s[-1] - s[1]) / (len(s) - 2) for s in stamps.values() if len(s) > 2]
     steps = [r for r in engine.recent if r.index > first_step]
     decode = [r.seconds for r in steps if not r.prefill_tokens]
     results[f"w3_engine_only_rate_{rate}"] = {
