@@ -349,9 +349,14 @@ def w2_offline_throughput(
 
 
 def w4_cpu_classroom(
-    loaded: LoadedModel, config: EngineConfig, concurrency=(1, 8), new_tokens: int = 128
+    loaded: LoadedModel,
+    config: EngineConfig,
+    concurrency=(1, 8),
+    new_tokens: int = 128,
+    repeats: int = 3,
 ) -> dict:
-    "W4: a short chat prompt; output tok/s with 1 and with 8 concurrent requests."
+    """W4: a short chat prompt; output tok/s with 1 and with 8 concurrent requests, each the fastest of `repeats`
+    runs, as llama.cpp's is timed: on a shared CPU one stall of the machine does not decide a figure."""
     engine = LLMEngine(loaded, config)
     prompt = w4_prompt(loaded)
     run_batch(
@@ -362,10 +367,12 @@ def w4_cpu_classroom(
         "workload": "W4",
         "new_tokens": new_tokens,
         "prompt_len": len(prompt),
+        "repeats": repeats,
         "decode_points": [],
     }
     for n in concurrency:
-        r = run_batch(engine, [prompt] * n, params)
+        runs = [run_batch(engine, [prompt] * n, params) for _ in range(repeats)]
+        r = max(runs, key=lambda run: run["output_tok_s"])
         timeline = step_timeline(r["records"], r["start"], engine)
         result[f"concurrency_{n}"] = {
             k: r[k]
@@ -376,7 +383,7 @@ def w4_cpu_classroom(
                 "output_tokens",
                 "kv_used_blocks_after",
             )
-        }
+        } | {"output_tok_s_runs": [run["output_tok_s"] for run in runs]}
         if n == 1:  # what a peer's greedy tokens are compared with
             result["token_ids"] = r["token_ids"][0]
         result["timeline"] = timeline  # the last (largest) run's
