@@ -539,8 +539,8 @@ assert torch.equal(layer(x[None]), layer(x)[None])  # [B, T, K] inputs keep thei
 
 # %% [markdown]
 # **The CPU step against llama.cpp.** On SmolLM2's Q4_1 file, two cores, one request, greedy:
-# 41.1 output tok/s against llama.cpp's 106.9 on the same file, prompt and threads (0.38×); eight
-# requests at once 138.1 tok/s together, 1.29× llama.cpp's one stream (`forge-engine bench w4
+# 50.6 output tok/s against llama.cpp's 93.6 on the same file, prompt and threads (0.54×); eight
+# requests at once 172.3 tok/s together, 1.84× llama.cpp's one stream (`forge-engine bench w4
 # --model smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md).
 # Where a step of one request goes, at ~350 keys of context (`PYTHONPATH=. python3
 # kernels_lab/cpu_decode_step.py gguf`): 20.6 ms, of which the int4 GEMMs of the 30 layers take
