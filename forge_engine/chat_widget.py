@@ -22,7 +22,8 @@ __all__ = ['ChatWidget']
 
 # %% ../nbs/12b_chat_widget.ipynb #f718c3fd
 class ChatWidget:
-    "A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source."
+    """A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source.
+    `seed`: every reply sampled from it (the same conversation, the same replies)."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class ChatWidget:
         model: str | None = None,
         tools: list[dict] | None = None,
         tool_choice: str | dict = "auto",
+        seed: int | None = None,
     ):
         import ipywidgets as w
 
@@ -44,7 +46,7 @@ class ChatWidget:
         elif not hasattr(source, "stream"):
             source = LocalChat(source)
         self.chat, self.system = source, system
-        self.tools, self.tool_choice = tools, tool_choice
+        self.tools, self.tool_choice, self.seed = tools, tool_choice, seed
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
         self.replies: list[Reply] = []
         self.waiting: list[dict] = []  # the last reply's tool calls that have no result yet
@@ -89,6 +91,7 @@ class ChatWidget:
             max_tokens=self.max_tokens.value,
             temperature=self.temperature.value,
             top_p=self.top_p.value,
+            seed=self.seed,
         )
 
     def send(self, text: str | None = None) -> bool:

@@ -54,7 +54,8 @@ from forge_engine.llm import LLM
 # %%
 #| export
 class ChatWidget:
-    "A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source."
+    """A chat in a notebook cell over an in-process `LLM`, a server URL, or any chat source.
+    `seed`: every reply sampled from it (the same conversation, the same replies)."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class ChatWidget:
         model: str | None = None,
         tools: list[dict] | None = None,
         tool_choice: str | dict = "auto",
+        seed: int | None = None,
     ):
         import ipywidgets as w
 
@@ -76,7 +78,7 @@ class ChatWidget:
         elif not hasattr(source, "stream"):
             source = LocalChat(source)
         self.chat, self.system = source, system
-        self.tools, self.tool_choice = tools, tool_choice
+        self.tools, self.tool_choice, self.seed = tools, tool_choice, seed
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
         self.replies: list[Reply] = []
         self.waiting: list[dict] = []  # the last reply's tool calls that have no result yet
@@ -121,6 +123,7 @@ class ChatWidget:
             max_tokens=self.max_tokens.value,
             temperature=self.temperature.value,
             top_p=self.top_p.value,
+            seed=self.seed,
         )
 
     def send(self, text: str | None = None) -> bool:
@@ -279,8 +282,9 @@ assert chat_widget.status.value == "abort" and not chat_widget.send_button.disab
 # answers.
 
 # %%
-tool_widget = ChatWidget(llm, tools=[weather], tool_choice="get_weather")
+tool_widget = ChatWidget(llm, tools=[weather], tool_choice="get_weather", seed=0)  # (repeatable)
 tool_widget.max_tokens.value, tool_widget.temperature.value = 120, 1.0
+assert tool_widget.params().seed == 0 and tool_widget.params().temperature == 1.0
 assert tool_widget.send("Weather in Paris?")
 reply = tool_widget.wait(60)
 [call] = tool_widget.waiting
