@@ -11,13 +11,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
+from .kv_cache import PagedKVCache, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
 __all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'MIXED_TOKENS', 'MIXED_CONTEXT', 'decode_buckets',
            'context_buckets', 'decode_attention_for', 'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs',
-           'fill_tables', 'DecodeRunner', 'mixed_buckets', 'mixed_inputs_bytes', 'mixed_inputs',
+           'HostStaging', 'fill_tables', 'DecodeRunner', 'mixed_buckets', 'mixed_inputs_bytes', 'mixed_inputs',
            'StaticPrefillAttention', 'MixedStepRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
@@ -97,6 +97,37 @@ def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, .
     ints = buffer[24 * b : decode_inputs_bytes(b, w)].view(torch.int32)
     return longs[:b], longs[b : 2 * b], longs[2 * b :], ints[:b], ints[b:].view(b, w)
 
+# %% ../nbs/09b_cuda_graphs.ipynb #be1ba344
+class HostStaging:
+    """Pinned host buffers that a runner lays out its steps' inputs in, `depth` of them in turn; `copy` queues the
+    copy to the device without waiting for the GPU. (On a CPU: plain host buffers, plain copies.)"""
+
+    def __init__(self, nbytes: int, device: torch.device, depth: int = 3):
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.buffers = [
+            torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.on_gpu) for _ in range(depth)
+        ]
+        self.copied: list[torch.cuda.Event | None] = [None] * depth  # each buffer's last copy out
+        self.turn = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        "The next buffer's first `nbytes`, zeroed, once the copy out of it last time is done."
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()
+        buffer = self.buffers[self.turn][:nbytes]
+        buffer.numpy().fill(
+            0
+        )  # (numpy's, on this thread: a PyTorch fill this size wakes its thread pool)
+        return buffer
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        "`dst.copy_(src)` for `src` from the last `take`, queued behind the GPU's work."
+        dst.copy_(src, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+
 # %% ../nbs/09b_cuda_graphs.ipynb #4c137cee
 GREEDY_IN_GRAPH = (
     True  # the decode graphs take each row's argmax too (for all-greedy steps; measured faster) ...
@@ -141,6 +172,7 @@ class DecodeRunner:
         self.inputs = torch.zeros(
             decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
         )
+        self.staging = HostStaging(self.inputs.numel(), self.device)
         self.graphs: dict[
             tuple[int, int], torch.cuda.CUDAGraph
         ] = {}  # (batch bucket, table width) -> graph
@@ -208,14 +240,13 @@ class DecodeRunner:
         one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
         position 0, written to the scratch slot, attending to itself."""
         n = len(token_ids)
-        host = torch.empty(decode_inputs_bytes(b, w), dtype=torch.uint8)
+        host = self.staging.take(decode_inputs_bytes(b, w))
         ids, pos, slot, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
         ids[:n], pos[:n], slot[:n], lens[:n] = token_ids, positions, slots, context_lens
         ids[n:], pos[n:], slot[n:], lens[n:] = 0, 0, self.scratch_slot, 1
-        tables[:] = 0
         tables[n:, 0] = self.scratch_slot // self.cache.block_size
         fill_tables(tables, block_tables)
-        copy_to_device(self.inputs[: host.numel()], host)
+        self.staging.copy(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
     def run(
@@ -337,6 +368,7 @@ class MixedStepRunner:
             dtype=torch.uint8,
             device=self.device,
         )
+        self.staging = HostStaging(self.inputs.numel(), self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if self.use_graphs:
@@ -394,7 +426,7 @@ class MixedStepRunner:
         from forge_engine.kernels.prefill_attention import prefill_tiles
 
         shape = self.shape(t)
-        host = torch.zeros(mixed_inputs_bytes(*shape), dtype=torch.uint8)
+        host = self.staging.take(mixed_inputs_bytes(*shape))
         ids, pos, slot, row, starts, lens, tile_map, tables = (
             x.numpy() for x in mixed_inputs(host, *shape)
         )
@@ -411,7 +443,7 @@ class MixedStepRunner:
         starts[:b], starts[b:], lens[:b] = firsts, n, computed + counts
         row[: len(rows)] = rows
         tile_map[:] = prefill_tiles(counts.tolist(), self.block_m, shape[2]).numpy()
-        copy_to_device(self.inputs[: host.numel()], host)
+        self.staging.copy(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
     def run(

@@ -23,7 +23,7 @@ from .model import causal_attention
 
 # %% auto #0
 __all__ = ['chain_hash', 'KVCacheStats', 'NoFreeBlocksError', 'BlockAllocator', 'triton_kernel', 'PagedKVCache',
-           'consecutive_from', 'copy_to_device', 'to_device', 'to_device_together', 'StepLayout', 'build_step_layout',
+           'consecutive_from', 'to_device', 'to_device_together', 'StepLayout', 'build_step_layout',
            'paged_decode_attention_torch', 'single_query_attention', 'PagedAttention']
 
 # %% ../nbs/05_paged_kv.ipynb #f77f65f2
@@ -354,15 +354,8 @@ def consecutive_from(block_ids: list[int]) -> int | None:
     return block_ids[0]
 
 # %% ../nbs/05_paged_kv.ipynb #1b6c42c0
-def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    "`dst.copy_(src)` for a host `src`, queued behind the GPU's work instead of waiting for it (pinned memory)."
-    if dst.device.type != "cuda":
-        return dst.copy_(src)
-    return dst.copy_(src.pin_memory(), non_blocking=True)
-
-
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    "A host tensor on `device`, copied as `copy_to_device` does."
+    "A host tensor on `device`, by a copy from pinned memory: queued behind the GPU's work, not waiting for it."
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)

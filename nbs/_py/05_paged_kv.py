@@ -624,15 +624,8 @@ assert (
 
 # %%
 #| export
-def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    "`dst.copy_(src)` for a host `src`, queued behind the GPU's work instead of waiting for it (pinned memory)."
-    if dst.device.type != "cuda":
-        return dst.copy_(src)
-    return dst.copy_(src.pin_memory(), non_blocking=True)
-
-
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    "A host tensor on `device`, copied as `copy_to_device` does."
+    "A host tensor on `device`, by a copy from pinned memory: queued behind the GPU's work, not waiting for it."
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)

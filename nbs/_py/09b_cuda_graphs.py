@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from forge_engine.kv_cache import PagedKVCache, copy_to_device, paged_decode_attention_torch
+from forge_engine.kv_cache import PagedKVCache, paged_decode_attention_torch
 from forge_engine.model import Transformer
 
 # %%
@@ -172,6 +172,61 @@ assert (
 )  # no view overlaps another
 assert buffer.numel() == ids.numel() * 8 * 3 + lens.numel() * 4 + tables.numel() * 4
 
+
+# %% [markdown]
+# The host side of that copy is itself **written in place**: each runner owns a few pinned
+# (page-locked) host buffers and lays a step's inputs out in the next one, in turn. A copy from
+# pinned memory is queued behind the GPU's work instead of waiting for it (chapter 05), and a
+# buffer is written again only once the copy out of it is done (an event), which with three in
+# turn is always long past. Pinning a fresh host tensor each step would do the same work through
+# PyTorch's pinned-memory cache, which hands out blocks of a mixed step's size (~0.5-1 MB) in
+# milliseconds at times: measured on an H200 under W3 at 16 req/s, with the engine built on a
+# loader thread as `forge-engine serve` builds it, the mixed steps' `pin_memory()` took 6-10 ms at
+# worst and the steps 10-18 ms instead of 3 (ITL p99 16-18 ms against 6-7 ms).
+
+# %%
+#| export
+class HostStaging:
+    """Pinned host buffers that a runner lays out its steps' inputs in, `depth` of them in turn; `copy` queues the
+    copy to the device without waiting for the GPU. (On a CPU: plain host buffers, plain copies.)"""
+
+    def __init__(self, nbytes: int, device: torch.device, depth: int = 3):
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.buffers = [
+            torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.on_gpu) for _ in range(depth)
+        ]
+        self.copied: list[torch.cuda.Event | None] = [None] * depth  # each buffer's last copy out
+        self.turn = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        "The next buffer's first `nbytes`, zeroed, once the copy out of it last time is done."
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()
+        buffer = self.buffers[self.turn][:nbytes]
+        buffer.numpy().fill(
+            0
+        )  # (numpy's, on this thread: a PyTorch fill this size wakes its thread pool)
+        return buffer
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        "`dst.copy_(src)` for `src` from the last `take`, queued behind the GPU's work."
+        dst.copy_(src, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+
+
+# %%
+staging = HostStaging(64, "cpu", depth=2)
+first = staging.take(16)
+first[:] = 7
+second = staging.take(8)
+assert second.data_ptr() != first.data_ptr() and staging.take(16).eq(0).all()  # in turn, zeroed
+dst = torch.empty(16, dtype=torch.uint8)
+staging.copy(dst, second.fill_(3)[:8].repeat(2))
+assert dst.eq(3).all()
+
 # %% [markdown]
 # A greedy request's token is the argmax of its logits. Taken by the sampler after the replay,
 # that is one more launch per step, outside the graph; recorded into the graph (chapter 09's
@@ -228,6 +283,7 @@ class DecodeRunner:
         self.inputs = torch.zeros(
             decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
         )
+        self.staging = HostStaging(self.inputs.numel(), self.device)
         self.graphs: dict[
             tuple[int, int], torch.cuda.CUDAGraph
         ] = {}  # (batch bucket, table width) -> graph
@@ -295,14 +351,13 @@ class DecodeRunner:
         one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
         position 0, written to the scratch slot, attending to itself."""
         n = len(token_ids)
-        host = torch.empty(decode_inputs_bytes(b, w), dtype=torch.uint8)
+        host = self.staging.take(decode_inputs_bytes(b, w))
         ids, pos, slot, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
         ids[:n], pos[:n], slot[:n], lens[:n] = token_ids, positions, slots, context_lens
         ids[n:], pos[n:], slot[n:], lens[n:] = 0, 0, self.scratch_slot, 1
-        tables[:] = 0
         tables[n:, 0] = self.scratch_slot // self.cache.block_size
         fill_tables(tables, block_tables)
-        copy_to_device(self.inputs[: host.numel()], host)
+        self.staging.copy(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
     def run(
@@ -546,6 +601,7 @@ class MixedStepRunner:
             dtype=torch.uint8,
             device=self.device,
         )
+        self.staging = HostStaging(self.inputs.numel(), self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if self.use_graphs:
@@ -603,7 +659,7 @@ class MixedStepRunner:
         from forge_engine.kernels.prefill_attention import prefill_tiles
 
         shape = self.shape(t)
-        host = torch.zeros(mixed_inputs_bytes(*shape), dtype=torch.uint8)
+        host = self.staging.take(mixed_inputs_bytes(*shape))
         ids, pos, slot, row, starts, lens, tile_map, tables = (
             x.numpy() for x in mixed_inputs(host, *shape)
         )
@@ -620,7 +676,7 @@ class MixedStepRunner:
         starts[:b], starts[b:], lens[:b] = firsts, n, computed + counts
         row[: len(rows)] = rows
         tile_map[:] = prefill_tiles(counts.tolist(), self.block_m, shape[2]).numpy()
-        copy_to_device(self.inputs[: host.numel()], host)
+        self.staging.copy(self.inputs[: host.numel()], host)
 
     @torch.no_grad()
     def run(
