@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels.cpu import cpu_decode_attention, cpu_decode_attention_runs
 from .model import causal_attention
 
 # %% auto #0
@@ -476,7 +477,8 @@ class PagedAttention:
     new token (decodes) are attended together in one call, their contexts padded to the longest and
     masked, unless there is one, or `batch_decodes=False`: then each is attended alone
     (`single_query_attention`), so its result never depends on the others (the batch-invariant mode
-    of the engine needs that)."""
+    of the engine needs that). On a CPU, with a float32 pool, the decodes go to chapter 09's C kernel
+    instead, all in one call, each row computed alone (`cpu_decode_attention`)."""
 
     def __init__(self, cache: PagedKVCache, layout: StepLayout, batch_decodes: bool = True):
         if int(layout.block_tables.max()) >= cache.num_blocks:
@@ -487,8 +489,11 @@ class PagedAttention:
         self.cache, self.layout = cache, layout
         starts = layout.query_start.tolist()
         single = [i for i, new in enumerate(layout.num_new) if new == 1]
-        self.batched = single if batch_decodes and len(single) > 1 else []
-        self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
+        in_c = single and cpu_decode_attention_runs(layout.block_tables.device, cache.k_cache.dtype)
+        self.in_c = single if in_c else []  # the decodes, attended by the C kernel of chapter 09
+        self.batched = single if batch_decodes and len(single) > 1 and not in_c else []
+        done_together = set(self.batched) | set(self.in_c)
+        self.one_by_one = [i for i in range(layout.num_seqs) if i not in done_together]
         self.starts = starts
         # the first block of each one-by-one sequence whose blocks are consecutive, found once for all layers: its K/V
         # are then a view of the pool (on a GPU this path runs without Triton only; reading tables there would wait)
@@ -497,8 +502,8 @@ class PagedAttention:
             for i in self.one_by_one:
                 n = -(-(layout.num_computed[i] + layout.num_new[i]) // cache.block_size)
                 self.first_blocks[i] = consecutive_from(layout.block_tables[i, :n].tolist())
-        if self.batched:  # the decoding sequences' rows, block tables and context lengths
-            index = torch.tensor(self.batched, device=layout.block_tables.device)
+        if together := self.batched or self.in_c:  # the decoding sequences' rows, tables, lengths
+            index = torch.tensor(together, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
             self.batched_tables, self.batched_lens = (
                 layout.block_tables[index],
@@ -524,6 +529,14 @@ class PagedAttention:
                 out[start : start + new] = causal_attention(
                     q[start : start + new], k_seq, v_seq, q_offset=computed
                 )
+        if self.in_c:
+            out[self.batched_rows] = cpu_decode_attention(
+                q[self.batched_rows],
+                self.cache.k_cache[layer],
+                self.cache.v_cache[layer],
+                self.batched_tables,
+                self.batched_lens,
+            )
         if self.batched:
             out[self.batched_rows] = paged_decode_attention_torch(
                 q[self.batched_rows],

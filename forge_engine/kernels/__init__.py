@@ -1,1 +1,1 @@
-"""The Triton kernels: which implementation runs (`backend`), the small fused kernels (`elementwise`), the GEMV for one to four rows (`gemv`), paged decode attention (`paged_attention`), prefill attention and the attention backends (`prefill_attention`)."""
+"""The kernels: in Triton, which implementation runs (`backend`), the small fused kernels (`elementwise`), the GEMV for one to four rows (`gemv`), paged decode attention (`paged_attention`), prefill attention and the attention backends (`prefill_attention`); in C for the CPU, built on first use (`cpu`)."""

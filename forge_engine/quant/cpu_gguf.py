@@ -6,21 +6,13 @@
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from ..registry import forge_home
+from ..kernels.cpu import c_function, load_cpu_kernel
 
 # %% auto #0
-__all__ = ['GGUF_CPU_SOURCE', 'CPU_KERNEL_FLAGS', 'NATIVE_MAX_ROWS', 'build_cpu_kernel', 'cpu_kernel_status',
-           'native_gguf_matmul']
+__all__ = ['GGUF_CPU_SOURCE', 'NATIVE_MAX_ROWS', 'native_gguf_matmul']
 
 # %% ../../nbs/10da_cpu_gguf_kernel.ipynb #d409a4c1
 GGUF_CPU_SOURCE = r"""
@@ -161,67 +153,13 @@ int gguf_matmul(const float *x, int M, int K, const uint8_t *w, int N, int qtype
 """
 
 # %% ../../nbs/10da_cpu_gguf_kernel.ipynb #e0d5f628
-CPU_KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def _cpu_features() -> str:
-    "The CPU's feature flags as Linux lists them (empty elsewhere): part of a build's name."
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build_cpu_kernel(
-    cache_dir: Path, compiler: str | None = None, source: str = GGUF_CPU_SOURCE
-) -> Path:
-    "The compiled library under `cache_dir` (built now if it is not there), or a RuntimeError naming why not."
-    compiler = compiler or os.environ.get("CC") or "cc"
-    key = "\0".join([source, compiler, *CPU_KERNEL_FLAGS, platform.machine(), _cpu_features()])
-    path = cache_dir / f"gguf_cpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        src, out = Path(tmp) / "gguf_cpu.c", Path(tmp) / "gguf_cpu.so"
-        src.write_text(source)
-        try:
-            done = subprocess.run(
-                [compiler, *CPU_KERNEL_FLAGS, "-o", str(out), str(src)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"the C compiler {compiler!r} did not run: {e}") from None
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
-            )
-        os.replace(out, path)  # whole or not at all
-    return path
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    "The loaded kernel, or why there is none (built once a process)."
-    try:
-        lib = ctypes.CDLL(str(build_cpu_kernel(forge_home() / "kernels")))
-    except (RuntimeError, OSError) as e:
-        return str(e)
-    lib.gguf_matmul.restype = ctypes.c_int
-    lib.gguf_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.gguf_matmul.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def cpu_kernel_status() -> str:
-    "One line for `forge-engine doctor`: whether the C kernel runs here, or why not."
-    lib = _library()
-    if isinstance(lib, str):
-        return f"not built ({lib}); GGUF layers use PyTorch's CPU GEMMs"
-    return "built: Q4_0, Q4_1 and Q8_0 layers at few rows in integer dot products"
+def _gguf_kernel():
+    "The compiled `gguf_matmul`, or why there is none."
+    library = load_cpu_kernel("gguf_matmul", GGUF_CPU_SOURCE)
+    if isinstance(library, str):
+        return library
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return c_function(library, "gguf_matmul", p, i, i, p, i, i, p, i)
 
 # %% ../../nbs/10da_cpu_gguf_kernel.ipynb #470400bd
 NATIVE_MAX_ROWS = {2: 1, 3: 1, 8: 16}  # GGUF type (Q4_0, Q4_1, Q8_0) -> the most rows it runs here
@@ -234,13 +172,13 @@ def native_gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.
         x.device.type != "cpu"
         or x.shape[0] > NATIVE_MAX_ROWS.get(qtype, 0)
         or x.shape[-1] % 32
-        or isinstance(lib := _library(), str)
+        or isinstance(kernel := _gguf_kernel(), str)
     ):
         return None
     inputs = x.to(torch.float32).contiguous()
     raw = raw.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
-    code = lib.gguf_matmul(
+    code = kernel(
         inputs.data_ptr(), x.shape[0], x.shape[1], raw.data_ptr(), raw.shape[0], qtype,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -25,7 +25,7 @@ from forge_engine.quant.formats import (
     quantize_rows,
 )
 from .gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
-from .cpu_gguf import cpu_kernel_status, native_gguf_matmul
+from .cpu_gguf import native_gguf_matmul
 from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 

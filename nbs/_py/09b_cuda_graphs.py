@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from forge_engine.kernels.cpu import cpu_decode_attention
 from forge_engine.kv_cache import PagedKVCache, paged_decode_attention_torch
 from forge_engine.model import Transformer
 
@@ -82,14 +83,23 @@ def context_buckets(max_model_len: int, block_size: int) -> list[int]:
 
 
 def decode_attention_for(device: torch.device) -> DecodeAttentionFn:
-    "The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works."
+    """The fastest graph-safe decode attention for `device`: the Triton kernel on a CUDA GPU when Triton works; on a
+    CPU chapter 09's C kernel (as the engine's other decodes there), where it is built."""
     if torch.device(device).type == "cuda":
         from forge_engine.kernels.backend import kernels_available
         from forge_engine.kernels.prefill_attention import KernelDecodeAttention
 
         if kernels_available(device):
             return KernelDecodeAttention()
-    return paged_decode_attention_torch
+    return paged_decode_attention_cpu
+
+
+def paged_decode_attention_cpu(q, k_layer, v_layer, block_tables, context_lens) -> torch.Tensor:
+    "`cpu_decode_attention` where it runs (a float32 pool on a CPU, a compiler here), else the PyTorch reference."
+    out = cpu_decode_attention(q, k_layer, v_layer, block_tables, context_lens)
+    if out is None:
+        return paged_decode_attention_torch(q, k_layer, v_layer, block_tables, context_lens)
+    return out
 
 
 class StaticDecodeAttention:

@@ -38,17 +38,10 @@
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from forge_engine.registry import forge_home
+from forge_engine.kernels.cpu import c_function, load_cpu_kernel
 
 # %% [markdown]
 # ## The kernel
@@ -196,82 +189,20 @@ int gguf_matmul(const float *x, int M, int K, const uint8_t *w, int N, int qtype
 }
 """
 
+
 # %% [markdown]
-# ## Built on first use
-#
-# The source is compiled by the machine's C compiler (`$CC`, else `cc`) for the machine's own
-# instruction set (`-march=native`), with OpenMP, into the cache (`$FORGE_HOME/kernels`), under a
-# name that hashes the source, the flags and the CPU's feature list: a cache shared between machines
-# never loads another CPU's build. That takes about half a second, once. A file is written under a
-# temporary name and renamed, so a half-written library is never loaded. Without a compiler (or if
-# it fails) the layers keep PyTorch's GEMMs: `cpu_kernel_status()` says why.
-#
-# The library links OpenMP by its usual name, `libgomp.so.1`, the one PyTorch's CPU build already
-# loaded: the kernel's threads are PyTorch's.
+# It is built and loaded as chapter 09_kernels_cpu builds its kernels: on first use, by the
+# machine's C compiler, into the cache; without one, the layers keep PyTorch's GEMMs.
 
 # %%
 #| export
-CPU_KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def _cpu_features() -> str:
-    "The CPU's feature flags as Linux lists them (empty elsewhere): part of a build's name."
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build_cpu_kernel(
-    cache_dir: Path, compiler: str | None = None, source: str = GGUF_CPU_SOURCE
-) -> Path:
-    "The compiled library under `cache_dir` (built now if it is not there), or a RuntimeError naming why not."
-    compiler = compiler or os.environ.get("CC") or "cc"
-    key = "\0".join([source, compiler, *CPU_KERNEL_FLAGS, platform.machine(), _cpu_features()])
-    path = cache_dir / f"gguf_cpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        src, out = Path(tmp) / "gguf_cpu.c", Path(tmp) / "gguf_cpu.so"
-        src.write_text(source)
-        try:
-            done = subprocess.run(
-                [compiler, *CPU_KERNEL_FLAGS, "-o", str(out), str(src)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"the C compiler {compiler!r} did not run: {e}") from None
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
-            )
-        os.replace(out, path)  # whole or not at all
-    return path
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    "The loaded kernel, or why there is none (built once a process)."
-    try:
-        lib = ctypes.CDLL(str(build_cpu_kernel(forge_home() / "kernels")))
-    except (RuntimeError, OSError) as e:
-        return str(e)
-    lib.gguf_matmul.restype = ctypes.c_int
-    lib.gguf_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.gguf_matmul.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def cpu_kernel_status() -> str:
-    "One line for `forge-engine doctor`: whether the C kernel runs here, or why not."
-    lib = _library()
-    if isinstance(lib, str):
-        return f"not built ({lib}); GGUF layers use PyTorch's CPU GEMMs"
-    return "built: Q4_0, Q4_1 and Q8_0 layers at few rows in integer dot products"
+def _gguf_kernel():
+    "The compiled `gguf_matmul`, or why there is none."
+    library = load_cpu_kernel("gguf_matmul", GGUF_CPU_SOURCE)
+    if isinstance(library, str):
+        return library
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return c_function(library, "gguf_matmul", p, i, i, p, i, i, p, i)
 
 
 # %% [markdown]
@@ -296,13 +227,13 @@ def native_gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.
         x.device.type != "cpu"
         or x.shape[0] > NATIVE_MAX_ROWS.get(qtype, 0)
         or x.shape[-1] % 32
-        or isinstance(lib := _library(), str)
+        or isinstance(kernel := _gguf_kernel(), str)
     ):
         return None
     inputs = x.to(torch.float32).contiguous()
     raw = raw.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
-    code = lib.gguf_matmul(
+    code = kernel(
         inputs.data_ptr(), x.shape[0], x.shape[1], raw.data_ptr(), raw.shape[0], qtype,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
@@ -331,7 +262,7 @@ def exact_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return (q * scale).reshape(rows, k)
 
 
-if not isinstance(_library(), str):
+if not isinstance(_gguf_kernel(), str):
     for qtype in (2, 3, 8):
         raw = gguf_bytes(qtype, 37, 32 * 7, seed=qtype)  # odd counts: no row or block left out
         for rows in range(1, NATIVE_MAX_ROWS[qtype] + 1):
@@ -345,16 +276,3 @@ if not isinstance(_library(), str):
     assert (
         native_gguf_matmul(torch.randn(NATIVE_MAX_ROWS[2] + 1, 64), gguf_bytes(2, 4, 64), 2) is None
     )
-print(cpu_kernel_status())
-
-# %% [markdown]
-# A compiler that fails leaves nothing behind and says why:
-
-# %%
-with tempfile.TemporaryDirectory() as tmp:
-    try:
-        build_cpu_kernel(Path(tmp), source="this is not C")
-        raise AssertionError("a broken source was built")
-    except RuntimeError as e:
-        assert "failed" in str(e) or "did not run" in str(e), e
-    assert list(Path(tmp).iterdir()) == []  # no library, no temporary files

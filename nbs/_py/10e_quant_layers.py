@@ -37,7 +37,7 @@ from forge_engine.quant.formats import (
     quantize_rows,
 )
 from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
-from forge_engine.quant.cpu_gguf import cpu_kernel_status, native_gguf_matmul
+from forge_engine.quant.cpu_gguf import native_gguf_matmul
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from forge_engine.quant.split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
@@ -924,6 +924,7 @@ and the gravel that the floods used to carry down to the coast stayed behind the
 
 # %%
 import forge_engine.quant.layers
+from forge_engine.kernels.cpu import cpu_kernels_status
 from forge_engine.loader import load_model
 
 smol = load_model("smollm2-135m-instruct", device="cpu", progress=False)
@@ -965,7 +966,7 @@ print(
 )
 row = ppl["gguf, a row at a time"]
 print(
-    f"gguf, row by row   perplexity {row:7.3f} ({100 * (row / ppl['none'] - 1):+6.2f}%)  ({cpu_kernel_status()})"
+    f"gguf, row by row   perplexity {row:7.3f} ({100 * (row / ppl['none'] - 1):+6.2f}%)  (C kernels: {cpu_kernels_status()})"
 )
 print(f"{len(text_ids)} tokens")
 

@@ -77,6 +77,9 @@ def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
         ("decode", "CUDA graphs per batch bucket" if torch.cuda.is_available() else "eager (CPU)")
     )
     rows.append(("cpu threads", str(torch.get_num_threads())))
+    from forge_engine.kernels.cpu import cpu_kernels_status
+
+    rows.append(("cpu kernels", cpu_kernels_status()))
     rows.append(("model cache", str(forge_home())))
     from forge_engine.loader import choose_auto_model
 
