@@ -13,13 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels.backend import kernels_available
+from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_silu_mul
 from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
 from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from .model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
 
 # %% auto #0
-__all__ = ['GEMV_ROWS', 'FUSED_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm', 'folded_gemv',
-           'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers']
+__all__ = ['GEMV_ROWS', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm',
+           'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers',
+           'CPURMSNorm', 'CPUMLP', 'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
 GEMV_ROWS = 1  # steps of up to this many tokens use `gemv` on a GPU (measured: one row only pays)
@@ -316,4 +318,45 @@ def install_fused_layers(model: Transformer, force: bool = False) -> Transformer
     for module in model.modules():
         if (fused := FUSED_LAYERS.get(type(module))) is not None:
             module.__class__ = fused
+    return model
+
+# %% ../nbs/09a_fused_layers.ipynb #49370f1e
+class CPURMSNorm(RMSNorm):
+    "RMSNorm, and the residual add before it, by one C call for float32 rows on a CPU; else chapter 03's."
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        done = cpu_add_rms_norm(x, None, self.weight, self.eps)
+        return super().forward(x) if done is None else done[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = cpu_add_rms_norm(x, residual, self.weight, self.eps)
+        return super().add_and_norm(x, residual) if done is None else done
+
+
+class CPUMLP(MLP):
+    "SwiGLU with its SiLU-mul by one C call for float32 rows on a CPU; else chapter 03's."
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        h = cpu_silu_mul(gate_up)
+        if h is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.down(h)
+
+
+CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP}
+
+
+def install_cpu_layers(model: Transformer) -> Transformer:
+    """Swap each module of `model` whose class is one of CPU_LAYERS' for its C-backed subclass, in place, where that
+    runs: float32 weights on a CPU, the C kernels built here. Only the class changes. Returns `model`."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32 or not cpu_layer_ops_run():
+        return model
+    for module in model.modules():
+        if (swap := CPU_LAYERS.get(type(module))) is not None:
+            module.__class__ = swap
     return model

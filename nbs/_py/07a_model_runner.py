@@ -379,12 +379,14 @@ def build_runner(
     """The KV pool (one scratch block more than the allocator hands out), the graph runners and
     the model runner. `mixed_graphs=False`: steps with prefill tokens run eager."""
     param = next(model.parameters())
-    if (
-        param.device.type == "cuda"
-    ):  # chapter 09a's fused layers (a model built by hand too), before the KV budget's run
-        from forge_engine.fused_layers import install_fused_layers
+    # chapter 09a's fused layers on a GPU, its C-backed norm and SwiGLU on a CPU (a model built by hand too), before
+    # the KV budget's run
+    from forge_engine.fused_layers import install_cpu_layers, install_fused_layers
 
+    if param.device.type == "cuda":
         install_fused_layers(model)
+    else:
+        install_cpu_layers(model)
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(
         PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)

@@ -232,6 +232,136 @@ def cpu_decode_attention_runs(device, dtype: torch.dtype) -> bool:
     )
 
 
+# %% [markdown]
+# ## The small steps of a layer
+#
+# Around the products, a decoder layer on a CPU spends its time in operations on one row of a few
+# hundred numbers: the residual add with the RMSNorm after it (eight PyTorch operations, twice a
+# layer) and SwiGLU's SiLU-mul (three). Each costs a few microseconds of dispatch for almost no
+# arithmetic; in C each is one call. The norm's sum of squares keeps eight partial sums (the
+# compiler vectorizes them), then `w · (r / sqrt(mean + eps))` as chapter 03 computes it.
+
+# %%
+#| export
+LAYER_OPS_CPU_SOURCE = r"""
+#include <math.h>
+#include <stddef.h>
+
+// r = x + residual (residual NULL: r = x), written to residual_out (if not NULL); out = w * (r / rms(r)), [T, H]
+int add_rms_norm(const float *x, const float *residual, float *residual_out, const float *w, int T, int H,
+                 float eps, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * H;
+        float *o = out + (size_t)t * H;
+        if (residual) {
+            const float *rt = residual + (size_t)t * H;
+            for (int i = 0; i < H; i++) o[i] = xt[i] + rt[i];
+        } else {
+            for (int i = 0; i < H; i++) o[i] = xt[i];
+        }
+        if (residual_out)
+            for (int i = 0; i < H; i++) residual_out[(size_t)t * H + i] = o[i];
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int i = 0;
+        for (; i + 8 <= H; i += 8)
+            for (int j = 0; j < 8; j++) part[j] += o[i + j] * o[i + j];
+        float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        for (; i < H; i++) sum += o[i] * o[i];
+        float inv = 1.f / sqrtf(sum / H + eps);
+        for (i = 0; i < H; i++) o[i] = w[i] * (o[i] * inv);
+    }
+    return 0;
+}
+
+// out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate the first I columns)
+int silu_mul(const float *gate_up, int T, int I, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+"""
+
+
+@functools.cache
+def _layer_ops():
+    "The compiled (add_rms_norm, silu_mul), or why there are none."
+    library = load_cpu_kernel("layer_ops", LAYER_OPS_CPU_SOURCE)
+    if isinstance(library, str):
+        return library
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    return (
+        c_function(library, "add_rms_norm", p, p, p, p, i, i, f, p),
+        c_function(library, "silu_mul", p, i, i, p),
+    )
+
+
+def cpu_layer_ops_run() -> bool:
+    "Whether `cpu_add_rms_norm` and `cpu_silu_mul` are built here (once a process)."
+    return not isinstance(_layer_ops(), str)
+
+
+def _plain_rows(*tensors) -> bool:
+    "Whether every tensor is float32, contiguous and on the CPU: what the C kernels read."
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    )
+
+
+def cpu_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm(x + residual) · weight, x + residual) for x [T, H] (residual None: x alone) in one C call; None where
+    it does not run (not float32 contiguous CPU tensors, or no kernel here)."""
+    plain = _plain_rows(x, weight) and (residual is None or _plain_rows(residual))
+    if not plain or x.dim() != 2 or isinstance(ops := _layer_ops(), str):
+        return None
+    out = torch.empty_like(x)
+    summed = x if residual is None else torch.empty_like(x)
+    ops[0](
+        x.data_ptr(), None if residual is None else residual.data_ptr(),
+        None if residual is None else summed.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+        eps, out.data_ptr(),
+    )  # fmt: skip
+    return out, summed
+
+
+def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    "silu(gate) · up for gate_up [T, 2I] in one C call; None where it does not run."
+    if not _plain_rows(gate_up) or gate_up.dim() != 2 or isinstance(ops := _layer_ops(), str):
+        return None
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ops[1](gate_up.data_ptr(), gate_up.shape[0], gate_up.shape[1] // 2, out.data_ptr())
+    return out
+
+
+# %% [markdown]
+# Against chapter 03's PyTorch: the same numbers to float32's rounding.
+
+# %%
+from forge_engine.model import RMSNorm
+
+if not isinstance(_layer_ops(), str):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(37, 1e-6)
+    norm.weight.data = torch.randn(37, generator=g)
+    x, residual = torch.randn(2, 3, 37, generator=g)
+    got, summed = cpu_add_rms_norm(x, residual, norm.weight.data, norm.eps)
+    want, want_summed = norm.add_and_norm(x, residual)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(cpu_add_rms_norm(x, None, norm.weight.data, norm.eps)[0], norm(x))
+    gate_up = torch.randn(3, 2 * 19, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    assert (
+        cpu_silu_mul(gate_up.double()) is None
+        and cpu_add_rms_norm(x.t(), None, norm.weight, 1e-6) is None
+    )
+
+
 def cpu_kernels_status() -> str:
     "One line for `forge-engine doctor`: whether the C kernels run here, or why not."
     kernel = _attention_kernel()

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.kernels.backend import kernels_available
+from forge_engine.kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_silu_mul
 from forge_engine.kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
 from forge_engine.kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
@@ -473,3 +474,72 @@ with torch.no_grad():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         decodes_only = all(new == 1 for _, _, new in seqs)
         assert handed_rope == [decodes_only] * model.config.num_layers, handed_rope
+
+
+# %% [markdown]
+# ## On a CPU: the small steps in C
+#
+# A CPU has no Triton to run, but the same idea pays there: chapter 09_kernels_cpu's C functions
+# do the residual add with its RMSNorm and SwiGLU's SiLU-mul in one call each, where PyTorch takes
+# eight and three small operations. `install_cpu_layers` swaps those two classes in on a float32 CPU
+# model where the C kernels are built (`build_runner` calls it for the engine); each falls back to
+# chapter 03's code for any other input.
+
+# %%
+#| export
+class CPURMSNorm(RMSNorm):
+    "RMSNorm, and the residual add before it, by one C call for float32 rows on a CPU; else chapter 03's."
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        done = cpu_add_rms_norm(x, None, self.weight, self.eps)
+        return super().forward(x) if done is None else done[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = cpu_add_rms_norm(x, residual, self.weight, self.eps)
+        return super().add_and_norm(x, residual) if done is None else done
+
+
+class CPUMLP(MLP):
+    "SwiGLU with its SiLU-mul by one C call for float32 rows on a CPU; else chapter 03's."
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        h = cpu_silu_mul(gate_up)
+        if h is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.down(h)
+
+
+CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP}
+
+
+def install_cpu_layers(model: Transformer) -> Transformer:
+    """Swap each module of `model` whose class is one of CPU_LAYERS' for its C-backed subclass, in place, where that
+    runs: float32 weights on a CPU, the C kernels built here. Only the class changes. Returns `model`."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32 or not cpu_layer_ops_run():
+        return model
+    for module in model.modules():
+        if (swap := CPU_LAYERS.get(type(module))) is not None:
+            module.__class__ = swap
+    return model
+
+
+# %% [markdown]
+# The tiny Qwen3 through the swapped layers gives the plain model's logits to float32's rounding.
+
+# %%
+if cpu_layer_ops_run():
+    on_cpu = install_cpu_layers(copy.deepcopy(model))
+    assert type(on_cpu.layers[0].mlp) is CPUMLP and type(on_cpu.norm) is CPURMSNorm
+    ids, positions = torch.tensor([3, 14, 15, 92, 65]), torch.arange(5)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            on_cpu.compute_logits(on_cpu(ids, positions)),
+            model.compute_logits(model(ids, positions)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
