@@ -13,15 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels.backend import kernels_available
-from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_silu_mul
+from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
 from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
-from .model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
+from forge_engine.model import (
+    MLP,
+    Attention,
+    AttentionBackend,
+    DecoderLayer,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+)
 
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm',
            'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers',
-           'CPURMSNorm', 'CPUMLP', 'install_cpu_layers']
+           'CPURMSNorm', 'CPUMLP', 'CPUAttention', 'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
 GEMV_ROWS = 1  # steps of up to this many tokens use `gemv` on a GPU (measured: one row only pays)
@@ -347,7 +355,15 @@ class CPUMLP(MLP):
         return self.down(h)
 
 
-CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP}
+class CPUAttention(Attention):
+    "Attention with RoPE by one C call for float32 rows on a CPU; else chapter 03's `apply_rope`."
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = cpu_rope(x, cos, sin)
+        return apply_rope(x, cos, sin) if out is None else out
+
+
+CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP, Attention: CPUAttention}
 
 
 def install_cpu_layers(model: Transformer) -> Transformer:

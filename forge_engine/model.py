@@ -119,11 +119,13 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         q, k, v = self.heads(qkv)
         if self.q_norm is not None:
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+            q, k = self.rope(self.q_norm(q), cos, sin), self.rope(self.k_norm(k), cos, sin)
         else:  # no q/k norm: one rotation for both (half the small ops of a CPU decode step's RoPE)
-            qk = apply_rope(self.qk_heads(qkv), cos, sin)
+            qk = self.rope(self.qk_heads(qkv), cos, sin)
             q, k = qk[:, : self.config.num_heads], qk[:, self.config.num_heads :]
         return self.o(attention(self.layer, q, k, v).reshape(x.shape[0], self.config.q_size))
+
+    rope = staticmethod(apply_rope)  # (a method: chapter 09a's CPU layers rotate in C)
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         "qkv's output [T, q_size + 2 kv_size] as views: q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."

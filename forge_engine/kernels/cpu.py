@@ -21,7 +21,7 @@ from ..registry import forge_home
 # %% auto #0
 __all__ = ['CPU_KERNEL_FLAGS', 'ATTENTION_CPU_SOURCE', 'LAYER_OPS_CPU_SOURCE', 'build_cpu_kernel', 'load_cpu_kernel',
            'c_function', 'cpu_decode_attention', 'cpu_decode_attention_runs', 'cpu_layer_ops_run', 'cpu_add_rms_norm',
-           'cpu_silu_mul']
+           'cpu_silu_mul', 'cpu_rope', 'cpu_kernels_status']
 
 # %% ../../nbs/09_kernels_cpu.ipynb #2290a891
 CPU_KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -217,6 +217,26 @@ int add_rms_norm(const float *x, const float *residual, float *residual_out, con
     return 0;
 }
 
+// out [T, heads, D] = x rotated: the pair (j, j + D/2) of head h of token t by the angle of (t, j), cos and sin
+// [T, D/2]; x's tokens `row_stride` floats apart, its heads D apart (a view of the QKV projection's output)
+int rope(const float *x, int T, int heads, int D, long row_stride, const float *cos, const float *sin,
+         float *out) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * half, *s = sin + (size_t)t * half;
+        for (int h = 0; h < heads; h++) {
+            const float *xi = x + (size_t)t * row_stride + (size_t)h * D;
+            float *o = out + ((size_t)t * heads + h) * D;
+            for (int j = 0; j < half; j++) {
+                float x1 = xi[j], x2 = xi[j + half];
+                o[j] = x1 * c[j] - x2 * s[j];
+                o[j + half] = x2 * c[j] + x1 * s[j];
+            }
+        }
+    }
+    return 0;
+}
+
 // out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate the first I columns)
 int silu_mul(const float *gate_up, int T, int I, float *out) {
     for (int t = 0; t < T; t++) {
@@ -231,7 +251,7 @@ int silu_mul(const float *gate_up, int T, int I, float *out) {
 
 @functools.cache
 def _layer_ops():
-    "The compiled (add_rms_norm, silu_mul), or why there are none."
+    "The compiled (add_rms_norm, silu_mul, rope), or why there are none."
     library = load_cpu_kernel("layer_ops", LAYER_OPS_CPU_SOURCE)
     if isinstance(library, str):
         return library
@@ -239,6 +259,7 @@ def _layer_ops():
     return (
         c_function(library, "add_rms_norm", p, p, p, p, i, i, f, p),
         c_function(library, "silu_mul", p, i, i, p),
+        c_function(library, "rope", p, i, i, i, ctypes.c_long, p, p, p),
     )
 
 
@@ -279,3 +300,32 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
     ops[1](gate_up.data_ptr(), gate_up.shape[0], gate_up.shape[1] // 2, out.data_ptr())
     return out
+
+
+def cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Chapter 03's `apply_rope` (x [T, heads, D], each head's elements contiguous; cos and sin [T, D/2]) in one C
+    call, into a new contiguous tensor; None where it does not run."""
+    if (
+        not _plain_rows(cos, sin)
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 3
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or isinstance(ops := _layer_ops(), str)
+    ):
+        return None
+    out = torch.empty(x.shape)
+    ops[2](
+        x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
+        sin.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+# %% ../../nbs/09_kernels_cpu.ipynb #e899c238
+def cpu_kernels_status() -> str:
+    "One line for `forge-engine doctor`: whether the C kernels run here, or why not."
+    kernel = _attention_kernel()
+    if isinstance(kernel, str):
+        return kernel
+    return "built (decode attention, add + RMSNorm, SiLU-mul, RoPE, GGUF matmul)"

@@ -273,6 +273,26 @@ int add_rms_norm(const float *x, const float *residual, float *residual_out, con
     return 0;
 }
 
+// out [T, heads, D] = x rotated: the pair (j, j + D/2) of head h of token t by the angle of (t, j), cos and sin
+// [T, D/2]; x's tokens `row_stride` floats apart, its heads D apart (a view of the QKV projection's output)
+int rope(const float *x, int T, int heads, int D, long row_stride, const float *cos, const float *sin,
+         float *out) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * half, *s = sin + (size_t)t * half;
+        for (int h = 0; h < heads; h++) {
+            const float *xi = x + (size_t)t * row_stride + (size_t)h * D;
+            float *o = out + ((size_t)t * heads + h) * D;
+            for (int j = 0; j < half; j++) {
+                float x1 = xi[j], x2 = xi[j + half];
+                o[j] = x1 * c[j] - x2 * s[j];
+                o[j + half] = x2 * c[j] + x1 * s[j];
+            }
+        }
+    }
+    return 0;
+}
+
 // out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate the first I columns)
 int silu_mul(const float *gate_up, int T, int I, float *out) {
     for (int t = 0; t < T; t++) {
@@ -287,7 +307,7 @@ int silu_mul(const float *gate_up, int T, int I, float *out) {
 
 @functools.cache
 def _layer_ops():
-    "The compiled (add_rms_norm, silu_mul), or why there are none."
+    "The compiled (add_rms_norm, silu_mul, rope), or why there are none."
     library = load_cpu_kernel("layer_ops", LAYER_OPS_CPU_SOURCE)
     if isinstance(library, str):
         return library
@@ -295,6 +315,7 @@ def _layer_ops():
     return (
         c_function(library, "add_rms_norm", p, p, p, p, i, i, f, p),
         c_function(library, "silu_mul", p, i, i, p),
+        c_function(library, "rope", p, i, i, i, ctypes.c_long, p, p, p),
     )
 
 
@@ -337,11 +358,32 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Chapter 03's `apply_rope` (x [T, heads, D], each head's elements contiguous; cos and sin [T, D/2]) in one C
+    call, into a new contiguous tensor; None where it does not run."""
+    if (
+        not _plain_rows(cos, sin)
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 3
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or isinstance(ops := _layer_ops(), str)
+    ):
+        return None
+    out = torch.empty(x.shape)
+    ops[2](
+        x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
+        sin.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
 # %% [markdown]
 # Against chapter 03's PyTorch: the same numbers to float32's rounding.
 
 # %%
-from forge_engine.model import RMSNorm
+from forge_engine.model import RMSNorm, apply_rope, rope_cos_sin
 
 if not isinstance(_layer_ops(), str):
     g = torch.Generator().manual_seed(1)
@@ -356,16 +398,25 @@ if not isinstance(_layer_ops(), str):
     gate_up = torch.randn(3, 2 * 19, generator=g) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    qkv = torch.randn(3, 5 * 8 + 2, generator=g)  # 5 heads of 8 and 2 more columns: strided rows
+    heads = qkv[:, :40].view(3, 5, 8)
+    cos, sin = rope_cos_sin(torch.tensor([0, 7, 300]), 8, 10000.0)
+    torch.testing.assert_close(cpu_rope(heads, cos, sin), apply_rope(heads, cos, sin))
+    assert cpu_rope(heads.transpose(0, 1), cos, sin) is None  # heads not laid out as it reads them
     assert (
         cpu_silu_mul(gate_up.double()) is None
         and cpu_add_rms_norm(x.t(), None, norm.weight, 1e-6) is None
     )
 
 
+# %%
+#| export
 def cpu_kernels_status() -> str:
     "One line for `forge-engine doctor`: whether the C kernels run here, or why not."
     kernel = _attention_kernel()
-    return kernel if isinstance(kernel, str) else "built (decode attention, GGUF matmul)"
+    if isinstance(kernel, str):
+        return kernel
+    return "built (decode attention, add + RMSNorm, SiLU-mul, RoPE, GGUF matmul)"
 
 
 # %% [markdown]

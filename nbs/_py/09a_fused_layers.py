@@ -43,10 +43,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.kernels.backend import kernels_available
-from forge_engine.kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_silu_mul
+from forge_engine.kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from forge_engine.kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
 from forge_engine.kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
-from forge_engine.model import MLP, Attention, AttentionBackend, DecoderLayer, RMSNorm, Transformer
+from forge_engine.model import (
+    MLP,
+    Attention,
+    AttentionBackend,
+    DecoderLayer,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+)
 
 # %%
 #| hide
@@ -480,8 +488,8 @@ with torch.no_grad():
 # ## On a CPU: the small steps in C
 #
 # A CPU has no Triton to run, but the same idea pays there: chapter 09_kernels_cpu's C functions
-# do the residual add with its RMSNorm and SwiGLU's SiLU-mul in one call each, where PyTorch takes
-# eight and three small operations. `install_cpu_layers` swaps those two classes in on a float32 CPU
+# do the residual add with its RMSNorm, SwiGLU's SiLU-mul and RoPE in one call each, where
+# PyTorch takes eight, three and eight small operations. `install_cpu_layers` swaps those two classes in on a float32 CPU
 # model where the C kernels are built (`build_runner` calls it for the engine); each falls back to
 # chapter 03's code for any other input.
 
@@ -513,7 +521,15 @@ class CPUMLP(MLP):
         return self.down(h)
 
 
-CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP}
+class CPUAttention(Attention):
+    "Attention with RoPE by one C call for float32 rows on a CPU; else chapter 03's `apply_rope`."
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = cpu_rope(x, cos, sin)
+        return apply_rope(x, cos, sin) if out is None else out
+
+
+CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP, Attention: CPUAttention}
 
 
 def install_cpu_layers(model: Transformer) -> Transformer:
@@ -535,6 +551,7 @@ def install_cpu_layers(model: Transformer) -> Transformer:
 if cpu_layer_ops_run():
     on_cpu = install_cpu_layers(copy.deepcopy(model))
     assert type(on_cpu.layers[0].mlp) is CPUMLP and type(on_cpu.norm) is CPURMSNorm
+    assert type(on_cpu.layers[1].attn) is CPUAttention
     ids, positions = torch.tensor([3, 14, 15, 92, 65]), torch.arange(5)
     with torch.no_grad():
         torch.testing.assert_close(
