@@ -545,16 +545,15 @@ assert torch.equal(layer(x[None]), layer(x)[None])  # [B, T, K] inputs keep thei
 
 # %% [markdown]
 # **The CPU step against llama.cpp.** On SmolLM2's Q4_1 file, two cores, one request, greedy:
-# 65.7 output tok/s against llama.cpp's 113.0 on the same file, prompt and threads (0.58×); eight
-# requests at once 233.8 tok/s together, 2.07× llama.cpp's one stream (`forge-engine bench w4
+# 64.4 output tok/s against llama.cpp's 94.6 on the same file, prompt and threads (0.68×); eight
+# requests at once 213.0 tok/s together, 2.25× llama.cpp's one stream (`forge-engine bench w4
 # --model smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md). A
 # decode of one request goes through chapter 10da's C kernel (one row, and the Q8_0 head at up to
-# 16) and chapter 09_kernels_cpu's decode attention; prefill and batched Q4 rows through PyTorch's
-# int4 GEMM. Where a step of one request goes, at ~350 keys of context (`PYTHONPATH=. python3
-# kernels_lab/cpu_decode_step.py gguf`): 16.8 ms in ~2,230 PyTorch operations, most of them the
-# norms, RoPE, SiLU-mul, views and casts between the products, a few microseconds each. llama.cpp
-# spends ~9 ms on the whole token. So the next gain is fewer operations: a decoder layer's small
-# steps fused in C as the products are.
+# 16), chapter 09_kernels_cpu's decode attention, and the norms, SiLU-mul and RoPE in C (chapter
+# 09a's CPU layers); prefill and batched Q4 rows through PyTorch's int4 GEMM. What is left of a
+# step (`PYTHONPATH=. python3 kernels_lab/cpu_decode_step.py gguf`): ~1,400 PyTorch operations,
+# the views, splits, allocations and K/V writes between those calls, a few microseconds each, where
+# llama.cpp spends ~10 ms on the whole token. So the next gain is one C call a layer.
 
 # %% [markdown]
 # Bad input names the tensor:
