@@ -489,11 +489,11 @@ class PagedAttention:
         self.cache, self.layout = cache, layout
         starts = layout.query_start.tolist()
         single = [i for i, new in enumerate(layout.num_new) if new == 1]
+        # the decodes attended together: by the C kernel of chapter 09 (each row alone), else padded and masked
         in_c = single and cpu_decode_attention_runs(layout.block_tables.device, cache.k_cache.dtype)
-        self.in_c = single if in_c else []  # the decodes, attended by the C kernel of chapter 09
-        self.batched = single if batch_decodes and len(single) > 1 and not in_c else []
-        done_together = set(self.batched) | set(self.in_c)
-        self.one_by_one = [i for i in range(layout.num_seqs) if i not in done_together]
+        self.batched = single if in_c or (batch_decodes and len(single) > 1) else []
+        self.decode_attention = cpu_decode_attention if in_c else paged_decode_attention_torch
+        self.one_by_one = [i for i in range(layout.num_seqs) if i not in set(self.batched)]
         self.starts = starts
         # the first block of each one-by-one sequence whose blocks are consecutive, found once for all layers: its K/V
         # are then a view of the pool (on a GPU this path runs without Triton only; reading tables there would wait)
@@ -502,8 +502,8 @@ class PagedAttention:
             for i in self.one_by_one:
                 n = -(-(layout.num_computed[i] + layout.num_new[i]) // cache.block_size)
                 self.first_blocks[i] = consecutive_from(layout.block_tables[i, :n].tolist())
-        if together := self.batched or self.in_c:  # the decoding sequences' rows, tables, lengths
-            index = torch.tensor(together, device=layout.block_tables.device)
+        if self.batched:  # the decoding sequences' rows, block tables and context lengths
+            index = torch.tensor(self.batched, device=layout.block_tables.device)
             self.batched_rows = layout.query_start[index]
             self.batched_tables, self.batched_lens = (
                 layout.block_tables[index],
@@ -529,16 +529,8 @@ class PagedAttention:
                 out[start : start + new] = causal_attention(
                     q[start : start + new], k_seq, v_seq, q_offset=computed
                 )
-        if self.in_c:
-            out[self.batched_rows] = cpu_decode_attention(
-                q[self.batched_rows],
-                self.cache.k_cache[layer],
-                self.cache.v_cache[layer],
-                self.batched_tables,
-                self.batched_lens,
-            )
         if self.batched:
-            out[self.batched_rows] = paged_decode_attention_torch(
+            out[self.batched_rows] = self.decode_attention(
                 q[self.batched_rows],
                 self.cache.k_cache[layer],
                 self.cache.v_cache[layer],
