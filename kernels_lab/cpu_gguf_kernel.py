@@ -13,10 +13,10 @@ import torch
 
 from forge_engine.loader import load_model
 from forge_engine.quant import cpu_gguf
-from forge_engine.quant.cpu_gguf import cpu_kernel_status
+from forge_engine.kernels.cpu import cpu_kernels_status
 from forge_engine.quant.gguf_blocks import gguf_matmul_reference
 
-print(cpu_kernel_status())
+print(cpu_kernels_status())
 model = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="gguf").model
 layer = model.layers[0]
 matrices = {

@@ -209,11 +209,13 @@ def _gguf_kernel():
 # ## When it runs
 #
 # Measured on a 2-core AMD EPYC (AVX-512 VNNI) against chapter 10e's PyTorch path, SmolLM2-135M's
-# layers (µs, `kernels_lab/cpu_gguf_kernel.py`): at one row the kernel is faster on every Q4_1
-# matrix (qkv 31 against 37, o 23 / 33, gate_up 71 / 78, down 44 / 50); at two rows and more
-# PyTorch's int4 GEMM, which reuses each weight over the rows in its own tiles, is faster (down at
-# 4 rows: 115 against 85). The Q8_0 head is 3-5x faster at every count (one row 0.8 against 3.9 ms,
-# eight rows 4.3 against 14.6 ms). So: Q4_0 / Q4_1 at one row, Q8_0 up to 16 rows.
+# layers (µs, `kernels_lab/cpu_gguf_kernel.py`): at one row the kernel is as fast as PyTorch's
+# int4 GEMM or faster on the Q4_1 matrices (qkv 31 against 37, o 23 / 33, gate_up 71 / 78, down
+# 44 / 50 in one run; within 10% either way in another, with the machine busy); at two rows and
+# more PyTorch's GEMM, which reuses each weight over the rows in its own tiles, is faster (down
+# at 4 rows: 115 against 85).
+# The Q8_0 head is 3-5x faster at every count (one row 0.8 against 3.9 ms, eight rows 4.3 against
+# 14.6 ms). So: Q4_0 / Q4_1 at one row, Q8_0 up to 16 rows.
 
 # %%
 #| export
