@@ -126,9 +126,8 @@ class HostStaging:
         if (copied := self.copied[self.turn]) is not None:
             copied.synchronize()
         buffer = self.buffers[self.turn][:nbytes]
-        buffer.numpy().fill(
-            0
-        )  # (numpy's, on this thread: a PyTorch fill this size wakes its thread pool)
+        # numpy's fill, on this thread: a PyTorch fill this size wakes its thread pool
+        buffer.numpy().fill(0)
         return buffer
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

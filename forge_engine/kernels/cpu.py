@@ -139,8 +139,9 @@ int decode_attention(const float *q, int B, int Hq, int Hkv, int D, const float 
 """
 
 
+@functools.cache
 def _attention_kernel():
-    "The compiled `decode_attention`, or why there is none."
+    "The compiled `decode_attention`, or why there is none (declared once a process: it is called every layer)."
     library = load_cpu_kernel("decode_attention", ATTENTION_CPU_SOURCE)
     if isinstance(library, str):
         return library

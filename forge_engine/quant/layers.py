@@ -25,7 +25,7 @@ from forge_engine.quant.formats import (
     quantize_rows,
 )
 from .gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
-from .cpu_gguf import native_gguf_matmul
+from .cpu_gguf import native_gguf_matmul, native_gguf_runs
 from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
@@ -342,11 +342,10 @@ class GGUFLinear(QuantLinear):
         return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS:
-            # few rows: chapter 10da's C kernel, integer dot products on the file's blocks, where it runs
+        if CPU_WEIGHT_GEMMS and all(native_gguf_runs(x, qtype) for qtype in self.qtypes):
+            # few rows on a CPU: chapter 10da's C kernel, integer dot products on the file's blocks
             outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self._runs()]
-            if all(out is not None for out in outs):
-                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
             if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
                 return packs[0][0](x, packs[0][1])

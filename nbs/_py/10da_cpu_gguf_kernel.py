@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -196,8 +197,9 @@ int gguf_matmul(const float *x, int M, int K, const uint8_t *w, int N, int qtype
 
 # %%
 #| export
+@functools.cache
 def _gguf_kernel():
-    "The compiled `gguf_matmul`, or why there is none."
+    "The compiled `gguf_matmul`, or why there is none (declared once a process: it is called every product)."
     library = load_cpu_kernel("gguf_matmul", GGUF_CPU_SOURCE)
     if isinstance(library, str):
         return library
@@ -222,16 +224,22 @@ def _gguf_kernel():
 NATIVE_MAX_ROWS = {2: 1, 3: 1, 8: 16}  # GGUF type (Q4_0, Q4_1, Q8_0) -> the most rows it runs here
 
 
+def native_gguf_runs(x: torch.Tensor, qtype: int) -> bool:
+    "Whether `native_gguf_matmul` takes x [M, K] against `qtype` rows: a CPU tensor, few rows, a kernel built here."
+    return (
+        x.device.type == "cpu"
+        and x.shape[0] <= NATIVE_MAX_ROWS.get(qtype, 0)
+        and x.shape[-1] % 32 == 0
+        and not isinstance(_gguf_kernel(), str)
+    )
+
+
 def native_gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
     """x [M, K] @ GGUF rows `raw` [N, bytes a row] .T -> [M, N] in x's dtype through the C kernel; None where it does
-    not run (not a CPU tensor, another type, more rows than `NATIVE_MAX_ROWS`, or no kernel built here)."""
-    if (
-        x.device.type != "cpu"
-        or x.shape[0] > NATIVE_MAX_ROWS.get(qtype, 0)
-        or x.shape[-1] % 32
-        or isinstance(kernel := _gguf_kernel(), str)
-    ):
+    not run (`native_gguf_runs`)."""
+    if not native_gguf_runs(x, qtype):
         return None
+    kernel = _gguf_kernel()
     inputs = x.to(torch.float32).contiguous()
     raw = raw.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
