@@ -159,7 +159,10 @@ class ModelRunner:
         mixed: MixedStepRunner | None = None,
     ):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
-        self.decode, self.mixed = decode, mixed  # the CUDA graphs of chapter 09b, on a GPU
+        self.decode, self.mixed = (
+            decode,
+            mixed,
+        )  # chapter 09b's CUDA graphs (GPU), 10f's C step (CPU)
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
@@ -330,6 +333,11 @@ def build_runner(
         if graphs
         else None
     )
+    if decode is None and param.device.type == "cpu" and not config.batch_invariant:
+        # a GGUF model's decode steps as one C call (chapter 10f), where it runs; else the eager step
+        from forge_engine.cpu_decode import cpu_decode_runner
+
+        decode = cpu_decode_runner(model, cache, config.max_num_seqs)
     mixed = (
         MixedStepRunner(
             model,

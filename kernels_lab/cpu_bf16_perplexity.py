@@ -66,7 +66,7 @@ def emulated_dense(gen: torch.Generator | None):
 
     def dense(self, x, tile_weights=None):
         outs, xr = [], to_bf16(x.double(), gen)
-        for qtype, raw in self._runs():
+        for qtype, raw in self.runs():
             d, z, q = block_parts(raw, qtype)
             if (
                 qtype == 8

@@ -32,7 +32,7 @@ with torch.inference_mode():
     for name, linear in matrices.items():
         for rows in (1, 2, 4, 8):
             x = torch.randn(rows, linear.in_features)
-            runs = list(linear._runs())
+            runs = list(linear.runs())
             want = torch.cat([gguf_matmul_reference(x, raw, q) for q, raw in runs], -1)
 
             def c_kernel():

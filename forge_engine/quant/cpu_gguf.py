@@ -28,6 +28,7 @@ GGUF_CPU_SOURCE = r"""
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 enum { MAX_ROWS = 16 };
+static int block_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34; }  // of 32 weights
 
 static float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -96,7 +97,7 @@ static inline float hsum(__m256 v) {
 // the sum over blocks of dw dx (quant dot), plus the row's offsets: mw dx sx (Q4_1) or -8 dw dx sx (Q4_0)
 static inline __attribute__((always_inline)) void row_dot(
     const uint8_t *row, int qtype, int nb, const xblock *x, int R, float *y, size_t ystride) {
-    int size = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34;
+    int size = block_bytes(qtype);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     int b = 0;
 #ifdef __AVX2__
@@ -133,21 +134,29 @@ static inline __attribute__((always_inline)) void row_dot(
     for (int r = 0; r < R; r++) y[r * ystride] = sum[r];
 }
 
+// y [M, N] (rows ystride floats apart) = the M rows of input blocks xb @ GGUF rows w [N, nb blocks] .T, the
+// weight rows split between the threads: a step that quantizes its inputs once calls it for each run of rows
+static void gguf_rows(const xblock *xb, int M, int nb, const uint8_t *w, int N, int qtype, float *y,
+                      size_t ystride, int threads) {
+    size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        int m = 0;
+        for (; m + 4 <= M; m += 4) row_dot(row, qtype, nb, xb + (size_t)m * nb, 4, y + m * ystride + n, ystride);
+        for (; m + 2 <= M; m += 2) row_dot(row, qtype, nb, xb + (size_t)m * nb, 2, y + m * ystride + n, ystride);
+        for (; m < M; m++) row_dot(row, qtype, nb, xb + (size_t)m * nb, 1, y + m * ystride + n, ystride);
+    }
+}
+
 // returns 0, or -1 for a type it does not know or more than MAX_ROWS rows
 int gguf_matmul(const float *x, int M, int K, const uint8_t *w, int N, int qtype, float *y, int threads) {
     if (M > MAX_ROWS || M < 1 || K % 32 || (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0)) return -1;
-    int nb = K / 32, size = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34;
+    int nb = K / 32;
     xblock *xb = malloc(sizeof(xblock) * (size_t)M * nb);
     if (!xb) return -2;
     for (int m = 0; m < M; m++) quantize_blocks(x + (size_t)m * K, nb, xb + (size_t)m * nb);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *row = w + (size_t)n * nb * size;
-        int m = 0;
-        for (; m + 4 <= M; m += 4) row_dot(row, qtype, nb, xb + (size_t)m * nb, 4, y + (size_t)m * N + n, N);
-        for (; m + 2 <= M; m += 2) row_dot(row, qtype, nb, xb + (size_t)m * nb, 2, y + (size_t)m * N + n, N);
-        for (; m < M; m++) row_dot(row, qtype, nb, xb + (size_t)m * nb, 1, y + (size_t)m * N + n, N);
-    }
+    gguf_rows(xb, M, nb, w, N, qtype, y, N, threads);
     free(xb);
     return 0;
 }

@@ -338,13 +338,14 @@ class GGUFLinear(QuantLinear):
         for i, (_, rows) in enumerate(runs):
             self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
 
-    def _runs(self):
+    def runs(self):
+        "(GGUF type number, its rows of blocks [rows, bytes a row]) for each run, in output order."
         return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if CPU_WEIGHT_GEMMS and all(native_gguf_runs(x, qtype) for qtype in self.qtypes):
             # few rows on a CPU: chapter 10da's C kernel, integer dot products on the file's blocks
-            outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self._runs()]
+            outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self.runs()]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
             if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
@@ -357,18 +358,18 @@ class GGUFLinear(QuantLinear):
         copy of the bytes): Q4_0 / Q4_1 through `cpu_int4pack` (scale d; zero 0, or m + 8d), Q8_0 as its int8 blocks
         [K/32, N, 32] with their scales, a GEMM a block; None if a run is of another type or a shape they do not take."""
         if "_cpu_packs" not in self.__dict__:
-            packs = [_gguf_cpu_operands(raw, qtype) for qtype, raw in self._runs()]
+            packs = [_gguf_cpu_operands(raw, qtype) for qtype, raw in self.runs()]
             self.__dict__["_cpu_packs"] = None if any(p is None for p in packs) else packs
         return self.__dict__["_cpu_packs"]
 
     def skinny(self, x):
         return torch.cat(
-            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1
+            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self.runs()], dim=-1
         )
 
     def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
         outs, first = [], 0
-        for qtype, raw in self._runs():
+        for qtype, raw in self.runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
             if lo < hi:
                 outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))

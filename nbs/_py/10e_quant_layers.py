@@ -429,13 +429,14 @@ class GGUFLinear(QuantLinear):
         for i, (_, rows) in enumerate(runs):
             self.register_buffer(f"blocks{i}", torch.cat(rows).contiguous())
 
-    def _runs(self):
+    def runs(self):
+        "(GGUF type number, its rows of blocks [rows, bytes a row]) for each run, in output order."
         return zip(self.qtypes, (getattr(self, f"blocks{i}") for i in range(len(self.qtypes))))
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         if CPU_WEIGHT_GEMMS and all(native_gguf_runs(x, qtype) for qtype in self.qtypes):
             # few rows on a CPU: chapter 10da's C kernel, integer dot products on the file's blocks
-            outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self._runs()]
+            outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self.runs()]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
             if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
@@ -448,18 +449,18 @@ class GGUFLinear(QuantLinear):
         copy of the bytes): Q4_0 / Q4_1 through `cpu_int4pack` (scale d; zero 0, or m + 8d), Q8_0 as its int8 blocks
         [K/32, N, 32] with their scales, a GEMM a block; None if a run is of another type or a shape they do not take."""
         if "_cpu_packs" not in self.__dict__:
-            packs = [_gguf_cpu_operands(raw, qtype) for qtype, raw in self._runs()]
+            packs = [_gguf_cpu_operands(raw, qtype) for qtype, raw in self.runs()]
             self.__dict__["_cpu_packs"] = None if any(p is None for p in packs) else packs
         return self.__dict__["_cpu_packs"]
 
     def skinny(self, x):
         return torch.cat(
-            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self._runs()], dim=-1
+            [gguf_matmul(x, raw, qtype, impl="triton") for qtype, raw in self.runs()], dim=-1
         )
 
     def dense_rows(self, x, start, end):  # the part of each run inside rows start:end
         outs, first = [], 0
-        for qtype, raw in self._runs():
+        for qtype, raw in self.runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
             if lo < hi:
                 outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))
@@ -544,15 +545,14 @@ assert torch.equal(layer(x[None]), layer(x)[None])  # [B, T, K] inputs keep thei
 
 # %% [markdown]
 # **The CPU step against llama.cpp.** On SmolLM2's Q4_1 file, two cores, one request, greedy:
-# 64.4 output tok/s against llama.cpp's 94.6 on the same file, prompt and threads (0.68×); eight
-# requests at once 213.0 tok/s together, 2.25× llama.cpp's one stream (`forge-engine bench w4
-# --model smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md). A
-# decode of one request goes through chapter 10da's C kernel (one row, and the Q8_0 head at up to
-# 16), chapter 09_kernels_cpu's decode attention, and the norms, SiLU-mul and RoPE in C (chapter
-# 09a's CPU layers); prefill and batched Q4 rows through PyTorch's int4 GEMM. What is left of a
-# step (`PYTHONPATH=. python3 kernels_lab/cpu_decode_step.py gguf`): ~1,400 PyTorch operations,
-# the views, splits, allocations and K/V writes between those calls, a few microseconds each, where
-# llama.cpp spends ~10 ms on the whole token. So the next gain is one C call a layer.
+# 149.4 output tok/s against llama.cpp's 109.6 on the same file, prompt and threads (1.36×); eight
+# requests at once 262.9 tok/s together, 2.40× llama.cpp's one stream (`forge-engine bench w4
+# --model smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md).
+# Where the time went: the layers' products in chapter 10da's C kernel were never the problem;
+# a step was ~1,400 PyTorch operations around them (views, splits, allocations, K/V writes, a few
+# microseconds each), and a decode step took 10.7 ms where llama.cpp takes ~9 for the whole token.
+# Chapter 10f makes the layers of a decode step one C call: 5.1 ms a step, 0.7 of it the Q8_0
+# head. Prefill and steps of more than 8 rows keep this chapter's layers and PyTorch's int4 GEMM.
 
 # %% [markdown]
 # Bad input names the tensor:
