@@ -16,7 +16,7 @@ from .cuda_graphs import fill_tables
 from .kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE, load_cpu_kernel
 from .kv_cache import PagedKVCache
 from .model import Transformer, rope_cos_sin
-from .quant.cpu_gguf import GGUF_CPU_SOURCE
+from .quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK
 from .quant.layers import GGUFLinear
 
 # %% auto #0
@@ -140,7 +140,7 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
 
 # %% ../nbs/10f_cpu_decode.ipynb #29c9c2a4
 MAX_RUNS = 4  # runs of rows of one quant type a layer may have (the C struct's room)
-DECODE_TYPES = (2, 3, 8)  # the GGUF types chapter 10da's kernel multiplies: Q4_0, Q4_1, Q8_0
+DECODE_TYPES = (2, 3, 8, 12, 14)  # chapter 10da's kernel's GGUF types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 DECODE_MAX_ROWS = 16  # the C side's MAX_ROWS: rows a step may have
 ENGINE_DECODE_ROWS = (
     8  # steps of up to this many rows go to the C step in the engine (measured below)
@@ -196,11 +196,15 @@ def _matrices(layer) -> dict[str, torch.nn.Module]:
 
 def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:
     "Why `model`'s decode steps over `cache` cannot run as one C call here, or None if they can."
+    if not isinstance(
+        model, Transformer
+    ):  # (the engine runs any module with the model's interface)
+        return f"a {type(model).__name__}, not chapter 03's Transformer"
     param = next(model.parameters())
     if param.device.type != "cpu" or cache.k_cache.device.type != "cpu":
         return "not on the CPU"
-    if cache.k_cache.dtype != torch.float32 or model.norm.weight.dtype != torch.float32:
-        return f"a {cache.k_cache.dtype} model, not float32"
+    if cache.k_cache.dtype != torch.float32 or param.dtype != torch.float32:
+        return f"a {param.dtype} model, not float32"
     if model.config.head_dim % 2:
         return f"odd head_dim {model.config.head_dim}"
     for i, layer in enumerate(model.layers):
@@ -209,10 +213,11 @@ def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:
                 return f"layer {i}'s {name} is a {type(matrix).__name__}, not GGUF blocks"
             if not set(matrix.qtypes) <= set(DECODE_TYPES) or len(matrix.qtypes) > MAX_RUNS:
                 return (
-                    f"layer {i}'s {name} has GGUF types {matrix.qtypes} (the C step takes 2, 3, 8)"
+                    f"layer {i}'s {name} has GGUF types {matrix.qtypes}, not all of {DECODE_TYPES}"
                 )
-            if matrix.in_features % 32:
-                return f"layer {i}'s {name} has {matrix.in_features} inputs, not whole blocks of 32"
+            block = max(NATIVE_BLOCK.get(qtype, 32) for qtype in matrix.qtypes)
+            if matrix.in_features % block:
+                return f"layer {i}'s {name} has {matrix.in_features} inputs, not whole blocks of {block}"
     kernel = _step_kernel()
     return kernel if isinstance(kernel, str) else None
 

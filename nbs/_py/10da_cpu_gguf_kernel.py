@@ -22,8 +22,14 @@
 # | Q8_0 | `d · qw` | `d · dx · Σ qw qx` |
 # | Q4_0 | `d · (qw − 8)` | `d · dx · Σ qw qx − 8 d · dx Σ qx` |
 # | Q4_1 | `d · qw + m` | `d · dx · Σ qw qx + m · dx Σ qx` |
+# | Q4_K | `d · s_j · qw − dmin · m_j` | `d s_j · dx · Σ qw qx − dmin m_j · dx Σ qx` |
+# | Q6_K | `d · s_i · (qw − 32)` | `d · dx · (s_lo Σ_lo + s_hi Σ_hi)`, `qw − 32` signed as Q8_0's |
 #
-# so the input's `dx Σ qx` is computed once per block and row, not per weight. On x86 with AVX2,
+# so the input's `dx Σ qx` is computed once per block and row, not per weight. The K types (a Q4_K_M
+# file's) group 8 blocks into a super-block of 256 weights with one `d` (and `dmin`) and a 6-bit
+# scale `s_j` and minimum `m_j` per block (Q4_K), or an int8 scale per 16 weights (Q6_K, whose 6-bit
+# quants are split into 4 low and 2 high bits). A block of 32 inputs still meets one block of 32
+# weights: a super-block's scales are decoded once and its 8 blocks go through the same dot. On x86 with AVX2,
 # 32 unsigned × signed byte products summed in pairs are one instruction (`vpmaddubsw`; with
 # AVX-512 VNNI, `vpdpbusd` sums in fours); a Q8_0 weight is made unsigned by moving its sign onto the
 # input (`vpsignb`). Without AVX2 the same loops run in plain C. The file's bytes are read where
@@ -65,9 +71,19 @@ GGUF_CPU_SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 enum { MAX_ROWS = 16 };
-static int block_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34; }  // of 32 weights
+static int k_type(int qtype) { return qtype == Q4_K || qtype == Q6_K; }  // super-blocks of 256 weights
+static int known_type(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || k_type(qtype); }
+static size_t row_bytes(int qtype, int nb) {  // of a row of nb blocks of 32 weights
+    switch (qtype) {
+        case Q4_0: return (size_t)nb * 18;
+        case Q4_1: return (size_t)nb * 20;
+        case Q8_0: return (size_t)nb * 34;
+        case Q4_K: return (size_t)nb / 8 * 144;
+        default: return (size_t)nb / 8 * 210;  // Q6_K
+    }
+}
 
 static float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -97,16 +113,39 @@ static void quantize_blocks(const float *x, int nb, xblock *out) {
     }
 }
 
-// sum of the 32 products of a weight block's quants with an input block's
-static inline int32_t dot_u4(const uint8_t *qs, const int8_t *xq) {  // unsigned nibbles 0..15
-    int32_t s = 0;
-    for (int j = 0; j < 16; j++) s += (qs[j] & 0x0f) * xq[j] + (qs[j] >> 4) * xq[j + 16];
-    return s;
+// Q4_K: the 6-bit scale and minimum of sub-block j (of 8) from a super-block's 12 packed bytes
+static inline void k4_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) { *scale = s[j] & 63; *min = s[j + 4] & 63; }
+    else { *scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4); *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
-static inline int32_t dot_i8(const int8_t *w, const int8_t *xq) {
-    int32_t s = 0;
-    for (int j = 0; j < 32; j++) s += w[j] * xq[j];
-    return s;
+
+// Block b (32 weights) of a GGUF row: weight i = dw[i / 16] * q[i] + m, q the block's integers (signed for Q8_0
+// and Q6_K, else 0..63). In plain C: the fallback without AVX2, and the statement of what the SIMD code reads.
+static inline void unpack_block(const uint8_t *row, int qtype, int b, int8_t q[32], float dw[2], float *m) {
+    if (qtype == Q4_K) {  // [d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles] a super-block
+        const uint8_t *p = row + (size_t)(b / 8) * 144, *qs = p + 16 + 32 * (b % 8 / 2);
+        int scale, min, shift = b % 2 ? 4 : 0;
+        k4_scale_min(p + 4, b % 8, &scale, &min);
+        dw[0] = dw[1] = half_to_float(*(const uint16_t *)p) * scale;
+        *m = -half_to_float(*(const uint16_t *)(p + 2)) * min;
+        for (int i = 0; i < 32; i++) q[i] = (qs[i] >> shift) & 0xf;
+    } else if (qtype == Q6_K) {  // [128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d] a super-block
+        const uint8_t *p = row + (size_t)(b / 8) * 210;
+        int half = b % 8 / 4, k = b % 4;
+        const uint8_t *ql = p + 64 * half + 32 * (k % 2), *qh = p + 128 + 32 * half;
+        const int8_t *scales = (const int8_t *)(p + 192) + 8 * half + 2 * k;
+        float d = half_to_float(*(const uint16_t *)(p + 208));
+        dw[0] = d * scales[0], dw[1] = d * scales[1], *m = 0.f;
+        for (int i = 0; i < 32; i++) q[i] = (((ql[i] >> (k < 2 ? 0 : 4)) & 0xf) | (((qh[i] >> 2 * k) & 3) << 4)) - 32;
+    } else {  // [d, (m,) quants] a block of 32
+        const uint8_t *p = row + row_bytes(qtype, b);
+        float d = half_to_float(*(const uint16_t *)p);
+        dw[0] = dw[1] = d;
+        *m = qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : qtype == Q4_0 ? -8.f * d : 0.f;
+        const uint8_t *qs = p + (qtype == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 32; i++)
+            q[i] = qtype == Q8_0 ? (int8_t)qs[i] : i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4;
+    }
 }
 
 #ifdef __AVX2__
@@ -114,6 +153,56 @@ static inline __m256i nibbles(const uint8_t *qs) {  // 16 bytes -> 32 quants: lo
     __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
+
+// unpack_block's q in a vector, its scale dw and offset m: the block at p of a 32-weight type
+static inline __m256i block_quants(const uint8_t *p, int qtype, float *dw, float *m) {
+    float d = half_to_float(*(const uint16_t *)p);
+    *dw = d;
+    *m = qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : qtype == Q4_0 ? -8.f * d : 0.f;
+    return qtype == Q8_0 ? _mm256_loadu_si256((const __m256i *)(p + 2)) : nibbles(p + (qtype == Q4_1 ? 4 : 2));
+}
+
+// the same for the 8 blocks of super-block `sb` of a K type at once (scales for each half of 16: dw, dw_high),
+// its scales decoded once, each load used twice
+static inline void super_block_quants(const uint8_t *row, int qtype, int sb, __m256i w[8], float dw[8],
+                                      float dw_high[8], float m[8]) {
+    __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (qtype == Q4_K) {
+        const uint8_t *p = row + (size_t)sb * 144;
+        float d = half_to_float(*(const uint16_t *)p), dmin = half_to_float(*(const uint16_t *)(p + 2));
+        for (int j = 0; j < 8; j++) {
+            int scale, min;
+            k4_scale_min(p + 4, j, &scale, &min);
+            dw[j] = dw_high[j] = d * scale, m[j] = -dmin * min;
+        }
+        for (int c = 0; c < 4; c++) {  // 32 bytes: block 2c in the low nibbles, 2c + 1 in the high
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+            w[2 * c] = _mm256_and_si256(v, low4), w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+    } else {  // Q6_K
+        const uint8_t *p = row + (size_t)sb * 210;
+        const int8_t *scales = (const int8_t *)(p + 192);
+        float d = half_to_float(*(const uint16_t *)(p + 208));
+        __m256i two = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+        for (int half = 0; half < 2; half++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * half));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+            __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                              _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                              _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+            __m256i high[4] = {_mm256_and_si256(qh, two), _mm256_and_si256(_mm256_srli_epi16(qh, 2), two),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 4), two),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 6), two)};
+            for (int k = 0; k < 4; k++) {
+                int j = 4 * half + k;
+                dw[j] = d * scales[2 * j], dw_high[j] = d * scales[2 * j + 1], m[j] = 0.f;
+                w[j] = _mm256_sub_epi8(_mm256_or_si256(low[k], _mm256_slli_epi16(high[k], 4)), offset);
+            }
+        }
+    }
+}
+
 static inline __m256 dot_ps(__m256i w_unsigned, __m256i xq) {  // 8 partial sums, as floats
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_unsigned, xq);
@@ -130,44 +219,60 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+// one weight block (its integers w, scale dw, or dw and dw_high for each half of 16 when `halves`, offset m) . the
+// same block of R input rows, nb blocks apart, into the rows' accumulators (acc: the integer dots times the
+// scales, a dot's lanes 0-3 the first half; sum: the offsets m dx sx)
+static inline __attribute__((always_inline)) void block_dot(__m256i w, float dw, float dw_high, int halves, float m,
+                                                             int is_signed, const xblock *x, int nb, int R,
+                                                             __m256 acc[4], float sum[4]) {
+    __m256i aw = is_signed ? _mm256_sign_epi8(w, w) : w;
+    __m256 scales = _mm256_setr_ps(dw, dw, dw, dw, dw_high, dw_high, dw_high, dw_high);
+    for (int r = 0; r < R; r++) {
+        const xblock *xr = x + (size_t)r * nb;
+        __m256i xq = _mm256_loadu_si256((const __m256i *)xr->q);
+        if (is_signed) xq = _mm256_sign_epi8(xq, w);
+        else sum[r] += m * xr->s;
+        __m256 scale = halves ? _mm256_mul_ps(scales, _mm256_set1_ps(xr->d)) : _mm256_set1_ps(dw * xr->d);
+        acc[r] = _mm256_fmadd_ps(dot_ps(aw, xq), scale, acc[r]);
+    }
+}
 #endif
 
 // one weight row . R input rows (R = 1..4, a constant after inlining: the accumulators stay in registers), each
-// the sum over blocks of dw dx (quant dot), plus the row's offsets: mw dx sx (Q4_1) or -8 dw dx sx (Q4_0)
+// the sum over blocks of dw dx (integer dot), plus the offsets m dx sx
 static inline __attribute__((always_inline)) void row_dot(
     const uint8_t *row, int qtype, int nb, const xblock *x, int R, float *y, size_t ystride) {
-    int size = block_bytes(qtype);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     int b = 0;
 #ifdef __AVX2__
+    int is_signed = qtype == Q8_0 || qtype == Q6_K;  // made unsigned by moving the sign onto the input
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; b < nb; b++) {
-        const uint8_t *p = row + size * b;
-        float dw = half_to_float(*(const uint16_t *)p);
-        float mw = qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : -8.f * dw;
-        __m256i w = qtype == Q8_0 ? _mm256_loadu_si256((const __m256i *)(p + 2)) : nibbles(p + size - 16);
-        __m256i aw = qtype == Q8_0 ? _mm256_sign_epi8(w, w) : w;
-        for (int r = 0; r < R; r++) {
-            const xblock *xr = x + (size_t)r * nb + b;
-            __m256i xq = _mm256_loadu_si256((const __m256i *)xr->q);
-            if (qtype == Q8_0) xq = _mm256_sign_epi8(xq, w);
-            else sum[r] += mw * xr->s;
-            acc[r] = _mm256_fmadd_ps(dot_ps(aw, xq), _mm256_set1_ps(dw * xr->d), acc[r]);
+    if (k_type(qtype)) {
+        for (; b < nb; b += 8) {
+            __m256i w[8];
+            float dw[8], dw_high[8], m[8];
+            super_block_quants(row, qtype, b / 8, w, dw, dw_high, m);
+            for (int j = 0; j < 8; j++)
+                block_dot(w[j], dw[j], dw_high[j], qtype == Q6_K, m[j], is_signed, x + b + j, nb, R, acc, sum);
         }
+    }
+    for (size_t size = row_bytes(qtype, 1); b < nb; b++) {
+        float dw, m;
+        __m256i w = block_quants(row + size * b, qtype, &dw, &m);
+        block_dot(w, dw, dw, 0, m, is_signed, x + b, nb, R, acc, sum);
     }
     for (int r = 0; r < R; r++) sum[r] += hsum(acc[r]);
 #endif
     for (; b < nb; b++) {  // without AVX2: all of it
-        const uint8_t *p = row + size * b;
-        float dw = half_to_float(*(const uint16_t *)p);
+        int8_t q[32];
+        float dw[2], m;
+        unpack_block(row, qtype, b, q, dw, &m);
         for (int r = 0; r < R; r++) {
             const xblock *xr = x + (size_t)r * nb + b;
-            if (qtype == Q8_0) {
-                sum[r] += dw * xr->d * (float)dot_i8((const int8_t *)(p + 2), xr->q);
-            } else {
-                sum[r] += dw * xr->d * (float)dot_u4(p + size - 16, xr->q);
-                sum[r] += (qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : -8.f * dw) * xr->s;
-            }
+            int32_t low = 0, high = 0;
+            for (int i = 0; i < 16; i++) low += q[i] * xr->q[i], high += q[i + 16] * xr->q[i + 16];
+            sum[r] += xr->d * (dw[0] * (float)low + dw[1] * (float)high) + m * xr->s;
         }
     }
     for (int r = 0; r < R; r++) y[r * ystride] = sum[r];
@@ -175,22 +280,34 @@ static inline __attribute__((always_inline)) void row_dot(
 
 // y [M, N] (rows ystride floats apart) = the M rows of input blocks xb @ GGUF rows w [N, nb blocks] .T, the
 // weight rows split between the threads: a step that quantizes its inputs once calls it for each run of rows
+// one weight row . all M input rows, four, two, then one at a time
+static inline __attribute__((always_inline)) void rows_dot(const uint8_t *row, int qtype, int nb, const xblock *xb,
+                                                            int M, float *y, size_t ystride) {
+    int m = 0;
+    for (; m + 4 <= M; m += 4) row_dot(row, qtype, nb, xb + (size_t)m * nb, 4, y + m * ystride, ystride);
+    for (; m + 2 <= M; m += 2) row_dot(row, qtype, nb, xb + (size_t)m * nb, 2, y + m * ystride, ystride);
+    for (; m < M; m++) row_dot(row, qtype, nb, xb + (size_t)m * nb, 1, y + m * ystride, ystride);
+}
+
 static void gguf_rows(const xblock *xb, int M, int nb, const uint8_t *w, int N, int qtype, float *y,
                       size_t ystride, int threads) {
-    size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    size_t stride = row_bytes(qtype, nb);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *row = w + (size_t)n * row_bytes;
-        int m = 0;
-        for (; m + 4 <= M; m += 4) row_dot(row, qtype, nb, xb + (size_t)m * nb, 4, y + m * ystride + n, ystride);
-        for (; m + 2 <= M; m += 2) row_dot(row, qtype, nb, xb + (size_t)m * nb, 2, y + m * ystride + n, ystride);
-        for (; m < M; m++) row_dot(row, qtype, nb, xb + (size_t)m * nb, 1, y + m * ystride + n, ystride);
+        const uint8_t *row = w + (size_t)n * stride;
+        switch (qtype) {  // a copy of the loops for each type, its type's branches decided when compiled
+            case Q4_0: rows_dot(row, Q4_0, nb, xb, M, y + n, ystride); break;
+            case Q4_1: rows_dot(row, Q4_1, nb, xb, M, y + n, ystride); break;
+            case Q8_0: rows_dot(row, Q8_0, nb, xb, M, y + n, ystride); break;
+            case Q4_K: rows_dot(row, Q4_K, nb, xb, M, y + n, ystride); break;
+            default: rows_dot(row, Q6_K, nb, xb, M, y + n, ystride);
+        }
     }
 }
 
 // returns 0, or -1 for a type it does not know or more than MAX_ROWS rows
 int gguf_matmul(const float *x, int M, int K, const uint8_t *w, int N, int qtype, float *y, int threads) {
-    if (M > MAX_ROWS || M < 1 || K % 32 || (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0)) return -1;
+    if (M > MAX_ROWS || M < 1 || K % (k_type(qtype) ? 256 : 32) || !known_type(qtype)) return -1;
     int nb = K / 32;
     xblock *xb = malloc(sizeof(xblock) * (size_t)M * nb);
     if (!xb) return -2;
@@ -228,11 +345,17 @@ def _gguf_kernel():
 # more PyTorch's GEMM, which reuses each weight over the rows in its own tiles, is faster (down
 # at 4 rows: 115 against 85).
 # The Q8_0 head is 3-5x faster at every count (one row 0.8 against 3.9 ms, eight rows 4.3 against
-# 14.6 ms). So: Q4_0 / Q4_1 at one row, Q8_0 up to 16 rows.
+# 14.6 ms). So: Q4_0 / Q4_1 at one row, Q8_0 up to 16 rows. Q4_K and Q6_K (a Q4_K_M file's types)
+# have no PyTorch GEMM to lose to (chapter 10e dequantizes them, a tile at a time): the kernel
+# takes them at every count it can.
 
 # %%
 #| export
-NATIVE_MAX_ROWS = {2: 1, 3: 1, 8: 16}  # GGUF type (Q4_0, Q4_1, Q8_0) -> the most rows it runs here
+NATIVE_MAX_ROWS = {2: 1, 3: 1, 8: 16, 12: 16, 14: 16}  # GGUF type -> the most rows it runs here
+NATIVE_BLOCK = {
+    12: 256,
+    14: 256,
+}  # the K types' rows come in super-blocks of 256 weights; the others 32
 
 
 def native_gguf_runs(x: torch.Tensor, qtype: int) -> bool:
@@ -240,7 +363,7 @@ def native_gguf_runs(x: torch.Tensor, qtype: int) -> bool:
     return (
         x.device.type == "cpu"
         and x.shape[0] <= NATIVE_MAX_ROWS.get(qtype, 0)
-        and x.shape[-1] % 32 == 0
+        and x.shape[-1] % NATIVE_BLOCK.get(qtype, 32) == 0
         and not isinstance(_gguf_kernel(), str)
     )
 
@@ -250,7 +373,11 @@ def native_gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.
     not run (`native_gguf_runs`)."""
     if not native_gguf_runs(x, qtype):
         return None
-    kernel = _gguf_kernel()
+    return _run_gguf_kernel(_gguf_kernel(), x, raw, qtype)
+
+
+def _run_gguf_kernel(kernel, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    "x @ raw.T through a build of `gguf_matmul`."
     inputs = x.to(torch.float32).contiguous()
     raw = raw.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
@@ -283,17 +410,37 @@ def exact_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return (q * scale).reshape(rows, k)
 
 
-if not isinstance(_gguf_kernel(), str):
-    for qtype in (2, 3, 8):
-        raw = gguf_bytes(qtype, 37, 32 * 7, seed=qtype)  # odd counts: no row or block left out
+def check_gguf_kernel(kernel) -> None:
+    "A build of `gguf_matmul` against the reference, every type, 1 to NATIVE_MAX_ROWS rows."
+    for qtype in NATIVE_MAX_ROWS:
+        k = NATIVE_BLOCK.get(qtype, 32) * (2 if qtype in NATIVE_BLOCK else 7)
+        raw = gguf_bytes(qtype, 37, k, seed=qtype)  # odd counts: no row or block left out
         for rows in range(1, NATIVE_MAX_ROWS[qtype] + 1):
-            x = exact_inputs(rows, 32 * 7, seed=rows)
-            want, got = gguf_matmul_reference(x, raw, qtype), native_gguf_matmul(x, raw, qtype)
+            x = exact_inputs(rows, k, seed=rows)
+            want, got = (
+                gguf_matmul_reference(x, raw, qtype),
+                _run_gguf_kernel(kernel, x, raw, qtype),
+            )
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (qtype, rows)
-        x = torch.randn(1, 32 * 7)
+        x = torch.randn(1, k)
         want = gguf_matmul_reference(x, raw, qtype)
-        rel = (native_gguf_matmul(x, raw, qtype) - want).norm() / want.norm()
+        rel = (_run_gguf_kernel(kernel, x, raw, qtype) - want).norm() / want.norm()
         assert rel < 2e-2, (qtype, rel)  # ordinary inputs: their int8 rounding, no more
+
+
+if not isinstance(_gguf_kernel(), str):
+    check_gguf_kernel(_gguf_kernel())
     assert (
         native_gguf_matmul(torch.randn(NATIVE_MAX_ROWS[2] + 1, 64), gguf_bytes(2, 4, 64), 2) is None
     )
+    assert native_gguf_matmul(torch.randn(1, 96), gguf_bytes(12, 4, 256), 12) is None  # K % 256
+
+# %% [markdown]
+# Without AVX2 (an ARM laptop, an older x86) the plain C loops do all of it and `half_to_float`
+# converts in software. The same source built as if this machine had neither passes the same checks.
+
+# %%
+plain = load_cpu_kernel("gguf_matmul_plain", "#undef __AVX2__\n#undef __F16C__\n" + GGUF_CPU_SOURCE)
+if not isinstance(plain, str):
+    p, i = ctypes.c_void_p, ctypes.c_int
+    check_gguf_kernel(c_function(plain, "gguf_matmul", p, i, i, p, i, i, p, i))

@@ -41,7 +41,7 @@ from forge_engine.cuda_graphs import fill_tables
 from forge_engine.kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE, load_cpu_kernel
 from forge_engine.kv_cache import PagedKVCache
 from forge_engine.model import Transformer, rope_cos_sin
-from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE
+from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK
 from forge_engine.quant.layers import GGUFLinear
 
 # %% [markdown]
@@ -174,7 +174,7 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
 # %%
 #| export
 MAX_RUNS = 4  # runs of rows of one quant type a layer may have (the C struct's room)
-DECODE_TYPES = (2, 3, 8)  # the GGUF types chapter 10da's kernel multiplies: Q4_0, Q4_1, Q8_0
+DECODE_TYPES = (2, 3, 8, 12, 14)  # chapter 10da's kernel's GGUF types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 DECODE_MAX_ROWS = 16  # the C side's MAX_ROWS: rows a step may have
 ENGINE_DECODE_ROWS = (
     8  # steps of up to this many rows go to the C step in the engine (measured below)
@@ -223,9 +223,9 @@ def _step_kernel():
 # ## When it runs
 #
 # `cpu_decode_refusal` says why a model's decode steps cannot go through the C step, or None: it
-# takes float32 models on a CPU whose every layer matrix is a `GGUFLinear` of Q4_0, Q4_1 or Q8_0
-# runs (chapter 10e), with inputs in whole blocks of 32. Anything else (dense weights, int8 / int4,
-# K-quants, a GPU) keeps the engine's PyTorch step.
+# takes float32 models on a CPU whose every layer matrix is a `GGUFLinear` of Q4_0, Q4_1, Q8_0,
+# Q4_K or Q6_K runs (chapter 10e), with inputs in whole blocks (of 256 for the K types). Anything
+# else (dense weights, int8 / int4, Q5 types, a GPU) keeps the engine's PyTorch step.
 
 # %%
 #| export
@@ -240,11 +240,15 @@ def _matrices(layer) -> dict[str, torch.nn.Module]:
 
 def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:
     "Why `model`'s decode steps over `cache` cannot run as one C call here, or None if they can."
+    if not isinstance(
+        model, Transformer
+    ):  # (the engine runs any module with the model's interface)
+        return f"a {type(model).__name__}, not chapter 03's Transformer"
     param = next(model.parameters())
     if param.device.type != "cpu" or cache.k_cache.device.type != "cpu":
         return "not on the CPU"
-    if cache.k_cache.dtype != torch.float32 or model.norm.weight.dtype != torch.float32:
-        return f"a {cache.k_cache.dtype} model, not float32"
+    if cache.k_cache.dtype != torch.float32 or param.dtype != torch.float32:
+        return f"a {param.dtype} model, not float32"
     if model.config.head_dim % 2:
         return f"odd head_dim {model.config.head_dim}"
     for i, layer in enumerate(model.layers):
@@ -253,10 +257,11 @@ def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:
                 return f"layer {i}'s {name} is a {type(matrix).__name__}, not GGUF blocks"
             if not set(matrix.qtypes) <= set(DECODE_TYPES) or len(matrix.qtypes) > MAX_RUNS:
                 return (
-                    f"layer {i}'s {name} has GGUF types {matrix.qtypes} (the C step takes 2, 3, 8)"
+                    f"layer {i}'s {name} has GGUF types {matrix.qtypes}, not all of {DECODE_TYPES}"
                 )
-            if matrix.in_features % 32:
-                return f"layer {i}'s {name} has {matrix.in_features} inputs, not whole blocks of 32"
+            block = max(NATIVE_BLOCK.get(qtype, 32) for qtype in matrix.qtypes)
+            if matrix.in_features % block:
+                return f"layer {i}'s {name} has {matrix.in_features} inputs, not whole blocks of {block}"
     kernel = _step_kernel()
     return kernel if isinstance(kernel, str) else None
 
@@ -481,8 +486,9 @@ def decode_three_ways(model, prompt_lens, steps, exact, seed=0) -> list[list[int
 tmp_dir = tempfile.TemporaryDirectory()
 
 
-def tiny_gguf_model(name: str, seed: int) -> Transformer:
-    config = preset(name).replace(vocab_size=256)
+def tiny_gguf_model(name: str, seed: int, config=None) -> Transformer:
+    "A random model of preset `name` (or `config`), written as a GGUF file and loaded with its blocks kept."
+    config = (config or preset(name)).replace(vocab_size=256)
     state = hf_state_dict(init_random_weights(empty_model(config), seed, std=0.05))
     state = {k: v.contiguous() for k, v in state.items()}
     types = [QType.Q8_0, QType.Q4_0, QType.Q4_1]
@@ -500,6 +506,51 @@ decode_three_ways(qwen3, [3, 17, 40], steps=5, exact=False)
 qwen2 = tiny_gguf_model("qwen2-tiny", 2)
 assert qwen2.layers[0].attn.qkv.bias is not None
 decode_three_ways(qwen2, [16, 1, 29], steps=5, exact=True)
+
+# %% [markdown]
+# A Q4_K_M file's types: the same Qwen2 shape widened to whole super-blocks of 256, its matrices
+# swapped for random Q4_K and Q6_K blocks (the `gguf` package cannot write K types), QKV as three
+# runs. Chapter 10da's kernel computes the PyTorch step's products too, so this is exact as well.
+
+# %%
+from forge_engine.quant.gguf_blocks import gguf_bytes
+
+
+K_TYPES = {  # each matrix's runs: QKV as three
+    "qkv": [QType.Q4_K, QType.Q6_K, QType.Q4_K],
+    "o": [QType.Q4_K],
+    "gate_up": [QType.Q4_K],
+    "down": [QType.Q6_K],
+}
+
+
+def with_k_quants(model: Transformer) -> Transformer:
+    "`model` with each layer matrix replaced by random rows of K_TYPES of its shape (biases kept)."
+    c = model.config
+    for i, layer in enumerate(model.layers):
+        for name, matrix in _matrices(layer).items():
+            sizes = [c.q_size, c.kv_size, c.kv_size] if name == "qkv" else [matrix.out_features]
+            parts = [
+                (
+                    f"{i}.{name}.{k}",
+                    t,
+                    (n, matrix.in_features),
+                    gguf_bytes(t, n, matrix.in_features, seed=10 * i + k),
+                )
+                for k, (t, n) in enumerate(zip(K_TYPES[name], sizes))
+            ]
+            owner = layer.attn if name in ("qkv", "o") else layer.mlp
+            setattr(owner, name, GGUFLinear(parts, matrix.bias))
+    return model
+
+
+wide = preset("qwen2-tiny").replace(
+    hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64
+)
+k_quants = with_k_quants(tiny_gguf_model("qwen2-tiny", 3, wide))
+assert k_quants.layers[1].attn.qkv.qtypes == (12, 14, 12)
+assert cpu_decode_refusal(k_quants, PagedKVCache(wide, 4, 16)) is None
+decode_three_ways(k_quants, [20, 3], steps=4, exact=True)
 
 # %% [markdown]
 # SmolLM2-135M-Instruct's own GGUF file (Q4_1 layers, the tied Q8_0 head), fetched by the registry.
@@ -572,3 +623,6 @@ assert not torch.equal(cache.k_cache, before[0])  # (and a good step does write)
 dense = load_model("random:qwen3-tiny", "cpu", progress=False).model
 assert "not GGUF blocks" in cpu_decode_refusal(dense, PagedKVCache(dense.config, 4, 16))
 assert cpu_decode_runner(dense, PagedKVCache(dense.config, 4, 16)) is None
+assert "not chapter 03's" in cpu_decode_refusal(
+    torch.nn.Linear(2, 2), PagedKVCache(dense.config, 4, 16)
+)
