@@ -96,7 +96,7 @@ def _add_model_flags(p: argparse.ArgumentParser):
         help="split the model over this many GPUs (processes)",
     )
     add_quantization_flag(
-        p
+        p, "auto"
     )  # (these two and `pick_model`: chapter 04a, shared with serve and bench)
     add_memory_budget_flag(p)
 

@@ -284,6 +284,7 @@ QUANTIZATIONS = (
     "int8",
     "int4",
     "gguf",
+    "auto",  # a GGUF file's blocks kept on a CPU (chapter 10f's C step), else none
 )  # weight formats of the layer matrices (chapter 10)
 
 

@@ -182,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}"
         )
-    add_quantization_flag(parser)  # the same flags as generate / chat (chapter 04a)
+    add_quantization_flag(parser, "auto")  # the same flags as generate / chat (chapter 04a)
     add_memory_budget_flag(parser)
 
 

@@ -429,6 +429,7 @@ QUANTIZATIONS = (
     "int8",
     "int4",
     "gguf",
+    "auto",  # a GGUF file's blocks kept on a CPU (chapter 10f's C step), else none
 )  # weight formats of the layer matrices (chapter 10)
 
 
@@ -502,6 +503,6 @@ with pytest.raises(ValueError, match="dtype must be"):
 with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
     EngineConfig(max_num_seqs=0)
 with pytest.raises(
-    ValueError, match="quantization must be one of none, int8, int4, gguf, got 'int3'"
+    ValueError, match="quantization must be one of none, int8, int4, gguf, auto, got 'int3'"
 ):
     EngineConfig(quantization="int3")

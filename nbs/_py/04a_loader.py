@@ -126,13 +126,14 @@ def pick_model(
     return name, device or auto_device
 
 
-def add_quantization_flag(p: argparse.ArgumentParser):
+def add_quantization_flag(p: argparse.ArgumentParser, default: str = "none"):
     "`--quantization` (chapter 10), for every command that loads a model."
     p.add_argument(
         "--quantization",
-        default="none",
+        default=default,
         choices=list(QUANTIZATIONS),
-        help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept (default none)",
+        help="layer weights: int8 / int4 quantized at load, gguf: a GGUF file's blocks kept, auto: gguf for a"
+        f" GGUF file on a CPU, else none (default {default})",
     )
 
 
@@ -237,7 +238,8 @@ def load_model(
 ) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
-    "gguf" keeps a GGUF file's quantized blocks as they are. Over several processes: chapter 09c.
+    "gguf" keeps a GGUF file's quantized blocks as they are; "auto" keeps them for a float32 model on a CPU, where
+    chapter 10f's C step decodes them (else "none"). Over several processes: chapter 09c.
     `memory_budget` (bytes, on a GPU): plan first and refuse with the numbers when it does not fit (chapter 10a);
     int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
     so the GPU never holds more than the quantized matrices and one slice."""
@@ -248,6 +250,11 @@ def load_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
+    if (
+        quantization == "auto"
+    ):  # a GGUF file on a CPU: its blocks kept, decoded by chapter 10f's C step
+        cpu_gguf = resolved.format == "gguf" and device.type == "cpu" and dtype == torch.float32
+        quantization = "gguf" if cpu_gguf else "none"
     if quantization == "gguf" and resolved.format != "gguf":
         raise ValueError(
             f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
@@ -381,6 +388,19 @@ print(repr(stream.text), done.finish_reason, f"{decode_tok_s:.1f} tok/s decode a
 assert "Paris" in stream.text and "".join(pieces) == stream.text
 if done.finish_reason == "stop":
     assert stream.text == smol.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+
+# %% [markdown]
+# `quantization="auto"` (what `chat` and `serve` ask for) keeps that GGUF file's blocks on a CPU,
+# where chapter 10f decodes them in C, and is "none" elsewhere: a checkpoint that is not GGUF.
+
+# %%
+from forge_engine.quant.layers import GGUFLinear
+
+auto = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="auto")
+assert isinstance(auto.model.layers[0].mlp.down, GGUFLinear)
+assert auto.metadata["quantization"] == "gguf"  # what runs
+dense = load_model("random:qwen3-tiny", "cpu", progress=False, quantization="auto")
+assert isinstance(dense.model.layers[0].mlp.down, torch.nn.Linear)
 
 # %% [markdown]
 # Bad names fail early and say what would work:

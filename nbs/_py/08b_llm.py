@@ -64,7 +64,7 @@ def load_model_over(
             quantization=quantization,
             memory_budget=memory_budget,
         )
-    if quantization != "none":
+    if quantization not in ("none", "auto"):  # (auto: none on a GPU, where tensor parallelism runs)
         raise ValueError(
             "tensor parallelism runs unquantized weights: use --quantization none with it"
         )

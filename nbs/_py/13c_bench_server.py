@@ -286,7 +286,7 @@ def run_w3(args) -> dict:
     "W3 against a `forge-engine serve` started here; the server must end idle and exit cleanly."
     serve_args = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("max_num_seqs", "max_num_batched_tokens", "dtype")
+        for k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization")
         if getattr(args, k) is not None
     ]
     rates = [float(r) for r in args.rates.split(",")]

@@ -144,7 +144,7 @@ def _add_model_flags(p: argparse.ArgumentParser):
         help="split the model over this many GPUs (processes)",
     )
     add_quantization_flag(
-        p
+        p, "auto"
     )  # (these two and `pick_model`: chapter 04a, shared with serve and bench)
     add_memory_budget_flag(p)
 
@@ -342,7 +342,12 @@ argv = [
     "gguf",
 ]  # (bench adds its flags only when it is the command)
 assert build_parser(argv).parse_args(argv).quantization == "gguf"
-assert build_parser().parse_args(["chat"]).quantization == "none"
+assert (
+    build_parser().parse_args(["chat"]).quantization == "auto"
+)  # (a GGUF file on a CPU: its blocks kept)
+assert (
+    build_parser(["bench", "w4"]).parse_args(["bench", "w4"]).quantization == "none"
+)  # (figures as asked)
 
 # %% [markdown]
 # `models` in this process (stdout and stderr captured): the catalog table, one entry's
