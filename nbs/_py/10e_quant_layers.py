@@ -546,8 +546,8 @@ assert torch.equal(layer(x[None]), layer(x)[None])  # [B, T, K] inputs keep thei
 
 # %% [markdown]
 # **The CPU step against llama.cpp.** On SmolLM2's Q4_1 file, two cores, one request, greedy:
-# 149.4 output tok/s against llama.cpp's 109.6 on the same file, prompt and threads (1.36×); eight
-# requests at once 262.9 tok/s together, 2.40× llama.cpp's one stream (`forge-engine bench w4
+# 172.2 output tok/s against llama.cpp's 114.6 on the same file, prompt and threads (1.50×); eight
+# requests at once 332.9 tok/s together, 2.91× llama.cpp's one stream (`forge-engine bench w4
 # --model smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md).
 # Where the time went: the layers' products in chapter 10da's C kernel were never the problem;
 # a step was ~1,400 PyTorch operations around them (views, splits, allocations, K/V writes, a few

@@ -399,9 +399,10 @@ def cpu_decode_runner(
 # themselves take the time: PyTorch's int4 GEMM, which reuses a weight over the rows from its own
 # tiles, nearly catches up at 16. The engine sends the C step its decode steps of up to
 # `ENGINE_DECODE_ROWS` = 8 sequences; larger steps, and every step with prefill tokens, keep the
-# PyTorch step. End to end, one request at a time: 149.4 output tok/s against llama.cpp's 109.6
-# on the same file, prompt ids and threads, 1.36× (`forge-engine bench w4 --model
-# smollm2-135m-instruct --device cpu --quantization gguf --peers`, docs/benchmarks.md).
+# PyTorch step. End to end, one request at a time: 172.2 output tok/s against llama.cpp's 114.6
+# on the same file, prompt ids and threads, 1.50×; eight at once 332.9 tok/s together
+# (`forge-engine bench w4 --model smollm2-135m-instruct --device cpu --quantization gguf --peers`,
+# docs/benchmarks.md).
 
 # %% [markdown]
 # ## Tests
