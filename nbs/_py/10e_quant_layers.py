@@ -652,12 +652,16 @@ tiny = init_random_weights(
     seed=2,
     std=0.05,
 )
-ids, positions = torch.randint(0, 512, (12,)), torch.arange(12)
+ids = torch.randint(
+    0, 512, (12,), generator=torch.Generator().manual_seed(0)
+)  # (seeded: one figure)
+positions = torch.arange(12)
 with torch.inference_mode():
     want = tiny.compute_logits(tiny(ids, positions))
     # random weights: quantization errors add up over every matmul; int8's step is 1/127 of a row's largest weight
-    # (~1/40 of a typical one), int4's 1/15 of a group's range, so ~0.5-1% and ~10% of the logits' norm are expected
-    for mode, limit in (("int8", 0.03), ("int4", 0.3)):
+    # (~1/40 of a typical one), int4's 1/15 of a group's range: ~0.5-1% and 15-28% of the logits' norm (int4 over
+    # eight seeds of the prompt), so the bounds 3% and 40%
+    for mode, limit in (("int8", 0.03), ("int4", 0.4)):
         quantized = quantize_model(copy.deepcopy(tiny), mode)
         assert all(
             isinstance(layer.get_submodule(n), QUANTIZERS[mode])

@@ -687,8 +687,8 @@ print("serving at", url)
 
 # %%
 w3 = await w3_online_serving(
-    url, rates=(4.0, math.inf), num_prompts=4, prompt_words=12, max_tokens=8
-)
+    url, rates=(4.0, math.inf), num_prompts=4, prompt_words=12, max_tokens=64
+)  # (long enough that the gauges, read every 0.25 s, see the requests running)
 w3.update(model=model, environment=environment())
 print(summary_line(w3))
 idle = server.wait_idle()
@@ -696,7 +696,7 @@ exit_code = server.stop()
 assert exit_code == 0 and server.process.poll() == 0, server.log_tail()
 assert idle["forge_kv_cache_used_blocks"] == 0 and idle["forge_requests_running"] == 0
 for run in w3["runs"]:
-    assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 4 * 8
+    assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 4 * 64
     assert len(run["gauges"]["t_s"]) > 0 and max(run["gauges"]["running"]) >= 1
 
 # %% [markdown]
