@@ -6,7 +6,8 @@ sequences (llama-batched-bench). In two phases, so each fits one device call:
           llama-quantize, llama-batched-bench); write a random Qwen3-4B-shape checkpoint with transformers (bf16, on
           the GPU) and the Qwen3 tokenizer beside it; convert it with llama.cpp's own convert_hf_to_gguf.py to BF16,
           quantize that to Q8_0 and Q4_K_M; run llama-bench and llama-batched-bench on each file.
-  forge   forge-engine's W1 on the files the llama phase left in --work.
+  forge   forge-engine's W1 on the files the llama phase left in --work, and each file kept in its blocks against
+          the same file dequantized to bf16 (the logits of one prompt).
 
 Each phase writes its JSON to --out. The source: llama-cpp-python's source distribution carries llama.cpp under
 `vendor/llama.cpp` (`pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`); without its docs, models,
@@ -140,13 +141,43 @@ def llama_phase(args, work: Path, log: Path) -> dict:
     return result
 
 
+def agreement(path: Path) -> dict:
+    """The file kept in its blocks (on a GPU: Q4_K matrices as int4, chapter 10e) against the same file dequantized
+    to bf16 at load: the logits of a 64-token prompt, and which layer classes ran."""
+    import torch
+
+    from forge_engine.loader import load_model
+
+    ids = torch.randint(0, 151936, (64,), generator=torch.Generator().manual_seed(0)).cuda()
+    positions, logits, kinds = torch.arange(64, device="cuda"), {}, {}
+    for quantization in ("gguf", "none"):
+        model = load_model(str(path), "cuda", progress=False, quantization=quantization).model
+        with torch.inference_mode():
+            logits[quantization] = model.compute_logits(model(ids, positions)).float()
+        kinds[quantization] = sorted({type(m).__name__ for m in model.layers.modules()})
+        del model
+        torch.cuda.empty_cache()
+    kept, dense = logits["gguf"], logits["none"]
+    return {
+        "rel_logit_error": ((kept - dense).norm() / dense.norm()).item(),
+        "argmax_agreement": (kept.argmax(-1) == dense.argmax(-1)).float().mean().item(),
+        "layer_classes": kinds,
+    }
+
+
 def forge_phase(args, work: Path, log: Path) -> dict:
     result = {}
     for name in FILES:
         path, out = work / f"{name}.gguf", work / f"w1-{name}.json"
         cmd = [sys.executable, "-m", "forge_engine", "bench", "w1", "--model", path]
         run([*cmd, "--quantization", "gguf", "--json", out], log)
-        result[name] = json.loads(out.read_text())
+        w1 = json.loads(out.read_text())
+        result[name] = {
+            "decode_tok_s": w1["decode_tok_s"],
+            "ttft_s": w1["ttft_s"],
+            "w1": w1,
+            "agreement": agreement(path),
+        }
     return result
 
 
