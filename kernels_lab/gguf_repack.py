@@ -22,33 +22,20 @@ from common import (
 )  # first: may switch on the interpreter
 import torch
 
-from forge_engine.gguf_file import DEQUANTIZERS, _k_nibbles, _k_scales_and_mins
+from forge_engine.gguf_file import DEQUANTIZERS
 from forge_engine.quant.formats import dequantize_int4
 from forge_engine.quant.gemv import int4_matmul
 from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul
+from forge_engine.quant.layers import q4_k_as_int4  # the repack chapter 10e does at load on a GPU
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-
-
-def repack_q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Q4_K rows [N, K/256 * 144] -> chapter 10's int4 (packed [N, K/2], scale and minimum fp16 [N, K/32])."
-    n = raw.shape[0]
-    blocks = raw.reshape(-1, 144)
-    d, dmin = (blocks[:, at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
-    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    q = _k_nibbles(blocks[:, 16:]).to(torch.uint8)  # [blocks, 8, 32]
-    packed = q[..., :16] | (
-        q[..., 16:] << 4
-    )  # chapter 10's order: a group's first half in the low nibbles
-    scale, minimum = (d * scales).half(), (-dmin * mins).half()
-    return packed.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
 
 
 ok = True
 torch.manual_seed(0)
 for name, (n, k) in SHAPES.items():
     raw = gguf_bytes(12, n, k).to(DEVICE)
-    packed, scale, minimum = repack_q4_k(raw)
+    packed, scale, minimum = q4_k_as_int4(raw)
     want_w = DEQUANTIZERS[12](raw.reshape(-1, 144)).reshape(n, k).float()
     print(
         f"{name} {n}x{k}: repack's weights against the file's: rel err {rel_error(dequantize_int4(packed, scale, minimum), want_w):.1e}"
