@@ -66,6 +66,7 @@ GGUF_CPU_SOURCE = r"""
 // scale dx, dx times the sum of its quants sx), then integer dot products with the weight blocks, as they are.
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -154,6 +155,19 @@ static inline __m256i nibbles(const uint8_t *qs) {  // 16 bytes -> 32 quants: lo
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
 
+// Q4_K: all 8 scales and minima of a super-block at once, from its 12 packed bytes taken as words a, b, c. Bytes
+// 0-3 (a) hold scales 0-3 in their low 6 bits and the top 2 bits of scales 4-7; bytes 4-7 (b) the same for the
+// minima; bytes 8-11 (c) the low 4 bits of scales 4-7 (low nibbles) and of minima 4-7 (high nibbles).
+static inline void k4_scales_mins(const uint8_t *s, uint8_t scales[8], uint8_t mins[8]) {
+    uint32_t a, b, c, out[4];
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    out[0] = a & 0x3f3f3f3f;
+    out[1] = (c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4);
+    out[2] = b & 0x3f3f3f3f;
+    out[3] = ((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4);
+    memcpy(scales, out, 8), memcpy(mins, out + 2, 8);
+}
+
 // unpack_block's q in a vector, its scale dw and offset m: the block at p of a 32-weight type
 static inline __m256i block_quants(const uint8_t *p, int qtype, float *dw, float *m) {
     float d = half_to_float(*(const uint16_t *)p);
@@ -170,19 +184,27 @@ static inline void super_block_quants(const uint8_t *row, int qtype, int sb, __m
     if (qtype == Q4_K) {
         const uint8_t *p = row + (size_t)sb * 144;
         float d = half_to_float(*(const uint16_t *)p), dmin = half_to_float(*(const uint16_t *)(p + 2));
-        for (int j = 0; j < 8; j++) {
-            int scale, min;
-            k4_scale_min(p + 4, j, &scale, &min);
-            dw[j] = dw_high[j] = d * scale, m[j] = -dmin * min;
-        }
+        uint8_t scales[8], mins[8];
+        k4_scales_mins(p + 4, scales, mins);
+        __m256 s8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scales)));
+        __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mins)));
+        _mm256_storeu_ps(dw, _mm256_mul_ps(_mm256_set1_ps(d), s8));
+        _mm256_storeu_ps(dw_high, _mm256_mul_ps(_mm256_set1_ps(d), s8));
+        _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-dmin), m8));
         for (int c = 0; c < 4; c++) {  // 32 bytes: block 2c in the low nibbles, 2c + 1 in the high
             __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
             w[2 * c] = _mm256_and_si256(v, low4), w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
     } else {  // Q6_K
         const uint8_t *p = row + (size_t)sb * 210;
-        const int8_t *scales = (const int8_t *)(p + 192);
-        float d = half_to_float(*(const uint16_t *)(p + 208));
+        __m256 d = _mm256_set1_ps(half_to_float(*(const uint16_t *)(p + 208)));
+        __m128i scales = _mm_shuffle_epi8(  // the 16 int8 scales: block j's first half's 8, then its second half's
+            _mm_loadu_si128((const __m128i *)(p + 192)),
+            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales));
+        __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)));
+        _mm256_storeu_ps(dw, _mm256_mul_ps(d, first)), _mm256_storeu_ps(dw_high, _mm256_mul_ps(d, second));
+        _mm256_storeu_ps(m, _mm256_setzero_ps());
         __m256i two = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
         for (int half = 0; half < 2; half++) {
             __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * half));
@@ -195,9 +217,7 @@ static inline void super_block_quants(const uint8_t *row, int qtype, int sb, __m
                                _mm256_and_si256(_mm256_srli_epi16(qh, 4), two),
                                _mm256_and_si256(_mm256_srli_epi16(qh, 6), two)};
             for (int k = 0; k < 4; k++) {
-                int j = 4 * half + k;
-                dw[j] = d * scales[2 * j], dw_high[j] = d * scales[2 * j + 1], m[j] = 0.f;
-                w[j] = _mm256_sub_epi8(_mm256_or_si256(low[k], _mm256_slli_epi16(high[k], 4)), offset);
+                w[4 * half + k] = _mm256_sub_epi8(_mm256_or_si256(low[k], _mm256_slli_epi16(high[k], 4)), offset);
             }
         }
     }
