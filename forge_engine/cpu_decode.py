@@ -16,7 +16,7 @@ from .cuda_graphs import fill_tables
 from .kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE, load_cpu_kernel
 from .kv_cache import PagedKVCache
 from .model import Transformer, rope_cos_sin
-from .quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK
+from .quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK, NATIVE_MAX_ROWS
 from .quant.layers import GGUFLinear
 
 # %% auto #0
@@ -140,7 +140,7 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
 
 # %% ../nbs/10f_cpu_decode.ipynb #29c9c2a4
 MAX_RUNS = 4  # runs of rows of one quant type a layer may have (the C struct's room)
-DECODE_TYPES = (2, 3, 8, 12, 14)  # chapter 10da's kernel's GGUF types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+DECODE_TYPES = tuple(NATIVE_MAX_ROWS)  # the GGUF types chapter 10da's kernel multiplies
 DECODE_MAX_ROWS = 16  # the C side's MAX_ROWS: rows a step may have
 ENGINE_DECODE_ROWS = (
     8  # steps of up to this many rows go to the C step in the engine (measured below)

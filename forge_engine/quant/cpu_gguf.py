@@ -27,20 +27,24 @@ GGUF_CPU_SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { MAX_ROWS = 16 };
-static int k_type(int qtype) { return qtype == Q4_K || qtype == Q6_K; }  // super-blocks of 256 weights
-static int known_type(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || k_type(qtype); }
+static int k_type(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }  // super-blocks of 256
+static int known_type(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || k_type(qtype);
+}
 static size_t row_bytes(int qtype, int nb) {  // of a row of nb blocks of 32 weights
     switch (qtype) {
         case Q4_0: return (size_t)nb * 18;
         case Q4_1: return (size_t)nb * 20;
+        case Q5_0: return (size_t)nb * 22;
+        case Q5_1: return (size_t)nb * 24;
         case Q8_0: return (size_t)nb * 34;
         case Q4_K: return (size_t)nb / 8 * 144;
+        case Q5_K: return (size_t)nb / 8 * 176;
         default: return (size_t)nb / 8 * 210;  // Q6_K
     }
 }
-
 static float half_to_float(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
@@ -54,6 +58,19 @@ static float half_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = { bits };
     return v.f;
 #endif
+}
+
+static int quants_at(int qtype) {  // where a 32-weight block's quants start
+    return qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : qtype == Q5_1 ? 8 : 2;
+}
+static uint32_t fifth_bits(const uint8_t *p, int qtype) {  // Q5_0 / Q5_1: bit i the fifth bit of weight i
+    uint32_t bits;
+    memcpy(&bits, p + (qtype == Q5_0 ? 2 : 4), 4);
+    return bits;
+}
+static float block_offset(const uint8_t *p, int qtype, float d) {  // a 32-weight block's m: weight = d q + m
+    return qtype == Q4_1 || qtype == Q5_1 ? half_to_float(*(const uint16_t *)(p + 2))
+           : qtype == Q4_0 ? -8.f * d : qtype == Q5_0 ? -16.f * d : 0.f;
 }
 
 typedef struct { float d, s; int8_t q[32]; } xblock;  // scale, scale x sum of the quants, quants
@@ -78,13 +95,15 @@ static inline void k4_scale_min(const uint8_t *s, int j, int *scale, int *min) {
 // Block b (32 weights) of a GGUF row: weight i = dw[i / 16] * q[i] + m, q the block's integers (signed for Q8_0
 // and Q6_K, else 0..63). In plain C: the fallback without AVX2, and the statement of what the SIMD code reads.
 static inline void unpack_block(const uint8_t *row, int qtype, int b, int8_t q[32], float dw[2], float *m) {
-    if (qtype == Q4_K) {  // [d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles] a super-block
-        const uint8_t *p = row + (size_t)(b / 8) * 144, *qs = p + 16 + 32 * (b % 8 / 2);
+    if (qtype == Q4_K || qtype == Q5_K) {  // [d, dmin, 12 bytes of scales and mins, (Q5_K: 32 bytes of fifth
+        // bits,) 128 bytes of nibbles] a super-block
+        int five = qtype == Q5_K;
+        const uint8_t *p = row + (size_t)(b / 8) * (five ? 176 : 144), *qs = p + (five ? 48 : 16) + 32 * (b % 8 / 2);
         int scale, min, shift = b % 2 ? 4 : 0;
         k4_scale_min(p + 4, b % 8, &scale, &min);
         dw[0] = dw[1] = half_to_float(*(const uint16_t *)p) * scale;
         *m = -half_to_float(*(const uint16_t *)(p + 2)) * min;
-        for (int i = 0; i < 32; i++) q[i] = (qs[i] >> shift) & 0xf;
+        for (int i = 0; i < 32; i++) q[i] = ((qs[i] >> shift) & 0xf) | (five ? ((p[16 + i] >> (b % 8)) & 1) << 4 : 0);
     } else if (qtype == Q6_K) {  // [128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d] a super-block
         const uint8_t *p = row + (size_t)(b / 8) * 210;
         int half = b % 8 / 4, k = b % 4;
@@ -94,13 +113,12 @@ static inline void unpack_block(const uint8_t *row, int qtype, int b, int8_t q[3
         dw[0] = d * scales[0], dw[1] = d * scales[1], *m = 0.f;
         for (int i = 0; i < 32; i++) q[i] = (((ql[i] >> (k < 2 ? 0 : 4)) & 0xf) | (((qh[i] >> 2 * k) & 3) << 4)) - 32;
     } else {  // [d, (m,) quants] a block of 32
-        const uint8_t *p = row + row_bytes(qtype, b);
+        const uint8_t *p = row + row_bytes(qtype, b), *qs = p + quants_at(qtype);
         float d = half_to_float(*(const uint16_t *)p);
-        dw[0] = dw[1] = d;
-        *m = qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : qtype == Q4_0 ? -8.f * d : 0.f;
-        const uint8_t *qs = p + (qtype == Q4_1 ? 4 : 2);
+        dw[0] = dw[1] = d, *m = block_offset(p, qtype, d);
+        uint32_t fifth = qtype == Q5_0 || qtype == Q5_1 ? fifth_bits(p, qtype) : 0;
         for (int i = 0; i < 32; i++)
-            q[i] = qtype == Q8_0 ? (int8_t)qs[i] : i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4;
+            q[i] = qtype == Q8_0 ? (int8_t)qs[i] : (i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4) | ((fifth >> i) & 1) << 4;
     }
 }
 
@@ -123,12 +141,23 @@ static inline void k4_scales_mins(const uint8_t *s, uint8_t scales[8], uint8_t m
     memcpy(scales, out, 8), memcpy(mins, out + 2, 8);
 }
 
+static inline __m256i bit_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set, else 0
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),  // byte i / 8 of the word in byte i
+                                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // bit i % 8 in byte i
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
 // unpack_block's q in a vector, its scale dw and offset m: the block at p of a 32-weight type
 static inline __m256i block_quants(const uint8_t *p, int qtype, float *dw, float *m) {
     float d = half_to_float(*(const uint16_t *)p);
-    *dw = d;
-    *m = qtype == Q4_1 ? half_to_float(*(const uint16_t *)(p + 2)) : qtype == Q4_0 ? -8.f * d : 0.f;
-    return qtype == Q8_0 ? _mm256_loadu_si256((const __m256i *)(p + 2)) : nibbles(p + (qtype == Q4_1 ? 4 : 2));
+    *dw = d, *m = block_offset(p, qtype, d);
+    if (qtype == Q8_0) return _mm256_loadu_si256((const __m256i *)(p + 2));
+    __m256i q = nibbles(p + quants_at(qtype));
+    if (qtype == Q5_0 || qtype == Q5_1)
+        q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(fifth_bits(p, qtype)), _mm256_set1_epi8(16)));
+    return q;
 }
 
 // the same for the 8 blocks of super-block `sb` of a K type at once (scales for each half of 16: dw, dw_high),
@@ -136,8 +165,9 @@ static inline __m256i block_quants(const uint8_t *p, int qtype, float *dw, float
 static inline void super_block_quants(const uint8_t *row, int qtype, int sb, __m256i w[8], float dw[8],
                                       float dw_high[8], float m[8]) {
     __m256i low4 = _mm256_set1_epi8(0x0f);
-    if (qtype == Q4_K) {
-        const uint8_t *p = row + (size_t)sb * 144;
+    if (qtype == Q4_K || qtype == Q5_K) {
+        int five = qtype == Q5_K;
+        const uint8_t *p = row + (size_t)sb * (five ? 176 : 144);
         float d = half_to_float(*(const uint16_t *)p), dmin = half_to_float(*(const uint16_t *)(p + 2));
         uint8_t scales[8], mins[8];
         k4_scales_mins(p + 4, scales, mins);
@@ -147,8 +177,15 @@ static inline void super_block_quants(const uint8_t *row, int qtype, int sb, __m
         _mm256_storeu_ps(dw_high, _mm256_mul_ps(_mm256_set1_ps(d), s8));
         _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-dmin), m8));
         for (int c = 0; c < 4; c++) {  // 32 bytes: block 2c in the low nibbles, 2c + 1 in the high
-            __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * c));
             w[2 * c] = _mm256_and_si256(v, low4), w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        if (five) {  // Q5_K: bit j of byte i of the 32 bytes at 16 is the fifth bit of weight i of block j
+            __m256i fifth = _mm256_loadu_si256((const __m256i *)(p + 16)), one = _mm256_set1_epi8(1);
+            for (int j = 0; j < 8; j++) {
+                __m256i bit = _mm256_and_si256(_mm256_srl_epi16(fifth, _mm_cvtsi32_si128(j)), one);
+                w[j] = _mm256_or_si256(w[j], _mm256_slli_epi16(bit, 4));
+            }
         }
     } else {  // Q6_K
         const uint8_t *p = row + (size_t)sb * 210;
@@ -273,8 +310,11 @@ static void gguf_rows(const xblock *xb, int M, int nb, const uint8_t *w, int N, 
         switch (qtype) {  // a copy of the loops for each type, its type's branches decided when compiled
             case Q4_0: rows_dot(row, Q4_0, nb, xb, M, y + n, ystride); break;
             case Q4_1: rows_dot(row, Q4_1, nb, xb, M, y + n, ystride); break;
+            case Q5_0: rows_dot(row, Q5_0, nb, xb, M, y + n, ystride); break;
+            case Q5_1: rows_dot(row, Q5_1, nb, xb, M, y + n, ystride); break;
             case Q8_0: rows_dot(row, Q8_0, nb, xb, M, y + n, ystride); break;
             case Q4_K: rows_dot(row, Q4_K, nb, xb, M, y + n, ystride); break;
+            case Q5_K: rows_dot(row, Q5_K, nb, xb, M, y + n, ystride); break;
             default: rows_dot(row, Q6_K, nb, xb, M, y + n, ystride);
         }
     }
@@ -304,11 +344,21 @@ def _gguf_kernel():
     return c_function(library, "gguf_matmul", p, i, i, p, i, i, p, i)
 
 # %% ../../nbs/10da_cpu_gguf_kernel.ipynb #470400bd
-NATIVE_MAX_ROWS = {2: 1, 3: 1, 8: 16, 12: 16, 14: 16}  # GGUF type -> the most rows it runs here
+NATIVE_MAX_ROWS = {
+    2: 1,
+    3: 1,
+    6: 16,
+    7: 16,
+    8: 16,
+    12: 16,
+    13: 16,
+    14: 16,
+}  # GGUF type -> most rows here
 NATIVE_BLOCK = {
     12: 256,
+    13: 256,
     14: 256,
-}  # the K types' rows come in super-blocks of 256 weights; the others 32
+}  # the K types' rows: super-blocks of 256 weights; the others 32
 
 
 def native_gguf_runs(x: torch.Tensor, qtype: int) -> bool:

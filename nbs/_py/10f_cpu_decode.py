@@ -42,7 +42,7 @@ from forge_engine.cuda_graphs import fill_tables
 from forge_engine.kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE, load_cpu_kernel
 from forge_engine.kv_cache import PagedKVCache
 from forge_engine.model import Transformer, rope_cos_sin
-from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK
+from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK, NATIVE_MAX_ROWS
 from forge_engine.quant.layers import GGUFLinear
 
 # %% [markdown]
@@ -175,7 +175,7 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
 # %%
 #| export
 MAX_RUNS = 4  # runs of rows of one quant type a layer may have (the C struct's room)
-DECODE_TYPES = (2, 3, 8, 12, 14)  # chapter 10da's kernel's GGUF types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+DECODE_TYPES = tuple(NATIVE_MAX_ROWS)  # the GGUF types chapter 10da's kernel multiplies
 DECODE_MAX_ROWS = 16  # the C side's MAX_ROWS: rows a step may have
 ENGINE_DECODE_ROWS = (
     8  # steps of up to this many rows go to the C step in the engine (measured below)
@@ -224,9 +224,10 @@ def _step_kernel():
 # ## When it runs
 #
 # `cpu_decode_refusal` says why a model's decode steps cannot go through the C step, or None: it
-# takes float32 models on a CPU whose every layer matrix is a `GGUFLinear` of Q4_0, Q4_1, Q8_0,
-# Q4_K or Q6_K runs (chapter 10e), with inputs in whole blocks (of 256 for the K types). Anything
-# else (dense weights, int8 / int4, Q5 types, a GPU) keeps the engine's PyTorch step.
+# takes float32 models on a CPU whose every layer matrix is a `GGUFLinear` (chapter 10e) of the
+# types chapter 10da's kernel multiplies (all that chapter 10e keeps: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+# Q4_K, Q5_K, Q6_K), with inputs in whole blocks (of 256 for the K types). Anything else (dense
+# weights, int8 / int4, a GPU) keeps the engine's PyTorch step.
 
 # %%
 #| export
@@ -481,8 +482,8 @@ def decode_three_ways(model, prompt_lens, steps, exact, seed=0) -> list[list[int
 
 # %% [markdown]
 # Tiny random models written as GGUF files by chapter 01a's writer: Qwen3 (per-head norms, a tied
-# Q8_0 head) and Qwen2 (biases), their matrices in mixed Q8_0 / Q4_0 / Q4_1 so that a layer's QKV
-# projection has three runs of rows. Prompts cross block boundaries.
+# Q8_0 head) and Qwen2 (biases), their matrices in mixed Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 so that
+# a layer's QKV projection has three runs of rows. Prompts cross block boundaries.
 
 # %%
 tmp_dir = tempfile.TemporaryDirectory()
@@ -493,7 +494,7 @@ def tiny_gguf_model(name: str, seed: int, config=None) -> Transformer:
     config = (config or preset(name)).replace(vocab_size=256)
     state = hf_state_dict(init_random_weights(empty_model(config), seed, std=0.05))
     state = {k: v.contiguous() for k, v in state.items()}
-    types = [QType.Q8_0, QType.Q4_0, QType.Q4_1]
+    types = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1]
     qtypes = {k: types[i % 3] for i, k in enumerate(state) if "proj" in k}
     qtypes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"] = (
         QType.Q8_0
@@ -510,17 +511,17 @@ assert qwen2.layers[0].attn.qkv.bias is not None
 decode_three_ways(qwen2, [16, 1, 29], steps=5, exact=True)
 
 # %% [markdown]
-# A Q4_K_M file's types: the same Qwen2 shape widened to whole super-blocks of 256, its matrices
-# swapped for random Q4_K and Q6_K blocks (the `gguf` package cannot write K types), QKV as three
-# runs. Chapter 10da's kernel computes the PyTorch step's products too, so this is exact as well.
+# The K types of Q4_K_M and Q5_K_M files: the same Qwen2 shape widened to whole super-blocks of
+# 256, its matrices swapped for random Q4_K, Q5_K and Q6_K blocks (the `gguf` package cannot write
+# K types), QKV as three runs. Chapter 10da's kernel computes the PyTorch step's products too, so this is exact as well.
 
 # %%
 from forge_engine.quant.gguf_blocks import gguf_bytes
 
 
 K_TYPES = {  # each matrix's runs: QKV as three
-    "qkv": [QType.Q4_K, QType.Q6_K, QType.Q4_K],
-    "o": [QType.Q4_K],
+    "qkv": [QType.Q4_K, QType.Q6_K, QType.Q5_K],
+    "o": [QType.Q5_K],
     "gate_up": [QType.Q4_K],
     "down": [QType.Q6_K],
 }
@@ -550,7 +551,7 @@ wide = preset("qwen2-tiny").replace(
     hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64
 )
 k_quants = with_k_quants(tiny_gguf_model("qwen2-tiny", 3, wide))
-assert k_quants.layers[1].attn.qkv.qtypes == (12, 14, 12)
+assert k_quants.layers[1].attn.qkv.qtypes == (12, 14, 13)
 assert cpu_decode_refusal(k_quants, PagedKVCache(wide, 4, 16)) is None
 decode_three_ways(k_quants, [20, 3], steps=4, exact=True)
 
