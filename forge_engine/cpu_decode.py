@@ -17,7 +17,7 @@ from .kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE, load_cpu_ke
 from .kv_cache import PagedKVCache
 from .model import Transformer, rope_cos_sin
 from .quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK, NATIVE_MAX_ROWS
-from .quant.layers import GGUFLinear
+from .quant.layers import QUANTIZED_LINEARS, GGUFLinear
 
 # %% auto #0
 __all__ = ['DECODE_STEP_CPU_SOURCE', 'MAX_RUNS', 'DECODE_TYPES', 'DECODE_MAX_ROWS', 'ENGINE_DECODE_ROWS', 'cpu_decode_refusal',
@@ -186,12 +186,8 @@ def _step_kernel():
 
 # %% ../nbs/10f_cpu_decode.ipynb #4b218ebf
 def _matrices(layer) -> dict[str, torch.nn.Module]:
-    return {
-        "qkv": layer.attn.qkv,
-        "o": layer.attn.o,
-        "gate_up": layer.mlp.gate_up,
-        "down": layer.mlp.down,
-    }
+    "A layer's four matrices by name, in the C struct's order (qkv, o, gate_up, down)."
+    return {name: layer.get_submodule(name) for name in QUANTIZED_LINEARS}
 
 
 def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:

@@ -86,10 +86,17 @@ static void quantize_blocks(const float *x, int nb, xblock *out) {
     }
 }
 
-// Q4_K: the 6-bit scale and minimum of sub-block j (of 8) from a super-block's 12 packed bytes
-static inline void k4_scale_min(const uint8_t *s, int j, int *scale, int *min) {
-    if (j < 4) { *scale = s[j] & 63; *min = s[j + 4] & 63; }
-    else { *scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4); *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+// Q4_K: all 8 scales and minima of a super-block at once, from its 12 packed bytes taken as words a, b, c. Bytes
+// 0-3 (a) hold scales 0-3 in their low 6 bits and the top 2 bits of scales 4-7; bytes 4-7 (b) the same for the
+// minima; bytes 8-11 (c) the low 4 bits of scales 4-7 (low nibbles) and of minima 4-7 (high nibbles).
+static inline void k4_scales_mins(const uint8_t *s, uint8_t scales[8], uint8_t mins[8]) {
+    uint32_t a, b, c, out[4];
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    out[0] = a & 0x3f3f3f3f;
+    out[1] = (c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4);
+    out[2] = b & 0x3f3f3f3f;
+    out[3] = ((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4);
+    memcpy(scales, out, 8), memcpy(mins, out + 2, 8);
 }
 
 // Block b (32 weights) of a GGUF row: weight i = dw[i / 16] * q[i] + m, q the block's integers (signed for Q8_0
@@ -99,10 +106,11 @@ static inline void unpack_block(const uint8_t *row, int qtype, int b, int8_t q[3
         // bits,) 128 bytes of nibbles] a super-block
         int five = qtype == Q5_K;
         const uint8_t *p = row + (size_t)(b / 8) * (five ? 176 : 144), *qs = p + (five ? 48 : 16) + 32 * (b % 8 / 2);
-        int scale, min, shift = b % 2 ? 4 : 0;
-        k4_scale_min(p + 4, b % 8, &scale, &min);
-        dw[0] = dw[1] = half_to_float(*(const uint16_t *)p) * scale;
-        *m = -half_to_float(*(const uint16_t *)(p + 2)) * min;
+        uint8_t scales[8], mins[8];
+        int shift = b % 2 ? 4 : 0;
+        k4_scales_mins(p + 4, scales, mins);
+        dw[0] = dw[1] = half_to_float(*(const uint16_t *)p) * scales[b % 8];
+        *m = -half_to_float(*(const uint16_t *)(p + 2)) * mins[b % 8];
         for (int i = 0; i < 32; i++) q[i] = ((qs[i] >> shift) & 0xf) | (five ? ((p[16 + i] >> (b % 8)) & 1) << 4 : 0);
     } else if (qtype == Q6_K) {  // [128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d] a super-block
         const uint8_t *p = row + (size_t)(b / 8) * 210;
@@ -126,19 +134,6 @@ static inline void unpack_block(const uint8_t *row, int qtype, int b, int8_t q[3
 static inline __m256i nibbles(const uint8_t *qs) {  // 16 bytes -> 32 quants: low nibbles first, then high
     __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-// Q4_K: all 8 scales and minima of a super-block at once, from its 12 packed bytes taken as words a, b, c. Bytes
-// 0-3 (a) hold scales 0-3 in their low 6 bits and the top 2 bits of scales 4-7; bytes 4-7 (b) the same for the
-// minima; bytes 8-11 (c) the low 4 bits of scales 4-7 (low nibbles) and of minima 4-7 (high nibbles).
-static inline void k4_scales_mins(const uint8_t *s, uint8_t scales[8], uint8_t mins[8]) {
-    uint32_t a, b, c, out[4];
-    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
-    out[0] = a & 0x3f3f3f3f;
-    out[1] = (c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4);
-    out[2] = b & 0x3f3f3f3f;
-    out[3] = ((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4);
-    memcpy(scales, out, 8), memcpy(mins, out + 2, 8);
 }
 
 static inline __m256i bit_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set, else 0

@@ -548,11 +548,14 @@ def q4_k_layers_as_int4(model: Transformer) -> Transformer:
     """Each layer matrix of `model` that is one run of Q4_K blocks replaced, in place, by the `Int4Linear` of
     `q4_k_as_int4` (its bias kept); matrices of other or mixed types stay as they are. Returns `model`."""
     for layer in model.layers:
-        for parent in (layer.attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, GGUFLinear) and child.qtypes == (12,):
-                    as_int4 = Int4Linear.from_groups(*q4_k_as_int4(child.blocks0), child.bias)
-                    setattr(parent, name, as_int4)
+        for name in QUANTIZED_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            child = getattr(parent, attr)
+            if isinstance(child, GGUFLinear) and child.qtypes == (12,):
+                setattr(
+                    parent, attr, Int4Linear.from_groups(*q4_k_as_int4(child.blocks0), child.bias)
+                )
     return model
 
 # %% ../../nbs/10e_quant_layers.ipynb #b8016774

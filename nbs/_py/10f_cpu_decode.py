@@ -43,7 +43,7 @@ from forge_engine.kernels.cpu import ATTENTION_CPU_SOURCE, LAYER_OPS_CPU_SOURCE,
 from forge_engine.kv_cache import PagedKVCache
 from forge_engine.model import Transformer, rope_cos_sin
 from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE, NATIVE_BLOCK, NATIVE_MAX_ROWS
-from forge_engine.quant.layers import GGUFLinear
+from forge_engine.quant.layers import QUANTIZED_LINEARS, GGUFLinear
 
 # %% [markdown]
 # ## The step in C
@@ -232,12 +232,8 @@ def _step_kernel():
 # %%
 #| export
 def _matrices(layer) -> dict[str, torch.nn.Module]:
-    return {
-        "qkv": layer.attn.qkv,
-        "o": layer.attn.o,
-        "gate_up": layer.mlp.gate_up,
-        "down": layer.mlp.down,
-    }
+    "A layer's four matrices by name, in the C struct's order (qkv, o, gate_up, down)."
+    return {name: layer.get_submodule(name) for name in QUANTIZED_LINEARS}
 
 
 def cpu_decode_refusal(model: Transformer, cache: PagedKVCache) -> str | None:
@@ -520,10 +516,10 @@ from forge_engine.quant.gguf_blocks import gguf_bytes
 
 
 K_TYPES = {  # each matrix's runs: QKV as three
-    "qkv": [QType.Q4_K, QType.Q6_K, QType.Q5_K],
-    "o": [QType.Q5_K],
-    "gate_up": [QType.Q4_K],
-    "down": [QType.Q6_K],
+    "attn.qkv": [QType.Q4_K, QType.Q6_K, QType.Q5_K],
+    "attn.o": [QType.Q5_K],
+    "mlp.gate_up": [QType.Q4_K],
+    "mlp.down": [QType.Q6_K],
 }
 
 
@@ -532,7 +528,9 @@ def with_k_quants(model: Transformer) -> Transformer:
     c = model.config
     for i, layer in enumerate(model.layers):
         for name, matrix in _matrices(layer).items():
-            sizes = [c.q_size, c.kv_size, c.kv_size] if name == "qkv" else [matrix.out_features]
+            sizes = (
+                [c.q_size, c.kv_size, c.kv_size] if name == "attn.qkv" else [matrix.out_features]
+            )
             parts = [
                 (
                     f"{i}.{name}.{k}",
@@ -542,8 +540,8 @@ def with_k_quants(model: Transformer) -> Transformer:
                 )
                 for k, (t, n) in enumerate(zip(K_TYPES[name], sizes))
             ]
-            owner = layer.attn if name in ("qkv", "o") else layer.mlp
-            setattr(owner, name, GGUFLinear(parts, matrix.bias))
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, GGUFLinear(parts, matrix.bias))
     return model
 
 
