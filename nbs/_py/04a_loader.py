@@ -250,9 +250,8 @@ def load_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name)
-    if (
-        quantization == "auto"
-    ):  # a GGUF file on a CPU: its blocks kept, decoded by chapter 10f's C step
+    if quantization == "auto":
+        # a GGUF file on a CPU: its blocks kept, decoded by chapter 10f's C step
         cpu_gguf = resolved.format == "gguf" and device.type == "cpu" and dtype == torch.float32
         quantization = "gguf" if cpu_gguf else "none"
     if quantization == "gguf" and resolved.format != "gguf":

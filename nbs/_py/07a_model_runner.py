@@ -229,10 +229,8 @@ class ModelRunner:
         mixed: MixedStepRunner | None = None,
     ):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
-        self.decode, self.mixed = (
-            decode,
-            mixed,
-        )  # chapter 09b's CUDA graphs (GPU), 10f's C step (CPU)
+        # decode: chapter 09b's CUDA graphs on a GPU, chapter 10f's C step on a CPU
+        self.decode, self.mixed = decode, mixed
         self.device = next(model.parameters()).device
         self.attention = PagedAttention  # the reference; the Triton kernels of chapter 09 on a GPU
         if self.device.type == "cuda" and not batch_invariant:
