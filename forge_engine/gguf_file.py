@@ -28,8 +28,9 @@ from .config import ModelConfig, model_config_from_gguf
 # %% auto #0
 __all__ = ['DEQUANTIZERS', 'SKIPPED_TENSORS', 'TensorInfo', 'tensor_nbytes', 'read_gguf_header', 'dequantize_f32',
            'dequantize_f16', 'dequantize_bf16', 'dequantize_q8_0', 'dequantize_q4_0', 'dequantize_q4_1',
-           'dequantize_q5_0', 'dequantize_q5_1', 'dequantize_q4_k', 'dequantize_q5_k', 'dequantize_q6_k', 'dequantize',
-           'hf_name', 'gguf_name', 'llama_cpp_permute', 'llama_cpp_unpermute', 'GGUFFile', 'write_gguf']
+           'dequantize_q5_0', 'dequantize_q5_1', 'dequantize_q4_k', 'dequantize_q5_k', 'q6_k_quants_and_scales',
+           'dequantize_q6_k', 'dequantize', 'hf_name', 'gguf_name', 'llama_cpp_permute', 'llama_cpp_unpermute',
+           'GGUFFile', 'write_gguf']
 
 # %% ../nbs/01a_gguf.ipynb #a6d4e35a
 _VALUE_FORMATS = {  # metadata value type -> little-endian struct / numpy format
@@ -269,18 +270,23 @@ def dequantize_q5_k(blocks):
     return _k_combine(blocks, _k_nibbles(blocks[:, 48:176]) | (fifth << 4))
 
 
-def dequantize_q6_k(blocks):
-    """Q6_K, 210 bytes per 256 weights: 128 bytes of low 4 bits | 64 bytes of high 2 bits |
-    16 × int8 scales (one per 16 weights) | d (f16). Weight = d·sc·(q − 32).
+def q6_k_quants_and_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks `[n, 210]` -> (q − 32 as int8 `[n, 256]`, d·sc per 16 weights as float32 `[n, 16]`).
     Each half of 128 weights uses 64 low bytes (weights 0-63 in low nibbles, 64-127 in high
     nibbles) and 32 high bytes (bit pairs 0-1, 2-3, 4-5, 6-7 for the four runs of 32)."""
     low = blocks[:, :128].reshape(-1, 2, 1, 64)
     low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(-1, 2, 4, 32)
     shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
     high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
-    q = (low | (high << 4)).float() - 32
-    d = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()
-    return (d.unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)
+    return q.reshape(-1, 256), _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()
+
+
+def dequantize_q6_k(blocks):
+    """Q6_K, 210 bytes per 256 weights: 128 bytes of low 4 bits | 64 bytes of high 2 bits |
+    16 × int8 scales (one per 16 weights) | d (f16). Weight = d·sc·(q − 32)."""
+    q, d = q6_k_quants_and_scales(blocks)
+    return (d.unsqueeze(-1) * q.float().reshape(-1, 16, 16)).reshape(-1, 256)
 
 # %% ../nbs/01a_gguf.ipynb #ac672b89
 DEQUANTIZERS = {

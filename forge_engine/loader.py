@@ -238,6 +238,12 @@ def load_model(
             from forge_engine.quant.layers import load_gguf_quantized
 
             model = load_gguf_quantized(gguf, device, dtype)
+            if (
+                device.type == "cuda"
+            ):  # aligned planes for the GPU's GEMVs (chapter 10g); a CPU reads the blocks
+                from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu
+
+                gguf_layers_for_gpu(model)
         else:
             model = empty_model(gguf.model_config(), staging, dtype)
             load_weights(model, gguf.tensors(dtype=dtype))

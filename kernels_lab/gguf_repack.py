@@ -26,7 +26,7 @@ from forge_engine.gguf_file import DEQUANTIZERS
 from forge_engine.quant.formats import dequantize_int4
 from forge_engine.quant.gemv import int4_matmul
 from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul
-from forge_engine.quant.layers import q4_k_as_int4  # the repack chapter 10e does at load on a GPU
+from forge_engine.quant.gguf_gpu import q4_k_as_int4  # the repack chapter 10g does at load on a GPU
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 

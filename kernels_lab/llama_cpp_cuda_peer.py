@@ -6,8 +6,9 @@ sequences (llama-batched-bench). In two phases, so each fits one device call:
           llama-quantize, llama-batched-bench); write a random Qwen3-4B-shape checkpoint with transformers (bf16, on
           the GPU) and the Qwen3 tokenizer beside it; convert it with llama.cpp's own convert_hf_to_gguf.py to BF16,
           quantize that to Q8_0 and Q4_K_M; run llama-bench and llama-batched-bench on each file.
-  forge   forge-engine's W1 on the files the llama phase left in --work, and each file kept in its blocks against
-          the same file dequantized to bf16 (the logits of one prompt).
+  forge   forge-engine's W1 on the files the llama phase left in --work, its prefill of 512 tokens and its decode
+          rate at 16 sequences; and each file kept in its blocks against the same file dequantized to bf16 (the
+          logits of one prompt).
 
 Each phase writes its JSON to --out. The source: llama-cpp-python's source distribution carries llama.cpp under
 `vendor/llama.cpp` (`pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`); without its docs, models,
@@ -142,7 +143,7 @@ def llama_phase(args, work: Path, log: Path) -> dict:
 
 
 def agreement(path: Path) -> dict:
-    """The file kept in its blocks (on a GPU: Q4_K matrices as int4, chapter 10e) against the same file dequantized
+    """The file kept in its blocks (on a GPU: repacked into int8 and int4 planes, chapter 10g) against the same file dequantized
     to bf16 at load: the logits of a 64-token prompt, and which layer classes ran."""
     import torch
 
@@ -165,6 +166,44 @@ def agreement(path: Path) -> dict:
     }
 
 
+def prefill_and_sixteen(path: Path) -> dict:
+    """llama-bench's pp512 and llama-batched-bench's 16 sequences in forge-engine's engine, on the file kept in its
+    blocks: one 512-token prompt to its first token (fresh ids each time: no cached prefix), the best of five; and 16
+    prompts of 128 tokens with 128 new tokens each, the decode rate as llama-batched-bench counts it (S_TG: new tokens
+    after the first over the time after the prompts, here the run to 129 tokens minus the run to 1)."""
+    from forge_engine.bench import free_memory, random_prompts, run_batch
+    from forge_engine.config import EngineConfig
+    from forge_engine.engine import LLMEngine
+    from forge_engine.loader import load_model
+    from forge_engine.sampling import SamplingParams
+
+    engine = LLMEngine(
+        load_model(str(path), "cuda", progress=False, quantization="gguf"), EngineConfig()
+    )
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run_batch(engine, random_prompts(2, 512, 512, seed=100), first)  # compile, capture
+    prefill = [
+        run_batch(engine, random_prompts(1, 512, 512, seed=s), first)["wall_s"] for s in range(5)
+    ]
+    prompts = random_prompts(16, 128, 128, seed=200)
+    run_batch(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )  # warm at 16 rows
+    walls = {}
+    for new in (1, 129):
+        fresh = [[(t + new) % 10000 for t in p] for p in prompts]  # other ids: no cached prefix
+        walls[new] = run_batch(
+            engine, fresh, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        )["wall_s"]
+    del engine
+    free_memory()
+    return {
+        "pp512_tok_s": 512 / min(prefill),
+        "sixteen_s_tg_tok_s": 16 * 128 / (walls[129] - walls[1]),
+        "sixteen_walls_s": walls,
+    }
+
+
 def forge_phase(args, work: Path, log: Path) -> dict:
     result = {}
     for name in FILES:
@@ -177,7 +216,9 @@ def forge_phase(args, work: Path, log: Path) -> dict:
             "ttft_s": w1["ttft_s"],
             "w1": w1,
             "agreement": agreement(path),
+            **prefill_and_sixteen(path),
         }
+        print(name, {k: v for k, v in result[name].items() if k != "w1"}, flush=True)
     return result
 
 

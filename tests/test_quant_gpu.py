@@ -279,3 +279,70 @@ def test_bench_w1_int8_runs():
     assert (
         result["weight_bytes"] < 4.1e9
     )  # 8.04 GB in bf16; int8 layers + the int8 head (tied: the embedding): 4.03 GB
+
+
+def test_a_gguf_file_repacked_on_the_gpu_decodes_as_its_blocks(tmp_path):
+    """A tiny Qwen3 written as GGUF with Q8_0, Q4_0 and Q4_1 matrices (QKV as three runs, a tied Q8_0 head), kept in
+    its blocks on the GPU as the loader does (chapter 10g's repack: int8 group planes, int4, a concatenation): its
+    logits against the same file dequantized, and its greedy tokens with and without CUDA graphs."""
+    gguf = pytest.importorskip("gguf")
+    from forge_engine.fused_layers import install_fused_layers
+    from forge_engine.gguf_file import GGUFFile, write_gguf
+    from forge_engine.model import hf_state_dict
+    from forge_engine.quant.gguf_gpu import ConcatLinear, Int8GroupLinear, gguf_layers_for_gpu
+    from forge_engine.quant.layers import GGUFLinear, Int4Linear, load_gguf_quantized
+
+    QType = gguf.GGMLQuantizationType
+    config = preset("qwen3-tiny").replace(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    state = {
+        k: v.contiguous()
+        for k, v in hf_state_dict(init_random_weights(empty_model(config), 3, std=0.05)).items()
+    }
+    types = [QType.Q8_0, QType.Q4_0, QType.Q4_1]
+    qtypes = {k: types[i % 3] for i, k in enumerate(state) if "proj" in k}
+    qtypes["model.embed_tokens.weight"] = QType.Q8_0
+    path = write_gguf(tmp_path / "tiny.gguf", config, state, qtypes)
+
+    model = install_fused_layers(
+        gguf_layers_for_gpu(load_gguf_quantized(GGUFFile(path), "cuda", torch.float32))
+    )
+    kinds = {type(m) for m in model.modules()}
+    assert {Int8GroupLinear, Int4Linear, ConcatLinear} <= kinds and GGUFLinear not in kinds
+    dense = empty_model(config, "cuda", torch.float32)
+    from forge_engine.model import load_weights
+
+    load_weights(dense, GGUFFile(path).tensors(dtype=torch.float32))
+    ids = torch.arange(7, 47, device="cuda")
+    with torch.inference_mode():
+        logits = [m.compute_logits(m(ids, torch.arange(40, device="cuda"))) for m in (model, dense)]
+    assert (
+        rel_error(*logits) < 1e-4
+    )  # the repacks are exact for these types: FP32 sums in another order
+
+    loaded = LoadedModel("tiny-gguf", model, None, None)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        engine = LLMEngine(
+            loaded,
+            EngineConfig(
+                kv_cache_bytes=32 * 2**20, max_num_seqs=8, max_model_len=512, cuda_graphs=graphs
+            ),
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=str(i))
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+        runs.append([finals[str(i)] for i in range(len(prompts))])
+    assert runs[0] == runs[1]

@@ -32,7 +32,7 @@ from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 # %% auto #0
 __all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'cpu_int4pack',
            'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'quantize_model', 'load_gguf_quantized', 'q4_k_as_int4', 'q4_k_layers_as_int4', 'perplexity']
+           'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
@@ -142,7 +142,8 @@ class QuantLinear(nn.Module):
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
-        rows = max(1, tile_weights // self.in_features)
+        # whole multiples of 128 rows: a tile of odd width (6,553 rows of 2,560) sends cuBLAS to a slow kernel
+        rows = max(128, tile_weights // self.in_features // 128 * 128)
         if rows >= self.out_features:
             return self.dense_rows(x, 0, self.out_features)
         out = x.new_empty(x.shape[0], self.out_features)
@@ -517,46 +518,7 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))
-    if (
-        torch.device(device).type == "cuda"
-    ):  # Q4_K as int4 for the int4 GEMV (below); a CPU keeps the blocks
-        q4_k_layers_as_int4(model)
     return model.eval()
-
-
-def q4_k_as_int4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows [N, K/256 x 144 bytes] in chapter 10's int4 layout with groups of 32: (packed [N, K/2], fp16 scale
-    and minimum [N, K/32]). A weight d·s_j·q − dmin·m_j is scale·q + minimum with the same nibble q: exact but for
-    the fp16 rounding of the two products (2^-11 relative)."""
-    from forge_engine.gguf_file import (
-        _k_nibbles,
-        _k_scales_and_mins,
-    )  # (chapter 01a's Q4_K decoding)
-
-    n, blocks = raw.shape[0], raw.reshape(-1, 144)
-    d, dmin = (blocks[:, at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
-    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    q = _k_nibbles(blocks[:, 16:]).to(torch.uint8)  # [super-blocks, 8, 32]
-    packed = q[..., :16] | (
-        q[..., 16:] << 4
-    )  # chapter 10's order: a group's first half in the low nibbles
-    scale, minimum = (d * scales).half(), (-dmin * mins).half()
-    return packed.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
-
-
-def q4_k_layers_as_int4(model: Transformer) -> Transformer:
-    """Each layer matrix of `model` that is one run of Q4_K blocks replaced, in place, by the `Int4Linear` of
-    `q4_k_as_int4` (its bias kept); matrices of other or mixed types stay as they are. Returns `model`."""
-    for layer in model.layers:
-        for name in QUANTIZED_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            child = getattr(parent, attr)
-            if isinstance(child, GGUFLinear) and child.qtypes == (12,):
-                setattr(
-                    parent, attr, Int4Linear.from_groups(*q4_k_as_int4(child.blocks0), child.bias)
-                )
-    return model
 
 # %% ../../nbs/10e_quant_layers.ipynb #b8016774
 @torch.inference_mode()

@@ -184,7 +184,8 @@ class QuantLinear(nn.Module):
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
         "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
-        rows = max(1, tile_weights // self.in_features)
+        # whole multiples of 128 rows: a tile of odd width (6,553 rows of 2,560) sends cuBLAS to a slow kernel
+        rows = max(128, tile_weights // self.in_features // 128 * 128)
         if rows >= self.out_features:
             return self.dense_rows(x, 0, self.out_features)
         out = x.new_empty(x.shape[0], self.out_features)
@@ -811,120 +812,8 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))
-    if (
-        torch.device(device).type == "cuda"
-    ):  # Q4_K as int4 for the int4 GEMV (below); a CPU keeps the blocks
-        q4_k_layers_as_int4(model)
     return model.eval()
 
-
-def q4_k_as_int4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows [N, K/256 x 144 bytes] in chapter 10's int4 layout with groups of 32: (packed [N, K/2], fp16 scale
-    and minimum [N, K/32]). A weight d·s_j·q − dmin·m_j is scale·q + minimum with the same nibble q: exact but for
-    the fp16 rounding of the two products (2^-11 relative)."""
-    from forge_engine.gguf_file import (
-        _k_nibbles,
-        _k_scales_and_mins,
-    )  # (chapter 01a's Q4_K decoding)
-
-    n, blocks = raw.shape[0], raw.reshape(-1, 144)
-    d, dmin = (blocks[:, at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
-    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    q = _k_nibbles(blocks[:, 16:]).to(torch.uint8)  # [super-blocks, 8, 32]
-    packed = q[..., :16] | (
-        q[..., 16:] << 4
-    )  # chapter 10's order: a group's first half in the low nibbles
-    scale, minimum = (d * scales).half(), (-dmin * mins).half()
-    return packed.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
-
-
-def q4_k_layers_as_int4(model: Transformer) -> Transformer:
-    """Each layer matrix of `model` that is one run of Q4_K blocks replaced, in place, by the `Int4Linear` of
-    `q4_k_as_int4` (its bias kept); matrices of other or mixed types stay as they are. Returns `model`."""
-    for layer in model.layers:
-        for name in QUANTIZED_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            child = getattr(parent, attr)
-            if isinstance(child, GGUFLinear) and child.qtypes == (12,):
-                setattr(
-                    parent, attr, Int4Linear.from_groups(*q4_k_as_int4(child.blocks0), child.bias)
-                )
-    return model
-
-
-# %% [markdown]
-# **Q4_K on a GPU.** Chapter 10d's GEMV decodes a Q4_K super-block (144 bytes, not aligned for
-# wide loads) byte by byte: 0.30-0.41 TB/s on Qwen3-4B's matrices at one row. The same weights in
-# chapter 10's int4 layout, groups of 32 with an fp16 scale and minimum each (5 bits a weight
-# against 4.5), go through chapter 10c's int4 GEMV at 0.76-1.84 TB/s, 2.3-4.1x faster: qkv 27.5 →
-# 10.3 µs, o 19.4 → 8.6, gate_up 68.9 → 16.9, down 39.6 → 13.4 (H200, one row, `PYTHONPATH=.
-# python3 kernels_lab/gguf_repack.py`). So on a GPU `load_gguf_quantized` repacks each layer
-# matrix that is all Q4_K (`q4_k_layers_as_int4`). A CPU keeps the blocks, which chapter 10f's C
-# step reads as they are. Q6_K, Q8_0 and mixed matrices keep chapter 10d's GEMV for now. End to end
-# on a Q4_K_M file of Qwen3-4B's shape: W1 143.0 → 285.7 tok/s, against llama.cpp's CUDA build at
-# 331.0 on the same file (0.86×; `kernels_lab/llama_cpp_cuda_peer.py`, docs/benchmarks.md).
-#
-# The repack keeps every nibble; only the products d·s_j and dmin·m_j are rounded to fp16, by
-# at most 2^-11 of each:
-
-# %%
-from forge_engine.gguf_file import DEQUANTIZERS
-from forge_engine.quant.formats import dequantize_int4
-
-raw = gguf_bytes(QType.Q4_K, 24, 512)
-packed, scale, minimum = q4_k_as_int4(raw)
-assert packed.shape == (24, 256) and scale.shape == minimum.shape == (24, 16)
-want = DEQUANTIZERS[12](raw.reshape(-1, 144)).reshape(24, 512)
-by_group = lambda t: t.float().abs().repeat_interleave(32, dim=1)  # noqa: E731
-bound = 2**-11 * (15 * by_group(scale) + by_group(minimum)) * 1.001
-assert ((dequantize_int4(packed, scale, minimum) - want).abs() <= bound).all()
-
-# %% [markdown]
-# In a model only the matrices that are all Q4_K change (a Q4_K_M file's `qkv` holds a Q6_K `v`
-# in some layers: it stays), and a bias stays with its matrix.
-
-# %%
-wide = preset("qwen2-tiny").replace(hidden_size=256, intermediate_size=512, head_dim=64)
-k_model = init_random_weights(empty_model(wide), seed=4)
-for i, layer in enumerate(k_model.layers):
-    for parent, name in (
-        (layer.attn, "qkv"),
-        (layer.attn, "o"),
-        (layer.mlp, "gate_up"),
-        (layer.mlp, "down"),
-    ):
-        n, k = getattr(parent, name).weight.shape
-        types = (
-            [QType.Q4_K] if name != "qkv" or i == 1 else [QType.Q4_K, QType.Q6_K]
-        )  # layer 0: a mixed qkv
-        sizes = [n] if len(types) == 1 else [n - wide.kv_size, wide.kv_size]
-        parts = [
-            (f"{name}{j}", t, (r, k), gguf_bytes(t, r, k, seed=i + j))
-            for j, (t, r) in enumerate(zip(types, sizes))
-        ]
-        setattr(parent, name, GGUFLinear(parts, getattr(parent, name).bias))
-before = {name: m for name, m in k_model.named_modules() if isinstance(m, GGUFLinear)}
-q4_k_layers_as_int4(k_model)
-after = dict(k_model.named_modules())
-assert isinstance(after["layers.0.attn.qkv"], GGUFLinear)  # mixed: kept
-assert (
-    isinstance(after["layers.1.attn.qkv"], Int4Linear)
-    and after["layers.1.attn.qkv"].bias is not None
-)
-for name, gguf_layer in before.items():
-    if isinstance(after[name], Int4Linear):
-        x = torch.randn(3, gguf_layer.in_features)
-        reference = gguf_matmul_reference(x, gguf_layer.blocks0, 12) + (
-            0 if gguf_layer.bias is None else gguf_layer.bias
-        )
-        assert torch.allclose(
-            QuantLinear.dense(after[name], x)
-            + (0 if after[name].bias is None else after[name].bias),
-            reference,
-            rtol=1e-3,
-            atol=1e-3 * reference.abs().max().item(),
-        ), name
 
 # %% [markdown]
 # A tiny Llama written as a GGUF file with Q8_0, Q4_0 and Q4_1 matrices (q/k permuted, a `qkv`

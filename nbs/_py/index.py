@@ -52,6 +52,7 @@
 # | 10c_quant_gemv | `quant.gemv` | the int4 GEMV for one to four rows; `int4_matmul` |
 # | 10d_quant_gguf_blocks | `quant.gguf_blocks` | GGUF blocks kept as stored, decoded inside the matmul |
 # | 10e_quant_layers | `quant.layers` | the quantized layers, `quantize_model`, GGUF loading kept quantized, perplexity |
+# | 10g_gguf_gpu | `quant.gguf_gpu` | GGUF blocks repacked at load into aligned int8 / int4 planes for a GPU, the int8 group GEMV |
 # | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
 # | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
 # | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |

@@ -1,0 +1,590 @@
+# %% [markdown]
+# # GGUF blocks repacked for a GPU
+#
+# > A GGUF file's Q8_0, Q6_K, Q4_K, Q4_0 and Q4_1 blocks regrouped at load into aligned planes of int8 or int4 values with one fp16 scale per group, and the GEMV that streams them.
+
+# %% [markdown]
+# Chapter 10d decodes a GGUF file's blocks inside the matmul as the file stores them. That suits a
+# CPU (chapter 10da reads them the same way, as llama.cpp does) but not a GPU: a Q8_0 block is 34
+# bytes and a Q6_K super-block 210, so a block's quants never start on a 4-byte boundary and the
+# kernel reads them a byte at a time. On the H200 that GEMV moves 0.3-0.9 TB/s of a 4.8 TB/s
+# memory. The same numbers regrouped fit the loads a GPU wants:
+#
+# | file type | bits a weight | repacked as | bits a weight | exact? |
+# |---|---|---|---|---|
+# | Q8_0 | 8.5 | int8 q, fp16 `d` per group of 32 | 8.5 | yes: the same bytes |
+# | Q6_K | 6.56 | int8 q − 32, fp16 `d·sc` per group of 16 | 9 | `d·sc` rounded to fp16 (2^-11) |
+# | Q4_K | 4.5 | chapter 10's int4, fp16 scale and minimum per group of 32 | 5 | `d·sc`, `dmin·m` rounded to fp16 |
+# | Q4_0 | 4.5 | int4, scale `d`, minimum `−8d`, groups of 32 | 5 | yes |
+# | Q4_1 | 5 | int4, scale `d`, minimum `m`, groups of 32 | 5 | yes |
+#
+# Q6_K grows by 37% (the LM head of Qwen3-4B, 151,936 × 2,560: 319 MB → 438 MB) and still comes
+# out ahead: a 16-byte load of 16 int8 quants and one scale per load, against bytes assembled
+# into 6-bit numbers one at a time. The int4 planes go through chapter 10c's GEMV; the int8 planes
+# through the GEMV below. Q5_0, Q5_1 and Q5_K keep chapter 10d's kernel.
+#
+# **The int8 GEMV with group scales** follows chapter 10c's shape: a program takes `BLOCK_N` weight
+# rows; each of its threads reads `CHUNK` (8 or 16) consecutive bytes of every row per step, all
+# rows' loads issued before any arithmetic; a chunk never straddles a group (groups are 16 or 32),
+# so a thread sums its chunk's products in FP32 and multiplies the sum by its group's scale
+# once. The int8 → FP32 conversion goes through the float's bits (chapter 09's `_as_f32`), not the
+# conversion unit, which runs at a quarter rate. Napkin math for one row of Qwen3-4B's `gate_up`
+# in Q8_0 (19,456 × 2,560, 52.9 MB): 11 µs at the H200's ~4.8 TB/s, 13 µs at a realistic 4 TB/s.
+# More rows than the GEMV takes (5-16) go to a split-K kernel that dequantizes a tile in registers
+# and multiplies it with `tl.dot`; prefill dequantizes tiles and calls the dense matmul.
+
+# %%
+#| default_exp quant.gguf_gpu
+
+# %%
+#| export
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _pow2,
+    kernel_backend,
+    pdl_supported,
+    tl,
+    triton,
+)
+from forge_engine.kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
+from forge_engine.model import Transformer
+from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES
+from forge_engine.quant.layers import (
+    DENSE_TILE_WEIGHTS,
+    QUANTIZED_LINEARS,
+    GGUFLinear,
+    Int4Linear,
+    QuantLinear,
+    TiedEmbedding,
+)
+from forge_engine.quant.split_k import (
+    _accumulate,
+    _program_tile,
+    _skinny_matmul,
+    _store_partial,
+)
+
+# %%
+#| hide
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from forge_engine.config import preset
+from forge_engine.gguf_file import DEQUANTIZERS
+from forge_engine.model import empty_model, init_random_weights
+from forge_engine.quant.formats import dequantize_int4
+from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul_reference
+from forge_engine.quant.split_k import assert_matches
+
+
+# %% [markdown]
+# ## The repacks
+#
+# Each takes a matrix's rows of blocks, `[N, bytes a row]` as `GGUFLinear` keeps them, and returns
+# the planes. They run once, at load, on the device the blocks are on.
+
+# %%
+#| export
+def q8_0_as_int8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Q8_0 rows [N, K/32 x 34 bytes] -> (int8 quants [N, K], fp16 d [N, K/32]): the same bytes, regrouped."
+    n, blocks = raw.shape[0], raw.reshape(-1, 34)
+    return blocks[:, 2:].contiguous().view(torch.int8).reshape(n, -1), blocks[
+        :, :2
+    ].contiguous().view(torch.float16).reshape(n, -1)
+
+
+def q6_k_as_int8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows [N, K/256 x 210 bytes] -> (int8 q − 32 [N, K], fp16 d·sc [N, K/16]): every quant kept, the
+    product of the super-block's d and the group's int8 scale rounded to fp16."""
+    from forge_engine.gguf_file import q6_k_quants_and_scales  # (chapter 01a's Q6_K decoding)
+
+    n = raw.shape[0]
+    q, scale = q6_k_quants_and_scales(raw.reshape(-1, 210))
+    return q.reshape(n, -1), scale.half().reshape(n, -1)
+
+
+def q4_k_as_int4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows [N, K/256 x 144 bytes] in chapter 10's int4 layout with groups of 32: (packed [N, K/2], fp16 scale
+    and minimum [N, K/32]). A weight d·s_j·q − dmin·m_j is scale·q + minimum with the same nibble q: exact but for
+    the fp16 rounding of the two products (2^-11 relative)."""
+    from forge_engine.gguf_file import (
+        _k_nibbles,
+        _k_scales_and_mins,
+    )  # (chapter 01a's Q4_K decoding)
+
+    n, blocks = raw.shape[0], raw.reshape(-1, 144)
+    d, dmin = (blocks[:, at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
+    q = _k_nibbles(blocks[:, 16:]).to(torch.uint8)  # [super-blocks, 8, 32]
+    packed = q[..., :16] | (
+        q[..., 16:] << 4
+    )  # chapter 10's order: a group's first half in the low nibbles
+    scale, minimum = (d * scales).half(), (-dmin * mins).half()
+    return packed.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
+
+
+def q4_0_q4_1_as_int4(
+    raw: torch.Tensor, qtype: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 (18-byte blocks, d·(q − 8)) or Q4_1 (20 bytes, d·q + m) rows in chapter 10's int4 layout, groups of 32:
+    the 16 quant bytes of a block are already in its order (byte j: weights j and j + 16), the scale is d, the
+    minimum −8d or m. Exact."""
+    size = KEPT_GGUF_TYPES[qtype][2]
+    n, blocks = raw.shape[0], raw.reshape(-1, size)
+    d = blocks[:, :2].contiguous().view(torch.float16)
+    minimum = -8 * d if size == 18 else blocks[:, 2:4].contiguous().view(torch.float16)
+    packed = blocks[:, size - 16 :].contiguous()
+    return packed.reshape(n, -1), d.reshape(n, -1), minimum.reshape(n, -1)
+
+
+# %% [markdown]
+# Q8_0 and Q4_0 / Q4_1 come back exactly as chapter 01a's dequantizers make them; Q6_K and Q4_K
+# within the fp16 rounding of their products, at most 2^-11 of each weight's scale:
+
+# %%
+def _int8_planes_weights(q, scale):
+    group = q.shape[1] // scale.shape[1]
+    return q.float() * scale.float().repeat_interleave(group, dim=1)
+
+
+def _file_weights(raw, qtype):
+    return DEQUANTIZERS[qtype](raw.reshape(-1, KEPT_GGUF_TYPES[qtype][2])).reshape(raw.shape[0], -1)
+
+
+raw = gguf_bytes(QType.Q8_0, 24, 512)
+assert torch.equal(_int8_planes_weights(*q8_0_as_int8(raw)), _file_weights(raw, 8))
+for qtype in (QType.Q4_0, QType.Q4_1):
+    raw = gguf_bytes(qtype, 24, 512)
+    assert torch.equal(dequantize_int4(*q4_0_q4_1_as_int4(raw, qtype)), _file_weights(raw, qtype))
+
+raw = gguf_bytes(QType.Q6_K, 24, 512)
+q, scale = q6_k_as_int8(raw)
+assert q.shape == (24, 512) and scale.shape == (24, 32) and q.min() >= -32 and q.max() <= 31
+bound = 2**-11 * 32 * scale.float().abs().repeat_interleave(16, dim=1) * 1.001
+assert ((_int8_planes_weights(q, scale) - _file_weights(raw, 14)).abs() <= bound).all()
+
+raw = gguf_bytes(QType.Q4_K, 24, 512)
+packed, scale, minimum = q4_k_as_int4(raw)
+assert packed.shape == (24, 256) and scale.shape == minimum.shape == (24, 16)
+by_group = lambda t: t.float().abs().repeat_interleave(32, dim=1)  # noqa: E731
+bound = 2**-11 * (15 * by_group(scale) + by_group(minimum)) * 1.001
+assert ((dequantize_int4(packed, scale, minimum) - _file_weights(raw, 12)).abs() <= bound).all()
+
+
+# %% [markdown]
+# ## The int8 GEMV with group scales
+
+# %%
+#| export
+@triton.jit
+def _int8_group_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LANES: tl.constexpr,
+    CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
+):
+    """out[m, n] = Σ_k x[m, k] · q[n, k] · scale[n, k / GROUP] for BLOCK_N rows n: each of LANES threads reads
+    CHUNK bytes of every row per step. EVEN: whole steps, whole programs and M == ROWS (no masks)."""
+    _start_gemv(PDL, True)
+    lane, inner = tl.arange(0, LANES), tl.arange(0, CHUNK)
+    first_row = tl.program_id(0) * BLOCK_N
+    accs = ()
+    for _ in tl.static_range(BLOCK_N * ROWS):
+        accs = accs + (tl.zeros([LANES], dtype=tl.float32),)
+    for k0 in tl.range(0, K, LANES * CHUNK, num_stages=1):
+        start = tl.multiple_of(k0 + lane * CHUNK, CHUNK)
+        ok = (start < K) | EVEN
+        ws = ()  # every row's chunk and scale asked for before any arithmetic: the loads overlap
+        for r in tl.static_range(BLOCK_N):
+            row = (first_row + r).to(tl.int64)  # the LM head: 389M weights, past int32
+            row_ok = ok & ((row < N) | EVEN)
+            w = tl.load(
+                q_ptr + row * K + start[:, None] + inner[None, :], mask=row_ok[:, None], other=0
+            )
+            s = tl.load(scale_ptr + row * (K // GROUP) + start // GROUP, mask=row_ok, other=0.0)
+            ws = ws + ((w, s),)
+        xs = ()
+        for m in tl.static_range(ROWS):
+            x_ok = ok[:, None] & ((m < M) | EVEN)
+            xs = xs + (
+                tl.load(x_ptr + m * K + start[:, None] + inner[None, :], mask=x_ok, other=0.0).to(
+                    tl.float32
+                ),
+            )
+        new = ()
+        for r in tl.static_range(BLOCK_N):
+            w, s = ws[r]
+            f, s = _as_f32(w, BYTE_ASM), s.to(tl.float32)
+            for m in tl.static_range(ROWS):
+                new = new + (accs[r * ROWS + m] + tl.sum(f * xs[m], axis=1) * s,)
+        accs = new
+    for r in tl.static_range(BLOCK_N):
+        row = first_row + r
+        for m in tl.static_range(ROWS):
+            tl.store(
+                out_ptr + m * N + row,
+                tl.sum(accs[r * ROWS + m]).to(out_ptr.dtype.element_ty),
+                mask=(row < N) & (m < M),
+            )
+
+
+# %% [markdown]
+# The tile rule comes from the H200 sweep of `kernels_lab/int8_group_gemv.py` (one row, CUDA-graph
+# replays, L2 flushed), over Qwen3-4B's matrices in Q8_0 and Q6_K and its LM head. The group scales
+# cost next to nothing: the kernel runs within 3-8% of chapter 09's int8 GEMV with one scale a row
+# on the same shapes (fewer bytes), and 2-6x faster than chapter 10d's GEMV on the file's blocks:
+#
+# | matrix | chapter 10d, blocks | int8 group planes | chapter 09, a scale a row |
+# |---|---|---|---|
+# | gate_up, Q8_0 | 53.7 µs | 24.5 µs (2.16 TB/s) | 22.9 µs |
+# | down, Q8_0 | 32.6 µs | 15.4 µs (1.72 TB/s) | 14.9 µs |
+# | down, Q6_K | 65.9 µs | 15.9 µs (1.77 TB/s) | 14.8 µs |
+# | LM head, Q6_K | 698.4 µs | 111.9 µs (3.91 TB/s) | 105.1 µs |
+
+# %%
+#| export
+def int8_group_gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    "(BLOCK_N, num_warps, CHUNK bytes) of the int8 group GEMV for an [n, k] weight (the H200 sweep's winners)."
+    if k >= 4096:  # long rows (o, down): 4 warps along K
+        return 4, 4, 16
+    if n < 4096:  # few outputs (a Q6_K v): one row a program, for enough programs
+        return 1, 4, 16
+    return (2, 1, 16) if n < 65536 else (4, 1, 16)  # qkv, gate_up; the LM head
+
+
+def int8_group_gemv(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] @ (q [N, K] int8 times scale [N, K / group] fp16, per group of inputs).T -> [M, N]
+    in x's dtype. `config`: (BLOCK_N, num_warps, CHUNK) (default `int8_group_gemv_config`)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n, group = q.shape[0], k // scale.shape[1]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"int8_group_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}")
+    if group % 16 or q.shape[1] != k:
+        raise ValueError(
+            f"int8_group_gemv: groups of a multiple of 16 inputs and q [N, {k}], got {list(q.shape)} and {list(scale.shape)}"
+        )
+    block_n, warps, chunk = config or int8_group_gemv_config(n, k)
+    chunk = min(chunk, group)
+    lanes = 32 * warps
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    pdl = pdl_supported(x.device) if pdl is None else pdl
+    if m:
+        _int8_group_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x,
+            q,
+            scale,
+            out,
+            m,
+            n,
+            k,
+            ROWS=_pow2(m),
+            BLOCK_N=block_n,
+            LANES=lanes,
+            CHUNK=chunk,
+            GROUP=group,
+            EVEN=k % (lanes * chunk) == 0 and n % block_n == 0 and m == _pow2(m),
+            PDL=pdl,
+            BYTE_ASM=not INTERPRETED,
+            launch_pdl=pdl,
+            num_warps=warps,
+        )
+    return out
+
+
+# %% [markdown]
+# More rows, up to chapter 10b's `SKINNY_MAX_ROWS`: the split-K launch of chapter 10b with a tile
+# dequantized in registers (each int8 times its group's scale, broadcast over the group) and
+# multiplied by `tl.dot`.
+
+# %%
+#| export
+@triton.jit
+def _int8_group_matmul_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows = offs_n.to(tl.int64)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(
+        k_start, k_end, BLOCK_K
+    ):  # k_per_split and K are whole steps (the launch checks)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        q = tl.load(q_ptr + rows * K + offs_k[None, :], mask=n_mask[:, None], other=0)
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(
+            scale_ptr + rows * (K // GROUP) + offs_g[None, :], mask=n_mask[:, None], other=0.0
+        )
+        s = tl.reshape(
+            tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)),
+            (BLOCK_N, BLOCK_K),
+        )
+        acc = _accumulate(acc, x, _as_f32(q, False) * s, USE_DOT, UPCAST, PRECISION)
+    _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
+
+
+def int8_group_matmul_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    "Dense: the weights q · scale (per group) in x's dtype, one matmul."
+    group = q.shape[1] // scale.shape[1]
+    w = (q.view(q.shape[0], -1, group).to(x.dtype) * scale.to(x.dtype)[:, :, None]).reshape(q.shape)
+    return x @ w.T
+
+
+def int8_group_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """x [M, K] @ (q · scale per group).T -> [M, N] in x's dtype: the GEMV up to GEMV_MAX_ROWS rows, chapter 10b's
+    split-K launch above (`impl='torch'`, or a CPU: the dense reference)."""
+    if kernel_backend(x.device, impl) == "torch":
+        return int8_group_matmul_reference(x, q, scale)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return int8_group_gemv(x, q, scale)
+    group = q.shape[1] // scale.shape[1]
+    block_k = max(group, 64)
+    if x.shape[1] % block_k:
+        return int8_group_matmul_reference(x, q, scale)
+    return _skinny_matmul(
+        _int8_group_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, GROUP=group
+    )
+
+
+# %% [markdown]
+# The GEMV against the dense reference at one to four rows, with groups of 16 and 32, masked and
+# whole steps; the split-K launch at 5 and 16 rows. In FP32 to 1e-4 (sums in another order),
+# in BF16 to 1% of the norm (chapter 10b's `assert_matches`).
+
+# %%
+torch.manual_seed(0)
+for n, k, group in [(24, 512, 32), (20, 384, 16), (8, 1024, 16)]:
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scale = (torch.rand(n, k // group) * 0.01).half()
+    for rows in (1, 2, 3, 4, 5, 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, k, dtype=dtype)
+            want = int8_group_matmul_reference(x, q, scale)
+            assert_matches(
+                int8_group_matmul(x, q, scale, impl="triton"),
+                want,
+                f"{n}x{k} g{group} M={rows}",
+                atol=1e-3,
+            )
+    for config in [(1, 1, 8), (2, 2, 16), (8, 1, 16)]:  # other tiles give the same numbers
+        x = torch.randn(1, k)
+        assert_matches(
+            int8_group_gemv(x, q, scale, config),
+            int8_group_matmul_reference(x, q, scale),
+            str(config),
+            1e-3,
+        )
+with pytest.raises(ValueError, match="at most 4 rows"):
+    int8_group_gemv(torch.randn(5, 512), q, scale)
+
+
+# %% [markdown]
+# ## The module
+
+# %%
+#| export
+class Int8GroupLinear(QuantLinear):
+    """int8 weights [N, K] with an fp16 scale per group of 16 or 32 inputs [N, K / group], as a GGUF file's Q8_0 and
+    Q6_K blocks repack (`q8_0_as_int8`, `q6_k_as_int8`)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(q.shape[1], q.shape[0], bias)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+
+    def skinny(self, x):
+        return int8_group_matmul(x, self.qweight, self.scale, impl="triton")
+
+    def dense_rows(self, x, start, end):
+        return int8_group_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+
+    def rows(self, ids, dtype):
+        group = self.in_features // self.scale.shape[1]
+        q, scale = self.qweight[ids], self.scale[ids]
+        return (q.view(len(ids), -1, group).to(dtype) * scale.to(dtype)[:, :, None]).reshape(
+            q.shape
+        )
+
+    def extra_repr(self):
+        return super().extra_repr() + f", group={self.in_features // self.scale.shape[1]}"
+
+
+class ConcatLinear(QuantLinear):
+    "Layers side by side on the same inputs, their outputs concatenated: a GGUF matrix whose runs repack differently."
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None = None):
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias)
+        self.parts = nn.ModuleList(parts)
+
+    def skinny(self, x):
+        return torch.cat([p.skinny(x) for p in self.parts], dim=-1)
+
+    def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
+        return torch.cat([p.dense(x, tile_weights) for p in self.parts], dim=-1)
+
+
+# %% [markdown]
+# ## Repacking a model
+#
+# `gguf_layers_for_gpu` replaces each `GGUFLinear` of a model (the layer matrices and the LM head)
+# by its repacked form, run by run: a matrix of one type becomes one module, a mixed one (a
+# Q4_K_M file's `qkv` with a Q6_K `v`) a `ConcatLinear` of its runs. A tied embedding then reads
+# its rows from the new head. The bias stays with its matrix.
+
+# %%
+#| export
+def repack_gguf_run(qtype: int, raw: torch.Tensor) -> QuantLinear | None:
+    "One run of GGUF blocks [rows, bytes a row] as an `Int8GroupLinear` or `Int4Linear`; None for a type kept as is."
+    if qtype == 8:
+        return Int8GroupLinear(*q8_0_as_int8(raw))
+    if qtype == 14:
+        return Int8GroupLinear(*q6_k_as_int8(raw))
+    if qtype == 12:
+        return Int4Linear.from_groups(*q4_k_as_int4(raw))
+    if qtype in (2, 3):
+        return Int4Linear.from_groups(*q4_0_q4_1_as_int4(raw, qtype))
+    return None
+
+
+def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
+    "`layer` repacked run by run (`repack_gguf_run`); itself where any run keeps its blocks."
+    parts = [repack_gguf_run(qtype, raw) for qtype, raw in layer.runs()]
+    if any(p is None for p in parts):
+        return layer
+    if len(parts) == 1:
+        part = parts[0]
+        part.bias = layer.bias
+        return part
+    return ConcatLinear(parts, layer.bias)
+
+
+@torch.no_grad()
+def gguf_layers_for_gpu(model: Transformer) -> Transformer:
+    "Every `GGUFLinear` of `model` (layer matrices, LM head) replaced, in place, by `repack_gguf_linear`'s. Returns it."
+    for layer in model.layers:
+        for name in QUANTIZED_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            child = getattr(parent, attr)
+            if isinstance(child, GGUFLinear):
+                setattr(parent, attr, repack_gguf_linear(child))
+    if isinstance(model.lm_head, GGUFLinear):
+        model.lm_head = repack_gguf_linear(model.lm_head)
+        if isinstance(model.embed, TiedEmbedding):
+            model.embed = TiedEmbedding(model.lm_head, model.embed.dtype)
+    return model
+
+
+# %% [markdown]
+# A tiny model with every kind of matrix: Q8_0, Q6_K, Q4_K, Q4_0, Q4_1, a mixed `qkv` (Q4_K with a
+# Q6_K `v`), a Q5_K matrix (kept), and a tied Q6_K head. Each repacked module computes what its
+# blocks compute, at one row (the GEMVs), at 8 rows (split-K) and at 40 (dense), within the fp16
+# rounding of the K types' scales.
+
+# %%
+wide = preset("qwen2-tiny").replace(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, head_dim=64, tie_word_embeddings=True
+)
+model = init_random_weights(empty_model(wide), seed=4)
+kinds = {
+    (0, "qkv"): [QType.Q4_K, QType.Q6_K],
+    (0, "o"): [QType.Q8_0],
+    (0, "gate_up"): [QType.Q4_0],
+    (0, "down"): [QType.Q6_K],
+    (1, "qkv"): [QType.Q4_1],
+    (1, "o"): [QType.Q5_K],
+    (1, "gate_up"): [QType.Q4_K],
+    (1, "down"): [QType.Q8_0],
+}
+for (i, name), types in kinds.items():
+    parent = model.layers[i].attn if name in ("qkv", "o") else model.layers[i].mlp
+    n, k = getattr(parent, name).weight.shape
+    sizes = [n] if len(types) == 1 else [n - wide.kv_size, wide.kv_size]
+    parts = [
+        (f"{name}{j}", t, (r, k), gguf_bytes(t, r, k, seed=i + j))
+        for j, (t, r) in enumerate(zip(types, sizes))
+    ]
+    setattr(parent, name, GGUFLinear(parts, getattr(parent, name).bias))
+head_bytes = gguf_bytes(QType.Q6_K, wide.vocab_size, wide.hidden_size, seed=9)
+model.lm_head = GGUFLinear([("head", QType.Q6_K, (wide.vocab_size, wide.hidden_size), head_bytes)])
+model.embed = TiedEmbedding(model.lm_head, torch.float32)
+before = {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+gguf_layers_for_gpu(model)
+after = dict(model.named_modules())
+assert (
+    isinstance(after["layers.0.attn.qkv"], ConcatLinear)
+    and after["layers.0.attn.qkv"].bias is not None
+)
+assert isinstance(after["layers.0.attn.o"], Int8GroupLinear) and isinstance(
+    after["layers.1.mlp.gate_up"], Int4Linear
+)
+assert isinstance(after["layers.1.attn.o"], GGUFLinear)  # Q5_K: chapter 10d's kernel
+assert isinstance(model.lm_head, Int8GroupLinear) and model.embed.head is model.lm_head
+
+
+def _with_bias(layer, y):
+    return y if layer.bias is None else y + layer.bias
+
+
+for name, blocks in before.items():
+    layer = after[name]
+    for rows in (1, 8, 40):
+        x = torch.randn(rows, blocks.in_features)
+        want = _with_bias(
+            blocks,
+            torch.cat([gguf_matmul_reference(x, raw, t) for t, raw in blocks.runs()], dim=-1),
+        )
+        if rows <= 16:  # the kernels, in FP32: within the fp16 rounding of the scales
+            got = _with_bias(layer, layer.skinny(x))
+            torch.testing.assert_close(
+                got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item(), msg=name
+            )
+        else:  # the dense path (on a CPU: PyTorch's BF16 weight-only GEMMs for int4)
+            got = _with_bias(layer, layer.dense(x))
+            assert ((got - want).norm() / want.norm()).item() < 1e-2, name
+ids = torch.tensor([0, 7, wide.vocab_size - 1])
+torch.testing.assert_close(
+    model.embed(ids), _file_weights(head_bytes, 14)[ids], rtol=2e-3, atol=1e-4
+)
