@@ -175,7 +175,7 @@ def prefill_and_sixteen(path: Path) -> dict:
     from forge_engine.config import EngineConfig
     from forge_engine.engine import LLMEngine
     from forge_engine.loader import load_model
-    from forge_engine.sampling import SamplingParams
+    from forge_engine.generate import SamplingParams
 
     engine = LLMEngine(
         load_model(str(path), "cuda", progress=False, quantization="gguf"), EngineConfig()
