@@ -346,3 +346,22 @@ def test_a_gguf_file_repacked_on_the_gpu_decodes_as_its_blocks(tmp_path):
                     finals[out.request_id] = out.token_ids
         runs.append([finals[str(i)] for i in range(len(prompts))])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_dense_paths_dequantize_once_on_the_gpu(k, n):
+    "Prefill's path (many rows): the weights made by one Triton launch, as the PyTorch reference makes them."
+    from forge_engine.quant.gemv import int4_dense
+    from forge_engine.quant.gguf_gpu import int8_group_dense, int8_group_matmul_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    x = torch.randn(300, k, device="cuda", generator=gen).bfloat16()
+    q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+    scale = (torch.rand(n, k // 32, device="cuda", generator=gen) * 0.01).half()
+    assert torch.equal(int8_group_dense(x, q, scale), int8_group_matmul_reference(x, q, scale))
+    packed, s, m = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, 32)
+    paired = pair_scales(s, m)
+    got = int4_dense(x, packed, paired[..., 0], paired[..., 1])
+    assert (
+        rel_error(got, int4_matmul_reference(x, packed, s, m)) < 1e-3
+    )  # (an FMA may round q·s + m once)

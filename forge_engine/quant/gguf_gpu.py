@@ -36,8 +36,8 @@ from forge_engine.quant.split_k import (
 
 # %% auto #0
 __all__ = ['q8_0_as_int8', 'q6_k_as_int8', 'q4_k_as_int4', 'q4_0_q4_1_as_int4', 'int8_group_gemv_config', 'int8_group_gemv',
-           'int8_group_matmul_reference', 'int8_group_matmul', 'Int8GroupLinear', 'ConcatLinear', 'repack_gguf_run',
-           'repack_gguf_linear', 'gguf_layers_for_gpu']
+           'int8_group_matmul_reference', 'int8_group_dense', 'int8_group_matmul', 'Int8GroupLinear', 'ConcatLinear',
+           'repack_gguf_run', 'repack_gguf_linear', 'gguf_layers_for_gpu']
 
 # %% ../../nbs/10g_gguf_gpu.ipynb #8b618271
 def q8_0_as_int8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +255,34 @@ def int8_group_matmul_reference(
 ) -> torch.Tensor:
     "Dense: the weights q · scale (per group) in x's dtype, one matmul."
     group = q.shape[1] // scale.shape[1]
-    w = (q.view(q.shape[0], -1, group).to(x.dtype) * scale.to(x.dtype)[:, :, None]).reshape(q.shape)
+    w = (q.view(q.shape[0], -1, group).float() * scale.float()[:, :, None]).reshape(q.shape)
+    return x @ w.to(x.dtype).T
+
+
+@triton.jit
+def _int8_group_dequantize_kernel(
+    q_ptr, scale_ptr, out_ptr, numel, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):
+    "q [N, K] int8 times its group's scale -> [N, K] in out's dtype, rounded once from FP32."
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    q = tl.load(q_ptr + offs, mask=ok, other=0)
+    s = tl.load(scale_ptr + offs // GROUP, mask=ok, other=0.0)  # rows are whole groups
+    tl.store(
+        out_ptr + offs, (q.to(tl.float32) * s.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok
+    )
+
+
+def int8_group_dense(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dense path for many rows (prefill): the weights in x's dtype, then one matmul. On a GPU the weights come
+    from one Triton launch (3 bytes a weight of traffic) and are rounded once, from q · scale in FP32."""
+    if kernel_backend(x.device) == "torch":
+        return int8_group_matmul_reference(x, q, scale)
+    w = torch.empty(q.shape, device=x.device, dtype=x.dtype)
+    block = 2048
+    _int8_group_dequantize_kernel[(triton.cdiv(q.numel(), block),)](
+        q, scale, w, q.numel(), GROUP=q.shape[1] // scale.shape[1], BLOCK=block
+    )
     return x @ w.T
 
 
@@ -290,14 +317,13 @@ class Int8GroupLinear(QuantLinear):
         return int8_group_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense_rows(self, x, start, end):
-        return int8_group_matmul_reference(x, self.qweight[start:end], self.scale[start:end])
+        return int8_group_dense(x, self.qweight[start:end], self.scale[start:end])
 
     def rows(self, ids, dtype):
         group = self.in_features // self.scale.shape[1]
         q, scale = self.qweight[ids], self.scale[ids]
-        return (q.view(len(ids), -1, group).to(dtype) * scale.to(dtype)[:, :, None]).reshape(
-            q.shape
-        )
+        w = q.view(len(ids), -1, group).float() * scale.float()[:, :, None]
+        return w.reshape(q.shape).to(dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group={self.in_features // self.scale.shape[1]}"

@@ -24,7 +24,13 @@ from forge_engine.quant.formats import (
     quantize_int8,
     quantize_rows,
 )
-from .gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
+from forge_engine.quant.gemv import (
+    int4_dense,
+    int4_gemv,
+    int4_matmul,
+    int4_matmul_reference,
+    pair_scales,
+)
 from .cpu_gguf import native_gguf_matmul, native_gguf_runs
 from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
@@ -265,7 +271,7 @@ class Int4Linear(QuantLinear):
         return self.__dict__["_cpu_pack"]
 
     def dense_rows(self, x, start, end):
-        return int4_matmul_reference(
+        return int4_dense(
             x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end]
         )
 

@@ -36,7 +36,13 @@ from forge_engine.quant.formats import (
     quantize_int8,
     quantize_rows,
 )
-from forge_engine.quant.gemv import int4_gemv, int4_matmul, int4_matmul_reference, pair_scales
+from forge_engine.quant.gemv import (
+    int4_dense,
+    int4_gemv,
+    int4_matmul,
+    int4_matmul_reference,
+    pair_scales,
+)
 from forge_engine.quant.cpu_gguf import native_gguf_matmul, native_gguf_runs
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from forge_engine.quant.split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
@@ -307,7 +313,7 @@ class Int4Linear(QuantLinear):
         return self.__dict__["_cpu_pack"]
 
     def dense_rows(self, x, start, end):
-        return int4_matmul_reference(
+        return int4_dense(
             x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end]
         )
 
