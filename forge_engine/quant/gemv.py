@@ -851,14 +851,20 @@ def int4_matmul(
     if _skinny_kernel(kernel, x.shape[0]) == "gemv":
         return int4_gemv(x, packed, scale, minimum, **launch)
     group = x.shape[1] // scale.shape[1]
+    step_groups = max(
+        1, 128 // group
+    )  # 128 inputs a step where whole steps divide K; else a group a step
+    if x.shape[1] % (step_groups * group):
+        step_groups = 1
     scale, minimum, paired = _scales_as_kernels_read(scale, minimum)
     return _skinny_matmul(
         _int4_matmul_kernel,
         x,
         (packed, scale, minimum),
         packed.shape[0],
-        group,
+        step_groups * group,
         GROUP=group,
+        STEP_GROUPS=step_groups,
         PAIRED=paired,
         **launch,
     )

@@ -296,9 +296,7 @@ def int8_group_matmul(
     if x.shape[0] <= GEMV_MAX_ROWS:
         return int8_group_gemv(x, q, scale)
     group = q.shape[1] // scale.shape[1]
-    block_k = max(group, 64)
-    if x.shape[1] % block_k:
-        return int8_group_matmul_reference(x, q, scale)
+    block_k = next(b for b in (256, 128, 64, group) if x.shape[1] % b == 0 and b % group == 0)
     return _skinny_matmul(
         _int8_group_matmul_kernel, x, (q, scale), q.shape[0], block_k, BLOCK_K=block_k, GROUP=group
     )

@@ -16,7 +16,9 @@
 #   numbers in registers (exact: integers up to 255 are exact in BF16);
 # - for 1 or 2 rows, multiply and sum (`x[:, None, :] * w[None, :, :]`): no tensor cores needed
 #   to read memory at full speed; for more rows, `tl.dot` on a tile of 16+ rows;
-# - apply the scale: per output row at the end (int8), per group on the way (int4).
+# - apply the scale: per output row at the end (int8); per group on the way (int4: each nibble
+#   becomes its weight q · scale + minimum in FP32, rounded to x's dtype for `tl.dot`, as the dense
+#   path rounds it; a step takes a few whole groups, 128 inputs where they divide K).
 
 # %%
 #| default_exp quant.split_k
@@ -119,6 +121,14 @@ def _int8_matmul_kernel(
 
 
 @triton.jit
+def _per_byte(t, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BYTES: tl.constexpr):
+    "A per-group value [BLOCK_N, GROUPS] repeated over each group's BYTES: [BLOCK_N, GROUPS * BYTES]."
+    return tl.reshape(
+        tl.broadcast_to(t[:, :, None], (BLOCK_N, GROUPS, BYTES)), (BLOCK_N, GROUPS * BYTES)
+    )
+
+
+@triton.jit
 def _int4_matmul_kernel(
     x_ptr,
     q_ptr,
@@ -132,48 +142,51 @@ def _int4_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    STEP_GROUPS: tl.constexpr,
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     PAIRED: tl.constexpr,
 ):
+    """STEP_GROUPS groups a step (k_per_split and K are whole steps): each byte's nibbles made weights with their
+    group's scale and minimum, the low ones times inputs j of their group, the high ones inputs j + GROUP/2."""
     offs_m, offs_n, pid_k, k_start, k_end = _program_tile(K, k_per_split, BLOCK_M, BLOCK_N)
-    offs_j = tl.arange(0, GROUP // 2)
+    HALF: tl.constexpr = GROUP // 2
     STRIDE: tl.constexpr = (
         2 if PAIRED else 1
     )  # PAIRED: scales and minimums side by side (`pair_scales`)
+    t = tl.arange(0, STEP_GROUPS * HALF)  # a step's bytes of a row
+    x_lo_at = (
+        t // HALF
+    ) * GROUP + t % HALF  # the input of each byte's low nibble, from the step's first
     m_mask, n_mask = offs_m < M, offs_n < N
+    rows = offs_n.to(tl.int64)[:, None]
     groups = K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(
-        k_start, k_end, GROUP
-    ):  # one group per step: one scale and minimum per output row
-        g = k0 // GROUP
-        b = tl.load(
-            q_ptr + offs_n[:, None] * (K // 2) + g * (GROUP // 2) + offs_j[None, :],
-            mask=n_mask[:, None],
-            other=0,
+    for k0 in range(k_start, k_end, STEP_GROUPS * GROUP):
+        b = tl.load(q_ptr + rows * (K // 2) + k0 // 2 + t[None, :], mask=n_mask[:, None], other=0)
+        x_at = x_ptr + offs_m[:, None] * K + k0 + x_lo_at[None, :]
+        x_lo = tl.load(x_at, mask=m_mask[:, None], other=0.0)
+        x_hi = tl.load(x_at + HALF, mask=m_mask[:, None], other=0.0)
+        at = (rows * groups + k0 // GROUP + tl.arange(0, STEP_GROUPS)[None, :]) * STRIDE
+        scale = _per_byte(
+            tl.load(scale_ptr + at, mask=n_mask[:, None], other=0.0).to(tl.float32),
+            BLOCK_N,
+            STEP_GROUPS,
+            HALF,
         )
-        x_ptrs = x_ptr + offs_m[:, None] * K + k0 + offs_j[None, :]
-        x_lo = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)  # inputs j of the group
-        x_hi = tl.load(x_ptrs + GROUP // 2, mask=m_mask[:, None], other=0.0)  # inputs j + GROUP/2
-        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        xq = _accumulate(
-            _accumulate(zero, x_lo, b & 0x0F, USE_DOT, UPCAST, PRECISION),
-            x_hi,
-            b >> 4,
-            USE_DOT,
-            UPCAST,
-            PRECISION,
+        minimum = _per_byte(
+            tl.load(min_ptr + at, mask=n_mask[:, None], other=0.0).to(tl.float32),
+            BLOCK_N,
+            STEP_GROUPS,
+            HALF,
         )
-        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-        scale = tl.load(scale_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(
-            tl.float32
+        acc = _accumulate(
+            acc, x_lo, (b & 0x0F).to(tl.float32) * scale + minimum, USE_DOT, UPCAST, PRECISION
         )
-        minimum = tl.load(min_ptr + (offs_n * groups + g) * STRIDE, mask=n_mask, other=0.0).to(
-            tl.float32
+        acc = _accumulate(
+            acc, x_hi, (b >> 4).to(tl.float32) * scale + minimum, USE_DOT, UPCAST, PRECISION
         )
-        acc += xq * scale[None, :] + x_sum[:, None] * minimum[None, :]
     _store_partial(out_ptr, acc, offs_m, offs_n, M, N, pid_k)
 
 
