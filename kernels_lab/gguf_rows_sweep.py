@@ -37,7 +37,7 @@ SHAPES = {
     "gate_up": (19456, 2560),
     "down": (2560, 9728),
 }
-TYPES = {"Q8_0": 8, "Q6_K": 14, "Q4_K": 12}
+TYPES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
 SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 ok = True
