@@ -51,7 +51,9 @@
 # | 10b_quant_split_k | `quant.split_k` | the skinny matmul kernels for int8 / int4 weights, split along K |
 # | 10c_quant_gemv | `quant.gemv` | the int4 GEMV for one to four rows; `int4_matmul` |
 # | 10d_quant_gguf_blocks | `quant.gguf_blocks` | GGUF blocks kept as stored, decoded inside the matmul |
+# | 10da_cpu_gguf_kernel | `quant.cpu_gguf` | GGUF blocks times a few rows on a CPU, in C (integer dot products) |
 # | 10e_quant_layers | `quant.layers` | the quantized layers, `quantize_model`, GGUF loading kept quantized, perplexity |
+# | 10f_cpu_decode | `cpu_decode` | a GGUF model's CPU decode step as one C call |
 # | 10g_gguf_gpu | `quant.gguf_gpu` | GGUF blocks repacked at load into aligned int8 / int4 planes for a GPU, the int8 group GEMV |
 # | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
 # | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
