@@ -211,14 +211,24 @@ def load_model(
     if memory_budget is not None and device.type == "cuda":
         from forge_engine.memory_plan import plan_memory
 
-        if (
-            quantization != "gguf"
-        ):  # (a GGUF file's blocks: the engine measures what they take once loaded)
-            plan = plan_memory(
-                model_config_of(resolved), memory_budget, quantization, torch.finfo(dtype).bits // 8
+        config, weights = model_config_of(resolved), None
+        if quantization == "gguf":  # the blocks as chapter 10g repacks them, from the file's types
+            from forge_engine.gguf_file import GGUFFile
+            from forge_engine.quant.gguf_gpu import gguf_gpu_bytes
+
+            infos = [(t.name, t.qtype, t.shape) for t in GGUFFile(resolved.path).tensor_infos]
+            weights = gguf_gpu_bytes(
+                infos, config.tie_word_embeddings, torch.finfo(dtype).bits // 8
             )
-            if progress:
-                print(plan.describe(), file=sys.stderr)
+        plan = plan_memory(
+            config,
+            memory_budget,
+            quantization,
+            torch.finfo(dtype).bits // 8,
+            weights=weights,
+        )
+        if progress:
+            print(plan.describe(), file=sys.stderr)
         if quantization in ("int8", "int4"):
             staging = torch.device("cpu")
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()

@@ -158,26 +158,30 @@ def plan_memory(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
     cuda_graphs: bool = True,
+    weights: tuple[int, int] | None = None,
 ) -> MemoryPlan:
-    "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
+    """What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little.
+    `weights`: (bytes, loading peak) of the weights in `quantization` where the caller knows them better than the
+    size rules above (a GGUF file's blocks: chapter 10g's `gguf_gpu_bytes`, from the file's types)."""
 
     def plan(mode: str) -> MemoryPlan:
-        weights = weight_bytes(c, mode, dtype_bytes)
+        given = weights if weights is not None and mode == quantization else None
+        weights_bytes = given[0] if given else weight_bytes(c, mode, dtype_bytes)
         acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
         graphs = (
             activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
         )
-        kv = budget - weights - acts - graphs - OVERHEAD_BYTES
+        kv = budget - weights_bytes - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(
             budget,
             mode,
-            weights,
+            weights_bytes,
             acts,
             graphs,
             OVERHEAD_BYTES,
             kv,
             max(0, kv) // c.kv_bytes_per_token(dtype_bytes),
-            load_peak_bytes(c, mode, dtype_bytes),
+            given[1] if given else load_peak_bytes(c, mode, dtype_bytes),
         )
 
     chosen = plan(quantization)

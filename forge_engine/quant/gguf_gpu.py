@@ -5,6 +5,8 @@
 # %% ../../nbs/10g_gguf_gpu.ipynb #b844582d
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -35,9 +37,10 @@ from forge_engine.quant.split_k import (
 )
 
 # %% auto #0
-__all__ = ['q8_0_as_int8', 'q6_k_as_int8', 'q4_k_as_int4', 'q4_0_q4_1_as_int4', 'int8_group_gemv_config', 'int8_group_gemv',
-           'int8_group_matmul_reference', 'int8_group_dense', 'int8_group_matmul', 'Int8GroupLinear', 'ConcatLinear',
-           'repack_gguf_run', 'repack_gguf_linear', 'gguf_layers_for_gpu']
+__all__ = ['REPACK_SLICE_BYTES', 'REPACKS', 'q8_0_as_int8', 'q6_k_as_int8', 'q4_k_as_int4', 'q4_0_q4_1_as_int4',
+           'int8_group_gemv_config', 'int8_group_gemv', 'int8_group_matmul_reference', 'int8_group_dense',
+           'int8_group_matmul', 'Int8GroupLinear', 'ConcatLinear', 'repack_gguf_run', 'repacked_bytes',
+           'repack_gguf_linear', 'gguf_gpu_bytes', 'gguf_layers_for_gpu']
 
 # %% ../../nbs/10g_gguf_gpu.ipynb #8b618271
 def q8_0_as_int8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,17 +351,47 @@ class ConcatLinear(QuantLinear):
         return torch.cat([p.dense(x, tile_weights) for p in self.parts], dim=-1)
 
 # %% ../../nbs/10g_gguf_gpu.ipynb #5784753e
+REPACK_SLICE_BYTES = (
+    2**24
+)  # bytes of blocks repacked at a time: bounds the temporaries (the Q6_K head is 319 MB)
+REPACKS = {  # GGML type -> (repack of rows of blocks, the module of its planes)
+    8: (q8_0_as_int8, Int8GroupLinear),
+    14: (q6_k_as_int8, Int8GroupLinear),
+    12: (q4_k_as_int4, Int4Linear.from_groups),
+    2: (lambda raw: q4_0_q4_1_as_int4(raw, 2), Int4Linear.from_groups),
+    3: (lambda raw: q4_0_q4_1_as_int4(raw, 3), Int4Linear.from_groups),
+}
+
+
+def _repack_by_slices(repack, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    "`repack(raw)`, REPACK_SLICE_BYTES of rows at a time, into outputs allocated once."
+    rows = max(1, REPACK_SLICE_BYTES // raw.shape[1])
+    first = repack(raw[:rows])
+    if rows >= raw.shape[0]:
+        return first
+    outs = [t.new_empty((raw.shape[0], *t.shape[1:])) for t in first]
+    for start in range(0, raw.shape[0], rows):
+        for out, part in zip(outs, first if start == 0 else repack(raw[start : start + rows])):
+            out[start : start + part.shape[0]] = part
+    return tuple(outs)
+
+
 def repack_gguf_run(qtype: int, raw: torch.Tensor) -> QuantLinear | None:
     "One run of GGUF blocks [rows, bytes a row] as an `Int8GroupLinear` or `Int4Linear`; None for a type kept as is."
-    if qtype == 8:
-        return Int8GroupLinear(*q8_0_as_int8(raw))
-    if qtype == 14:
-        return Int8GroupLinear(*q6_k_as_int8(raw))
-    if qtype == 12:
-        return Int4Linear.from_groups(*q4_k_as_int4(raw))
-    if qtype in (2, 3):
-        return Int4Linear.from_groups(*q4_0_q4_1_as_int4(raw, qtype))
-    return None
+    if qtype not in REPACKS:
+        return None
+    repack, module = REPACKS[qtype]
+    return module(*_repack_by_slices(repack, raw))
+
+
+def repacked_bytes(qtype: int, rows: int, cols: int) -> int:
+    "Bytes an [rows, cols] matrix of GGUF type `qtype` takes on a GPU once `repack_gguf_run` has run (else: as stored)."
+    if qtype in (8, 14):  # int8 quants, an fp16 scale per group of 32 (Q8_0) or 16 (Q6_K)
+        return rows * cols + 2 * rows * cols // (32 if qtype == 8 else 16)
+    if qtype in REPACKS:  # int4: nibbles, an fp16 scale and minimum per group of 32
+        return rows * cols // 2 + 4 * rows * cols // 32
+    _, block, type_size = KEPT_GGUF_TYPES[qtype]
+    return rows * cols // block * type_size
 
 
 def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
@@ -371,6 +404,37 @@ def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
         part.bias = layer.bias
         return part
     return ConcatLinear(parts, layer.bias)
+
+
+def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes, loading peak) on a GPU of a GGUF model loaded with its blocks kept and repacked (chapter 10e's
+    `load_gguf_quantized`, then `gguf_layers_for_gpu`), from its tensors' (GGUF name, GGML type, shape): the layer
+    matrices and the LM head as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a number. Every block
+    comes to the GPU first, then each matrix is repacked in turn, the head last; planes take at least their blocks'
+    bytes, so the peak is the weights, the largest matrix's blocks and one slice's temporaries (under 10 bytes a byte
+    of blocks)."""
+    from forge_engine.gguf_file import SKIPPED_TENSORS
+    from forge_engine.quant.layers import _GGUF_PARTS
+
+    parts = {part for names in _GGUF_PARTS.values() for part in names}
+    head = "token_embd.weight" if tie_word_embeddings else "output.weight"
+    total, largest = 0, 0
+    for name, qtype, shape in tensors:
+        qtype, numel = int(qtype), math.prod(shape)
+        kept = name == head and qtype in KEPT_GGUF_TYPES
+        if name.split(".")[-2] in parts and name.startswith("blk."):
+            if qtype not in KEPT_GGUF_TYPES:
+                raise ValueError(f"{name}: GGUF type {qtype} cannot be kept quantized")
+            kept = True
+        if name in SKIPPED_TENSORS:
+            continue
+        if kept:
+            _, block, type_size = KEPT_GGUF_TYPES[qtype]
+            total += repacked_bytes(qtype, shape[0], shape[1])
+            largest = max(largest, numel // block * type_size)  # the matrix's blocks
+        else:
+            total += numel * dtype_bytes
+    return total, total + largest + 10 * REPACK_SLICE_BYTES
 
 
 @torch.no_grad()

@@ -276,26 +276,30 @@ def plan_memory(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
     cuda_graphs: bool = True,
+    weights: tuple[int, int] | None = None,
 ) -> MemoryPlan:
-    "What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little."
+    """What `budget` bytes hold for model `c` in `quantization`; MemoryPlanError (with what would fit) when too little.
+    `weights`: (bytes, loading peak) of the weights in `quantization` where the caller knows them better than the
+    size rules above (a GGUF file's blocks: chapter 10g's `gguf_gpu_bytes`, from the file's types)."""
 
     def plan(mode: str) -> MemoryPlan:
-        weights = weight_bytes(c, mode, dtype_bytes)
+        given = weights if weights is not None and mode == quantization else None
+        weights_bytes = given[0] if given else weight_bytes(c, mode, dtype_bytes)
         acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, mode)
         graphs = (
             activation_bytes(c, max_num_seqs, max_num_seqs, dtype_bytes, mode) if cuda_graphs else 0
         )
-        kv = budget - weights - acts - graphs - OVERHEAD_BYTES
+        kv = budget - weights_bytes - acts - graphs - OVERHEAD_BYTES
         return MemoryPlan(
             budget,
             mode,
-            weights,
+            weights_bytes,
             acts,
             graphs,
             OVERHEAD_BYTES,
             kv,
             max(0, kv) // c.kv_bytes_per_token(dtype_bytes),
-            load_peak_bytes(c, mode, dtype_bytes),
+            given[1] if given else load_peak_bytes(c, mode, dtype_bytes),
         )
 
     chosen = plan(quantization)
@@ -335,3 +339,9 @@ with pytest.raises(MemoryPlanError, match="does not fit in any weight format"):
     plan_memory(q4b, parse_bytes("2GiB"), "int4")
 with pytest.raises(ValueError, match="plan from the file size"):
     plan_memory(q4b, parse_bytes("8GiB"), "gguf")
+# a GGUF file's blocks: the caller gives the bytes it computed from the file's types (chapter 10g)
+pg = plan_memory(q4b, parse_bytes("8GiB"), "gguf", weights=(3 * GiB, 3 * GiB + 2**28))
+assert pg.weights == 3 * GiB and pg.load_peak == 3 * GiB + 2**28 and pg.quantization == "gguf"
+assert (
+    pg.kv_cache == p8.kv_cache + p8.weights - 3 * GiB
+)  # the same activations and graphs as int8's

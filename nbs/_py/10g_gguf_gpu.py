@@ -40,6 +40,8 @@
 #| export
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -510,17 +512,47 @@ class ConcatLinear(QuantLinear):
 
 # %%
 #| export
+REPACK_SLICE_BYTES = (
+    2**24
+)  # bytes of blocks repacked at a time: bounds the temporaries (the Q6_K head is 319 MB)
+REPACKS = {  # GGML type -> (repack of rows of blocks, the module of its planes)
+    8: (q8_0_as_int8, Int8GroupLinear),
+    14: (q6_k_as_int8, Int8GroupLinear),
+    12: (q4_k_as_int4, Int4Linear.from_groups),
+    2: (lambda raw: q4_0_q4_1_as_int4(raw, 2), Int4Linear.from_groups),
+    3: (lambda raw: q4_0_q4_1_as_int4(raw, 3), Int4Linear.from_groups),
+}
+
+
+def _repack_by_slices(repack, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    "`repack(raw)`, REPACK_SLICE_BYTES of rows at a time, into outputs allocated once."
+    rows = max(1, REPACK_SLICE_BYTES // raw.shape[1])
+    first = repack(raw[:rows])
+    if rows >= raw.shape[0]:
+        return first
+    outs = [t.new_empty((raw.shape[0], *t.shape[1:])) for t in first]
+    for start in range(0, raw.shape[0], rows):
+        for out, part in zip(outs, first if start == 0 else repack(raw[start : start + rows])):
+            out[start : start + part.shape[0]] = part
+    return tuple(outs)
+
+
 def repack_gguf_run(qtype: int, raw: torch.Tensor) -> QuantLinear | None:
     "One run of GGUF blocks [rows, bytes a row] as an `Int8GroupLinear` or `Int4Linear`; None for a type kept as is."
-    if qtype == 8:
-        return Int8GroupLinear(*q8_0_as_int8(raw))
-    if qtype == 14:
-        return Int8GroupLinear(*q6_k_as_int8(raw))
-    if qtype == 12:
-        return Int4Linear.from_groups(*q4_k_as_int4(raw))
-    if qtype in (2, 3):
-        return Int4Linear.from_groups(*q4_0_q4_1_as_int4(raw, qtype))
-    return None
+    if qtype not in REPACKS:
+        return None
+    repack, module = REPACKS[qtype]
+    return module(*_repack_by_slices(repack, raw))
+
+
+def repacked_bytes(qtype: int, rows: int, cols: int) -> int:
+    "Bytes an [rows, cols] matrix of GGUF type `qtype` takes on a GPU once `repack_gguf_run` has run (else: as stored)."
+    if qtype in (8, 14):  # int8 quants, an fp16 scale per group of 32 (Q8_0) or 16 (Q6_K)
+        return rows * cols + 2 * rows * cols // (32 if qtype == 8 else 16)
+    if qtype in REPACKS:  # int4: nibbles, an fp16 scale and minimum per group of 32
+        return rows * cols // 2 + 4 * rows * cols // 32
+    _, block, type_size = KEPT_GGUF_TYPES[qtype]
+    return rows * cols // block * type_size
 
 
 def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
@@ -533,6 +565,37 @@ def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
         part.bias = layer.bias
         return part
     return ConcatLinear(parts, layer.bias)
+
+
+def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes, loading peak) on a GPU of a GGUF model loaded with its blocks kept and repacked (chapter 10e's
+    `load_gguf_quantized`, then `gguf_layers_for_gpu`), from its tensors' (GGUF name, GGML type, shape): the layer
+    matrices and the LM head as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a number. Every block
+    comes to the GPU first, then each matrix is repacked in turn, the head last; planes take at least their blocks'
+    bytes, so the peak is the weights, the largest matrix's blocks and one slice's temporaries (under 10 bytes a byte
+    of blocks)."""
+    from forge_engine.gguf_file import SKIPPED_TENSORS
+    from forge_engine.quant.layers import _GGUF_PARTS
+
+    parts = {part for names in _GGUF_PARTS.values() for part in names}
+    head = "token_embd.weight" if tie_word_embeddings else "output.weight"
+    total, largest = 0, 0
+    for name, qtype, shape in tensors:
+        qtype, numel = int(qtype), math.prod(shape)
+        kept = name == head and qtype in KEPT_GGUF_TYPES
+        if name.split(".")[-2] in parts and name.startswith("blk."):
+            if qtype not in KEPT_GGUF_TYPES:
+                raise ValueError(f"{name}: GGUF type {qtype} cannot be kept quantized")
+            kept = True
+        if name in SKIPPED_TENSORS:
+            continue
+        if kept:
+            _, block, type_size = KEPT_GGUF_TYPES[qtype]
+            total += repacked_bytes(qtype, shape[0], shape[1])
+            largest = max(largest, numel // block * type_size)  # the matrix's blocks
+        else:
+            total += numel * dtype_bytes
+    return total, total + largest + 10 * REPACK_SLICE_BYTES
 
 
 @torch.no_grad()
@@ -619,6 +682,50 @@ for name, blocks in before.items():
         else:  # the dense path (on a CPU: PyTorch's BF16 weight-only GEMMs for int4)
             got = _with_bias(layer, layer.dense(x))
             assert ((got - want).norm() / want.norm()).item() < 1e-2, name
+
+# %% [markdown]
+# What the repacked model takes, from the file's types alone (`gguf_gpu_bytes`: what chapter
+# 10a's memory plan is given for a GGUF file), is what its buffers and parameters take:
+
+# %%
+from forge_engine.loader import model_bytes
+
+c = wide
+gguf_types = {
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "o": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"),
+    "down": ("ffn_down",),
+}
+rows = {
+    "attn_q": c.q_size,
+    "attn_k": c.kv_size,
+    "attn_v": c.kv_size,
+    "attn_output": c.hidden_size,
+    "ffn_gate": c.intermediate_size,
+    "ffn_up": c.intermediate_size,
+    "ffn_down": c.hidden_size,
+}
+infos = [("token_embd.weight", QType.Q6_K, (c.vocab_size, c.hidden_size))]
+for (i, name), types in kinds.items():
+    for part in gguf_types[name]:
+        t = types[-1] if part == "attn_v" else types[0]  # (layer 0's qkv: q and k Q4_K, v Q6_K)
+        infos.append(
+            (
+                f"blk.{i}.{part}.weight",
+                t,
+                (rows[part], c.intermediate_size if part == "ffn_down" else c.hidden_size),
+            )
+        )
+infos += [
+    (f"dense.{n}", QType.F32, tuple(p.shape)) for n, p in model.named_parameters()
+]  # norms, biases
+weights, peak = gguf_gpu_bytes(infos, tie_word_embeddings=True, dtype_bytes=4)
+assert weights == model_bytes(model) and peak > weights
+with pytest.raises(ValueError, match="blk.0.attn_q.weight: GGUF type 10 cannot be kept"):
+    gguf_gpu_bytes([("blk.0.attn_q.weight", QType.Q2_K, (256, 256))], True, 2)
+
+# %%
 ids = torch.tensor([0, 7, wide.vocab_size - 1])
 torch.testing.assert_close(
     model.embed(ids), _file_weights(head_bytes, 14)[ids], rtol=2e-3, atol=1e-4
