@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'QWEN3_EOS', 'PRESETS', 'QUANTIZATIONS', 'ModelConfig', 'model_config_from_hf',
-           'model_config_from_gguf', 'preset', 'EngineConfig']
+__all__ = ['ARCHITECTURES', 'QWEN3_EOS', 'PRESETS', 'QUANTIZATIONS', 'MAX_SPECULATIVE_TOKENS', 'ModelConfig',
+           'model_config_from_hf', 'model_config_from_gguf', 'preset', 'EngineConfig']
 
 # %% ../nbs/00_config.ipynb #0abd5520
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
@@ -288,6 +288,11 @@ QUANTIZATIONS = (
 )  # weight formats of the layer matrices (chapter 10)
 
 
+MAX_SPECULATIVE_TOKENS = (
+    7  # a verify step of one sequence fits the CPU's 8-row decode step (chapter 10f)
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     "How to run a model: device, dtype, and the limits of the serving core."
@@ -321,6 +326,9 @@ class EngineConfig:
     gpu_memory_budget: int | None = (
         None  # bytes this engine may use on the GPU (chapter 10a); None: gpu_memory_utilization
     )
+    speculative_tokens: int = (
+        0  # tokens proposed ahead by prompt lookup and checked in one step (chapter 08c); 0: off
+    )
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -341,6 +349,10 @@ class EngineConfig:
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
             raise ValueError(
                 f"gpu_memory_budget must be a positive number of bytes, got {self.gpu_memory_budget}"
+            )
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(

@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -26,6 +26,7 @@ from .loader import LoadedModel
 from .runner import PENDING, PendingTokens, build_runner
 from .sampling import SampleResult, SamplingBatch, SamplingRow, make_generator, sample
 from .scheduler import Scheduler, Sequence as Seq, StepPlan
+from .speculative import SpeculationCounts, accepted_length, propose_ngram, speculates
 
 # %% auto #0
 __all__ = ['RequestOutput', 'StepRecord', 'EngineStats', 'SerialEngine', 'LLMEngine']
@@ -91,6 +92,9 @@ class EngineStats:
     generated_tokens: int
     tokens_per_s: float  # generated tokens per second over the recent steps
     recent_steps: tuple[StepRecord, ...]
+    speculation: SpeculationCounts = field(
+        default_factory=SpeculationCounts
+    )  # chapter 08c's drafts
 
 # %% ../nbs/08_engine.ipynb #66bc93db
 @dataclass
@@ -146,6 +150,9 @@ class SerialEngine:
             None  # built on the first structured output (the tokenizer's bytes)
         )
         self._grammars_lock = threading.Lock()
+        if self.config.speculative_tokens and world > 1:
+            raise ValueError("speculative_tokens: not with tensor parallelism (yet)")
+        self.speculation = SpeculationCounts()
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
         # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
@@ -246,6 +253,7 @@ class SerialEngine:
     def step(self) -> list[RequestOutput]:
         "Schedule, run the model, sample, apply the tokens: outputs for every request that changed."
         start = time.perf_counter()
+        self._draft()
         plan, outputs = self._schedule(start)
         if not plan:
             return outputs
@@ -254,9 +262,23 @@ class SerialEngine:
         except Exception as e:  # fail the requests of this step only; the engine keeps serving
             return outputs + self._fail_step(plan, e)
         self._step_done(plan, launched)
-        outputs += self._land(launched)  # postprocess
-        self._record(plan, len(launched.due), time.perf_counter() - start)
-        return outputs
+        landed = self._land(launched)  # postprocess
+        self._record(plan, sum(len(o.delta_token_ids) for o in landed), time.perf_counter() - start)
+        return outputs + landed
+
+    def _draft(self) -> None:
+        """Each decoding sequence that `speculates` gets up to `speculative_tokens` drafts by prompt lookup (chapter
+        08c), within its max_tokens and the context; the others none."""
+        k = self.config.speculative_tokens
+        for seq in self.scheduler.running if k else ():
+            seq.draft_ids = []
+            if seq.is_decoding and speculates(seq.params, len(seq.output_ids)):
+                room = min(
+                    k,
+                    seq.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_model_len - seq.num_tokens - 1,
+                )
+                seq.draft_ids = propose_ngram(seq.token_ids, room) if room > 0 else []
 
     def _schedule(self, start: float) -> tuple[StepPlan, list[RequestOutput]]:
         "The next step's plan, and the outputs of the sequences the scheduler ended instead of running."
@@ -272,7 +294,10 @@ class SerialEngine:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _LaunchedStep:
         "Queue the sampler behind the forward (the masks of rows under a grammar made meanwhile), then the copy."
-        due = [item.seq for item in plan.scheduled if item.samples]
+        # a row of logits for each sampling sequence, and one more for each of its drafts (chapter 08c)
+        due = [
+            item.seq for item in plan.scheduled if item.samples for _ in range(1 + item.num_draft)
+        ]
         rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in due]
         if due:  # (greedy: the decode graph's argmax, where it took one)
             batch = SamplingBatch.build(
@@ -311,8 +336,11 @@ class SerialEngine:
         self.scheduler.step_done(
             plan
         )  # (before any token lands: newly full blocks hold real tokens only)
-        for seq in launched.due:
-            if not seq.finished:
+        drafting = {
+            item.seq for item in plan.scheduled if item.num_draft
+        }  # (they land in `_apply_verified`)
+        for seq in dict.fromkeys(launched.due):
+            if not seq.finished and seq not in drafting:
                 seq.output_ids.append(PENDING)  # (ended meanwhile: its token will be dropped)
 
     def _land(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
@@ -326,18 +354,46 @@ class SerialEngine:
             tokens = launched.tokens.tolist()
         except Exception as e:  # the step failed on the device
             return [self._fail(seq, e) for seq in launched.due if not seq.finished]
-        outputs = []
-        for k, (seq, token) in enumerate(zip(launched.due, tokens)):
+        outputs, drafts, k = [], {i.seq: i.num_draft for i in launched.plan.scheduled}, 0
+        while k < len(tokens):
+            seq, rows = launched.due[k], 1 + drafts.get(launched.due[k], 0)
+            k += rows
             if seq.finished:
                 continue  # ended (stop, abort, error) after the step was launched: its token is dropped
             try:
+                if rows > 1:
+                    outputs.append(self._apply_verified(seq, tokens[k - rows : k]))
+                    continue
                 logprobs = (
-                    launched.result.logprobs[k] if launched.result.logprobs is not None else None
+                    launched.result.logprobs[k - 1]
+                    if launched.result.logprobs is not None
+                    else None
                 )
-                outputs.append(self._apply_token(seq, token, logprobs))
+                outputs.append(self._apply_token(seq, tokens[k - 1], logprobs))
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    def _apply_verified(self, seq: Seq, greedy: list[int]) -> RequestOutput:
+        """A sequence's verify step (chapter 08c): `greedy` are the model's tokens after its last token and after each
+        draft. The drafts it agrees with and its own next token are applied in order, until one ends the sequence;
+        then the K/V of the inputs they follow count as computed. One output for them all."""
+        draft, seq.draft_ids = seq.draft_ids, []
+        accepted = accepted_length(draft, greedy)
+        self.speculation.proposed += len(draft)
+        self.speculation.accepted += accepted
+        self.speculation.verified += 1
+        applied, deltas = [], []
+        for token in greedy[: accepted + 1]:
+            seq.output_ids.append(PENDING)
+            out = self._apply_token(seq, token, None)
+            applied.append(token)
+            deltas.append(out.delta_text)
+            if seq.finished:
+                break
+        if not seq.finished:
+            self.scheduler.advance(seq, len(applied))
+        return replace(out, delta_text="".join(deltas), delta_token_ids=applied)
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         return [self._fail(item.seq, error) for item in plan.scheduled if not item.seq.finished]
@@ -414,7 +470,7 @@ class SerialEngine:
         decode = sum(
             1
             for i in plan.scheduled
-            if i.num_new == 1 and i.seq.num_computed > len(i.seq.prompt_ids)
+            if i.num_new == 1 + i.num_draft and i.seq.num_computed > len(i.seq.prompt_ids)
         )
         prefill = plan.num_tokens - decode
         used = self.allocator.num_blocks - self.allocator.num_free_blocks
@@ -447,6 +503,7 @@ class SerialEngine:
             self.generated_tokens,
             sum(r.sampled for r in window) / seconds if seconds else 0.0,
             tuple(self.recent),
+            replace(self.speculation),
         )
 
 # %% ../nbs/08_engine.ipynb #ab5f8e6f
@@ -460,6 +517,10 @@ class LLMEngine(SerialEngine):
         self.overlap = (
             self.device.type == "cuda" if overlap is None else overlap
         )  # the default: on GPUs
+        if (
+            self.config.speculative_tokens
+        ):  # drafts need the last step's tokens on the host (chapter 08c)
+            self.overlap = False
         self._launched: _LaunchedStep | None = (
             None  # the step whose tokens the host has not read yet
         )

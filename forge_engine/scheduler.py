@@ -45,6 +45,9 @@ class Sequence:
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # served by the prefix cache at the last admission
+    draft_ids: list[int] = field(
+        default_factory=list
+    )  # proposed next tokens, scored after its last one this step (chapter 08c); not yet its tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -76,6 +79,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens processed this step, starting at seq.num_computed
     samples: bool  # True when this step reaches the end of its tokens: a next token is sampled
+    num_draft: int = (
+        0  # of num_new, the sequence's draft tokens after its last one: each gets logits too
+    )
 
 
 @dataclass
@@ -155,7 +161,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
-        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        seq.block_table, seq.block_hashes, seq.num_computed, seq.draft_ids = [], [], 0, []
 
     # -- one step --
     def _blocks_for(self, seq: Sequence, num_new: int) -> int:
@@ -178,18 +184,27 @@ class Scheduler:
         plan, budget = StepPlan(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if s.is_decoding]
         prefilling = [s for s in self.running if not s.is_decoding]
+        # drafts take what the decodes leave of the budget: every decoding sequence still gets its token
+        draft_budget = budget - len(decoding)
         for seq in decoding + prefilling:  # oldest first within each group
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if self._outgrew_pool(seq, plan):
                 continue
-            uncomputed = seq.num_uncomputed
+            if seq.draft_ids:
+                seq.draft_ids = seq.draft_ids[: max(0, draft_budget)]
+                draft_budget -= len(seq.draft_ids)
+            uncomputed = seq.num_uncomputed + len(seq.draft_ids)
             num_new = min(uncomputed, budget)
             if num_new == 0:
                 continue
             need = self._blocks_for(
                 seq, num_new
             )  # most decode steps need none: the last block has room
+            if seq.draft_ids and need and not self.allocator.can_allocate(need):
+                seq.draft_ids = []  # drafts never preempt anyone
+                uncomputed = num_new = seq.num_uncomputed
+                need = self._blocks_for(seq, num_new)
             while need and not self.allocator.can_allocate(need):
                 if self._preempt_youngest(plan) is seq:
                     break
@@ -197,7 +212,9 @@ class Scheduler:
                 continue
             if need:
                 seq.block_table += self.allocator.allocate(need)
-            plan.scheduled.append(ScheduledSeq(seq, num_new, num_new == uncomputed))
+            plan.scheduled.append(
+                ScheduledSeq(seq, num_new, num_new == uncomputed, len(seq.draft_ids))
+            )
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -247,21 +264,26 @@ class Scheduler:
         self.running.insert(i, seq)
 
     def step_done(self, plan: StepPlan) -> None:
-        "After the model ran: the scheduled tokens are computed; offer newly full blocks to the prefix cache."
-        size = self.allocator.block_size
+        """After the model ran: the scheduled tokens are computed; offer newly full blocks to the prefix cache.
+        A sequence with drafts waits for `advance` with what was accepted of them (chapter 08c)."""
         for item in plan.scheduled:
-            seq = item.seq
-            if seq.finished:
-                continue  # aborted while the step ran; its blocks are already back
-            seq.num_computed += item.num_new
-            newly_full = range(len(seq.block_hashes), seq.num_computed // size)
-            tokens = (
-                seq.token_ids if newly_full else None
-            )  # building the list costs O(length): only when needed
-            for i in newly_full:
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                seq.block_hashes.append(
-                    self.allocator.register_full_block(
-                        seq.block_table[i], parent, tokens[i * size : (i + 1) * size]
-                    )
+            if not item.num_draft:
+                self.advance(item.seq, item.num_new)
+
+    def advance(self, seq: Sequence, num_computed: int) -> None:
+        "`num_computed` more of `seq`'s tokens have their K/V in the cache; newly full blocks join the prefix cache."
+        if seq.finished:
+            return  # aborted while the step ran; its blocks are already back
+        size = self.allocator.block_size
+        seq.num_computed += num_computed
+        newly_full = range(len(seq.block_hashes), seq.num_computed // size)
+        tokens = (
+            seq.token_ids if newly_full else None
+        )  # building the list costs O(length): only when needed
+        for i in newly_full:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(
+                self.allocator.register_full_block(
+                    seq.block_table[i], parent, tokens[i * size : (i + 1) * size]
                 )
+            )

@@ -48,7 +48,7 @@ from forge_engine.cuda_graphs import (
 )
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.model import Transformer, no_cache_attention
-from forge_engine.scheduler import Sequence as Seq, StepPlan
+from forge_engine.scheduler import ScheduledSeq, Sequence as Seq, StepPlan
 
 # %%
 #| hide
@@ -217,6 +217,13 @@ class PendingTokens:
 ROW_TILE = 8
 
 
+def _step_tokens(item: ScheduledSeq) -> list[int]:
+    "The tokens a step feeds for a scheduled sequence: from its first uncomputed one, then its drafts (chapter 08c)."
+    seq, start = item.seq, item.seq.num_computed
+    tokens = seq.token_ids + seq.draft_ids if item.num_draft else seq.token_ids
+    return tokens[start : start + item.num_new]
+
+
 class ModelRunner:
     "Runs one scheduled step of the model over the paged KV cache."
 
@@ -247,23 +254,35 @@ class ModelRunner:
         there."""
         items = plan.scheduled
         unread = pending.inputs_of(items) if pending is not None else None
+        drafts = any(
+            i.num_draft for i in items
+        )  # sequences with drafts (chapter 08c): logits for each
         if (
             self.decode is not None
-            and all(i.num_new == 1 and i.samples for i in items)
-            and len(items) <= self.decode.buckets[-1]
-        ):  # a pure decode step: replay a CUDA graph
+            and all(i.num_new == 1 + i.num_draft and i.samples for i in items)
+            and sum(i.num_new for i in items) <= self.decode.buckets[-1]
+            and (not drafts or getattr(self.decode, "takes_draft_rows", False))
+        ):  # a pure decode step (a draft: one more row of its sequence): replay a CUDA graph
             return self._run_decode(items, pending, unread)
-        if self.mixed is not None and self.mixed.fits(
-            sum(i.num_new for i in items), len(items), max(len(i.seq.block_table) for i in items)
+        if (
+            self.mixed is not None
+            and not drafts
+            and self.mixed.fits(
+                sum(i.num_new for i in items),
+                len(items),
+                max(len(i.seq.block_table) for i in items),
+            )
         ):  # prefill chunks, maybe beside decodes: a graph of its token bucket
             return self._run_mixed(items, pending, unread)
-        ids = [
-            t
-            for i in items
-            for t in i.seq.token_ids[i.seq.num_computed : i.seq.num_computed + i.num_new]
-        ]
+        ids = [t for i in items for t in _step_tokens(i)]
         last_rows = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
         due = [k for k, i in enumerate(items) if i.samples]
+        if drafts:  # a sequence with drafts: the rows of its last token and of each draft
+            logit_rows = [
+                r for k in due for r in range(last_rows[k] - items[k].num_draft, last_rows[k] + 1)
+            ]
+        else:
+            logit_rows = last_rows[due].tolist()
         ids = to_device(
             torch.tensor(ids, dtype=torch.long), self.device
         )  # without waiting for the GPU (chapter 05)
@@ -272,13 +291,13 @@ class ModelRunner:
                 ids, last_rows[unread[0]].tolist(), unread[1]
             )  # a pending token is its sequence's last
         if self.batch_invariant:
-            return self._run_invariant(items, ids, last_rows[due].tolist())
+            return self._run_invariant(items, ids, logit_rows)
         layout = build_step_layout(
             [(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
             self.cache.block_size,
             self.device,
         )
-        rows = to_device(last_rows[due], self.device)
+        rows = to_device(torch.tensor(logit_rows, dtype=torch.long), self.device)
         hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
         return self.model.compute_logits(hidden[rows])
 
@@ -295,17 +314,18 @@ class ModelRunner:
         self, items, pending: PendingTokens | None, unread: tuple[list[int], list[int]] | None
     ):
         size = self.cache.block_size
-        positions = [i.seq.num_computed for i in items]
-        slots = [i.seq.block_table[p // size] * size + p % size for i, p in zip(items, positions)]
+        # a row per token: a sequence's last one, and each of its drafts at the positions after it
+        rows = [(i, i.seq.num_computed + j) for i in items for j in range(i.num_new)]
+        slots = [i.seq.block_table[p // size] * size + p % size for i, p in rows]
         fill = (
             (lambda ids: pending.fill(ids, *unread)) if unread else None
-        )  # one token per sequence: item k is row k
+        )  # (pending tokens: only without drafts, where item k is row k)
         return self.decode.run(
-            [i.seq.last_token for i in items],
-            positions,
+            [t for i in items for t in _step_tokens(i)],
+            [p for _, p in rows],
             slots,
-            [i.seq.block_table for i in items],
-            [p + 1 for p in positions],
+            [i.seq.block_table for i, _ in rows],
+            [p + 1 for _, p in rows],
             fill,
         )
 
@@ -411,10 +431,13 @@ def build_runner(
         else None
     )
     if decode is None and param.device.type == "cpu" and not config.batch_invariant:
-        # a GGUF model's decode steps as one C call (chapter 10f), where it runs; else the eager step
+        # a GGUF model's decode steps as one C call (chapter 10f), where it runs (rows: a sequence and its drafts,
+        # chapter 08c); else the eager step
         from forge_engine.cpu_decode import cpu_decode_runner
 
-        decode = cpu_decode_runner(model, cache, config.max_num_seqs)
+        decode = cpu_decode_runner(
+            model, cache, config.max_num_seqs * (1 + config.speculative_tokens)
+        )
     mixed = (
         MixedStepRunner(
             model,

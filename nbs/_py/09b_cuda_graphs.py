@@ -270,6 +270,10 @@ def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> No
 class DecodeRunner:
     "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
 
+    # rows that are positions of one sequence (a verify step's drafts, chapter 08c): not yet checked against the
+    # attention kernels that write K/V and read it in one launch
+    takes_draft_rows = False
+
     def __init__(
         self,
         model: Transformer,

@@ -292,6 +292,10 @@ class CPUDecodeRunner:
     """Decode steps of up to `max_rows` sequences of a GGUF model on a CPU: the embedding and the LM head in
     PyTorch, every layer in one C call. The model's tensors and the cache's pools are read in place."""
 
+    # rows may be positions of one sequence (a verify step's drafts, chapter 08c): each layer writes every row's
+    # K/V before any row's attention reads the pool
+    takes_draft_rows = True
+
     def __init__(self, model: Transformer, cache: PagedKVCache, max_rows: int = DECODE_MAX_ROWS):
         if (why := cpu_decode_refusal(model, cache)) is not None:
             raise ValueError(f"the C decode step cannot run this model: {why}")

@@ -1,0 +1,227 @@
+# %% [markdown]
+# # Speculative decoding
+#
+# > Propose a few next tokens cheaply, score them all in one step of the model, keep the longest run the model agrees with: more than one token a step, and the same tokens as without.
+
+# %% [markdown]
+# A decode step reads every weight to produce one token per sequence. At batch 1 the step is bound
+# by that reading, not by arithmetic, so scoring 5 tokens of one sequence costs about what scoring
+# one does on a GPU. Speculative decoding uses that slack: a *proposer* guesses the next `k`
+# tokens `x1..xk`; the engine feeds `[last, x1, ..., xk]` to the model at positions `p..p+k` in one
+# step, as a decode step whose rows are positions of the same sequence (each row attends to the
+# rows before it, whose K/V the step writes first). Row `r`'s logits give the model's own next
+# token `g_r` after `x_r`. With greedy decoding:
+#
+# ```
+# inputs   last   x1    x2    x3    x4
+# greedy   g0     g1    g2    g3    g4
+# accept   x1 == g0?  x2 == g1?  ...   the longest agreeing prefix x1..xj, then g_j: j + 1 tokens
+# ```
+#
+# The new tokens `g0..gj` are exactly what `j + 1` plain greedy steps would have produced, so the
+# output is the same token for token. The K/V written for the rejected `x_{j+1}..x_k` sit past the
+# sequence's end: the next step overwrites them, and its blocks stay its own until it ends.
+#
+# **The arithmetic.** If each proposed token is right with probability `a` (independently), a step
+# yields on average `E = (1 − a^(k+1)) / (1 − a)` tokens: `a = 0.7, k = 4` gives 2.8. The speed-up is
+# `E` divided by the verify step's cost in decode steps: on a GPU at batch 1 that cost is close to
+# 1; on a 2-core CPU, where chapter 10f's C step is bound by its integer dot products, 5 rows cost
+# 2-3 single-row steps, and speculation pays only where drafts are almost always right.
+#
+# **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
+# where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed
+# there. It shines where the output copies its input: rewriting or summarising a given text,
+# editing code, answering from a document.
+
+# %%
+#| default_exp speculative
+
+# %%
+#| export
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from forge_engine.generate import SamplingParams
+
+# %%
+#| hide
+import pytest
+
+
+# %%
+#| export
+def propose_ngram(
+    token_ids: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1
+) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the sequence's last n tokens, for the
+    longest n in [min_ngram, max_ngram] that occurred before; [] when none did."""
+    n_tokens = len(token_ids)
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        tail = list(token_ids[n_tokens - n :])
+        for start in range(n_tokens - n - 1, -1, -1):  # the most recent match first
+            if token_ids[start] == tail[0] and list(token_ids[start : start + n]) == tail:
+                return list(token_ids[start + n : start + n + k])
+    return []
+
+
+def accepted_length(draft: Sequence[int], greedy: Sequence[int]) -> int:
+    "How many leading draft tokens the model agrees with: draft[i] == greedy[i] (greedy[i]: its token after draft[:i])."
+    j = 0
+    while j < len(draft) and draft[j] == greedy[j]:
+        j += 1
+    return j
+
+
+def speculates(params: SamplingParams, num_output: int) -> bool:
+    """Whether a sequence's next tokens can be drafted and checked exactly: greedy, and its sampler's choice at a
+    position does not depend on the tokens before it (no penalties, no min_tokens still to reach, no logprobs, no
+    grammar)."""
+    return (
+        params.temperature == 0
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.min_tokens <= num_output
+        and params.logprobs is None
+        and params.structured is None
+    )
+
+
+@dataclass
+class SpeculationCounts:
+    "What speculation did: draft tokens proposed, accepted, and the verify steps of one sequence each."
+
+    proposed: int = 0
+    accepted: int = 0
+    verified: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        "Tokens a verify step gave a sequence, on average: its accepted drafts and the model's own token."
+        return (self.accepted + self.verified) / self.verified if self.verified else 0.0
+
+
+# %% [markdown]
+# The proposer on a sentence that repeats itself, and the acceptance rule:
+
+# %%
+ids = [5, 6, 7, 8, 9, 5, 6, 7]
+assert propose_ngram(ids, 3) == [8, 9, 5]  # "5 6 7" seen before: what came next
+assert propose_ngram(ids, 10) == [8, 9, 5, 6, 7]  # no more than the sequence holds
+assert propose_ngram([1, 2, 3, 4], 2) == []  # the last token never occurred before
+assert propose_ngram([1, 2, 1, 3, 1], 2) == [3, 1]  # the most recent earlier "1"
+assert propose_ngram([4, 1, 2, 9, 1, 2, 7, 1, 2], 1, max_ngram=2) == [7]
+assert accepted_length([8, 9, 5], [8, 9, 4, 1]) == 2 and accepted_length([], [3]) == 0
+assert accepted_length([8, 9], [8, 9, 2]) == 2
+assert speculates(SamplingParams(temperature=0), 0)
+assert not speculates(SamplingParams(temperature=0.7), 0)
+assert not speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 0)
+assert not speculates(SamplingParams(temperature=0, min_tokens=4), 2)
+counts = SpeculationCounts(proposed=8, accepted=6, verified=2)
+assert counts.acceptance_rate == 0.75 and counts.mean_accepted_length == 4.0
+
+# %% [markdown]
+# ## In the engine
+#
+# `EngineConfig(speculative_tokens=k)` turns it on (chapter 08). Before each step the engine drafts
+# up to `k` tokens for every decoding sequence that `speculates`, within what its `max_tokens` and
+# the context leave; the scheduler (chapter 07) gives drafts only what the step's token budget
+# leaves after every decoding sequence's own token, and never preempts anyone for them. The model
+# runner (chapter 07a) scores a sequence's `1 + k` tokens as rows of chapter 10f's C decode step on
+# a CPU, or as a chunk of the eager step elsewhere, and returns logits for each. Once the tokens are
+# read, the engine applies the accepted ones in order (a stop string or `max_tokens` can end the
+# sequence part way), and only then counts their K/V as computed (`Scheduler.advance`), so the
+# prefix cache registers real tokens only. Speculation needs each step's tokens on the host before
+# the next is drafted, so it runs the steps one after the other (chapter 08's overlap is off).
+#
+# The test: greedy outputs with speculation equal those without, token for token, on a tiny random
+# model (its greedy outputs fall into loops that prompt lookup catches), with the prefix cache on,
+# a KV pool small enough to preempt, an abort, and prompts that cross block boundaries; every block
+# is free afterwards, and both accepted and rejected drafts happened.
+
+# %%
+import random
+
+import torch
+
+from forge_engine.config import EngineConfig, preset
+from forge_engine.kv_cache import PagedKVCache
+from forge_engine.engine import LLMEngine
+from forge_engine.loader import LoadedModel
+from forge_engine.model import empty_model, init_random_weights
+
+
+def run_all(engine, prompts, params, abort=None):
+    "Every prompt to its end (one aborted after 3 steps); the token lists by request id."
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    finals, steps = {}, 0
+    while engine.has_unfinished():
+        steps += 1
+        if abort is not None and steps == 3:
+            engine.abort(abort)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    engine.allocator.check_idle()
+    assert engine.allocator.stats().used_blocks == 0
+    return finals
+
+
+tiny = preset("qwen3-tiny").replace(vocab_size=64, num_layers=2)
+loaded = LoadedModel("tiny", init_random_weights(empty_model(tiny), seed=3, std=0.2), None, None)
+rng = random.Random(0)
+prompts = [[rng.randrange(1, 64) for _ in range(rng.randint(3, 40))] * 2 for _ in range(6)]
+params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+for kv_blocks in (64, 12):  # 12 blocks of 8: preemption
+    base = dict(kv_cache_bytes=None, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    size = (kv_blocks + 1) * PagedKVCache.bytes_per_block(
+        tiny, 8, torch.float32
+    )  # (+1: the graphs' scratch)
+    plain = LLMEngine(loaded, EngineConfig(**{**base, "kv_cache_bytes": size}))
+    want = run_all(plain, prompts, params, abort="2")
+    spec = LLMEngine(
+        loaded, EngineConfig(**{**base, "kv_cache_bytes": size, "speculative_tokens": 4})
+    )
+    got = run_all(spec, prompts, params, abort="2")
+    assert got == want, kv_blocks
+    counts = spec.stats().speculation
+    assert 0 < counts.accepted < counts.proposed, counts  # both outcomes happened
+    print(kv_blocks, "blocks:", counts, f"mean accepted length {counts.mean_accepted_length:.2f}")
+
+# %% [markdown]
+# On a CPU a GGUF model's verify steps go through chapter 10f's C decode step, the drafts as more
+# rows of their sequence. SmolLM2 asked to repeat a passage: the same greedy tokens with and
+# without speculation, with verify steps of several rows.
+
+# %%
+from forge_engine.loader import load_model
+
+smol = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="gguf")
+passage = (
+    "The river begins as snow on the northern slopes, melts in late spring, and runs for three hundred "
+    "kilometres before it reaches the sea."
+)
+prompt = smol.tokenizer.encode(
+    f"{passage}\nRepeat the sentence above word for word.\n{passage[:40]}"
+)
+outputs = {}
+for k in (0, 4):
+    engine = LLMEngine(smol, EngineConfig(max_num_seqs=4, speculative_tokens=k))
+    rows = []
+    engine.runner.decode.run = lambda *args, run=engine.runner.decode.run: (
+        rows.append(len(args[0])) or run(*args)
+    )
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[k] = out.token_ids
+    assert engine.allocator.stats().used_blocks == 0
+assert outputs[4] == outputs[0] and max(rows) > 1, (rows, engine.stats().speculation)
+print(smol.tokenizer.decode(outputs[4]), engine.stats().speculation)
