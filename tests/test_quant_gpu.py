@@ -144,27 +144,28 @@ def test_quantized_model_under_cuda_graphs_matches_eager(mode):
         for layer in model.layers
         for n in QUANTIZED_LINEARS
     )
-    loaded = LoadedModel(mode, model, None, None)
+    options = dict(max_num_seqs=SKINNY_MAX_ROWS, max_num_batched_tokens=256)
+    assert greedy_tokens(
+        LoadedModel(mode, model, None, None), graphs=True, **options
+    ) == greedy_tokens(LoadedModel(mode, model, None, None), graphs=False, **options)
+
+
+def greedy_tokens(loaded: LoadedModel, graphs: bool, **options) -> list[list[int]]:
+    "Three prompts' greedy tokens through the engine, with or without CUDA graphs."
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    options = dict(
-        kv_cache_bytes=32 * 2**20,
-        max_num_seqs=SKINNY_MAX_ROWS,
-        max_num_batched_tokens=256,
-        max_model_len=512,
+    config = EngineConfig(
+        kv_cache_bytes=32 * 2**20, max_model_len=512, cuda_graphs=graphs, **options
     )
-    runs = []
-    for graphs in (True, False):
-        engine = LLMEngine(loaded, EngineConfig(**options, cuda_graphs=graphs))
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, request_id=str(i))
-        finals = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out.token_ids
-        runs.append([finals[str(i)] for i in range(len(prompts))])
-    assert runs[0] == runs[1]
+    engine = LLMEngine(loaded, config)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    return [finals[str(i)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -327,25 +328,9 @@ def test_a_gguf_file_repacked_on_the_gpu_decodes_as_its_blocks(tmp_path):
     )  # the repacks are exact for these types: FP32 sums in another order
 
     loaded = LoadedModel("tiny-gguf", model, None, None)
-    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    runs = []
-    for graphs in (True, False):
-        engine = LLMEngine(
-            loaded,
-            EngineConfig(
-                kv_cache_bytes=32 * 2**20, max_num_seqs=8, max_model_len=512, cuda_graphs=graphs
-            ),
-        )
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, request_id=str(i))
-        finals = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out.token_ids
-        runs.append([finals[str(i)] for i in range(len(prompts))])
-    assert runs[0] == runs[1]
+    assert greedy_tokens(loaded, graphs=True, max_num_seqs=8) == greedy_tokens(
+        loaded, graphs=False, max_num_seqs=8
+    )
 
 
 @pytest.mark.parametrize("k,n", SHAPES)

@@ -38,7 +38,7 @@ from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 # %% auto #0
 __all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'cpu_int4pack',
            'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'quantize_model', 'load_gguf_quantized', 'perplexity']
+           'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
@@ -418,6 +418,20 @@ class GGUFLinear(QuantLinear):
 
 # %% ../../nbs/10e_quant_layers.ipynb #d340395c
 QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
+
+
+def swap_layer_matrices(model: Transformer, swap) -> None:
+    """Each layer matrix of `model` (QUANTIZED_LINEARS) replaced, in place and one at a time, by `swap(module, where)`
+    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next."""
+    for i, layer in enumerate(model.layers):
+        for name in QUANTIZED_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            new = swap(getattr(parent, attr), f"layer {i} {name}")
+            if new is not None:
+                setattr(parent, attr, new)
+
+
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
@@ -435,15 +449,13 @@ def quantize_model(
         )
     options = {"group": int4_group} if mode == "int4" else {}
     options["device"] = device
-    for layer in model.layers:
-        for name in QUANTIZED_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            linear = getattr(parent, attr)
-            if isinstance(linear, QuantLinear):
-                raise ValueError(f"layer {layer.attn.layer} {name} is already quantized")
-            setattr(parent, attr, QUANTIZERS[mode](linear, **options))
-            del linear  # the last reference: the full-precision weight is freed here
+
+    def quantized(linear: nn.Module, where: str) -> QuantLinear:
+        if isinstance(linear, QuantLinear):
+            raise ValueError(f"{where} is already quantized")
+        return QUANTIZERS[mode](linear, **options)
+
+    swap_layer_matrices(model, quantized)
     if model.lm_head is not None:
         model.lm_head = Int8Linear(model.lm_head, device)
     else:  # tied: one int8 table, the head's, read by both ends

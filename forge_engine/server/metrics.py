@@ -59,6 +59,26 @@ class ServerMetrics:
             "Prompt tokens found in the prefix cache / looked up.",
             registry=r,
         )
+        # speculative decoding (chapter 08c): the engine's totals, read at scrape time
+        self.spec_drafts = Gauge(
+            "forge_spec_decode_draft_tokens", "Draft tokens proposed so far.", registry=r
+        )
+        self.spec_accepted = Gauge(
+            "forge_spec_decode_accepted_tokens",
+            "Draft tokens the model agreed with so far.",
+            registry=r,
+        )
+        self.spec_steps = Gauge(
+            "forge_spec_decode_verify_steps", "Sequences' verify steps so far.", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            "forge_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", registry=r
+        )
+        self.spec_length = Gauge(
+            "forge_spec_decode_mean_accepted_length",
+            "Tokens a verify step gave its sequence, on average (accepted drafts + 1).",
+            registry=r,
+        )
 
     def observe(self, out: RequestOutput, since_last_tokens: float | None) -> None:
         "One output of a request; `since_last_tokens`: seconds since its previous output with tokens."
@@ -84,4 +104,10 @@ class ServerMetrics:
             self.kv_used.set(stats.kv.used_blocks)
             self.kv_usage.set(stats.kv.usage)
             self.prefix_hit_rate.set(stats.kv.hit_rate)
+            spec = stats.speculation
+            self.spec_drafts.set(spec.proposed)
+            self.spec_accepted.set(spec.accepted)
+            self.spec_steps.set(spec.verified)
+            self.spec_acceptance.set(spec.acceptance_rate)
+            self.spec_length.set(spec.mean_accepted_length)
         return generate_latest(self.registry)

@@ -634,6 +634,20 @@ with pytest.raises(
 # %%
 #| export
 QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
+
+
+def swap_layer_matrices(model: Transformer, swap) -> None:
+    """Each layer matrix of `model` (QUANTIZED_LINEARS) replaced, in place and one at a time, by `swap(module, where)`
+    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next."""
+    for i, layer in enumerate(model.layers):
+        for name in QUANTIZED_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            new = swap(getattr(parent, attr), f"layer {i} {name}")
+            if new is not None:
+                setattr(parent, attr, new)
+
+
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
@@ -651,15 +665,13 @@ def quantize_model(
         )
     options = {"group": int4_group} if mode == "int4" else {}
     options["device"] = device
-    for layer in model.layers:
-        for name in QUANTIZED_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            linear = getattr(parent, attr)
-            if isinstance(linear, QuantLinear):
-                raise ValueError(f"layer {layer.attn.layer} {name} is already quantized")
-            setattr(parent, attr, QUANTIZERS[mode](linear, **options))
-            del linear  # the last reference: the full-precision weight is freed here
+
+    def quantized(linear: nn.Module, where: str) -> QuantLinear:
+        if isinstance(linear, QuantLinear):
+            raise ValueError(f"{where} is already quantized")
+        return QUANTIZERS[mode](linear, **options)
+
+    swap_layer_matrices(model, quantized)
     if model.lm_head is not None:
         model.lm_head = Int8Linear(model.lm_head, device)
     else:  # tied: one int8 table, the head's, read by both ends

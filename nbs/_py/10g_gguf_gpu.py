@@ -58,11 +58,11 @@ from forge_engine.model import Transformer
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES
 from forge_engine.quant.layers import (
     DENSE_TILE_WEIGHTS,
-    QUANTIZED_LINEARS,
     GGUFLinear,
     Int4Linear,
     QuantLinear,
     TiedEmbedding,
+    swap_layer_matrices,
 )
 from forge_engine.quant.split_k import (
     _accumulate,
@@ -601,13 +601,9 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
 @torch.no_grad()
 def gguf_layers_for_gpu(model: Transformer) -> Transformer:
     "Every `GGUFLinear` of `model` (layer matrices, LM head) replaced, in place, by `repack_gguf_linear`'s. Returns it."
-    for layer in model.layers:
-        for name in QUANTIZED_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            child = getattr(parent, attr)
-            if isinstance(child, GGUFLinear):
-                setattr(parent, attr, repack_gguf_linear(child))
+    swap_layer_matrices(
+        model, lambda child, _: repack_gguf_linear(child) if isinstance(child, GGUFLinear) else None
+    )
     if isinstance(model.lm_head, GGUFLinear):
         model.lm_head = repack_gguf_linear(model.lm_head)
         if isinstance(model.embed, TiedEmbedding):

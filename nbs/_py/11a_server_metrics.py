@@ -73,6 +73,26 @@ class ServerMetrics:
             "Prompt tokens found in the prefix cache / looked up.",
             registry=r,
         )
+        # speculative decoding (chapter 08c): the engine's totals, read at scrape time
+        self.spec_drafts = Gauge(
+            "forge_spec_decode_draft_tokens", "Draft tokens proposed so far.", registry=r
+        )
+        self.spec_accepted = Gauge(
+            "forge_spec_decode_accepted_tokens",
+            "Draft tokens the model agreed with so far.",
+            registry=r,
+        )
+        self.spec_steps = Gauge(
+            "forge_spec_decode_verify_steps", "Sequences' verify steps so far.", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            "forge_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", registry=r
+        )
+        self.spec_length = Gauge(
+            "forge_spec_decode_mean_accepted_length",
+            "Tokens a verify step gave its sequence, on average (accepted drafts + 1).",
+            registry=r,
+        )
 
     def observe(self, out: RequestOutput, since_last_tokens: float | None) -> None:
         "One output of a request; `since_last_tokens`: seconds since its previous output with tokens."
@@ -98,6 +118,12 @@ class ServerMetrics:
             self.kv_used.set(stats.kv.used_blocks)
             self.kv_usage.set(stats.kv.usage)
             self.prefix_hit_rate.set(stats.kv.hit_rate)
+            spec = stats.speculation
+            self.spec_drafts.set(spec.proposed)
+            self.spec_accepted.set(spec.accepted)
+            self.spec_steps.set(spec.verified)
+            self.spec_acceptance.set(spec.acceptance_rate)
+            self.spec_length.set(spec.mean_accepted_length)
         return generate_latest(self.registry)
 
 
@@ -138,3 +164,27 @@ itl_count = [
     if s.name.endswith("_count")
 ]
 assert itl_count == [1]
+
+# %% [markdown]
+# The engine's gauges come from its stats snapshot at scrape time, speculative decoding's among them:
+
+# %%
+from types import SimpleNamespace
+
+from forge_engine.speculative import SpeculationCounts
+
+snapshot = SimpleNamespace(
+    running=1,
+    waiting=2,
+    kv=SimpleNamespace(used_blocks=3, usage=0.25, hit_rate=0.5),
+    speculation=SpeculationCounts(proposed=8, accepted=6, verified=2),
+)
+values = {
+    f.name: f.samples[0].value
+    for f in text_string_to_metric_families(ServerMetrics().exposition(snapshot).decode())
+    if f.type == "gauge"
+}
+assert values["forge_requests_waiting"] == 2 and values["forge_kv_cache_usage_ratio"] == 0.25
+assert values["forge_spec_decode_acceptance_rate"] == 0.75
+assert values["forge_spec_decode_mean_accepted_length"] == 4.0
+assert values["forge_spec_decode_draft_tokens"] == 8

@@ -161,6 +161,7 @@ ENGINE_FLAGS = (
     "max_waiting",
     "tensor_parallel_size",
     "max_model_len",
+    "speculative_tokens",
 )
 
 
