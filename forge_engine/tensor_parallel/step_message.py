@@ -121,6 +121,7 @@ class _Scheduled:
     seq: _SeqView
     num_new: int
     samples: bool
+    num_draft: int = 0  # (no drafts under tensor parallelism: the engine refuses speculation there)
 
 
 @dataclass
