@@ -50,6 +50,7 @@ def engine_config(args, workload: str) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_budget=args.gpu_memory_budget,
+        speculative_tokens=args.speculative_tokens or 0,
         **{
             k: v if v is not None else defaults.get(k)
             for k, v in limits.items()
@@ -114,6 +115,7 @@ def add_arguments(workloads) -> None:
         ("w2", "offline throughput"),
         ("w3", "online serving against a server started here"),
         ("w4", "CPU classroom: 1 and 8 requests"),
+        ("w5", "speculative decoding against none: rewriting a given text, batch 1"),
         ("all", "several workloads in one run (--workloads)"),
     ]
     for name, what in runs:
@@ -158,6 +160,12 @@ def add_arguments(workloads) -> None:
             "--num-prompts", type=int, default=None, help="w2: how many requests (default 256)"
         )
         w.add_argument("--output-len", type=int, default=None, help="new tokens per request")
+        w.add_argument(
+            "--speculative-tokens",
+            type=int,
+            default=None,
+            help="draft tokens by prompt lookup (chapter 08c); w5: the drafts it measures (default 3)",
+        )
         w.add_argument(
             "--peers",
             action="store_true",
@@ -223,7 +231,7 @@ def add_arguments(workloads) -> None:
 
 
 def run_from_args(args) -> int:
-    "`forge-engine bench w1|w2|w3|w4|all|plot|report`."
+    "`forge-engine bench w1|w2|w3|w4|w5|all|plot|report`."
     log = lambda msg: print(msg, file=sys.stderr)
     if args.workload == "plot":
         from forge_engine.bench_plots import save_plots
@@ -243,7 +251,7 @@ def run_from_args(args) -> int:
     if args.workload == "all":
         default = "w1,w2,w3" if device.type == "cuda" else "w3,w4"
         names = [n.strip() for n in (args.workloads or default).split(",")]
-        if bad := [n for n in names if n not in ("w1", "w2", "w3", "w4")]:
+        if bad := [n for n in names if n not in ("w1", "w2", "w3", "w4", "w5")]:
             raise ValueError(f"unknown workload(s) {bad}")
         names.sort(
             key=lambda n: n != "w3"

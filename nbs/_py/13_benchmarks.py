@@ -497,7 +497,78 @@ def w4_prompt(loaded: LoadedModel) -> list[int]:
     return loaded.tokenizer.encode_chat(chat) if loaded.tokenizer else random_prompts(1, 24, 24)[0]
 
 
-WORKLOADS = {"w1": w1_single_stream, "w2": w2_offline_throughput, "w4": w4_cpu_classroom}
+W5_DRAFTS = 3  # draft tokens when the run does not say (`--speculative-tokens`)
+
+
+def w5_speculative(
+    loaded: LoadedModel, config: EngineConfig, new_tokens: int = 160, repeats: int = 3
+) -> dict:
+    """W5: speculative decoding by prompt lookup (chapter 08c) against none, in one run: one request to rewrite a
+    given text, greedy, batch 1. Decode tok/s of each, in interleaved rounds, the median; the acceptance counts; and
+    the check that speculation left every token as it was (a RuntimeError otherwise)."""
+    drafts = config.speculative_tokens or W5_DRAFTS
+    prompt = w5_prompt(loaded)
+    engines = {
+        k: LLMEngine(loaded, config.replace(speculative_tokens=k, max_num_seqs=1))
+        for k in (0, drafts)
+    }
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for engine in engines.values():
+        run_batch(engine, [prompt], warm)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    rates, tokens = {k: [] for k in engines}, {}
+    for _ in range(repeats):
+        for k, engine in engines.items():
+            r = run_batch(engine, [prompt], params)
+            rates[k].append((r["output_tokens"] - 1) / (r["wall_s"] - r["ttft_median_s"]))
+            if (
+                tokens.setdefault(k, r["token_ids"][0]) != r["token_ids"][0]
+                or r["token_ids"][0] != tokens[0]
+            ):
+                raise RuntimeError(f"W5: speculation with {k} drafts changed the greedy tokens")
+    counts = engines[drafts].stats().speculation
+    median = {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+    return {
+        "workload": "W5",
+        "speculative_tokens": drafts,
+        "prompt_len": len(prompt),
+        "new_tokens": new_tokens,
+        "output_tokens": len(tokens[0]),
+        "repeats": repeats,
+        "off_decode_tok_s": median[0],
+        "on_decode_tok_s": median[drafts],
+        "speedup": median[drafts] / median[0],
+        "off_runs": rates[0],
+        "on_runs": rates[drafts],
+        "acceptance_rate": counts.acceptance_rate,
+        "mean_accepted_length": counts.mean_accepted_length,
+        "proposed": counts.proposed,
+        "accepted": counts.accepted,
+        "verify_steps": counts.verified,
+        "same_tokens": True,
+        "token_ids": tokens[0],
+    }
+
+
+def w5_prompt(loaded: LoadedModel) -> list[int]:
+    "A request to rewrite a given text (chapter 10e's fixed text): the output copies much of its input."
+    from forge_engine.quant.layers import FIXED_TEXT
+
+    text = FIXED_TEXT[:900]
+    if loaded.tokenizer is None:  # a random model: a random passage, given twice
+        passage = random_prompts(1, 100, 100, seed=5)[0]
+        return passage + passage
+    return loaded.tokenizer.encode_chat(
+        [{"role": "user", "content": f"Rewrite this text:\n\n{text}"}]
+    )
+
+
+WORKLOADS = {
+    "w1": w1_single_stream,
+    "w2": w2_offline_throughput,
+    "w4": w4_cpu_classroom,
+    "w5": w5_speculative,
+}
 
 
 # %% [markdown]
@@ -592,6 +663,17 @@ assert (
 )
 
 # %% [markdown]
+# W5 on the tiny model (no tokenizer: a random passage given twice): speculation and none side by
+# side, the same tokens (the workload raises otherwise), and what the drafts did.
+
+# %%
+w5 = w5_speculative(tiny, config, new_tokens=24, repeats=1)
+assert w5["same_tokens"] and w5["output_tokens"] == 24 and w5["speculative_tokens"] == W5_DRAFTS
+assert w5["speedup"] == w5["on_decode_tok_s"] / w5["off_decode_tok_s"] > 0
+assert 0 <= w5["accepted"] <= w5["proposed"] and w5["verify_steps"] > 0
+print({k: v for k, v in w5.items() if k != "token_ids"})
+
+# %% [markdown]
 # The timeline is the engine's own record: in W2 the first steps are prompt chunks, then 8
 # sequences decode together; the blocks held rise and go back to zero when the last request
 # ends.
@@ -637,6 +719,12 @@ def summary_line(result: dict) -> str:
             f"{k.split('_')[1]} at once: {v['output_tok_s']:.1f} tok/s"
             for k, v in result.items()
             if k.startswith("concurrency_")
+        )
+    elif w == "W5":
+        line = (
+            f"W5 {result['on_decode_tok_s']:.1f} tok/s with {result['speculative_tokens']} drafts, "
+            f"{result['off_decode_tok_s']:.1f} without ({result['speedup']:.2f}x); acceptance "
+            f"{result['acceptance_rate']:.0%}, {result['mean_accepted_length']:.2f} tokens a verify step"
         )
     else:
         line = "W3 " + "; ".join(
