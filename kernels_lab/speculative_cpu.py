@@ -37,7 +37,9 @@ for _ in range(ROUNDS + 1):  # the first round warms up
         tokens.setdefault(k, final.token_ids)
         counts[k] = engine.stats().speculation
         assert final.token_ids == tokens[0], f"k={k}: other tokens than without speculation"
-print(f"{len(prompt)} prompt tokens, {len(tokens[0])} new; {smol.tokenizer.decode(tokens[0])[:120]!r}...")
+print(
+    f"{len(prompt)} prompt tokens, {len(tokens[0])} new; {smol.tokenizer.decode(tokens[0])[:120]!r}..."
+)
 base = statistics.median(rates[0][1:])
 for k in DRAFTS:
     rate, c = statistics.median(rates[k][1:]), counts[k]
