@@ -37,12 +37,11 @@ def accepted_length(draft: Sequence[int], greedy: Sequence[int]) -> int:
 
 
 def speculates(params: SamplingParams, num_output: int) -> bool:
-    """Whether a sequence's next tokens can be drafted and checked exactly: greedy, and its sampler's choice at a
-    position does not depend on the tokens before it (no penalties, no min_tokens still to reach, no logprobs, no
-    grammar)."""
+    """Whether a sequence's next tokens can be drafted and checked exactly: its sampler's choice at a position does
+    not depend on the tokens before it (no penalties, no min_tokens still to reach, no logprobs, no grammar).
+    Greedy or sampled: see "Sampled rows" below."""
     return (
-        params.temperature == 0
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.min_tokens <= num_output

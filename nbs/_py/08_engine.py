@@ -449,17 +449,17 @@ class SerialEngine:
                 outputs.append(self._fail(seq, e))
         return outputs
 
-    def _apply_verified(self, seq: Seq, greedy: list[int]) -> RequestOutput:
-        """A sequence's verify step (chapter 08c): `greedy` are the model's tokens after its last token and after each
-        draft. The drafts it agrees with and its own next token are applied in order, until one ends the sequence;
-        then the K/V of the inputs they follow count as computed. One output for them all."""
+    def _apply_verified(self, seq: Seq, sampled: list[int]) -> RequestOutput:
+        """A sequence's verify step (chapter 08c): `sampled` are the step's tokens (greedy or sampled) after its
+        last token and after each draft. The drafts they agree with and the token after them are applied in order,
+        until one ends the sequence; then the K/V of the inputs they follow count as computed. One output for all."""
         draft, seq.draft_ids = seq.draft_ids, []
-        accepted = accepted_length(draft, greedy)
+        accepted = accepted_length(draft, sampled)
         self.speculation.proposed += len(draft)
         self.speculation.accepted += accepted
         self.speculation.verified += 1
         applied, deltas = [], []
-        for token in greedy[: accepted + 1]:
+        for token in sampled[: accepted + 1]:
             seq.output_ids.append(PENDING)
             out = self._apply_token(seq, token, None)
             applied.append(token)

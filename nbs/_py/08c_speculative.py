@@ -82,12 +82,11 @@ def accepted_length(draft: Sequence[int], greedy: Sequence[int]) -> int:
 
 
 def speculates(params: SamplingParams, num_output: int) -> bool:
-    """Whether a sequence's next tokens can be drafted and checked exactly: greedy, and its sampler's choice at a
-    position does not depend on the tokens before it (no penalties, no min_tokens still to reach, no logprobs, no
-    grammar)."""
+    """Whether a sequence's next tokens can be drafted and checked exactly: its sampler's choice at a position does
+    not depend on the tokens before it (no penalties, no min_tokens still to reach, no logprobs, no grammar).
+    Greedy or sampled: see "Sampled rows" below."""
     return (
-        params.temperature == 0
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.min_tokens <= num_output
@@ -126,8 +125,9 @@ assert propose_ngram([1, 2, 1, 3, 1], 2) == [3, 1]  # the most recent earlier "1
 assert propose_ngram([4, 1, 2, 9, 1, 2, 7, 1, 2], 1, max_ngram=2) == [7]
 assert accepted_length([8, 9, 5], [8, 9, 4, 1]) == 2 and accepted_length([], [3]) == 0
 assert accepted_length([8, 9], [8, 9, 2]) == 2
-assert speculates(SamplingParams(temperature=0), 0)
-assert not speculates(SamplingParams(temperature=0.7), 0)
+assert speculates(SamplingParams(temperature=0), 0) and speculates(
+    SamplingParams(temperature=0.7), 0
+)
 assert not speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 0)
 assert not speculates(SamplingParams(temperature=0, min_tokens=4), 2)
 counts = SpeculationCounts(proposed=8, accepted=6, verified=2)
@@ -232,3 +232,59 @@ for k in (0, 4):
     assert engine.allocator.stats().used_blocks == 0
 assert outputs[4] == outputs[0] and max(rows) > 1, (rows, engine.stats().speculation)
 print(smol.tokenizer.decode(outputs[4]), engine.stats().speculation)
+
+# %% [markdown]
+# ## Sampled rows
+#
+# With sampling, the rule that keeps the target distribution (speculative sampling) accepts a draft
+# `x` with probability `min(1, p(x) / q(x))`, `q` the proposer's distribution, and on a rejection
+# samples from `(p − q)+`, renormalised. Prompt lookup proposes one token for sure: `q(x) = 1`. So
+# `x` is accepted with probability `p(x)`, and a rejection samples `p` without `x`. The engine gets
+# both by sampling every row as it would without drafts (row `r` from the model's distribution after
+# `x_1..x_r`, temperature, top-k, top-p, min-p and all) and keeping drafts while the sample *equals*
+# the draft: the sample is `x` with probability `p(x)`, and when it is not, it is a sample of `p`
+# without `x`, the token the step emits. The acceptance rule is the greedy one, unchanged; a seeded
+# request stays reproducible, but draws its noise in another order than without drafts.
+#
+# The test: a tiny model over 8 tokens (so that prompt lookup always finds the last token before)
+# sampled at temperature 1 for 5 tokens, 3,000 times with drafts and 3,000 without. The
+# distribution of each position's token is the same: a chi-square test of the two samples at each
+# position, at 0.1% (from position 2 on, drafts decide).
+
+# %%
+eight = preset("qwen3-tiny").replace(vocab_size=8, num_layers=2)
+small = LoadedModel("eight", init_random_weights(empty_model(eight), seed=5, std=0.5), None, None)
+
+
+def sampled_tokens(drafts: int, n: int = 3000) -> torch.Tensor:
+    "n runs of 5 tokens at temperature 1, the global generator seeded: [n, 5]."
+    torch.manual_seed(11)
+    config = EngineConfig(
+        max_num_seqs=64, max_num_batched_tokens=1024, max_waiting=n, speculative_tokens=drafts
+    )
+    engine = LLMEngine(small, config)
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
+    for i in range(n):
+        engine.add_request([1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], params, str(i))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[int(o.request_id)] = o.token_ids
+    return torch.tensor([out[i] for i in range(n)]), engine.stats().speculation
+
+
+plain, _ = sampled_tokens(0)
+drafted, counts = sampled_tokens(3)
+print(counts)
+assert 0 < counts.accepted < counts.proposed, counts  # drafts were tried: some accepted, some not
+for position in range(5):
+    a, b = (torch.bincount(t[:, position], minlength=8).double() for t in (plain, drafted))
+    seen = (a + b) > 0
+    chi2 = (((a - b) ** 2) / (a + b))[seen].sum().item()  # two samples of equal size
+    df = int(seen.sum()) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # 0.1% (Wilson-Hilferty)
+    print(
+        f"position {position + 1}: chi-square {chi2:.1f} at {df} degrees of freedom (0.1%: {critical:.1f})"
+    )
+    assert chi2 < critical, (position, chi2, df)
