@@ -48,7 +48,8 @@ from forge_engine.loader import LoadedModel
 from forge_engine.runner import PENDING, PendingTokens, build_runner
 from forge_engine.sampling import SampleResult, SamplingBatch, SamplingRow, make_generator, sample
 from forge_engine.scheduler import Scheduler, Sequence as Seq, StepPlan
-from forge_engine.speculative import SpeculationCounts, accepted_length, propose_ngram, speculates
+from forge_engine.draft_model import DraftModel, PromptLookup
+from forge_engine.speculative import SpeculationCounts, accepted_length, speculates
 
 # %%
 #| hide
@@ -191,7 +192,14 @@ class SerialEngine:
     """Requests in, `RequestOutput`s out, one `step()` at a time: schedule → run → sample → postprocess.
     Not thread-safe: one thread owns it."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        draft: LoadedModel | None = None,
+    ):
+        """`draft`: a smaller model with the same tokenizer that proposes the drafts (chapter 08d; needs
+        `speculative_tokens`); without it, drafts come by prompt lookup."""
         gc.unfreeze()  # what an earlier engine froze (below) may be garbage by now: collected before this one allocates
         gc.collect()
         self.loaded, self.config = loaded, config or EngineConfig()
@@ -227,7 +235,14 @@ class SerialEngine:
         self._grammars_lock = threading.Lock()
         if self.config.speculative_tokens and world > 1:
             raise ValueError("speculative_tokens: not with tensor parallelism (yet)")
+        if draft is not None and not self.config.speculative_tokens:
+            raise ValueError("a draft model drafts speculative_tokens tokens: set it (> 0)")
         self.speculation = SpeculationCounts()
+        self.proposer = (
+            PromptLookup()
+            if draft is None
+            else DraftModel(draft, self.config, loaded.model.config.vocab_size)
+        )
         # what is alive now (the model, the tokenizer's tables, the pools) leaves the cyclic collector's generations:
         # a full collection while decoding then scans only what decoding made (above)
         gc.freeze()
@@ -342,8 +357,8 @@ class SerialEngine:
         return outputs + landed
 
     def _draft(self) -> None:
-        """Each decoding sequence that `speculates` gets up to `speculative_tokens` drafts by prompt lookup (chapter
-        08c), within its max_tokens and the context; the others none."""
+        """Each decoding sequence that `speculates` gets up to `speculative_tokens` drafts from the proposer (chapter
+        08d: prompt lookup, or a draft model), within its max_tokens and the context; the others none."""
         k = self.config.speculative_tokens
         for seq in self.scheduler.running if k else ():
             seq.draft_ids = []
@@ -353,7 +368,7 @@ class SerialEngine:
                     seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - seq.num_tokens - 1,
                 )
-                seq.draft_ids = propose_ngram(seq.token_ids, room) if room > 0 else []
+                seq.draft_ids = self.proposer.propose(seq, room) if room > 0 else []
 
     def _schedule(self, start: float) -> tuple[StepPlan, list[RequestOutput]]:
         "The next step's plan, and the outputs of the sequences the scheduler ended instead of running."
@@ -514,6 +529,7 @@ class SerialEngine:
         seq, now = request.seq, time.perf_counter()
         if seq.finished:
             del self.requests[seq.request_id]  # its last output: the engine forgets it
+            self.proposer.forget(seq.request_id)  # (a draft model's copy of it)
         if seq.output_ids[-1:] == [PENDING]:
             seq.output_ids.pop()  # ended with a token in flight: it is dropped
         metrics = {"queue_s": (request.first_scheduled or now) - request.arrival}
@@ -774,8 +790,13 @@ class LLMEngine(SerialEngine):
     """The engine the server, the bench and `LLM` use: `SerialEngine`'s step, but on a GPU (or when
     `async_scheduling` says so) each step is launched before the previous one's tokens are applied."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        super().__init__(loaded, config)
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        draft: LoadedModel | None = None,
+    ):
+        super().__init__(loaded, config, draft)
         overlap = self.config.async_scheduling
         self.overlap = (
             self.device.type == "cuda" if overlap is None else overlap

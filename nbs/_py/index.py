@@ -34,7 +34,8 @@
 # | 08_engine | `engine` | one step: schedule, run, sample, stop |
 # | 08a_async_engine | `async_engine` | the engine thread: inbox, streams, abort |
 # | 08b_llm | `llm` | `LLM`: offline generation; a model in this process or split over several |
-# | 08c_speculative | `speculative` | speculative decoding: prompt-lookup drafts, one verify step, greedy acceptance |
+# | 08c_speculative | `speculative` | speculative decoding: drafts checked in one step, the acceptance rule (greedy and sampled) |
+# | 08d_draft_model | `draft_model` | the proposers: prompt lookup, and a smaller model with the same tokenizer |
 # | 09_kernels | `kernels.backend` | Triton here or not: which implementation runs, the interpreter on a CPU, dependent launches |
 # | 09_kernels_elementwise | `kernels.elementwise` | Triton: fused add+RMSNorm, q/k-norm+RoPE, SiLU-mul, K/V store, argmax of each row |
 # | 09_kernels_gemv | `kernels.gemv` | the GEMV for one to four rows (BF16, int8) and what its epilogue folds in |
