@@ -244,7 +244,7 @@ class SerialEngine:
         """Run throwaway greedy requests (a prefill, then decode steps) so that the first real request does not
         wait for kernels to compile on first use: one of `prompt_len` tokens and, where steps with prefill tokens
         replay graphs up to a size (chapter 09b), one just longer, which runs eager. Afterwards the step counters,
-        step records and prefix cache are as if they had never run. Needs an idle engine. Returns the seconds."""
+        step records, speculation counts and prefix cache are as if they had never run. Needs an idle engine. Returns the seconds."""
         if self.requests:
             raise RuntimeError(
                 f"warm_up needs an idle engine; {len(self.requests)} request(s) are in flight"
@@ -262,6 +262,7 @@ class SerialEngine:
         self.allocator.reset_prefix_cache()
         self.recent.clear()
         self.steps = self.generated_tokens = 0
+        self.speculation = SpeculationCounts()
         return time.perf_counter() - start
 
     # -- one step --

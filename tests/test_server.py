@@ -125,6 +125,18 @@ def servers(tmp_path_factory):
         "smol": ServerProcess(
             logs / "smol.log", "--model", "smollm2-135m-instruct", "--max-num-seqs", "4"
         ),
+        "draft": ServerProcess(  # the same random model as its own draft model (chapter 08d)
+            logs / "draft.log",
+            "--model",
+            TINY,
+            "--draft-model",
+            TINY,
+            "--speculative-tokens",
+            "3",
+            "--kv-cache-bytes",
+            str(2**24),
+            env={"FORGE_API_KEY": KEY},
+        ),
     }
     yield started
     codes = {name: server.stop() for name, server in started.items()}
@@ -712,3 +724,13 @@ def test_n_choices_whole_and_streamed(tiny):
     after = kv()
     # each run: 2 choices x the full blocks (the streamed run finds them for its first choice too)
     assert after["hit_tokens"] - before["hit_tokens"] >= (2 + 3) * full_blocks * 16, (before, after)
+
+
+def test_a_draft_model_drafts_and_leaves_the_tokens_as_they_are(servers, tiny):
+    "`serve --draft-model`: greedy text as without drafts, every draft accepted (the draft model is the target), on /metrics."
+    draft = servers["draft"].wait_ready()
+    request = dict(model=TINY, prompt="The forge", max_tokens=12, temperature=0)
+    want = client(tiny).completions.create(**request).choices[0].text
+    assert client(draft).completions.create(**request).choices[0].text == want
+    assert draft.metric("forge_spec_decode_accepted_tokens") > 0
+    assert draft.metric("forge_spec_decode_acceptance_rate") == 1.0

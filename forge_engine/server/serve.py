@@ -23,7 +23,12 @@ from ..async_engine import AsyncEngine
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..llm import load_model_over
-from ..loader import add_memory_budget_flag, add_quantization_flag, pick_model
+from forge_engine.loader import (
+    add_memory_budget_flag,
+    add_quantization_flag,
+    load_model,
+    pick_model,
+)
 from .app import ServerState, create_app
 
 logger = logging.getLogger("forge_engine.server")
@@ -179,6 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a smaller model with the same tokenizer that drafts --speculative-tokens tokens (chapter 08d)",
+    )
     for name in ENGINE_FLAGS:
         parser.add_argument(
             "--" + name.replace("_", "-"), type=int, default=None, help=f"EngineConfig.{name}"
@@ -201,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
             **options,
         )
         model, device = pick_model(args.model, args.device, logger.info)
+        if args.draft_model and not config.speculative_tokens:
+            raise ValueError("--draft-model drafts --speculative-tokens tokens: set it (> 0)")
     except ValueError as e:
         logger.error("%s", e)
         return 2
@@ -236,7 +248,16 @@ def run(args: argparse.Namespace) -> int:
                 tensor_parallel_size=config.tensor_parallel_size,
                 memory_budget=config.gpu_memory_budget,
             )
-            engine = LLMEngine(loaded, config.replace(device=device))
+            draft = None
+            if args.draft_model:  # chapter 08d: drafts from a smaller model with the same tokenizer
+                draft = load_model(
+                    args.draft_model,
+                    device,
+                    args.dtype,
+                    progress=False,
+                    quantization=config.quantization,
+                )
+            engine = LLMEngine(loaded, config.replace(device=device), draft=draft)
             logger.info(
                 "warmed up in %.2f s (kernels compiled before the first request)", engine.warm_up()
             )
