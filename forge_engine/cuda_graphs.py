@@ -16,10 +16,11 @@ from .kv_cache import PagedKVCache, paged_decode_attention_torch
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'MIXED_TOKENS', 'MIXED_CONTEXT', 'decode_buckets',
-           'context_buckets', 'decode_attention_for', 'paged_decode_attention_cpu', 'StaticDecodeAttention',
-           'decode_inputs_bytes', 'decode_inputs', 'HostStaging', 'fill_tables', 'DecodeRunner', 'mixed_buckets',
-           'mixed_inputs_bytes', 'mixed_inputs', 'StaticPrefillAttention', 'MixedStepRunner']
+__all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'VERIFY_MAX_ROWS', 'MIXED_TOKENS', 'MIXED_CONTEXT',
+           'decode_buckets', 'context_buckets', 'decode_attention_for', 'paged_decode_attention_cpu',
+           'StaticDecodeAttention', 'decode_inputs_bytes', 'decode_inputs', 'HostStaging', 'fill_tables',
+           'DecodeRunner', 'mixed_buckets', 'mixed_inputs_bytes', 'mixed_inputs', 'StaticPrefillAttention',
+           'MixedStepRunner']
 
 # %% ../nbs/09b_cuda_graphs.ipynb #4a534593
 DecodeAttentionFn = Callable[
@@ -66,28 +67,32 @@ def paged_decode_attention_cpu(q, k_layer, v_layer, block_tables, context_lens) 
 
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
-    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself, unless
+    `store_first`: rows that are positions of one sequence (a verify step, chapter 08c) read each other's K/V, so every
+    row's K/V is stored before any row attends."""
 
     def __init__(
-        self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn
+        self,
+        cache: PagedKVCache,
+        slots,
+        block_tables,
+        context_lens,
+        attention: DecodeAttentionFn,
+        store_first: bool = False,
     ):
-        self.cache, self.slots, self.tables, self.lens, self.attention = (
-            cache,
-            slots,
-            block_tables,
-            context_lens,
-            attention,
-        )
+        self.cache, self.slots, self.tables, self.lens = cache, slots, block_tables, context_lens
+        self.attention, self.store_first = attention, store_first
+        self.fused_store = getattr(attention, "stores_kv", False) and not store_first
 
     @property
     def rope_inside(
         self,
     ) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
-        return getattr(self.attention, "rope_inside", False)
+        return self.fused_store and getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        if getattr(self.attention, "stores_kv", False):
+        if self.fused_store:
             return self.attention(
                 q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
             )
@@ -145,6 +150,9 @@ GREEDY_IN_GRAPH_MAX_ROWS = (
     8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
 )
 #                                would pay for it too)
+VERIFY_MAX_ROWS = (
+    64  # verify steps (chapter 08c) of up to this many rows get graphs; larger ones run eager
+)
 
 
 def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
@@ -157,11 +165,9 @@ def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> No
 
 
 class DecodeRunner:
-    "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
-
-    # rows that are positions of one sequence (a verify step's drafts, chapter 08c): not yet checked against the
-    # attention kernels that write K/V and read it in one launch
-    takes_draft_rows = False
+    """Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket. With
+    `verify_rows`, also verify steps of up to that many rows, where rows may be positions of one sequence (a
+    sequence's last token and its drafts, chapter 08c): graphs of their own that store K/V before attention."""
 
     def __init__(
         self,
@@ -172,6 +178,7 @@ class DecodeRunner:
         scratch_block: int,
         attention: DecodeAttentionFn = paged_decode_attention_torch,
         use_graphs: bool | None = None,
+        verify_rows: int = 0,
     ):
         self.model, self.cache, self.attention = model, cache, attention
         self.device = next(model.parameters()).device
@@ -180,16 +187,16 @@ class DecodeRunner:
             decode_buckets(max_num_seqs),
             context_buckets(max_model_len, cache.block_size),
         )
-        b, width = self.buckets[-1], self.widths[-1]
+        self.verify_buckets = decode_buckets(verify_rows) if verify_rows else []
+        b, width = max(self.buckets + self.verify_buckets), self.widths[-1]
         self.scratch_slot = scratch_block * cache.block_size
         self.inputs = torch.zeros(
             decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
         )
         self.staging = HostStaging(self.inputs.numel(), self.device)
-        self.graphs: dict[
-            tuple[int, int], torch.cuda.CUDAGraph
-        ] = {}  # (batch bucket, table width) -> graph
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch bucket, table width, verify) -> graph
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.greedy: dict[
             int, torch.Tensor
         ] = {}  # a graph's logits (their address) -> their argmax, recorded too
@@ -197,13 +204,29 @@ class DecodeRunner:
             self.capture()
 
     @torch.no_grad()
-    def _forward(self, b: int, w: int) -> torch.Tensor:
+    def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
         ids, positions, slots, lens, tables = decode_inputs(self.inputs, b, w)
-        attention = StaticDecodeAttention(self.cache, slots, tables, lens, self.attention)
+        attention = StaticDecodeAttention(
+            self.cache, slots, tables, lens, self.attention, store_first=verify
+        )
         return self.model.compute_logits(self.model(ids, positions, attention))
 
+    def graph_keys(self) -> list[tuple[int, int, bool]]:
+        "(batch bucket, table width, verify) of every graph, largest first."
+        return [
+            (b, w, verify)
+            for verify, buckets in ((False, self.buckets), (True, self.verify_buckets))
+            for b in reversed(buckets)
+            for w in reversed(self.widths)
+        ]
+
+    def row_limit(self, drafts: bool) -> int:
+        "The most rows a step takes: a decode step's, or a verify step's (`drafts`; 0: none)."
+        buckets = self.verify_buckets if drafts else self.buckets
+        return buckets[-1] if buckets else 0
+
     def capture(self) -> None:
-        "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
+        "Record one graph per (batch bucket, table width, verify), largest first, sharing one memory pool."
         from forge_engine.kernels.elementwise import (
             argmax_rows,
         )  # (Triton's kernels: imported where a GPU records graphs)
@@ -211,29 +234,29 @@ class DecodeRunner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
-            for w in self.widths:
-                self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
-                logits = self._forward(self.buckets[-1], w)
-                if GREEDY_IN_GRAPH:
-                    argmax_rows(
-                        logits
-                    )  # (compiled and loaded here: no module loads while recording)
+            for b, w, verify in self.graph_keys():
+                if b == max(self.verify_buckets if verify else self.buckets):
+                    self._write_inputs(b, w, [], [], [], [], [])  # padding rows only
+                    logits = self._forward(b, w, verify)
+                    if GREEDY_IN_GRAPH:
+                        argmax_rows(
+                            logits
+                        )  # (compiled and loaded here: no module loads while recording)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
-        for b in reversed(self.buckets):
-            for w in reversed(self.widths):
-                self._write_inputs(b, w, [], [], [], [], [])
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b, w] = self._forward(b, w)
-                    if GREEDY_IN_GRAPH and b <= GREEDY_IN_GRAPH_MAX_ROWS:
-                        self.greedy[self.logits[b, w].data_ptr()] = argmax_rows(self.logits[b, w])
-                pool = graph.pool()
-                self.graphs[b, w] = graph
+        for key in self.graph_keys():
+            self._write_inputs(*key[:2], [], [], [], [], [])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[key] = logits = self._forward(*key)
+                if GREEDY_IN_GRAPH and key[0] <= GREEDY_IN_GRAPH_MAX_ROWS:
+                    self.greedy[logits.data_ptr()] = argmax_rows(logits)
+            pool = graph.pool()
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
-    def bucket_for(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+    def bucket_for(self, n: int, verify: bool = False) -> int:
+        return next(b for b in (self.verify_buckets if verify else self.buckets) if b >= n)
 
     def release_graphs(self) -> None:
         """Destroy the graphs now (their memory pool goes back to PyTorch's cache); `run` refuses from then on.
@@ -270,11 +293,18 @@ class DecodeRunner:
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
         fill_ids: Callable[[torch.Tensor], None] | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
-        """Logits [n, vocab] for n decoding sequences. `fill_ids(ids)` may then write, on the device, input tokens
-        the host does not know yet (the engine's overlapped steps, chapter 08)."""
+        """Logits [n, vocab] for n rows: one per decoding sequence, or with `verify`, a sequence's rows at
+        consecutive positions (its last token and its drafts). `fill_ids(ids)` may then write, on the device, input
+        tokens the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
-        b = self.bucket_for(n)
+        if not 1 <= n <= self.row_limit(verify):
+            kind = "verify" if verify else "decode"
+            raise ValueError(
+                f"a {kind} step of this runner takes 1 to {self.row_limit(verify)} rows, got {n}"
+            )
+        b = self.bucket_for(n, verify)
         w = next(x for x in self.widths if x >= max(map(len, block_tables)))
         self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
         if fill_ids is not None:
@@ -282,9 +312,9 @@ class DecodeRunner:
         if self.use_graphs:
             if not self.graphs:
                 raise RuntimeError("this decode runner's CUDA graphs were released")
-            self.graphs[b, w].replay()
-            return self.logits[b, w][:n]
-        return self._forward(b, w)[:n]
+            self.graphs[b, w, verify].replay()
+            return self.logits[b, w, verify][:n]
+        return self._forward(b, w, verify)[:n]
 
 # %% ../nbs/09b_cuda_graphs.ipynb #a4d2f564
 MIXED_TOKENS = (64, 128, 256, 512)  # token counts of the mixed-step graphs; larger steps run eager

@@ -13,6 +13,7 @@ import torch
 
 from .config import EngineConfig
 from forge_engine.cuda_graphs import (
+    VERIFY_MAX_ROWS,
     DecodeRunner,
     MixedStepRunner,
     decode_attention_for,
@@ -190,8 +191,7 @@ class ModelRunner:
         if (
             self.decode is not None
             and all(i.num_new == 1 + i.num_draft and i.samples for i in items)
-            and sum(i.num_new for i in items) <= self.decode.buckets[-1]
-            and (not drafts or getattr(self.decode, "takes_draft_rows", False))
+            and sum(i.num_new for i in items) <= self.decode.row_limit(drafts)
         ):  # a pure decode step (a draft: one more row of its sequence): replay a CUDA graph
             return self._run_decode(items, pending, unread)
         if (
@@ -257,6 +257,7 @@ class ModelRunner:
             [i.seq.block_table for i, _ in rows],
             [p + 1 for _, p in rows],
             fill,
+            verify=any(i.num_draft for i in items),
         )
 
     def _run_mixed(
@@ -347,6 +348,10 @@ def build_runner(
             scratch_block=num_blocks,
             attention=decode_attention_for(param.device),
             use_graphs=param.device.type == "cuda",
+            # verify steps (chapter 08c): a sequence's last token and its drafts, graphed up to VERIFY_MAX_ROWS rows
+            verify_rows=min(config.max_num_seqs * (1 + config.speculative_tokens), VERIFY_MAX_ROWS)
+            if config.speculative_tokens
+            else 0,
         )
         if graphs
         else None

@@ -423,3 +423,34 @@ def test_mixed_steps_replayed_from_graphs_match_the_reference_path():
     assert_same_greedy(got, want)
     for engine in (fast, reference):
         engine.allocator.check_idle()
+
+
+def test_verify_steps_replayed_from_graphs_keep_the_greedy_tokens():
+    """Speculative decoding on a GPU (chapter 08c): verify steps replay chapter 09b's verify graphs, which store every
+    row's K/V before any row attends. With the target as its own draft model every draft is accepted, and the greedy
+    tokens are those without speculation (fp32: no near ties between the 1-row GEMV and the verify rows' matmul)."""
+    model = init_random_weights(
+        empty_model(preset("qwen3-tiny"), "cuda", torch.float32), seed=2, std=0.1
+    )
+    loaded = LoadedModel("qwen3-tiny", model, None, None)
+    config = EngineConfig(
+        kv_cache_bytes=64 * 2**20,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    want = run_all(LLMEngine(loaded, config), prompts, params)
+    fast = LLMEngine(loaded, config.replace(speculative_tokens=4), draft=loaded)
+    verify_graphs = [g for (_, _, verify), g in fast.runner.decode.graphs.items() if verify]
+    assert verify_graphs and fast.runner.decode.row_limit(True) == 20
+    replayed = []
+    for graph in verify_graphs:
+        graph.replay = (lambda g: lambda: (replayed.append(1), type(g).replay(g)))(graph)
+    got = run_all(fast, prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    counts = fast.stats().speculation
+    assert replayed and counts.verified > 0 and counts.accepted == counts.proposed > 0, counts
+    fast.allocator.check_idle()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.backend import kernel_backend
-from ..kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
+from ..kernels.gemv import gemv, gemv_hands_off_norms
 from ..model import Transformer, load_weights
 from forge_engine.quant.formats import (
     dequantize_int4,
@@ -36,8 +36,8 @@ from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
 # %% auto #0
-__all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'cpu_int4pack',
-           'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
+__all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'INT8_GEMV_ROWS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT',
+           'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
            'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
@@ -172,6 +172,12 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+# steps of up to this many rows take chapter 09's GEMV, larger ones chapter 10b's split-K. Measured on an H200
+# (`kernels_lab/verify_step.py int8`, random Qwen3-4B, whole steps): the GEMV at 3-4 rows took 7.5 ms a step, split-K
+# at 5 rows 2.8
+INT8_GEMV_ROWS = 1
+
+
 class Int8Linear(QuantLinear):
     """int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's.
     `linear`: an nn.Linear, or any module with a `weight` [N, K] (a tied model's embedding, as its LM head)."""
@@ -186,7 +192,7 @@ class Int8Linear(QuantLinear):
 
     def skinny(self, x):
         if (
-            x.shape[0] <= GEMV_MAX_ROWS
+            x.shape[0] <= INT8_GEMV_ROWS
         ):  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
             return gemv(x, self.qweight, None, self.scale, impl="triton")
         return int8_matmul(x, self.qweight, self.scale, impl="triton")

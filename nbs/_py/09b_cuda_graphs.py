@@ -104,28 +104,32 @@ def paged_decode_attention_cpu(q, k_layer, v_layer, block_tables, context_lens) 
 
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
-    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself."""
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself, unless
+    `store_first`: rows that are positions of one sequence (a verify step, chapter 08c) read each other's K/V, so every
+    row's K/V is stored before any row attends."""
 
     def __init__(
-        self, cache: PagedKVCache, slots, block_tables, context_lens, attention: DecodeAttentionFn
+        self,
+        cache: PagedKVCache,
+        slots,
+        block_tables,
+        context_lens,
+        attention: DecodeAttentionFn,
+        store_first: bool = False,
     ):
-        self.cache, self.slots, self.tables, self.lens, self.attention = (
-            cache,
-            slots,
-            block_tables,
-            context_lens,
-            attention,
-        )
+        self.cache, self.slots, self.tables, self.lens = cache, slots, block_tables, context_lens
+        self.attention, self.store_first = attention, store_first
+        self.fused_store = getattr(attention, "stores_kv", False) and not store_first
 
     @property
     def rope_inside(
         self,
     ) -> bool:  # the fused attention then hands over q and k unrotated, with `rope` (chapter 09a)
-        return getattr(self.attention, "rope_inside", False)
+        return self.fused_store and getattr(self.attention, "rope_inside", False)
 
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        if getattr(self.attention, "stores_kv", False):
+        if self.fused_store:
             return self.attention(
                 q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
             )
@@ -256,6 +260,9 @@ GREEDY_IN_GRAPH_MAX_ROWS = (
     8  # ... those of up to this many rows (larger: a long read either way, and a sampled step
 )
 #                                would pay for it too)
+VERIFY_MAX_ROWS = (
+    64  # verify steps (chapter 08c) of up to this many rows get graphs; larger ones run eager
+)
 
 
 def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
@@ -268,11 +275,9 @@ def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> No
 
 
 class DecodeRunner:
-    "Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket."
-
-    # rows that are positions of one sequence (a verify step's drafts, chapter 08c): not yet checked against the
-    # attention kernels that write K/V and read it in one launch
-    takes_draft_rows = False
+    """Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket. With
+    `verify_rows`, also verify steps of up to that many rows, where rows may be positions of one sequence (a
+    sequence's last token and its drafts, chapter 08c): graphs of their own that store K/V before attention."""
 
     def __init__(
         self,
@@ -283,6 +288,7 @@ class DecodeRunner:
         scratch_block: int,
         attention: DecodeAttentionFn = paged_decode_attention_torch,
         use_graphs: bool | None = None,
+        verify_rows: int = 0,
     ):
         self.model, self.cache, self.attention = model, cache, attention
         self.device = next(model.parameters()).device
@@ -291,16 +297,16 @@ class DecodeRunner:
             decode_buckets(max_num_seqs),
             context_buckets(max_model_len, cache.block_size),
         )
-        b, width = self.buckets[-1], self.widths[-1]
+        self.verify_buckets = decode_buckets(verify_rows) if verify_rows else []
+        b, width = max(self.buckets + self.verify_buckets), self.widths[-1]
         self.scratch_slot = scratch_block * cache.block_size
         self.inputs = torch.zeros(
             decode_inputs_bytes(b, width), dtype=torch.uint8, device=self.device
         )
         self.staging = HostStaging(self.inputs.numel(), self.device)
-        self.graphs: dict[
-            tuple[int, int], torch.cuda.CUDAGraph
-        ] = {}  # (batch bucket, table width) -> graph
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch bucket, table width, verify) -> graph
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.greedy: dict[
             int, torch.Tensor
         ] = {}  # a graph's logits (their address) -> their argmax, recorded too
@@ -308,13 +314,29 @@ class DecodeRunner:
             self.capture()
 
     @torch.no_grad()
-    def _forward(self, b: int, w: int) -> torch.Tensor:
+    def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
         ids, positions, slots, lens, tables = decode_inputs(self.inputs, b, w)
-        attention = StaticDecodeAttention(self.cache, slots, tables, lens, self.attention)
+        attention = StaticDecodeAttention(
+            self.cache, slots, tables, lens, self.attention, store_first=verify
+        )
         return self.model.compute_logits(self.model(ids, positions, attention))
 
+    def graph_keys(self) -> list[tuple[int, int, bool]]:
+        "(batch bucket, table width, verify) of every graph, largest first."
+        return [
+            (b, w, verify)
+            for verify, buckets in ((False, self.buckets), (True, self.verify_buckets))
+            for b in reversed(buckets)
+            for w in reversed(self.widths)
+        ]
+
+    def row_limit(self, drafts: bool) -> int:
+        "The most rows a step takes: a decode step's, or a verify step's (`drafts`; 0: none)."
+        buckets = self.verify_buckets if drafts else self.buckets
+        return buckets[-1] if buckets else 0
+
     def capture(self) -> None:
-        "Record one graph per (batch bucket, table width), largest first, sharing one memory pool."
+        "Record one graph per (batch bucket, table width, verify), largest first, sharing one memory pool."
         from forge_engine.kernels.elementwise import (
             argmax_rows,
         )  # (Triton's kernels: imported where a GPU records graphs)
@@ -322,29 +344,29 @@ class DecodeRunner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
-            for w in self.widths:
-                self._write_inputs(self.buckets[-1], w, [], [], [], [], [])  # padding rows only
-                logits = self._forward(self.buckets[-1], w)
-                if GREEDY_IN_GRAPH:
-                    argmax_rows(
-                        logits
-                    )  # (compiled and loaded here: no module loads while recording)
+            for b, w, verify in self.graph_keys():
+                if b == max(self.verify_buckets if verify else self.buckets):
+                    self._write_inputs(b, w, [], [], [], [], [])  # padding rows only
+                    logits = self._forward(b, w, verify)
+                    if GREEDY_IN_GRAPH:
+                        argmax_rows(
+                            logits
+                        )  # (compiled and loaded here: no module loads while recording)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
-        for b in reversed(self.buckets):
-            for w in reversed(self.widths):
-                self._write_inputs(b, w, [], [], [], [], [])
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b, w] = self._forward(b, w)
-                    if GREEDY_IN_GRAPH and b <= GREEDY_IN_GRAPH_MAX_ROWS:
-                        self.greedy[self.logits[b, w].data_ptr()] = argmax_rows(self.logits[b, w])
-                pool = graph.pool()
-                self.graphs[b, w] = graph
+        for key in self.graph_keys():
+            self._write_inputs(*key[:2], [], [], [], [], [])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[key] = logits = self._forward(*key)
+                if GREEDY_IN_GRAPH and key[0] <= GREEDY_IN_GRAPH_MAX_ROWS:
+                    self.greedy[logits.data_ptr()] = argmax_rows(logits)
+            pool = graph.pool()
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
-    def bucket_for(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+    def bucket_for(self, n: int, verify: bool = False) -> int:
+        return next(b for b in (self.verify_buckets if verify else self.buckets) if b >= n)
 
     def release_graphs(self) -> None:
         """Destroy the graphs now (their memory pool goes back to PyTorch's cache); `run` refuses from then on.
@@ -381,11 +403,18 @@ class DecodeRunner:
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
         fill_ids: Callable[[torch.Tensor], None] | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
-        """Logits [n, vocab] for n decoding sequences. `fill_ids(ids)` may then write, on the device, input tokens
-        the host does not know yet (the engine's overlapped steps, chapter 08)."""
+        """Logits [n, vocab] for n rows: one per decoding sequence, or with `verify`, a sequence's rows at
+        consecutive positions (its last token and its drafts). `fill_ids(ids)` may then write, on the device, input
+        tokens the host does not know yet (the engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
-        b = self.bucket_for(n)
+        if not 1 <= n <= self.row_limit(verify):
+            kind = "verify" if verify else "decode"
+            raise ValueError(
+                f"a {kind} step of this runner takes 1 to {self.row_limit(verify)} rows, got {n}"
+            )
+        b = self.bucket_for(n, verify)
         w = next(x for x in self.widths if x >= max(map(len, block_tables)))
         self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
         if fill_ids is not None:
@@ -393,9 +422,9 @@ class DecodeRunner:
         if self.use_graphs:
             if not self.graphs:
                 raise RuntimeError("this decode runner's CUDA graphs were released")
-            self.graphs[b, w].replay()
-            return self.logits[b, w][:n]
-        return self._forward(b, w)[:n]
+            self.graphs[b, w, verify].replay()
+            return self.logits[b, w, verify][:n]
+        return self._forward(b, w, verify)[:n]
 
 
 # %% [markdown]
@@ -474,6 +503,56 @@ for impl in ("torch", "triton"):
     ).nonzero().flatten().tolist() == written, impl
 
 # %% [markdown]
+# ## Verify steps: rows of one sequence
+#
+# A verify step (chapter 08c) feeds a sequence's last token and its k drafts as k + 1 rows at
+# consecutive positions: row j attends to the drafts before it, so it reads K/V that other rows
+# of the same step write. The fused kernel above stores each row's K/V inside the launch that
+# attends, so a row could read a slot before its writer stored it. A runner given `verify_rows`
+# therefore records graphs of its own for such steps (`run(..., verify=True)`): the layers
+# rotate q and k themselves, every row's K/V is stored through the slots, and only then does the
+# same kernel attend, each row up to its own position. Storing first costs two launches a layer:
+# measured on an H200 (`PYTHONPATH=. python3 kernels_lab/verify_step.py`, random Qwen3-4B in
+# BF16, one sequence of 512 tokens), a verify graph of 1 row takes 2.62 ms against the decode
+# graph's 2.51; chapter 08c gives what more rows cost.
+#
+# Below: sequence 0's last token and two drafts, beside sequence 2's decode row, through the
+# interpreted kernel, against the paged reference that runs sequence 0's three tokens as a chunk.
+
+# %%
+verify_tokens, verify_rows = [11, 21, 22, 13], [(0, 5), (0, 6), (0, 7), (2, 2)]
+verify_args = (
+    verify_tokens,
+    [p for _, p in verify_rows],
+    [tables[s][p // block_size] * block_size + p % block_size for s, p in verify_rows],
+    [tables[s] for s, _ in verify_rows],
+    [p + 1 for _, p in verify_rows],
+)
+with torch.no_grad():
+    cache.k_cache.copy_(before)
+    layout = build_step_layout([(tables[0], 5, 3), (tables[2], 2, 1)], block_size)
+    verify_reference = model.compute_logits(
+        model(torch.tensor(verify_tokens), layout.positions, PagedAttention(cache, layout))
+    )
+cache.k_cache.copy_(before)
+verifier = DecodeRunner(
+    fused_model,
+    cache,
+    max_num_seqs=2,
+    max_model_len=64,
+    scratch_block=num_blocks,
+    attention=KernelDecodeAttention(impl="triton"),
+    use_graphs=False,
+    verify_rows=4,
+)
+assert (verifier.row_limit(False), verifier.row_limit(True)) == (2, 4)
+torch.testing.assert_close(
+    verifier.run(*verify_args, verify=True), verify_reference, rtol=1e-5, atol=1e-5
+)
+with pytest.raises(ValueError, match="decode step of this runner takes 1 to 2 rows, got 4"):
+    verifier.run(*verify_args)
+
+# %% [markdown]
 # On a GPU the same runner records graphs (the cell below runs only with the `gpu` flag):
 
 # %%
@@ -498,6 +577,26 @@ eager = DecodeRunner(
 args = (next_tokens, positions, slots, tables, [p + 1 for p in positions])
 # bf16: recorded, the step may fold each norm into the GEMVs (a rounding fewer): logits of O(4) a few 2^-8 apart
 torch.testing.assert_close(graphed.run(*args).clone(), eager.run(*args), rtol=2e-2, atol=2e-2)
+# a verify step through the Triton kernel, recorded and eager: sequence 0's three rows as above
+graphed_verify, eager_verify = (
+    DecodeRunner(
+        gpu_model,
+        gpu_cache,
+        max_num_seqs=2,
+        max_model_len=64,
+        scratch_block=num_blocks,
+        attention=KernelDecodeAttention(),
+        use_graphs=use_graphs,
+        verify_rows=4,
+    )
+    for use_graphs in (True, False)
+)
+torch.testing.assert_close(
+    graphed_verify.run(*verify_args, verify=True).clone(),
+    eager_verify.run(*verify_args, verify=True),
+    rtol=2e-2,
+    atol=2e-2,
+)
 
 # %% [markdown]
 # ## Mixed steps: prefill chunks beside decodes

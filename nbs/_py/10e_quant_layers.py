@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.kernels.backend import kernel_backend
-from forge_engine.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
+from forge_engine.kernels.gemv import gemv, gemv_hands_off_norms
 from forge_engine.model import Transformer, load_weights
 from forge_engine.quant.formats import (
     dequantize_int4,
@@ -214,6 +214,12 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+# steps of up to this many rows take chapter 09's GEMV, larger ones chapter 10b's split-K. Measured on an H200
+# (`kernels_lab/verify_step.py int8`, random Qwen3-4B, whole steps): the GEMV at 3-4 rows took 7.5 ms a step, split-K
+# at 5 rows 2.8
+INT8_GEMV_ROWS = 1
+
+
 class Int8Linear(QuantLinear):
     """int8 weights [N, K] and one fp32 scale per output row; quantized (and kept) on `device`, default the weight's.
     `linear`: an nn.Linear, or any module with a `weight` [N, K] (a tied model's embedding, as its LM head)."""
@@ -228,7 +234,7 @@ class Int8Linear(QuantLinear):
 
     def skinny(self, x):
         if (
-            x.shape[0] <= GEMV_MAX_ROWS
+            x.shape[0] <= INT8_GEMV_ROWS
         ):  # chapter 09's GEMV streams the int8 rows and applies the scales at the end
             return gemv(x, self.qweight, None, self.scale, impl="triton")
         return int8_matmul(x, self.qweight, self.scale, impl="triton")

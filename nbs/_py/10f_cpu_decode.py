@@ -292,10 +292,6 @@ class CPUDecodeRunner:
     """Decode steps of up to `max_rows` sequences of a GGUF model on a CPU: the embedding and the LM head in
     PyTorch, every layer in one C call. The model's tensors and the cache's pools are read in place."""
 
-    # rows may be positions of one sequence (a verify step's drafts, chapter 08c): each layer writes every row's
-    # K/V before any row's attention reads the pool
-    takes_draft_rows = True
-
     def __init__(self, model: Transformer, cache: PagedKVCache, max_rows: int = DECODE_MAX_ROWS):
         if (why := cpu_decode_refusal(model, cache)) is not None:
             raise ValueError(f"the C decode step cannot run this model: {why}")
@@ -325,6 +321,11 @@ class CPUDecodeRunner:
         self.step = step
         self.scratch = torch.empty(floats(ctypes.byref(self.shape), max_rows))
 
+    def row_limit(self, drafts: bool) -> int:
+        """The most rows a step takes, with or without `drafts`: the same, since rows may be positions of one
+        sequence (a verify step, chapter 08c) as each layer writes every row's K/V before any row attends."""
+        return self.buckets[-1]
+
     @torch.no_grad()
     def run(
         self,
@@ -334,9 +335,11 @@ class CPUDecodeRunner:
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
         fill_ids: Callable[[torch.Tensor], None] | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
-        """Logits [n, vocab] for n decoding sequences, their K and V written to the pool. `fill_ids(ids)` may write
-        input tokens the caller did not know when it called (the engine's overlapped steps, chapter 08)."""
+        """Logits [n, vocab] for n rows (decoding sequences, or with `verify` rows of one sequence too), their K and
+        V written to the pool. `fill_ids(ids)` may write input tokens the caller did not know when it called (the
+        engine's overlapped steps, chapter 08)."""
         n = len(token_ids)
         if not 1 <= n <= self.buckets[-1]:
             raise ValueError(f"a C decode step takes 1 to {self.buckets[-1]} rows, got {n}")
@@ -583,8 +586,8 @@ assert (
     type(engine.runner.decode).__name__ == "CPUDecodeRunner"
 )  # (the package's: the cells define a twin)
 c_steps = []
-engine.runner.decode.run = lambda *args, run=engine.runner.decode.run: (
-    c_steps.append(1) or run(*args)
+engine.runner.decode.run = lambda *args, run=engine.runner.decode.run, **kw: (
+    c_steps.append(1) or run(*args, **kw)
 )
 prompt = loaded.tokenizer.encode("The capital of France is")
 engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

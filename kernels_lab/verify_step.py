@@ -1,0 +1,133 @@
+"""Verify steps on a GPU (chapter 08c, with chapter 09b's verify graphs): what scoring k drafts costs against one
+decode step, and what speculation gives at most.
+
+Napkin math: at batch 1 a decode step of random Qwen3-4B reads about 8.05 GB of BF16 weights (2.39 ms at 419
+tok/s). A verify step of 1 + k rows reads the same weights. Its extra work is small:
+- k more rows of each matmul (cuBLAS instead of the one-row GEMV);
+- k more rows of attention over a short context;
+- K/V stored by a launch of its own before attention (the decode graph stores them inside the attention kernel).
+So it should cost close to one decode step. The target is at most 1.15x at k = 4.
+
+1. Step cost: the decode graph of 1 row against the verify graphs of 1 + k rows (k = 0..7). One sequence with
+   CONTEXT tokens of context; the median of 7 timings of REPLAYS steps each, inputs written as the engine writes them.
+2. End to end: one request, greedy, NEW_TOKENS new tokens, without speculation, then with k = 4 and a proposer that
+   is always right: it replays the tokens of a run with speculation, replayed until they are what the run gives
+   (the first time, those of the run without; the verify rows' matmuls round otherwise than the one-row GEMV, so
+   near ties of random weights flip tokens). That is the upper bound of the speed-up.
+
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8]"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from forge_engine.bench import free_memory
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+from forge_engine.speculative import SpeculationCounts
+
+CONTEXT, REPLAYS, NEW_TOKENS, DRAFTS, ROUNDS, FIXED_POINT_RUNS = 512, 50, 256, 4, 3, 8
+
+
+class Replay:
+    "A proposer that proposes the continuation of `tokens` while the output so far agrees with them."
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, seq, k: int) -> list[int]:
+        n = len(seq.output_ids)
+        return self.tokens[n : n + k] if seq.output_ids == self.tokens[:n] else []
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def step_ms(decode, rows: int, verify: bool, block_size: int) -> float:
+    "Milliseconds a step of `rows` rows of one sequence (positions CONTEXT - 1 ...), graph replays back to back."
+    table = list(range(-(-(CONTEXT + rows) // block_size)))
+    positions = [CONTEXT - 1 + j for j in range(rows)]
+    args = (
+        [100 + j for j in range(rows)],
+        positions,
+        [table[p // block_size] * block_size + p % block_size for p in positions],
+        [table] * rows,
+        [p + 1 for p in positions],
+    )
+    times = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(REPLAYS):
+            decode.run(*args, verify=verify)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / REPLAYS * 1e3)
+    return statistics.median(times)
+
+
+def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
+    "Decode tok/s after the first token, and the tokens."
+    engine.add_request(
+        prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
+    first = final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or (time.perf_counter() if out.token_ids else None)
+            final = out
+    return (len(final.token_ids) - 1) / (time.perf_counter() - first), list(final.token_ids)
+
+
+def main(quantization: str) -> None:
+    loaded = load_model(
+        "random:qwen3-4b",
+        "cuda",
+        progress=False,
+        quantization="none" if quantization == "bf16" else quantization,
+    )
+    config = EngineConfig(max_num_seqs=1, max_model_len=4096, kv_cache_bytes=2 * 2**30)
+    plain = LLMEngine(loaded, config)
+    spec = LLMEngine(loaded, config.replace(speculative_tokens=7))
+    decode, size = spec.runner.decode, config.block_size
+    one = step_ms(decode, 1, False, size)
+    print(f"{quantization}: decode graph, 1 row: {one:.3f} ms")
+    for k in range(8):
+        ms = step_ms(decode, 1 + k, True, size)
+        print(f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step")
+
+    spec = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS))
+    prompt = list(range(1000, 1000 + 128))
+    _, tokens = decode_rate(plain, prompt)
+    for _ in range(
+        FIXED_POINT_RUNS
+    ):  # replay until the run with speculation gives the tokens it was proposed
+        spec.proposer = Replay(tokens)
+        _, got = decode_rate(spec, prompt)
+        if got == tokens:
+            break
+        tokens = got
+    else:
+        print(f"  (no fixed point in {FIXED_POINT_RUNS} runs: the proposer is not always right)")
+    rates = {"off": [], "on": []}
+    for _ in range(ROUNDS):
+        rate, _ = decode_rate(plain, prompt)
+        rates["off"].append(rate)
+        spec.speculation = SpeculationCounts()  # this round's counts only
+        rate, _ = decode_rate(spec, prompt)
+        rates["on"].append(rate)
+    off, on, c = statistics.median(rates["off"]), statistics.median(rates["on"]), spec.speculation
+    print(
+        f"  W1-like, {NEW_TOKENS} new tokens: {off:.1f} tok/s without, {on:.1f} with k = {DRAFTS} ({on / off:.2f}x); "
+        f"drafts {c.proposed}, accepted {c.accepted} ({c.acceptance_rate:.0%}), "
+        f"{c.mean_accepted_length:.2f} tokens a verify step"
+    )
+
+
+if __name__ == "__main__":
+    for quantization in (sys.argv[1] if len(sys.argv) > 1 else "bf16").split(","):
+        main(quantization)
+        free_memory()
