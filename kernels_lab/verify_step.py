@@ -15,8 +15,10 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
    (the first time, those of the run without; the verify rows' matmuls round otherwise than the one-row GEMV, so
    near ties of random weights flip tokens). That is the upper bound of the speed-up.
 
-Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8]"""
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
+(LAB_STEPS_ONLY=1: part 1 only)"""
 
+import os
 import statistics
 import sys
 import time
@@ -99,6 +101,8 @@ def main(quantization: str) -> None:
         ms = step_ms(decode, 1 + k, True, size)
         print(f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step")
 
+    if os.environ.get("LAB_STEPS_ONLY"):
+        return
     spec = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS))
     prompt = list(range(1000, 1000 + 128))
     _, tokens = decode_rate(plain, prompt)

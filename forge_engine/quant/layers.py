@@ -173,9 +173,9 @@ class QuantLinear(nn.Module):
 
 
 # steps of up to this many rows take chapter 09's GEMV, larger ones chapter 10b's split-K. Measured on an H200
-# (`kernels_lab/verify_step.py int8`, random Qwen3-4B, whole steps): the GEMV at 3-4 rows took 7.5 ms a step, split-K
-# at 5 rows 2.8
-INT8_GEMV_ROWS = 1
+# (`kernels_lab/verify_step.py int8`, random Qwen3-4B, whole steps of rows of one sequence): at 2 rows the GEMV 3.52 ms,
+# split-K 12.3; at 3-4 rows the GEMV 7.49 ms, split-K 2.61
+INT8_GEMV_ROWS = 2
 
 
 class Int8Linear(QuantLinear):
