@@ -82,9 +82,14 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
 
+    @property
+    def kv_layers(self) -> int:
+        "Layers with a KV cache: all of them (chapter 03b's hybrid model has fewer)."
+        return self.num_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         "Bytes of K and V cache one token takes over all layers."
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        return 2 * self.kv_layers * self.kv_size * dtype_bytes
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

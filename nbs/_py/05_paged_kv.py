@@ -485,7 +485,7 @@ def triton_kernel(name: str):
 
 
 class PagedKVCache:
-    "The K/V pool: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."
+    "The K/V pool: `k_cache`, `v_cache` of shape [kv_layers, num_blocks, block_size, num_kv_heads, head_dim]."
 
     def __init__(
         self,
@@ -500,7 +500,7 @@ class PagedKVCache:
                 f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
             )
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.kv_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
 

