@@ -30,7 +30,8 @@ __all__ = ['DEQUANTIZERS', 'SKIPPED_TENSORS', 'TensorInfo', 'tensor_nbytes', 're
            'dequantize_f16', 'dequantize_bf16', 'dequantize_q8_0', 'dequantize_q4_0', 'dequantize_q4_1',
            'dequantize_q5_0', 'dequantize_q5_1', 'dequantize_q4_k', 'dequantize_q5_k', 'q6_k_quants_and_scales',
            'dequantize_q6_k', 'dequantize', 'hf_name', 'gguf_name', 'llama_cpp_permute', 'llama_cpp_unpermute',
-           'GGUFFile', 'write_gguf']
+           'qwen35_value_head_order', 'qwen35_to_llama_cpp', 'qwen35_from_llama_cpp', 'hf_config_from_gguf',
+           'mtp_layer', 'GGUFFile', 'write_gguf', 'write_qwen35_gguf']
 
 # %% ../nbs/01a_gguf.ipynb #a6d4e35a
 _VALUE_FORMATS = {  # metadata value type -> little-endian struct / numpy format
@@ -353,16 +354,32 @@ _LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QWEN35_LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf> where a qwen35 file differs (whole suffixes:
+    # A_log has no .weight, dt_bias is stored as the bias of a "dt" projection that has no weight)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
 SKIPPED_TENSORS = {  # present in some GGUFs, not used by our decoder
     "rope_freqs.weight": "per-frequency rotary factors (Llama 3 rope scaling) are not implemented; "
     "the model uses plain RoPE from rope_theta",
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "") -> str:
     "The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if architecture == "qwen35" and m and m[2] in _QWEN35_LAYER_PARTS:
+        return f"model.layers.{m[1]}.{_QWEN35_LAYER_PARTS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m is None or m[2] not in _LAYER_PARTS:
         raise ValueError(
@@ -372,11 +389,15 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, architecture: str = "") -> str:
     "The inverse of `hf_name`."
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
     if hf in inverse:
         return inverse[hf]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    qwen35 = {v: k for k, v in _QWEN35_LAYER_PARTS.items()}
+    if architecture == "qwen35" and m and m[2] in qwen35:
+        return f"blk.{m[1]}.{qwen35[m[2]]}"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     parts = {v: k for k, v in _LAYER_PARTS.items()}
     if m is None or m[2] not in parts:
@@ -401,6 +422,127 @@ def llama_cpp_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     half = _head_pairs(w, n_head)
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
+# %% ../nbs/01a_gguf.ipynb #e4795a14
+def qwen35_value_head_order(text: Mapping[str, Any], hf: str) -> tuple[int, torch.Tensor] | None:
+    """(dim, index) that puts the value heads of checkpoint tensor `hf` in llama.cpp's tiled order (`index_select`);
+    None for a tensor without value heads, or when there are as many key heads as value heads."""
+    key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    if key_heads == value_heads or ".linear_attn." not in hf:
+        return None
+    group, qk_rows = value_heads // key_heads, 2 * key_heads * text["linear_key_head_dim"]
+
+    def tiled(head_dim: int, skip: int = 0) -> torch.Tensor:  # rows [skip, ...) hold value heads
+        heads = torch.arange(value_heads * head_dim).view(key_heads, group, head_dim)
+        return torch.cat((torch.arange(skip), skip + heads.transpose(0, 1).reshape(-1)))
+
+    part, dv = hf.split(".linear_attn.")[1], text["linear_value_head_dim"]
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):  # q and k rows first, then v
+        return 0, tiled(dv, skip=qk_rows)
+    if part == "in_proj_z.weight":
+        return 0, tiled(dv)
+    if part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return 0, tiled(1)
+    if part == "out_proj.weight":
+        return 1, tiled(dv)
+    return None  # norm.weight: one weight per value dim, shared by all heads
+
+
+def _zero_centred_norm(hf: str) -> bool:
+    return hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight")
+
+
+def qwen35_to_llama_cpp(hf: str, w: torch.Tensor, text: Mapping[str, Any]) -> torch.Tensor:
+    "What llama.cpp's converter stores for Qwen3.5 checkpoint tensor `hf` (see the table above)."
+    if order := qwen35_value_head_order(text, hf):
+        w = w.index_select(order[0], order[1].to(w.device))
+    if hf.endswith("A_log"):
+        return -w.exp()
+    if hf.endswith("conv1d.weight"):
+        return w.squeeze(1)
+    return w + 1 if _zero_centred_norm(hf) else w
+
+
+def qwen35_from_llama_cpp(hf: str, w: torch.Tensor, text: Mapping[str, Any]) -> torch.Tensor:
+    "The checkpoint's tensor `hf` back from what a `qwen35` GGUF stores: the inverse of `qwen35_to_llama_cpp`."
+    if hf.endswith("A_log"):
+        w = (-w).log()
+    elif hf.endswith("conv1d.weight"):
+        w = w.unsqueeze(1)
+    elif _zero_centred_norm(hf):
+        w = w - 1
+    if order := qwen35_value_head_order(text, hf):
+        w = w.index_select(order[0], order[1].argsort().to(w.device))
+    return w
+
+
+def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_infos) -> dict[str, Any]:
+    "The text `config.json` of a `qwen35` GGUF file's model, from its metadata and tensor shapes."
+    if metadata.get("general.architecture") != "qwen35":
+        raise ValueError(
+            f"not a qwen35 file: general.architecture is {metadata.get('general.architecture')!r}"
+        )
+
+    def key(name, default=None):
+        value = metadata.get(f"qwen35.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks qwen35.{name}")
+        return value
+
+    if metadata.get("qwen35.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(
+            f"rope scaling {metadata['qwen35.rope.scaling.type']!r} is not implemented; only plain RoPE is"
+        )
+    shapes = {t.name: t.shape for t in tensor_infos}
+    if "token_embd.weight" not in shapes:
+        raise ValueError("a qwen35 GGUF file without token_embd.weight")
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    recurrent = metadata.get("qwen35.attention.recurrent_layers")
+    every = int(key("full_attention_interval", 4))
+    layer_types = [
+        ("linear_attention" if recurrent[i] else "full_attention")
+        if recurrent
+        else ("full_attention" if (i + 1) % every == 0 else "linear_attention")
+        for i in range(layers)
+    ]
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim, value_heads = (
+        int(key("attention.key_length", hidden // heads)),
+        int(key("ssm.time_step_rank")),
+    )
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return {
+        "model_type": "qwen3_5_text",
+        "vocab_size": shapes["token_embd.weight"][0],  # the padded vocabulary: the embedding's rows
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "layer_types": layer_types,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel", 4)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(key("rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim,
+        },
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight"
+        not in shapes,  # as for every architecture: no head, tied
+        "max_position_embeddings": int(key("context_length", 262_144)),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+
+
+def mtp_layer(gguf_name: str, num_layers: int) -> bool:
+    "A tensor of a block past the decoder's `num_layers`: the multi-token-prediction layer of a qwen35 file."
+    m = re.match(r"blk\.(\d+)\.", gguf_name)
+    return m is not None and int(m[1]) >= num_layers
+
 # %% ../nbs/01a_gguf.ipynb #97bda083
 class GGUFFile:
     "A memory-mapped GGUF file: decoded metadata, tensor infos, and tensors dequantized on demand."
@@ -424,7 +566,16 @@ class GGUFFile:
         return [t.name for t in self.tensor_infos]
 
     def model_config(self) -> ModelConfig:
+        if self.architecture == "qwen35":
+            raise ValueError(
+                f"{self.path} holds a Qwen3.5 model, whose shape is not a ModelConfig: read `hf_config()` "
+                "with chapter 03b's `Qwen35Config.from_hf`"
+            )
         return model_config_from_gguf(self.metadata, self.tensor_names)
+
+    def hf_config(self) -> dict[str, Any]:
+        "The text `config.json` of a `qwen35` file's model (chapter 03b's `Qwen35Config.from_hf` reads it)."
+        return hf_config_from_gguf(self.metadata, self.tensor_infos)
 
     def raw(self, name: str) -> torch.Tensor:
         "The stored bytes of tensor `name` (a GGUF name) as a uint8 view of the mapped file."
@@ -432,12 +583,19 @@ class GGUFFile:
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
 
     def load(
-        self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu"
+        self,
+        info: TensorInfo,
+        config: ModelConfig | Mapping[str, Any],
+        dtype=torch.float32,
+        device="cpu",
     ) -> torch.Tensor:
-        "One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`."
+        """One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`. `config`: the
+        `model_config()`, or for a qwen35 file its `hf_config()`."""
         w = dequantize(
             self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}"
         )
+        if self.architecture == "qwen35":
+            return qwen35_from_llama_cpp(hf_name(info.name, "qwen35"), w, config).to(dtype)
         if config.architecture == "llama" and re.match(r"blk\.\d+\.attn_[qk]\.", info.name):
             w = llama_cpp_unpermute(
                 w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads
@@ -446,13 +604,18 @@ class GGUFFile:
 
     def tensors(self, dtype=torch.float32, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
         "Yield `(hf_name, tensor)` in file order, one dequantized tensor at a time."
-        config = (
-            self.model_config()
-        )  # fails here, before any tensor, on an unsupported architecture
+        # fails here, before any tensor, on an unsupported architecture
+        qwen35 = self.architecture == "qwen35"
+        config = self.hf_config() if qwen35 else self.model_config()
         for name in self.tensor_names:
             if name in SKIPPED_TENSORS:
                 warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
-        plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
+        plan = [
+            (hf_name(t.name, self.architecture), t)
+            for t in self.tensor_infos
+            if t.name not in SKIPPED_TENSORS
+            and not (qwen35 and mtp_layer(t.name, config["num_hidden_layers"]))
+        ]
         unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
         if unsupported:  # say so before the first tensor, not halfway through a load
             raise ValueError(
@@ -494,6 +657,51 @@ class GGUFFile:
         )
 
 # %% ../nbs/01a_gguf.ipynb #9d96ab9c
+def _add_key(writer, key: str, value) -> None:
+    "A shape key typed as llama.cpp types it: u32 counts, f32 reals, arrays of their items."
+    if isinstance(value, bool) or isinstance(value, list):
+        writer.add_key_value(key, value, GGUFValueType.get_type(value))
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, float(value))
+
+
+def _write_file(
+    path: str | Path,
+    arch: str,
+    keys: Mapping[str, Any],
+    token_ids: tuple[int | None, int | None],
+    tensors: Iterator[tuple[str, str, torch.Tensor]],
+    qtypes: Mapping[str, QType] | None,
+    metadata: Mapping[str, Any] | None,
+) -> Path:
+    "Write `arch.<key>` shape keys, the bos / eos ids, `metadata`, and (hf name, GGUF name, stored tensor) triples."
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        _add_key(writer, f"{arch}.{key}", value)
+    for which, token in zip(("bos", "eos"), token_ids):
+        if token is not None:
+            writer.add_uint32(f"tokenizer.ggml.{which}_token_id", token)
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, stored_name, w in tensors:
+        w = w.detach().float().cpu()
+        qtype = QType.F32 if w.dim() == 1 else (qtypes or {}).get(name, QType.F32)
+        try:
+            data = gguf.quants.quantize(w.numpy(), qtype)
+        except (NotImplementedError, gguf.quants.QuantError) as e:
+            raise ValueError(f"cannot write {name} as {qtype.name}: {e}") from None
+        writer.add_tensor(stored_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
 def write_gguf(
     path: str | Path,
     config: ModelConfig,
@@ -504,42 +712,77 @@ def write_gguf(
     """Write Hugging Face-named `tensors` of a model shaped like `config` as a GGUF file.
     `qtypes` picks a type per tensor name (default F32); `metadata` adds keys (str, int, float, bool, lists).
     An untied model must include `lm_head.weight`: GGUF marks a tied model by its absence."""
-    import gguf
-
     arch, c = config.architecture, config
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in [
-        ("block_count", c.num_layers),
-        ("context_length", c.max_position_embeddings),
-        ("embedding_length", c.hidden_size),
-        ("feed_forward_length", c.intermediate_size),
-        ("attention.head_count", c.num_heads),
-        ("attention.head_count_kv", c.num_kv_heads),
-        ("attention.key_length", c.head_dim),
-        ("attention.value_length", c.head_dim),
-        ("vocab_size", c.vocab_size),
-    ]:
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    if c.bos_token_id is not None:
-        writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
-    if c.eos_token_ids:
-        writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
-    for key, value in (metadata or {}).items():
-        writer.add_key_value(key, value, GGUFValueType.get_type(value))
-    for name, w in tensors.items():
-        w = w.detach().float().cpu()
+    keys = {
+        "block_count": c.num_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_heads,
+        "attention.head_count_kv": c.num_kv_heads,
+        "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "rope.freq_base": float(c.rope_theta),
+        "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+    }
+
+    def stored(name: str, w: torch.Tensor):
         if arch == "llama" and re.search(r"self_attn\.[qk]_proj\.", name):
             w = llama_cpp_permute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)
-        qtype = QType.F32 if w.dim() == 1 else (qtypes or {}).get(name, QType.F32)
-        try:
-            data = gguf.quants.quantize(w.numpy(), qtype)
-        except (NotImplementedError, gguf.quants.QuantError) as e:
-            raise ValueError(f"cannot write {name} as {qtype.name}: {e}") from None
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+        return name, gguf_name(name), w
+
+    eos = c.eos_token_ids[0] if c.eos_token_ids else None
+    items = (stored(name, w) for name, w in tensors.items())
+    return _write_file(path, arch, keys, (c.bos_token_id, eos), items, qtypes, metadata)
+
+
+def write_qwen35_gguf(
+    path: str | Path,
+    text: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    qtypes: Mapping[str, QType] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a Qwen3.5 model as llama.cpp stores it (`qwen35`): `text` is its text `config.json`, `tensors` its
+    checkpoint tensors (`model.layers.N...`; `lm_head.weight` unless tied). The inverse of the reading above."""
+    heads, layers, value_heads = (
+        text["num_attention_heads"],
+        text["num_hidden_layers"],
+        text["linear_num_value_heads"],
+    )
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    rope = text.get("rope_parameters") or {}
+    layer_types = text.get("layer_types") or [
+        "full_attention"
+        if (i + 1) % text.get("full_attention_interval", 4) == 0
+        else "linear_attention"
+        for i in range(layers)
+    ]
+    keys = {
+        "block_count": layers,
+        "context_length": text.get("max_position_embeddings", 262_144),
+        "embedding_length": text["hidden_size"],
+        "feed_forward_length": text["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": text.get("num_key_value_heads") or heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.freq_base": float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+        "attention.layer_norm_rms_epsilon": text.get("rms_norm_eps", 1e-6),
+        "ssm.conv_kernel": text.get("linear_conv_kernel_dim", 4),
+        "ssm.state_size": text["linear_key_head_dim"],
+        "ssm.group_count": text["linear_num_key_heads"],
+        "ssm.time_step_rank": value_heads,
+        "ssm.inner_size": text["linear_value_head_dim"] * value_heads,
+        "attention.recurrent_layers": [t == "linear_attention" for t in layer_types],
+        "full_attention_interval": text.get("full_attention_interval", 4),
+        "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+    }
+    eos = text.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
+    items = (
+        (name, gguf_name(name, "qwen35"), qwen35_to_llama_cpp(name, w, text))
+        for name, w in tensors.items()
+    )
+    return _write_file(path, "qwen35", keys, (None, eos), items, qtypes, metadata)

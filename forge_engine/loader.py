@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import sys
 import time
 from collections import defaultdict
@@ -15,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
+from .config import PRESETS, QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
 from .loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from forge_engine.model import (
     Transformer,
@@ -26,13 +27,22 @@ from forge_engine.model import (
     init_random_weights,
     load_weights,
 )
+from forge_engine.qwen3_5 import (
+    QWEN35_PRESETS,
+    Qwen35Config,
+    Qwen35Model,
+    empty_qwen35_model,
+    init_random_qwen35,
+    load_hf_state_dict,
+)
 from .registry import ResolvedModel, describe_model, resolve
 from .tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['DTYPES', 'AUTO_GPU_MODEL', 'AUTO_CPU_MODEL', 'AUTO_MIN_FREE_GPU_BYTES', 'resolve_device', 'resolve_dtype',
-           'choose_auto_model', 'pick_model', 'add_quantization_flag', 'add_memory_budget_flag', 'model_bytes',
-           'LoadedModel', 'model_config_of', 'finish_stats', 'load_model', 'random_checkpoint']
+__all__ = ['DTYPES', 'AUTO_GPU_MODEL', 'AUTO_CPU_MODEL', 'AUTO_MIN_FREE_GPU_BYTES', 'RANDOM_PRESETS', 'QWEN35_MODEL_TYPES',
+           'resolve_device', 'resolve_dtype', 'choose_auto_model', 'pick_model', 'add_quantization_flag',
+           'add_memory_budget_flag', 'model_bytes', 'LoadedModel', 'random_preset', 'model_config_of', 'finish_stats',
+           'load_model', 'load_qwen35', 'random_checkpoint']
 
 # %% ../nbs/04a_loader.ipynb #3593166a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,7 +142,7 @@ class LoadedModel:
     "A model ready to run, its tokenizer (None when the checkpoint has none) and how loading went."
 
     name: str
-    model: Transformer
+    model: Transformer | Qwen35Model
     tokenizer: Tokenizer | None
     stats: LoadStats
     parallel: "TensorParallel | None" = None  # noqa: F821 (chapter 09g's: the loader may not import it) the other ranks
@@ -141,7 +151,7 @@ class LoadedModel:
     )  # what the registry knows (architecture, quantization, license, ...)
 
     @property
-    def config(self) -> ModelConfig:
+    def config(self) -> ModelConfig | Qwen35Config:
         return self.model.config
 
     @property
@@ -153,15 +163,30 @@ class LoadedModel:
         )
 
 
-def model_config_of(resolved: ResolvedModel) -> ModelConfig:
-    "The shape of a resolved model, read without loading its weights."
+RANDOM_PRESETS = [*PRESETS, *QWEN35_PRESETS]  # the shapes `random:` takes, of both decoders
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json's model_type: multimodal, text only
+
+
+def random_preset(name: str) -> ModelConfig | Qwen35Config:
+    "A named shape of chapter 00 (`ModelConfig`) or of chapter 03b (`Qwen35Config`)."
+    return QWEN35_PRESETS[name] if name in QWEN35_PRESETS else preset(name)
+
+
+def model_config_of(resolved: ResolvedModel) -> ModelConfig | Qwen35Config:
+    "The shape of a resolved model, read without loading its weights: a `Qwen35Config` for a Qwen3.5 model."
     if resolved.format == "random":
-        return preset(resolved.preset)
+        return random_preset(resolved.preset)
     if resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
 
-        return GGUFFile(resolved.path).model_config()
-    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+        gguf = GGUFFile(resolved.path)
+        if gguf.architecture == "qwen35":
+            return Qwen35Config.from_hf(gguf.hf_config())
+        return gguf.model_config()
+    config = json.loads((resolved.path / "config.json").read_text())
+    if config.get("model_type") in QWEN35_MODEL_TYPES:
+        return Qwen35Config.from_hf(config)
+    return model_config_from_hf(config)
 
 
 def finish_stats(
@@ -197,7 +222,12 @@ def load_model(
         )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    resolved: ResolvedModel = resolve(name)
+    resolved: ResolvedModel = resolve(name, presets=RANDOM_PRESETS)
+    config = model_config_of(resolved)
+    if isinstance(config, Qwen35Config):
+        return load_qwen35(
+            resolved, config, device, dtype, seed, progress, quantization, memory_budget
+        )
     if quantization == "auto":
         # a GGUF file on a CPU: its blocks kept, decoded by chapter 10f's C step
         cpu_gguf = resolved.format == "gguf" and device.type == "cpu" and dtype == torch.float32
@@ -211,7 +241,7 @@ def load_model(
     if memory_budget is not None and device.type == "cuda":
         from forge_engine.memory_plan import plan_memory
 
-        config, weights = model_config_of(resolved), None
+        weights = None
         if quantization == "gguf":  # the blocks as chapter 10g repacks them, from the file's types
             from forge_engine.gguf_file import GGUFFile
             from forge_engine.quant.gguf_gpu import gguf_gpu_bytes
@@ -234,12 +264,12 @@ def load_model(
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random" and staging == device:
-        model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
+        model = init_random_weights(empty_model(config, device, dtype), seed=seed)
     elif (
         resolved.format == "random"
     ):  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
-        model = empty_model(preset(resolved.preset), staging, dtype)
-        load_weights(model, random_checkpoint(preset(resolved.preset), seed, device, dtype))
+        model = empty_model(config, staging, dtype)
+        load_weights(model, random_checkpoint(config, seed, device, dtype))
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
 
@@ -259,7 +289,7 @@ def load_model(
             load_weights(model, gguf.tensors(dtype=dtype))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     else:
-        model = empty_model(model_config_of(resolved), staging, dtype)
+        model = empty_model(config, staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
     if quantization in (
         "int8",
@@ -281,6 +311,51 @@ def load_model(
     metadata = describe_model(resolved)
     if quantization != "none":
         metadata["quantization"] = quantization  # what runs, not what the file holds
+    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
+
+# %% ../nbs/04a_loader.ipynb #3219b9c6
+def load_qwen35(
+    resolved: ResolvedModel,
+    config: Qwen35Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    progress: bool = True,
+    quantization: str = "none",
+    memory_budget: int | None = None,
+) -> LoadedModel:
+    "`load_model` for a Qwen3.5 model (`config`), resolved already."
+    if quantization not in ("none", "auto"):
+        raise ValueError(
+            f"--quantization {quantization}: {resolved.name!r} is a Qwen3.5 model, which loads unquantized; "
+            "quantized layers (int8, int4, a GGUF file's blocks) are built for chapter 03's decoder"
+        )
+    if memory_budget is not None:
+        raise ValueError(
+            f"a memory budget: the plan of chapter 10a knows chapter 03's decoder, not {resolved.name!r} (Qwen3.5)"
+        )
+    stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
+    model, tokenizer = empty_qwen35_model(config, device, dtype), None
+    if resolved.format == "random":
+        init_random_qwen35(model, seed=seed)
+    elif resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+
+        gguf = GGUFFile(resolved.path)
+        load_hf_state_dict(model, gguf.tensors(dtype=dtype, device=device))
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    else:
+        load_hf_state_dict(model, iter_checkpoint(resolved.path, stats, progress=progress))
+    if resolved.tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
+    finish_stats(stats, model, start, device)
+    metadata = describe_model(resolved)
+    if resolved.format == "random":  # the registry knows chapter 00's shapes only
+        metadata |= {
+            "architecture": "qwen3_5",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "context_length": config.max_position_embeddings,
+        }
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
 
 # %% ../nbs/04a_loader.ipynb #6eddea73

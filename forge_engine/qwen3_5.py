@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Protocol
 
@@ -22,11 +23,12 @@ from forge_engine.model import (
 )
 
 # %% auto #0
-__all__ = ['LAYER_TYPES', 'QWEN35_TINY', 'Qwen35Config', 'ZeroCenteredRMSNorm', 'GatedRMSNorm', 'causal_conv1d',
-           'causal_conv1d_step', 'l2norm', 'gated_delta_rule_recurrent', 'gated_delta_rule_chunked',
+__all__ = ['LAYER_TYPES', 'QWEN35_TINY', 'QWEN35_EOS', 'QWEN35_PRESETS', 'Qwen35Config', 'ZeroCenteredRMSNorm', 'GatedRMSNorm',
+           'causal_conv1d', 'causal_conv1d_step', 'l2norm', 'gated_delta_rule_recurrent', 'gated_delta_rule_chunked',
            'LinearAttentionState', 'LinearAttentionBackend', 'normalized_heads', 'SequenceStates', 'GatedDeltaNet',
            'apply_partial_rope', 'GatedAttention', 'SwiGLU', 'DecoderLayer', 'Qwen35Model', 'checkpoint_name',
-           'load_hf_state_dict']
+           'load_hf_state_dict', 'hybrid_layer_types', 'qwen35_config_json', 'empty_qwen35_model',
+           'fill_random_qwen35_', 'init_random_qwen35']
 
 # %% ../nbs/03b_qwen3_5.ipynb #b29a5188
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -514,3 +516,112 @@ def load_hf_state_dict(
         filled.add(name)
     if missing := sorted(params.keys() - filled):
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+
+# %% ../nbs/03b_qwen3_5.ipynb #cc22e0ae
+QWEN35_EOS = (248046, 248044)  # <|im_end|>, <|endoftext|>
+
+
+def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
+    "Every `full_attention_interval`-th layer full attention, the others Gated DeltaNet (the released pattern)."
+    return tuple(
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    )
+
+
+_QWEN35_SMALL = dict(  # what the 4B and 9B share
+    vocab_size=248_320,
+    num_layers=32,
+    layer_types=hybrid_layer_types(32),
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    eos_token_ids=QWEN35_EOS,
+)
+QWEN35_PRESETS: dict[str, Qwen35Config] = {
+    "qwen3.5-4b": Qwen35Config(
+        hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True, **_QWEN35_SMALL
+    ),
+    "qwen3.5-9b": Qwen35Config(
+        hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False, **_QWEN35_SMALL
+    ),
+    "qwen3.5-tiny": QWEN35_TINY.replace(
+        vocab_size=248_320, tie_word_embeddings=True, eos_token_ids=QWEN35_EOS
+    ),
+}
+
+
+def qwen35_config_json(config: Qwen35Config) -> dict[str, Any]:
+    "The text `config.json` of a model of this shape (`model_type` qwen3_5_text): what `Qwen35Config.from_hf` reads."
+    return dict(
+        model_type="qwen3_5_text",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        layer_types=list(config.layer_types),
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=config.rope_theta,
+            partial_rotary_factor=config.partial_rotary_factor,
+        ),
+        rms_norm_eps=config.rms_norm_eps,
+        attention_bias=config.attention_bias,
+        attn_output_gate=True,
+        hidden_act="silu",
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_id=list(config.eos_token_ids),
+    )
+
+
+def empty_qwen35_model(config: Qwen35Config, device="cpu", dtype=torch.float32) -> Qwen35Model:
+    "A model with allocated but uninitialised weights on `device` in `dtype` (chapter 03's `empty_model`, for Qwen3.5)."
+    with torch.device("meta"):
+        model = Qwen35Model(config)
+    return model.to(dtype=dtype).to_empty(device=device).eval()
+
+# %% ../nbs/03b_qwen3_5.ipynb #0e5e3fa4
+@torch.no_grad()
+def fill_random_qwen35_(
+    name: str, p: torch.Tensor, gen: torch.Generator, std: float = 0.02
+) -> None:
+    "Fill Qwen3.5 parameter `name` in place from `gen`, with the values of its kind (see above)."
+
+    def draw(shape=p.shape):  # fp32 on the parameter's device, whatever its dtype
+        return torch.empty(shape, device=p.device, dtype=torch.float32)
+
+    if name.endswith("linear_attn.norm.weight"):
+        p.copy_(1.0 + 0.1 * draw().normal_(generator=gen))
+    elif name.endswith("norm.weight"):  # zero-centred
+        p.copy_(0.1 * draw().normal_(generator=gen))
+    elif name.endswith("A_log"):
+        p.copy_(draw().uniform_(1.0, 16.0, generator=gen).log())
+    elif name.endswith("dt_bias"):
+        dt = draw().uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+    elif name.endswith("conv1d.weight"):
+        p.copy_(draw().normal_(0.0, p.shape[-1] ** -0.5, generator=gen))
+    else:
+        p.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_random_qwen35(model: Qwen35Model, seed: int = 0, std: float = 0.02) -> Qwen35Model:
+    "Seeded random weights, parameter by parameter in order from one generator on the model's device."
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        fill_random_qwen35_(name, p, gen, std)
+    return model

@@ -32,11 +32,11 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, NamedTuple
+from typing import Any, Collection, NamedTuple
 
 from tqdm import tqdm
 
-from .config import PRESETS, preset
+from .config import PRESETS
 
 try:
     import fcntl
@@ -44,11 +44,11 @@ except ImportError:  # Windows: no flock; concurrent pulls are then not guarded
     fcntl = None
 
 # %% auto #0
-__all__ = ['SOURCE_KINDS', 'ENTRY_FORMATS', 'CATALOG', 'METADATA_KEYS', 'forge_home', 'Artifact', 'CatalogEntry', 'catalog_entry',
-           'FetchError', 'ChecksumError', 'DiskFullError', 'sha256_file', 'read_index', 'describe_files',
-           'download_url', 'git_blob_id', 'fetch', 'pull', 'VerifyReport', 'verify', 'remove', 'ResolvedModel',
-           'resolve', 'ModelRow', 'list_models', 'model_info', 'describe_model', 'format_bytes', 'summarize',
-           'HubUnreachable', 'HubHit', 'search_hub', 'format_hits']
+__all__ = ['SOURCE_KINDS', 'ENTRY_FORMATS', 'HUB_CHECKPOINT_FILES', 'CATALOG', 'METADATA_KEYS', 'forge_home', 'Artifact',
+           'CatalogEntry', 'catalog_entry', 'FetchError', 'ChecksumError', 'DiskFullError', 'sha256_file', 'read_index',
+           'describe_files', 'download_url', 'git_blob_id', 'fetch', 'pull', 'VerifyReport', 'verify', 'remove',
+           'ResolvedModel', 'resolve', 'ModelRow', 'list_models', 'model_info', 'describe_model', 'format_bytes',
+           'summarize', 'HubUnreachable', 'HubHit', 'search_hub', 'format_hits']
 
 # %% ../nbs/01b_registry.ipynb #7a0b3923
 def forge_home() -> Path:
@@ -141,6 +141,17 @@ def _check_url(url: str):
     )
 
 
+HUB_CHECKPOINT_FILES = tuple(  # what a hub checkpoint entry fetches; the hub reports each file's hash
+    Artifact(m)
+    for m in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "model*.safetensors",  # shards, named model-00001-of-00002.safetensors or model.safetensors-...
+    )
+)
 CATALOG: dict[str, CatalogEntry] = {
     e.name: e
     for e in (
@@ -179,17 +190,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "hub",
             "Qwen/Qwen3-4B-Instruct-2507",
             "cdbee75f17c01a7cc42f958dc650907174af0554",
-            tuple(
-                Artifact(m)
-                for m in (
-                    "config.json",
-                    "generation_config.json",
-                    "tokenizer.json",
-                    "tokenizer_config.json",
-                    "model.safetensors.index.json",
-                    "model*.safetensors",
-                )
-            ),
+            HUB_CHECKPOINT_FILES,
             "safetensors",
             "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)",
         ),
@@ -207,6 +208,22 @@ CATALOG: dict[str, CatalogEntry] = {
             ),
             "tokenizer",
             "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference",
+        ),
+        *(
+            CatalogEntry(
+                f"qwen3.5-{size.lower()}",
+                "hub",
+                f"Qwen/Qwen3.5-{size}",
+                revision,
+                HUB_CHECKPOINT_FILES,
+                "safetensors",
+                f"Qwen3.5-{size}, BF16 safetensors of the multimodal checkpoint (the text decoder is loaded)",
+            )
+            for size, revision in (
+                ("0.8B", "2fc06364715b967f1860aea9cf38778875588b17"),
+                ("4B", "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"),
+                ("9B", "c202236235762e1c871ad0ccb60c8ee5ba337b9a"),
+            )
         ),
     )
 }
@@ -400,7 +417,8 @@ def _describe_checkpoint(directory: Path) -> dict:
         "architecture": config.get("model_type"),
         "parameters": parameters,
         "quantization": quant or (by_dtype.most_common(1)[0][0] if by_dtype else None),
-        "context_length": config.get("max_position_embeddings"),
+        # a multimodal checkpoint (Qwen3.5) keeps its decoder's fields under text_config
+        "context_length": (config.get("text_config") or config).get("max_position_embeddings"),
     }
 
 
@@ -887,8 +905,11 @@ def _local_gguf(path: Path, name: str) -> ResolvedModel:
     return ResolvedModel(name, "gguf", path, None)
 
 
-def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedModel:
-    "Turn a catalog name, `random:<preset>`, a model directory or a .gguf path into verified local files."
+def resolve(
+    name_or_path: str | os.PathLike, fetch: bool = True, presets: Collection[str] = PRESETS
+) -> ResolvedModel:
+    """Turn a catalog name, `random:<preset>`, a model directory or a .gguf path into verified local files.
+    `presets`: the shape names `random:` takes (chapter 00's; the loader adds chapter 03b's Qwen3.5 shapes)."""
     text = os.fspath(name_or_path)
     if text in CATALOG:
         entry = CATALOG[text]
@@ -900,7 +921,8 @@ def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedMode
         return _local_gguf(path, text) if entry.format == "gguf" else _local_dir(path, text)
     if text.startswith("random:"):
         shape = text[len("random:") :]
-        preset(shape)  # raises, listing the presets
+        if shape not in presets:
+            raise ValueError(f"unknown preset {shape!r}; known presets: {', '.join(presets)}")
         return ResolvedModel(
             text, "random", None, _ensure("qwen3-tokenizer", download=fetch), shape
         )
@@ -914,7 +936,7 @@ def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedMode
         raise FileNotFoundError(f"no model directory or .gguf file at {path} ({known})")
     raise ValueError(
         f"unknown model {text!r}; {known}; a local directory (config.json + *.safetensors), "
-        f"a .gguf file or random:<preset> ({', '.join(PRESETS)}) also work"
+        f"a .gguf file or random:<preset> ({', '.join(presets)}) also work"
     )
 
 # %% ../nbs/01b_registry.ipynb #b00d03eb
@@ -984,13 +1006,14 @@ def describe_model(model: ResolvedModel) -> dict[str, Any]:
         }
         return {**metadata, "source": entry.label, "revision": entry.version or None}
     if model.format == "random":
-        config = preset(model.preset)
+        # a shape of chapter 00; one of a higher chapter (03b's Qwen3.5) is described by the loader
+        config = PRESETS.get(model.preset)
         return {
             "format": "random",
-            "architecture": config.architecture,
-            "parameters": config.num_parameters,
+            "architecture": config.architecture if config else None,
+            "parameters": config.num_parameters if config else None,
             "quantization": None,
-            "context_length": config.max_position_embeddings,
+            "context_length": config.max_position_embeddings if config else None,
             "size_bytes": 0,
             "license": None,
             "source": f"random weights in the shape of preset {model.preset}",

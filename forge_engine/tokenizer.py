@@ -15,8 +15,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 # %% auto #0
-__all__ = ['GPT2_WORDS', 'QWEN2_WORDS', 'LLAMA3_WORDS', 'PRE_TOKENIZERS', 'GGUF_CONTROL', 'GGUF_USER_DEFINED', 'ROLES',
-           'SMOLLM2_SYSTEM_PROMPT', 'QWEN3_TOOLS_HEAD', 'QWEN3_TOOLS_TAIL', 'ChatTemplate', 'CHAT_TEMPLATES',
+__all__ = ['GPT2_WORDS', 'QWEN2_WORDS', 'QWEN35_WORDS', 'LLAMA3_WORDS', 'PRE_TOKENIZERS', 'GGUF_CONTROL', 'GGUF_USER_DEFINED',
+           'ROLES', 'SMOLLM2_SYSTEM_PROMPT', 'QWEN3_TOOLS_HEAD', 'QWEN3_TOOLS_TAIL', 'ChatTemplate', 'CHAT_TEMPLATES',
            'END_TOKENS', 'PreTokenizerFamily', 'bpe_from_gguf_metadata', 'message_text', 'checked_turns',
            'render_chatml', 'to_json', 'qwen3_tool_call', 'qwen3_instruct_chat', 'smollm2_chat',
            'recognise_chat_template', 'end_token_ids', 'as_token_id', 'Tokenizer', 'IncrementalDetokenizer']
@@ -26,6 +26,10 @@ GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 QWEN2_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_WORDS = (  # Qwen2's, with combining marks (\p{M}) inside words: Devanagari's vowel signs, say
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -57,6 +61,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizerFamily] = {
     "gpt2": PreTokenizerFamily((GPT2_WORDS,)),
     "smollm": PreTokenizerFamily((r"\p{N}", GPT2_WORDS)),
     "qwen2": PreTokenizerFamily((QWEN2_WORDS,), nfc=True),
+    "qwen35": PreTokenizerFamily((QWEN35_WORDS,), nfc=True),
     "llama-bpe": PreTokenizerFamily((LLAMA3_WORDS,), ignore_merges=True),
 }
 

@@ -88,3 +88,43 @@ def test_peak_host_memory_stays_near_one_model(tmp_path):
     # the model, one staging buffer (the largest tensor) and a fixed allowance for the process's own pages (measured:
     # 873 MiB against the bound's 975); a naive load holds 2x the model
     assert growth < model_bytes + largest + 256 * 2**20 < 2 * model_bytes, (growth, model_bytes)
+
+
+def test_sharded_qwen35_checkpoint_loads_its_text_decoder(tmp_path):
+    "A sharded multimodal Qwen3.5 checkpoint (bf16): the decoder's weights and logits, the vision tower and MTP head skipped."
+    from forge_engine.qwen3_5 import (
+        QWEN35_TINY,
+        Qwen35Model,
+        empty_qwen35_model,
+        init_random_qwen35,
+        qwen35_config_json,
+    )
+
+    model = init_random_qwen35(empty_qwen35_model(QWEN35_TINY), seed=7)
+    tensors = {
+        (k if k == "lm_head.weight" else f"model.language_model.{k}"): v.to(torch.bfloat16)
+        for k, v in model.state_dict().items()
+    }
+    tensors["model.visual.merger.linear_fc1.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    tensors["mtp.layers.0.mlp.up_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    names, weight_map = sorted(tensors), {}
+    for s in range(2):
+        filename = f"model-{s + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in names[s::2]}, tmp_path / filename)
+        weight_map |= {n: filename for n in names[s::2]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = {"model_type": "qwen3_5", "text_config": qwen35_config_json(QWEN35_TINY)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    assert isinstance(loaded.model, Qwen35Model) and loaded.config == QWEN35_TINY
+    assert (
+        loaded.metadata["architecture"] == "qwen3_5"
+        and loaded.metadata["context_length"] == 262_144
+    )
+    reference = model.to(torch.bfloat16).float()  # the checkpoint's values; bf16 -> fp32 is exact
+    ids = torch.arange(0, 250, 7)
+    with torch.no_grad():
+        want = reference.compute_logits(reference(ids, torch.arange(len(ids))))
+        got = loaded.model.compute_logits(loaded.model(ids, torch.arange(len(ids))))
+    assert torch.equal(got, want)

@@ -544,16 +544,32 @@ _LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QWEN35_LAYER_PARTS = {  # blk.N.<gguf> -> model.layers.N.<hf> where a qwen35 file differs (whole suffixes:
+    # A_log has no .weight, dt_bias is stored as the bias of a "dt" projection that has no weight)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
 SKIPPED_TENSORS = {  # present in some GGUFs, not used by our decoder
     "rope_freqs.weight": "per-frequency rotary factors (Llama 3 rope scaling) are not implemented; "
     "the model uses plain RoPE from rope_theta",
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "") -> str:
     "The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if architecture == "qwen35" and m and m[2] in _QWEN35_LAYER_PARTS:
+        return f"model.layers.{m[1]}.{_QWEN35_LAYER_PARTS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m is None or m[2] not in _LAYER_PARTS:
         raise ValueError(
@@ -563,11 +579,15 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, architecture: str = "") -> str:
     "The inverse of `hf_name`."
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
     if hf in inverse:
         return inverse[hf]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    qwen35 = {v: k for k, v in _QWEN35_LAYER_PARTS.items()}
+    if architecture == "qwen35" and m and m[2] in qwen35:
+        return f"blk.{m[1]}.{qwen35[m[2]]}"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     parts = {v: k for k, v in _LAYER_PARTS.items()}
     if m is None or m[2] not in parts:
@@ -614,6 +634,222 @@ with pytest.raises(ValueError, match="6 rows do not split into 2 heads"):
 
 
 # %% [markdown]
+# ## Qwen3.5 in llama.cpp's layout (`qwen35`)
+#
+# llama.cpp's converter (`convert_hf_to_gguf.py`, its Qwen3.5 text model class) does more to a
+# Qwen3.5 checkpoint than rename it. Reading a `qwen35` file means undoing each change:
+#
+# | tensor | in the file | why llama.cpp stores it so | we undo it by |
+# |---|---|---|---|
+# | `A_log` → `ssm_a` | `−exp(A_log)` | the decay rate `A` itself, negative, as its kernel uses it | `log(−a)` |
+# | `dt_bias` → `ssm_dt.bias` | as is | a bias of the "dt" step, Mamba's name | renaming |
+# | `conv1d.weight` `[C, 1, K]` → `ssm_conv1d` | `[C, K]` | the grouped conv's dummy dimension dropped | `unsqueeze(1)` |
+# | zero-centred norms (`attn_norm`, `post_attention_norm`, `output_norm`, `attn_q_norm`, `attn_k_norm`) | `1 + weight` | llama.cpp's RMSNorm multiplies by the weight | `− 1` |
+# | the DeltaNet's output norm `ssm_norm` | as is | a plain RMSNorm already | nothing |
+# | value heads (`in_proj_qkv`'s v rows, `conv1d`'s v channels, `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias` rows, `out_proj` columns) | *tiled* order | see below | the inverse permutation |
+# | `q_proj` (query and gate per head), `k_proj`, `v_proj`, the MLP | as is (renamed) | | renaming |
+#
+# The value heads: with fewer key heads than value heads, consecutive value heads share a key
+# head (chapter 03b's grouping: `[k0v0, k0v1, k1v0, k1v1]` for 2 key heads and 2 value heads
+# each). ggml broadcasts a smaller tensor over a larger one by *tiling* it, `[k0, k1, k0, k1]`,
+# so the converter reorders the value heads to `[k0v0, k1v0, k0v1, k1v1]`: then each value head
+# meets its key head by plain broadcasting. With as many key heads as value heads nothing moves.
+#
+# The shape lives under `qwen35.*`: the usual keys, plus the DeltaNet's in Mamba's words
+# (`ssm.group_count`: key heads, `ssm.time_step_rank`: value heads, `ssm.state_size`: key head
+# dim, `ssm.inner_size`: value heads × value head dim, `ssm.conv_kernel`), `rope.dimension_count`
+# (the rotated dims), `attention.recurrent_layers` (which layers are DeltaNet; else every
+# `full_attention_interval`-th is full attention). A file may carry the checkpoint's
+# multi-token-prediction layer as extra blocks (`nextn_predict_layers` of them after the
+# decoder's, counted in `block_count`); we skip them, as chapter 03b skips `mtp.*`. The
+# `rope.dimension_sections` of Qwen3.5's multimodal RoPE do not matter for text: the three
+# position components of a text token are equal, which is plain RoPE.
+#
+# This chapter sits below chapter 03b, so it does not build a `Qwen35Config`: it reads the file
+# into the text `config.json` a checkpoint would have (`hf_config_from_gguf`), which chapter
+# 03b's `Qwen35Config.from_hf` reads, and its tensors into the checkpoint's names.
+
+# %%
+#| export
+def qwen35_value_head_order(text: Mapping[str, Any], hf: str) -> tuple[int, torch.Tensor] | None:
+    """(dim, index) that puts the value heads of checkpoint tensor `hf` in llama.cpp's tiled order (`index_select`);
+    None for a tensor without value heads, or when there are as many key heads as value heads."""
+    key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    if key_heads == value_heads or ".linear_attn." not in hf:
+        return None
+    group, qk_rows = value_heads // key_heads, 2 * key_heads * text["linear_key_head_dim"]
+
+    def tiled(head_dim: int, skip: int = 0) -> torch.Tensor:  # rows [skip, ...) hold value heads
+        heads = torch.arange(value_heads * head_dim).view(key_heads, group, head_dim)
+        return torch.cat((torch.arange(skip), skip + heads.transpose(0, 1).reshape(-1)))
+
+    part, dv = hf.split(".linear_attn.")[1], text["linear_value_head_dim"]
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):  # q and k rows first, then v
+        return 0, tiled(dv, skip=qk_rows)
+    if part == "in_proj_z.weight":
+        return 0, tiled(dv)
+    if part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return 0, tiled(1)
+    if part == "out_proj.weight":
+        return 1, tiled(dv)
+    return None  # norm.weight: one weight per value dim, shared by all heads
+
+
+def _zero_centred_norm(hf: str) -> bool:
+    return hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight")
+
+
+def qwen35_to_llama_cpp(hf: str, w: torch.Tensor, text: Mapping[str, Any]) -> torch.Tensor:
+    "What llama.cpp's converter stores for Qwen3.5 checkpoint tensor `hf` (see the table above)."
+    if order := qwen35_value_head_order(text, hf):
+        w = w.index_select(order[0], order[1].to(w.device))
+    if hf.endswith("A_log"):
+        return -w.exp()
+    if hf.endswith("conv1d.weight"):
+        return w.squeeze(1)
+    return w + 1 if _zero_centred_norm(hf) else w
+
+
+def qwen35_from_llama_cpp(hf: str, w: torch.Tensor, text: Mapping[str, Any]) -> torch.Tensor:
+    "The checkpoint's tensor `hf` back from what a `qwen35` GGUF stores: the inverse of `qwen35_to_llama_cpp`."
+    if hf.endswith("A_log"):
+        w = (-w).log()
+    elif hf.endswith("conv1d.weight"):
+        w = w.unsqueeze(1)
+    elif _zero_centred_norm(hf):
+        w = w - 1
+    if order := qwen35_value_head_order(text, hf):
+        w = w.index_select(order[0], order[1].argsort().to(w.device))
+    return w
+
+
+def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_infos) -> dict[str, Any]:
+    "The text `config.json` of a `qwen35` GGUF file's model, from its metadata and tensor shapes."
+    if metadata.get("general.architecture") != "qwen35":
+        raise ValueError(
+            f"not a qwen35 file: general.architecture is {metadata.get('general.architecture')!r}"
+        )
+
+    def key(name, default=None):
+        value = metadata.get(f"qwen35.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks qwen35.{name}")
+        return value
+
+    if metadata.get("qwen35.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(
+            f"rope scaling {metadata['qwen35.rope.scaling.type']!r} is not implemented; only plain RoPE is"
+        )
+    shapes = {t.name: t.shape for t in tensor_infos}
+    if "token_embd.weight" not in shapes:
+        raise ValueError("a qwen35 GGUF file without token_embd.weight")
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    recurrent = metadata.get("qwen35.attention.recurrent_layers")
+    every = int(key("full_attention_interval", 4))
+    layer_types = [
+        ("linear_attention" if recurrent[i] else "full_attention")
+        if recurrent
+        else ("full_attention" if (i + 1) % every == 0 else "linear_attention")
+        for i in range(layers)
+    ]
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim, value_heads = (
+        int(key("attention.key_length", hidden // heads)),
+        int(key("ssm.time_step_rank")),
+    )
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return {
+        "model_type": "qwen3_5_text",
+        "vocab_size": shapes["token_embd.weight"][0],  # the padded vocabulary: the embedding's rows
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "layer_types": layer_types,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel", 4)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(key("rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim,
+        },
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight"
+        not in shapes,  # as for every architecture: no head, tied
+        "max_position_embeddings": int(key("context_length", 262_144)),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+
+
+def mtp_layer(gguf_name: str, num_layers: int) -> bool:
+    "A tensor of a block past the decoder's `num_layers`: the multi-token-prediction layer of a qwen35 file."
+    m = re.match(r"blk\.(\d+)\.", gguf_name)
+    return m is not None and int(m[1]) >= num_layers
+
+
+# %% [markdown]
+# The reordering, on 2 key heads with 2 value heads each, one dim per head: value heads
+# `[k0v0, k0v1, k1v0, k1v1]` go to `[k0v0, k1v0, k0v1, k1v1]`, after the q and k rows; every
+# transformation comes back exactly (the norms' `± 1` and `A_log`'s `log(exp)` to a rounding).
+
+# %%
+text = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=1, linear_value_head_dim=1
+)
+dim, order = qwen35_value_head_order(text, "model.layers.0.linear_attn.in_proj_qkv.weight")
+assert dim == 0 and order.tolist() == [
+    0,
+    1,
+    2,
+    3,
+    4,
+    6,
+    5,
+    7,
+]  # q0 q1 k0 k1, then v: k0v0 k1v0 k0v1 k1v1
+assert qwen35_value_head_order(text, "model.layers.0.linear_attn.out_proj.weight")[0] == 1
+assert qwen35_value_head_order(text, "model.layers.0.linear_attn.norm.weight") is None
+assert (
+    qwen35_value_head_order(text | dict(linear_num_key_heads=4), "model.layers.0.linear_attn.A_log")
+    is None
+)
+for name, shape in [
+    ("model.layers.0.linear_attn.in_proj_qkv.weight", (8, 3)),
+    ("model.layers.0.linear_attn.conv1d.weight", (8, 1, 4)),
+    ("model.layers.0.linear_attn.out_proj.weight", (3, 4)),
+    ("model.layers.0.linear_attn.A_log", (4,)),
+    ("model.layers.0.input_layernorm.weight", (3,)),
+    ("model.layers.0.linear_attn.norm.weight", (3,)),
+]:
+    w = torch.randn(shape)
+    stored = qwen35_to_llama_cpp(name, w, text)
+    assert not torch.equal(stored, w) or name.endswith("linear_attn.norm.weight"), name
+    torch.testing.assert_close(qwen35_from_llama_cpp(name, stored, text), w, rtol=1e-6, atol=1e-6)
+assert qwen35_to_llama_cpp(
+    "model.layers.0.linear_attn.conv1d.weight", torch.zeros(8, 1, 4), text
+).shape == (8, 4)
+torch.testing.assert_close(
+    qwen35_to_llama_cpp("x.linear_attn.A_log", torch.zeros(4), text), -torch.ones(4)
+)
+assert hf_name("blk.2.ssm_a", "qwen35") == "model.layers.2.linear_attn.A_log"
+assert hf_name("blk.2.ssm_dt.bias", "qwen35") == "model.layers.2.linear_attn.dt_bias"
+assert (
+    gguf_name("model.layers.2.post_attention_layernorm.weight", "qwen35")
+    == "blk.2.post_attention_norm.weight"
+)
+assert (
+    gguf_name("model.layers.2.post_attention_layernorm.weight") == "blk.2.ffn_norm.weight"
+)  # Qwen3, Llama
+assert mtp_layer("blk.4.nextn.eh_proj.weight", 4) and not mtp_layer("blk.3.attn_q.weight", 4)
+assert not mtp_layer("output_norm.weight", 4)
+
+
+# %% [markdown]
 # ## `GGUFFile`
 #
 # Opening a file maps it into memory (nothing is read until it is touched), parses the header
@@ -645,7 +881,16 @@ class GGUFFile:
         return [t.name for t in self.tensor_infos]
 
     def model_config(self) -> ModelConfig:
+        if self.architecture == "qwen35":
+            raise ValueError(
+                f"{self.path} holds a Qwen3.5 model, whose shape is not a ModelConfig: read `hf_config()` "
+                "with chapter 03b's `Qwen35Config.from_hf`"
+            )
         return model_config_from_gguf(self.metadata, self.tensor_names)
+
+    def hf_config(self) -> dict[str, Any]:
+        "The text `config.json` of a `qwen35` file's model (chapter 03b's `Qwen35Config.from_hf` reads it)."
+        return hf_config_from_gguf(self.metadata, self.tensor_infos)
 
     def raw(self, name: str) -> torch.Tensor:
         "The stored bytes of tensor `name` (a GGUF name) as a uint8 view of the mapped file."
@@ -653,12 +898,19 @@ class GGUFFile:
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
 
     def load(
-        self, info: TensorInfo, config: ModelConfig, dtype=torch.float32, device="cpu"
+        self,
+        info: TensorInfo,
+        config: ModelConfig | Mapping[str, Any],
+        dtype=torch.float32,
+        device="cpu",
     ) -> torch.Tensor:
-        "One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`."
+        """One tensor, dequantized on `device`, in Hugging Face layout, cast to `dtype`. `config`: the
+        `model_config()`, or for a qwen35 file its `hf_config()`."""
         w = dequantize(
             self.raw(info.name).to(device), info.qtype, info.shape, name=f"{self.path}: {info.name}"
         )
+        if self.architecture == "qwen35":
+            return qwen35_from_llama_cpp(hf_name(info.name, "qwen35"), w, config).to(dtype)
         if config.architecture == "llama" and re.match(r"blk\.\d+\.attn_[qk]\.", info.name):
             w = llama_cpp_unpermute(
                 w, config.num_heads if ".attn_q." in info.name else config.num_kv_heads
@@ -667,13 +919,18 @@ class GGUFFile:
 
     def tensors(self, dtype=torch.float32, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
         "Yield `(hf_name, tensor)` in file order, one dequantized tensor at a time."
-        config = (
-            self.model_config()
-        )  # fails here, before any tensor, on an unsupported architecture
+        # fails here, before any tensor, on an unsupported architecture
+        qwen35 = self.architecture == "qwen35"
+        config = self.hf_config() if qwen35 else self.model_config()
         for name in self.tensor_names:
             if name in SKIPPED_TENSORS:
                 warnings.warn(f"{self.path}: skipping {name}: {SKIPPED_TENSORS[name]}")
-        plan = [(hf_name(t.name), t) for t in self.tensor_infos if t.name not in SKIPPED_TENSORS]
+        plan = [
+            (hf_name(t.name, self.architecture), t)
+            for t in self.tensor_infos
+            if t.name not in SKIPPED_TENSORS
+            and not (qwen35 and mtp_layer(t.name, config["num_hidden_layers"]))
+        ]
         unsupported = sorted({t.qtype.name for _, t in plan if t.qtype not in DEQUANTIZERS})
         if unsupported:  # say so before the first tensor, not halfway through a load
             raise ValueError(
@@ -722,9 +979,56 @@ class GGUFFile:
 # of tiny models. `write_gguf` is the reader run backwards: Hugging Face names to GGUF names,
 # the llama.cpp permutation for Llama q/k, the `ModelConfig` as the metadata keys llama.cpp
 # writes, and `gguf.GGUFWriter` for the bytes. Norms and biases stay F32, as llama.cpp keeps them.
+# `write_qwen35_gguf` does the same for a Qwen3.5 model, from its text `config.json`, with the
+# transformations of llama.cpp's converter (`qwen35_to_llama_cpp`).
 
 # %%
 #| export
+def _add_key(writer, key: str, value) -> None:
+    "A shape key typed as llama.cpp types it: u32 counts, f32 reals, arrays of their items."
+    if isinstance(value, bool) or isinstance(value, list):
+        writer.add_key_value(key, value, GGUFValueType.get_type(value))
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, float(value))
+
+
+def _write_file(
+    path: str | Path,
+    arch: str,
+    keys: Mapping[str, Any],
+    token_ids: tuple[int | None, int | None],
+    tensors: Iterator[tuple[str, str, torch.Tensor]],
+    qtypes: Mapping[str, QType] | None,
+    metadata: Mapping[str, Any] | None,
+) -> Path:
+    "Write `arch.<key>` shape keys, the bos / eos ids, `metadata`, and (hf name, GGUF name, stored tensor) triples."
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        _add_key(writer, f"{arch}.{key}", value)
+    for which, token in zip(("bos", "eos"), token_ids):
+        if token is not None:
+            writer.add_uint32(f"tokenizer.ggml.{which}_token_id", token)
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, stored_name, w in tensors:
+        w = w.detach().float().cpu()
+        qtype = QType.F32 if w.dim() == 1 else (qtypes or {}).get(name, QType.F32)
+        try:
+            data = gguf.quants.quantize(w.numpy(), qtype)
+        except (NotImplementedError, gguf.quants.QuantError) as e:
+            raise ValueError(f"cannot write {name} as {qtype.name}: {e}") from None
+        writer.add_tensor(stored_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
 def write_gguf(
     path: str | Path,
     config: ModelConfig,
@@ -735,45 +1039,82 @@ def write_gguf(
     """Write Hugging Face-named `tensors` of a model shaped like `config` as a GGUF file.
     `qtypes` picks a type per tensor name (default F32); `metadata` adds keys (str, int, float, bool, lists).
     An untied model must include `lm_head.weight`: GGUF marks a tied model by its absence."""
-    import gguf
-
     arch, c = config.architecture, config
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in [
-        ("block_count", c.num_layers),
-        ("context_length", c.max_position_embeddings),
-        ("embedding_length", c.hidden_size),
-        ("feed_forward_length", c.intermediate_size),
-        ("attention.head_count", c.num_heads),
-        ("attention.head_count_kv", c.num_kv_heads),
-        ("attention.key_length", c.head_dim),
-        ("attention.value_length", c.head_dim),
-        ("vocab_size", c.vocab_size),
-    ]:
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    if c.bos_token_id is not None:
-        writer.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
-    if c.eos_token_ids:
-        writer.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_ids[0])
-    for key, value in (metadata or {}).items():
-        writer.add_key_value(key, value, GGUFValueType.get_type(value))
-    for name, w in tensors.items():
-        w = w.detach().float().cpu()
+    keys = {
+        "block_count": c.num_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_heads,
+        "attention.head_count_kv": c.num_kv_heads,
+        "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "rope.freq_base": float(c.rope_theta),
+        "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+    }
+
+    def stored(name: str, w: torch.Tensor):
         if arch == "llama" and re.search(r"self_attn\.[qk]_proj\.", name):
             w = llama_cpp_permute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)
-        qtype = QType.F32 if w.dim() == 1 else (qtypes or {}).get(name, QType.F32)
-        try:
-            data = gguf.quants.quantize(w.numpy(), qtype)
-        except (NotImplementedError, gguf.quants.QuantError) as e:
-            raise ValueError(f"cannot write {name} as {qtype.name}: {e}") from None
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+        return name, gguf_name(name), w
+
+    eos = c.eos_token_ids[0] if c.eos_token_ids else None
+    items = (stored(name, w) for name, w in tensors.items())
+    return _write_file(path, arch, keys, (c.bos_token_id, eos), items, qtypes, metadata)
+
+
+def write_qwen35_gguf(
+    path: str | Path,
+    text: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    qtypes: Mapping[str, QType] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a Qwen3.5 model as llama.cpp stores it (`qwen35`): `text` is its text `config.json`, `tensors` its
+    checkpoint tensors (`model.layers.N...`; `lm_head.weight` unless tied). The inverse of the reading above."""
+    heads, layers, value_heads = (
+        text["num_attention_heads"],
+        text["num_hidden_layers"],
+        text["linear_num_value_heads"],
+    )
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    rope = text.get("rope_parameters") or {}
+    layer_types = text.get("layer_types") or [
+        "full_attention"
+        if (i + 1) % text.get("full_attention_interval", 4) == 0
+        else "linear_attention"
+        for i in range(layers)
+    ]
+    keys = {
+        "block_count": layers,
+        "context_length": text.get("max_position_embeddings", 262_144),
+        "embedding_length": text["hidden_size"],
+        "feed_forward_length": text["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": text.get("num_key_value_heads") or heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.freq_base": float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+        "attention.layer_norm_rms_epsilon": text.get("rms_norm_eps", 1e-6),
+        "ssm.conv_kernel": text.get("linear_conv_kernel_dim", 4),
+        "ssm.state_size": text["linear_key_head_dim"],
+        "ssm.group_count": text["linear_num_key_heads"],
+        "ssm.time_step_rank": value_heads,
+        "ssm.inner_size": text["linear_value_head_dim"] * value_heads,
+        "attention.recurrent_layers": [t == "linear_attention" for t in layer_types],
+        "full_attention_interval": text.get("full_attention_interval", 4),
+        "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        # multimodal RoPE's sections (unused for text; llama.cpp requires them): Qwen3.5's default
+        "rope.dimension_sections": (list(rope.get("mrope_section") or [11, 11, 10]) + [0])[:4],
+    }
+    eos = text.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
+    items = (
+        (name, gguf_name(name, "qwen35"), qwen35_to_llama_cpp(name, w, text))
+        for name, w in tensors.items()
+    )
+    return _write_file(path, "qwen35", keys, (None, eos), items, qtypes, metadata)
 
 
 # %% [markdown]
@@ -1043,3 +1384,78 @@ with pytest.raises(
     match=r"bad_utf8.gguf is corrupt: metadata key #\d+ \(bytes \d+\.\.\d+\) is not UTF-8 text",
 ):
     GGUFFile(tmp / "bad_utf8.gguf")
+
+# %% [markdown]
+# ## A Qwen3.5 file, written and read back
+#
+# A tiny Qwen3.5 (chapter 03b; 2 key heads and 4 value heads, so the value heads move) with
+# random weights of every kind, written as llama.cpp lays it out and read back: the config, every
+# tensor and the logits come back, the matrices exactly from F32 and to F16's rounding from F16.
+# The file's multi-token-prediction block is skipped.
+
+# %%
+from forge_engine.qwen3_5 import (
+    QWEN35_TINY,
+    Qwen35Config,
+    empty_qwen35_model,
+    init_random_qwen35,
+    load_hf_state_dict,
+    qwen35_config_json,
+)
+
+qwen35 = QWEN35_TINY.replace(eos_token_ids=(255,))
+model35 = init_random_qwen35(empty_qwen35_model(qwen35), seed=3)
+checkpoint = {
+    ("" if k == "lm_head.weight" else "model.") + k: v for k, v in model35.state_dict().items()
+}
+text35 = qwen35_config_json(qwen35)
+path35 = write_qwen35_gguf(tmp / "qwen35.gguf", text35, checkpoint)
+f35 = GGUFFile(path35)
+assert "blk.0.ssm_a" in f35.tensor_names and "blk.3.post_attention_norm.weight" in f35.tensor_names
+assert f35._infos["blk.0.ssm_conv1d.weight"].shape == (128, 4)
+with pytest.raises(ValueError, match="holds a Qwen3.5 model"):
+    f35.model_config()
+assert Qwen35Config.from_hf(f35.hf_config()) == qwen35.replace(
+    rms_norm_eps=f35.hf_config()["rms_norm_eps"]
+)
+read35 = dict(f35.tensors())
+assert read35.keys() == checkpoint.keys()
+for (
+    name,
+    w,
+) in read35.items():  # exact but for A_log's log(exp) and the norms' + 1 - 1: a few ulps of 1
+    torch.testing.assert_close(w, checkpoint[name], rtol=1e-6, atol=2e-7, msg=name)
+
+# the same file with a multi-token-prediction block after the decoder's 4: the same model
+stored = {t.name: dequantize(f35.raw(t.name), t.qtype, t.shape) for t in f35.tensor_infos}
+with_mtp = f35.metadata | {
+    "qwen35.block_count": 5,
+    "qwen35.nextn_predict_layers": 1,
+    "qwen35.attention.recurrent_layers": f35.metadata["qwen35.attention.recurrent_layers"]
+    + [False],
+}
+mtp_block = {
+    "blk.4.nextn.eh_proj.weight": torch.randn(64, 128),
+    "blk.4.attn_q.weight": torch.randn(256, 64),
+}
+f_mtp = GGUFFile(write_named(tmp / "qwen35-mtp.gguf", "qwen35", with_mtp, stored | mtp_block))
+assert f_mtp.hf_config() == f35.hf_config() and "blk.4.attn_q.weight" in f_mtp.tensor_names
+assert [name for name, _ in f_mtp.tensors()] == list(read35)
+
+# %% [markdown]
+# The same weights in F16 matrices, loaded into a fresh model: logits within F16's rounding.
+
+# %%
+matrices = {name: QType.F16 for name, w in checkpoint.items() if w.dim() > 1}
+f16 = GGUFFile(write_qwen35_gguf(tmp / "qwen35-f16.gguf", text35, checkpoint, matrices))
+assert f16.describe()["quant_types"]["F16"] == len(matrices)
+reloaded = empty_qwen35_model(Qwen35Config.from_hf(f16.hf_config()))
+load_hf_state_dict(reloaded, f16.tensors())
+ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    want = model35.compute_logits(model35(ids, torch.arange(30)))
+    got = reloaded.compute_logits(reloaded(ids, torch.arange(30)))
+# weights rounded to F16 (2^-11 relative) through 4 layers: logits of size ~1 move by ~1e-3
+torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+assert not torch.equal(got, want)  # F16 did round
+print(f"qwen35 F16 round trip: max |logit diff| {(got - want).abs().max():.1e}")

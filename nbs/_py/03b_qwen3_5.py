@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Protocol
 
@@ -972,3 +973,190 @@ with torch.no_grad():
         print(
             f"{'':55s} greedy {tokens}, stepped vs whole max |diff| {(step_logits - whole).abs().max():.1e}"
         )
+
+# %% [markdown]
+# ## Named shapes and random weights
+#
+# `random:qwen3.5-4b` is a Qwen3.5-4B with random weights: the real shape, so timing and memory
+# are real, without downloading 9 GB. Chapter 00's `PRESETS` hold the shapes of chapter 03's
+# decoder (`ModelConfig`); the Qwen3.5 shapes are `Qwen35Config`s, a class of this chapter, and
+# chapter 00 and the registry (01b) sit *below* this chapter: they may not import it. So the
+# Qwen3.5 shapes live here, as `QWEN35_PRESETS`, and the loader (04a), which sits above both,
+# asks both tables: it hands the registry the names of both (the registry checks a
+# `random:<preset>` name against the names it is given, chapter 00's when it is given none) and
+# builds the model from whichever table has the name.
+#
+# The numbers are the `text_config` of the released checkpoints' `config.json`: 32 layers in the
+# pattern `linear, linear, linear, full`; gated attention with 16 query heads and 4 KV heads of
+# 256 dims, a quarter of each rotated (64 dims, theta 10,000,000); Gated DeltaNet with 16 key
+# heads and 32 value heads of 128 dims; a 248,320-token (padded) vocabulary; 262,144 positions.
+# The 4B model (hidden 2,560, MLP 9,216) ties its head to the embedding, the 9B (hidden 4,096,
+# MLP 12,288) has a head of its own. `qwen3.5-tiny` has every feature at a size that runs in
+# milliseconds, with the real vocabulary.
+
+# %%
+#| export
+QWEN35_EOS = (248046, 248044)  # <|im_end|>, <|endoftext|>
+
+
+def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
+    "Every `full_attention_interval`-th layer full attention, the others Gated DeltaNet (the released pattern)."
+    return tuple(
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    )
+
+
+_QWEN35_SMALL = dict(  # what the 4B and 9B share
+    vocab_size=248_320,
+    num_layers=32,
+    layer_types=hybrid_layer_types(32),
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    eos_token_ids=QWEN35_EOS,
+)
+QWEN35_PRESETS: dict[str, Qwen35Config] = {
+    "qwen3.5-4b": Qwen35Config(
+        hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True, **_QWEN35_SMALL
+    ),
+    "qwen3.5-9b": Qwen35Config(
+        hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False, **_QWEN35_SMALL
+    ),
+    "qwen3.5-tiny": QWEN35_TINY.replace(
+        vocab_size=248_320, tie_word_embeddings=True, eos_token_ids=QWEN35_EOS
+    ),
+}
+
+
+def qwen35_config_json(config: Qwen35Config) -> dict[str, Any]:
+    "The text `config.json` of a model of this shape (`model_type` qwen3_5_text): what `Qwen35Config.from_hf` reads."
+    return dict(
+        model_type="qwen3_5_text",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        layer_types=list(config.layer_types),
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=config.rope_theta,
+            partial_rotary_factor=config.partial_rotary_factor,
+        ),
+        rms_norm_eps=config.rms_norm_eps,
+        attention_bias=config.attention_bias,
+        attn_output_gate=True,
+        hidden_act="silu",
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_id=list(config.eos_token_ids),
+    )
+
+
+def empty_qwen35_model(config: Qwen35Config, device="cpu", dtype=torch.float32) -> Qwen35Model:
+    "A model with allocated but uninitialised weights on `device` in `dtype` (chapter 03's `empty_model`, for Qwen3.5)."
+    with torch.device("meta"):
+        model = Qwen35Model(config)
+    return model.to(dtype=dtype).to_empty(device=device).eval()
+
+
+# %% [markdown]
+# Random weights need the values each kind of parameter has in a trained model, or the model
+# computes nothing worth timing. Matrices are `N(0, std)` as in chapter 03. The zero-centred
+# norms hold offsets around 0 (chapter 03's norms hold scales around 1); the DeltaNet's output
+# norm is a plain one, scales around 1. The decay of each value head is
+# `exp(−exp(A_log) · softplus(a + dt_bias))`: with Mamba's initialisation, `A` uniform in
+# `[1, 16]` and `softplus(dt_bias)` log-uniform in `[0.001, 0.1]`, a token keeps between 20% and
+# 99.9% of the memory, so the recurrence neither forgets at once nor piles up (a decay ≤ 1 and
+# unit keys keep the state bounded). The short convolution gets `N(0, 1/√K)`, so its 4 taps keep
+# the scale of their inputs.
+
+# %%
+#| export
+@torch.no_grad()
+def fill_random_qwen35_(
+    name: str, p: torch.Tensor, gen: torch.Generator, std: float = 0.02
+) -> None:
+    "Fill Qwen3.5 parameter `name` in place from `gen`, with the values of its kind (see above)."
+
+    def draw(shape=p.shape):  # fp32 on the parameter's device, whatever its dtype
+        return torch.empty(shape, device=p.device, dtype=torch.float32)
+
+    if name.endswith("linear_attn.norm.weight"):
+        p.copy_(1.0 + 0.1 * draw().normal_(generator=gen))
+    elif name.endswith("norm.weight"):  # zero-centred
+        p.copy_(0.1 * draw().normal_(generator=gen))
+    elif name.endswith("A_log"):
+        p.copy_(draw().uniform_(1.0, 16.0, generator=gen).log())
+    elif name.endswith("dt_bias"):
+        dt = draw().uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+    elif name.endswith("conv1d.weight"):
+        p.copy_(draw().normal_(0.0, p.shape[-1] ** -0.5, generator=gen))
+    else:
+        p.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_random_qwen35(model: Qwen35Model, seed: int = 0, std: float = 0.02) -> Qwen35Model:
+    "Seeded random weights, parameter by parameter in order from one generator on the model's device."
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        fill_random_qwen35_(name, p, gen, std)
+    return model
+
+
+# %% [markdown]
+# Each preset reads back from its `config.json`. The KV cache of a token is the same 32 KiB
+# (bf16) for both released shapes: they differ in width, not in their full-attention layers.
+
+# %%
+for label, cfg in QWEN35_PRESETS.items():
+    assert Qwen35Config.from_hf(qwen35_config_json(cfg)) == cfg, label
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Qwen35Model(cfg).parameters())
+    print(
+        f"{label:13s} {n / 1e9:6.3f} B parameters, {cfg.kv_layers} KV layers, "
+        f"K/V {cfg.kv_bytes_per_token() // 1024} KiB a token"
+    )
+four, nine = QWEN35_PRESETS["qwen3.5-4b"], QWEN35_PRESETS["qwen3.5-9b"]
+assert (four.rotary_dim, four.kv_layers, four.linear_layers) == (64, 8, 24)
+assert four.kv_bytes_per_token() == nine.kv_bytes_per_token() == 32 * 1024
+
+# %% [markdown]
+# A random model's recurrence does something: after a prompt of 100 tokens every DeltaNet
+# layer's memory is finite and neither zero nor growing without bound, and the logits differ
+# from token to token.
+
+# %%
+tiny = init_random_qwen35(empty_qwen35_model(QWEN35_PRESETS["qwen3.5-tiny"]), seed=1)
+again = init_random_qwen35(empty_qwen35_model(QWEN35_PRESETS["qwen3.5-tiny"]), seed=1)
+assert all(torch.equal(a, b) for a, b in zip(tiny.parameters(), again.parameters()))  # seeded
+decays = torch.cat(
+    [
+        (-layer.linear_attn.A_log.exp() * F.softplus(layer.linear_attn.dt_bias)).exp()
+        for layer in tiny.layers
+        if layer.layer_type == "linear_attention"
+    ]
+)
+assert 0.2 < decays.min() and decays.max() < 0.9995, decays  # per token, at a = 0
+states = SequenceStates()
+with torch.no_grad():
+    ids = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(0))
+    logits = tiny.compute_logits(tiny(ids, torch.arange(100), linear=states))
+for index in range(QWEN35_PRESETS["qwen3.5-tiny"].linear_layers):
+    size = states[index].recurrent.norm(dim=(1, 2))  # per value head
+    assert torch.isfinite(size).all() and 0.05 < size.min() and size.max() < 50, size
+assert torch.isfinite(logits).all() and logits.std(0).mean() > 0.01

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import sys
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from forge_engine.config import QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
+from forge_engine.config import PRESETS, QUANTIZATIONS, ModelConfig, model_config_from_hf, preset
 from forge_engine.loading import LoadStats, iter_checkpoint, peak_rss_bytes, rss_bytes
 from forge_engine.model import (
     Transformer,
@@ -36,6 +37,14 @@ from forge_engine.model import (
     hf_state_dict,
     init_random_weights,
     load_weights,
+)
+from forge_engine.qwen3_5 import (
+    QWEN35_PRESETS,
+    Qwen35Config,
+    Qwen35Model,
+    empty_qwen35_model,
+    init_random_qwen35,
+    load_hf_state_dict,
 )
 from forge_engine.registry import ResolvedModel, describe_model, resolve
 from forge_engine.tokenizer import Tokenizer
@@ -184,7 +193,7 @@ class LoadedModel:
     "A model ready to run, its tokenizer (None when the checkpoint has none) and how loading went."
 
     name: str
-    model: Transformer
+    model: Transformer | Qwen35Model
     tokenizer: Tokenizer | None
     stats: LoadStats
     parallel: "TensorParallel | None" = None  # noqa: F821 (chapter 09g's: the loader may not import it) the other ranks
@@ -193,7 +202,7 @@ class LoadedModel:
     )  # what the registry knows (architecture, quantization, license, ...)
 
     @property
-    def config(self) -> ModelConfig:
+    def config(self) -> ModelConfig | Qwen35Config:
         return self.model.config
 
     @property
@@ -205,15 +214,30 @@ class LoadedModel:
         )
 
 
-def model_config_of(resolved: ResolvedModel) -> ModelConfig:
-    "The shape of a resolved model, read without loading its weights."
+RANDOM_PRESETS = [*PRESETS, *QWEN35_PRESETS]  # the shapes `random:` takes, of both decoders
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json's model_type: multimodal, text only
+
+
+def random_preset(name: str) -> ModelConfig | Qwen35Config:
+    "A named shape of chapter 00 (`ModelConfig`) or of chapter 03b (`Qwen35Config`)."
+    return QWEN35_PRESETS[name] if name in QWEN35_PRESETS else preset(name)
+
+
+def model_config_of(resolved: ResolvedModel) -> ModelConfig | Qwen35Config:
+    "The shape of a resolved model, read without loading its weights: a `Qwen35Config` for a Qwen3.5 model."
     if resolved.format == "random":
-        return preset(resolved.preset)
+        return random_preset(resolved.preset)
     if resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
 
-        return GGUFFile(resolved.path).model_config()
-    return model_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+        gguf = GGUFFile(resolved.path)
+        if gguf.architecture == "qwen35":
+            return Qwen35Config.from_hf(gguf.hf_config())
+        return gguf.model_config()
+    config = json.loads((resolved.path / "config.json").read_text())
+    if config.get("model_type") in QWEN35_MODEL_TYPES:
+        return Qwen35Config.from_hf(config)
+    return model_config_from_hf(config)
 
 
 def finish_stats(
@@ -249,7 +273,12 @@ def load_model(
         )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    resolved: ResolvedModel = resolve(name)
+    resolved: ResolvedModel = resolve(name, presets=RANDOM_PRESETS)
+    config = model_config_of(resolved)
+    if isinstance(config, Qwen35Config):
+        return load_qwen35(
+            resolved, config, device, dtype, seed, progress, quantization, memory_budget
+        )
     if quantization == "auto":
         # a GGUF file on a CPU: its blocks kept, decoded by chapter 10f's C step
         cpu_gguf = resolved.format == "gguf" and device.type == "cpu" and dtype == torch.float32
@@ -263,7 +292,7 @@ def load_model(
     if memory_budget is not None and device.type == "cuda":
         from forge_engine.memory_plan import plan_memory
 
-        config, weights = model_config_of(resolved), None
+        weights = None
         if quantization == "gguf":  # the blocks as chapter 10g repacks them, from the file's types
             from forge_engine.gguf_file import GGUFFile
             from forge_engine.quant.gguf_gpu import gguf_gpu_bytes
@@ -286,12 +315,12 @@ def load_model(
     stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
     tokenizer = None
     if resolved.format == "random" and staging == device:
-        model = init_random_weights(empty_model(preset(resolved.preset), device, dtype), seed=seed)
+        model = init_random_weights(empty_model(config, device, dtype), seed=seed)
     elif (
         resolved.format == "random"
     ):  # drawn on the GPU one tensor at a time (fast; the same weights as unstaged)
-        model = empty_model(preset(resolved.preset), staging, dtype)
-        load_weights(model, random_checkpoint(preset(resolved.preset), seed, device, dtype))
+        model = empty_model(config, staging, dtype)
+        load_weights(model, random_checkpoint(config, seed, device, dtype))
     elif resolved.format == "gguf":
         from forge_engine.gguf_file import GGUFFile
 
@@ -311,7 +340,7 @@ def load_model(
             load_weights(model, gguf.tensors(dtype=dtype))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     else:
-        model = empty_model(model_config_of(resolved), staging, dtype)
+        model = empty_model(config, staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
     if quantization in (
         "int8",
@@ -334,6 +363,160 @@ def load_model(
     if quantization != "none":
         metadata["quantization"] = quantization  # what runs, not what the file holds
     return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
+
+
+# %% [markdown]
+# ## Qwen3.5
+#
+# A Qwen3.5 name (a `random:qwen3.5-*` shape of chapter 03b, a directory whose `config.json` has
+# `model_type` `qwen3_5` or `qwen3_5_text`, a `qwen35` GGUF file) builds chapter 03b's
+# `Qwen35Model` on the device and fills it the same ways: random weights drawn there, or the
+# checkpoint's tensors one at a time through `load_hf_state_dict`, which takes the checkpoint's
+# names (`model.language_model.` in a multimodal checkpoint; its vision tower and
+# multi-token-prediction head are skipped). The tensors come from chapter 01's staged reader or
+# from chapter 01a's GGUF reader, which undoes llama.cpp's layout. What is built for chapter
+# 03's decoder only is refused by name: quantized layers (chapter 10), the memory plan (10a).
+
+# %%
+#| export
+def load_qwen35(
+    resolved: ResolvedModel,
+    config: Qwen35Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    progress: bool = True,
+    quantization: str = "none",
+    memory_budget: int | None = None,
+) -> LoadedModel:
+    "`load_model` for a Qwen3.5 model (`config`), resolved already."
+    if quantization not in ("none", "auto"):
+        raise ValueError(
+            f"--quantization {quantization}: {resolved.name!r} is a Qwen3.5 model, which loads unquantized; "
+            "quantized layers (int8, int4, a GGUF file's blocks) are built for chapter 03's decoder"
+        )
+    if memory_budget is not None:
+        raise ValueError(
+            f"a memory budget: the plan of chapter 10a knows chapter 03's decoder, not {resolved.name!r} (Qwen3.5)"
+        )
+    stats, start = LoadStats(rss_before_bytes=rss_bytes()), time.perf_counter()
+    model, tokenizer = empty_qwen35_model(config, device, dtype), None
+    if resolved.format == "random":
+        init_random_qwen35(model, seed=seed)
+    elif resolved.format == "gguf":
+        from forge_engine.gguf_file import GGUFFile
+
+        gguf = GGUFFile(resolved.path)
+        load_hf_state_dict(model, gguf.tensors(dtype=dtype, device=device))
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    else:
+        load_hf_state_dict(model, iter_checkpoint(resolved.path, stats, progress=progress))
+    if resolved.tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(resolved.tokenizer_path)
+    finish_stats(stats, model, start, device)
+    metadata = describe_model(resolved)
+    if resolved.format == "random":  # the registry knows chapter 00's shapes only
+        metadata |= {
+            "architecture": "qwen3_5",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "context_length": config.max_position_embeddings,
+        }
+    return LoadedModel(resolved.name, model, tokenizer, stats, metadata=metadata)
+
+
+# %% [markdown]
+# `random:qwen3.5-tiny` loads as `random:qwen3-tiny` does, with the real Qwen3 tokenizer for
+# now (no registry carries Qwen3.5's `tokenizer.json`; its 151,669 ids fit the 248,320 rows):
+
+# %%
+from forge_engine.qwen3_5 import QWEN35_TINY, qwen35_config_json
+from forge_engine.registry import forge_home
+
+tiny35 = load_model("random:qwen3.5-tiny", "cpu", seed=4, progress=False)
+assert isinstance(tiny35.model, Qwen35Model) and tiny35.config == QWEN35_PRESETS["qwen3.5-tiny"]
+drawn = init_random_qwen35(empty_qwen35_model(tiny35.config), seed=4)
+assert all(torch.equal(a, b) for a, b in zip(tiny35.model.parameters(), drawn.parameters()))
+assert tiny35.tokenizer is not None and tiny35.metadata["architecture"] == "qwen3_5"
+assert tiny35.metadata["parameters"] == 16_076_488 and tiny35.metadata["context_length"] == 262_144
+assert model_config_of(resolve("random:qwen3.5-9b", presets=RANDOM_PRESETS)).hidden_size == 4096
+with pytest.raises(ValueError, match="Qwen3.5 model, which loads unquantized"):
+    load_model("random:qwen3.5-tiny", "cpu", quantization="int8")
+with pytest.raises(
+    ValueError, match="unknown preset 'qwen3.5-1t'; known presets: qwen3-4b, .*qwen3.5-tiny"
+):
+    load_model("random:qwen3.5-1t")
+
+# %% [markdown]
+# A multimodal checkpoint as the hub ships it: `config.json` with the decoder under
+# `text_config`, the decoder's tensors under `model.language_model.`, a vision tower and an MTP
+# head beside them. It loads into the same model, tensor for tensor (bf16 to fp32 is exact), and
+# computes the same logits.
+
+# %%
+import tempfile
+
+from safetensors.torch import save_file
+
+untied = QWEN35_TINY.replace(eos_token_ids=(255,))
+source = init_random_qwen35(empty_qwen35_model(untied), seed=5)
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d)
+    tensors = {
+        (k if k == "lm_head.weight" else "model.language_model." + k): v.to(torch.bfloat16)
+        for k, v in source.state_dict().items()
+    }
+    tensors |= {
+        "model.visual.patch_embed.proj.weight": torch.zeros(8, 3),
+        "mtp.fc.weight": torch.zeros(4, 4),
+    }
+    save_file(tensors, d / "model.safetensors")
+    text = qwen35_config_json(untied)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    from_dir = load_model(str(d), "cpu", progress=False)
+assert isinstance(from_dir.model, Qwen35Model) and from_dir.tokenizer is None
+for (name, ours), (_, theirs) in zip(from_dir.model.named_parameters(), source.named_parameters()):
+    assert torch.equal(ours, theirs.to(torch.bfloat16).float()), name
+ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    want = source.to(torch.bfloat16).float()
+    want_logits = want.compute_logits(want(ids, torch.arange(40)))
+    got_logits = from_dir.model.compute_logits(from_dir.model(ids, torch.arange(40)))
+assert torch.equal(got_logits, want_logits)
+
+# %% [markdown]
+# A `qwen35` GGUF file (chapter 01a's writer, llama.cpp's layout, its tokenizer in the metadata)
+# loads the same weights; its blocks cannot be kept quantized (`--quantization gguf` is refused)
+# and `auto` loads it unquantized.
+
+# %%
+from forge_engine.gguf_file import write_qwen35_gguf
+
+vocab = ["a", "b", "ab"] + [f"x{i}" for i in range(3, 256)]  # one merge: a b -> ab
+with tempfile.TemporaryDirectory() as d:
+    checkpoint = {
+        ("" if k == "lm_head.weight" else "model.") + k: v for k, v in source.state_dict().items()
+    }
+    path = write_qwen35_gguf(
+        Path(d) / "tiny-qwen35.gguf",
+        text,
+        checkpoint,
+        metadata={
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": vocab,
+            "tokenizer.ggml.token_type": [1] * 255 + [3],
+            "tokenizer.ggml.merges": ["a b"],
+        },
+    )
+    from_gguf = load_model(str(path), "cpu", progress=False, quantization="auto")
+    with pytest.raises(ValueError, match="Qwen3.5 model, which loads unquantized"):
+        load_model(str(path), "cpu", progress=False, quantization="gguf")
+assert from_gguf.tokenizer.encode("ab") == [2] and from_gguf.eos_token_ids == (255,)
+with torch.no_grad():
+    source_logits = source.compute_logits(source(ids, torch.arange(40)))
+    gguf_logits = from_gguf.model.compute_logits(from_gguf.model(ids, torch.arange(40)))
+# F32 in the file; A_log's log(exp) and the norms' + 1 - 1 round in the last bits
+torch.testing.assert_close(gguf_logits, source_logits, rtol=1e-5, atol=1e-5)
 
 
 # %% [markdown]
