@@ -24,6 +24,7 @@ from .engine import LLMEngine, StepRecord
 from .generate import SamplingParams
 from .kv_cache import PagedKVCache
 from .loader import LoadedModel, model_bytes
+from .state_pool import StatePool
 
 # %% auto #0
 __all__ = ['W5_DRAFTS', 'WORKLOADS', 'cpu_name', 'package_version', 'environment', 'hardware_slug', 'result_stem', 'result_path',
@@ -296,9 +297,11 @@ def w1_single_stream(
             }
         )
     best = sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2]  # the median run
-    step_bytes = weight_bytes(
-        loaded
-    )  # every decode step reads all weights (plus a little KV cache)
+    # every decode step reads all weights (plus a little KV cache); with recurrent layers (chapter 03b) it also reads
+    # and writes the sequence's state (chapter 05a)
+    weights, state = weight_bytes(loaded), 0
+    if loaded.config.linear_layers:
+        state = 2 * StatePool.bytes_per_slot(loaded.config, next(loaded.model.parameters()).dtype)
     return {
         "workload": "W1",
         "prompt_len": prompt_len,
@@ -308,8 +311,9 @@ def w1_single_stream(
         "runs": [
             {k: r[k] for k in ("ttft_s", "decode_tok_s", "kv_used_blocks_after")} for r in runs
         ],
-        "weight_bytes": step_bytes,
-        "achieved_bytes_per_s": step_bytes * best["decode_tok_s"],
+        "weight_bytes": weights,
+        **({"state_bytes_per_step": state} if state else {}),
+        "achieved_bytes_per_s": (weights + state) * best["decode_tok_s"],
         "timeline": best["timeline"],
         "decode_points": [decode_point("W1 batch 1", best["timeline"], loaded, 1)],
     }

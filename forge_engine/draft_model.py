@@ -20,8 +20,8 @@ __all__ = ['DRAFT_KV_BYTES', 'PromptLookup', 'DraftModel']
 class PromptLookup:
     "Chapter 08c's n-gram proposer, as a proposer: drafts from the sequence's own tokens, no state to keep."
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return propose_ngram(seq.token_ids, k)
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [propose_ngram(seq.token_ids, k) for seq, k in wanted]
 
     def forget(self, request_id: str) -> None:
         pass
@@ -44,14 +44,36 @@ class DraftModel:
         own = config.replace(
             speculative_tokens=0,
             enable_prefix_caching=False,
-            max_num_seqs=1,
             kv_cache_bytes=config.kv_cache_bytes or DRAFT_KV_BYTES,
         )
         self.runner = build_runner(loaded.model, own)
         self.allocator = BlockAllocator(self.runner.cache.num_blocks - 1, own.block_size, False)
         self.copies: dict[str, Sequence] = {}
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        "Up to k drafts for each (sequence, k): the copies caught up in one step, then one step per draft for all."
+        copies = [self._caught_up(seq) for seq, _ in wanted]
+        active = [(copy, k) for copy, (_, k) in zip(copies, wanted) if k > 0]
+        while active:
+            items = []
+            for copy, k in active:
+                need = self.allocator.blocks_needed(copy.num_tokens) - len(copy.block_table)
+                if need > 0 and not self.allocator.can_allocate(need):
+                    continue  # its pool is short: this copy drafts no more
+                if need > 0:
+                    copy.block_table += self.allocator.allocate(need)
+                items.append((ScheduledSeq(copy, copy.num_tokens - copy.num_computed, True), k))
+            if not items:
+                break
+            tokens = self.runner.run(StepPlan([item for item, _ in items])).argmax(-1).tolist()
+            for (item, _), token in zip(items, tokens):
+                item.seq.num_computed += item.num_new
+                item.seq.output_ids.append(token)
+            active = [(item.seq, k) for item, k in items if len(item.seq.output_ids) < k]
+        return [list(copy.output_ids) for copy in copies]
+
+    def _caught_up(self, seq: Sequence) -> Sequence:
+        "The sequence's copy holding its tokens now, computed up to the longest prefix it still shares with them."
         copy = self.copies.get(seq.request_id)
         if copy is None:
             copy = self.copies[seq.request_id] = Sequence(
@@ -62,17 +84,7 @@ class DraftModel:
         while common < min(copy.num_computed, len(tokens) - 1) and known[common] == tokens[common]:
             common += 1
         copy.prompt_ids, copy.output_ids, copy.num_computed = list(tokens), [], common
-        for _ in range(k):
-            new = copy.num_tokens - copy.num_computed
-            need = self.allocator.blocks_needed(copy.num_tokens) - len(copy.block_table)
-            if need > 0:
-                if not self.allocator.can_allocate(need):
-                    break  # its pool is short: fewer drafts
-                copy.block_table += self.allocator.allocate(need)
-            logits = self.runner.run(StepPlan([ScheduledSeq(copy, new, True)]))
-            copy.num_computed += new
-            copy.output_ids.append(int(logits[-1].argmax()))
-        return list(copy.output_ids)
+        return copy
 
     def forget(self, request_id: str) -> None:
         copy = self.copies.pop(request_id, None)

@@ -179,6 +179,8 @@ class BlockAllocator:
     def cancel_match(self, block_ids: Sequence[int], num_query_tokens: int) -> None:
         "Undo a `match_prefix` whose sequence could not be admitted after all: references and hit counts."
         self.free(block_ids)
+        if not self.enable_prefix_caching:
+            return  # its match_prefix counted nothing
         self.query_tokens -= num_query_tokens
         self.hit_tokens -= len(block_ids) * self.block_size
 

@@ -22,6 +22,7 @@ from forge_engine.cuda_graphs import (
 from .kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from .model import Transformer, no_cache_attention
 from .scheduler import ScheduledSeq, Sequence as Seq, StepPlan
+from .state_pool import StatePool, StepStates
 
 # %% auto #0
 __all__ = ['CPU_DEFAULT_KV_BYTES', 'PENDING', 'ROW_TILE', 'budgeted_kv_bytes', 'kv_cache_budget', 'PendingTokens', 'ModelRunner',
@@ -165,8 +166,12 @@ class ModelRunner:
         batch_invariant: bool = False,
         decode: DecodeRunner | None = None,
         mixed: MixedStepRunner | None = None,
+        states: StatePool | None = None,
     ):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+        self.states = (
+            states  # a model with recurrent layers: their per-sequence states (chapter 05a)
+        )
         # decode: chapter 09b's CUDA graphs on a GPU, chapter 10f's C step on a CPU
         self.decode, self.mixed = decode, mixed
         self.device = next(model.parameters()).device
@@ -228,7 +233,11 @@ class ModelRunner:
             self.device,
         )
         rows = to_device(torch.tensor(logit_rows, dtype=torch.long), self.device)
-        hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
+        backends = (self.attention(self.cache, layout),)
+        if self.states is not None:  # each sequence's rows read and write its state slot
+            segments = [(i.num_new, i.seq.state_slot, i.seq.num_computed == 0) for i in items]
+            backends += (StepStates(self.states, segments),)
+        hidden = self.model(ids, layout.positions, *backends)
         return self.model.compute_logits(hidden[rows])
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -330,6 +339,21 @@ def build_runner(
         install_fused_layers(model)
     else:
         install_cpu_layers(model)
+    states = None
+    if (
+        model.config.linear_layers
+    ):  # recurrent layers (chapter 03b): a state slot per running sequence (chapter 05a)
+        if config.batch_invariant or config.speculative_tokens:
+            raise ValueError(
+                "a model with recurrent layers runs each sequence's tokens in order and keeps every update of its "
+                "state: not with batch_invariant (each token its own query) or speculative_tokens (a rejected "
+                "draft's update cannot be taken back)"
+            )
+        # allocated before the KV budget's measurement, which then leaves room for it
+        states = StatePool(model.config, config.max_num_seqs, param.device, param.dtype)
+        config = config.replace(
+            cuda_graphs=False
+        )  # its steps run eager: no graphs of its decode step yet
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(
         PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)
@@ -376,7 +400,7 @@ def build_runner(
         if graphs and mixed_graphs and _prefill_kernel_runs(param.device)
         else None
     )
-    return ModelRunner(model, cache, config.batch_invariant, decode, mixed)
+    return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states)
 
 
 def _prefill_kernel_runs(device: torch.device) -> bool:

@@ -37,6 +37,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = (
+        None  # its row of chapter 05a's state pool while it runs (models with recurrent layers)
+    )
     block_hashes: list[int | None] = field(
         default_factory=list
     )  # chain hashes of the registered full blocks
@@ -107,13 +110,29 @@ class QueueFullError(RuntimeError):
 class Scheduler:
     "Continuous batching under a sequence bound and a per-step token budget, with chunked prefill and preemption."
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: BlockAllocator,
+        max_model_len: int,
+        state_slots: int = 0,
+    ):
+        """`state_slots`: the rows of chapter 05a's state pool (0: the model keeps no recurrent state). With them the
+        prefix cache must be off: a cached block holds K/V, not the recurrent state after its tokens."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({config.max_num_seqs}) so every running sequence can decode each step"
             )
+        if state_slots and state_slots < config.max_num_seqs:
+            raise ValueError(
+                f"{state_slots} state slots for up to {config.max_num_seqs} running sequences: one each"
+            )
+        if state_slots and allocator.enable_prefix_caching:
+            raise ValueError("a model with recurrent state runs without the prefix cache")
         self.config, self.allocator, self.max_model_len = config, allocator, max_model_len
+        self.num_state_slots = state_slots
+        self.free_state_slots = list(range(state_slots))[::-1]  # popped from the end: slot 0 first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
         self._arrivals = itertools.count()
@@ -161,6 +180,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         seq.block_table, seq.block_hashes, seq.num_computed, seq.draft_ids = [], [], 0, []
 
     # -- one step --
@@ -251,6 +273,8 @@ class Scheduler:
             return False
         seq.block_table += self.allocator.allocate(need)
         seq.num_cached_prompt_tokens = seq.num_computed
+        if self.num_state_slots:  # admission keeps running <= max_num_seqs <= slots: one is free
+            seq.state_slot = self.free_state_slots.pop()
         self.waiting.popleft()
         seq.status = Status.RUNNING
         self._insert_running(seq)

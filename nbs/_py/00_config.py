@@ -108,6 +108,11 @@ class ModelConfig:
         "Layers with a KV cache: all of them (chapter 03b's hybrid model has fewer)."
         return self.num_layers
 
+    @property
+    def linear_layers(self) -> int:
+        "Layers with a recurrent state instead of a KV cache: none (chapter 03b's hybrid model has some)."
+        return 0
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         "Bytes of K and V cache one token takes over all layers."
         return 2 * self.kv_layers * self.kv_size * dtype_bytes

@@ -256,6 +256,8 @@ class BlockAllocator:
     def cancel_match(self, block_ids: Sequence[int], num_query_tokens: int) -> None:
         "Undo a `match_prefix` whose sequence could not be admitted after all: references and hit counts."
         self.free(block_ids)
+        if not self.enable_prefix_caching:
+            return  # its match_prefix counted nothing
         self.query_tokens -= num_query_tokens
         self.hit_tokens -= len(block_ids) * self.block_size
 
@@ -457,12 +459,16 @@ assert (
 )
 off.free(blk)
 assert off.stats().cached_blocks == 0 and off.stats().free_blocks == 4
+off.cancel_match(
+    off.match_prefix([1, 2, 3, 4, 5]), 5
+)  # an admission that did not fit: nothing was counted
+assert (off.stats().query_tokens, off.stats().hit_tokens) == (0, 0)
 
 
 # %% [markdown]
 # ## The pool: `PagedKVCache`
 #
-# K and V are one tensor each, `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`:
+# K and V are one tensor each, `[kv_layers, num_blocks, block_size, num_kv_heads, head_dim]`:
 # one allocation sized once from the budget, and `k_cache[layer]` is a contiguous view of the
 # per-layer shape `[num_blocks, block_size, num_kv_heads, head_dim]` that attention kernels take.
 # Seen flat, a layer is `num_blocks * block_size` slots of one token each: token `p` of a

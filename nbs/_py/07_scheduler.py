@@ -22,6 +22,10 @@
 #    (usually from the prefix cache), then continues exactly where it stopped. A sequence
 #    that has grown past the whole pool (it cannot fit even alone) ends with reason `length`.
 #
+# A model with recurrent layers (chapter 03b's Qwen3.5) also needs a **state slot** per running
+# sequence (chapter 05a's pool): handed out at admission, given back with the blocks. There are
+# as many slots as `max_num_seqs`, so admission never waits for one.
+#
 # The scheduler only does bookkeeping: it never runs the model and knows nothing about text.
 
 # %%
@@ -73,6 +77,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = (
+        None  # its row of chapter 05a's state pool while it runs (models with recurrent layers)
+    )
     block_hashes: list[int | None] = field(
         default_factory=list
     )  # chain hashes of the registered full blocks
@@ -157,13 +164,29 @@ class QueueFullError(RuntimeError):
 class Scheduler:
     "Continuous batching under a sequence bound and a per-step token budget, with chunked prefill and preemption."
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: BlockAllocator,
+        max_model_len: int,
+        state_slots: int = 0,
+    ):
+        """`state_slots`: the rows of chapter 05a's state pool (0: the model keeps no recurrent state). With them the
+        prefix cache must be off: a cached block holds K/V, not the recurrent state after its tokens."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({config.max_num_seqs}) so every running sequence can decode each step"
             )
+        if state_slots and state_slots < config.max_num_seqs:
+            raise ValueError(
+                f"{state_slots} state slots for up to {config.max_num_seqs} running sequences: one each"
+            )
+        if state_slots and allocator.enable_prefix_caching:
+            raise ValueError("a model with recurrent state runs without the prefix cache")
         self.config, self.allocator, self.max_model_len = config, allocator, max_model_len
+        self.num_state_slots = state_slots
+        self.free_state_slots = list(range(state_slots))[::-1]  # popped from the end: slot 0 first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
         self._arrivals = itertools.count()
@@ -211,6 +234,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         seq.block_table, seq.block_hashes, seq.num_computed, seq.draft_ids = [], [], 0, []
 
     # -- one step --
@@ -301,6 +327,8 @@ class Scheduler:
             return False
         seq.block_table += self.allocator.allocate(need)
         seq.num_cached_prompt_tokens = seq.num_computed
+        if self.num_state_slots:  # admission keeps running <= max_num_seqs <= slots: one is free
+            seq.state_slot = self.free_state_slots.pop()
         self.waiting.popleft()
         seq.status = Status.RUNNING
         self._insert_running(seq)
@@ -450,6 +478,34 @@ print("preempted:", preempted)
 assert preempted and preempted[0] == "zzz"  # the youngest goes first
 assert all(s.finished and len(s.output_ids) == 12 for s in seqs)
 alloc.check_idle()
+
+# %% [markdown]
+# The same with state slots, as for a model with recurrent layers: each running sequence holds a
+# slot of its own, a preempted one gives it back with its blocks (it recomputes its state from its
+# first token when it comes back), and every slot is free at the end.
+
+# %%
+alloc = BlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)
+config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=64)
+sched = Scheduler(config, alloc, max_model_len=4096, state_slots=3)
+
+
+def slots_of_running(seq):
+    "simulate's token: checks first that the running sequences hold distinct slots, none of them free."
+    slots = [s.state_slot for s in sched.running]
+    assert None not in slots and len(set(slots)) == len(slots), slots
+    assert not set(slots) & set(sched.free_state_slots)
+    return 7
+
+
+seqs = [make_seq(r, 8, 12) for r in ("x", "yy", "zzz")]
+timeline = simulate(sched, {0: seqs}, next_token=slots_of_running)
+assert [r for _, r, k, _ in timeline if k == "preempted"]
+assert sorted(sched.free_state_slots) == [0, 1, 2] and all(s.state_slot is None for s in seqs)
+with pytest.raises(ValueError, match="without the prefix cache"):
+    Scheduler(config, BlockAllocator(num_blocks=10, block_size=4), 4096, state_slots=3)
+with pytest.raises(ValueError, match="one each"):
+    Scheduler(config, alloc, 4096, state_slots=2)
 
 # %% [markdown]
 # FCFS: a request that does not fit yet blocks the ones behind it, so it cannot starve:

@@ -23,6 +23,10 @@
 # - **tokens still on the device**: an input the host has not read back yet (`PENDING`), copied
 #   into place on the GPU.
 #
+# A model with recurrent layers (chapter 03b's Qwen3.5) also gets chapter 05a's state pool, a
+# slot per running sequence, and a step hands the model its `StepStates` next to the attention
+# backend. Its steps run eager for now: no CUDA graphs, no C decode step, no drafts.
+#
 # `build_runner` puts them together; the engine, and every rank of a tensor-parallel model
 # (chapter 09c), build their runner with it.
 
@@ -50,6 +54,7 @@ from forge_engine.cuda_graphs import (
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.scheduler import ScheduledSeq, Sequence as Seq, StepPlan
+from forge_engine.state_pool import StatePool, StepStates
 
 # %%
 #| hide
@@ -235,8 +240,12 @@ class ModelRunner:
         batch_invariant: bool = False,
         decode: DecodeRunner | None = None,
         mixed: MixedStepRunner | None = None,
+        states: StatePool | None = None,
     ):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+        self.states = (
+            states  # a model with recurrent layers: their per-sequence states (chapter 05a)
+        )
         # decode: chapter 09b's CUDA graphs on a GPU, chapter 10f's C step on a CPU
         self.decode, self.mixed = decode, mixed
         self.device = next(model.parameters()).device
@@ -298,7 +307,11 @@ class ModelRunner:
             self.device,
         )
         rows = to_device(torch.tensor(logit_rows, dtype=torch.long), self.device)
-        hidden = self.model(ids, layout.positions, self.attention(self.cache, layout))
+        backends = (self.attention(self.cache, layout),)
+        if self.states is not None:  # each sequence's rows read and write its state slot
+            segments = [(i.num_new, i.seq.state_slot, i.seq.num_computed == 0) for i in items]
+            backends += (StepStates(self.states, segments),)
+        hidden = self.model(ids, layout.positions, *backends)
         return self.model.compute_logits(hidden[rows])
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -409,6 +422,21 @@ def build_runner(
         install_fused_layers(model)
     else:
         install_cpu_layers(model)
+    states = None
+    if (
+        model.config.linear_layers
+    ):  # recurrent layers (chapter 03b): a state slot per running sequence (chapter 05a)
+        if config.batch_invariant or config.speculative_tokens:
+            raise ValueError(
+                "a model with recurrent layers runs each sequence's tokens in order and keeps every update of its "
+                "state: not with batch_invariant (each token its own query) or speculative_tokens (a rejected "
+                "draft's update cannot be taken back)"
+            )
+        # allocated before the KV budget's measurement, which then leaves room for it
+        states = StatePool(model.config, config.max_num_seqs, param.device, param.dtype)
+        config = config.replace(
+            cuda_graphs=False
+        )  # its steps run eager: no graphs of its decode step yet
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(
         PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)
@@ -455,7 +483,7 @@ def build_runner(
         if graphs and mixed_graphs and _prefill_kernel_runs(param.device)
         else None
     )
-    return ModelRunner(model, cache, config.batch_invariant, decode, mixed)
+    return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states)
 
 
 def _prefill_kernel_runs(device: torch.device) -> bool:

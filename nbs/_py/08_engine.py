@@ -218,13 +218,21 @@ class SerialEngine:
         )
         self.cache = self.runner.cache
         num_blocks = self.cache.num_blocks - 1  # the last block is the decode graphs' scratch block
+        states = (
+            self.runner.states
+        )  # recurrent layers' slots (chapter 05a): no prefix cache with them
         self.allocator = BlockAllocator(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching and states is None
         )
         self.max_model_len = (
             self.config.max_model_len or loaded.model.config.max_position_embeddings
         )
-        self.scheduler = Scheduler(self.config, self.allocator, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.config,
+            self.allocator,
+            self.max_model_len,
+            state_slots=0 if states is None else states.num_slots,
+        )
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.recent: deque[StepRecord] = deque(maxlen=256)
@@ -360,7 +368,7 @@ class SerialEngine:
     def _draft(self) -> None:
         """Each decoding sequence that `speculates` gets up to `speculative_tokens` drafts from the proposer (chapter
         08d: prompt lookup, or a draft model), within its max_tokens and the context; the others none."""
-        k = self.config.speculative_tokens
+        k, wanted = self.config.speculative_tokens, []
         for seq in self.scheduler.running if k else ():
             seq.draft_ids = []
             if seq.is_decoding and speculates(seq.params, len(seq.output_ids)):
@@ -369,7 +377,10 @@ class SerialEngine:
                     seq.params.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - seq.num_tokens - 1,
                 )
-                seq.draft_ids = self.proposer.propose(seq, room) if room > 0 else []
+                if room > 0:
+                    wanted.append((seq, room))
+        for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted) if wanted else []):
+            seq.draft_ids = drafts  # (a draft model drafts for all of them at once)
 
     def _schedule(self, start: float) -> tuple[StepPlan, list[RequestOutput]]:
         "The next step's plan, and the outputs of the sequences the scheduler ended instead of running."

@@ -10,13 +10,16 @@
 # Its cost is `k` of its own decode steps a verify step, so it pays where it is much cheaper than
 # the target and agrees with it often.
 #
-# A proposer is anything with `propose(seq, k)` (up to `k` next tokens of a running sequence)
-# and `forget(request_id)` (the sequence has ended). The draft model keeps a copy of each
-# sequence: its tokens, its own block table in its own pool, and how many of them it has
-# computed. Before drafting it compares its copy with the sequence's tokens now: what the target
-# rejected since is rolled back (only the common prefix stays computed), what the target
-# added is fed in one chunk, then `k` greedy steps of one token each. The copy runs through
-# chapter 07a's `ModelRunner` like any sequence: the C decode step on a CPU, graphs on a GPU. Its
+# A proposer is anything with `propose(wanted)` (for each `(sequence, k)` of a step, up to `k`
+# next tokens) and `forget(request_id)` (the sequence has ended). The draft model keeps a copy of
+# each sequence: its tokens, its own block table in its own pool, and how many of them it has
+# computed. Before drafting it compares each copy with the sequence's tokens now: what the target
+# rejected since is rolled back (only the common prefix stays computed), what the target added
+# is fed in one chunk, then greedy steps of one token each. All the step's copies run together:
+# one model step catches every copy up, and each further step gives every copy that still wants
+# one its next draft, so drafting for a batch of sequences costs `k` steps of the draft model,
+# not `k` per sequence. The copies run through chapter 07a's `ModelRunner` like any sequences:
+# the C decode step on a CPU, graphs on a GPU. Their
 # blocks are its own (no prefix cache: the copy is rolled back often); when the pool is short it
 # drafts fewer tokens, never evicts anything. Future proposers (an EAGLE head reading the target's
 # hidden states, Qwen3.5's MTP layer) take the same two calls.
@@ -46,8 +49,8 @@ import pytest
 class PromptLookup:
     "Chapter 08c's n-gram proposer, as a proposer: drafts from the sequence's own tokens, no state to keep."
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return propose_ngram(seq.token_ids, k)
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [propose_ngram(seq.token_ids, k) for seq, k in wanted]
 
     def forget(self, request_id: str) -> None:
         pass
@@ -70,14 +73,36 @@ class DraftModel:
         own = config.replace(
             speculative_tokens=0,
             enable_prefix_caching=False,
-            max_num_seqs=1,
             kv_cache_bytes=config.kv_cache_bytes or DRAFT_KV_BYTES,
         )
         self.runner = build_runner(loaded.model, own)
         self.allocator = BlockAllocator(self.runner.cache.num_blocks - 1, own.block_size, False)
         self.copies: dict[str, Sequence] = {}
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        "Up to k drafts for each (sequence, k): the copies caught up in one step, then one step per draft for all."
+        copies = [self._caught_up(seq) for seq, _ in wanted]
+        active = [(copy, k) for copy, (_, k) in zip(copies, wanted) if k > 0]
+        while active:
+            items = []
+            for copy, k in active:
+                need = self.allocator.blocks_needed(copy.num_tokens) - len(copy.block_table)
+                if need > 0 and not self.allocator.can_allocate(need):
+                    continue  # its pool is short: this copy drafts no more
+                if need > 0:
+                    copy.block_table += self.allocator.allocate(need)
+                items.append((ScheduledSeq(copy, copy.num_tokens - copy.num_computed, True), k))
+            if not items:
+                break
+            tokens = self.runner.run(StepPlan([item for item, _ in items])).argmax(-1).tolist()
+            for (item, _), token in zip(items, tokens):
+                item.seq.num_computed += item.num_new
+                item.seq.output_ids.append(token)
+            active = [(item.seq, k) for item, k in items if len(item.seq.output_ids) < k]
+        return [list(copy.output_ids) for copy in copies]
+
+    def _caught_up(self, seq: Sequence) -> Sequence:
+        "The sequence's copy holding its tokens now, computed up to the longest prefix it still shares with them."
         copy = self.copies.get(seq.request_id)
         if copy is None:
             copy = self.copies[seq.request_id] = Sequence(
@@ -88,17 +113,7 @@ class DraftModel:
         while common < min(copy.num_computed, len(tokens) - 1) and known[common] == tokens[common]:
             common += 1
         copy.prompt_ids, copy.output_ids, copy.num_computed = list(tokens), [], common
-        for _ in range(k):
-            new = copy.num_tokens - copy.num_computed
-            need = self.allocator.blocks_needed(copy.num_tokens) - len(copy.block_table)
-            if need > 0:
-                if not self.allocator.can_allocate(need):
-                    break  # its pool is short: fewer drafts
-                copy.block_table += self.allocator.allocate(need)
-            logits = self.runner.run(StepPlan([ScheduledSeq(copy, new, True)]))
-            copy.num_computed += new
-            copy.output_ids.append(int(logits[-1].argmax()))
-        return list(copy.output_ids)
+        return copy
 
     def forget(self, request_id: str) -> None:
         copy = self.copies.pop(request_id, None)
@@ -157,6 +172,35 @@ for kv in (None, size):
     got, counts = run(config.replace(speculative_tokens=4), draft=other)
     assert got == want and counts.accepted < counts.proposed, counts
     print(kv, counts)
+
+
+# drafting for several sequences at once gives each the drafts it gets alone
+def copies_of(prompts):
+    return [Sequence(str(i), list(p), params) for i, p in enumerate(prompts)]
+
+
+def draft_model():
+    pool = 64 * PagedKVCache.bytes_per_block(tiny, 8, torch.float32)
+    return DraftModel(
+        other, EngineConfig(block_size=8, max_num_seqs=3, kv_cache_bytes=pool), tiny.vocab_size
+    )
+
+
+together = draft_model()
+wanted = list(zip(copies_of(prompts), (4, 1, 3)))
+drafts = together.propose(wanted)
+for (seq, k), got in zip(wanted, drafts):
+    assert len(got) == k and draft_model().propose([(seq, k)]) == [got]
+seq = wanted[0][0]
+seq.output_ids = drafts[0][:2] + [
+    (drafts[0][2] + 1) % tiny.vocab_size
+]  # two drafts kept, then another token
+assert together.propose([(seq, 4)]) == draft_model().propose(
+    [(seq, 4)]
+)  # its copy rolled back: as if new
+for seq, _ in wanted:
+    together.forget(seq.request_id)
+assert together.allocator.stats().used_blocks == 0
 with pytest.raises(ValueError, match="must share the target's tokenizer"):
     wide = LoadedModel(
         "wide", init_random_weights(empty_model(tiny.replace(vocab_size=64)), seed=1), None, None

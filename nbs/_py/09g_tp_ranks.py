@@ -399,7 +399,7 @@ class ParallelRunner:
 
     def __init__(self, runner: ModelRunner, parallel: TensorParallel, engine_number: int):
         self.inner, self.parallel, self.engine_number = runner, parallel, engine_number
-        self.cache, self.decode = runner.cache, runner.decode
+        self.cache, self.decode, self.states = runner.cache, runner.decode, runner.states
         self.writer = StepWriter()
         self.step_ends: deque[torch.cuda.Event] = (
             deque()

@@ -57,6 +57,7 @@ from forge_engine.engine import LLMEngine, StepRecord
 from forge_engine.generate import SamplingParams
 from forge_engine.kv_cache import PagedKVCache
 from forge_engine.loader import LoadedModel, model_bytes
+from forge_engine.state_pool import StatePool
 
 # %%
 #| hide
@@ -396,9 +397,11 @@ def w1_single_stream(
             }
         )
     best = sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2]  # the median run
-    step_bytes = weight_bytes(
-        loaded
-    )  # every decode step reads all weights (plus a little KV cache)
+    # every decode step reads all weights (plus a little KV cache); with recurrent layers (chapter 03b) it also reads
+    # and writes the sequence's state (chapter 05a)
+    weights, state = weight_bytes(loaded), 0
+    if loaded.config.linear_layers:
+        state = 2 * StatePool.bytes_per_slot(loaded.config, next(loaded.model.parameters()).dtype)
     return {
         "workload": "W1",
         "prompt_len": prompt_len,
@@ -408,8 +411,9 @@ def w1_single_stream(
         "runs": [
             {k: r[k] for k in ("ttft_s", "decode_tok_s", "kv_used_blocks_after")} for r in runs
         ],
-        "weight_bytes": step_bytes,
-        "achieved_bytes_per_s": step_bytes * best["decode_tok_s"],
+        "weight_bytes": weights,
+        **({"state_bytes_per_step": state} if state else {}),
+        "achieved_bytes_per_s": (weights + state) * best["decode_tok_s"],
         "timeline": best["timeline"],
         "decode_points": [decode_point("W1 batch 1", best["timeline"], loaded, 1)],
     }
@@ -660,6 +664,31 @@ assert (
     == w1["runs"][0]["kv_used_blocks_after"]
     == w4["concurrency_8"]["kv_used_blocks_after"]
     == 0
+)
+
+# %% [markdown]
+# W1 on a tiny Qwen3.5 (chapter 03b): each decode step also reads and writes the sequence's
+# recurrent state (chapter 05a), which the bytes per step count beside the weights.
+
+# %%
+from forge_engine.qwen3_5 import QWEN35_PRESETS, Qwen35Model, init_random_qwen35
+
+hybrid = LoadedModel(  # (the real vocabulary: the workload's prompts are ids of a real tokenizer's range)
+    "random:qwen3.5-tiny",
+    init_random_qwen35(Qwen35Model(QWEN35_PRESETS["qwen3.5-tiny"]), seed=0),
+    None,
+    None,
+)
+w1_hybrid = w1_single_stream(hybrid, config, prompt_len=16, new_tokens=8, repeats=1)
+state = (
+    2 * 3 * (3 * 128 + 4 * 16 * 16) * 4
+)  # read and written: 3 linear layers' conv and memory, fp32
+assert w1_hybrid["state_bytes_per_step"] == state and w1_hybrid["weight_bytes"] == model_bytes(
+    hybrid.model
+)
+assert (
+    w1_hybrid["achieved_bytes_per_s"]
+    == (model_bytes(hybrid.model) + state) * w1_hybrid["decode_tok_s"]
 )
 
 # %% [markdown]

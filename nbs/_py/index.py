@@ -24,9 +24,11 @@
 # | 02_tokenizer | `tokenizer` | BPE, chat templates, streaming text without broken characters |
 # | 03_model | `model` | RMSNorm, RoPE, grouped-query attention, SwiGLU; parity with `transformers` |
 # | 03b_qwen3_5 | `qwen3_5` | Qwen3.5's hybrid decoder: Gated DeltaNet (the recurrence and its chunked form) and gated attention; parity with `transformers` |
+# | 03c_gated_delta_kernels | `gated_delta` | Triton: the Gated DeltaNet's decode update and its chunked prefill over a pool of per-sequence states |
 # | 04_prefill_decode | `generate` | the KV cache, prefill vs decode, sampling, stop rules |
 # | 04a_loader | `loader` | a registry name in, a model on a device and its tokenizer out |
 # | 05_paged_kv | `kv_cache` | blocks, block tables, slot mapping, prefix caching, paged attention |
+# | 05a_state_pool | `state_pool` | a recurrent state slot per running sequence beside the paged cache; a step's Gated DeltaNet layers over the slots |
 # | 06_sampling | `sampling` | batched sampling with per-request parameters and seeds |
 # | 06a_grammar | `grammar` | structured outputs: a JSON schema, regex or grammar as a mask of allowed tokens |
 # | 06b_tool_calls | `tool_calls` | tool calls: the grammar a required call imposes, Qwen3's `<tool_call>` blocks parsed |
