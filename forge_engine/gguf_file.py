@@ -778,6 +778,8 @@ def write_qwen35_gguf(
         "attention.recurrent_layers": [t == "linear_attention" for t in layer_types],
         "full_attention_interval": text.get("full_attention_interval", 4),
         "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        # multimodal RoPE's sections (unused for text; llama.cpp requires them): Qwen3.5's default
+        "rope.dimension_sections": (list(rope.get("mrope_section") or [11, 11, 10]) + [0])[:4],
     }
     eos = text.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
