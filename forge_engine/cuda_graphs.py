@@ -14,6 +14,7 @@ import torch
 from .kernels.cpu import cpu_decode_attention
 from .kv_cache import PagedKVCache, paged_decode_attention_torch
 from .model import Transformer
+from .state_pool import StatePool, StepStates
 
 # %% auto #0
 __all__ = ['DecodeAttentionFn', 'GREEDY_IN_GRAPH', 'GREEDY_IN_GRAPH_MAX_ROWS', 'VERIFY_MAX_ROWS', 'MIXED_TOKENS', 'MIXED_CONTEXT',
@@ -102,15 +103,19 @@ class StaticDecodeAttention:
 # %% ../nbs/09b_cuda_graphs.ipynb #a0e5295d
 def decode_inputs_bytes(b: int, w: int) -> int:
     "Bytes of a decode step's inputs for b rows and block tables w wide (see `decode_inputs`)."
-    return 3 * 8 * b + 4 * b + 4 * b * w
+    return 4 * 8 * b + 4 * b + 4 * b * w
 
 
 def decode_inputs(buffer: torch.Tensor, b: int, w: int) -> tuple[torch.Tensor, ...]:
-    """Views of a uint8 `buffer` as (ids, positions, slots [b] int64, context lengths [b] int32, block tables
-    [b, w] int32), back to back from its start (every view aligned to its element)."""
-    longs = buffer[: 24 * b].view(torch.int64)
-    ints = buffer[24 * b : decode_inputs_bytes(b, w)].view(torch.int32)
-    return longs[:b], longs[b : 2 * b], longs[2 * b :], ints[:b], ints[b:].view(b, w)
+    """Views of a uint8 `buffer` as (ids, positions, K/V slots, state slots [b] int64, context lengths [b] int32,
+    block tables [b, w] int32), back to back from its start (every view aligned to its element)."""
+    longs = buffer[: 32 * b].view(torch.int64)
+    ints = buffer[32 * b : decode_inputs_bytes(b, w)].view(torch.int32)
+    return (
+        *longs.view(4, b),
+        ints[:b],
+        ints[b:].view(b, w),
+    )
 
 # %% ../nbs/09b_cuda_graphs.ipynb #be1ba344
 class HostStaging:
@@ -167,7 +172,9 @@ def fill_tables(tables: np.ndarray, block_tables: Sequence[Sequence[int]]) -> No
 class DecodeRunner:
     """Decode steps (one new token per sequence) over static buffers, replayed from CUDA graphs per bucket. With
     `verify_rows`, also verify steps of up to that many rows, where rows may be positions of one sequence (a
-    sequence's last token and its drafts, chapter 08c): graphs of their own that store K/V before attention."""
+    sequence's last token and its drafts, chapter 08c): graphs of their own that store K/V before attention. With
+    `states` (a model with recurrent layers, chapter 05a), each row also reads and writes its sequence's state slot;
+    the pool's last slot is the padding rows' scratch slot."""
 
     def __init__(
         self,
@@ -179,8 +186,13 @@ class DecodeRunner:
         attention: DecodeAttentionFn = paged_decode_attention_torch,
         use_graphs: bool | None = None,
         verify_rows: int = 0,
+        states: StatePool | None = None,
     ):
-        self.model, self.cache, self.attention = model, cache, attention
+        if states is not None and verify_rows:
+            raise ValueError(
+                "verify steps of a model with recurrent state: not supported (chapter 05a)"
+            )
+        self.model, self.cache, self.attention, self.states = model, cache, attention, states
         self.device = next(model.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets, self.widths = (
@@ -205,11 +217,15 @@ class DecodeRunner:
 
     @torch.no_grad()
     def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
-        ids, positions, slots, lens, tables = decode_inputs(self.inputs, b, w)
-        attention = StaticDecodeAttention(
-            self.cache, slots, tables, lens, self.attention, store_first=verify
+        ids, positions, slots, state_slots, lens, tables = decode_inputs(self.inputs, b, w)
+        backends = (
+            StaticDecodeAttention(
+                self.cache, slots, tables, lens, self.attention, store_first=verify
+            ),
         )
-        return self.model.compute_logits(self.model(ids, positions, attention))
+        if self.states is not None:  # every row a decode from its sequence's state slot
+            backends += (StepStates.decodes(self.states, state_slots[:b]),)
+        return self.model.compute_logits(self.model(ids, positions, *backends))
 
     def graph_keys(self) -> list[tuple[int, int, bool]]:
         "(batch bucket, table width, verify) of every graph, largest first."
@@ -236,7 +252,7 @@ class DecodeRunner:
         with torch.cuda.stream(side):  # warm up (autotuning, lazy init) outside the recording
             for b, w, verify in self.graph_keys():
                 if b == max(self.verify_buckets if verify else self.buckets):
-                    self._write_inputs(b, w, [], [], [], [], [])  # padding rows only
+                    self._write_inputs(b, w, [], [], [], [], [], [])  # padding rows only
                     logits = self._forward(b, w, verify)
                     if GREEDY_IN_GRAPH:
                         argmax_rows(
@@ -245,7 +261,7 @@ class DecodeRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for key in self.graph_keys():
-            self._write_inputs(*key[:2], [], [], [], [], [])
+            self._write_inputs(*key[:2], [], [], [], [], [], [])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[key] = logits = self._forward(*key)
@@ -270,16 +286,18 @@ class DecodeRunner:
         return None if tokens is None else tokens[: logits.shape[0]]
 
     def _write_inputs(
-        self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens
+        self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens, state_slots
     ) -> None:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
         one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
-        position 0, written to the scratch slot, attending to itself."""
+        position 0, written to the scratch slot, attending to itself (and updating the scratch state slot)."""
         n = len(token_ids)
         host = self.staging.take(decode_inputs_bytes(b, w))
-        ids, pos, slot, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
+        ids, pos, slot, state, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
         ids[:n], pos[:n], slot[:n], lens[:n] = token_ids, positions, slots, context_lens
         ids[n:], pos[n:], slot[n:], lens[n:] = 0, 0, self.scratch_slot, 1
+        if self.states is not None:
+            state[:n], state[n:] = state_slots, self.states.num_slots - 1
         tables[n:, 0] = self.scratch_slot // self.cache.block_size
         fill_tables(tables, block_tables)
         self.staging.copy(self.inputs[: host.numel()], host)
@@ -294,10 +312,12 @@ class DecodeRunner:
         context_lens: Sequence[int],
         fill_ids: Callable[[torch.Tensor], None] | None = None,
         verify: bool = False,
+        state_slots: Sequence[int] = (),
     ) -> torch.Tensor:
         """Logits [n, vocab] for n rows: one per decoding sequence, or with `verify`, a sequence's rows at
         consecutive positions (its last token and its drafts). `fill_ids(ids)` may then write, on the device, input
-        tokens the host does not know yet (the engine's overlapped steps, chapter 08)."""
+        tokens the host does not know yet (the engine's overlapped steps, chapter 08). `state_slots`: each row's
+        sequence's slot of the state pool (a model with recurrent layers)."""
         n = len(token_ids)
         if not 1 <= n <= self.row_limit(verify):
             kind = "verify" if verify else "decode"
@@ -306,7 +326,9 @@ class DecodeRunner:
             )
         b = self.bucket_for(n, verify)
         w = next(x for x in self.widths if x >= max(map(len, block_tables)))
-        self._write_inputs(b, w, token_ids, positions, slots, block_tables, context_lens)
+        self._write_inputs(
+            b, w, token_ids, positions, slots, block_tables, context_lens, state_slots
+        )
         if fill_ids is not None:
             fill_ids(decode_inputs(self.inputs, b, w)[0][:n])
         if self.use_graphs:

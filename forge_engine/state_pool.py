@@ -100,6 +100,14 @@ class StepStates:
             )
             self.prefill_fresh = torch.tensor([fresh for *_, fresh in self.prefills], device=device)
 
+    @classmethod
+    def decodes(cls, pool: StatePool, slots: torch.Tensor) -> StepStates:
+        """A step of decodes only, row b from slot `slots[b]` (a tensor on the pool's device): what chapter 09b's
+        CUDA graphs record, with no host work per layer and nothing copied to the device."""
+        step = cls(pool, [])
+        step.decode_rows, step.decode_slots = slice(0, len(slots)), slots
+        return step
+
     def conv(self, index: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         states, y = self.pool.conv[index], torch.empty_like(x)
         if self.decode_rows is not None:

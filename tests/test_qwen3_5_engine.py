@@ -67,8 +67,10 @@ def serve(config: EngineConfig, prompts, max_tokens, abort_at=0) -> tuple[dict, 
     budget=st.sampled_from([8, 16, 64]),
     blocks=st.sampled_from([32, 80]),
     abort_at=st.sampled_from([0, 3]),
+    static=st.booleans(),
 )
-def test_served_tokens_are_the_model_alone(prompts, data, seqs, budget, blocks, abort_at):
+def test_served_tokens_are_the_model_alone(prompts, data, seqs, budget, blocks, abort_at, static):
+    "`static`: decode steps over chapter 09b's static buffers, as the CUDA graphs replay them (here not recorded)."
     max_tokens = data.draw(
         st.lists(st.integers(1, 12), min_size=len(prompts), max_size=len(prompts))
     )
@@ -78,8 +80,10 @@ def test_served_tokens_are_the_model_alone(prompts, data, seqs, budget, blocks, 
         max_num_seqs=seqs,
         max_num_batched_tokens=max(budget, seqs),
         kv_cache_bytes=kv,
+        cuda_graphs=static,
     )
-    got, _ = serve(config, prompts, max_tokens, abort_at)
+    got, engine = serve(config, prompts, max_tokens, abort_at)
+    assert (engine.runner.decode is not None) == static
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         if str(i) not in got:  # request 0, aborted
             assert abort_at and i == 0

@@ -171,6 +171,14 @@ class StepStates:
             )
             self.prefill_fresh = torch.tensor([fresh for *_, fresh in self.prefills], device=device)
 
+    @classmethod
+    def decodes(cls, pool: StatePool, slots: torch.Tensor) -> StepStates:
+        """A step of decodes only, row b from slot `slots[b]` (a tensor on the pool's device): what chapter 09b's
+        CUDA graphs record, with no host work per layer and nothing copied to the device."""
+        step = cls(pool, [])
+        step.decode_rows, step.decode_slots = slice(0, len(slots)), slots
+        return step
+
     def conv(self, index: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         states, y = self.pool.conv[index], torch.empty_like(x)
         if self.decode_rows is not None:
@@ -274,3 +282,23 @@ print(f"4 steps, 4 sequences: max |hidden - alone| {worst:.1e} of the largest ou
 # %%
 with pytest.raises(ValueError, match="state slot 5 is outside the pool's 5"):
     StepStates(pool, [(1, 5, False)])
+
+# a step of decodes only, from a tensor of slots: the same as the step laid out from a list
+ids, positions = torch.tensor([7, 9]), torch.tensor([12, 3])  # the next token of a and of c
+layout = build_step_layout([(tables["a"], 12, 1), (tables["c"], 3, 1)], block_size)
+before = pool.conv.clone(), pool.recurrent.clone()
+with torch.no_grad():
+    listed = model(
+        ids,
+        positions,
+        PagedAttention(cache, layout),
+        StepStates(pool, [(1, 0, False), (1, 2, False)]),
+    )
+    pool.conv.copy_(before[0]), pool.recurrent.copy_(before[1])
+    static = model(
+        ids,
+        positions,
+        PagedAttention(cache, layout),
+        StepStates.decodes(pool, torch.tensor([0, 2])),
+    )
+assert torch.equal(listed, static)

@@ -25,7 +25,8 @@
 #
 # A model with recurrent layers (chapter 03b's Qwen3.5) also gets chapter 05a's state pool, a
 # slot per running sequence, and a step hands the model its `StepStates` next to the attention
-# backend. Its steps run eager for now: no CUDA graphs, no C decode step, no drafts.
+# backend. Its decode steps replay chapter 09b's graphs on a GPU; its steps with prefill tokens
+# run eager (no mixed-step graphs for it yet); no C decode step, no drafts.
 #
 # `build_runner` puts them together; the engine, and every rank of a tensor-parallel model
 # (chapter 09c), build their runner with it.
@@ -271,6 +272,8 @@ class ModelRunner:
             self.decode is not None
             and all(i.num_new == 1 + i.num_draft and i.samples for i in items)
             and sum(i.num_new for i in items) <= self.decode.row_limit(drafts)
+            # (with recurrent state: no one-token prompt, which starts from zeros, not from its slot)
+            and (self.states is None or all(i.seq.num_computed for i in items))
         ):  # a pure decode step (a draft: one more row of its sequence): replay a CUDA graph
             return self._run_decode(items, pending, unread)
         if (
@@ -341,6 +344,7 @@ class ModelRunner:
             [p + 1 for _, p in rows],
             fill,
             verify=any(i.num_draft for i in items),
+            state_slots=[i.seq.state_slot for i, _ in rows] if self.states is not None else (),
         )
 
     def _run_mixed(
@@ -432,11 +436,13 @@ def build_runner(
                 "state: not with batch_invariant (each token its own query) or speculative_tokens (a rejected "
                 "draft's update cannot be taken back)"
             )
-        # allocated before the KV budget's measurement, which then leaves room for it
-        states = StatePool(model.config, config.max_num_seqs, param.device, param.dtype)
-        config = config.replace(
-            cuda_graphs=False
-        )  # its steps run eager: no graphs of its decode step yet
+        if config.gpu_memory_budget is not None:
+            raise ValueError(
+                "gpu_memory_budget: chapter 10a's plan knows chapter 03's decoder, not recurrent layers"
+            )
+        # allocated before the KV budget's measurement, which then leaves room for it; the last slot is the decode
+        # graphs' scratch slot, as the pool's last block is theirs (the scheduler hands out the others)
+        states = StatePool(model.config, config.max_num_seqs + 1, param.device, param.dtype)
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(
         PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)
@@ -459,6 +465,7 @@ def build_runner(
             verify_rows=min(config.max_num_seqs * (1 + config.speculative_tokens), VERIFY_MAX_ROWS)
             if config.speculative_tokens
             else 0,
+            states=states,
         )
         if graphs
         else None
@@ -480,7 +487,8 @@ def build_runner(
             max_model_len,
             scratch_block=num_blocks,
         )
-        if graphs and mixed_graphs and _prefill_kernel_runs(param.device)
+        # (steps with prefill tokens of a model with recurrent state run eager: no mixed graphs for it yet)
+        if graphs and mixed_graphs and states is None and _prefill_kernel_runs(param.device)
         else None
     )
     return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states)

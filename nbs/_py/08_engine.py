@@ -231,7 +231,9 @@ class SerialEngine:
             self.config,
             self.allocator,
             self.max_model_len,
-            state_slots=0 if states is None else states.num_slots,
+            state_slots=0
+            if states is None
+            else states.num_slots - 1,  # (the last: the graphs' scratch slot)
         )
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

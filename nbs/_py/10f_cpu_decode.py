@@ -336,10 +336,12 @@ class CPUDecodeRunner:
         context_lens: Sequence[int],
         fill_ids: Callable[[torch.Tensor], None] | None = None,
         verify: bool = False,
+        state_slots: Sequence[int] = (),
     ) -> torch.Tensor:
         """Logits [n, vocab] for n rows (decoding sequences, or with `verify` rows of one sequence too), their K and
         V written to the pool. `fill_ids(ids)` may write input tokens the caller did not know when it called (the
-        engine's overlapped steps, chapter 08)."""
+        engine's overlapped steps, chapter 08). (`state_slots`: chapter 09b's contract; a model this step runs keeps
+        no recurrent state.)"""
         n = len(token_ids)
         if not 1 <= n <= self.buckets[-1]:
             raise ValueError(f"a C decode step takes 1 to {self.buckets[-1]} rows, got {n}")
