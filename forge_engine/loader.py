@@ -35,14 +35,15 @@ from forge_engine.qwen3_5 import (
     init_random_qwen35,
     load_hf_state_dict,
 )
+from .offload import place_layers
 from .registry import ResolvedModel, describe_model, resolve
 from .tokenizer import Tokenizer
 
 # %% auto #0
 __all__ = ['DTYPES', 'AUTO_GPU_MODEL', 'AUTO_CPU_MODEL', 'AUTO_MIN_FREE_GPU_BYTES', 'RANDOM_PRESETS', 'QWEN35_MODEL_TYPES',
            'resolve_device', 'resolve_dtype', 'choose_auto_model', 'pick_model', 'add_quantization_flag',
-           'add_memory_budget_flag', 'model_bytes', 'LoadedModel', 'random_preset', 'model_config_of', 'finish_stats',
-           'load_model', 'load_qwen35', 'random_checkpoint']
+           'add_memory_budget_flag', 'gpu_layers_arg', 'model_bytes', 'LoadedModel', 'random_preset', 'model_config_of',
+           'finish_stats', 'offloaded_layers', 'load_model', 'load_qwen35', 'random_checkpoint']
 
 # %% ../nbs/04a_loader.ipynb #3593166a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,6 +131,23 @@ def add_memory_budget_flag(p: argparse.ArgumentParser):
         metavar="SIZE",
         help="GPU memory this process may use, e.g. 8GiB (default: 90%% of the GPU)",
     )
+    p.add_argument(
+        "--gpu-layers",
+        type=gpu_layers_arg,
+        default=None,
+        metavar="N",
+        help="only the first N decoder layers on the GPU, the rest on the CPU (chapter 10h); auto: as many as "
+        "--gpu-memory-budget holds (default: all)",
+    )
+
+
+def gpu_layers_arg(text: str) -> int | str:
+    "`--gpu-layers`: a positive number of layers, or auto."
+    if text == "auto" or (text.isdigit() and int(text) > 0):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(
+        f"--gpu-layers takes a positive number of layers or auto, got {text!r}"
+    )
 
 # %% ../nbs/04a_loader.ipynb #15a95f9b
 def model_bytes(model: torch.nn.Module) -> int:
@@ -200,6 +218,36 @@ def finish_stats(
     stats.bytes_read = stats.bytes_read or model_bytes(model)
 
 
+def offloaded_layers(
+    gpu_layers: int | str | None,
+    config: ModelConfig,
+    memory_budget: int | None,
+    quantization: str,
+    dtype: torch.dtype,
+    progress: bool,
+) -> int | None:
+    "How many decoder layers go to the GPU when the others go to the CPU (chapter 10h); None: all of them."
+    if gpu_layers is None:
+        return None
+    if gpu_layers == "auto":
+        from forge_engine.offload import plan_gpu_layers
+
+        if memory_budget is None or quantization == "gguf":
+            raise ValueError(
+                "--gpu-layers auto plans from --gpu-memory-budget with int8, int4 or unquantized weights: give a "
+                "budget, or the number of layers"
+            )
+        plan = plan_gpu_layers(config, memory_budget, quantization, torch.finfo(dtype).bits // 8)
+        if progress:
+            print(plan.describe(), file=sys.stderr)
+        gpu_layers = plan.gpu_layers
+    if not isinstance(gpu_layers, int) or gpu_layers < 1:
+        raise ValueError(
+            f"gpu_layers must be a positive number of layers or 'auto', got {gpu_layers!r}"
+        )
+    return gpu_layers if gpu_layers < config.num_layers else None
+
+
 def load_model(
     name: str,
     device: str | None = None,
@@ -208,6 +256,7 @@ def load_model(
     progress: bool = True,
     quantization: str = "none",
     memory_budget: int | None = None,
+    gpu_layers: int | str | None = None,
 ) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
@@ -215,7 +264,9 @@ def load_model(
     chapter 10f's C step decodes them (else "none"). Over several processes: chapter 09c.
     `memory_budget` (bytes, on a GPU): plan first and refuse with the numbers when it does not fit (chapter 10a);
     int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
-    so the GPU never holds more than the quantized matrices and one slice."""
+    so the GPU never holds more than the quantized matrices and one slice.
+    `gpu_layers` (chapter 10h): N keeps only the first N decoder layers (with the embedding, the final norm and the
+    head) on `device` and the others on the CPU; "auto": the most that `memory_budget` holds."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
@@ -225,6 +276,10 @@ def load_model(
     resolved: ResolvedModel = resolve(name, presets=RANDOM_PRESETS)
     config = model_config_of(resolved)
     if isinstance(config, Qwen35Config):
+        if gpu_layers is not None:
+            raise ValueError(
+                "--gpu-layers splits chapter 03's decoder; a Qwen3.5 model loads whole"
+            )
         return load_qwen35(
             resolved, config, device, dtype, seed, progress, quantization, memory_budget
         )
@@ -237,8 +292,9 @@ def load_model(
             f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
             f"use int8 or int4"
         )
-    staging = device
-    if memory_budget is not None and device.type == "cuda":
+    split = offloaded_layers(gpu_layers, config, memory_budget, quantization, dtype, progress)
+    staging = torch.device("cpu") if split else device  # (a split model is placed from the CPU)
+    if memory_budget is not None and device.type == "cuda" and not split:
         from forge_engine.memory_plan import plan_memory
 
         weights = None
@@ -277,13 +333,7 @@ def load_model(
         if quantization == "gguf":
             from forge_engine.quant.layers import load_gguf_quantized
 
-            model = load_gguf_quantized(gguf, device, dtype)
-            if (
-                device.type == "cuda"
-            ):  # aligned planes for the GPU's GEMVs (chapter 10g); a CPU reads the blocks
-                from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu
-
-                gguf_layers_for_gpu(model)
+            model = load_gguf_quantized(gguf, staging, dtype)
         else:
             model = empty_model(gguf.model_config(), staging, dtype)
             load_weights(model, gguf.tensors(dtype=dtype))
@@ -291,14 +341,24 @@ def load_model(
     else:
         model = empty_model(config, staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
+    if split:  # chapter 10h: its first layers, embedding and head to the GPU; each matrix quantized where it is
+        model = place_layers(model, split, device)
+    if quantization == "gguf" and device.type == "cuda":
+        # aligned planes for the GPU's GEMVs (chapter 10g); a CPU (and a split model's CPU layers) reads the blocks
+        from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu
+
+        gguf_layers_for_gpu(model)
     if quantization in (
         "int8",
         "int4",
     ):  # quantized on `device` even when staged on the CPU: fast, and a low peak
         from forge_engine.quant.layers import quantize_model
 
-        quantize_model(model, quantization, device=device)
-    model = model.to(device)  # the rest (embedding, norms): a no-op unless it was staged on the CPU
+        quantize_model(model, quantization, device=None if split else device)
+    if not split:
+        model = model.to(
+            device
+        )  # the rest (embedding, norms): a no-op unless it was staged on the CPU
     if (
         device.type == "cuda"
     ):  # chapter 09a: the layers through the kernels, where they run compiled

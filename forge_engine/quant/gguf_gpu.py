@@ -5,6 +5,8 @@
 # %% ../../nbs/10g_gguf_gpu.ipynb #b844582d
 from __future__ import annotations
 
+import itertools
+
 import math
 
 import torch
@@ -439,11 +441,17 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
 
 @torch.no_grad()
 def gguf_layers_for_gpu(model: Transformer) -> Transformer:
-    "Every `GGUFLinear` of `model` (layer matrices, LM head) replaced, in place, by `repack_gguf_linear`'s. Returns it."
+    """Every `GGUFLinear` of `model` where its embedding is (layer matrices, LM head: a model split with the CPU,
+    chapter 10h, keeps its CPU layers' blocks for the CPU's kernels) replaced, in place, by `repack_gguf_linear`'s."""
+    home = next(itertools.chain(model.embed.parameters(), model.embed.buffers())).device
+
+    def at_home(child) -> bool:
+        return isinstance(child, GGUFLinear) and next(child.buffers()).device == home
+
     swap_layer_matrices(
-        model, lambda child, _: repack_gguf_linear(child) if isinstance(child, GGUFLinear) else None
+        model, lambda child, _: repack_gguf_linear(child) if at_home(child) else None
     )
-    if isinstance(model.lm_head, GGUFLinear):
+    if at_home(model.lm_head):
         model.lm_head = repack_gguf_linear(model.lm_head)
         if isinstance(model.embed, TiedEmbedding):
             model.embed = TiedEmbedding(model.lm_head, model.embed.dtype)

@@ -54,6 +54,7 @@ from forge_engine.cuda_graphs import (
 )
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.model import Transformer, no_cache_attention
+from forge_engine.offload import OffloadedTransformer, SplitAttention, gpu_part, offload_pool
 from forge_engine.scheduler import ScheduledSeq, Sequence as Seq, StepPlan
 from forge_engine.state_pool import StatePool, StepStates
 
@@ -132,8 +133,10 @@ def kv_cache_budget(model: Transformer, config: EngineConfig) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     n = config.max_num_batched_tokens  # the activation peak of the largest step
-    model.compute_logits(
-        model(
+    # (a model split with the CPU, chapter 10h: its GPU part; the CPU's layers would take minutes on a whole batch)
+    probe = gpu_part(model) if isinstance(model, OffloadedTransformer) else model
+    probe.compute_logits(
+        probe(
             torch.zeros(n, dtype=torch.long, device=device),
             torch.arange(n, device=device),
             no_cache_attention,
@@ -242,10 +245,14 @@ class ModelRunner:
         decode: DecodeRunner | None = None,
         mixed: MixedStepRunner | None = None,
         states: StatePool | None = None,
+        offload: PagedKVCache | None = None,
     ):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
         self.states = (
             states  # a model with recurrent layers: their per-sequence states (chapter 05a)
+        )
+        self.offload = (
+            offload  # a model split with the CPU (chapter 10h): the pool of the CPU's layers
         )
         # decode: chapter 09b's CUDA graphs on a GPU, chapter 10f's C step on a CPU
         self.decode, self.mixed = decode, mixed
@@ -304,13 +311,16 @@ class ModelRunner:
             )  # a pending token is its sequence's last
         if self.batch_invariant:
             return self._run_invariant(items, ids, logit_rows)
-        layout = build_step_layout(
-            [(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items],
-            self.cache.block_size,
-            self.device,
-        )
+        specs = [(i.seq.block_table, i.seq.num_computed, i.num_new) for i in items]
+        layout = build_step_layout(specs, self.cache.block_size, self.device)
         rows = to_device(torch.tensor(logit_rows, dtype=torch.long), self.device)
         backends = (self.attention(self.cache, layout),)
+        if (
+            self.offload is not None
+        ):  # the CPU's layers over their pool, the same layout there (chapter 10h)
+            there = build_step_layout(specs, self.cache.block_size, self.offload.k_cache.device)
+            rest = PagedAttention(self.offload, there)
+            backends = (SplitAttention(backends[0], rest, self.model.gpu_layers),)
         if self.states is not None:  # each sequence's rows read and write its state slot
             segments = [(i.num_new, i.seq.state_slot, i.seq.num_computed == 0) for i in items]
             backends += (StepStates(self.states, segments),)
@@ -443,15 +453,28 @@ def build_runner(
         # allocated before the KV budget's measurement, which then leaves room for it; the last slot is the decode
         # graphs' scratch slot, as the pool's last block is theirs (the scheduler hands out the others)
         states = StatePool(model.config, config.max_num_seqs + 1, param.device, param.dtype)
+    offloaded = isinstance(model, OffloadedTransformer)  # layers split with the CPU (chapter 10h)
+    if offloaded and (config.batch_invariant or config.speculative_tokens):
+        raise ValueError(
+            "a model split between the GPU and the CPU runs eager steps over two pools: not with batch_invariant "
+            "or speculative_tokens"
+        )
+    # the GPU's pool holds the GPU's layers; a split model's other layers get a pool of as many blocks where they run
+    kv_config = model.config.replace(num_layers=model.gpu_layers) if offloaded else model.config
     budget = kv_cache_budget(model, config)
     num_blocks = agree_num_blocks(
-        PagedKVCache.num_blocks_for(model.config, budget, config.block_size, param.dtype)
+        PagedKVCache.num_blocks_for(kv_config, budget, config.block_size, param.dtype)
     )
     # one block more than the allocator hands out: padded rows of a graphed decode write there
-    cache = PagedKVCache(model.config, num_blocks + 1, config.block_size, param.device, param.dtype)
+    cache = PagedKVCache(kv_config, num_blocks + 1, config.block_size, param.device, param.dtype)
+    offload = (
+        offload_pool(model, num_blocks + 1, config.block_size, param.dtype) if offloaded else None
+    )
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
-    graphs = graphs and not config.batch_invariant
+    graphs = (
+        graphs and not config.batch_invariant and not offloaded
+    )  # (no graphs of a split step yet)
     decode = (
         DecodeRunner(
             model,
@@ -470,7 +493,12 @@ def build_runner(
         if graphs
         else None
     )
-    if decode is None and param.device.type == "cpu" and not config.batch_invariant:
+    if (
+        decode is None
+        and param.device.type == "cpu"
+        and not config.batch_invariant
+        and not offloaded
+    ):
         # a GGUF model's decode steps as one C call (chapter 10f), where it runs (rows: a sequence and its drafts,
         # chapter 08c); else the eager step
         from forge_engine.cpu_decode import cpu_decode_runner
@@ -491,7 +519,7 @@ def build_runner(
         if graphs and mixed_graphs and states is None and _prefill_kernel_runs(param.device)
         else None
     )
-    return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states)
+    return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states, offload)
 
 
 def _prefill_kernel_runs(device: torch.device) -> bool:

@@ -52,8 +52,10 @@ def load_model_over(
     quantization: str = "none",
     tensor_parallel_size: int = 1,
     memory_budget: int | None = None,
+    gpu_layers: int | str | None = None,
 ) -> LoadedModel:
-    "`load_model` (chapter 04a) in this process, or `load_model_parallel` (chapter 09c) over `tensor_parallel_size`."
+    """`load_model` (chapter 04a) in this process, or `load_model_parallel` (chapter 09c) over `tensor_parallel_size`.
+    `gpu_layers`: the first N layers on the GPU, the rest on the CPU (chapter 10h; in this process only)."""
     if tensor_parallel_size == 1:
         return load_model(
             name,
@@ -63,6 +65,11 @@ def load_model_over(
             progress=progress,
             quantization=quantization,
             memory_budget=memory_budget,
+            gpu_layers=gpu_layers,
+        )
+    if gpu_layers is not None:
+        raise ValueError(
+            "--gpu-layers splits a model between a GPU and the CPU, not with tensor parallelism"
         )
     if quantization not in ("none", "auto"):  # (auto: none on a GPU, where tensor parallelism runs)
         raise ValueError(
@@ -101,8 +108,10 @@ class LLM:
         dtype: str | None = None,
         seed: int = 0,
         progress: bool = True,
+        gpu_layers: int | str | None = None,
         **engine_options,
     ):
+        "`gpu_layers`: only the first N layers on the GPU (chapter 10h); `engine_options`: EngineConfig's fields."
         self.loaded = load_model_over(
             model,
             device,
@@ -112,6 +121,7 @@ class LLM:
             memory_budget=engine_options.get("gpu_memory_budget"),
             quantization=engine_options.get("quantization", "none"),
             tensor_parallel_size=engine_options.get("tensor_parallel_size", 1),
+            gpu_layers=gpu_layers,
         )
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(

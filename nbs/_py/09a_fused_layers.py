@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -418,14 +419,20 @@ FUSED_LAYERS = {
 
 def install_fused_layers(model: Transformer, force: bool = False) -> Transformer:
     """Swap each module of `model` whose class is one of FUSED_LAYERS' for its fused subclass, in place, where the
-    kernels run compiled (the model's weights on a CUDA GPU), or anywhere with `force` (tests: on a CPU the kernels'
-    PyTorch paths run, and an attention backend's interpreted kernels). Only the class changes. Returns `model`."""
-    if not (force or kernels_available(next(model.parameters()).device)):
-        return model
+    kernels run compiled (the module's weights on a CUDA GPU: a model split with the CPU, chapter 10h, keeps its CPU
+    layers), or anywhere with `force` (tests: on a CPU the kernels' PyTorch paths run, and an attention backend's
+    interpreted kernels). Only the class changes. Returns `model`."""
     for module in model.modules():
-        if (fused := FUSED_LAYERS.get(type(module))) is not None:
+        fused = FUSED_LAYERS.get(type(module))
+        if fused is not None and (force or kernels_available(device_of(module))):
             module.__class__ = fused
     return model
+
+
+def device_of(module: nn.Module) -> torch.device:
+    "Where a module's weights are (its first parameter's or buffer's device; the CPU for one without)."
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 # %% [markdown]
@@ -535,11 +542,11 @@ CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP, Attention: CPUAttention}
 def install_cpu_layers(model: Transformer) -> Transformer:
     """Swap each module of `model` whose class is one of CPU_LAYERS' for its C-backed subclass, in place, where that
     runs: float32 weights on a CPU, the C kernels built here. Only the class changes. Returns `model`."""
-    param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.float32 or not cpu_layer_ops_run():
+    if next(model.parameters()).dtype != torch.float32 or not cpu_layer_ops_run():
         return model
-    for module in model.modules():
-        if (swap := CPU_LAYERS.get(type(module))) is not None:
+    for module in model.modules():  # (a model split with a GPU, chapter 10h: its CPU layers)
+        swap = CPU_LAYERS.get(type(module))
+        if swap is not None and device_of(module).type == "cpu":
             module.__class__ = swap
     return model
 

@@ -324,6 +324,7 @@ def run_from_args(args) -> int:
                     quantization=args.quantization,
                     tensor_parallel_size=args.tensor_parallel_size,
                     memory_budget=args.gpu_memory_budget,
+                    gpu_layers=args.gpu_layers,
                 )
             result = run_offline(name, loaded, args, ceiling)
         result["environment"] = env

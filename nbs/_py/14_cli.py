@@ -227,6 +227,7 @@ def _load_llm(args):
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_budget=args.gpu_memory_budget,
+        gpu_layers=args.gpu_layers,
     )
     param = next(llm.loaded.model.parameters())
     log(

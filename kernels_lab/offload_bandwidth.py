@@ -1,0 +1,86 @@
+"""Layers split between the GPU and the CPU (chapter 10h): the two bandwidths that decide where the CPU's layers
+compute, and what a split model decodes at against its floor.
+
+Napkin math: a decode step reads every weight once. The GPU's layers are read at the GPU's bandwidth (4.19 TB/s on
+an H200: negligible next to the rest), the CPU's either by the CPU from its memory (B_cpu) or over PCIe to the GPU
+(B_pcie). Per step: W_cpu / B_cpu against W_cpu / B_pcie; chapter 10h computes them on the CPU, which is faster
+where B_cpu > B_pcie. Qwen3-14B in int4 under an 8 GiB budget puts 26 of 40 layers on the GPU and 2.29 GiB on the
+CPU (`plan_gpu_layers`): at 60 GB/s that is 41 ms a step, about 24 tok/s at best.
+
+1. B_cpu: a sum over a 1 GiB fp32 buffer on the CPU, with all its threads; B_pcie: 1 GiB copied from pinned host
+   memory to the GPU, and back.
+2. The plan and its floors: `plan_gpu_layers` for Qwen3-14B int4 at 8 GiB, `offload_step_seconds` at both
+   measured bandwidths.
+3. End to end: random Qwen3-14B, int4, `gpu_layers="auto"` under the 8 GiB budget (`load_model`), one request
+   (W1: 128 prompt tokens, 64 new), decode tok/s against the CPU-compute floor.
+
+Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/offload_bandwidth.py [--no-model]"""
+
+import sys
+import time
+
+import torch
+
+from forge_engine.bench import free_memory, read_bandwidth, w1_single_stream
+from forge_engine.config import EngineConfig, preset
+from forge_engine.loader import load_model
+from forge_engine.offload import offload_step_seconds, plan_gpu_layers
+
+GIB = 2**30
+BUDGET, MODEL, QUANTIZATION = 8 * GIB, "qwen3-14b", "int4"
+
+
+def pcie_bandwidth(nbytes: int = GIB, repeats: int = 5) -> tuple[float, float]:
+    "Bytes per second of a copy from pinned host memory to the GPU, and back."
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((device, host), (host, device)):
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes * repeats / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
+def main() -> None:
+    cpu = read_bandwidth("cpu", gib=1.0, dtype=torch.float32)
+    print(f"CPU read bandwidth ({torch.get_num_threads()} threads): {cpu / 1e9:.1f} GB/s")
+    pcie = None
+    if torch.cuda.is_available():
+        pcie, back = pcie_bandwidth()
+        print(
+            f"PCIe, pinned host to GPU: {pcie / 1e9:.1f} GB/s; GPU to host: {back / 1e9:.1f} GB/s"
+        )
+    plan = plan_gpu_layers(preset(MODEL), BUDGET, QUANTIZATION)
+    print(plan.describe())
+    floors = offload_step_seconds(plan, cpu, pcie or float("nan"))
+    print(
+        "a decode step's floor for the CPU's layers: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in floors.items())
+    )
+    if "--no-model" in sys.argv or not torch.cuda.is_available():
+        return
+    loaded = load_model(
+        f"random:{MODEL}",
+        "cuda",
+        quantization=QUANTIZATION,
+        memory_budget=BUDGET,
+        gpu_layers="auto",
+    )
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, gpu_memory_budget=BUDGET)
+    result = w1_single_stream(loaded, config, prompt_len=128, new_tokens=64, repeats=1)
+    rate = result["decode_tok_s"]
+    print(
+        f"W1 {MODEL} {QUANTIZATION}, {loaded.model.gpu_layers} layers on the GPU: {rate:.1f} tok/s, "
+        f"{1 / rate * 1e3:.1f} ms a step against the CPU-compute floor {floors['cpu_compute'] * 1e3:.1f} ms; "
+        f"peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.2f} GiB"
+    )
+    free_memory()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+# %% [markdown]
+# # Layers split between the GPU and the CPU
+#
+# > A model too big for the GPU runs with its first layers there and the rest on the CPU, each layer's KV cache where the layer runs: `--gpu-layers N`, or `auto` from the memory budget.
+
+# %% [markdown]
+# An 8 GB card holds Qwen3-4B in int8 but not Qwen3-14B in int4 (7.7 GB of layer weights, the
+# embedding and head besides). Chapter 10a's plan refuses what does not fit. The way people run
+# such a model anyway, on the hardware they own, is to put *some* layers on the GPU: llama.cpp's
+# `-ngl`. Here `gpu_layers = N` keeps the embedding, the first `N` decoder layers, the final norm
+# and the LM head on the GPU, and layers `N..L-1` on the CPU. A step's residual stream crosses
+# twice, a few KB a token: to the CPU after layer `N-1`, back before the final norm.
+#
+# **Where the other layers compute** is a question of two bandwidths. A decode step must read
+# every weight once. The CPU's layers can be read by the CPU from its memory (bandwidth `B_cpu`),
+# or copied to the GPU over PCIe (`B_pcie`) and computed there. At a batch of a few rows the
+# work is the reading, so per step
+#
+# ```
+# CPU compute: W_cpu / B_cpu          streaming: W_cpu / B_pcie       (W_cpu: the CPU layers' bytes)
+# ```
+#
+# and the faster is the larger bandwidth. A desktop's two DDR5 channels read ~60-80 GB/s and a
+# server's many more; PCIe 4.0 x16 moves ~25 GB/s and 5.0 x16 ~50. So for decoding, the CPU
+# computes its layers (llama.cpp's choice too). A long prompt is the other case: its matmuls are
+# compute-bound, `2 · P_cpu · T` FLOP on a CPU of a few TFLOP/s against one copy of `W_cpu` to a
+# GPU of hundreds; streaming wins from a few dozen tokens a step. This chapter builds the first
+# mode; `offload_step_seconds` does the arithmetic of both for a plan, and
+# `kernels_lab/offload_bandwidth.py` measures the two bandwidths of a machine.
+#
+# What each part needs:
+#
+# - **weights**: placed by `place_layers` after loading on the CPU; quantization (chapter 10)
+#   then quantizes each matrix where it sits, in that device's format (the GPU's kernels' layout,
+#   or PyTorch's CPU weight-only GEMMs); a GGUF file's blocks are repacked for the GPU's layers
+#   only (chapter 10g), the CPU's keep the blocks its C kernels read;
+# - **KV cache**: two pools with the same block tables (one allocator, chapter 05): the GPU pool
+#   holds layers `0..N-1`, a pool in host memory layers `N..L-1`, and `SplitAttention` sends each
+#   layer to its pool;
+# - **the plan**: `plan_gpu_layers` counts, for a budget, the largest `N` whose layers, with the
+#   embedding, the head, the activations, the overhead and a minimal KV cache for those layers,
+#   fit (chapter 10a's rules, per layer).
+
+# %%
+#| default_exp offload
+
+# %%
+#| export
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forge_engine.config import ModelConfig
+from forge_engine.kv_cache import PagedKVCache
+from forge_engine.memory_plan import (
+    MIN_KV_BYTES,
+    OVERHEAD_BYTES,
+    MemoryPlanError,
+    activation_bytes,
+    format_gib,
+    layer_matrices,
+    matrix_bytes,
+    weight_bytes,
+)
+from forge_engine.model import AttentionBackend, Transformer
+
+# %%
+#| hide
+import pytest
+
+from forge_engine.config import preset
+
+
+# %% [markdown]
+# ## The model across two devices
+#
+# `OffloadedTransformer` is chapter 03's `Transformer` whose `run_layers` moves the residual
+# stream (and the rotary tables) to the CPU at layer `gpu_layers` and back after the last layer.
+# `place_layers` makes one out of a loaded model, in place, as the fused and quantized layers are
+# swapped in elsewhere: only the class and the devices change.
+
+# %%
+#| export
+class OffloadedTransformer(Transformer):
+    "A Transformer whose layers from `gpu_layers` on run on `offload_device` (the CPU); the rest on the GPU."
+
+    gpu_layers: int
+    offload_device: torch.device
+
+    def run_layers(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+        home, residual = x.device, None
+        for i, layer in enumerate(self.layers):
+            if i == self.gpu_layers:  # the residual stream crosses to the CPU's layers
+                x, residual, cos, sin = _to(self.offload_device, x, residual, cos, sin)
+            x, residual = layer(x, residual, cos, sin, attention)
+        x, residual = _to(home, x, residual)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+
+def _to(device, *tensors):
+    return tuple(None if t is None else t.to(device) for t in tensors)
+
+
+def place_layers(
+    model: Transformer, gpu_layers: int, device, offload_device="cpu"
+) -> OffloadedTransformer:
+    """`model` (loaded on the CPU) with its embedding, first `gpu_layers` layers, final norm and head on `device` and the
+    other layers on `offload_device`, in place. 0 < gpu_layers < its number of layers."""
+    layers = len(model.layers)
+    if not 0 < gpu_layers < layers:
+        raise ValueError(
+            f"gpu_layers must be between 1 and {layers - 1} for a model of {layers} layers (all of them: no offload), "
+            f"got {gpu_layers}"
+        )
+    if type(model) is not Transformer:
+        raise ValueError(
+            f"place_layers splits chapter 03's Transformer, not a {type(model).__name__}"
+        )
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to(device)
+    for i, layer in enumerate(model.layers):
+        layer.to(device if i < gpu_layers else offload_device)
+    model.__class__ = OffloadedTransformer
+    model.gpu_layers, model.offload_device = gpu_layers, torch.device(offload_device)
+    return model
+
+
+# %% [markdown]
+# ## The KV cache where each layer runs
+#
+# Each device's pool holds its layers only (`kv_layers`), with the same number of blocks; the
+# allocator hands out block ids valid in both. A step's layout goes to both devices, and
+# `SplitAttention` gives each layer its device's attention, numbered from the pool's first layer.
+
+# %%
+#| export
+@dataclass
+class SplitAttention:
+    "The attention backend of a step of an `OffloadedTransformer`: layers below `split` on `first`, the rest on `rest`."
+
+    first: AttentionBackend
+    rest: AttentionBackend
+    split: int
+
+    def __call__(self, layer: int, q, k, v, **kw) -> torch.Tensor:
+        if layer < self.split:
+            return self.first(layer, q, k, v, **kw)
+        return self.rest(layer - self.split, q, k, v, **kw)
+
+
+def offload_pool(
+    model: OffloadedTransformer, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> PagedKVCache:
+    "The pool of the layers on the offload device: as many blocks as the GPU's."
+    config = model.config.replace(num_layers=len(model.layers) - model.gpu_layers)
+    return PagedKVCache(config, num_blocks, block_size, model.offload_device, dtype)
+
+
+def gpu_part(model: OffloadedTransformer) -> Transformer:
+    """A Transformer of `model`'s GPU modules only (shared, not copied): what the runner measures the GPU's activation
+    peak with (chapter 07a), without running the CPU's layers on a whole batch."""
+    part = Transformer.__new__(Transformer)
+    torch.nn.Module.__init__(part)
+    part.config, part.embed, part.norm, part.lm_head = (
+        model.config,
+        model.embed,
+        model.norm,
+        model.lm_head,
+    )
+    part.layers = torch.nn.ModuleList(model.layers[: model.gpu_layers])
+    return part
+
+
+# %% [markdown]
+# Both devices are the CPU in this test, which checks the bookkeeping rather than the transfers:
+# a tiny model split after its first layer, its two pools and the split attention, gives the
+# same greedy tokens as the model whole, through the engine.
+
+# %%
+import copy
+
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import LoadedModel
+from forge_engine.model import empty_model, init_random_weights
+
+from forge_engine import (
+    offload,
+)  # (the runner checks for the module's class, not this notebook's copy)
+
+tiny = preset("qwen3-tiny").replace(num_layers=3)
+whole = init_random_weights(empty_model(tiny), seed=2, std=0.1)
+split = offload.place_layers(copy.deepcopy(whole), 1, "cpu")
+assert isinstance(split, offload.OffloadedTransformer) and split.gpu_layers == 1
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+prompts = [list(range(3, 3 + n)) for n in (5, 30, 1)]
+config = EngineConfig(kv_cache_bytes=2**20, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def greedy(model):
+    engine = LLMEngine(LoadedModel("tiny", model, None, None), config)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, str(i))
+    outs = {}
+    while engine.has_unfinished():
+        outs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    engine.allocator.check_idle()
+    return outs, engine
+
+
+want, _ = greedy(whole)
+got, engine = greedy(split)
+assert got == want
+assert (
+    engine.runner.offload.k_cache.shape[0] == 2 and engine.runner.cache.k_cache.shape[0] == 1
+)  # layers per pool
+part = offload.gpu_part(split)
+assert (
+    len(part.layers) == 1 and part.layers[0] is split.layers[0] and len(split.layers) == 3
+)  # shared, not copied
+with pytest.raises(ValueError, match="gpu_layers must be between 1 and 2"):
+    place_layers(init_random_weights(empty_model(tiny)), 3, "cpu")
+
+# %% [markdown]
+# The loader does the placing (`load_model(..., gpu_layers=N)`, the commands' `--gpu-layers`):
+# it loads on the CPU, places, then quantizes each matrix where it sits. Here too both devices
+# are the CPU; int8 then gives each layer PyTorch's CPU format, and the engine's tokens are those
+# of the same int8 model whole.
+
+# %%
+from forge_engine.loader import load_model
+from forge_engine.quant.layers import Int8Linear
+
+loaded = load_model(
+    "random:qwen3-tiny", "cpu", seed=1, progress=False, quantization="int8", gpu_layers=1
+)
+assert isinstance(loaded.model, offload.OffloadedTransformer) and loaded.model.gpu_layers == 1
+assert isinstance(loaded.model.layers[1].mlp.down, Int8Linear)
+whole8 = load_model("random:qwen3-tiny", "cpu", seed=1, progress=False, quantization="int8")
+assert greedy(loaded.model)[0] == greedy(whole8.model)[0]
+assert (
+    type(load_model("random:qwen3-tiny", "cpu", progress=False, gpu_layers=2).model)
+    is not offload.OffloadedTransformer
+)  # all
+
+
+# %% [markdown]
+# ## How many layers fit
+#
+# Chapter 10a's rules per layer: a layer's matrices in the weight format and its norms in the
+# compute dtype; the embedding and the head (int8 when quantized) stay on the GPU whatever `N`.
+# The GPU's KV cache must hold at least the tokens that chapter 10a's minimum holds for the whole
+# model, for its `N` layers.
+
+# %%
+#| export
+@dataclass(frozen=True)
+class OffloadPlan:
+    "Where a model's layers go under a GPU budget, and the bytes of each part."
+
+    budget: int
+    gpu_layers: int
+    num_layers: int
+    gpu_weights: int  # the GPU layers, the embedding, the head
+    cpu_weights: int  # the other layers
+    kv_per_token: int  # of the GPU's layers, bytes
+    kv_cache: int  # what the budget leaves the GPU's KV cache
+
+    def describe(self) -> str:
+        if self.gpu_layers == self.num_layers:
+            return f"offload plan for {format_gib(self.budget)}: all {self.num_layers} layers on the GPU"
+        return (
+            f"offload plan for {format_gib(self.budget)}: layers 0-{self.gpu_layers - 1} of {self.num_layers} on the "
+            f"GPU ({format_gib(self.gpu_weights)} with the embedding and head), layers {self.gpu_layers}-"
+            f"{self.num_layers - 1} on the CPU ({format_gib(self.cpu_weights)}); GPU KV cache "
+            f"{format_gib(self.kv_cache)} ({self.kv_cache // self.kv_per_token:,} tokens)"
+        )
+
+
+def layer_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
+    "One decoder layer's weights: its matrices in `quantization`, its norms (and biases) in the compute dtype."
+    matrices = sum(matrix_bytes(n, k, quantization, dtype_bytes) for n, k in layer_matrices(c))
+    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    biases = c.q_size + 2 * c.kv_size if c.attention_bias else 0
+    return matrices + (norms + biases) * dtype_bytes
+
+
+def plan_gpu_layers(
+    c: ModelConfig,
+    budget: int,
+    quantization: str = "none",
+    dtype_bytes: int = 2,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+) -> OffloadPlan:
+    """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
+    graphs), the overhead and a minimal KV cache for them; MemoryPlanError when not even one layer does."""
+    one = layer_bytes(c, quantization, dtype_bytes)
+    rest = weight_bytes(c, quantization, dtype_bytes) - c.num_layers * one
+    acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
+    min_tokens = MIN_KV_BYTES // c.kv_bytes_per_token(dtype_bytes)
+    kv_layer_token = 2 * c.kv_size * dtype_bytes
+    free = budget - rest - acts - OVERHEAD_BYTES
+    n = min(c.num_layers, max(0, free // (one + min_tokens * kv_layer_token)))
+    if n == 0:
+        raise MemoryPlanError(
+            f"{format_gib(budget)} holds no layer of this model on the GPU: the embedding and head "
+            f"({format_gib(rest)}), activations ({format_gib(acts)}) and overhead ({format_gib(OVERHEAD_BYTES)}) "
+            f"leave {format_gib(free)}, a layer with its minimal KV cache needs "
+            f"{format_gib(one + min_tokens * kv_layer_token)}"
+        )
+    return OffloadPlan(
+        budget,
+        n,
+        c.num_layers,
+        rest + n * one,
+        (c.num_layers - n) * one,
+        n * kv_layer_token,
+        free - n * one,
+    )
+
+
+def offload_step_seconds(
+    plan: OffloadPlan, cpu_bytes_per_s: float, pcie_bytes_per_s: float
+) -> dict[str, float]:
+    "A decode step's floor for the CPU's layers: read by the CPU, or copied to the GPU (what this chapter does not do)."
+    return {
+        "cpu_compute": plan.cpu_weights / cpu_bytes_per_s,
+        "streaming": plan.cpu_weights / pcie_bytes_per_s,
+    }
+
+
+# %% [markdown]
+# Qwen3-14B in int4 under an 8 GiB budget (the issue's consumer card), and Qwen3-8B in int4,
+# which fits whole at that budget with room to spare:
+
+# %%
+GIB = 2**30
+q14 = plan_gpu_layers(preset("qwen3-14b"), 8 * GIB, "int4")
+print(q14.describe())
+assert 0 < q14.gpu_layers < 40 and q14.kv_cache // q14.kv_per_token >= MIN_KV_BYTES // preset(
+    "qwen3-14b"
+).kv_bytes_per_token(2)
+assert plan_gpu_layers(preset("qwen3-14b"), 12 * GIB, "int4").gpu_layers > q14.gpu_layers
+assert plan_gpu_layers(preset("qwen3-8b"), 8 * GIB, "int4").gpu_layers == 36  # all of them
+with pytest.raises(MemoryPlanError, match="holds no layer"):
+    plan_gpu_layers(preset("qwen3-14b"), 2 * GIB, "int4")
+# the floors of a step's CPU part at two bandwidths, e.g. 60 GB/s of DDR5 against 25 GB/s of PCIe 4.0
+floors = offload_step_seconds(q14, 60e9, 25e9)
+assert floors["cpu_compute"] < floors["streaming"]
+print({k: f"{v * 1e3:.1f} ms" for k, v in floors.items()})
