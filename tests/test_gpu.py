@@ -478,3 +478,35 @@ def test_qwen3_5_on_the_gpu_matches_the_cpu():
     assert_same_greedy(got, want, tolerance=1e-3)
     engine.allocator.check_idle()
     assert sorted(engine.scheduler.free_state_slots) == list(range(4))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantization):
+    """Chapter 10h on a real GPU: a tiny model in fp32 with its first layer on the GPU and the rest on the CPU (each
+    matrix quantized where it sits) gives the greedy tokens of the same model whole on the GPU."""
+    from forge_engine.loader import load_model
+    from forge_engine.offload import OffloadedTransformer
+
+    def tokens(**split):
+        loaded = load_model(
+            "random:qwen3-tiny",
+            "cuda",
+            "float32",
+            seed=1,
+            progress=False,
+            quantization=quantization,
+            **split,
+        )
+        engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=16 * 2**20, max_num_seqs=4))
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        outs = run_all(engine, [list(range(5, 5 + n)) for n in (1, 20, 70)], params)
+        engine.allocator.check_idle()
+        return loaded, outs
+
+    split, got = tokens(gpu_layers=1)
+    assert (
+        isinstance(split.model, OffloadedTransformer)
+        and split.model.layers[1].attn_norm.weight.device.type == "cpu"
+    )
+    _, want = tokens()
+    assert_same_greedy(got, want, tolerance=1e-3)
