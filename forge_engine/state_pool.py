@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from forge_engine.gated_delta import (
     causal_conv1d_decode,
+    causal_conv1d_prefill,
     gated_delta_decode,
     gated_delta_prefill,
 )
-from .qwen3_5 import Qwen35Config, causal_conv1d
+from .qwen3_5 import Qwen35Config
 
 # %% auto #0
 __all__ = ['StatePool', 'StepStates']
@@ -113,11 +113,11 @@ class StepStates:
         if self.decode_rows is not None:
             rows = self.decode_rows
             y[rows] = causal_conv1d_decode(x[rows], states, weight, self.decode_slots)
-        for start, n, slot, fresh in self.prefills:  # a prompt or its chunk: one sequence at a time
-            out, states[slot] = causal_conv1d(
-                x[start : start + n], weight, None if fresh else states[slot]
+        if self.prefills:  # prompts and their chunks: all of them at once
+            r = self.prefill_rows
+            y[r] = causal_conv1d_prefill(
+                x[r], states, weight, self.cu_seqlens, self.prefill_slots, self.prefill_fresh
             )
-            y[start : start + n] = F.silu(out)
         return y
 
     def delta_rule(self, index, q, k, v, g, beta) -> torch.Tensor:

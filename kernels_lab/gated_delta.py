@@ -1,5 +1,5 @@
-"""The Gated DeltaNet on a pool of states (chapter 03c): the decode update, the one-token convolution, the prefill by
-chunks of 64.
+"""The Gated DeltaNet on a pool of states (chapter 03c): the decode update, the one-token convolution, the prompts'
+convolution, the prefill by chunks of 64.
 
 Napkin math, per layer, at Qwen3.5-4B's linear layers (16 key heads and 32 value heads of 128 dims, a convolution of 4
 over 8,192 channels; 24 of its 32 layers), against the H200's 4.19 TB/s read ceiling (common.py):
@@ -10,6 +10,9 @@ over 8,192 channels; 24 of its 32 layers), against the H200's 4.19 TB/s read cei
                   batch 16: 67.6 MB -> 16.1 us (x 24 layers: 387 us a decode step)
   conv decode     the window 3 x 8,192 x 2 B read and written, x and y, the weight once: batch 1 0.20 MB (0.05 us),
                   batch 16 2.2 MB (0.5 us): a launch, whatever the kernel does
+  conv prefill    x read and y written, T x 8,192 x 2 B each way in bf16 (each sequence's window read and written
+                  adds 98 KB, the weight 66 KB): 512 tokens 16.8 MB -> 4.0 us; 4,096 tokens 134 MB -> 32 us;
+                  two launches (the convolution, then the new windows)
   prefill         q, k, v in bf16, g and beta, the fp32 output: 33,024 B a token, + the 2 MiB final state
                   512 tokens:  19.0 MB -> 4.5 us;   4,096 tokens: 137.4 MB -> 32.8 us
                   the scratch of the two-kernel split (W and U in fp32, written then read): 64 KiB a token,
@@ -27,6 +30,8 @@ through the chunks: 32 heads x 128 / BLOCK_V programs for one prompt.
 Variants
   decode   v0 PyTorch (chapter 03b's rule: gather the slots, the rule, scatter), v1 the export, v2 block_v x warps
   conv     v0 PyTorch (causal_conv1d_step mapped over the batch), v1 the export, v2 block_c x warps
+  conv prefill  v0 PyTorch (chapter 03b's causal_conv1d a sequence at a time), v1 the export, v2 block_t x
+           block_c x warps; one prompt, and 32 prompts of 16 or 128 rows with short and empty ones among them
   prefill  v0 PyTorch (chapter 03b's chunked rule a sequence at a time), v1 the export, v2 block_v x warps x solve
            warps, v3 the products' precision (tf32 / tf32x3 on bf16 inputs)
 
@@ -89,6 +94,14 @@ def conv_export(**tiles):
     return lambda *args: gd.causal_conv1d_decode(*args, impl="triton", **tiles)
 
 
+def conv_prefill_v0(*args):
+    return gd.causal_conv1d_prefill(*args, impl="torch")
+
+
+def conv_prefill_export(**tiles):
+    return lambda *args: gd.causal_conv1d_prefill(*args, impl="triton", **tiles)
+
+
 def prefill_v0(*args):
     return gd.gated_delta_prefill(*args, impl="torch")
 
@@ -108,6 +121,15 @@ CONV_SWEEP = {
     f"v2 block_c={bc} warps={w}": conv_export(block_c=bc, num_warps=w)
     for bc in (128, 256, 512, 1024)
     for w in (1, 2, 4)
+}
+CONV_PREFILL = {"v0 torch": conv_prefill_v0, "v1 export": conv_prefill_export()}
+CONV_PREFILL_SWEEP = {
+    f"v2 block_t={bt} block_c={bc} warps={w}": conv_prefill_export(
+        block_t=bt, block_c=bc, num_warps=w
+    )
+    for bt in (4, 8, 16, 32)
+    for bc in (128, 256, 512)
+    for w in (4, 8)
 }
 PREFILL = {"v0 torch": prefill_v0, "v1 export": prefill_export()}
 PREFILL_SWEEP = {
@@ -160,6 +182,36 @@ def check_conv(channels, dtype, variants, batch, pool_rows):
     return ok
 
 
+def conv_prefill_inputs(channels, dtype, lengths, seed=5):
+    """x [sum(lengths), channels], weight, a pool of len(lengths) + 3 rows, cu_seqlens, slots out of order, fresh for
+    every other sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    n, rows = len(lengths), len(lengths) + 3
+    x = torch.randn(sum(lengths), channels, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, CONV_K, generator=gen).to(DEVICE, dtype)
+    pool = torch.randn(rows, CONV_K - 1, channels, generator=gen).to(DEVICE, dtype)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    slots = torch.randperm(rows, generator=gen)[:n].to(DEVICE)
+    fresh = (torch.arange(n) % 2 == 0).to(DEVICE)
+    return x, pool, weight, cu, slots, fresh
+
+
+def check_conv_prefill(channels, dtype, variants, lengths):
+    x, start, weight, cu, slots, fresh = conv_prefill_inputs(channels, dtype, lengths)
+    want_pool = start.clone()
+    want = conv_prefill_v0(x, want_pool, weight, cu, slots, fresh)
+    ok = True
+    for name, fn in variants.items():
+        pool = start.clone()
+        got = fn(x, pool, weight, cu, slots, fresh)
+        label = f"conv prefill {name} {len(lengths)} seqs C={channels} {dtype}"
+        ok &= validate(label, got, want, LIMITS[dtype])
+        ok &= bool(
+            torch.equal(pool, want_pool)
+        )  # windows are copies: bit-equal, other rows untouched
+    return ok
+
+
 def check_prefill(shape, dtype, variants, lengths):
     hk, hv, dk, dv = shape
     cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
@@ -187,6 +239,12 @@ def cpu_check() -> bool:
         small, torch.float32, {**DECODE, "v2 block_v=16": decode_export(block_v=16)}, 3, 6
     )
     ok &= check_conv(40, torch.float32, {**CONV, "v2 block_c=16": conv_export(block_c=16)}, 3, 5)
+    ok &= check_conv_prefill(
+        40,
+        torch.float32,
+        {**CONV_PREFILL, "v2 block_t=4 block_c=16": conv_prefill_export(block_t=4, block_c=16)},
+        [1, 0, 6, 2, 9, 0, 3],
+    )
     ok &= check_prefill(
         small,
         torch.float32,
@@ -202,6 +260,10 @@ def gpu_check() -> bool:
         for batch in (1, 16):
             ok &= check_decode(shape, dtype, {**DECODE, **DECODE_SWEEP}, batch, 24)
             ok &= check_conv(CHANNELS, dtype, {**CONV, **CONV_SWEEP}, batch, 24)
+        for lengths in ([512], [2, 0, 700, 1, 64]):
+            ok &= check_conv_prefill(
+                CHANNELS, dtype, {**CONV_PREFILL, **CONV_PREFILL_SWEEP}, lengths
+            )
         sweep = {**PREFILL_SWEEP, **(PREFILL_PRECISION if dtype == torch.bfloat16 else {})}
         for lengths in ([512], [1, 100, 1000, 64]):
             ok &= check_prefill(shape, dtype, {**PREFILL, **sweep}, lengths)
@@ -209,6 +271,24 @@ def gpu_check() -> bool:
 
 
 # -- timings
+
+
+def bench_conv_prefill(results, dtype):
+    "The prompts' convolution: one prompt of 512 and of 4,096 rows, then a step of 32 short ones."
+    size = torch.finfo(dtype).bits // 8
+    # 32 sequences of 16 or 128 rows, every eighth only 1 or none
+    many = [0 if i % 8 == 7 else 1 if i % 8 == 3 else 16 if i % 2 else 128 for i in range(32)]
+    for lengths in ([512], [4096], many):
+        args = conv_prefill_inputs(CHANNELS, dtype, lengths)
+        tokens = sum(lengths)
+        moved = (2 * tokens + 2 * len(lengths) * (CONV_K - 1) + CONV_K) * CHANNELS * size
+        for name, fn in selected({**CONV_PREFILL, **CONV_PREFILL_SWEEP}).items():
+            # the reference reads the lengths back to the host: eager; the kernels: one graph of both launches
+            run = lambda: fn(*args)  # noqa: E731
+            ms, how = time_variant(run, graph=name != "v0 torch")
+            results.add(
+                f"conv prefill {len(lengths)} seqs T={tokens} {dtype}", f"{name} [{how}]", ms, moved
+            )
 
 
 def bench():
@@ -232,6 +312,7 @@ def bench():
             for name, fn in selected({**CONV, **CONV_SWEEP}).items():
                 ms, how = time_variant(lambda: fn(x, conv_pool, weight, slots), graph=True)
                 results.add(f"conv B={batch} {dtype}", f"{name} [{how}]", ms, moved)
+        bench_conv_prefill(results, dtype)
         for tokens in (512, 4096):
             q, k, v, g, beta = rule_inputs(tokens, HK, HV, DK, DV, dtype)
             cu = torch.tensor([0, tokens], device=DEVICE)
@@ -325,6 +406,22 @@ def sass():
         "conv block_c=256 warps=2 (bf16)",
         gd._causal_conv1d_decode_kernel,
         dict(K=CONV_K, BLOCK_C=256, SILU=True),
+        2,
+        pointers=half,
+    )
+    for bt, bc in ((4, 256), (8, 128), (8, 256), (16, 128), (16, 256), (32, 128)):
+        for w in (2, 4, 8):
+            compile_case(
+                f"conv prefill block_t={bt} block_c={bc} warps={w} (bf16)",
+                gd._causal_conv1d_prefill_kernel,
+                dict(K=CONV_K, BLOCK_T=bt, BLOCK_C=bc, SILU=True),
+                w,
+                pointers=half,
+            )
+    compile_case(
+        "conv prefill windows block_c=128 warps=2 (bf16)",
+        gd._conv_state_prefill_kernel,
+        dict(K=CONV_K, BLOCK_C=128),
         2,
         pointers=half,
     )

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Kernels: the Gated DeltaNet's decode and prefill
 #
-# > Triton kernels for the steps that read and write a Gated DeltaNet state in a pool of them: one token's update of the recurrent state, one token's short convolution, and a prompt's recurrence by chunks of 64 with `tl.dot`, each against chapter 03b's PyTorch.
+# > Triton kernels for the steps that read and write a Gated DeltaNet state in a pool of them: one token's update of the recurrent state, the short convolution of one token and of a step's prompts, and a prompt's recurrence by chunks of 64 with `tl.dot`, each against chapter 03b's PyTorch.
 
 # %% [markdown]
 # Chapter 03b runs the Gated DeltaNet on one sequence, whose states it keeps in a dict. A serving
@@ -12,13 +12,16 @@
 # other rows are never touched, and a sequence that starts in this step (`fresh`) never reads its
 # row: whatever a finished sequence left there is as good as zeros.
 #
-# Three entry points, each a Triton kernel on a CUDA tensor and chapter 03b's PyTorch elsewhere
+# Four entry points, each a Triton kernel on a CUDA tensor and chapter 03b's PyTorch elsewhere
 # (chapter 09's `kernel_backend`, `impl=` to force either):
 #
 # - `gated_delta_decode`: one new token for each of `B` sequences. The token's q and k come
 #   straight from the convolution (the kernel L2-normalizes them and scales q by `1/√Dk`, as
 #   chapter 03b's `normalized_heads` does), and value head `h` reads key head `h // (Hv / Hk)`.
 # - `causal_conv1d_decode`: one new input per sequence through the short convolution, then SiLU.
+# - `causal_conv1d_prefill`: the new inputs of several sequences, flattened (`cu_seqlens` marks
+#   where each starts), through the convolution in one launch, and each sequence's new window
+#   into the pool in a second.
 # - `gated_delta_prefill`: the new tokens of several sequences, flattened (`cu_seqlens` marks
 #   where each starts), by chunks of 64 tokens within each sequence as chapter 03b derives it.
 #
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 
 from forge_engine.kernels.backend import _pow2, kernel_backend, tl, triton
 from forge_engine.qwen3_5 import (
+    causal_conv1d,
     causal_conv1d_step,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -78,9 +82,10 @@ def random_inputs(T, Hk=2, Hv=4, Dk=16, Dv=24, dtype=torch.float32, device="cpu"
 # Each reference gathers its sequences' rows of the pool, runs chapter 03b's function and
 # scatters the new states back. The decode update is chapter 03b's token-by-token rule with the
 # batch folded into the heads (one token of `B` sequences of `Hv` heads is one token of `B·Hv`
-# heads); the convolution is `causal_conv1d_step` mapped over the batch; the prefill is the
-# chunked rule, one sequence after another. They are what the engine runs off a GPU, and what the
-# kernels must match. Slots must be distinct: a sequence has one row of the pool.
+# heads); the convolution is `causal_conv1d_step` mapped over the batch, or chapter 03b's
+# `causal_conv1d` one prompt after another; the prefill is the chunked rule, one sequence after
+# another. They are what the engine runs off a GPU, and what the kernels must match. Slots must
+# be distinct: a sequence has one row of the pool.
 
 # %%
 #| export
@@ -511,6 +516,347 @@ for silu in (True, False):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_pool, want_pool)  # the window moved on: the same numbers, copied
     assert torch.equal(got_pool[3, -1], x[0]) and torch.equal(got_pool[1:3], conv_pool[1:3])
+
+# %% [markdown]
+# ## The short convolution of prompts
+#
+# A step's prompts and prompt chunks go through the convolution together: their rows flattened,
+# `cu_seqlens` marking where each sequence starts, as for the prefill below. Output row `t` of
+# sequence `n` is its window of `K` inputs, `t - K + 1` to `t`; the taps that fall before the
+# sequence's first row read the pool row `slots[n]` (the inputs of its earlier steps, or zeros when
+# it is `fresh`). Then the pool row takes the sequence's last `K - 1` inputs. A sequence shorter
+# than `K - 1` rows keeps part of its old window: its new state is the old one moved on by the
+# new inputs, as `K - 1` decodes would leave it. A sequence with no new rows (`cu_seqlens`
+# repeated) keeps its state, or gets zeros when it starts.
+#
+# **The grid comes from the shapes.** The engine records its steps as CUDA graphs, so the launch
+# cannot depend on the lengths, which are on the device. One program takes a block of `BLOCK_T`
+# rows and `BLOCK_C` channels of the flattened rows: `⌈T / BLOCK_T⌉ × ⌈C / BLOCK_C⌉` programs,
+# none of them idle whatever the lengths. A row finds its sequence by binary search in
+# `cu_seqlens`: the last `n` with `cu_seqlens[n] ≤ t`, which steps over empty sequences. That is
+# `⌈log₂ N⌉` loads of a few hundred bytes that stay in L1, against the block's `K` loads of inputs.
+# A block may hold the end of one sequence and the start of the next: every row has its own
+# sequence, start and slot. The other grid, one program per (sequence, block of its rows), has to
+# be sized for the longest sequence (the step's row count when the host does not know it): with
+# many short prompts, most of its programs would have nothing to do.
+#
+# **The state is written by a second launch.** The outputs of a sequence's first `K - 1` rows
+# read the old state, and those rows may be in different blocks; a program that wrote the new
+# state could run before another has read the old one. So the first kernel only reads the pool,
+# and a second, one program per (sequence, block of channels), writes each sequence's new window
+# once the first has finished (the stream orders them). Its program builds row `i` of the window
+# from the input at `end - K + 1 + i`: a new input, or, for a short sequence, the old row
+# `L + i` (`L` new rows). Rows are written in order and each reads a row at or after itself, so
+# the shift in place needs no barrier, as in the decode. It moves `N × (K - 1) × C` elements:
+# a launch's cost, against the host loop of one convolution and one copy per sequence per layer
+# it replaces.
+#
+# The floor is the inputs read and the outputs written: `T × C × 2` bytes each way in bf16, at
+# Qwen3.5-4B's 8,192 channels 16.8 MB at 512 tokens (4.0 µs at 4.19 TB/s) and 134 MB at 4,096
+# (32 µs). The `K` taps of a row read its inputs `K` times, but from one tile of rows that the
+# caches hold: DRAM sees them once. Only a block with rows less than `K - 1` after their
+# sequence's start loads window rows from the pool (a branch on the block, so most blocks of a
+# long prompt skip those loads). The tile is 16 rows by 128 channels at 4 warps: each tap's tile
+# of 64-bit pointers takes registers, and compiled for an H200 (the lab's `--sass`) it takes 128
+# registers a thread and spills nothing, 16 × 256 takes 198. The lab times the tiles around it.
+
+# %%
+#| export
+# rows x channels a program of the prompts' convolution takes (the lab sweeps them)
+CONV_PREFILL_TILE = (16, 128)
+
+
+def causal_conv1d_prefill_reference(
+    x, conv_state, weight, cu_seqlens, slots, fresh, silu=True
+) -> torch.Tensor:
+    """Chapter 03b's `causal_conv1d` (then SiLU) over each sequence of the flattened rows: the arguments of
+    `causal_conv1d_prefill`. Writes each sequence's last K-1 inputs into conv_state[slots[n]]; -> y [T, C]."""
+    y = torch.empty_like(x)
+    bounds, slots, fresh = cu_seqlens.tolist(), slots.tolist(), fresh.tolist()
+    for n, slot in enumerate(slots):
+        a, b = bounds[n], bounds[n + 1]
+        before = None if fresh[n] else conv_state[slot]
+        if a == b:  # no new inputs: a fresh sequence's window is zeros, another's stays
+            conv_state[slot] = 0.0 if before is None else before
+            continue
+        out, conv_state[slot] = causal_conv1d(x[a:b], weight, before)
+        y[a:b] = F.silu(out) if silu else out
+    return y
+
+
+@triton.jit
+def _causal_conv1d_prefill_kernel(
+    x_ptr,
+    conv_ptr,
+    w_ptr,
+    cu_ptr,
+    slots_ptr,
+    fresh_ptr,
+    y_ptr,
+    stride_xt,
+    stride_cs,
+    stride_ck,
+    stride_wc,
+    stride_yt,
+    T,
+    C,
+    N,
+    SEARCH_STEPS,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """Program (row block i, channel block j): rows i*BLOCK_T.. and channels j*BLOCK_C.. of y. Each row finds its
+    sequence in cu_seqlens; a tap before the sequence's first row reads the pool row slots[n] (zeros when fresh).
+    Reads the pool, never writes it."""
+    i, j = tl.program_id(0), tl.program_id(1)
+    t = i * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = j * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t, mask_c = t < T, c < C
+    # each row's sequence: the last n with cu_seqlens[n] <= t (so past the empty ones), kept in lo
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + (N - 1)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        at_or_before = tl.load(cu_ptr + mid) <= t
+        lo = tl.where(at_or_before, mid, lo)
+        hi = tl.where(at_or_before, hi, mid - 1)
+    start = tl.load(cu_ptr + lo).to(tl.int64)
+    slot = tl.load(slots_ptr + lo).to(tl.int64)
+    carried = mask_t & (tl.load(fresh_ptr + lo).to(tl.int32) == 0)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for tap in tl.static_range(K):  # oldest input first, as the kernel's taps
+        p = t.to(tl.int64) - (K - 1) + tap  # the input row this tap reads
+        inputs = tl.load(
+            x_ptr + p[:, None] * stride_xt + c[None, :],
+            mask=(mask_t & (p >= start))[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        tap_weights = tl.load(w_ptr + c * stride_wc + tap, mask=mask_c, other=0.0)
+        acc += inputs.to(tl.float32) * tap_weights.to(tl.float32)[None, :]
+    # rows less than K-1 after their sequence's start also read its window in the pool: a block
+    # without any (most of a long prompt's) skips these loads
+    if tl.min(tl.where(mask_t, t - start, K - 1)) < K - 1:
+        for tap in tl.static_range(K - 1):  # the last tap is the row itself, never before it
+            p = t.to(tl.int64) - (K - 1) + tap
+            earlier = tl.load(  # window row K-1 + (p - start), zeros where p is in the sequence
+                conv_ptr
+                + slot[:, None] * stride_cs
+                + (p - start + (K - 1))[:, None] * stride_ck
+                + c[None, :],
+                mask=(carried & (p < start))[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            tap_weights = tl.load(w_ptr + c * stride_wc + tap, mask=mask_c, other=0.0)
+            acc += earlier.to(tl.float32) * tap_weights.to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(
+        y_ptr + t.to(tl.int64)[:, None] * stride_yt + c[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_t[:, None] & mask_c[None, :],
+    )
+
+
+@triton.jit
+def _conv_state_prefill_kernel(
+    x_ptr,
+    conv_ptr,
+    cu_ptr,
+    slots_ptr,
+    fresh_ptr,
+    stride_xt,
+    stride_cs,
+    stride_ck,
+    C,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Program (sequence n, channel block j): the sequence's last K-1 inputs of channels j*BLOCK_C.. into its pool
+    row, oldest first; for a sequence of fewer than K-1 new rows the first ones come from the row's own window (zeros
+    when fresh). Launched after the convolution, which reads the old windows."""
+    n, j = tl.program_id(0), tl.program_id(1)
+    c = j * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = c < C
+    start = tl.load(cu_ptr + n).to(tl.int64)
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    carried = tl.load(fresh_ptr + n).to(tl.int32) == 0
+    row = conv_ptr + tl.load(slots_ptr + n).to(tl.int64) * stride_cs + c
+    for i in tl.static_range(K - 1):
+        p = end - (K - 1) + i  # the input that becomes row i of the window
+        new = tl.load(x_ptr + p * stride_xt + c, mask=mask & (p >= start), other=0.0)
+        # before the sequence: the old row (end - start) + i, at or after row i, so not yet overwritten
+        old = tl.load(
+            row + (p - start + (K - 1)) * stride_ck, mask=mask & carried & (p < start), other=0.0
+        )
+        tl.store(
+            row + i * stride_ck,
+            tl.where(p >= start, new.to(conv_ptr.dtype.element_ty), old),
+            mask=mask,
+        )
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    silu: bool = True,
+    *,
+    impl: str = "auto",
+    block_t: int = CONV_PREFILL_TILE[0],
+    block_c: int = CONV_PREFILL_TILE[1],
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """x [T, C]: several sequences' new inputs flattened (sequence n is rows cu_seqlens[n]:cu_seqlens[n+1], the last
+    entry T); conv_state [S, K-1, C] a pool (row slots[n] holds sequence n's last K-1 inputs before these, oldest
+    first; ignored, as zeros, where fresh[n]); weight [C, K]. Writes each sequence's last K-1 inputs (counting the
+    earlier ones when it has fewer than K-1 new rows) into conv_state[slots[n]] IN PLACE. -> y [T, C] in x's dtype:
+    silu(conv) if silu, like chapter 03b's causal_conv1d (+ F.silu) a sequence at a time. Two launches, the grids
+    from the shapes alone (nothing read back to the host): the convolution, then the new windows."""
+    T, C = x.shape
+    K = weight.shape[1]
+    N = slots.shape[0]
+    if (
+        weight.shape != (C, K)
+        or conv_state.shape[1:] != (K - 1, C)
+        or cu_seqlens.shape != (N + 1,)
+        or fresh.shape != (N,)
+        or K < 2
+    ):
+        raise ValueError(
+            f"causal_conv1d_prefill: x {tuple(x.shape)}, weight {tuple(weight.shape)}, cu_seqlens "
+            f"{tuple(cu_seqlens.shape)}, slots {tuple(slots.shape)}, fresh {tuple(fresh.shape)} do not fit a pool of "
+            f"{tuple(conv_state.shape)}"
+        )
+    if kernel_backend(x.device, impl) == "torch":
+        return causal_conv1d_prefill_reference(
+            x, conv_state, weight, cu_seqlens, slots, fresh, silu
+        )
+    _check_unit_stride("causal_conv1d_prefill", x, conv_state, weight)
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if T:  # rows imply a sequence
+        _causal_conv1d_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+            x,
+            conv_state,
+            weight,
+            cu_seqlens,
+            slots,
+            fresh,
+            y,
+            x.stride(0),
+            conv_state.stride(0),
+            conv_state.stride(1),
+            weight.stride(0),
+            y.stride(0),
+            T,
+            C,
+            N,
+            (N - 1).bit_length(),  # halvings of the N candidates down to one
+            K=K,
+            BLOCK_T=block_t,
+            BLOCK_C=block_c,
+            SILU=silu,
+            num_warps=num_warps,
+        )
+    if N:  # after the convolution, in stream order: every old window has been read
+        _conv_state_prefill_kernel[(N, triton.cdiv(C, block_c))](
+            x,
+            conv_state,
+            cu_seqlens,
+            slots,
+            fresh,
+            x.stride(0),
+            conv_state.stride(0),
+            conv_state.stride(1),
+            C,
+            K=K,
+            BLOCK_C=block_c,
+            num_warps=2,  # the decode's shape of work: K-1 rows of a block of channels
+        )
+    return y
+
+
+# %% [markdown]
+# Against the reference, in two layouts of a pool of eight rows with slots out of order: sequences
+# of 1, 2 and 3 rows around a kernel of 4 (the new window mixes old and new inputs), an empty one
+# fresh and an empty one carried, longer ones that blocks of 4 rows cut in the middle; kernels of
+# 4 and of 2 taps, with and without SiLU, 40 channels in blocks of 16 (the last one half empty)
+# and in one block of 64. The windows are copies of inputs, so the pool must match the reference bit for bit,
+# and the rows no sequence holds must keep theirs.
+
+# %%
+layouts = [  # (lengths, slots, fresh)
+    ([1, 0, 6, 2, 9, 0, 3], [5, 2, 0, 7, 3, 1, 6], [False, True, False, True, False, False, True]),
+    ([11, 1, 4], [4, 1, 2], [True, False, False]),
+]
+for taps, (lengths, slots, fresh), block_t, block_c, silu in (
+    (4, layouts[0], 4, 16, True),
+    (4, layouts[1], 16, 64, False),
+    (2, layouts[0], 16, 64, True),
+):
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0)
+    slots, fresh = torch.tensor(slots, dtype=torch.int32), torch.tensor(fresh)
+    x, weight = torch.randn(sum(lengths), 40, generator=gen), torch.randn(40, taps, generator=gen)
+    conv_pool = torch.randn(8, taps - 1, 40, generator=gen)
+    got_pool, want_pool = conv_pool.clone(), conv_pool.clone()
+    args = (cu_seqlens, slots, fresh, silu)
+    got = causal_conv1d_prefill(
+        x, got_pool, weight, *args, impl="triton", block_t=block_t, block_c=block_c
+    )
+    want = causal_conv1d_prefill_reference(x, want_pool, weight, *args)
+    # fp32: K products summed in another order: a few ulps of values ~2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_pool, want_pool)
+    others = [s for s in range(8) if s not in slots.tolist()]
+    assert torch.equal(got_pool[others], conv_pool[others])
+    assert torch.equal(
+        causal_conv1d_prefill(x, conv_pool.clone(), weight, *args), want
+    )  # on a CPU: the reference
+with pytest.raises(ValueError, match="do not fit a pool"):
+    causal_conv1d_prefill(x, conv_pool, weight, cu_seqlens[:-1], slots, fresh)
+
+# %% [markdown]
+# A prompt cut into chunks of 2, 1 and 5 rows, the chunks in steps of their own beside another
+# sequence, then two tokens through the decode: chapter 03b's convolution of the whole sequence,
+# and the window it ends with. A step with no rows at all still gives a fresh sequence its zeros.
+
+# %%
+x, weight = torch.randn(10, 40, generator=gen), torch.randn(40, 4, generator=gen)
+whole, whole_state = causal_conv1d(x, weight)
+conv_pool = torch.randn(3, 3, 40, generator=gen)
+got = []
+for a, b in ((0, 2), (2, 3), (3, 8)):
+    other = torch.randn(3, 40, generator=gen)  # a sequence in slot 0, before ours in the rows
+    y = causal_conv1d_prefill(
+        torch.cat((other, x[a:b])),
+        conv_pool,
+        weight,
+        torch.tensor([0, 3, 3 + b - a]),
+        torch.tensor([0, 2]),
+        torch.tensor([True, a == 0]),
+        impl="triton",
+    )
+    got.append(y[3:])
+for t in (8, 9):
+    got.append(
+        causal_conv1d_decode(x[t : t + 1], conv_pool, weight, torch.tensor([2]), impl="triton")
+    )
+torch.testing.assert_close(torch.cat(got), F.silu(whole), rtol=1e-5, atol=1e-5)
+assert torch.equal(conv_pool[2], whole_state)
+empty = causal_conv1d_prefill(
+    x[:0],
+    conv_pool,
+    weight,
+    torch.tensor([0, 0]),
+    torch.tensor([1]),
+    torch.tensor([True]),
+    impl="triton",
+)
+assert empty.shape == (0, 40) and torch.equal(conv_pool[1], torch.zeros(3, 40))
 
 # %% [markdown]
 # ## The prefill, by chunks
@@ -1225,17 +1571,29 @@ if torch.cuda.is_available():  # also harmless where the `gpu` flag is not skipp
         want = causal_conv1d_decode(x, want_conv, w, slots16, impl="torch")
         got = causal_conv1d_decode(x, got_conv, w, slots16)
         assert _relative(got, want) < limit and torch.equal(got_conv, want_conv), dtype
+        # the prompts' convolution: short, empty and long sequences, fresh and carried, slots out of order
+        lens = [2, 0, 700, 1, 64, 3]
+        cu = torch.tensor([0] + lens).cumsum(0).cuda()
+        x = torch.randn(sum(lens), 8192, device="cuda", dtype=dtype)
+        slots6 = torch.tensor([7, 3, 0, 12, 5, 1], device="cuda")
+        fresh6 = torch.tensor([False, True, True, False, False, True], device="cuda")
+        want_conv, got_conv = conv_pool.clone(), conv_pool.clone()
+        want = causal_conv1d_prefill(x, want_conv, w, cu, slots6, fresh6, impl="torch")
+        got = causal_conv1d_prefill(x, got_conv, w, cu, slots6, fresh6)
+        assert _relative(got, want) < limit and torch.equal(got_conv, want_conv), dtype
 
 # %% [markdown]
 # ## What is left to measure
 #
-# `kernels_lab/gated_delta.py` validates the three kernels against these references at the
+# `kernels_lab/gated_delta.py` validates the four kernels against these references at the
 # 4B shape on a GPU, in bf16 and fp32, then times them (CUDA events, the median; the L2 cleared
 # before each run) and prints the bandwidth each reaches next to the H200's ceiling: the decode
-# at batch 1 and 16 against its 1.0 and 16 µs floors, the prefill at 512 and 4,096 tokens against
-# its bytes and its FLOPs. It sweeps the tiles these functions expose: the decode's slice
-# (`block_v`) and warps, the convolution's `block_c`, the prefill's slice, warps and product
-# precision. `PYTHONPATH=. python3 kernels_lab/gated_delta.py --cpu-check` runs its validation
-# under the interpreter on a CPU; `TRITON_INTERPRET=0 PYTHONPATH=. python3
-# kernels_lab/gated_delta.py --sass` compiles every tile for an H200 on any machine and prints
-# its registers, spills and shared memory (the figures above).
+# at batch 1 and 16 against its 1.0 and 16 µs floors, the prompts' convolution at one prompt of
+# 512 and of 4,096 tokens and at a step of 32 short ones against its 4.0 and 32 µs of bytes, the
+# prefill at 512 and 4,096 tokens against its bytes and its FLOPs. It sweeps the tiles these
+# functions expose: the decode's slice (`block_v`) and warps, the convolutions' `block_c` (and
+# the prompts' `block_t`), the prefill's slice, warps and product precision. `PYTHONPATH=.
+# python3 kernels_lab/gated_delta.py --cpu-check` runs its validation under the interpreter on a
+# CPU; `TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gated_delta.py --sass` compiles every
+# tile for an H200 on any machine and prints its registers, spills and shared memory (the figures
+# above).

@@ -33,8 +33,10 @@
 # step's rows are flattened over several sequences, each a run of rows with its slot. A sequence
 # with one new row after a state is a decode: all of those go to the one-token forms at once,
 # their states gathered by slot. The others (prompts and their chunks) take the whole-sequence
-# forms, from a zero state when they start. Both call chapter 03c's functions, which run Triton
-# kernels on a GPU and chapter 03b's PyTorch elsewhere.
+# forms, from a zero state when they start, all of them in one call of each (flattened, with
+# `cu_seqlens`): a layer is the same few launches however many prompts the step holds, and no
+# loop on the host. Both call chapter 03c's functions, which run Triton kernels on a GPU and
+# chapter 03b's PyTorch elsewhere.
 
 # %%
 #| default_exp state_pool
@@ -46,14 +48,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from forge_engine.gated_delta import (
     causal_conv1d_decode,
+    causal_conv1d_prefill,
     gated_delta_decode,
     gated_delta_prefill,
 )
-from forge_engine.qwen3_5 import Qwen35Config, causal_conv1d
+from forge_engine.qwen3_5 import Qwen35Config
 
 # %%
 #| hide
@@ -184,11 +186,11 @@ class StepStates:
         if self.decode_rows is not None:
             rows = self.decode_rows
             y[rows] = causal_conv1d_decode(x[rows], states, weight, self.decode_slots)
-        for start, n, slot, fresh in self.prefills:  # a prompt or its chunk: one sequence at a time
-            out, states[slot] = causal_conv1d(
-                x[start : start + n], weight, None if fresh else states[slot]
+        if self.prefills:  # prompts and their chunks: all of them at once
+            r = self.prefill_rows
+            y[r] = causal_conv1d_prefill(
+                x[r], states, weight, self.cu_seqlens, self.prefill_slots, self.prefill_fresh
             )
-            y[start : start + n] = F.silu(out)
         return y
 
     def delta_rule(self, index, q, k, v, g, beta) -> torch.Tensor:
