@@ -650,6 +650,56 @@ def _unit_lower_inverse(A, SUB: tl.constexpr, LEVELS: tl.constexpr, PRECISION: t
 
 
 @triton.jit
+def _store_block_solve(
+    T00,
+    T10,
+    T11,
+    T20,
+    T21,
+    T22,
+    T30,
+    T31,
+    T32,
+    T33,
+    x0,
+    x1,
+    x2,
+    x3,
+    out_ptr,
+    r0,
+    r1,
+    r2,
+    r3,
+    end,
+    h,
+    stride_t,
+    stride_h,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    "(I + A)^-1 x for the chunk's four block rows of x, by the blocks T of the lower inverse, stored row block by row block."
+    y0 = tl.dot(T00, x0, input_precision=PRECISION)
+    y1 = tl.dot(T10, x0, input_precision=PRECISION) + tl.dot(T11, x1, input_precision=PRECISION)
+    y2 = (
+        tl.dot(T20, x0, input_precision=PRECISION)
+        + tl.dot(T21, x1, input_precision=PRECISION)
+        + tl.dot(T22, x2, input_precision=PRECISION)
+    )
+    y3 = (
+        tl.dot(T30, x0, input_precision=PRECISION)
+        + tl.dot(T31, x1, input_precision=PRECISION)
+        + tl.dot(T32, x2, input_precision=PRECISION)
+        + tl.dot(T33, x3, input_precision=PRECISION)
+    )
+    _store_rows(out_ptr, y0, r0, end, h, stride_t, stride_h, 0, D, SUB, BLOCK)
+    _store_rows(out_ptr, y1, r1, end, h, stride_t, stride_h, 0, D, SUB, BLOCK)
+    _store_rows(out_ptr, y2, r2, end, h, stride_t, stride_h, 0, D, SUB, BLOCK)
+    _store_rows(out_ptr, y3, r3, end, h, stride_t, stride_h, 0, D, SUB, BLOCK)
+
+
+@triton.jit
 def _prefill_solve_kernel(
     k_ptr,
     v_ptr,
@@ -759,45 +809,69 @@ def _prefill_solve_kernel(
     # W, block row by block row, from beta exp(gamma) K
     x0, x1 = k0 * (b0 * tl.exp(gm0))[:, None], k1 * (b1 * tl.exp(gm1))[:, None]
     x2, x3 = k2 * (b2 * tl.exp(gm2))[:, None], k3 * (b3 * tl.exp(gm3))[:, None]
-    w0 = tl.dot(T00, x0, input_precision=PRECISION)
-    w1 = tl.dot(T10, x0, input_precision=PRECISION) + tl.dot(T11, x1, input_precision=PRECISION)
-    w2 = (
-        tl.dot(T20, x0, input_precision=PRECISION)
-        + tl.dot(T21, x1, input_precision=PRECISION)
-        + tl.dot(T22, x2, input_precision=PRECISION)
+    _store_block_solve(
+        T00,
+        T10,
+        T11,
+        T20,
+        T21,
+        T22,
+        T30,
+        T31,
+        T32,
+        T33,
+        x0,
+        x1,
+        x2,
+        x3,
+        w_ptr,
+        r0,
+        r1,
+        r2,
+        r3,
+        end,
+        h,
+        stride_wt,
+        stride_wh,
+        DK,
+        SUB,
+        BLOCK_K,
+        PRECISION,
     )
-    w3 = (
-        tl.dot(T30, x0, input_precision=PRECISION)
-        + tl.dot(T31, x1, input_precision=PRECISION)
-        + tl.dot(T32, x2, input_precision=PRECISION)
-        + tl.dot(T33, x3, input_precision=PRECISION)
-    )
-    _store_rows(w_ptr, w0, r0, end, h, stride_wt, stride_wh, 0, DK, SUB, BLOCK_K)
-    _store_rows(w_ptr, w1, r1, end, h, stride_wt, stride_wh, 0, DK, SUB, BLOCK_K)
-    _store_rows(w_ptr, w2, r2, end, h, stride_wt, stride_wh, 0, DK, SUB, BLOCK_K)
-    _store_rows(w_ptr, w3, r3, end, h, stride_wt, stride_wh, 0, DK, SUB, BLOCK_K)
     # U the same way from beta V (v loaded only now: fewer tiles alive at once)
     x0 = _load_rows(v_ptr, r0, end, h, stride_vt, stride_vh, 0, DV, SUB, BLOCK_V) * b0[:, None]
     x1 = _load_rows(v_ptr, r1, end, h, stride_vt, stride_vh, 0, DV, SUB, BLOCK_V) * b1[:, None]
     x2 = _load_rows(v_ptr, r2, end, h, stride_vt, stride_vh, 0, DV, SUB, BLOCK_V) * b2[:, None]
     x3 = _load_rows(v_ptr, r3, end, h, stride_vt, stride_vh, 0, DV, SUB, BLOCK_V) * b3[:, None]
-    u0 = tl.dot(T00, x0, input_precision=PRECISION)
-    u1 = tl.dot(T10, x0, input_precision=PRECISION) + tl.dot(T11, x1, input_precision=PRECISION)
-    u2 = (
-        tl.dot(T20, x0, input_precision=PRECISION)
-        + tl.dot(T21, x1, input_precision=PRECISION)
-        + tl.dot(T22, x2, input_precision=PRECISION)
+    _store_block_solve(
+        T00,
+        T10,
+        T11,
+        T20,
+        T21,
+        T22,
+        T30,
+        T31,
+        T32,
+        T33,
+        x0,
+        x1,
+        x2,
+        x3,
+        u_ptr,
+        r0,
+        r1,
+        r2,
+        r3,
+        end,
+        h,
+        stride_ut,
+        stride_uh,
+        DV,
+        SUB,
+        BLOCK_V,
+        PRECISION,
     )
-    u3 = (
-        tl.dot(T30, x0, input_precision=PRECISION)
-        + tl.dot(T31, x1, input_precision=PRECISION)
-        + tl.dot(T32, x2, input_precision=PRECISION)
-        + tl.dot(T33, x3, input_precision=PRECISION)
-    )
-    _store_rows(u_ptr, u0, r0, end, h, stride_ut, stride_uh, 0, DV, SUB, BLOCK_V)
-    _store_rows(u_ptr, u1, r1, end, h, stride_ut, stride_uh, 0, DV, SUB, BLOCK_V)
-    _store_rows(u_ptr, u2, r2, end, h, stride_ut, stride_uh, 0, DV, SUB, BLOCK_V)
-    _store_rows(u_ptr, u3, r3, end, h, stride_ut, stride_uh, 0, DV, SUB, BLOCK_V)
 
 
 @triton.jit
