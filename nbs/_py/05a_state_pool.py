@@ -177,7 +177,10 @@ class StepStates:
     def decodes(cls, pool: StatePool, slots: torch.Tensor) -> StepStates:
         """A step of decodes only, row b from slot `slots[b]` (a tensor on the pool's device): what chapter 09b's
         CUDA graphs record, with no host work per layer and nothing copied to the device."""
-        step = cls(pool, [])
+        step = cls.__new__(
+            cls
+        )  # (not __init__: it would make tensors from host lists, inside a graph's recording)
+        step.pool, step.prefills = pool, []
         step.decode_rows, step.decode_slots = slice(0, len(slots)), slots
         return step
 
