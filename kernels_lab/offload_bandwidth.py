@@ -17,33 +17,16 @@ CPU (`plan_gpu_layers`): at 60 GB/s that is 41 ms a step, about 24 tok/s at best
 Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/offload_bandwidth.py [--no-model]"""
 
 import sys
-import time
 
 import torch
 
 from forge_engine.bench import free_memory, read_bandwidth, w1_single_stream
 from forge_engine.config import EngineConfig, preset
 from forge_engine.loader import load_model
-from forge_engine.offload import offload_step_seconds, plan_gpu_layers
+from forge_engine.offload import offload_step_seconds, pcie_bandwidth, plan_gpu_layers
 
 GIB = 2**30
 BUDGET, MODEL, QUANTIZATION = 8 * GIB, "qwen3-14b", "int4"
-
-
-def pcie_bandwidth(nbytes: int = GIB, repeats: int = 5) -> tuple[float, float]:
-    "Bytes per second of a copy from pinned host memory to the GPU, and back."
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    rates = []
-    for dst, src in ((device, host), (host, device)):
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        rates.append(nbytes * repeats / (time.perf_counter() - start))
-    return rates[0], rates[1]
 
 
 def main() -> None:
@@ -57,7 +40,7 @@ def main() -> None:
         )
     plan = plan_gpu_layers(preset(MODEL), BUDGET, QUANTIZATION)
     print(plan.describe())
-    floors = offload_step_seconds(plan, cpu, pcie or float("nan"))
+    floors = offload_step_seconds(plan.cpu_weights, cpu, pcie or float("nan"))
     print(
         "a decode step's floor for the CPU's layers: "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in floors.items())

@@ -298,6 +298,16 @@ def offloaded_layers(
         if progress:
             print(plan.describe(), file=sys.stderr)
         gpu_layers = plan.gpu_layers
+    elif isinstance(gpu_layers, int) and 0 < gpu_layers < config.num_layers and progress:
+        from forge_engine.offload import describe_split, split_bytes
+
+        # (a GGUF file's bytes follow each tensor's type: its split is told without them)
+        weights = (
+            ()
+            if quantization == "gguf"
+            else split_bytes(config, gpu_layers, quantization, torch.finfo(dtype).bits // 8)
+        )
+        print(describe_split(gpu_layers, config.num_layers, *weights), file=sys.stderr)
     if not isinstance(gpu_layers, int) or gpu_layers < 1:
         raise ValueError(
             f"gpu_layers must be a positive number of layers or 'auto', got {gpu_layers!r}"

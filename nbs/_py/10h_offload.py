@@ -48,6 +48,7 @@
 #| export
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -274,11 +275,31 @@ class OffloadPlan:
         if self.gpu_layers == self.num_layers:
             return f"offload plan for {format_gib(self.budget)}: all {self.num_layers} layers on the GPU"
         return (
-            f"offload plan for {format_gib(self.budget)}: layers 0-{self.gpu_layers - 1} of {self.num_layers} on the "
-            f"GPU ({format_gib(self.gpu_weights)} with the embedding and head), layers {self.gpu_layers}-"
-            f"{self.num_layers - 1} on the CPU ({format_gib(self.cpu_weights)}); GPU KV cache "
+            f"offload plan for {format_gib(self.budget)}: "
+            f"{describe_split(self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights)}; GPU KV cache "
             f"{format_gib(self.kv_cache)} ({self.kv_cache // self.kv_per_token:,} tokens)"
         )
+
+
+def describe_split(
+    gpu_layers: int, num_layers: int, gpu_weights: int | None = None, cpu_weights: int | None = None
+) -> str:
+    "Which layers go where, and their bytes when known."
+    gpu = f"{format_gib(gpu_weights)} " if gpu_weights is not None else ""
+    cpu = f" ({format_gib(cpu_weights)})" if cpu_weights is not None else ""
+    return (
+        f"layers 0-{gpu_layers - 1} of {num_layers} on the GPU ({gpu}with the embedding and head), layers "
+        f"{gpu_layers}-{num_layers - 1} on the CPU{cpu}"
+    )
+
+
+def split_bytes(
+    c: ModelConfig, gpu_layers: int, quantization: str = "none", dtype_bytes: int = 2
+) -> tuple[int, int]:
+    "The weight bytes on the GPU (its layers, the embedding, the head) and on the CPU (the other layers)."
+    one = layer_bytes(c, quantization, dtype_bytes)
+    rest = weight_bytes(c, quantization, dtype_bytes) - c.num_layers * one
+    return rest + gpu_layers * one, (c.num_layers - gpu_layers) * one
 
 
 def layer_bytes(c: ModelConfig, quantization: str = "none", dtype_bytes: int = 2) -> int:
@@ -300,7 +321,7 @@ def plan_gpu_layers(
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
     graphs), the overhead and a minimal KV cache for them; MemoryPlanError when not even one layer does."""
     one = layer_bytes(c, quantization, dtype_bytes)
-    rest = weight_bytes(c, quantization, dtype_bytes) - c.num_layers * one
+    rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
     min_tokens = MIN_KV_BYTES // c.kv_bytes_per_token(dtype_bytes)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
@@ -317,21 +338,36 @@ def plan_gpu_layers(
         budget,
         n,
         c.num_layers,
-        rest + n * one,
-        (c.num_layers - n) * one,
+        *split_bytes(c, n, quantization, dtype_bytes),
         n * kv_layer_token,
         free - n * one,
     )
 
 
 def offload_step_seconds(
-    plan: OffloadPlan, cpu_bytes_per_s: float, pcie_bytes_per_s: float
+    cpu_weights: int, cpu_bytes_per_s: float, pcie_bytes_per_s: float
 ) -> dict[str, float]:
     "A decode step's floor for the CPU's layers: read by the CPU, or copied to the GPU (what this chapter does not do)."
     return {
-        "cpu_compute": plan.cpu_weights / cpu_bytes_per_s,
-        "streaming": plan.cpu_weights / pcie_bytes_per_s,
+        "cpu_compute": cpu_weights / cpu_bytes_per_s,
+        "streaming": cpu_weights / pcie_bytes_per_s,
     }
+
+
+def pcie_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> tuple[float, float]:
+    "Bytes per second of a copy from pinned host memory to the GPU, and back (the streaming mode's bandwidth)."
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((device, host), (host, device)):
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes * repeats / (time.perf_counter() - start))
+    return rates[0], rates[1]
 
 
 # %% [markdown]
@@ -350,6 +386,6 @@ assert plan_gpu_layers(preset("qwen3-8b"), 8 * GIB, "int4").gpu_layers == 36  # 
 with pytest.raises(MemoryPlanError, match="holds no layer"):
     plan_gpu_layers(preset("qwen3-14b"), 2 * GIB, "int4")
 # the floors of a step's CPU part at two bandwidths, e.g. 60 GB/s of DDR5 against 25 GB/s of PCIe 4.0
-floors = offload_step_seconds(q14, 60e9, 25e9)
+floors = offload_step_seconds(q14.cpu_weights, 60e9, 25e9)
 assert floors["cpu_compute"] < floors["streaming"]
 print({k: f"{v * 1e3:.1f} ms" for k, v in floors.items()})
