@@ -34,6 +34,7 @@ from forge_engine.chat import (
     chat_tool_options,
     run_remote_chat,
 )
+from forge_engine.config import ModelConfig
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import add_memory_budget_flag, add_quantization_flag, pick_model
 
@@ -49,8 +50,11 @@ import pytest
 
 # %%
 #| export
-def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
-    "Facts about this machine that decide how the engine runs, and about `model` (auto: what `--model auto` picks)."
+def doctor_report(
+    model: str = "auto", quantization: str = "none", memory_budget: int | None = None
+) -> list[tuple[str, str]]:
+    """Facts about this machine that decide how the engine runs, and about `model` (auto: what `--model auto` picks);
+    with a GPU `memory_budget`, where its layers would go (chapter 10h)."""
     from forge_engine.registry import forge_home
 
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
@@ -86,6 +90,45 @@ def doctor_report(model: str = "auto") -> list[tuple[str, str]]:
     name, device, why = choose_auto_model()
     rows.append(("--model auto", f"{name} on {device}: {why}"))
     rows.append(("model", _model_summary(name if model == "auto" else model)))
+    if memory_budget is not None:
+        rows.extend(_placement(name if model == "auto" else model, quantization, memory_budget))
+    return rows
+
+
+def _placement(name: str, quantization: str, budget: int) -> list[tuple[str, str]]:
+    """Where `name`'s layers go under `budget` (`--gpu-layers auto`), and the floor of a decode step's CPU part on this
+    machine: its layers read by this CPU, or copied over this machine's PCIe."""
+    from forge_engine.bench import read_bandwidth
+    from forge_engine.loader import RANDOM_PRESETS, model_config_of
+    from forge_engine.offload import offload_step_seconds, pcie_bandwidth, plan_gpu_layers
+    from forge_engine.registry import resolve
+
+    try:
+        config = model_config_of(resolve(name, fetch=False, presets=RANDOM_PRESETS))
+        if not isinstance(config, ModelConfig):
+            raise ValueError(
+                "a Qwen3.5 model's layers are not split (chapter 10h splits chapter 03's Transformer)"
+            )
+        plan = plan_gpu_layers(config, budget, quantization)
+    except (ValueError, FileNotFoundError) as e:
+        return [("placement", f"{name} in {quantization}: {e}")]
+    rows = [("placement", plan.describe())]
+    if plan.gpu_layers < plan.num_layers:
+        cpu = read_bandwidth("cpu", gib=0.25, repeats=3, dtype=torch.float32)
+        pcie = pcie_bandwidth(2**28)[0] if torch.cuda.is_available() else float("nan")
+        floors = offload_step_seconds(plan.cpu_weights, cpu, pcie)
+        copied = (
+            f"copied over PCIe at {pcie / 1e9:.1f} GB/s: {floors['streaming'] * 1e3:.1f} ms"
+            if torch.cuda.is_available()
+            else "no GPU here to copy them to"
+        )
+        rows.append(
+            (
+                "offload floor",
+                f"the CPU's layers read by this CPU at {cpu / 1e9:.1f} GB/s: {floors['cpu_compute'] * 1e3:.1f} ms a "
+                f"step; {copied}",
+            )
+        )
     return rows
 
 
@@ -109,6 +152,15 @@ if not torch.cuda.is_available():
     )
 assert dict(doctor_report("random:qwen3-tiny"))["model"].startswith("random:qwen3-tiny: qwen3, ")
 assert "unknown model 'gpt-5'" in dict(doctor_report("gpt-5"))["model"]
+# a model too big for the budget: which layers go where, and the floor of the CPU's part on this machine
+placed = dict(doctor_report("random:qwen3-14b", "int4", 8 * 2**30))
+print(placed["placement"], placed["offload floor"], sep="\n")
+assert (
+    placed["placement"].startswith("offload plan for 8.00 GiB: layers 0-")
+    and " ms a step" in placed["offload floor"]
+)
+assert "holds no layer" in dict(doctor_report("random:qwen3-14b", "int4", 2**30))["placement"]
+assert "not split" in dict(doctor_report("random:qwen3.5-tiny", "none", 2**30))["placement"]
 
 
 # %% [markdown]
@@ -155,11 +207,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         prog="forge-engine", description="A small, readable inference engine for Qwen3."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="what this machine can run").add_argument(
+    doctor = sub.add_parser("doctor", help="what this machine can run")
+    doctor.add_argument(
         "--model",
         default="auto",
         help="also describe this model (default: what --model auto picks)",
     )
+    add_quantization_flag(doctor, "none")
+    add_memory_budget_flag(doctor)  # with a budget: where the model's layers go (chapter 10h)
     gen = sub.add_parser("generate", help="answer one prompt")
     gen.add_argument("prompt")
     gen.add_argument(
@@ -280,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "doctor":
-            for label, value in doctor_report(args.model):
+            for label, value in doctor_report(
+                args.model, args.quantization, args.gpu_memory_budget
+            ):
                 print(f"{label:>14}: {value}")
         elif args.command == "models":
             return run_models(args)
