@@ -76,12 +76,14 @@ def gated_delta_prefill_reference(
 L2NORM_EPS = 1e-6  # chapter 03b's l2norm: x / sqrt(sum(x^2) + eps)
 
 
-def state_block_v(programs: int, dv: int, widest: int = 64, target: int = 256) -> int:
+def state_block_v(
+    programs: int, dv: int, widest: int = 64, target: int = 256, narrowest: int = 16
+) -> int:
     """Columns of the state a program takes: the widest of `widest`, ..., 32, 16 that still gives `target` programs
     when `programs` (sequences x value heads) programs take one slice each. (256: two per SM of an H200; the lab
     sweeps.)"""
-    block = min(widest, max(16, _pow2(dv)))
-    while block > 16 and programs * -(-dv // block) < target:
+    block = min(widest, max(narrowest, _pow2(dv)))
+    while block > narrowest and programs * -(-dv // block) < target:
         block //= 2
     return block
 
@@ -1044,7 +1046,10 @@ def gated_delta_prefill(
             PRECISION=precision,
             num_warps=solve_warps,
         )
-    block_v = block_v or state_block_v(N * Hv, Dv, widest=32)
+    # (fp32 products at 16 columns fault on an H100, a prompt of 64 or 512 tokens at the 4B shape: 32 and up pass)
+    block_v = block_v or state_block_v(
+        N * Hv, Dv, widest=32, narrowest=32 if precision == "ieee" else 16
+    )
     _prefill_state_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
         q,
         k,
