@@ -23,6 +23,7 @@ from .kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from .model import Transformer, no_cache_attention
 from .offload import OffloadedTransformer, SplitAttention, gpu_part, offload_pool
 from .scheduler import ScheduledSeq, Sequence as Seq, StepPlan
+from .qwen3_5 import Qwen35Model
 from .state_pool import StatePool, StepStates
 
 # %% auto #0
@@ -346,10 +347,12 @@ def build_runner(
     param = next(model.parameters())
     # chapter 09a's fused layers on a GPU, its C-backed norm and SwiGLU on a CPU (a model built by hand too), before
     # the KV budget's run
+    from forge_engine.fused_hybrid import install_fused_hybrid_layers
     from forge_engine.fused_layers import install_cpu_layers, install_fused_layers
 
-    if param.device.type == "cuda":
-        install_fused_layers(model)
+    if param.device.type == "cuda":  # (chapter 09h's for a Qwen3.5 model)
+        hybrid = isinstance(model, Qwen35Model)
+        (install_fused_hybrid_layers if hybrid else install_fused_layers)(model)
     else:
         install_cpu_layers(model)
     states = None

@@ -512,3 +512,43 @@ def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantizati
     # fp32 both ways; quantized layers are computed by different kernels on each device (PyTorch's weight-only CPU
     # matmul, chapter 10's GEMV), whose sums of ~1e4 products round apart by ~1e-4 of a logit
     assert_same_greedy(got, want, tolerance=1e-3 if quantization == "none" else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hybrid_kernels_on_the_gpu_match_their_references(dtype):
+    """Chapter 09h's kernels compiled on a GPU against their PyTorch references at the Qwen3.5-4B shape: the gates, the
+    gated norm, and the zero-centred add + norm (chapter 09's `add_rmsnorm`)."""
+    from forge_engine.fused_hybrid import (
+        gated_rmsnorm,
+        gated_rmsnorm_reference,
+        gdn_gates,
+        gdn_gates_reference,
+    )
+    from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(dtype)
+
+    # bf16: a result rounded once by each, the same rounding almost everywhere; one ulp (2^-8) apart at most
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    ab = randn(7, 64, scale=4.0)
+    a, b = ab[:, :32], ab[:, 32:]  # (strided rows, as split from the merged projection)
+    A_log = torch.rand(32, generator=gen, device="cuda").mul(15).add(1).log()
+    dt_bias = torch.randn(32, generator=gen, device="cuda")
+    for got, want in zip(
+        gdn_gates(a, b, A_log, dt_bias), gdn_gates_reference(a, b, A_log, dt_bias)
+    ):
+        torch.testing.assert_close(got, want, **tol)
+    x = torch.randn(7, 32, 128, generator=gen, device="cuda")
+    z, weight = randn(7, 32, 128), 1 + randn(128, scale=0.1)
+    torch.testing.assert_close(
+        gated_rmsnorm(x, z, weight, 1e-6), gated_rmsnorm_reference(x, z, weight, 1e-6), **tol
+    )
+    h, r, w = randn(7, 2560), randn(7, 2560), randn(2560, scale=0.1)
+    for got, want in zip(
+        add_rmsnorm(h, r, w, 1e-6, zero_centred=True),
+        add_rmsnorm_reference(h, r, w, 1e-6, zero_centred=True),
+    ):
+        torch.testing.assert_close(got, want, **tol)

@@ -23,14 +23,21 @@ from forge_engine.kernels.backend import (
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #e46943ba
 def add_rmsnorm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "(rmsnorm(x + residual) * weight, x + residual); with residual None: (rmsnorm(x) * weight, x)."
+    """(rmsnorm(x + residual) * weight, x + residual); with residual None: (rmsnorm(x) * weight, x). `zero_centred`:
+    times (1 + weight) in fp32, rounded once (chapter 03b's `ZeroCenteredRMSNorm`)."""
     if residual is not None:
         x = x + residual
     x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, x
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (normed * (1.0 + weight.float())).to(x.dtype), x
+    return weight * normed.to(x.dtype), x
 
 
 @triton.jit
@@ -47,6 +54,7 @@ def _add_rmsnorm_kernel(
     H,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
     WAIT: tl.constexpr,
@@ -67,8 +75,11 @@ def _add_rmsnorm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, h, mask=mask)
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:  # one rounding, at the end
+        out = h * rstd * (1.0 + w)
+    else:
+        out = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(
@@ -78,8 +89,10 @@ def add_rmsnorm(
     eps: float,
     impl: str = "auto",
     num_warps: int | None = None,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "x, residual [..., H], weight [H] -> (rmsnorm(x + residual) * weight, the new residual x + residual)."
+    """x, residual [..., H], weight [H] -> (rmsnorm(x + residual) * weight, the new residual x + residual).
+    `zero_centred`: the weight is the offset from 1 (see the reference)."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(
             f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape"
@@ -89,7 +102,7 @@ def add_rmsnorm(
             f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} in {weight.dtype}"
         )
     if kernel_backend(x.device, impl) == "torch":
-        return add_rmsnorm_reference(x, residual, weight, eps)
+        return add_rmsnorm_reference(x, residual, weight, eps, zero_centred)
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)  # a view for the usual contiguous-row inputs
     res = rows if residual is None else residual.reshape(-1, hidden)
@@ -112,6 +125,7 @@ def add_rmsnorm(
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
+            ZERO_CENTRED=zero_centred,
             BLOCK_H=block,
             **_pdl_args(x.device, rows=rows.shape[0]),
             num_warps=num_warps or min(8, max(1, block // 512)),
@@ -119,9 +133,15 @@ def add_rmsnorm(
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    impl: str = "auto",
+    zero_centred: bool = False,
+) -> torch.Tensor:
     "rmsnorm(x) * weight over the last dimension (no residual)."
-    return add_rmsnorm(x, None, weight, eps, impl)[0]
+    return add_rmsnorm(x, None, weight, eps, impl, zero_centred=zero_centred)[0]
 
 # %% ../../nbs/09_kernels_elementwise.ipynb #0bdd22df
 class NormRope(NamedTuple):

@@ -510,7 +510,7 @@ class LinearAttentionBackend(Protocol):
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """The gated delta rule after each sequence's state: q, k [T, key heads, Dk] not yet normalized, v [T, value
-        heads, Dv], g, beta [T, value heads] fp32 -> [T, value heads, Dv] fp32."""
+        heads, Dv] (the model's dtype or fp32), g, beta [T, value heads] fp32 -> [T, value heads, Dv] fp32."""
         ...
 
 
@@ -547,7 +547,7 @@ class SequenceStates:
             if before is not None and len(q) == 1
             else gated_delta_rule_chunked
         )
-        out, self.recurrent_states[index] = rule(q, k, v, g, beta, before)
+        out, self.recurrent_states[index] = rule(q, k, v.float(), g, beta, before)
         return out
 
     def __getitem__(self, index: int) -> LinearAttentionState:
@@ -722,13 +722,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x, cos, sin, attention: AttentionBackend, linear: LinearAttentionBackend):
-        h = self.input_layernorm(x)
-        if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, linear)
-        else:
-            h = self.self_attn(h, cos, sin, attention)
-        x = x + h
+        x = x + self.mix(self.input_layernorm(x), cos, sin, attention, linear)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def mix(self, h, cos, sin, attention: AttentionBackend, linear: LinearAttentionBackend):
+        "The layer's mixer of tokens: its Gated DeltaNet or its gated attention."
+        if self.layer_type == "linear_attention":
+            return self.linear_attn(h, linear)
+        return self.self_attn(h, cos, sin, attention)
 
 
 class Qwen35Model(nn.Module):
@@ -757,6 +758,10 @@ class Qwen35Model(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         linear = SequenceStates() if linear is None else linear
+        return self.run_layers(x, cos, sin, attention, linear)
+
+    def run_layers(self, x, cos, sin, attention: AttentionBackend, linear: LinearAttentionBackend):
+        "The decoder layers over the embedded tokens x, and the final norm."
         for layer in self.layers:
             x = layer(x, cos, sin, attention, linear)
         return self.norm(x)

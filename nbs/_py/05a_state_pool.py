@@ -184,8 +184,15 @@ class StepStates:
         step.decode_rows, step.decode_slots = slice(0, len(slots)), slots
         return step
 
+    def decodes_only(self) -> bool:
+        "Whether every row of the step is a decode: then a kernel's output is the step's, with nothing to copy."
+        return not self.prefills and self.decode_rows is not None
+
     def conv(self, index: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        states, y = self.pool.conv[index], torch.empty_like(x)
+        states = self.pool.conv[index]
+        if self.decodes_only():
+            return causal_conv1d_decode(x, states, weight, self.decode_slots)
+        y = torch.empty_like(x)
         if self.decode_rows is not None:
             rows = self.decode_rows
             y[rows] = causal_conv1d_decode(x[rows], states, weight, self.decode_slots)
@@ -197,7 +204,10 @@ class StepStates:
         return y
 
     def delta_rule(self, index, q, k, v, g, beta) -> torch.Tensor:
-        states, out = self.pool.recurrent[index], v.new_empty(v.shape, dtype=torch.float32)
+        states = self.pool.recurrent[index]
+        if self.decodes_only():
+            return gated_delta_decode(q, k, v, g, beta, states, self.decode_slots)
+        out = v.new_empty(v.shape, dtype=torch.float32)
         if self.decode_rows is not None:
             r = self.decode_rows
             out[r] = gated_delta_decode(q[r], k[r], v[r], g[r], beta[r], states, self.decode_slots)

@@ -56,6 +56,7 @@ from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layou
 from forge_engine.model import Transformer, no_cache_attention
 from forge_engine.offload import OffloadedTransformer, SplitAttention, gpu_part, offload_pool
 from forge_engine.scheduler import ScheduledSeq, Sequence as Seq, StepPlan
+from forge_engine.qwen3_5 import Qwen35Model
 from forge_engine.state_pool import StatePool, StepStates
 
 # %%
@@ -430,10 +431,12 @@ def build_runner(
     param = next(model.parameters())
     # chapter 09a's fused layers on a GPU, its C-backed norm and SwiGLU on a CPU (a model built by hand too), before
     # the KV budget's run
+    from forge_engine.fused_hybrid import install_fused_hybrid_layers
     from forge_engine.fused_layers import install_cpu_layers, install_fused_layers
 
-    if param.device.type == "cuda":
-        install_fused_layers(model)
+    if param.device.type == "cuda":  # (chapter 09h's for a Qwen3.5 model)
+        hybrid = isinstance(model, Qwen35Model)
+        (install_fused_hybrid_layers if hybrid else install_fused_layers)(model)
     else:
         install_cpu_layers(model)
     states = None

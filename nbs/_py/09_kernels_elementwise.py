@@ -32,6 +32,7 @@ from forge_engine.kernels.backend import (
 #| hide
 import pytest
 from forge_engine.model import RMSNorm
+from forge_engine.qwen3_5 import ZeroCenteredRMSNorm
 
 
 # %% [markdown]
@@ -44,18 +45,28 @@ from forge_engine.model import RMSNorm
 # does the same steps in registers, one program per row; only the order of the additions in
 # the mean differs, so bf16 results agree to the last bit almost everywhere.
 # With `residual=None` it is a plain RMSNorm (the first layer; also q/k-norm over head rows).
+# With `zero_centred=True` it is chapter 03b's `ZeroCenteredRMSNorm` instead (Qwen3.5): the
+# weight is the offset from 1, and the row is multiplied by `1 + weight` in fp32 before its one
+# rounding.
 
 # %%
 #| export
 def add_rmsnorm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "(rmsnorm(x + residual) * weight, x + residual); with residual None: (rmsnorm(x) * weight, x)."
+    """(rmsnorm(x + residual) * weight, x + residual); with residual None: (rmsnorm(x) * weight, x). `zero_centred`:
+    times (1 + weight) in fp32, rounded once (chapter 03b's `ZeroCenteredRMSNorm`)."""
     if residual is not None:
         x = x + residual
     x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, x
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (normed * (1.0 + weight.float())).to(x.dtype), x
+    return weight * normed.to(x.dtype), x
 
 
 @triton.jit
@@ -72,6 +83,7 @@ def _add_rmsnorm_kernel(
     H,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
     WAIT: tl.constexpr,
@@ -92,8 +104,11 @@ def _add_rmsnorm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, h, mask=mask)
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:  # one rounding, at the end
+        out = h * rstd * (1.0 + w)
+    else:
+        out = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(
@@ -103,8 +118,10 @@ def add_rmsnorm(
     eps: float,
     impl: str = "auto",
     num_warps: int | None = None,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "x, residual [..., H], weight [H] -> (rmsnorm(x + residual) * weight, the new residual x + residual)."
+    """x, residual [..., H], weight [H] -> (rmsnorm(x + residual) * weight, the new residual x + residual).
+    `zero_centred`: the weight is the offset from 1 (see the reference)."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(
             f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape"
@@ -114,7 +131,7 @@ def add_rmsnorm(
             f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} in {weight.dtype}"
         )
     if kernel_backend(x.device, impl) == "torch":
-        return add_rmsnorm_reference(x, residual, weight, eps)
+        return add_rmsnorm_reference(x, residual, weight, eps, zero_centred)
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)  # a view for the usual contiguous-row inputs
     res = rows if residual is None else residual.reshape(-1, hidden)
@@ -137,6 +154,7 @@ def add_rmsnorm(
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
+            ZERO_CENTRED=zero_centred,
             BLOCK_H=block,
             **_pdl_args(x.device, rows=rows.shape[0]),
             num_warps=num_warps or min(8, max(1, block // 512)),
@@ -144,9 +162,15 @@ def add_rmsnorm(
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    impl: str = "auto",
+    zero_centred: bool = False,
+) -> torch.Tensor:
     "rmsnorm(x) * weight over the last dimension (no residual)."
-    return add_rmsnorm(x, None, weight, eps, impl)[0]
+    return add_rmsnorm(x, None, weight, eps, impl, zero_centred=zero_centred)[0]
 
 
 # %% [markdown]
@@ -174,6 +198,17 @@ with torch.no_grad():
     torch.testing.assert_close(
         rmsnorm(xb, wb, 1e-6, impl="triton"),
         add_rmsnorm_reference(xb, None, wb, 1e-6)[0],
+        rtol=5e-2,
+        atol=1e-2,
+    )
+    # zero-centred: chapter 03b's norm, whose weight is the offset from 1
+    centred = ZeroCenteredRMSNorm(96, 1e-6)
+    centred.weight.copy_(0.1 * torch.randn(96, generator=gen))
+    out, _ = add_rmsnorm(x, r, centred.weight, 1e-6, impl="triton", zero_centred=True)
+    torch.testing.assert_close(out, centred(x + r), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rmsnorm(xb + rb, centred.weight.bfloat16(), 1e-6, impl="triton", zero_centred=True),
+        centred.bfloat16()(xb + rb),
         rtol=5e-2,
         atol=1e-2,
     )
