@@ -517,13 +517,16 @@ def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantizati
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_hybrid_kernels_on_the_gpu_match_their_references(dtype):
     """Chapter 09h's kernels compiled on a GPU against their PyTorch references at the Qwen3.5-4B shape: the gates, the
-    gated norm, and the zero-centred add + norm (chapter 09's `add_rmsnorm`)."""
+    gated norm, q's norm and partial rotation, and the zero-centred add + norm (chapter 09's `add_rmsnorm`)."""
     from forge_engine.fused_hybrid import (
         gated_rmsnorm,
         gated_rmsnorm_reference,
         gdn_gates,
         gdn_gates_reference,
+        norm_partial_rope,
+        norm_partial_rope_reference,
     )
+    from forge_engine.model import rope_cos_sin
     from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -545,6 +548,15 @@ def test_fused_hybrid_kernels_on_the_gpu_match_their_references(dtype):
     z, weight = randn(7, 32, 128), 1 + randn(128, scale=0.1)
     torch.testing.assert_close(
         gated_rmsnorm(x, z, weight, 1e-6), gated_rmsnorm_reference(x, z, weight, 1e-6), **tol
+    )
+    q = randn(7, 16, 512)[:, :, :256]  # the query halves of the merged projection's rows
+    cos, sin = rope_cos_sin(torch.arange(7, device="cuda") * 100, 64, 1e7, dtype)
+    torch.testing.assert_close(
+        norm_partial_rope(q, weight - 1, 1e-6, cos, sin),
+        norm_partial_rope_reference(q, weight - 1, 1e-6, cos, sin),
+        # bf16: the reference rounds each product and the difference of the rotation, the kernel the result once:
+        # a few ulps of the products (up to ~4), ~3e-2
+        **(tol if dtype == torch.float32 else dict(rtol=2**-7, atol=3e-2)),
     )
     h, r, w = randn(7, 2560), randn(7, 2560), randn(2560, scale=0.1)
     for got, want in zip(

@@ -18,7 +18,7 @@
 # |---|---|---|
 # | `FusedZeroCenteredRMSNorm` | `add_rmsnorm(..., zero_centred=True)`: the residual add and the norm, one launch | an add and ~8 small kernels |
 # | `FusedGatedDeltaNet` | one input projection (qkv, z, b, a merged); `gdn_gates`; `gated_rmsnorm` | 4 projections, ~8 kernels of gates, ~10 of gated norm |
-# | `FusedGatedAttention` | one projection for q (with its gate), k and v | 3 |
+# | `FusedGatedAttention` | one projection for q (with its gate), k and v; `norm_partial_rope` for q and for k | 3 projections; a copy, a norm and ~8 kernels of rotation, twice |
 # | `FusedSwiGLU` | one gate-up projection; a decode row's SiLU-mul in its GEMV's epilogue | 2 projections, silu and the product |
 # | `FusedHybridDecoderLayer`, `FusedQwen35Model` | the residual handed from layer to layer, added by the next norm | an add a norm |
 #
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_engine.kernels.backend import _pow2, kernel_backend, kernels_available, tl, triton
-from forge_engine.kernels.elementwise import add_rmsnorm, rmsnorm, silu_mul
+from forge_engine.kernels.elementwise import add_rmsnorm, add_rmsnorm_reference, rmsnorm, silu_mul
 from forge_engine.kernels.gemv import gemv
 from forge_engine.fused_layers import FusedLinear, device_of, install_fused_layers, takes_gemv
 from forge_engine.model import AttentionBackend
@@ -66,6 +66,7 @@ import functools
 
 import pytest
 
+from forge_engine.model import rope_cos_sin
 from forge_engine.qwen3_5 import (
     QWEN35_TINY,
     GatedRMSNorm,
@@ -289,6 +290,124 @@ with pytest.raises(ValueError, match="must be"):
 
 
 # %% [markdown]
+# ## q and k: the norm and the partial rotation, in one launch
+#
+# A gated attention layer normalises each head of q and k (zero-centred) and rotates the first
+# quarter of its dims (`apply_partial_rope`): a copy, about eight kernels of norm, seven of
+# rotation and a concatenation, for q and again for k. One program per (token, head) loads the
+# row in three parts, the two rotated halves and the rest, normalises it (rounded to the model's
+# dtype, as the norm's output is) and writes it rotated.
+
+# %%
+#| export
+def norm_partial_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    "Chapter 03b's zero-centred norm of each head of x [T, heads, D], then `apply_partial_rope` (cos, sin [T, R / 2])."
+    normed = add_rmsnorm_reference(x, None, weight, eps, zero_centred=True)[0]
+    return apply_partial_rope(normed, cos, sin)
+
+
+@triton.jit
+def _norm_partial_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    HEADS,
+    eps,
+    D: tl.constexpr,
+    HALF_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r, p = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_P)
+    mask_r, mask_p = r < HALF_R, p < D - 2 * HALF_R
+    row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(row + r, mask=mask_r, other=0.0).to(tl.float32)  # the rotated pairs' halves
+    x2 = tl.load(row + HALF_R + r, mask=mask_r, other=0.0).to(tl.float32)
+    x3 = tl.load(row + 2 * HALF_R + p, mask=mask_p, other=0.0).to(tl.float32)  # the rest
+    squares = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0) + tl.sum(x3 * x3, axis=0)
+    rstd = 1.0 / tl.sqrt(squares / D + eps)
+    dtype = out_ptr.dtype.element_ty
+    w1 = 1.0 + tl.load(w_ptr + r, mask=mask_r, other=0.0).to(tl.float32)
+    w2 = 1.0 + tl.load(w_ptr + HALF_R + r, mask=mask_r, other=0.0).to(tl.float32)
+    w3 = 1.0 + tl.load(w_ptr + 2 * HALF_R + p, mask=mask_p, other=0.0).to(tl.float32)
+    y1 = (x1 * rstd * w1).to(dtype).to(tl.float32)  # the norm's output, rounded
+    y2 = (x2 * rstd * w2).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + r, mask=mask_r, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + r, mask=mask_r, other=0.0).to(tl.float32)
+    out = out_ptr + (t * HEADS + h) * D
+    tl.store(out + r, (y1 * c - y2 * s).to(dtype), mask=mask_r)
+    tl.store(out + HALF_R + r, (y2 * c + y1 * s).to(dtype), mask=mask_r)
+    tl.store(out + 2 * HALF_R + p, (x3 * rstd * w3).to(dtype), mask=mask_p)
+
+
+def norm_partial_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    "x [T, heads, D] (unit last stride) -> the reference's result, contiguous, in one launch on a GPU."
+    T, heads, D = x.shape
+    half = cos.shape[-1]
+    if weight.shape != (D,) or cos.shape != (T, half) or sin.shape != cos.shape or 2 * half > D:
+        raise ValueError(
+            f"norm_partial_rope: x {tuple(x.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)} and sin "
+            f"{tuple(sin.shape)} must be [T, heads, D], [D] and [T, R / 2] with R <= D"
+        )
+    if kernel_backend(x.device, impl) == "torch":
+        return norm_partial_rope_reference(x, weight, eps, cos, sin)
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError(
+            "norm_partial_rope needs unit stride in the last dimension of x, cos and sin"
+        )
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    if T:
+        _norm_partial_rope_kernel[(T, heads)](
+            x,
+            weight,
+            cos,
+            sin,
+            out,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            heads,
+            eps,
+            D=D,
+            HALF_R=half,
+            BLOCK_R=max(16, _pow2(half)),
+            BLOCK_P=max(16, _pow2(D - 2 * half)),
+            num_warps=1,
+        )
+    return out
+
+
+# %% [markdown]
+# Against the reference, q heads strided as they come from the merged projection:
+
+# %%
+q = torch.randn(3, 4, 64, generator=gen)[:, :, :32]  # every other half-row: a strided view
+weight = 0.1 * torch.randn(32, generator=gen)
+cos, sin = rope_cos_sin(torch.tensor([0, 5, 9]), 8, 10_000.0)
+torch.testing.assert_close(
+    norm_partial_rope(q, weight, 1e-6, cos, sin, impl="triton"),
+    norm_partial_rope_reference(q, weight, 1e-6, cos, sin),
+)
+with pytest.raises(ValueError, match="must be"):
+    norm_partial_rope(q, weight[:8], 1e-6, cos, sin)
+
+
+# %% [markdown]
 # ## The layers
 #
 # `merged_linear` concatenates the rows of linear layers that read the same input; a fused layer
@@ -367,8 +486,8 @@ class FusedGatedAttention(GatedAttention):
         q_gate, k, v = self.qkv(x).split([2 * c.num_heads * c.head_dim, kv, kv], dim=-1)
         q, gate = q_gate.reshape(t, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
         k, v = k.reshape(t, c.num_kv_heads, c.head_dim), v.reshape(t, c.num_kv_heads, c.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        q = norm_partial_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = norm_partial_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
         out = attention(self.index, q, k, v) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
 
