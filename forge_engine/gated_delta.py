@@ -981,7 +981,7 @@ def gated_delta_prefill(
     read). Writes each sequence's final state into state[slots[n]] IN PLACE. -> out [T, Hv, Dv] fp32.
     The chunked form (chunks of 64 tokens within each sequence), as chapter 03b derives it. `max_seqlen`: the longest
     sequence, if the caller knows it (fewer idle programs; default the row count T); `precision` of the products:
-    chapter 09's rule by q's dtype (fp32: "ieee", else "tf32")."""
+    by q's dtype (`prefill_precision`)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     N = slots.shape[0]
@@ -1046,9 +1046,10 @@ def gated_delta_prefill(
             PRECISION=precision,
             num_warps=solve_warps,
         )
-    # (fp32 products at 16 columns fault on an H100, a prompt of 64 or 512 tokens at the 4B shape: 32 and up pass)
+    # (products to fp32's accuracy, "ieee" or "tf32x3", at 16 columns fault on an H100, one prompt of 64 or 512
+    # tokens at the 4B shape; 32 and up pass)
     block_v = block_v or state_block_v(
-        N * Hv, Dv, widest=32, narrowest=32 if precision == "ieee" else 16
+        N * Hv, Dv, widest=32, narrowest=16 if precision == "tf32" else 32
     )
     _prefill_state_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
         q,

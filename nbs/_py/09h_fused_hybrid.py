@@ -30,7 +30,12 @@
 #
 # With these, a decode step of a Gated DeltaNet layer is ten launches: add + norm, the input
 # projection, the convolution, the gates, the delta rule, the gated norm, the output projection,
-# add + norm, gate-up with SiLU-mul, down. `kernels_lab/gated_delta.py` times the step.
+# add + norm, gate-up with SiLU-mul, down.
+#
+# Measured on an H100 at the Qwen3.5-4B shape, `forge-engine bench w1 --model random:qwen3.5-4b`:
+# **284.8 tok/s, 82.6% of the card's measured read ceiling** (8.41 GB of weights and 103 MB of
+# state a step); chapter 03b's layers with only their `nn.Linear`s swapped ran 137.6 tok/s,
+# 38.6%, on the same kind of card.
 
 # %%
 #| default_exp fused_hybrid

@@ -51,6 +51,7 @@
 # | 09e_tp_peer_all_reduce | `tensor_parallel.peer_all_reduce` | small all-reduces through peer memory, fused with the norm |
 # | 09f_tp_collective_timing | `tensor_parallel.collective_timing` | what a decode step's collectives cost |
 # | 09g_tp_ranks | `tensor_parallel.ranks` | the worker processes: started, fed, watched; a model loaded over them |
+# | 09h_fused_hybrid | `fused_hybrid` | the Qwen3.5 model's layers through kernels on a GPU: merged projections, its gates, norms and partial rotation one launch each |
 # | 10_quant_formats | `quant.formats` | weight-only int8 / int4 codes, quantized a slice of rows at a time |
 # | 10a_memory_plan | `memory_plan` | will it fit a GPU memory budget: weights, activations, graphs, KV cache |
 # | 10b_quant_split_k | `quant.split_k` | the skinny matmul kernels for int8 / int4 weights, split along K |
