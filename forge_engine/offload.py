@@ -171,20 +171,20 @@ def plan_gpu_layers(
     max_num_seqs: int = 64,
 ) -> OffloadPlan:
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
-    graphs), the overhead and a minimal KV cache for them; MemoryPlanError when not even one layer does."""
+    graphs), the overhead and the minimal KV cache the runner asks of the GPU's pool (MIN_KV_BYTES, whatever its
+    layers); MemoryPlanError when not even one layer does."""
     one = layer_bytes(c, quantization, dtype_bytes)
     rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
-    min_tokens = MIN_KV_BYTES // c.kv_bytes_per_token(dtype_bytes)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
     free = budget - rest - acts - OVERHEAD_BYTES
-    n = min(c.num_layers, max(0, free // (one + min_tokens * kv_layer_token)))
+    n = min(c.num_layers, max(0, (free - MIN_KV_BYTES) // one))
     if n == 0:
         raise MemoryPlanError(
             f"{format_gib(budget)} holds no layer of this model on the GPU: the embedding and head "
-            f"({format_gib(rest)}), activations ({format_gib(acts)}) and overhead ({format_gib(OVERHEAD_BYTES)}) "
-            f"leave {format_gib(free)}, a layer with its minimal KV cache needs "
-            f"{format_gib(one + min_tokens * kv_layer_token)}"
+            f"({format_gib(rest)}), activations ({format_gib(acts)}), overhead ({format_gib(OVERHEAD_BYTES)}) and "
+            f"the minimal KV cache ({format_gib(MIN_KV_BYTES)}) leave {format_gib(free - MIN_KV_BYTES)}, a layer "
+            f"needs {format_gib(one)}"
         )
     return OffloadPlan(
         budget,

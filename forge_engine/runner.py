@@ -54,9 +54,8 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
         budget / total, param.device
     )  # past the budget, allocations fail
     graphs = 0
-    if (
-        config.cuda_graphs is not False
-    ):  # the decode graphs' pool, the mixed-step graphs' and their logits
+    # the decode graphs' pool, the mixed-step graphs' and their logits (a model split with the CPU has none)
+    if config.cuda_graphs is not False and not isinstance(model, OffloadedTransformer):
         c, mixed = model.config, mixed_buckets(config.max_num_batched_tokens)
         rows = [min(config.max_num_seqs, t) for t in mixed]
         graphs = activation_bytes(c, config.max_num_seqs, config.max_num_seqs, param.element_size())

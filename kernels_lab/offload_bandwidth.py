@@ -4,8 +4,8 @@ compute, and what a split model decodes at against its floor.
 Napkin math: a decode step reads every weight once. The GPU's layers are read at the GPU's bandwidth (4.19 TB/s on
 an H200: negligible next to the rest), the CPU's either by the CPU from its memory (B_cpu) or over PCIe to the GPU
 (B_pcie). Per step: W_cpu / B_cpu against W_cpu / B_pcie; chapter 10h computes them on the CPU, which is faster
-where B_cpu > B_pcie. Qwen3-14B in int4 under an 8 GiB budget puts 26 of 40 layers on the GPU and 2.29 GiB on the
-CPU (`plan_gpu_layers`): at 60 GB/s that is 41 ms a step, about 24 tok/s at best.
+where B_cpu > B_pcie. Qwen3-14B in int4 under an 8 GiB budget puts 24 of 40 layers on the GPU and 2.62 GiB on the
+CPU (`plan_gpu_layers`): at 60 GB/s that is 47 ms a step, about 21 tok/s at best.
 
 1. B_cpu: a sum over a 1 GiB fp32 buffer on the CPU, with all its threads; B_pcie: 1 GiB copied from pinned host
    memory to the GPU, and back.

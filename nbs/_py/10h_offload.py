@@ -38,8 +38,8 @@
 #   holds layers `0..N-1`, a pool in host memory layers `N..L-1`, and `SplitAttention` sends each
 #   layer to its pool;
 # - **the plan**: `plan_gpu_layers` counts, for a budget, the largest `N` whose layers, with the
-#   embedding, the head, the activations, the overhead and a minimal KV cache for those layers,
-#   fit (chapter 10a's rules, per layer).
+#   embedding, the head, the activations, the overhead and the runner's minimal KV cache fit
+#   (chapter 10a's rules, per layer).
 
 # %%
 #| default_exp offload
@@ -319,20 +319,20 @@ def plan_gpu_layers(
     max_num_seqs: int = 64,
 ) -> OffloadPlan:
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
-    graphs), the overhead and a minimal KV cache for them; MemoryPlanError when not even one layer does."""
+    graphs), the overhead and the minimal KV cache the runner asks of the GPU's pool (MIN_KV_BYTES, whatever its
+    layers); MemoryPlanError when not even one layer does."""
     one = layer_bytes(c, quantization, dtype_bytes)
     rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
-    min_tokens = MIN_KV_BYTES // c.kv_bytes_per_token(dtype_bytes)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
     free = budget - rest - acts - OVERHEAD_BYTES
-    n = min(c.num_layers, max(0, free // (one + min_tokens * kv_layer_token)))
+    n = min(c.num_layers, max(0, (free - MIN_KV_BYTES) // one))
     if n == 0:
         raise MemoryPlanError(
             f"{format_gib(budget)} holds no layer of this model on the GPU: the embedding and head "
-            f"({format_gib(rest)}), activations ({format_gib(acts)}) and overhead ({format_gib(OVERHEAD_BYTES)}) "
-            f"leave {format_gib(free)}, a layer with its minimal KV cache needs "
-            f"{format_gib(one + min_tokens * kv_layer_token)}"
+            f"({format_gib(rest)}), activations ({format_gib(acts)}), overhead ({format_gib(OVERHEAD_BYTES)}) and "
+            f"the minimal KV cache ({format_gib(MIN_KV_BYTES)}) leave {format_gib(free - MIN_KV_BYTES)}, a layer "
+            f"needs {format_gib(one)}"
         )
     return OffloadPlan(
         budget,
@@ -378,9 +378,7 @@ def pcie_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> tuple[float, float]
 GIB = 2**30
 q14 = plan_gpu_layers(preset("qwen3-14b"), 8 * GIB, "int4")
 print(q14.describe())
-assert 0 < q14.gpu_layers < 40 and q14.kv_cache // q14.kv_per_token >= MIN_KV_BYTES // preset(
-    "qwen3-14b"
-).kv_bytes_per_token(2)
+assert 0 < q14.gpu_layers < 40 and q14.kv_cache >= MIN_KV_BYTES
 assert plan_gpu_layers(preset("qwen3-14b"), 12 * GIB, "int4").gpu_layers > q14.gpu_layers
 assert plan_gpu_layers(preset("qwen3-8b"), 8 * GIB, "int4").gpu_layers == 36  # all of them
 with pytest.raises(MemoryPlanError, match="holds no layer"):
