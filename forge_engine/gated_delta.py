@@ -361,7 +361,9 @@ def causal_conv1d_prefill_reference(
     return y
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["T", "N", "SEARCH_STEPS"]
+)  # the step's rows and sequences change from step to step: one kernel for all, not a compile per value
 def _causal_conv1d_prefill_kernel(
     x_ptr,
     conv_ptr,
@@ -970,9 +972,9 @@ def gated_delta_prefill(
     *,
     impl: str = "auto",
     max_seqlen: int | None = None,
-    block_v: int | None = None,
-    num_warps: int = 8,
-    solve_warps: int = 4,
+    block_v: int = 64,
+    num_warps: int = 4,
+    solve_warps: int | None = None,
     precision: str | None = None,
 ) -> torch.Tensor:
     """Several sequences' new tokens, flattened: q, k [T, Hk, Dk] (not yet l2-normalized, as above), v [T, Hv, Dv], g,
@@ -981,7 +983,8 @@ def gated_delta_prefill(
     read). Writes each sequence's final state into state[slots[n]] IN PLACE. -> out [T, Hv, Dv] fp32.
     The chunked form (chunks of 64 tokens within each sequence), as chapter 03b derives it. `max_seqlen`: the longest
     sequence, if the caller knows it (fewer idle programs; default the row count T); `precision` of the products:
-    by q's dtype (`prefill_precision`)."""
+    by q's dtype (`prefill_precision`). The tiles: the lab's fastest at every size it times (below); `solve_warps`
+    4 for TF32 products, 8 for fp32-accurate ones."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     N = slots.shape[0]
@@ -1002,6 +1005,11 @@ def gated_delta_prefill(
         )
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state must be fp32, got {state.dtype}")
+    precision = precision or prefill_precision(q.dtype)
+    if block_v < 32 and precision != "tf32":
+        # (products to fp32's accuracy, "ieee" or "tf32x3", at 16 columns fault on an H100, one prompt of 64 or 512
+        # tokens at the 4B shape; 32 and up pass)
+        raise ValueError(f"fp32-accurate products take block_v >= 32, got {block_v}")
     if kernel_backend(q.device, impl) == "torch":
         return gated_delta_prefill_reference(q, k, v, g, beta, cu_seqlens, state, slots, fresh)
     _check_unit_stride("gated_delta_prefill", q, k, v, state)
@@ -1011,7 +1019,7 @@ def gated_delta_prefill(
     # the scratch of the solve: W and U of every row, in fp32
     w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=q.device)
     u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=q.device)
-    precision = precision or prefill_precision(q.dtype)
+    solve_warps = solve_warps or (4 if precision == "tf32" else 8)
     block_k = max(16, _pow2(Dk))
     chunks = triton.cdiv(min(T, max_seqlen if max_seqlen is not None else T), CHUNK)
     if chunks:
@@ -1046,11 +1054,6 @@ def gated_delta_prefill(
             PRECISION=precision,
             num_warps=solve_warps,
         )
-    # (products to fp32's accuracy, "ieee" or "tf32x3", at 16 columns fault on an H100, one prompt of 64 or 512
-    # tokens at the 4B shape; 32 and up pass)
-    block_v = block_v or state_block_v(
-        N * Hv, Dv, widest=32, narrowest=16 if precision == "tf32" else 32
-    )
     _prefill_state_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
         q,
         k,

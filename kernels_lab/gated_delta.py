@@ -33,10 +33,12 @@ Variants
   conv prefill  v0 PyTorch (chapter 03b's causal_conv1d a sequence at a time), v1 the export, v2 block_t x
            block_c x warps; one prompt, and 32 prompts of 16 or 128 rows with short and empty ones among them
   prefill  v0 PyTorch (chapter 03b's chunked rule a sequence at a time), v1 the export, v2 block_v x warps x solve
-           warps, v3 the products' precision (tf32 / tf32x3 on bf16 inputs)
+           warps, v3 the products' precision (tf32 / tf32x3 on bf16 inputs); one prompt of 512 and of 4,096
+           tokens, and the steps of a server's prefill: 8 prompts of 1,024, 80 of 100 (PREFILL_STEPS)
 
   PYTHONPATH=. python3 kernels_lab/gated_delta.py              on a GPU: validation at the 4B shape, then timings
   PYTHONPATH=. python3 kernels_lab/gated_delta.py --cpu-check  validation only, small shapes, Triton's interpreter
+  LAB_PREFILL_ONLY=1 ...                                          the prefill's validation and timings only
   TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/gated_delta.py --sass
                                                                registers, spills and shared memory of each tile,
                                                                compiled for an H200 on any machine (~1 min)
@@ -102,8 +104,8 @@ def conv_prefill_export(**tiles):
     return lambda *args: gd.causal_conv1d_prefill(*args, impl="triton", **tiles)
 
 
-def prefill_v0(*args):
-    return gd.gated_delta_prefill(*args, impl="torch")
+def prefill_v0(*args, **kw):
+    return gd.gated_delta_prefill(*args, impl="torch", **kw)
 
 
 def prefill_export(**tiles):
@@ -140,6 +142,13 @@ PREFILL_SWEEP = {
     for w in (4, 8)
     for sw in (4, 8)
 }
+PREFILL_ONLY = bool(os.environ.get("LAB_PREFILL_ONLY"))  # the prefill's validation and timings only
+PREFILL_STEPS = (
+    [512],
+    [4096],
+    [1024] * 8,
+    [100] * 80,
+)  # a prompt; a step of 8 long ones, of 80 short ones
 PREFILL_PRECISION = {f"v3 {p}": prefill_export(precision=p) for p in ("tf32", "tf32x3")}
 
 
@@ -267,10 +276,10 @@ def cpu_check() -> bool:
 def gpu_check() -> bool:
     shape, ok = (HK, HV, DK, DV), True
     for dtype in (torch.float32, torch.bfloat16):
-        for batch in (1, 16):
+        for batch in () if PREFILL_ONLY else (1, 16):
             ok &= check_decode(shape, dtype, {**DECODE, **DECODE_SWEEP}, batch, 24)
             ok &= check_conv(CHANNELS, dtype, {**CONV, **CONV_SWEEP}, batch, 24)
-        for lengths in ([512], [2, 0, 700, 1, 64]):
+        for lengths in () if PREFILL_ONLY else ([512], [2, 0, 700, 1, 64]):
             ok &= check_conv_prefill(
                 CHANNELS, dtype, {**CONV_PREFILL, **CONV_PREFILL_SWEEP}, lengths
             )
@@ -305,7 +314,7 @@ def bench():
     state_bytes = HV * DK * DV * 4
     for dtype in (torch.bfloat16, torch.float32):
         size = torch.finfo(dtype).bits // 8
-        for batch in (1, 16):
+        for batch in () if PREFILL_ONLY else (1, 16):
             q, k, v, g, beta = rule_inputs(batch, HK, HV, DK, DV, dtype)
             pool, slots = pool_of(64, HV, DK, DV), torch.arange(batch, device=DEVICE) * 3
             moved = batch * (
@@ -321,23 +330,28 @@ def bench():
             for name, fn in selected({**CONV, **CONV_SWEEP}).items():
                 ms, how = time_variant(lambda: fn(x, conv_pool, weight, slots), graph=True)
                 results.add(f"conv B={batch} {dtype}", f"{name} [{how}]", ms, moved)
-        bench_conv_prefill(results, dtype)
-        for tokens in (512, 4096):
+        if not PREFILL_ONLY:
+            bench_conv_prefill(results, dtype)
+        for lengths in PREFILL_STEPS:
+            tokens, n = sum(lengths), len(lengths)
             q, k, v, g, beta = rule_inputs(tokens, HK, HV, DK, DV, dtype)
-            cu = torch.tensor([0, tokens], device=DEVICE)
-            pool, slots = pool_of(2, HV, DK, DV), torch.tensor([1], device=DEVICE)
-            fresh = torch.tensor([True], device=DEVICE)
+            cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+            pool, slots = pool_of(n + 1, HV, DK, DV), torch.arange(1, n + 1, device=DEVICE)
+            fresh = torch.ones(n, dtype=torch.bool, device=DEVICE)
             moved = (
-                tokens * ((2 * HK * DK + HV * DV) * size + 2 * HV * 4 + HV * DV * 4) + state_bytes
+                tokens * ((2 * HK * DK + HV * DV) * size + 2 * HV * 4 + HV * DV * 4)
+                + n * state_bytes
             )
             flops = (
-                tokens / gd.CHUNK * HV * 10.75e6
+                sum(-(-t // gd.CHUNK) for t in lengths) * HV * 10.75e6
             )  # 2.36 M the solve, 8.39 M the state pass (docstring)
             for name, fn in selected(prefill_variants(dtype)).items():
                 # the reference copies lengths to the host: eager; the kernels: one graph of both launches
-                run = lambda: fn(q, k, v, g, beta, cu, pool, slots, fresh)  # noqa: E731
+                run = lambda: fn(q, k, v, g, beta, cu, pool, slots, fresh, max_seqlen=max(lengths))  # noqa: E731
                 ms, how = time_variant(run, graph=name != "v0 torch")
-                results.add(f"prefill T={tokens} {dtype}", f"{name} [{how}]", ms, moved, flops)
+                results.add(
+                    f"prefill {n} seqs T={tokens} {dtype}", f"{name} [{how}]", ms, moved, flops
+                )
     results.print()
     print(
         "  (%bw: the bytes the step must move, not counting the prefill's W and U scratch; %flop against bf16)"

@@ -586,7 +586,9 @@ def causal_conv1d_prefill_reference(
     return y
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["T", "N", "SEARCH_STEPS"]
+)  # the step's rows and sequences change from step to step: one kernel for all, not a compile per value
 def _causal_conv1d_prefill_kernel(
     x_ptr,
     conv_ptr,
@@ -906,6 +908,17 @@ assert empty.shape == (0, 40) and torch.equal(conv_pool[1], torch.zeros(3, 40))
 # three TF32 products (`tf32x3`, about fp32's accuracy): `ieee` products would leave the tensor
 # cores, and compiled for an H200 they spill 12-21 KB of registers a thread. The state is fp32
 # throughout.
+#
+# The tiles are measured. On an H100 (`LAB_PREFILL_ONLY=1 PYTHONPATH=. python3
+# kernels_lab/gated_delta.py`, bf16, every `block_v` × warps × solve warps), a slice of 64
+# columns with 4 warps and 4 solve warps was the fastest at every size: a step of 8 prompts of
+# 1,024 tokens 1.22 ms against 2.77 ms for the earlier choice (32 columns or fewer, to give 256
+# programs, with 8 warps), 80 prompts of 100 tokens 1.69 ms against 4.08, one prompt of 4,096
+# 0.89 ms against 2.09. Wider slices recompute less (q, k, their products and the scores are
+# computed once a slice). For fp32, 64 columns with 8 solve warps (the solve's fp32-accurate
+# products) was fastest: 9.3 ms against 16.9 at 8 × 1,024. Served (`forge-engine bench w2 --model
+# random:qwen3.5-4b`, the same card), W2's prefill steps took 2.8 s in all against 5.3, and its
+# output rate went from 9,095 to 10,907 tok/s.
 #
 # What the lab's `--sass` shows, compiled for an H200 without one: the decode update takes 88
 # registers a thread at 16 columns and spills nothing; the state pass holds every `64 × 128` fp32
@@ -1338,9 +1351,9 @@ def gated_delta_prefill(
     *,
     impl: str = "auto",
     max_seqlen: int | None = None,
-    block_v: int | None = None,
-    num_warps: int = 8,
-    solve_warps: int = 4,
+    block_v: int = 64,
+    num_warps: int = 4,
+    solve_warps: int | None = None,
     precision: str | None = None,
 ) -> torch.Tensor:
     """Several sequences' new tokens, flattened: q, k [T, Hk, Dk] (not yet l2-normalized, as above), v [T, Hv, Dv], g,
@@ -1349,7 +1362,8 @@ def gated_delta_prefill(
     read). Writes each sequence's final state into state[slots[n]] IN PLACE. -> out [T, Hv, Dv] fp32.
     The chunked form (chunks of 64 tokens within each sequence), as chapter 03b derives it. `max_seqlen`: the longest
     sequence, if the caller knows it (fewer idle programs; default the row count T); `precision` of the products:
-    by q's dtype (`prefill_precision`)."""
+    by q's dtype (`prefill_precision`). The tiles: the lab's fastest at every size it times (below); `solve_warps`
+    4 for TF32 products, 8 for fp32-accurate ones."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     N = slots.shape[0]
@@ -1370,6 +1384,11 @@ def gated_delta_prefill(
         )
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state must be fp32, got {state.dtype}")
+    precision = precision or prefill_precision(q.dtype)
+    if block_v < 32 and precision != "tf32":
+        # (products to fp32's accuracy, "ieee" or "tf32x3", at 16 columns fault on an H100, one prompt of 64 or 512
+        # tokens at the 4B shape; 32 and up pass)
+        raise ValueError(f"fp32-accurate products take block_v >= 32, got {block_v}")
     if kernel_backend(q.device, impl) == "torch":
         return gated_delta_prefill_reference(q, k, v, g, beta, cu_seqlens, state, slots, fresh)
     _check_unit_stride("gated_delta_prefill", q, k, v, state)
@@ -1379,7 +1398,7 @@ def gated_delta_prefill(
     # the scratch of the solve: W and U of every row, in fp32
     w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=q.device)
     u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=q.device)
-    precision = precision or prefill_precision(q.dtype)
+    solve_warps = solve_warps or (4 if precision == "tf32" else 8)
     block_k = max(16, _pow2(Dk))
     chunks = triton.cdiv(min(T, max_seqlen if max_seqlen is not None else T), CHUNK)
     if chunks:
@@ -1414,11 +1433,6 @@ def gated_delta_prefill(
             PRECISION=precision,
             num_warps=solve_warps,
         )
-    # (products to fp32's accuracy, "ieee" or "tf32x3", at 16 columns fault on an H100, one prompt of 64 or 512
-    # tokens at the 4B shape; 32 and up pass)
-    block_v = block_v or state_block_v(
-        N * Hv, Dv, widest=32, narrowest=16 if precision == "tf32" else 32
-    )
     _prefill_state_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
         q,
         k,
@@ -1463,8 +1477,9 @@ def gated_delta_prefill(
 # %% [markdown]
 # Against the reference: four sequences of 1, 40, 64 and 150 tokens (one token, under a chunk,
 # exactly a chunk, two chunks and a ragged third), fresh and carried, in a pool of seven rows
-# with slots out of order; slices of 16 and of 32 columns of the state; the solve launched over
-# the row count and over the longest sequence. Rows of the pool no sequence holds keep their bits.
+# with slots out of order; slices of 16 (TF32 products) and of 32 columns of the state; the solve
+# launched over the row count and over the longest sequence. Rows of the pool no sequence holds keep
+# their bits. Fewer than 32 columns with fp32-accurate products are refused.
 
 # %%
 lengths = [1, 40, 64, 150]
@@ -1475,9 +1490,13 @@ fresh = torch.tensor([True, False, True, False])
 pool = 0.5 * torch.randn(7, 4, 16, 24, generator=gen)
 want_pool = pool.clone()
 want = gated_delta_prefill_reference(q, k, v, g, beta, cu_seqlens, want_pool, slots, fresh)
-for block_v, max_seqlen in (
-    (16, None),
-    (32, 150),
+for block_v, max_seqlen, precision in (
+    (
+        16,
+        None,
+        "tf32",
+    ),  # (the interpreter's tf32 products are fp32's; fp32-accurate ones take 32 columns and up)
+    (32, 150, None),
 ):  # the longest sequence given or not: the same result
     got_pool = pool.clone()
     got = gated_delta_prefill(
@@ -1493,6 +1512,7 @@ for block_v, max_seqlen in (
         impl="triton",
         block_v=block_v,
         max_seqlen=max_seqlen,
+        precision=precision,
     )
     # fp32: the same chunked arithmetic, its inverse by blocks where the reference solves by substitution, and sums in
     # another order: values ~1, a few 1e-7 apart
@@ -1500,6 +1520,11 @@ for block_v, max_seqlen in (
     torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5)
     assert torch.equal(got_pool[[1, 2, 4]], pool[[1, 2, 4]])
 print(f"prefill kernel vs reference: max |difference| {(got - want).abs().max():.1e}")
+try:
+    gated_delta_prefill(q, k, v, g, beta, cu_seqlens, pool.clone(), slots, fresh, block_v=16)
+    raise AssertionError("16 columns with fp32-accurate products were not refused")
+except ValueError as e:
+    print("refused:", e)
 
 # %% [markdown]
 # The hard case for the inverse: keys all alike (one direction plus 1% noise), β near 1 and no
