@@ -351,20 +351,19 @@ def load_model(
     else:
         model = empty_model(config, staging, dtype)
         load_weights(model, iter_checkpoint(resolved.path, stats, progress=progress))
-    if split:  # chapter 10h: its first layers, embedding and head to the GPU; each matrix quantized where it is
+    if quantization in ("int8", "int4"):
+        # quantized on `device` from the CPU's staging, a slice of rows at a time: fast, and a low peak (a split
+        # model's GPU layers never sit whole on the GPU; its CPU layers are quantized where they are)
+        from forge_engine.quant.layers import quantize_model
+
+        quantize_model(model, quantization, device=device, device_layers=split or None)
+    if split:  # chapter 10h: its embedding, first layers, final norm and head to the GPU
         model = place_layers(model, split, device)
     if quantization == "gguf" and device.type == "cuda":
         # aligned planes for the GPU's GEMVs (chapter 10g); a CPU (and a split model's CPU layers) reads the blocks
         from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu
 
         gguf_layers_for_gpu(model)
-    if quantization in (
-        "int8",
-        "int4",
-    ):  # quantized on `device` even when staged on the CPU: fast, and a low peak
-        from forge_engine.quant.layers import quantize_model
-
-        quantize_model(model, quantization, device=None if split else device)
     if not split:
         model = model.to(
             device

@@ -426,10 +426,12 @@ class GGUFLinear(QuantLinear):
 QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
 
 
-def swap_layer_matrices(model: Transformer, swap) -> None:
+def swap_layer_matrices(model: Transformer, swap, layers: range | None = None) -> None:
     """Each layer matrix of `model` (QUANTIZED_LINEARS) replaced, in place and one at a time, by `swap(module, where)`
-    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next."""
-    for i, layer in enumerate(model.layers):
+    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next.
+    `layers`: the indices of the layers to walk (default: all)."""
+    for i in range(len(model.layers)) if layers is None else layers:
+        layer = model.layers[i]
         for name in QUANTIZED_LINEARS:
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
@@ -443,25 +445,39 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 @torch.no_grad()
 def quantize_model(
-    model: Transformer, mode: str, int4_group: int | None = None, device=None
+    model: Transformer,
+    mode: str,
+    int4_group: int | None = None,
+    device=None,
+    device_layers: int | None = None,
 ) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time, and
     the LM head for an int8 one (a tied embedding then reads its rows from it).
     `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
-    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
+    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put.
+    `device_layers`: only the head and the first this many layers go to `device`; the others are quantized where they
+    are (a model split with the CPU, chapter 10h: the GPU's layers reach it quantized, a slice of rows at a time)."""
     if mode not in QUANTIZERS:
         raise ValueError(
             f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}"
         )
     options = {"group": int4_group} if mode == "int4" else {}
-    options["device"] = device
+    n = len(model.layers) if device_layers is None else device_layers
+    if not 0 <= n <= len(model.layers):
+        raise ValueError(
+            f"device_layers must be between 0 and {len(model.layers)}, got {device_layers}"
+        )
 
-    def quantized(linear: nn.Module, where: str) -> QuantLinear:
-        if isinstance(linear, QuantLinear):
-            raise ValueError(f"{where} is already quantized")
-        return QUANTIZERS[mode](linear, **options)
+    def quantizer(where_to):
+        def quantized(linear: nn.Module, where: str) -> QuantLinear:
+            if isinstance(linear, QuantLinear):
+                raise ValueError(f"{where} is already quantized")
+            return QUANTIZERS[mode](linear, device=where_to, **options)
 
-    swap_layer_matrices(model, quantized)
+        return quantized
+
+    swap_layer_matrices(model, quantizer(device), range(n))
+    swap_layer_matrices(model, quantizer(None), range(n, len(model.layers)))
     if model.lm_head is not None:
         model.lm_head = Int8Linear(model.lm_head, device)
     else:  # tied: one int8 table, the head's, read by both ends

@@ -642,10 +642,12 @@ with pytest.raises(
 QUANTIZED_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # inside every DecoderLayer
 
 
-def swap_layer_matrices(model: Transformer, swap) -> None:
+def swap_layer_matrices(model: Transformer, swap, layers: range | None = None) -> None:
     """Each layer matrix of `model` (QUANTIZED_LINEARS) replaced, in place and one at a time, by `swap(module, where)`
-    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next."""
-    for i, layer in enumerate(model.layers):
+    (`where`: "layer 3 attn.qkv"), unless that returns None. The module it replaces is freed before the next.
+    `layers`: the indices of the layers to walk (default: all)."""
+    for i in range(len(model.layers)) if layers is None else layers:
+        layer = model.layers[i]
         for name in QUANTIZED_LINEARS:
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
@@ -659,25 +661,39 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 @torch.no_grad()
 def quantize_model(
-    model: Transformer, mode: str, int4_group: int | None = None, device=None
+    model: Transformer,
+    mode: str,
+    int4_group: int | None = None,
+    device=None,
+    device_layers: int | None = None,
 ) -> Transformer:
     """Swap every layer's linear modules for `mode` ('int8' or 'int4') quantized ones, in place, one at a time, and
     the LM head for an int8 one (a tied embedding then reads its rows from it).
     `int4_group`: inputs per int4 scale (default: 128, or 64 / 32 where 128 does not divide the input size).
-    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put."""
+    `device`: where to quantize and keep the quantized modules (default: where each matrix is); the rest stays put.
+    `device_layers`: only the head and the first this many layers go to `device`; the others are quantized where they
+    are (a model split with the CPU, chapter 10h: the GPU's layers reach it quantized, a slice of rows at a time)."""
     if mode not in QUANTIZERS:
         raise ValueError(
             f"unknown quantization {mode!r}; quantize_model does {', '.join(QUANTIZERS)}"
         )
     options = {"group": int4_group} if mode == "int4" else {}
-    options["device"] = device
+    n = len(model.layers) if device_layers is None else device_layers
+    if not 0 <= n <= len(model.layers):
+        raise ValueError(
+            f"device_layers must be between 0 and {len(model.layers)}, got {device_layers}"
+        )
 
-    def quantized(linear: nn.Module, where: str) -> QuantLinear:
-        if isinstance(linear, QuantLinear):
-            raise ValueError(f"{where} is already quantized")
-        return QUANTIZERS[mode](linear, **options)
+    def quantizer(where_to):
+        def quantized(linear: nn.Module, where: str) -> QuantLinear:
+            if isinstance(linear, QuantLinear):
+                raise ValueError(f"{where} is already quantized")
+            return QUANTIZERS[mode](linear, device=where_to, **options)
 
-    swap_layer_matrices(model, quantized)
+        return quantized
+
+    swap_layer_matrices(model, quantizer(device), range(n))
+    swap_layer_matrices(model, quantizer(None), range(n, len(model.layers)))
     if model.lm_head is not None:
         model.lm_head = Int8Linear(model.lm_head, device)
     else:  # tied: one int8 table, the head's, read by both ends
@@ -753,6 +769,26 @@ for mode, quantize in (("int8", quantize_int8), ("int4", quantize_int4)):
         stored = [module.qweight, module.scale] + ([module.minimum] if mode == "int4" else [])
         assert all(torch.equal(a, b) for a, b in zip(stored, quantize(w))), (mode, n)
     assert quantized.layers[1].attn.qkv.bias.dtype == torch.bfloat16
+
+# %% [markdown]
+# With `device_layers` only the first layers (and the head) go to `device`; the others are
+# quantized where they are, to the same values (a split model, chapter 10h, on a GPU: the GPU's
+# layers quantized there from the CPU). Past the model's layers is refused.
+
+# %%
+split = quantize_model(copy.deepcopy(staged), "int8", device="cpu", device_layers=1)
+whole = quantize_model(copy.deepcopy(staged), "int8")
+assert all(isinstance(layer.attn.qkv, Int8Linear) for layer in split.layers)
+assert all(
+    torch.equal(a, b) for a, b in zip(split.state_dict().values(), whole.state_dict().values())
+)
+try:
+    quantize_model(
+        copy.deepcopy(staged), "int8", device="cpu", device_layers=len(staged.layers) + 1
+    )
+    raise AssertionError("device_layers past the model's layers was not refused")
+except ValueError as e:
+    print("refused:", e)
 
 # %% [markdown]
 # ## Loading a GGUF model kept quantized
