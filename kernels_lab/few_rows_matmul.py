@@ -10,12 +10,17 @@ Variants (each validated against x.float() @ w.float().T):
 - tile: one program per BLOCK_N outputs, the rows padded to 16 for `tl.dot`, a loop over K in BLOCK_K steps, swept
   over BLOCK_N x BLOCK_K x warps x stages.
 - split: the same, K split over SPLIT programs that add FP32 partial sums with atomics, then one cast.
+- gemv: chapter 09's GEMV on all the rows at once (its 'tile' layout, a [rows, BLOCK_N, BLOCK_K] accumulator; its row
+  limit lifted to 8 here), swept over BLOCK_N x BLOCK_K x warps.
 
 Timed as one CUDA graph replay over COPIES distinct weight copies (more bytes than the L2 holds), per matrix.
 
-Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/few_rows_matmul.py [rows,...]"""
+Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/few_rows_matmul.py [rows,...]
+(LAB_GEMV_ONLY=1: cuBLAS and the GEMV only)"""
 
+import functools
 import itertools
+import os
 import sys
 
 from common import HBM_BYTES_PER_S, ON_GPU, graphed_ms  # first: it may switch on the interpreter
@@ -24,7 +29,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import forge_engine.kernels.gemv as gemv_module
 from forge_engine.kernels.gemv import gemv
+
+gemv_module.GEMV_MAX_ROWS = 8  # the lab tries the GEMV past the package's limit
+GEMV_GRID = list(itertools.product((1, 2, 4), (256, 512, 1024), (2, 4)))
 
 SHAPES = {  # (N, K) of Qwen3-4B's matrices
     "qkv": (6144, 2560),
@@ -104,7 +113,7 @@ def main(rows_list):
                 line["cublas"] = graphed_ms(lambda: [F.linear(x, w) for w in weights]) / COPIES
                 line["gemv1"] = graphed_ms(lambda: [gemv(x[:1], w) for w in weights]) / COPIES
             best = (float("inf"), None)
-            for bn, bk, warps, stages, split in grid:
+            for bn, bk, warps, stages, split in [] if os.environ.get("LAB_GEMV_ONLY") else grid:
                 if split > 1 and n >= 8192:
                     continue
                 try:
@@ -128,9 +137,23 @@ def main(rows_list):
                         / COPIES
                     )
                     best = min(best, (ms, (bn, bk, warps, stages, split)))
+            best_gemv = (float("inf"), None)
+            for bn, bk, warps in GEMV_GRID if ON_GPU else [(2, 32, 4)]:
+                run = functools.partial(
+                    gemv, block_n=bn, block_k=bk, num_warps=warps, layout="tile"
+                )
+                err = ((run(x, weights[0]).float() - want).abs().max() / want.abs().max()).item()
+                if err > 2e-2:
+                    print(f"  FAIL {name} m={m} gemv {bn, bk, warps}: rel error {err:.2e}")
+                    continue
+                if ON_GPU:
+                    ms = graphed_ms(lambda: [run(x, w) for w in weights]) / COPIES
+                    best_gemv = min(best_gemv, (ms, (bn, bk, warps)))
             if ON_GPU:
                 ms, cfg = best
                 line["tile best"] = ms
+                line["gemv best"] = best_gemv[0]
+                print(f"  best gemv {best_gemv[1]}")
                 print(
                     f"{name:8s} N={n:6d} K={k:5d} m={m:2d}: "
                     + ", ".join(

@@ -15,8 +15,11 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
    (the first time, those of the run without; the verify rows' matmuls round otherwise than the one-row GEMV, so
    near ties of random weights flip tokens). That is the upper bound of the speed-up.
 
+3. Where the time goes (LAB_PROFILE=1): the kernels of a decode graph of 1 row and of a verify graph of 1 + DRAFTS
+   rows, by name, microseconds a step, under torch.profiler.
+
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
-(LAB_STEPS_ONLY=1: part 1 only)"""
+(LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3)"""
 
 import os
 import statistics
@@ -51,15 +54,7 @@ class Replay:
 
 def step_ms(decode, rows: int, verify: bool, block_size: int) -> float:
     "Milliseconds a step of `rows` rows of one sequence (positions CONTEXT - 1 ...), graph replays back to back."
-    table = list(range(-(-(CONTEXT + rows) // block_size)))
-    positions = [CONTEXT - 1 + j for j in range(rows)]
-    args = (
-        [100 + j for j in range(rows)],
-        positions,
-        [table[p // block_size] * block_size + p % block_size for p in positions],
-        [table] * rows,
-        [p + 1 for p in positions],
-    )
+    args = step_args(rows, block_size)
     times = []
     for _ in range(7):
         torch.cuda.synchronize()
@@ -69,6 +64,41 @@ def step_ms(decode, rows: int, verify: bool, block_size: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / REPLAYS * 1e3)
     return statistics.median(times)
+
+
+def step_args(rows: int, block_size: int) -> tuple:
+    "A step's inputs for `rows` rows of one sequence at positions CONTEXT - 1 ..., as the engine writes them."
+    table = list(range(-(-(CONTEXT + rows) // block_size)))
+    positions = [CONTEXT - 1 + j for j in range(rows)]
+    return (
+        [100 + j for j in range(rows)],
+        positions,
+        [table[p // block_size] * block_size + p % block_size for p in positions],
+        [table] * rows,
+        [p + 1 for p in positions],
+    )
+
+
+def kernel_profile(decode, rows: int, verify: bool, block_size: int, top: int = 14) -> None:
+    "Print the step's kernels by name: microseconds a step, most first (the mean over REPLAYS replays)."
+    from torch.profiler import ProfilerActivity, profile
+
+    args = step_args(rows, block_size)
+    decode.run(*args, verify=verify)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            decode.run(*args, verify=verify)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / REPLAYS
+    kind = f"verify, 1 + {rows - 1} rows" if verify else "decode, 1 row"
+    print(f"  kernels of a step ({kind}): {total:.0f} us in all")
+    for e in kernels[:top]:
+        print(
+            f"    {e.self_device_time_total / REPLAYS:8.1f} us  {e.count / REPLAYS:5.1f}x  {e.key[:90]}"
+        )
 
 
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
@@ -101,6 +131,10 @@ def main(quantization: str) -> None:
         ms = step_ms(decode, 1 + k, True, size)
         print(f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step")
 
+    if os.environ.get("LAB_PROFILE"):
+        kernel_profile(decode, 1, False, size)
+        kernel_profile(decode, 1 + DRAFTS, True, size)
+        return
     if os.environ.get("LAB_STEPS_ONLY"):
         return
     spec = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS))
