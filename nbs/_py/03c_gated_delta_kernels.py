@@ -200,14 +200,12 @@ assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
 L2NORM_EPS = 1e-6  # chapter 03b's l2norm: x / sqrt(sum(x^2) + eps)
 
 
-def state_block_v(
-    programs: int, dv: int, widest: int = 64, target: int = 256, narrowest: int = 16
-) -> int:
-    """Columns of the state a program takes: the widest of `widest`, ..., 32, 16 that still gives `target` programs
-    when `programs` (sequences x value heads) programs take one slice each. (256: two per SM of an H200; the lab
-    sweeps.)"""
-    block = min(widest, max(narrowest, _pow2(dv)))
-    while block > narrowest and programs * -(-dv // block) < target:
+def state_block_v(programs: int, dv: int, widest: int = 64, target: int = 256) -> int:
+    """Columns of the state a decode program takes: the widest of `widest`, ..., 32, 16 that still gives `target`
+    programs when `programs` (sequences x value heads) programs take one slice each. (256: two per SM of an H200;
+    the lab sweeps.)"""
+    block = min(widest, max(16, _pow2(dv)))
+    while block > 16 and programs * -(-dv // block) < target:
         block //= 2
     return block
 
