@@ -281,6 +281,7 @@ def run_from_args(args) -> int:
                     tensor_parallel_size=args.tensor_parallel_size,
                     memory_budget=args.gpu_memory_budget,
                     gpu_layers=args.gpu_layers,
+                    offload=args.offload,
                 )
             result = run_offline(name, loaded, args, ceiling)
         result["environment"] = env

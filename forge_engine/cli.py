@@ -91,7 +91,14 @@ def _placement(name: str, quantization: str, budget: int) -> list[tuple[str, str
     except (ValueError, FileNotFoundError) as e:
         return [("placement", f"{name} in {quantization}: {e}")]
     rows = [("placement", plan.describe())]
-    if plan.gpu_layers < plan.num_layers:
+    if (
+        plan.gpu_layers < plan.num_layers
+    ):  # and with --offload stream, which gives two layers' room to its slots
+        try:
+            streamed = plan_gpu_layers(config, budget, quantization, streamed=True).describe()
+        except ValueError as e:
+            streamed = str(e)
+        rows.append(("placement, streamed", streamed))
         cpu = read_bandwidth("cpu", gib=0.25, repeats=3, dtype=torch.float32)
         pcie = pcie_bandwidth(2**28)[0] if torch.cuda.is_available() else float("nan")
         floors = offload_step_seconds(plan.cpu_weights, cpu, pcie)
@@ -226,6 +233,7 @@ def _load_llm(args):
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_budget=args.gpu_memory_budget,
         gpu_layers=args.gpu_layers,
+        offload=args.offload,
     )
     param = next(llm.loaded.model.parameters())
     log(

@@ -35,7 +35,7 @@ from forge_engine.qwen3_5 import (
     init_random_qwen35,
     load_hf_state_dict,
 )
-from .offload import place_layers
+from .offload import OFFLOAD_MODES, place_layers, stream_layers
 from .registry import ResolvedModel, describe_model, resolve
 from .tokenizer import Tokenizer
 
@@ -139,6 +139,13 @@ def add_memory_budget_flag(p: argparse.ArgumentParser):
         help="only the first N decoder layers on the GPU, the rest on the CPU (chapter 10h); auto: as many as "
         "--gpu-memory-budget holds (default: all)",
     )
+    p.add_argument(
+        "--offload",
+        default="cpu",
+        choices=list(OFFLOAD_MODES),
+        help="with --gpu-layers, the other layers computed on the CPU, or streamed to the GPU each step (chapter "
+        "10h; default cpu)",
+    )
 
 
 def gpu_layers_arg(text: str) -> int | str:
@@ -225,8 +232,10 @@ def offloaded_layers(
     quantization: str,
     dtype: torch.dtype,
     progress: bool,
+    streamed: bool = False,
 ) -> int | None:
-    "How many decoder layers go to the GPU when the others go to the CPU (chapter 10h); None: all of them."
+    """How many decoder layers go to the GPU when the others go to the CPU, or are `streamed` to it (chapter 10h); None:
+    all of them."""
     if gpu_layers is None:
         return None
     if gpu_layers == "auto":
@@ -237,7 +246,9 @@ def offloaded_layers(
                 "--gpu-layers auto plans from --gpu-memory-budget with int8, int4 or unquantized weights: give a "
                 "budget, or the number of layers"
             )
-        plan = plan_gpu_layers(config, memory_budget, quantization, torch.finfo(dtype).bits // 8)
+        plan = plan_gpu_layers(
+            config, memory_budget, quantization, torch.finfo(dtype).bits // 8, streamed=streamed
+        )
         if progress:
             print(plan.describe(), file=sys.stderr)
         gpu_layers = plan.gpu_layers
@@ -250,7 +261,10 @@ def offloaded_layers(
             if quantization == "gguf"
             else split_bytes(config, gpu_layers, quantization, torch.finfo(dtype).bits // 8)
         )
-        print(describe_split(gpu_layers, config.num_layers, *weights), file=sys.stderr)
+        print(
+            describe_split(gpu_layers, config.num_layers, *weights, streamed=streamed),
+            file=sys.stderr,
+        )
     if not isinstance(gpu_layers, int) or gpu_layers < 1:
         raise ValueError(
             f"gpu_layers must be a positive number of layers or 'auto', got {gpu_layers!r}"
@@ -267,6 +281,7 @@ def load_model(
     quantization: str = "none",
     memory_budget: int | None = None,
     gpu_layers: int | str | None = None,
+    offload: str = "cpu",
 ) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;
@@ -276,11 +291,14 @@ def load_model(
     int8 / int4 are then staged on the CPU in full precision and quantized on the GPU a slice of rows at a time,
     so the GPU never holds more than the quantized matrices and one slice.
     `gpu_layers` (chapter 10h): N keeps only the first N decoder layers (with the embedding, the final norm and the
-    head) on `device` and the others on the CPU; "auto": the most that `memory_budget` holds."""
+    head) on `device` and the others on the CPU; "auto": the most that `memory_budget` holds. `offload`: the others
+    computed on the CPU ("cpu"), or kept in host memory and streamed to `device` each step ("stream")."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
         )
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"unknown offload {offload!r}; choose one of {', '.join(OFFLOAD_MODES)}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedModel = resolve(name, presets=RANDOM_PRESETS)
@@ -302,7 +320,15 @@ def load_model(
             f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
             f"use int8 or int4"
         )
-    split = offloaded_layers(gpu_layers, config, memory_budget, quantization, dtype, progress)
+    streamed = offload == "stream"
+    if streamed and quantization == "gguf":
+        raise ValueError(
+            "--offload stream streams int8, int4 or unquantized layers; a GGUF file's blocks are computed on the CPU "
+            "(--offload cpu)"
+        )
+    split = offloaded_layers(
+        gpu_layers, config, memory_budget, quantization, dtype, progress, streamed
+    )
     staging = torch.device("cpu") if split else device  # (a split model is placed from the CPU)
     if memory_budget is not None and device.type == "cuda" and not split:
         from forge_engine.memory_plan import plan_memory
@@ -358,7 +384,7 @@ def load_model(
 
         quantize_model(model, quantization, device=device, device_layers=split or None)
     if split:  # chapter 10h: its embedding, first layers, final norm and head to the GPU
-        model = place_layers(model, split, device)
+        model = (stream_layers if streamed else place_layers)(model, split, device)
     if quantization == "gguf" and device.type == "cuda":
         # aligned planes for the GPU's GEMVs (chapter 10g); a CPU (and a split model's CPU layers) reads the blocks
         from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu

@@ -25,8 +25,9 @@ from forge_engine.memory_plan import (
 from .model import AttentionBackend, Transformer
 
 # %% auto #0
-__all__ = ['OffloadedTransformer', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part', 'OffloadPlan', 'describe_split',
-           'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds', 'pcie_bandwidth']
+__all__ = ['OFFLOAD_MODES', 'OffloadedTransformer', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part', 'OffloadPlan',
+           'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds', 'pcie_bandwidth',
+           'LayerStream', 'StreamedTransformer', 'stream_layers']
 
 # %% ../nbs/10h_offload.ipynb #04b8dc79
 class OffloadedTransformer(Transformer):
@@ -120,28 +121,38 @@ class OffloadPlan:
     num_layers: int
     gpu_weights: int  # the GPU layers, the embedding, the head
     cpu_weights: int  # the other layers
-    kv_per_token: int  # of the GPU's layers, bytes
+    kv_per_token: int  # of the layers whose KV cache is on the GPU, bytes
     kv_cache: int  # what the budget leaves the GPU's KV cache
+    streamed: bool = (
+        False  # the other layers streamed to the GPU (two slots of it), not computed on the CPU
+    )
 
     def describe(self) -> str:
         if self.gpu_layers == self.num_layers:
             return f"offload plan for {format_gib(self.budget)}: all {self.num_layers} layers on the GPU"
+        split = describe_split(
+            self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights, self.streamed
+        )
         return (
-            f"offload plan for {format_gib(self.budget)}: "
-            f"{describe_split(self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights)}; GPU KV cache "
+            f"offload plan for {format_gib(self.budget)}: {split}; GPU KV cache "
             f"{format_gib(self.kv_cache)} ({self.kv_cache // self.kv_per_token:,} tokens)"
         )
 
 
 def describe_split(
-    gpu_layers: int, num_layers: int, gpu_weights: int | None = None, cpu_weights: int | None = None
+    gpu_layers: int,
+    num_layers: int,
+    gpu_weights: int | None = None,
+    cpu_weights: int | None = None,
+    streamed: bool = False,
 ) -> str:
     "Which layers go where, and their bytes when known."
     gpu = f"{format_gib(gpu_weights)} " if gpu_weights is not None else ""
     cpu = f" ({format_gib(cpu_weights)})" if cpu_weights is not None else ""
+    rest = "streamed from host memory through two GPU slots" if streamed else "on the CPU"
     return (
         f"layers 0-{gpu_layers - 1} of {num_layers} on the GPU ({gpu}with the embedding and head), layers "
-        f"{gpu_layers}-{num_layers - 1} on the CPU{cpu}"
+        f"{gpu_layers}-{num_layers - 1} {rest}{cpu}"
     )
 
 
@@ -169,16 +180,20 @@ def plan_gpu_layers(
     dtype_bytes: int = 2,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
+    streamed: bool = False,
 ) -> OffloadPlan:
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
     graphs), the overhead and the minimal KV cache the runner asks of the GPU's pool (MIN_KV_BYTES, whatever its
-    layers); MemoryPlanError when not even one layer does."""
+    layers); MemoryPlanError when not even one layer does. `streamed`: the other layers stream to the GPU
+    (`stream_layers`), whose two slots take two layers' room, and every layer's KV cache is on the GPU."""
     one = layer_bytes(c, quantization, dtype_bytes)
     rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
     free = budget - rest - acts - OVERHEAD_BYTES
     n = min(c.num_layers, max(0, (free - MIN_KV_BYTES) // one))
+    slots = 2 * one if streamed and n < c.num_layers else 0  # (all of them fit: nothing streams)
+    n = max(0, n - slots // one)
     if n == 0:
         raise MemoryPlanError(
             f"{format_gib(budget)} holds no layer of this model on the GPU: the embedding and head "
@@ -186,20 +201,23 @@ def plan_gpu_layers(
             f"the minimal KV cache ({format_gib(MIN_KV_BYTES)}) leave {format_gib(free - MIN_KV_BYTES)}, a layer "
             f"needs {format_gib(one)}"
         )
+    gpu, other = split_bytes(c, n, quantization, dtype_bytes)
     return OffloadPlan(
         budget,
         n,
         c.num_layers,
-        *split_bytes(c, n, quantization, dtype_bytes),
-        n * kv_layer_token,
-        free - n * one,
+        gpu + slots,
+        other,
+        (c.num_layers if slots else n) * kv_layer_token,
+        free - n * one - slots,
+        bool(slots),
     )
 
 
 def offload_step_seconds(
     cpu_weights: int, cpu_bytes_per_s: float, pcie_bytes_per_s: float
 ) -> dict[str, float]:
-    "A decode step's floor for the CPU's layers: read by the CPU, or copied to the GPU (what this chapter does not do)."
+    "A decode step's floor for the layers past the GPU's: read by the CPU (`--offload cpu`), or copied to the GPU (`stream`)."
     return {
         "cpu_compute": cpu_weights / cpu_bytes_per_s,
         "streaming": cpu_weights / pcie_bytes_per_s,
@@ -220,3 +238,123 @@ def pcie_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> tuple[float, float]
         torch.cuda.synchronize()
         rates.append(nbytes * repeats / (time.perf_counter() - start))
     return rates[0], rates[1]
+
+# %% ../nbs/10h_offload.ipynb #4fe1749c
+OFFLOAD_MODES = (
+    "cpu",
+    "stream",
+)  # where layers past the GPU's compute: on the CPU, or streamed to the GPU
+
+
+class LayerStream:
+    """Layers `first`.. of `layers`: their matrices' tensors kept in host memory (pinned when `device` is a GPU) and
+    run from two slots on `device`, each filled on a copy stream once the layer before in that slot has run."""
+
+    def __init__(self, layers, first: int, device):
+        from forge_engine.quant.layers import QUANTIZED_LINEARS
+
+        self.first, self.count, device = first, len(layers) - first, torch.device(device)
+        self.cuda = device.type == "cuda"
+        names = QUANTIZED_LINEARS
+        tensors = [
+            [t for n in names for t in (*layers[i].get_submodule(n).parameters(),
+                                          *layers[i].get_submodule(n).buffers())]
+            for i in range(first, len(layers))
+        ]  # fmt: skip
+        kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
+        if any(k != kinds[0] for k in kinds):
+            raise ValueError("streamed layers must hold matrices of one shape and type each")
+        self.host = [
+            [t.detach().cpu().pin_memory() if self.cuda else t.detach().clone() for t in ts]
+            for ts in tensors
+        ]
+        self.slots = [
+            [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
+            for _ in range(min(2, self.count))
+        ]
+        for j, ts in enumerate(tensors):  # each layer's tensors now live in its slot
+            for t, s in zip(ts, self.slots[j % len(self.slots)]):
+                t.data = s
+        self.filled = [None] * len(
+            self.slots
+        )  # the layer each slot holds (or is being filled with)
+        if self.cuda:
+            self.copier = torch.cuda.Stream(device)
+            self.copied = [torch.cuda.Event() for _ in self.slots]
+            self.used = [torch.cuda.Event() for _ in self.slots]
+        for j in range(len(self.slots)):
+            self.fill(j)
+
+    def host_bytes(self) -> int:
+        "The bytes each step copies (every streamed layer's matrices)."
+        return sum(t.numel() * t.element_size() for ts in self.host for t in ts)
+
+    def fill(self, j: int) -> None:
+        "Copy streamed layer j (layer first + j) into its slot, after the slot's last layer has run."
+        s = j % len(self.slots)
+        if self.filled[s] == j:
+            return
+        if not self.cuda:  # (a CPU "device": the bookkeeping, copied at once)
+            for dst, src in zip(self.slots[s], self.host[j]):
+                dst.copy_(src)
+        else:
+            with torch.cuda.stream(self.copier):
+                self.copier.wait_event(self.used[s])
+                for dst, src in zip(self.slots[s], self.host[j]):
+                    dst.copy_(src, non_blocking=True)
+                self.copied[s].record(self.copier)
+        self.filled[s] = j
+
+    def before(self, layer: int) -> None:
+        "Layer `layer`'s matrices in place before its kernels run (filled ahead, or now)."
+        j = layer - self.first
+        self.fill(j)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.copied[j % len(self.slots)])
+
+    def after(self, layer: int) -> None:
+        "Layer `layer` has run (its kernels queued): its slot takes the next layer of that slot."
+        j = layer - self.first
+        s, following = j % len(self.slots), j + len(self.slots)
+        if self.cuda:
+            self.used[s].record(torch.cuda.current_stream())
+        self.fill(following if following < self.count else s)  # past the last: the next step's
+
+
+class StreamedTransformer(Transformer):
+    "A Transformer whose layers from `gpu_layers` on run on the GPU from `stream`'s two slots (`stream_layers`)."
+
+    gpu_layers: int
+    stream: LayerStream
+
+    def run_layers(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if i >= self.gpu_layers:
+                self.stream.before(i)
+            x, residual = layer(x, residual, cos, sin, attention)
+            if i >= self.gpu_layers:
+                self.stream.after(i)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+
+def stream_layers(model: Transformer, gpu_layers: int, device) -> StreamedTransformer:
+    """`model` (loaded, and quantized, on the CPU) with everything on `device` but the matrices of layers `gpu_layers`..,
+    which stream there each step (`LayerStream`), in place. 0 < gpu_layers < its number of layers."""
+    layers = len(model.layers)
+    if not 0 < gpu_layers < layers:
+        raise ValueError(
+            f"gpu_layers must be between 1 and {layers - 1} for a model of {layers} layers (all of them: no offload), "
+            f"got {gpu_layers}"
+        )
+    if type(model) is not Transformer:
+        raise ValueError(
+            f"stream_layers streams chapter 03's Transformer, not a {type(model).__name__}"
+        )
+    stream = LayerStream(
+        model.layers, gpu_layers, device
+    )  # the streamed matrices first: never whole on the GPU
+    model.to(device)  # the rest (the streamed matrices are there already)
+    model.__class__ = StreamedTransformer
+    model.gpu_layers, model.stream = gpu_layers, stream
+    return model

@@ -480,6 +480,36 @@ def test_qwen3_5_on_the_gpu_matches_the_cpu():
     assert sorted(engine.scheduler.free_state_slots) == list(range(4))
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_layers_streamed_to_the_gpu_give_the_tokens_of_the_model_whole(quantization):
+    """Chapter 10h's streaming mode on a real GPU: a tiny fp32 model of five layers with layers 1.. in pinned host memory,
+    run from two GPU slots filled on a copy stream (each slot twice a step), gives the greedy tokens of the same model
+    whole on the GPU, with its fused layers."""
+    from forge_engine.fused_layers import install_fused_layers
+    from forge_engine.offload import StreamedTransformer, stream_layers
+    from forge_engine.quant.layers import quantize_model
+
+    model = init_random_weights(empty_model(preset("qwen3-tiny").replace(num_layers=5)), seed=4)
+    if quantization != "none":
+        quantize_model(model, quantization)
+    whole = install_fused_layers(copy.deepcopy(model).to("cuda"))
+    streamed = install_fused_layers(stream_layers(model, 1, "cuda"))
+    assert isinstance(streamed, StreamedTransformer) and len(streamed.stream.slots) == 2
+
+    def tokens(m):
+        engine = LLMEngine(
+            LoadedModel("tiny", m, None, None),
+            EngineConfig(kv_cache_bytes=16 * 2**20, max_num_seqs=4, cuda_graphs=False),
+        )
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        outs = run_all(engine, [list(range(5, 5 + n)) for n in (1, 20, 70)], params)
+        engine.allocator.check_idle()
+        return outs
+
+    # the same kernels on the same weights but for the norms handed between the whole model's decode GEMVs
+    assert_same_greedy(tokens(streamed), tokens(whole), tolerance=1e-3)
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantization):
     """Chapter 10h on a real GPU: a tiny model in fp32 with its first layer on the GPU and the rest on the CPU (each

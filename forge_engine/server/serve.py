@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
                 tensor_parallel_size=config.tensor_parallel_size,
                 memory_budget=config.gpu_memory_budget,
                 gpu_layers=args.gpu_layers,
+                offload=args.offload,
             )
             draft = None
             if args.draft_model:  # chapter 08d: drafts from a smaller model with the same tokenizer

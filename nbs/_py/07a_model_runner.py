@@ -54,7 +54,13 @@ from forge_engine.cuda_graphs import (
 )
 from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout, to_device
 from forge_engine.model import Transformer, no_cache_attention
-from forge_engine.offload import OffloadedTransformer, SplitAttention, gpu_part, offload_pool
+from forge_engine.offload import (
+    OffloadedTransformer,
+    SplitAttention,
+    StreamedTransformer,
+    gpu_part,
+    offload_pool,
+)
 from forge_engine.scheduler import ScheduledSeq, Sequence as Seq, StepPlan
 from forge_engine.qwen3_5 import Qwen35Model
 from forge_engine.state_pool import StatePool, StepStates
@@ -99,8 +105,10 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
         budget / total, param.device
     )  # past the budget, allocations fail
     graphs = 0
-    # the decode graphs' pool, the mixed-step graphs' and their logits (a model split with the CPU has none)
-    if config.cuda_graphs is not False and not isinstance(model, OffloadedTransformer):
+    # the decode graphs' pool, the mixed-step graphs' and their logits (a model split with the CPU, or streamed, has none)
+    if config.cuda_graphs is not False and not isinstance(
+        model, (OffloadedTransformer, StreamedTransformer)
+    ):
         c, mixed = model.config, mixed_buckets(config.max_num_batched_tokens)
         rows = [min(config.max_num_seqs, t) for t in mixed]
         graphs = activation_bytes(c, config.max_num_seqs, config.max_num_seqs, param.element_size())
@@ -474,9 +482,9 @@ def build_runner(
     )
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
-    graphs = (
-        graphs and not config.batch_invariant and not offloaded
-    )  # (no graphs of a split step yet)
+    # (no graphs of a split step yet; a streamed one copies weights between its kernels: eager)
+    streamed = isinstance(model, StreamedTransformer)
+    graphs = graphs and not config.batch_invariant and not offloaded and not streamed
     decode = (
         DecodeRunner(
             model,
@@ -500,6 +508,7 @@ def build_runner(
         and param.device.type == "cpu"
         and not config.batch_invariant
         and not offloaded
+        and not streamed
     ):
         # a GGUF model's decode steps as one C call (chapter 10f), where it runs (rows: a sequence and its drafts,
         # chapter 08c); else the eager step

@@ -53,9 +53,11 @@ def load_model_over(
     tensor_parallel_size: int = 1,
     memory_budget: int | None = None,
     gpu_layers: int | str | None = None,
+    offload: str = "cpu",
 ) -> LoadedModel:
     """`load_model` (chapter 04a) in this process, or `load_model_parallel` (chapter 09c) over `tensor_parallel_size`.
-    `gpu_layers`: the first N layers on the GPU, the rest on the CPU (chapter 10h; in this process only)."""
+    `gpu_layers`: the first N layers on the GPU, the others computed on the CPU or (`offload` "stream") streamed to
+    the GPU (chapter 10h; in this process only)."""
     if tensor_parallel_size == 1:
         return load_model(
             name,
@@ -66,6 +68,7 @@ def load_model_over(
             quantization=quantization,
             memory_budget=memory_budget,
             gpu_layers=gpu_layers,
+            offload=offload,
         )
     if gpu_layers is not None:
         raise ValueError(
@@ -109,9 +112,11 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         gpu_layers: int | str | None = None,
+        offload: str = "cpu",
         **engine_options,
     ):
-        "`gpu_layers`: only the first N layers on the GPU (chapter 10h); `engine_options`: EngineConfig's fields."
+        """`gpu_layers`: only the first N layers on the GPU, the others on the CPU or streamed (`offload`, chapter 10h);
+        `engine_options`: EngineConfig's fields."""
         self.loaded = load_model_over(
             model,
             device,
@@ -122,6 +127,7 @@ class LLM:
             quantization=engine_options.get("quantization", "none"),
             tensor_parallel_size=engine_options.get("tensor_parallel_size", 1),
             gpu_layers=gpu_layers,
+            offload=offload,
         )
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(

@@ -24,8 +24,9 @@
 # server's many more; PCIe 4.0 x16 moves ~25 GB/s and 5.0 x16 ~50. So for decoding, the CPU
 # computes its layers (llama.cpp's choice too). A long prompt is the other case: its matmuls are
 # compute-bound, `2 · P_cpu · T` FLOP on a CPU of a few TFLOP/s against one copy of `W_cpu` to a
-# GPU of hundreds; streaming wins from a few dozen tokens a step. This chapter builds the first
-# mode; `offload_step_seconds` does the arithmetic of both for a plan, and
+# GPU of hundreds; streaming wins from a few dozen tokens a step. This chapter builds both: the
+# CPU computes its layers (`--offload cpu`, the default), or they stream to the GPU (`--offload
+# stream`, the last section); `offload_step_seconds` does the arithmetic of both for a plan, and
 # `kernels_lab/offload_bandwidth.py` measures the two bandwidths of a machine.
 #
 # Measured there on an H100 machine (16 CPU threads read 58.2 GB/s; pinned PCIe copies 54.9
@@ -276,28 +277,38 @@ class OffloadPlan:
     num_layers: int
     gpu_weights: int  # the GPU layers, the embedding, the head
     cpu_weights: int  # the other layers
-    kv_per_token: int  # of the GPU's layers, bytes
+    kv_per_token: int  # of the layers whose KV cache is on the GPU, bytes
     kv_cache: int  # what the budget leaves the GPU's KV cache
+    streamed: bool = (
+        False  # the other layers streamed to the GPU (two slots of it), not computed on the CPU
+    )
 
     def describe(self) -> str:
         if self.gpu_layers == self.num_layers:
             return f"offload plan for {format_gib(self.budget)}: all {self.num_layers} layers on the GPU"
+        split = describe_split(
+            self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights, self.streamed
+        )
         return (
-            f"offload plan for {format_gib(self.budget)}: "
-            f"{describe_split(self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights)}; GPU KV cache "
+            f"offload plan for {format_gib(self.budget)}: {split}; GPU KV cache "
             f"{format_gib(self.kv_cache)} ({self.kv_cache // self.kv_per_token:,} tokens)"
         )
 
 
 def describe_split(
-    gpu_layers: int, num_layers: int, gpu_weights: int | None = None, cpu_weights: int | None = None
+    gpu_layers: int,
+    num_layers: int,
+    gpu_weights: int | None = None,
+    cpu_weights: int | None = None,
+    streamed: bool = False,
 ) -> str:
     "Which layers go where, and their bytes when known."
     gpu = f"{format_gib(gpu_weights)} " if gpu_weights is not None else ""
     cpu = f" ({format_gib(cpu_weights)})" if cpu_weights is not None else ""
+    rest = "streamed from host memory through two GPU slots" if streamed else "on the CPU"
     return (
         f"layers 0-{gpu_layers - 1} of {num_layers} on the GPU ({gpu}with the embedding and head), layers "
-        f"{gpu_layers}-{num_layers - 1} on the CPU{cpu}"
+        f"{gpu_layers}-{num_layers - 1} {rest}{cpu}"
     )
 
 
@@ -325,16 +336,20 @@ def plan_gpu_layers(
     dtype_bytes: int = 2,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
+    streamed: bool = False,
 ) -> OffloadPlan:
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
     graphs), the overhead and the minimal KV cache the runner asks of the GPU's pool (MIN_KV_BYTES, whatever its
-    layers); MemoryPlanError when not even one layer does."""
+    layers); MemoryPlanError when not even one layer does. `streamed`: the other layers stream to the GPU
+    (`stream_layers`), whose two slots take two layers' room, and every layer's KV cache is on the GPU."""
     one = layer_bytes(c, quantization, dtype_bytes)
     rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
     free = budget - rest - acts - OVERHEAD_BYTES
     n = min(c.num_layers, max(0, (free - MIN_KV_BYTES) // one))
+    slots = 2 * one if streamed and n < c.num_layers else 0  # (all of them fit: nothing streams)
+    n = max(0, n - slots // one)
     if n == 0:
         raise MemoryPlanError(
             f"{format_gib(budget)} holds no layer of this model on the GPU: the embedding and head "
@@ -342,20 +357,23 @@ def plan_gpu_layers(
             f"the minimal KV cache ({format_gib(MIN_KV_BYTES)}) leave {format_gib(free - MIN_KV_BYTES)}, a layer "
             f"needs {format_gib(one)}"
         )
+    gpu, other = split_bytes(c, n, quantization, dtype_bytes)
     return OffloadPlan(
         budget,
         n,
         c.num_layers,
-        *split_bytes(c, n, quantization, dtype_bytes),
-        n * kv_layer_token,
-        free - n * one,
+        gpu + slots,
+        other,
+        (c.num_layers if slots else n) * kv_layer_token,
+        free - n * one - slots,
+        bool(slots),
     )
 
 
 def offload_step_seconds(
     cpu_weights: int, cpu_bytes_per_s: float, pcie_bytes_per_s: float
 ) -> dict[str, float]:
-    "A decode step's floor for the CPU's layers: read by the CPU, or copied to the GPU (what this chapter does not do)."
+    "A decode step's floor for the layers past the GPU's: read by the CPU (`--offload cpu`), or copied to the GPU (`stream`)."
     return {
         "cpu_compute": cpu_weights / cpu_bytes_per_s,
         "streaming": cpu_weights / pcie_bytes_per_s,
@@ -391,7 +409,189 @@ assert plan_gpu_layers(preset("qwen3-14b"), 12 * GIB, "int4").gpu_layers > q14.g
 assert plan_gpu_layers(preset("qwen3-8b"), 8 * GIB, "int4").gpu_layers == 36  # all of them
 with pytest.raises(MemoryPlanError, match="holds no layer"):
     plan_gpu_layers(preset("qwen3-14b"), 2 * GIB, "int4")
+# streamed: two layers' room for the slots, and every layer's KV cache on the GPU
+s14 = plan_gpu_layers(preset("qwen3-14b"), 8 * GIB, "int4", streamed=True)
+print(s14.describe())
+assert s14.streamed and s14.gpu_layers == q14.gpu_layers - 2 and s14.kv_cache >= MIN_KV_BYTES
+assert s14.kv_per_token == 40 * q14.kv_per_token // q14.gpu_layers
+assert not plan_gpu_layers(preset("qwen3-8b"), 8 * GIB, "int4", streamed=True).streamed
 # the floors of a step's CPU part at two bandwidths, e.g. 60 GB/s of DDR5 against 25 GB/s of PCIe 4.0
 floors = offload_step_seconds(q14.cpu_weights, 60e9, 25e9)
 assert floors["cpu_compute"] < floors["streaming"]
 print({k: f"{v * 1e3:.1f} ms" for k, v in floors.items()})
+
+# %% [markdown]
+# ## The other mode: streaming the layers to the GPU
+#
+# The measured CPU mode above runs at a quarter of its floor: the CPU's int4 products do not read
+# its memory at its bandwidth, while a GPU's copy engine moves pinned host memory at PCIe's rate
+# and the GPU computes a layer in well under a millisecond. So the other mode: `stream_layers`
+# keeps the four matrices of each layer from `gpu_layers` on in pinned host memory and runs those
+# layers on the GPU from **two slots**, buffers the size of one layer's matrices. Layers
+# `gpu_layers`, `gpu_layers + 2`, ... run from slot 0, the others from slot 1: their matrices'
+# tensors *are* the slot's (`t.data` points there), so every kernel, fused or not, reads them as
+# it reads any GPU weight. `LayerStream` fills a slot on a copy stream as soon as the layer before
+# in that slot has run (the compute stream records an event after it), and the compute stream
+# waits for the fill before the layer runs: while layer `i` computes, layer `i + 1`'s copy is in
+# flight. Past the last layer, the fills wrap to the next step's first streamed layers.
+#
+# Everything else of those layers (norms, biases: a few KB) stays on the GPU, and so does every
+# layer's KV cache: to the runner the model is one on the GPU, whose steps run eager (the copies
+# and their events are outside any graph). A GGUF file's blocks are not streamed: the GPU reads
+# them repacked (chapter 10g) and its CPU layers keep the file's format.
+#
+# `kernels_lab/offload_streaming.py` measures this mode against its floor (streamed bytes over
+# PCIe); the choice between the two modes is `--offload cpu` (the default) or `--offload stream`.
+
+# %%
+#| export
+OFFLOAD_MODES = (
+    "cpu",
+    "stream",
+)  # where layers past the GPU's compute: on the CPU, or streamed to the GPU
+
+
+class LayerStream:
+    """Layers `first`.. of `layers`: their matrices' tensors kept in host memory (pinned when `device` is a GPU) and
+    run from two slots on `device`, each filled on a copy stream once the layer before in that slot has run."""
+
+    def __init__(self, layers, first: int, device):
+        from forge_engine.quant.layers import QUANTIZED_LINEARS
+
+        self.first, self.count, device = first, len(layers) - first, torch.device(device)
+        self.cuda = device.type == "cuda"
+        names = QUANTIZED_LINEARS
+        tensors = [
+            [t for n in names for t in (*layers[i].get_submodule(n).parameters(),
+                                          *layers[i].get_submodule(n).buffers())]
+            for i in range(first, len(layers))
+        ]  # fmt: skip
+        kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
+        if any(k != kinds[0] for k in kinds):
+            raise ValueError("streamed layers must hold matrices of one shape and type each")
+        self.host = [
+            [t.detach().cpu().pin_memory() if self.cuda else t.detach().clone() for t in ts]
+            for ts in tensors
+        ]
+        self.slots = [
+            [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
+            for _ in range(min(2, self.count))
+        ]
+        for j, ts in enumerate(tensors):  # each layer's tensors now live in its slot
+            for t, s in zip(ts, self.slots[j % len(self.slots)]):
+                t.data = s
+        self.filled = [None] * len(
+            self.slots
+        )  # the layer each slot holds (or is being filled with)
+        if self.cuda:
+            self.copier = torch.cuda.Stream(device)
+            self.copied = [torch.cuda.Event() for _ in self.slots]
+            self.used = [torch.cuda.Event() for _ in self.slots]
+        for j in range(len(self.slots)):
+            self.fill(j)
+
+    def host_bytes(self) -> int:
+        "The bytes each step copies (every streamed layer's matrices)."
+        return sum(t.numel() * t.element_size() for ts in self.host for t in ts)
+
+    def fill(self, j: int) -> None:
+        "Copy streamed layer j (layer first + j) into its slot, after the slot's last layer has run."
+        s = j % len(self.slots)
+        if self.filled[s] == j:
+            return
+        if not self.cuda:  # (a CPU "device": the bookkeeping, copied at once)
+            for dst, src in zip(self.slots[s], self.host[j]):
+                dst.copy_(src)
+        else:
+            with torch.cuda.stream(self.copier):
+                self.copier.wait_event(self.used[s])
+                for dst, src in zip(self.slots[s], self.host[j]):
+                    dst.copy_(src, non_blocking=True)
+                self.copied[s].record(self.copier)
+        self.filled[s] = j
+
+    def before(self, layer: int) -> None:
+        "Layer `layer`'s matrices in place before its kernels run (filled ahead, or now)."
+        j = layer - self.first
+        self.fill(j)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.copied[j % len(self.slots)])
+
+    def after(self, layer: int) -> None:
+        "Layer `layer` has run (its kernels queued): its slot takes the next layer of that slot."
+        j = layer - self.first
+        s, following = j % len(self.slots), j + len(self.slots)
+        if self.cuda:
+            self.used[s].record(torch.cuda.current_stream())
+        self.fill(following if following < self.count else s)  # past the last: the next step's
+
+
+class StreamedTransformer(Transformer):
+    "A Transformer whose layers from `gpu_layers` on run on the GPU from `stream`'s two slots (`stream_layers`)."
+
+    gpu_layers: int
+    stream: LayerStream
+
+    def run_layers(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if i >= self.gpu_layers:
+                self.stream.before(i)
+            x, residual = layer(x, residual, cos, sin, attention)
+            if i >= self.gpu_layers:
+                self.stream.after(i)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+
+def stream_layers(model: Transformer, gpu_layers: int, device) -> StreamedTransformer:
+    """`model` (loaded, and quantized, on the CPU) with everything on `device` but the matrices of layers `gpu_layers`..,
+    which stream there each step (`LayerStream`), in place. 0 < gpu_layers < its number of layers."""
+    layers = len(model.layers)
+    if not 0 < gpu_layers < layers:
+        raise ValueError(
+            f"gpu_layers must be between 1 and {layers - 1} for a model of {layers} layers (all of them: no offload), "
+            f"got {gpu_layers}"
+        )
+    if type(model) is not Transformer:
+        raise ValueError(
+            f"stream_layers streams chapter 03's Transformer, not a {type(model).__name__}"
+        )
+    stream = LayerStream(
+        model.layers, gpu_layers, device
+    )  # the streamed matrices first: never whole on the GPU
+    model.to(device)  # the rest (the streamed matrices are there already)
+    model.__class__ = StreamedTransformer
+    model.gpu_layers, model.stream = gpu_layers, stream
+    return model
+
+
+# %% [markdown]
+# Both devices the CPU again: a tiny model of five layers with layers 1.. streamed through the two
+# slots (four layers, so each slot is filled twice a step) gives the model whole's greedy tokens
+# through the engine; the slots hold one layer's matrices each.
+
+# %%
+tiny5 = preset("qwen3-tiny").replace(num_layers=5)
+whole5 = init_random_weights(empty_model(tiny5), seed=3, std=0.1)
+streamed = offload.stream_layers(copy.deepcopy(whole5), 1, "cpu")
+assert isinstance(streamed, offload.StreamedTransformer) and len(streamed.stream.slots) == 2
+assert (
+    streamed.layers[1].mlp.down.weight.data_ptr() == streamed.layers[3].mlp.down.weight.data_ptr()
+)
+assert (
+    streamed.layers[1].mlp.down.weight.data_ptr() != streamed.layers[2].mlp.down.weight.data_ptr()
+)
+assert greedy(streamed)[0] == greedy(whole5)[0]
+with pytest.raises(ValueError, match="gpu_layers must be between 1 and 4"):
+    stream_layers(copy.deepcopy(whole5), 5, "cpu")
+
+# the loader's way (`--offload stream`): int8 layers quantized on the CPU, the last one streamed; a GGUF file refused
+loaded = load_model(
+    "random:qwen3-tiny", "cpu", seed=1, progress=False, quantization="int8", gpu_layers=1,
+    offload="stream",
+)  # fmt: skip
+assert isinstance(loaded.model, offload.StreamedTransformer)
+assert isinstance(loaded.model.layers[1].mlp.down, Int8Linear)
+assert greedy(loaded.model)[0] == greedy(whole8.model)[0]
+with pytest.raises(ValueError, match="unknown offload 'gpu'"):
+    load_model("random:qwen3-tiny", "cpu", progress=False, gpu_layers=1, offload="gpu")
