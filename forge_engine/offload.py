@@ -25,9 +25,9 @@ from forge_engine.memory_plan import (
 from .model import AttentionBackend, Transformer
 
 # %% auto #0
-__all__ = ['OFFLOAD_MODES', 'OffloadedTransformer', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part', 'OffloadPlan',
-           'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds', 'pcie_bandwidth',
-           'LayerStream', 'StreamedTransformer', 'stream_layers']
+__all__ = ['OFFLOAD_MODES', 'OffloadedTransformer', 'check_split', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part',
+           'OffloadPlan', 'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds',
+           'pcie_bandwidth', 'LayerStream', 'StreamedTransformer', 'stream_layers']
 
 # %% ../nbs/10h_offload.ipynb #04b8dc79
 class OffloadedTransformer(Transformer):
@@ -50,11 +50,8 @@ def _to(device, *tensors):
     return tuple(None if t is None else t.to(device) for t in tensors)
 
 
-def place_layers(
-    model: Transformer, gpu_layers: int, device, offload_device="cpu"
-) -> OffloadedTransformer:
-    """`model` (loaded on the CPU) with its embedding, first `gpu_layers` layers, final norm and head on `device` and the
-    other layers on `offload_device`, in place. 0 < gpu_layers < its number of layers."""
+def check_split(model: Transformer, gpu_layers: int, doer: str) -> None:
+    "What a split takes: chapter 03's Transformer (`doer` says who refuses another), 0 < gpu_layers < its layers."
     layers = len(model.layers)
     if not 0 < gpu_layers < layers:
         raise ValueError(
@@ -62,9 +59,15 @@ def place_layers(
             f"got {gpu_layers}"
         )
     if type(model) is not Transformer:
-        raise ValueError(
-            f"place_layers splits chapter 03's Transformer, not a {type(model).__name__}"
-        )
+        raise ValueError(f"{doer} chapter 03's Transformer, not a {type(model).__name__}")
+
+
+def place_layers(
+    model: Transformer, gpu_layers: int, device, offload_device="cpu"
+) -> OffloadedTransformer:
+    """`model` (loaded on the CPU) with its embedding, first `gpu_layers` layers, final norm and head on `device` and the
+    other layers on `offload_device`, in place. 0 < gpu_layers < its number of layers."""
+    check_split(model, gpu_layers, "place_layers splits")
     for name, child in model.named_children():
         if name != "layers":
             child.to(device)
@@ -341,16 +344,7 @@ class StreamedTransformer(Transformer):
 def stream_layers(model: Transformer, gpu_layers: int, device) -> StreamedTransformer:
     """`model` (loaded, and quantized, on the CPU) with everything on `device` but the matrices of layers `gpu_layers`..,
     which stream there each step (`LayerStream`), in place. 0 < gpu_layers < its number of layers."""
-    layers = len(model.layers)
-    if not 0 < gpu_layers < layers:
-        raise ValueError(
-            f"gpu_layers must be between 1 and {layers - 1} for a model of {layers} layers (all of them: no offload), "
-            f"got {gpu_layers}"
-        )
-    if type(model) is not Transformer:
-        raise ValueError(
-            f"stream_layers streams chapter 03's Transformer, not a {type(model).__name__}"
-        )
+    check_split(model, gpu_layers, "stream_layers streams")
     stream = LayerStream(
         model.layers, gpu_layers, device
     )  # the streamed matrices first: never whole on the GPU
