@@ -448,10 +448,8 @@ print({k: f"{v * 1e3:.1f} ms" for k, v in floors.items()})
 
 # %%
 #| export
-OFFLOAD_MODES = (
-    "cpu",
-    "stream",
-)  # where layers past the GPU's compute: on the CPU, or streamed to the GPU
+# where the layers past the GPU's compute: on the CPU, or streamed to the GPU
+OFFLOAD_MODES = ("cpu", "stream")
 
 
 class LayerStream:
@@ -459,16 +457,9 @@ class LayerStream:
     run from two slots on `device`, each filled on a copy stream once the layer before in that slot has run."""
 
     def __init__(self, layers, first: int, device):
-        from forge_engine.quant.layers import QUANTIZED_LINEARS
-
         self.first, self.count, device = first, len(layers) - first, torch.device(device)
         self.cuda = device.type == "cuda"
-        names = QUANTIZED_LINEARS
-        tensors = [
-            [t for n in names for t in (*layers[i].get_submodule(n).parameters(),
-                                          *layers[i].get_submodule(n).buffers())]
-            for i in range(first, len(layers))
-        ]  # fmt: skip
+        tensors = [matrix_tensors(layer) for layer in layers[first:]]
         kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
         if any(k != kinds[0] for k in kinds):
             raise ValueError("streamed layers must hold matrices of one shape and type each")
@@ -483,9 +474,8 @@ class LayerStream:
         for j, ts in enumerate(tensors):  # each layer's tensors now live in its slot
             for t, s in zip(ts, self.slots[j % len(self.slots)]):
                 t.data = s
-        self.filled = [None] * len(
-            self.slots
-        )  # the layer each slot holds (or is being filled with)
+        # the layer each slot holds (or is being filled with)
+        self.filled = [None] * len(self.slots)
         if self.cuda:
             self.copier = torch.cuda.Stream(device)
             self.copied = [torch.cuda.Event() for _ in self.slots]
@@ -527,6 +517,14 @@ class LayerStream:
         if self.cuda:
             self.used[s].record(torch.cuda.current_stream())
         self.fill(following if following < self.count else s)  # past the last: the next step's
+
+
+def matrix_tensors(layer) -> list[torch.Tensor]:
+    "A decoder layer's four matrices' parameters and buffers, in one order for every layer."
+    from forge_engine.quant.layers import QUANTIZED_LINEARS
+
+    modules = [layer.get_submodule(name) for name in QUANTIZED_LINEARS]
+    return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
 class StreamedTransformer(Transformer):
