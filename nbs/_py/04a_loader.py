@@ -379,14 +379,14 @@ def load_model(
             f"use int8 or int4"
         )
     streamed = offload == "stream"
-    if streamed and quantization == "gguf":
+    split = offloaded_layers(
+        gpu_layers, config, memory_budget, quantization, dtype, progress, streamed
+    )
+    if split and streamed and quantization == "gguf":
         raise ValueError(
             "--offload stream streams int8, int4 or unquantized layers; a GGUF file's blocks are computed on the CPU "
             "(--offload cpu)"
         )
-    split = offloaded_layers(
-        gpu_layers, config, memory_budget, quantization, dtype, progress, streamed
-    )
     staging = torch.device("cpu") if split else device  # (a split model is placed from the CPU)
     if memory_budget is not None and device.type == "cuda" and not split:
         from forge_engine.memory_plan import plan_memory
