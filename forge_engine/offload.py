@@ -27,7 +27,8 @@ from .model import AttentionBackend, Transformer
 # %% auto #0
 __all__ = ['OFFLOAD_MODES', 'OffloadedTransformer', 'check_split', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part',
            'OffloadPlan', 'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds',
-           'pcie_bandwidth', 'LayerStream', 'matrix_tensors', 'StreamedTransformer', 'stream_layers']
+           'pcie_bandwidth', 'LayerStream', 'matrix_tensors', 'StreamedTransformer', 'stream_layers',
+           'offload_layer_seconds', 'choose_offload']
 
 # %% ../nbs/10h_offload.ipynb #04b8dc79
 class OffloadedTransformer(Transformer):
@@ -243,8 +244,9 @@ def pcie_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> tuple[float, float]
     return rates[0], rates[1]
 
 # %% ../nbs/10h_offload.ipynb #4fe1749c
-# where the layers past the GPU's compute: on the CPU, or streamed to the GPU
-OFFLOAD_MODES = ("cpu", "stream")
+# where the layers past the GPU's compute: on the CPU, streamed to the GPU, or whichever of the two a layer of the
+# model's shape runs faster on this machine (`--offload auto`, measured at load: the last section)
+OFFLOAD_MODES = ("cpu", "stream", "auto")
 
 
 class LayerStream:
@@ -350,3 +352,62 @@ def stream_layers(model: Transformer, gpu_layers: int, device) -> StreamedTransf
     model.__class__ = StreamedTransformer
     model.gpu_layers, model.stream = gpu_layers, stream
     return model
+
+# %% ../nbs/10h_offload.ipynb #9be9d508
+def offload_layer_seconds(
+    config: ModelConfig,
+    quantization: str = "none",
+    dtype: torch.dtype = torch.bfloat16,
+    device="cuda",
+    repeats: int = 5,
+) -> dict[str, float]:
+    """What one decoder layer of `config`'s shape, in `quantization` ("none", "int8" or "int4") and `dtype`, costs a
+    decode step on this machine, median of `repeats`: its four matrices' products with one row on the CPU ("cpu"),
+    and a copy of those matrices from pinned host memory to `device` ("stream")."""
+    from forge_engine.model import empty_model, init_random_weights
+    from forge_engine.quant.layers import QUANTIZED_LINEARS, quantize_model
+
+    one = init_random_weights(  # (a vocabulary of 16: the embedding and head are not timed)
+        empty_model(config.replace(num_layers=1, vocab_size=16), "cpu", dtype)
+    )
+    if quantization != "none":
+        quantize_model(one, quantization)
+    layer, device = one.layers[0], torch.device(device)
+    matrices = [layer.get_submodule(name) for name in QUANTIZED_LINEARS]
+    rows = [torch.randn(1, m.in_features, dtype=dtype) for m in matrices]
+    host = [
+        t.detach().pin_memory() if device.type == "cuda" else t.detach().clone()
+        for t in matrix_tensors(layer)
+    ]
+    slots = [torch.empty_like(t, device=device) for t in host]
+
+    def products():
+        for matrix, x in zip(matrices, rows):
+            matrix(x)
+
+    def copies():
+        for slot, t in zip(slots, host):
+            slot.copy_(t, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return {"cpu": _median_seconds(products, repeats), "stream": _median_seconds(copies, repeats)}
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()  # (the first call packs, allocates and warms)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def choose_offload(
+    num_layers: int, gpu_layers: dict[str, int], layer_seconds: dict[str, float]
+) -> tuple[str, dict[str, float]]:
+    """The mode ("cpu" or "stream") whose offloaded layers cost a decode step less: each mode's `gpu_layers` (its own
+    plan) and one layer's seconds in it (`offload_layer_seconds`); with each mode's estimate of that part of a step."""
+    step = {mode: (num_layers - gpu_layers[mode]) * layer_seconds[mode] for mode in gpu_layers}
+    return min(step, key=step.get), step

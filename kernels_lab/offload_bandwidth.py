@@ -11,7 +11,9 @@ CPU (`plan_gpu_layers`): at 60 GB/s that is 47 ms a step, about 21 tok/s at best
    memory to the GPU, and back.
 2. The plan and its floors: `plan_gpu_layers` for Qwen3-14B int4 at 8 GiB, `offload_step_seconds` at both
    measured bandwidths.
-3. End to end: random Qwen3-14B, int4, `gpu_layers="auto"` under the 8 GiB budget (`load_model`), one request
+3. One Qwen3-14B int4 layer (`offload_layer_seconds`): its one-row products on the CPU at 1, 4 and all threads, and
+   its copy to the GPU: what a CPU-mode step pays per layer against the layer's bytes at B_cpu.
+4. End to end: random Qwen3-14B, int4, `gpu_layers="auto"` under the 8 GiB budget (`load_model`), one request
    (W1: 128 prompt tokens, 64 new), decode tok/s against the CPU-compute floor.
 
 Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/offload_bandwidth.py [--no-model]"""
@@ -23,7 +25,13 @@ import torch
 from forge_engine.bench import free_memory, read_bandwidth, w1_single_stream
 from forge_engine.config import EngineConfig, preset
 from forge_engine.loader import load_model
-from forge_engine.offload import offload_step_seconds, pcie_bandwidth, plan_gpu_layers
+from forge_engine.offload import (
+    layer_bytes,
+    offload_layer_seconds,
+    offload_step_seconds,
+    pcie_bandwidth,
+    plan_gpu_layers,
+)
 
 GIB = 2**30
 BUDGET, MODEL, QUANTIZATION = 8 * GIB, "qwen3-14b", "int4"
@@ -45,6 +53,18 @@ def main() -> None:
         "a decode step's floor for the CPU's layers: "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in floors.items())
     )
+    one, threads = layer_bytes(preset(MODEL), QUANTIZATION), torch.get_num_threads()
+    for n in sorted({1, min(4, threads), threads}):
+        torch.set_num_threads(n)
+        seconds = offload_layer_seconds(
+            preset(MODEL), QUANTIZATION, device="cuda" if pcie else "cpu"
+        )
+        copy = f"; copy to the GPU {seconds['stream'] * 1e3:.2f} ms" if pcie else ""
+        print(
+            f"one layer ({one / 1e6:.0f} MB), {n} CPU threads: products {seconds['cpu'] * 1e3:.2f} ms "
+            f"({one / seconds['cpu'] / 1e9:.1f} GB/s, floor {one / cpu * 1e3:.2f} ms){copy}"
+        )
+    torch.set_num_threads(threads)
     if "--no-model" in sys.argv or not torch.cuda.is_available():
         return
     loaded = load_model(

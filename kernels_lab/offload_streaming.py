@@ -10,7 +10,8 @@ computes a streamed layer in well under a millisecond, so streaming should land 
 
 1. On a CPU (no GPU: the copies made at once): SmolLM2 (30 layers), fp32, layers 1.. streamed (29 layers through two
    slots): its greedy tokens equal the model whole's.
-2. On a GPU: random Qwen3-14B int4 under an 8 GiB budget, `gpu_layers="auto"` with `offload="stream"`, one W1 request
+2. On a GPU, first what `--offload auto` chooses for that model and budget on this machine (`auto_offload`: one
+   layer timed both ways), then: random Qwen3-14B int4 under an 8 GiB budget, `gpu_layers="auto"` with `offload="stream"`, one W1 request
    (128 prompt tokens, 64 new): decode tok/s against the streaming floor (streamed bytes / pinned PCIe bandwidth),
    and the peak GPU memory.
 
@@ -21,10 +22,10 @@ import copy
 import torch
 
 from forge_engine.bench import free_memory, w1_single_stream
-from forge_engine.config import EngineConfig
+from forge_engine.config import EngineConfig, preset
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
-from forge_engine.loader import load_model
+from forge_engine.loader import auto_offload, load_model
 from forge_engine.offload import pcie_bandwidth, stream_layers
 
 GIB = 2**30
@@ -57,6 +58,8 @@ def cpu_check() -> None:
 
 def gpu_run() -> None:
     pcie, _ = pcie_bandwidth()
+    cuda = torch.device("cuda")
+    auto_offload("auto", preset(MODEL), BUDGET, QUANTIZATION, torch.bfloat16, cuda, progress=True)
     loaded = load_model(
         f"random:{MODEL}",
         "cuda",

@@ -510,38 +510,51 @@ def test_layers_streamed_to_the_gpu_give_the_tokens_of_the_model_whole(quantizat
     assert_same_greedy(tokens(streamed), tokens(whole), tolerance=1e-3)
 
 
+def loaded_tokens(quantization: str, **split):
+    "A tiny fp32 model loaded on the GPU (split as `split` says), and its greedy tokens (with logprobs) for three prompts."
+    from forge_engine.loader import load_model
+
+    loaded = load_model(
+        "random:qwen3-tiny",
+        "cuda",
+        "float32",
+        seed=1,
+        progress=False,
+        quantization=quantization,
+        **split,
+    )
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=16 * 2**20, max_num_seqs=4))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = run_all(engine, [list(range(5, 5 + n)) for n in (1, 20, 70)], params)
+    engine.allocator.check_idle()
+    return loaded, outs
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantization):
     """Chapter 10h on a real GPU: a tiny model in fp32 with its first layer on the GPU and the rest on the CPU (each
     matrix quantized where it sits) gives the greedy tokens of the same model whole on the GPU."""
-    from forge_engine.loader import load_model
     from forge_engine.offload import OffloadedTransformer
 
-    def tokens(**split):
-        loaded = load_model(
-            "random:qwen3-tiny",
-            "cuda",
-            "float32",
-            seed=1,
-            progress=False,
-            quantization=quantization,
-            **split,
-        )
-        engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=16 * 2**20, max_num_seqs=4))
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-        outs = run_all(engine, [list(range(5, 5 + n)) for n in (1, 20, 70)], params)
-        engine.allocator.check_idle()
-        return loaded, outs
-
-    split, got = tokens(gpu_layers=1)
+    split, got = loaded_tokens(quantization, gpu_layers=1)
     assert (
         isinstance(split.model, OffloadedTransformer)
         and split.model.layers[1].attn_norm.weight.device.type == "cpu"
     )
-    _, want = tokens()
+    _, want = loaded_tokens(quantization)
     # fp32 both ways; quantized layers are computed by different kernels on each device (PyTorch's weight-only CPU
     # matmul, chapter 10's GEMV), whose sums of ~1e4 products round apart by ~1e-4 of a logit
     assert_same_greedy(got, want, tolerance=1e-3 if quantization == "none" else 5e-3)
+
+
+def test_offload_auto_picks_a_mode_and_gives_the_tokens_of_the_model_whole():
+    """`--offload auto` on a real GPU: one layer timed on the CPU and copied from pinned memory, then the faster mode
+    loaded (split with the CPU, or streamed), whose int4 tokens are the model whole's."""
+    from forge_engine.offload import OffloadedTransformer, StreamedTransformer
+
+    auto, got = loaded_tokens("int4", gpu_layers=1, offload="auto")
+    assert isinstance(auto.model, (OffloadedTransformer, StreamedTransformer))
+    assert_same_greedy(got, loaded_tokens("int4")[1], tolerance=5e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

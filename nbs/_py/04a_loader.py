@@ -170,8 +170,8 @@ def add_memory_budget_flag(p: argparse.ArgumentParser):
         "--offload",
         default="cpu",
         choices=list(OFFLOAD_MODES),
-        help="with --gpu-layers, the other layers computed on the CPU, or streamed to the GPU each step (chapter "
-        "10h; default cpu)",
+        help="with --gpu-layers, the other layers computed on the CPU, streamed to the GPU each step, or auto: "
+        "whichever a layer of the model runs faster on this machine, measured at load (chapter 10h; default cpu)",
     )
 
 
@@ -330,6 +330,45 @@ def offloaded_layers(
     return gpu_layers if gpu_layers < config.num_layers else None
 
 
+def auto_offload(
+    gpu_layers: int | str | None,
+    config: ModelConfig,
+    memory_budget: int | None,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+) -> str:
+    """`--offload auto`: "stream" where this machine runs a decode step's offloaded layers faster streamed to `device`
+    than on its CPU (chapter 10h's `offload_layer_seconds`, each mode with its own plan), else "cpu" (nothing split,
+    a GGUF file's blocks, or no room for streaming's slots)."""
+    from forge_engine.memory_plan import MemoryPlanError
+    from forge_engine.offload import choose_offload, offload_layer_seconds
+
+    def split(mode: str) -> int | None:
+        plan = offloaded_layers(
+            gpu_layers, config, memory_budget, quantization, dtype, False, mode == "stream"
+        )
+        return config.num_layers if plan is None else plan
+
+    if gpu_layers is None or quantization == "gguf" or split("cpu") == config.num_layers:
+        return "cpu"
+    try:
+        splits = {mode: split(mode) for mode in ("cpu", "stream")}
+    except MemoryPlanError:  # the budget holds a layer, not the slots besides it
+        return "cpu"
+    seconds = offload_layer_seconds(config, quantization, dtype, device)
+    mode, step = choose_offload(config.num_layers, splits, seconds)
+    if progress:
+        print(
+            f"--offload auto: {mode}; one layer {seconds['cpu'] * 1e3:.2f} ms on the CPU, its copy to the GPU "
+            f"{seconds['stream'] * 1e3:.2f} ms; a step's offloaded layers {step['cpu'] * 1e3:.1f} ms on the CPU, "
+            f"{step['stream'] * 1e3:.1f} ms streamed",
+            file=sys.stderr,
+        )
+    return mode
+
+
 def load_model(
     name: str,
     device: str | None = None,
@@ -350,7 +389,8 @@ def load_model(
     so the GPU never holds more than the quantized matrices and one slice.
     `gpu_layers` (chapter 10h): N keeps only the first N decoder layers (with the embedding, the final norm and the
     head) on `device` and the others on the CPU; "auto": the most that `memory_budget` holds. `offload`: the others
-    computed on the CPU ("cpu"), or kept in host memory and streamed to `device` each step ("stream")."""
+    computed on the CPU ("cpu"), kept in host memory and streamed to `device` each step ("stream"), or whichever
+    is faster on this machine ("auto": `auto_offload`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
@@ -377,6 +417,10 @@ def load_model(
         raise ValueError(
             f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
             f"use int8 or int4"
+        )
+    if offload == "auto":
+        offload = auto_offload(
+            gpu_layers, config, memory_budget, quantization, dtype, device, progress
         )
     streamed = offload == "stream"
     split = offloaded_layers(

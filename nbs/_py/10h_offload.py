@@ -444,12 +444,14 @@ print({k: f"{v * 1e3:.1f} ms" for k, v in floors.items()})
 # them repacked (chapter 10g) and its CPU layers keep the file's format.
 #
 # `kernels_lab/offload_streaming.py` measures this mode against its floor (streamed bytes over
-# PCIe); the choice between the two modes is `--offload cpu` (the default) or `--offload stream`.
+# PCIe); the choice between the two modes is `--offload cpu` (the default), `--offload stream`, or
+# `--offload auto`, which measures them (the last section).
 
 # %%
 #| export
-# where the layers past the GPU's compute: on the CPU, or streamed to the GPU
-OFFLOAD_MODES = ("cpu", "stream")
+# where the layers past the GPU's compute: on the CPU, streamed to the GPU, or whichever of the two a layer of the
+# model's shape runs faster on this machine (`--offload auto`, measured at load: the last section)
+OFFLOAD_MODES = ("cpu", "stream", "auto")
 
 
 class LayerStream:
@@ -587,3 +589,109 @@ assert isinstance(loaded.model.layers[1].mlp.down, Int8Linear)
 assert greedy(loaded.model)[0] == greedy(whole8.model)[0]
 with pytest.raises(ValueError, match="unknown offload 'gpu'"):
     load_model("random:qwen3-tiny", "cpu", progress=False, gpu_layers=1, offload="gpu")
+
+
+# %% [markdown]
+# ## Which mode, on this machine
+#
+# The napkin math above compares bandwidths; what a step pays is what the CPU's kernels make of
+# its bandwidth (a quarter of it on the machine measured above) against what the copy engine
+# makes of PCIe's. Both are cheap to measure on the layer itself: `offload_layer_seconds` builds
+# one decoder layer of the model's shape (random weights: the time does not depend on their
+# values), in its weight format, and times its four matrices' products with one row on the CPU,
+# and a copy of those matrices from pinned host memory to the GPU. A decode step's offloaded part
+# is then about `(L - N) ·` that time in each mode, each mode with its own `N` (streaming gives
+# two layers' room to its slots), and `--offload auto` takes the smaller (`choose_offload`).
+# The GPU's work on a streamed layer runs while the next layer's copy is in flight, so the copy
+# is the streamed layer's cost; the CPU's layers wait for nothing but themselves.
+#
+# A GGUF file's layers are not streamed (their blocks stay on the CPU, above): `auto` computes
+# them on the CPU.
+
+# %%
+#| export
+def offload_layer_seconds(
+    config: ModelConfig,
+    quantization: str = "none",
+    dtype: torch.dtype = torch.bfloat16,
+    device="cuda",
+    repeats: int = 5,
+) -> dict[str, float]:
+    """What one decoder layer of `config`'s shape, in `quantization` ("none", "int8" or "int4") and `dtype`, costs a
+    decode step on this machine, median of `repeats`: its four matrices' products with one row on the CPU ("cpu"),
+    and a copy of those matrices from pinned host memory to `device` ("stream")."""
+    from forge_engine.model import empty_model, init_random_weights
+    from forge_engine.quant.layers import QUANTIZED_LINEARS, quantize_model
+
+    one = init_random_weights(  # (a vocabulary of 16: the embedding and head are not timed)
+        empty_model(config.replace(num_layers=1, vocab_size=16), "cpu", dtype)
+    )
+    if quantization != "none":
+        quantize_model(one, quantization)
+    layer, device = one.layers[0], torch.device(device)
+    matrices = [layer.get_submodule(name) for name in QUANTIZED_LINEARS]
+    rows = [torch.randn(1, m.in_features, dtype=dtype) for m in matrices]
+    host = [
+        t.detach().pin_memory() if device.type == "cuda" else t.detach().clone()
+        for t in matrix_tensors(layer)
+    ]
+    slots = [torch.empty_like(t, device=device) for t in host]
+
+    def products():
+        for matrix, x in zip(matrices, rows):
+            matrix(x)
+
+    def copies():
+        for slot, t in zip(slots, host):
+            slot.copy_(t, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return {"cpu": _median_seconds(products, repeats), "stream": _median_seconds(copies, repeats)}
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()  # (the first call packs, allocates and warms)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def choose_offload(
+    num_layers: int, gpu_layers: dict[str, int], layer_seconds: dict[str, float]
+) -> tuple[str, dict[str, float]]:
+    """The mode ("cpu" or "stream") whose offloaded layers cost a decode step less: each mode's `gpu_layers` (its own
+    plan) and one layer's seconds in it (`offload_layer_seconds`); with each mode's estimate of that part of a step."""
+    step = {mode: (num_layers - gpu_layers[mode]) * layer_seconds[mode] for mode in gpu_layers}
+    return min(step, key=step.get), step
+
+
+# %% [markdown]
+# The choice is arithmetic over the two measurements: Qwen3-14B int4 under 8 GiB computes 16
+# layers on the CPU or streams 18, so streaming wins as soon as a layer's copy takes less than
+# 16/18 of the CPU's time on it:
+
+# %%
+plans = {"cpu": q14.gpu_layers, "stream": s14.gpu_layers}
+assert choose_offload(40, plans, {"cpu": 9e-3, "stream": 3e-3})[0] == "stream"
+assert choose_offload(40, plans, {"cpu": 3e-3, "stream": 9e-3})[0] == "cpu"
+mode, step = choose_offload(40, plans, {"cpu": 1.0, "stream": 1.0})
+assert mode == "cpu" and step == {"cpu": 40 - q14.gpu_layers, "stream": 40 - s14.gpu_layers}
+
+# %% [markdown]
+# Measured on a tiny layer (both devices the CPU here, so "stream" is a copy in host memory), and
+# the loader's `offload="auto"`, which measures, chooses and says so, and gives the tokens of the
+# model whole in either mode:
+
+# %%
+seconds = offload_layer_seconds(preset("qwen3-tiny"), "int8", torch.float32, "cpu")
+assert set(seconds) == {"cpu", "stream"} and all(0 < s < 1 for s in seconds.values())
+loaded = load_model(
+    "random:qwen3-tiny", "cpu", seed=1, progress=False, quantization="int8", gpu_layers=1,
+    offload="auto",
+)  # fmt: skip
+assert isinstance(loaded.model, (offload.OffloadedTransformer, offload.StreamedTransformer))
+assert greedy(loaded.model)[0] == greedy(whole8.model)[0]
