@@ -36,12 +36,25 @@ from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
 # %% auto #0
-__all__ = ['CPU_WEIGHT_GEMMS', 'DENSE_TILE_WEIGHTS', 'INT8_GEMV_ROWS', 'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT',
-           'cpu_int4pack', 'cpu_int4pack_mm', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+__all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'DENSE_TILE_WEIGHTS', 'CPU_TILE_WEIGHTS', 'INT8_GEMV_ROWS',
+           'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'takes_cpu_weight_gemm', 'cpu_int4pack', 'cpu_int4pack_mm',
+           'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'swap_layer_matrices',
+           'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
+# Those GEMMs read every weight again for each row of x (their time grows with the rows, ~5 ms a row for a Qwen3-14B
+# layer in int4 on 2 cores), while a dequantized tile is reused by all the rows of one matmul: past these many rows
+# (a prompt's step) dequantizing is faster (below: the measurement)
+# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's rows are dequantized block by block,
+# slower than chapter 10's int4 codes: their GEMMs pay off longer
+CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 128}
+
+
+def takes_cpu_weight_gemm(x: torch.Tensor, weights: str) -> bool:
+    "Whether x [M, K] goes through PyTorch's CPU weight-only GEMM for `weights` (`int8`, `int4`, `gguf`), or is dequantized."
+    most = CPU_WEIGHT_GEMM_ROWS[weights] * (1 if x.dtype == torch.bfloat16 else 2)
+    return x.device.type == "cpu" and CPU_WEIGHT_GEMMS and x.shape[0] <= most
 
 
 def cpu_int4pack(
@@ -119,6 +132,9 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
 
 # %% ../../nbs/10e_quant_layers.ipynb #33ce4d86
 DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
+CPU_TILE_WEIGHTS = (
+    2**22
+)  # at most this many on a CPU: the FP32 tile stays in its caches (int4: 4x faster than 2**24)
 
 
 class QuantLinear(nn.Module):
@@ -147,7 +163,9 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
-        "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
+        "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time (on a CPU at most CPU_TILE_WEIGHTS)."
+        if x.device.type == "cpu":
+            tile_weights = min(tile_weights, CPU_TILE_WEIGHTS)
         # whole multiples of 128 rows: a tile of odd width (6,553 rows of 2,560) sends cuBLAS to a slow kernel
         rows = max(128, tile_weights // self.in_features // 128 * 128)
         if rows >= self.out_features:
@@ -198,7 +216,7 @@ class Int8Linear(QuantLinear):
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and hasattr(torch, "_weight_int8pack_mm"):
+        if takes_cpu_weight_gemm(x, "int8") and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
             y = torch._weight_int8pack_mm(
                 x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16)
@@ -257,7 +275,7 @@ class Int4Linear(QuantLinear):
         return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (cpu := self.cpu_pack()) is not None:
+        if takes_cpu_weight_gemm(x, "int4") and (cpu := self.cpu_pack()) is not None:
             return cpu_int4pack_mm(
                 x, cpu
             )  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
@@ -376,7 +394,7 @@ class GGUFLinear(QuantLinear):
             # few rows on a CPU: chapter 10da's C kernel, integer dot products on the file's blocks
             outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self.runs()]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
+        if takes_cpu_weight_gemm(x, "gguf") and (packs := self.cpu_packs()) is not None:
             if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
                 return packs[0][0](x, packs[0][1])
             return torch.cat([matmul(x, operands) for matmul, operands in packs], dim=-1)

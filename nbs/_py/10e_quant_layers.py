@@ -82,6 +82,18 @@ from forge_engine.quant.gguf_blocks import gguf_bytes
 # %%
 #| export
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
+# Those GEMMs read every weight again for each row of x (their time grows with the rows, ~5 ms a row for a Qwen3-14B
+# layer in int4 on 2 cores), while a dequantized tile is reused by all the rows of one matmul: past these many rows
+# (a prompt's step) dequantizing is faster (below: the measurement)
+# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's rows are dequantized block by block,
+# slower than chapter 10's int4 codes: their GEMMs pay off longer
+CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 128}
+
+
+def takes_cpu_weight_gemm(x: torch.Tensor, weights: str) -> bool:
+    "Whether x [M, K] goes through PyTorch's CPU weight-only GEMM for `weights` (`int8`, `int4`, `gguf`), or is dequantized."
+    most = CPU_WEIGHT_GEMM_ROWS[weights] * (1 if x.dtype == torch.bfloat16 else 2)
+    return x.device.type == "cpu" and CPU_WEIGHT_GEMMS and x.shape[0] <= most
 
 
 def cpu_int4pack(
@@ -161,6 +173,9 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
 # %%
 #| export
 DENSE_TILE_WEIGHTS = 2**24  # weights dequantized at a time on the dense path
+CPU_TILE_WEIGHTS = (
+    2**22
+)  # at most this many on a CPU: the FP32 tile stays in its caches (int4: 4x faster than 2**24)
 
 
 class QuantLinear(nn.Module):
@@ -189,7 +204,9 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor, tile_weights: int = DENSE_TILE_WEIGHTS) -> torch.Tensor:
-        "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time."
+        "The PyTorch path: dequantize + matmul, `tile_weights` weights at a time (on a CPU at most CPU_TILE_WEIGHTS)."
+        if x.device.type == "cpu":
+            tile_weights = min(tile_weights, CPU_TILE_WEIGHTS)
         # whole multiples of 128 rows: a tile of odd width (6,553 rows of 2,560) sends cuBLAS to a slow kernel
         rows = max(128, tile_weights // self.in_features // 128 * 128)
         if rows >= self.out_features:
@@ -240,7 +257,7 @@ class Int8Linear(QuantLinear):
         return int8_matmul(x, self.qweight, self.scale, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and hasattr(torch, "_weight_int8pack_mm"):
+        if takes_cpu_weight_gemm(x, "int8") and hasattr(torch, "_weight_int8pack_mm"):
             # PyTorch's CPU int8 weight-only GEMM (used by gpt-fast / torchao); it is fast with bf16 inputs
             y = torch._weight_int8pack_mm(
                 x.to(torch.bfloat16).contiguous(), self.qweight, self.scale.to(torch.bfloat16)
@@ -299,7 +316,7 @@ class Int4Linear(QuantLinear):
         return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (cpu := self.cpu_pack()) is not None:
+        if takes_cpu_weight_gemm(x, "int4") and (cpu := self.cpu_pack()) is not None:
             return cpu_int4pack_mm(
                 x, cpu
             )  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
@@ -367,6 +384,17 @@ class TiedEmbedding(nn.Module):
 
 
 # %% [markdown]
+# **Few rows or many.** PyTorch's weight-only GEMMs read every weight again for each row of x:
+# their time grows with the rows, where a matmul on a dequantized tile reuses each weight across
+# all of them. So a prompt's step (many rows) dequantizes a tile of output rows at a time, small
+# enough on a CPU to stay in its caches (`CPU_TILE_WEIGHTS`), and a decode step's few rows take
+# the weight-only GEMMs (`takes_cpu_weight_gemm`). The row counts where the two cross were
+# measured on this project's 2-core CPU, one Qwen3-14B layer's four matrices in bf16: at 512 rows
+# the tiles take 264 ms in int8 against the GEMMs' 3,093 ms (11.7x), 783 ms in int4 against
+# 2,781 ms (3.6x); at one row the GEMMs, as before (`PYTHONPATH=. python3
+# kernels_lab/cpu_quant_rows.py`). It matters most to a model split with the CPU (chapter 10h),
+# whose CPU layers see a prompt's every token.
+#
 # Tiles of output rows give what one dequantized matrix gives (here 3 rows a tile, the last one
 # short), and a tied embedding read from its quantized head is the head's rows dequantized:
 
@@ -393,6 +421,13 @@ assert wide.cpu_pack() is not None and Int4Linear(linear, group=16).cpu_pack() i
 torch.testing.assert_close(
     wide(x96), full, rtol=0, atol=2e-2 * full.abs().max().item()
 )  # BF16 x, scales, output
+# past CPU_WEIGHT_GEMM_ROWS a prompt's rows take the dequantized tiles: the FP32 products, not BF16's rounding
+many = torch.randn(2 * CPU_WEIGHT_GEMM_ROWS["int4"] + 1, 96)
+assert not takes_cpu_weight_gemm(many, "int4") and takes_cpu_weight_gemm(
+    many.bfloat16()[:48], "int4"
+)
+full_many = F.linear(many, dequantize_int4(wide.qweight, wide.scale, wide.minimum))
+torch.testing.assert_close(wide(many), full_many, rtol=1e-5, atol=1e-5)
 table = nn.Embedding(10, 40)
 head = Int8Linear(table)
 tokens = torch.tensor([[3, 9], [0, 3]])
@@ -467,7 +502,7 @@ class GGUFLinear(QuantLinear):
             # few rows on a CPU: chapter 10da's C kernel, integer dot products on the file's blocks
             outs = [native_gguf_matmul(x, raw, qtype) for qtype, raw in self.runs()]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        if x.device.type == "cpu" and CPU_WEIGHT_GEMMS and (packs := self.cpu_packs()) is not None:
+        if takes_cpu_weight_gemm(x, "gguf") and (packs := self.cpu_packs()) is not None:
             if len(packs) == 1:  # one quant type, the usual case: nothing to concatenate
                 return packs[0][0](x, packs[0][1])
             return torch.cat([matmul(x, operands) for matmul, operands in packs], dim=-1)
