@@ -131,8 +131,11 @@ GEMV = dict(
     RESIDUAL=False,
     NORM_SUMS=False,
     HAND_OFF=False,
+    DOT=False,
 )
-ROWS = {k: v for k, v in GEMV.items() if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF")}
+ROWS = {
+    k: v for k, v in GEMV.items() if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF", "DOT")
+}
 DECODE = dict(
     HEAD_DIM=128,
     BLOCK_D=128,

@@ -35,6 +35,7 @@ FLAGS = (
     "RESIDUAL",
     "NORM_SUMS",
     "HAND_OFF",
+    "DOT",
 )
 GEMV_SIGNATURE = {
     "x_ptr": "*bf16",
@@ -182,11 +183,13 @@ def gemv_loop(
     early: bool = False,
     norm: bool = False,
     hand_off: bool = False,
+    dot: bool = False,
 ) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
     `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop); `hand_off`: the residual
-    added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8)."""
+    added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8); `dot`: the
+    tensor-core variant, 16 rows of x (`gemv(..., dot=True)`)."""
     flags = dict(
         EVEN_K=True,
         HAS_SCALE=weight == "*i8",
@@ -199,11 +202,12 @@ def gemv_loop(
         RESIDUAL=hand_off,
         NORM_SUMS=False,
         HAND_OFF=hand_off,
+        DOT=dot,
     )
     body, registers = loop_sass(
         _gemv_kernel,
         dict(GEMV_SIGNATURE, w_ptr=weight),
-        dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags),
+        dict(ROWS=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, **flags),
         num_warps,
         maxnreg,
     )

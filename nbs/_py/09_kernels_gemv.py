@@ -1,14 +1,14 @@
 # %% [markdown]
 # # Kernels: matrix-vector products for small batches
 #
-# > The GEMV for one to four rows of x (BF16 and int8 weights, a Triton-placed tile or the `rows` layout), and what its epilogue folds in: SiLU-mul, the residual add, the RMSNorms, norms handed from GEMV to GEMV.
+# > The GEMV for one to sixteen rows of x (BF16 and int8 weights, a Triton-placed tile or the `rows` layout; past four rows on the tensor cores), and what its epilogue folds in: SiLU-mul, the residual add, the RMSNorms, norms handed from GEMV to GEMV.
 
 # %%
 #| default_exp kernels.gemv
 
 # %%
 #| export
-# Why one module of ~800 lines: it is one concept, the GEMV for one to four rows, and its parts
+# Why one module of ~850 lines: it is one concept, the GEMV for a few rows, and its parts
 # are not used apart. The two layouts (`_gemv_kernel`, `_gemv_rows_kernel`) share the int8
 # conversion, the norm folds and the dependent-launch start; `gemv` checks the folds, picks the
 # layout and the tile (`gemv_layout`, `gemv_config`: the measured winners) and launches one of
@@ -148,7 +148,13 @@ gen = torch.Generator().manual_seed(2)
 
 # %%
 #| export
-GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
+GEMV_MAX_ROWS = 4  # the FMA tiles' limit; the model sends them one row (see above)
+GEMV_DOT_MAX_ROWS = 16  # more rows (a verify step's 1 + k) on the tensor cores: `dot` (below)
+GEMV_DOT_CONFIG = (
+    32,
+    256,
+    4,
+)  # (BLOCK_N, BLOCK_K, num_warps) of `dot` (kernels_lab/few_rows_matmul.py sweeps it)
 
 
 def gemv_folds_norms(weight: torch.Tensor) -> bool:
@@ -290,10 +296,11 @@ def _gemv_step(
     ROWS: tl.constexpr,
     BYTE_ASM: tl.constexpr,
     NORM: tl.constexpr,
+    DOT: tl.constexpr,
     w=None,
 ):
     """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
-    `sq`, `g_ptr`, NORM: `_normed_x`."""
+    `sq`, `g_ptr`, NORM: `_normed_x`. DOT: acc [ROWS, BLOCK_N] += x @ w.T on the tensor cores (`_dot_step`)."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -303,11 +310,31 @@ def _gemv_step(
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
-    if ROWS == 1:
+    if DOT:
+        acc = _dot_step(acc, x, w, x_rows, BYTE_ASM)
+    elif ROWS == 1:
         acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
         acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
     return acc, sq
+
+
+# the interpreter's tl.dot misreads 16-bit floats: there they are multiplied as fp32 (the same, exact, products)
+_DOT_IN_F32 = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _dot_step(acc, x, w, x_rows, BYTE_ASM: tl.constexpr):
+    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] (fp32, normed) @ w [BLOCK_N, BLOCK_K].T by `tl.dot`, in x's type
+    (`x_rows` points into x): 16-bit x rounded back to it (int8 weights converted to it, exactly); fp32 in fp32
+    ("ieee", not tf32)."""
+    x_type: tl.constexpr = x_rows.dtype.element_ty
+    if x_type == tl.float32 or _DOT_IN_F32:
+        x = x if x_type == tl.float32 else x.to(x_type).to(tl.float32)
+        return tl.dot(x, tl.trans(_as_f32(w, BYTE_ASM)), acc, input_precision="ieee")
+    if w.dtype == tl.int8:
+        w = _as_f32(w, BYTE_ASM).to(x_type)
+    return tl.dot(x.to(x_type), tl.trans(w.to(x_type)), acc)
 
 
 @triton.jit
@@ -372,6 +399,7 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     NORM_SUMS: tl.constexpr,
     HAND_OFF: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -392,7 +420,12 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
-    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if DOT:  # [ROWS, BLOCK_N], the tensor cores' sums
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    elif ROWS == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros(
         (ROWS, BLOCK_K), dtype=tl.float32
     )  # NORM: x's squares (unused, and compiled away, without)
@@ -408,7 +441,7 @@ def _gemv_kernel(
         )
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(
-            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w
+            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, DOT, w
         )
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
@@ -432,6 +465,7 @@ def _gemv_kernel(
             ROWS,
             BYTE_ASM,
             NORM,
+            DOT,
         )
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
     # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
@@ -442,7 +476,10 @@ def _gemv_kernel(
         residual = tl.load(
             res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0
         )
-    out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if DOT:
+        out = acc  # [ROWS, BLOCK_N]
+    else:
+        out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
     if NORM_SUMS:
@@ -774,8 +811,9 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_sums: torch.Tensor | None = None,
     hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dot: bool | None = None,
 ):
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
+    """x [M, K] (M <= GEMV_DOT_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
     `residual` [M, N]: added to the result (rounded to x's dtype first, as a separate add would find it).
@@ -787,13 +825,22 @@ def gemv(
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
     (measured faster; False: it waits first).
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
-    choice at one row, else 'tile'."""
+    choice at one row, else 'tile'.
+    `dot`: the tile's products on the tensor cores, x's rows padded to 16 (`_dot_step`); default: past GEMV_MAX_ROWS
+    rows, where the FMA tiles stop."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.shape[0] > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if x.shape[0] > GEMV_DOT_MAX_ROWS:
+        raise ValueError(
+            f"gemv takes at most {GEMV_DOT_MAX_ROWS} rows, got {x.shape[0]}: use F.linear"
+        )
+    dot = x.shape[0] > GEMV_MAX_ROWS if dot is None else dot
+    if x.shape[0] > GEMV_MAX_ROWS and not dot:
+        raise ValueError(
+            f"gemv's FMA tiles take at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: dot=True"
+        )
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
@@ -803,8 +850,8 @@ def gemv(
     (m, k), n = x.shape, weight.shape[0]
     if layout not in (None, "tile", "rows"):
         raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
-    if layout == "rows" and m != 1:
-        raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
+    if layout == "rows" and (m != 1 or dot):
+        raise ValueError(f"gemv's rows layout takes one row of x (and no dot), got {m}")
     if out is not None and (
         swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
     ):
@@ -838,17 +885,20 @@ def gemv(
     if hand_off is not None and layout == "rows":
         raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
     layout = layout or (
-        gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile"
+        gemv_layout(n, k, weight.element_size())
+        if m == 1 and hand_off is None and not dot
+        else "tile"
     )
-    default = gemv_config(
-        n, k, weight.element_size(), layout
-    )  # the measured configuration, where none is asked for
+    # the measured configuration, where none is asked for (dot: a tile of 16 rows at least, not yet swept)
+    default = GEMV_DOT_CONFIG if dot else gemv_config(n, k, weight.element_size(), layout)
     block_n, block_k, num_warps = (
         block_n or default[0],
         block_k or default[1],
         num_warps or default[2],
     )
     block_k = min(block_k, max(16, _pow2(k)))
+    if dot and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"gemv's dot takes a block_n of 16 or more, a power of two, got {block_n}")
     if swiglu and (block_n < 2 or block_n % 2):
         raise ValueError(
             f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}"
@@ -916,7 +966,7 @@ def gemv(
             0 if residual is None else residual.stride(0),
             out.stride(0),
             eps,
-            ROWS=max(1, _pow2(m)),
+            ROWS=16 if dot else max(1, _pow2(m)),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             EVEN_K=k % block_k == 0,
@@ -929,6 +979,7 @@ def gemv(
             EARLY_W=early,
             **folds,
             HAND_OFF=hand_off is not None,
+            DOT=dot,
             num_warps=num_warps,
             **_stages(num_stages),
         )
@@ -969,6 +1020,28 @@ xb, wb = (
 torch.testing.assert_close(
     gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2
 )
+# `dot` (past 4 rows, or asked for): the products on the tensor cores, x's rows padded to 16; fp32 in fp32 ("ieee"),
+# bf16 and int8 weights in bf16: the tolerances above
+for m, n, k, dtype, int8 in (
+    (5, 32, 96, torch.float32, False),
+    (2, 32, 100, torch.float32, True),
+    (16, 64, 256, torch.bfloat16, False),
+    (7, 48, 64, torch.bfloat16, True),
+):
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    scale = None
+    if int8:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 64
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    got = gemv(x, w, None, scale, impl="triton", block_k=64, dot=True if m <= 4 else None)
+    torch.testing.assert_close(got, gemv_reference(x, w, None, scale), **tolerance)
+with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+    gemv(torch.randn(17, 64), torch.randn(32, 64), impl="triton")
+with pytest.raises(ValueError, match="FMA tiles take at most 4 rows, got 5"):
+    gemv(torch.randn(5, 64), torch.randn(32, 64), impl="triton", dot=False)
+with pytest.raises(ValueError, match="block_n of 16 or more"):
+    gemv(torch.randn(5, 64), torch.randn(32, 64), impl="triton", block_n=8)
 # `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
 for impl in ("triton", "torch"):
     into = torch.full((2, 16), float("nan")).bfloat16()
@@ -1015,8 +1088,8 @@ with pytest.raises(ValueError, match="an even block_n, got 3"):
         block_k=64,
         num_warps=1,
     )
-with pytest.raises(ValueError, match="at most 4 rows"):
-    gemv(torch.zeros(5, 8), torch.zeros(2, 8))
+with pytest.raises(ValueError, match="at most 16 rows"):
+    gemv(torch.zeros(17, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
@@ -1065,7 +1138,7 @@ assert (
 )  # int8 down, the int8 LM head
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
-with pytest.raises(ValueError, match="takes one row of x, got 2"):
+with pytest.raises(ValueError, match=r"takes one row of x \(and no dot\), got 2"):
     gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
 with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
     gemv(
@@ -1260,4 +1333,40 @@ with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
         layout="rows",
         residual=torch.zeros(1, 2),
         hand_off=(torch.ones(2), torch.zeros(1)),
+    )
+
+# %% [markdown]
+# **More rows on the tensor cores** (`dot`). Past four rows the FMA tiles above run out of
+# registers; a verify step (chapter 08c: a row and its k drafts) or a small batch has up to 16.
+# `dot=True` keeps the kernel, its loads and its epilogue, and makes each step one `tl.dot` of x's
+# rows (padded to 16) with the weight tile: the same bytes read, the products on the tensor cores.
+# Every fold above works unchanged on its `[ROWS, BLOCK_N]` sums:
+
+# %%
+# six rows, fp32 (the products in fp32, "ieee"), FP32 and int8 weights, each fold against the PyTorch path
+for int8 in (False, True):
+    m, n, k = 6, 32, 96
+    x, r = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+    g, g_next = torch.rand(k, generator=gen) + 0.5, torch.rand(n, generator=gen) + 0.5
+    w, scale = torch.randn(n, k, generator=gen), None
+    if int8:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 64
+    close, launch = dict(rtol=1e-4, atol=1e-4), dict(block_k=32, block_n=16, num_warps=1)
+    for folds in (dict(norm=g), dict(residual=r), dict(swiglu=True), dict(norm=g, swiglu=True)):
+        torch.testing.assert_close(
+            gemv(x, w, None, scale, impl="triton", **launch, **folds),
+            gemv(x, w, None, scale, impl="torch", **folds),
+            **close,
+        )
+    sums, torch_sums = torch.zeros(m), torch.zeros(m)
+    h, hg = gemv(x, w, None, scale, impl="triton", residual=r, hand_off=(g_next, sums), **launch)
+    h_t, hg_t = gemv(x, w, None, scale, impl="torch", residual=r, hand_off=(g_next, torch_sums))
+    for got, want in ((h, h_t), (hg, hg_t), (sums, torch_sums)):
+        torch.testing.assert_close(got, want, **close)
+    w2 = torch.randn(48, n, generator=gen)
+    torch.testing.assert_close(
+        gemv(hg, w2, impl="triton", norm_sums=sums, **launch),
+        gemv(hg_t, w2, impl="torch", norm_sums=torch_sums),
+        **close,
     )
