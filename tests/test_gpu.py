@@ -533,7 +533,8 @@ def loaded_tokens(quantization: str, **split):
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantization):
     """Chapter 10h on a real GPU: a tiny model in fp32 with its first layer on the GPU and the rest on the CPU (each
-    matrix quantized where it sits) gives the greedy tokens of the same model whole on the GPU."""
+    matrix quantized where it sits; a prompt's matmuls on the GPU, `PromptMatmuls`) gives the greedy tokens of the same
+    model whole on the GPU."""
     from forge_engine.offload import OffloadedTransformer
 
     split, got = loaded_tokens(quantization, gpu_layers=1)
@@ -541,6 +542,8 @@ def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantizati
         isinstance(split.model, OffloadedTransformer)
         and split.model.layers[1].attn_norm.weight.device.type == "cpu"
     )
+    # a prompt's matmuls of the CPU's layers go to the GPU from the rows the loader measured (chapter 10h)
+    assert split.model.prompt_matmuls is not None and split.model.prompt_matmuls.rows >= 2
     _, want = loaded_tokens(quantization)
     # fp32 both ways; quantized layers are computed by different kernels on each device (PyTorch's weight-only CPU
     # matmul, chapter 10's GEMV), whose sums of ~1e4 products round apart by ~1e-4 of a logit

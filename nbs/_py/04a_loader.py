@@ -291,9 +291,10 @@ def offloaded_layers(
     dtype: torch.dtype,
     progress: bool,
     streamed: bool = False,
+    prompt_slot: bool = False,
 ) -> int | None:
     """How many decoder layers go to the GPU when the others go to the CPU, or are `streamed` to it (chapter 10h); None:
-    all of them."""
+    all of them. `prompt_slot`: computed on the CPU but for a prompt's matmuls (`plan_gpu_layers`)."""
     if gpu_layers is None:
         return None
     if gpu_layers == "auto":
@@ -305,7 +306,12 @@ def offloaded_layers(
                 "budget, or the number of layers"
             )
         plan = plan_gpu_layers(
-            config, memory_budget, quantization, torch.finfo(dtype).bits // 8, streamed=streamed
+            config,
+            memory_budget,
+            quantization,
+            torch.finfo(dtype).bits // 8,
+            streamed=streamed,
+            prompt_slot=prompt_slot,
         )
         if progress:
             print(plan.describe(), file=sys.stderr)
@@ -346,8 +352,9 @@ def auto_offload(
     from forge_engine.offload import choose_offload, offload_layer_seconds
 
     def split(mode: str) -> int | None:
+        streamed, prompts = mode == "stream", mode == "cpu" and device.type == "cuda"
         plan = offloaded_layers(
-            gpu_layers, config, memory_budget, quantization, dtype, False, mode == "stream"
+            gpu_layers, config, memory_budget, quantization, dtype, False, streamed, prompts
         )
         return config.num_layers if plan is None else plan
 
@@ -367,6 +374,21 @@ def auto_offload(
             file=sys.stderr,
         )
     return mode
+
+
+def prompt_matmuls(model, device: torch.device, progress: bool) -> None:
+    """Chapter 10h's `PromptMatmuls` for a model split with the CPU: its CPU layers' matmuls on `device` from the rows
+    where that is faster, measured on its last layer (`layer_seconds`)."""
+    from forge_engine.offload import PromptMatmuls, layer_seconds, prompt_rows
+
+    seconds = layer_seconds(model.layers[-1], device)
+    rows = PromptMatmuls(model, device, prompt_rows(seconds)).rows
+    if progress:
+        print(
+            f"the CPU's layers' matmuls on the GPU from {rows} rows a step: one layer's products "
+            f"{seconds['cpu'] * 1e3:.2f} ms a row on the CPU, its copy {seconds['stream'] * 1e3:.2f} ms",
+            file=sys.stderr,
+        )
 
 
 def load_model(
@@ -423,8 +445,10 @@ def load_model(
             gpu_layers, config, memory_budget, quantization, dtype, device, progress
         )
     streamed = offload == "stream"
+    # computed on the CPU, a split model's layers still take a prompt's matmuls to the GPU (a GGUF file's keep its blocks)
+    prompts = not streamed and device.type == "cuda" and quantization != "gguf"
     split = offloaded_layers(
-        gpu_layers, config, memory_budget, quantization, dtype, progress, streamed
+        gpu_layers, config, memory_budget, quantization, dtype, progress, streamed, prompts
     )
     if split and streamed and quantization == "gguf":
         raise ValueError(
@@ -487,6 +511,8 @@ def load_model(
         quantize_model(model, quantization, device=device, device_layers=split or None)
     if split:  # chapter 10h: its embedding, first layers, final norm and head to the GPU
         model = (stream_layers if streamed else place_layers)(model, split, device)
+        if prompts:
+            prompt_matmuls(model, device, progress)
     if quantization == "gguf" and device.type == "cuda":
         # aligned planes for the GPU's GEMVs (chapter 10g); a CPU (and a split model's CPU layers) reads the blocks
         from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu

@@ -57,6 +57,8 @@
 #| export
 from __future__ import annotations
 
+import copy
+import math
 import time
 from dataclasses import dataclass
 
@@ -98,13 +100,19 @@ class OffloadedTransformer(Transformer):
 
     gpu_layers: int
     offload_device: torch.device
+    prompt_matmuls: PromptMatmuls | None = None  # a prompt's matmuls on the GPU (below)
 
     def run_layers(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
         home, residual = x.device, None
+        on_gpu = self.prompt_matmuls is not None and self.prompt_matmuls.takes(x)
         for i, layer in enumerate(self.layers):
             if i == self.gpu_layers:  # the residual stream crosses to the CPU's layers
                 x, residual, cos, sin = _to(self.offload_device, x, residual, cos, sin)
+            if on_gpu and i >= self.gpu_layers:  # this CPU layer's matrices in their GPU slot
+                self.prompt_matmuls.stream.before(i - self.gpu_layers)
             x, residual = layer(x, residual, cos, sin, attention)
+            if on_gpu and i >= self.gpu_layers:
+                self.prompt_matmuls.stream.after(i - self.gpu_layers)
         x, residual = _to(home, x, residual)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
@@ -282,8 +290,10 @@ class OffloadPlan:
     cpu_weights: int  # the other layers
     kv_per_token: int  # of the layers whose KV cache is on the GPU, bytes
     kv_cache: int  # what the budget leaves the GPU's KV cache
-    streamed: bool = (
-        False  # the other layers streamed to the GPU (two slots of it), not computed on the CPU
+    # the other layers streamed to the GPU (two slots of it), not computed on the CPU
+    streamed: bool = False
+    prompt_slot: bool = (
+        False  # computed on the CPU, but a prompt's matmuls on the GPU (one slot of it)
     )
 
     def describe(self) -> str:
@@ -292,8 +302,9 @@ class OffloadPlan:
         split = describe_split(
             self.gpu_layers, self.num_layers, self.gpu_weights, self.cpu_weights, self.streamed
         )
+        prompts = "; a prompt's matmuls on the GPU through one slot" if self.prompt_slot else ""
         return (
-            f"offload plan for {format_gib(self.budget)}: {split}; GPU KV cache "
+            f"offload plan for {format_gib(self.budget)}: {split}{prompts}; GPU KV cache "
             f"{format_gib(self.kv_cache)} ({self.kv_cache // self.kv_per_token:,} tokens)"
         )
 
@@ -340,18 +351,21 @@ def plan_gpu_layers(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
     streamed: bool = False,
+    prompt_slot: bool = False,
 ) -> OffloadPlan:
     """The most layers `budget` holds on the GPU beside the embedding, the head, the activations (eager steps: no
     graphs), the overhead and the minimal KV cache the runner asks of the GPU's pool (MIN_KV_BYTES, whatever its
     layers); MemoryPlanError when not even one layer does. `streamed`: the other layers stream to the GPU
-    (`stream_layers`), whose two slots take two layers' room, and every layer's KV cache is on the GPU."""
+    (`stream_layers`), whose two slots take two layers' room, and every layer's KV cache is on the GPU. `prompt_slot`:
+    the other layers computed on the CPU but a prompt's matmuls on the GPU (`PromptMatmuls`), whose slot takes one."""
     one = layer_bytes(c, quantization, dtype_bytes)
     rest = split_bytes(c, 0, quantization, dtype_bytes)[0]
     acts = activation_bytes(c, max_num_batched_tokens, max_num_seqs, dtype_bytes, quantization)
     kv_layer_token = 2 * c.kv_size * dtype_bytes
     free = budget - rest - acts - OVERHEAD_BYTES
     n = min(c.num_layers, max(0, (free - MIN_KV_BYTES) // one))
-    slots = 2 * one if streamed and n < c.num_layers else 0  # (all of them fit: nothing streams)
+    # (all of them fit: nothing streams)
+    slots = (2 * one if streamed else one if prompt_slot else 0) if n < c.num_layers else 0
     n = max(0, n - slots // one)
     if n == 0:
         raise MemoryPlanError(
@@ -367,9 +381,10 @@ def plan_gpu_layers(
         c.num_layers,
         gpu + slots,
         other,
-        (c.num_layers if slots else n) * kv_layer_token,
+        (c.num_layers if streamed and slots else n) * kv_layer_token,
         free - n * one - slots,
-        bool(slots),
+        streamed and bool(slots),
+        prompt_slot and bool(slots) and not streamed,
     )
 
 
@@ -456,9 +471,10 @@ OFFLOAD_MODES = ("cpu", "stream", "auto")
 
 class LayerStream:
     """Layers `first`.. of `layers`: their matrices' tensors kept in host memory (pinned when `device` is a GPU) and
-    run from two slots on `device`, each filled on a copy stream once the layer before in that slot has run."""
+    run from `slots` slots on `device` (two: one fills while the other runs), each filled on a copy stream once the
+    layer before in that slot has run."""
 
-    def __init__(self, layers, first: int, device):
+    def __init__(self, layers, first: int, device, slots: int = 2):
         self.first, self.count, device = first, len(layers) - first, torch.device(device)
         self.cuda = device.type == "cuda"
         tensors = [matrix_tensors(layer) for layer in layers[first:]]
@@ -471,7 +487,7 @@ class LayerStream:
         ]
         self.slots = [
             [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
-            for _ in range(min(2, self.count))
+            for _ in range(min(slots, self.count))
         ]
         for j, ts in enumerate(tensors):  # each layer's tensors now live in its slot
             for t, s in zip(ts, self.slots[j % len(self.slots)]):
@@ -592,6 +608,133 @@ with pytest.raises(ValueError, match="unknown offload 'gpu'"):
 
 
 # %% [markdown]
+# ## A prompt's matmuls on the GPU
+#
+# The CPU computes its layers at a decode step's one row because reading their weights is all
+# that step does. A prompt's step is the other case: its rows multiply every weight, and the CPU's
+# time grows with them (a Qwen3-14B layer in int4 takes 0.8 s at 512 rows on two cores, chapter
+# 10e) while a copy of the layer to the GPU takes the same milliseconds whatever the rows. So
+# `PromptMatmuls` gives each CPU layer's matrices a GPU twin, streamed as above through one slot (a
+# prompt's products take a fraction of a layer's copy: a second slot to overlap them would save
+# little and take a layer's room; the CPU computes from the same pinned host copies the slot is
+# filled from), and a step of
+# `rows` rows or more sends each CPU layer's qkv, o and MLP to the GPU: x there, the product back.
+# Attention stays on the CPU with its KV cache; norms and rotations too (a few KB a row). This is
+# what llama.cpp does with a partly offloaded model's large batches.
+#
+# `rows` is where the two cost the same: one row's products on the CPU times the rows against the
+# layer's copy, both measured by the loader on one of the model's CPU layers (`layer_seconds`,
+# `prompt_rows`); the CPU mode then chooses per step. The slot takes one layer's room on the GPU,
+# which the memory plan gives it (`plan_gpu_layers(..., prompt_slot=True)`): Qwen3-14B in int4
+# under 8 GiB keeps 23 layers on the GPU instead of 24, a decode step's CPU part one layer (1/16)
+# longer, for prompts whose CPU layers take a layer's copy each instead of seconds.
+
+# %%
+#| export
+class PromptMatmuls:
+    """The CPU layers of `model` (an OffloadedTransformer) also run on `device` for steps of `rows` rows or more: each
+    layer's qkv, o and MLP wrapped in `RowsOnGPU`, their GPU twins' matrices streamed through one slot (`LayerStream`),
+    the CPU's matrices the stream's host copies. Attaches itself as `model.prompt_matmuls`."""
+
+    def __init__(self, model: OffloadedTransformer, device, rows: int):
+        if rows < 1:
+            raise ValueError(f"PromptMatmuls' rows must be at least 1, got {rows}")
+        cpu_layers = list(model.layers)[model.gpu_layers :]
+        twins = [_gpu_twin_layer(layer) for layer in cpu_layers]
+        self.stream = LayerStream(twins, 0, device, slots=1)
+        # one host copy of each matrix: the CPU's, and the slot's source
+        for layer, host in zip(cpu_layers, self.stream.host):
+            for t, pinned in zip(matrix_tensors(layer), host):
+                t.data = pinned
+        self.rows, self.device = rows, torch.device(device)
+        for layer, twin in zip(cpu_layers, twins):
+            layer.attn.qkv = RowsOnGPU(layer.attn.qkv, twin.attn.qkv, self)
+            layer.attn.o = RowsOnGPU(layer.attn.o, twin.attn.o, self)
+            layer.mlp = RowsOnGPU(layer.mlp, twin.mlp, self)
+        model.prompt_matmuls = self
+
+    def takes(self, x: torch.Tensor) -> bool:
+        "Whether this step (x: its rows) runs the CPU layers' matmuls on the GPU."
+        return x.shape[0] >= self.rows
+
+
+class RowsOnGPU(torch.nn.Module):
+    "`on_cpu` (a CPU layer's matrix, or its MLP) for a step's few rows; its GPU twin for many (`PromptMatmuls.takes`)."
+
+    def __init__(self, on_cpu: torch.nn.Module, on_gpu: torch.nn.Module, matmuls: PromptMatmuls):
+        super().__init__()
+        self.on_cpu = on_cpu
+        # (not submodules: the twin's tensors are the stream's slots, counted once, by the stream)
+        self.__dict__["on_gpu"], self.__dict__["matmuls"] = on_gpu, matmuls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.matmuls.takes(x):
+            return self.on_cpu(x)
+        return self.on_gpu(x.to(self.matmuls.device)).to(x.device)
+
+
+def _gpu_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of a matrix module whose tensors are its own objects (the same storage, until a LayerStream
+    points them at its slots), without the CPU's packed copies of its weights."""
+    twin = copy.copy(module)
+    twin._parameters = {
+        k: None if v is None else torch.nn.Parameter(v.detach(), requires_grad=False)
+        for k, v in module._parameters.items()
+    }
+    twin._buffers = {k: None if v is None else v.detach() for k, v in module._buffers.items()}
+    for packed in ("_cpu_pack", "_cpu_packs"):
+        twin.__dict__.pop(packed, None)
+    return twin
+
+
+def _gpu_twin_layer(layer) -> torch.nn.Module:
+    "Twins of a decoder layer's four matrices, as `matrix_tensors` finds them (attn.qkv ...), and of its MLP."
+    twin = torch.nn.Module()
+    twin.attn = torch.nn.Module()
+    twin.attn.qkv, twin.attn.o = _gpu_twin(layer.attn.qkv), _gpu_twin(layer.attn.o)
+    twin.mlp = copy.copy(layer.mlp)
+    twin.mlp._modules = {
+        "gate_up": _gpu_twin(layer.mlp.gate_up),
+        "down": _gpu_twin(layer.mlp.down),
+    }
+    return twin
+
+
+# %% [markdown]
+# Both devices the CPU: a four-layer model split after its first layer, its three CPU layers'
+# matmuls run by their twins for steps of 8 rows or more (prompts here; decode steps stay on the
+# "CPU" modules), gives the greedy tokens of the model whole; the twins' tensors are the stream's
+# slot, the CPU modules' its host copies:
+
+# %%
+tiny4 = preset("qwen3-tiny").replace(num_layers=4)
+whole4 = init_random_weights(empty_model(tiny4), seed=5, std=0.1)
+both = offload.place_layers(copy.deepcopy(whole4), 1, "cpu")
+matmuls = offload.PromptMatmuls(both, "cpu", rows=8)
+assert both.prompt_matmuls is matmuls
+assert isinstance(both.layers[2].mlp, offload.RowsOnGPU) and len(matmuls.stream.slots) == 1
+assert both.layers[2].mlp.on_gpu.down.weight.data_ptr() == matmuls.stream.slots[0][-1].data_ptr()
+assert both.layers[1].attn.qkv.on_cpu.weight.data_ptr() == matmuls.stream.host[0][0].data_ptr()
+taken, takes = (
+    [],
+    matmuls.takes,
+)  # (which steps went to the twins: prompts' chunks yes, decode steps no)
+matmuls.takes = lambda x: taken.append(takes(x)) or taken[-1]
+assert greedy(both)[0] == greedy(whole4)[0]
+assert True in taken and False in taken
+# the twins are no parameters of the model: its bytes are the model whole's
+assert sum(p.numel() for p in both.parameters()) == sum(p.numel() for p in whole4.parameters())
+# the plan gives the slot one layer's room: one layer fewer on the GPU, the KV cache of the ones there
+p14 = plan_gpu_layers(preset("qwen3-14b"), 8 * GIB, "int4", prompt_slot=True)
+print(p14.describe())
+assert p14.prompt_slot and not p14.streamed and p14.gpu_layers == q14.gpu_layers - 1
+assert p14.kv_per_token == p14.gpu_layers * q14.kv_per_token // q14.gpu_layers
+assert "a prompt's matmuls on the GPU through one slot" in p14.describe()
+with pytest.raises(ValueError, match="rows must be at least 1"):
+    offload.PromptMatmuls(offload.place_layers(copy.deepcopy(whole4), 1, "cpu"), "cpu", rows=0)
+
+
+# %% [markdown]
 # ## Which mode, on this machine
 #
 # The napkin math above compares bandwidths; what a step pays is what the CPU's kernels make of
@@ -618,17 +761,24 @@ def offload_layer_seconds(
     repeats: int = 5,
 ) -> dict[str, float]:
     """What one decoder layer of `config`'s shape, in `quantization` ("none", "int8" or "int4") and `dtype`, costs a
-    decode step on this machine, median of `repeats`: its four matrices' products with one row on the CPU ("cpu"),
-    and a copy of those matrices from pinned host memory to `device` ("stream")."""
+    decode step on this machine (`layer_seconds` on a layer of random weights, before any is loaded)."""
     from forge_engine.model import empty_model, init_random_weights
-    from forge_engine.quant.layers import QUANTIZED_LINEARS, quantize_model
+    from forge_engine.quant.layers import quantize_model
 
     one = init_random_weights(  # (a vocabulary of 16: the embedding and head are not timed)
         empty_model(config.replace(num_layers=1, vocab_size=16), "cpu", dtype)
     )
     if quantization != "none":
         quantize_model(one, quantization)
-    layer, device = one.layers[0], torch.device(device)
+    return layer_seconds(one.layers[0], device, repeats)
+
+
+def layer_seconds(layer, device="cuda", repeats: int = 5) -> dict[str, float]:
+    """A decoder layer on the CPU: its four matrices' products with one row there ("cpu"), and a copy of those
+    matrices from pinned host memory to `device` ("stream"), median of `repeats`."""
+    from forge_engine.quant.layers import QUANTIZED_LINEARS
+
+    device, dtype = torch.device(device), layer.attn_norm.weight.dtype
     matrices = [layer.get_submodule(name) for name in QUANTIZED_LINEARS]
     rows = [torch.randn(1, m.in_features, dtype=dtype) for m in matrices]
     host = [
@@ -648,6 +798,11 @@ def offload_layer_seconds(
             torch.cuda.synchronize(device)
 
     return {"cpu": _median_seconds(products, repeats), "stream": _median_seconds(copies, repeats)}
+
+
+def prompt_rows(seconds: dict[str, float]) -> int:
+    "The rows from which a step's CPU layers are faster on the GPU (`PromptMatmuls`): one row's products against a copy."
+    return max(2, math.ceil(seconds["stream"] / seconds["cpu"]))
 
 
 def _median_seconds(run, repeats: int) -> float:
@@ -689,6 +844,10 @@ assert mode == "cpu" and step == {"cpu": 40 - q14.gpu_layers, "stream": 40 - s14
 # %%
 seconds = offload_layer_seconds(preset("qwen3-tiny"), "int8", torch.float32, "cpu")
 assert set(seconds) == {"cpu", "stream"} and all(0 < s < 1 for s in seconds.values())
+assert (
+    prompt_rows({"cpu": 2e-3, "stream": 3e-3}) == 2
+    and prompt_rows({"cpu": 1e-4, "stream": 3e-3}) == 30
+)
 loaded = load_model(
     "random:qwen3-tiny", "cpu", seed=1, progress=False, quantization="int8", gpu_layers=1,
     offload="auto",
