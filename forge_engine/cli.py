@@ -87,7 +87,9 @@ def _placement(name: str, quantization: str, budget: int) -> list[tuple[str, str
             raise ValueError(
                 "a Qwen3.5 model's layers are not split (chapter 10h splits chapter 03's Transformer)"
             )
-        plan = plan_gpu_layers(config, budget, quantization)
+        # as the loader plans it: on a GPU the CPU's layers keep a slot there for a prompt's matmuls (chapter 10h)
+        prompts = torch.cuda.is_available() and quantization != "gguf"
+        plan = plan_gpu_layers(config, budget, quantization, prompt_slot=prompts)
     except (ValueError, FileNotFoundError) as e:
         return [("placement", f"{name} in {quantization}: {e}")]
     rows = [("placement", plan.describe())]

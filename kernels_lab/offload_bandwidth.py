@@ -4,8 +4,9 @@ compute, and what a split model decodes at against its floor.
 Napkin math: a decode step reads every weight once. The GPU's layers are read at the GPU's bandwidth (4.19 TB/s on
 an H200: negligible next to the rest), the CPU's either by the CPU from its memory (B_cpu) or over PCIe to the GPU
 (B_pcie). Per step: W_cpu / B_cpu against W_cpu / B_pcie; chapter 10h computes them on the CPU, which is faster
-where B_cpu > B_pcie. Qwen3-14B in int4 under an 8 GiB budget puts 24 of 40 layers on the GPU and 2.62 GiB on the
-CPU (`plan_gpu_layers`): at 60 GB/s that is 47 ms a step, about 21 tok/s at best.
+where B_cpu > B_pcie. Qwen3-14B in int4 under an 8 GiB budget puts 23 of 40 layers on the GPU (and a slot of one
+layer for a prompt's matmuls) and 2.78 GiB on the CPU (`plan_gpu_layers`): at 60 GB/s that is 50 ms a step, about
+20 tok/s at best.
 
 1. B_cpu: a sum over a 1 GiB fp32 buffer on the CPU, with all its threads; B_pcie: 1 GiB copied from pinned host
    memory to the GPU, and back.
@@ -14,7 +15,9 @@ CPU (`plan_gpu_layers`): at 60 GB/s that is 47 ms a step, about 21 tok/s at best
 3. One Qwen3-14B int4 layer (`offload_layer_seconds`): its one-row products on the CPU at 1, 4 and all threads, and
    its copy to the GPU: what a CPU-mode step pays per layer against the layer's bytes at B_cpu.
 4. End to end: random Qwen3-14B, int4, `gpu_layers="auto"` under the 8 GiB budget (`load_model`), one request
-   (W1: 128 prompt tokens, 64 new), decode tok/s against the CPU-compute floor.
+   (W1: 128 prompt tokens, 64 new), decode tok/s against the CPU-compute floor; then the first token of a 512-token
+   prompt with the CPU's layers' matmuls on the GPU (chapter 10h's `PromptMatmuls`, from the rows the loader
+   measured) and with them on the CPU.
 
 Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/offload_bandwidth.py [--no-model]"""
 
@@ -34,7 +37,7 @@ from forge_engine.offload import (
 )
 
 GIB = 2**30
-BUDGET, MODEL, QUANTIZATION = 8 * GIB, "qwen3-14b", "int4"
+BUDGET, MODEL, QUANTIZATION, PROMPT = 8 * GIB, "qwen3-14b", "int4", 512
 
 
 def main() -> None:
@@ -46,7 +49,8 @@ def main() -> None:
         print(
             f"PCIe, pinned host to GPU: {pcie / 1e9:.1f} GB/s; GPU to host: {back / 1e9:.1f} GB/s"
         )
-    plan = plan_gpu_layers(preset(MODEL), BUDGET, QUANTIZATION)
+    # (as the loader plans it: with a GPU, a slot there for a prompt's matmuls of the CPU's layers)
+    plan = plan_gpu_layers(preset(MODEL), BUDGET, QUANTIZATION, prompt_slot=pcie is not None)
     print(plan.describe())
     floors = offload_step_seconds(plan.cpu_weights, cpu, pcie or float("nan"))
     print(
@@ -82,6 +86,17 @@ def main() -> None:
         f"{1 / rate * 1e3:.1f} ms a step against the CPU-compute floor {floors['cpu_compute'] * 1e3:.1f} ms; "
         f"peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.2f} GiB"
     )
+    # a prompt's first token: the CPU's layers' matmuls on the GPU (PromptMatmuls) against on the CPU
+    matmuls = loaded.model.prompt_matmuls
+    for rows in (matmuls.rows, 10**9):
+        matmuls.rows = rows
+        ttft = w1_single_stream(loaded, config, prompt_len=PROMPT, new_tokens=2, repeats=3)[
+            "ttft_s"
+        ]
+        where = f"on the GPU from {rows} rows" if rows < 10**9 else "on the CPU"
+        print(
+            f"TTFT of a {PROMPT}-token prompt, the CPU's layers' matmuls {where}: {ttft * 1e3:.0f} ms"
+        )
     free_memory()
 
 

@@ -61,7 +61,7 @@
 # | 10e_quant_layers | `quant.layers` | the quantized layers, `quantize_model`, GGUF loading kept quantized, perplexity |
 # | 10f_cpu_decode | `cpu_decode` | a GGUF model's CPU decode step as one C call |
 # | 10g_gguf_gpu | `quant.gguf_gpu` | GGUF blocks repacked at load into aligned int8 / int4 planes for a GPU, the int8 group GEMV |
-# | 10h_offload | `offload` | layers split between the GPU and the CPU: `--gpu-layers N` or `auto` from the memory budget, each layer's KV cache where it runs; or the other layers streamed to the GPU each step (`--offload stream`), or whichever one layer measures faster on this machine (`--offload auto`) |
+# | 10h_offload | `offload` | layers split between the GPU and the CPU: `--gpu-layers N` or `auto` from the memory budget, each layer's KV cache where it runs; or the other layers streamed to the GPU each step (`--offload stream`), or whichever one layer measures faster on this machine (`--offload auto`); a prompt's matmuls of the CPU's layers on the GPU |
 # | 11_server_protocol | `server.protocol` | the OpenAI-compatible server: errors, request checks, prompts |
 # | 11a_server_metrics | `server.metrics` | Prometheus metrics of the server |
 # | 11b_chat_page | `server.chat_page` | the browser chat page: static files, CSP by hash |
