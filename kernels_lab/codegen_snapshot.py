@@ -132,9 +132,12 @@ GEMV = dict(
     NORM_SUMS=False,
     HAND_OFF=False,
     DOT=False,
+    GROUP=0,
 )
 ROWS = {
-    k: v for k, v in GEMV.items() if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF", "DOT")
+    k: v
+    for k, v in GEMV.items()
+    if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF", "DOT", "GROUP")
 }
 DECODE = dict(
     HEAD_DIM=128,

@@ -2,7 +2,9 @@
 chapter 10b's split-K launch with a tile dequantized in registers and `tl.dot`, over a sweep of its tiles (BLOCK_N,
 warps, pipeline stages), against the one-row GEMV of the same matrix (the time to read it once: what 16 rows should
 cost when they are bandwidth-bound), and the dense path (one Triton launch makes the weights, then one matmul).
-Qwen3-4B's matrices as Q8_0 and Q6_K (int8 planes, groups of 32 and 16) and Q4_K (int4, groups of 32).
+Qwen3-4B's matrices as Q8_0 and Q6_K (int8 planes, groups of 32 and 16) and Q4_K (int4, groups of 32). The int8
+planes also through chapter 09's GEMV on all 16 rows (`gemv(..., dot=True, group_scale=...)`: no split-K, the GEMV's
+early weights; a sweep of BLOCK_N, BLOCK_K, warps and pipelined loop stages).
 
 Napkin math: at 16 rows a weight is used 16 times, 32 FLOP a byte for int8: far under the H200's ~190 FLOP a byte of
 tensor-core BF16, so 16 rows are bound by reading the weights, as one row is. 512 rows: 1,024 FLOP a byte, bound by
@@ -17,8 +19,11 @@ from common import (
     time_variant,
     validate,
 )  # first: may switch on the interpreter
+import itertools
+
 import torch
 
+from forge_engine.kernels.gemv import GEMV_DOT_CONFIG, gemv
 from forge_engine.quant.gemv import int4_dense, int4_matmul, int4_matmul_reference
 from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul_reference
 from forge_engine.quant.gguf_gpu import (
@@ -39,6 +44,9 @@ SHAPES = {
 }
 TYPES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
 SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+DOT_SWEEP = list(
+    itertools.product((16, 32, 64), (128, 256), (4, 8), (1, 3))
+)  # BLOCK_N, BLOCK_K, warps, stages
 
 ok = True
 torch.manual_seed(0)
@@ -106,6 +114,9 @@ for type_name, qtype in TYPES.items():
         ok &= validate(
             f"{label} 512 rows dense", dense(x512).float(), reference(x512).float(), 1e-2
         )
+        if qtype != 12:
+            dot16 = gemv(x16, q, dot=True, group_scale=scale, block_n=GEMV_DOT_CONFIG[0])
+            ok &= validate(f"{label} 16 rows gemv dot", dot16.float(), want16, 2e-2)
         if not ON_GPU:
             break
         one, _ = time_variant(lambda: run(x1), graph=True)
@@ -129,6 +140,25 @@ for type_name, qtype in TYPES.items():
             print(
                 f"  {label:13s} 16 rows (BLOCK_N, warps, stages) {config}: {ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s)"
             )
+        if qtype != 12:  # the int8 planes through the GEMV on all 16 rows
+            dots = []
+            for block_n, block_k, warps, stages in DOT_SWEEP:
+                launch = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+                try:
+                    got = gemv(x16, q, dot=True, group_scale=scale, **launch)
+                    ms, _ = time_variant(
+                        lambda: gemv(x16, q, dot=True, group_scale=scale, **launch), graph=True
+                    )
+                except Exception as e:  # a tile the compiler refuses: say so, go on
+                    print(f"  {label:13s} gemv dot {tuple(launch.values())}: {type(e).__name__}")
+                    continue
+                ok &= validate(f"{label} 16 rows gemv dot", got.float(), want16, 2e-2)
+                dots.append((ms, tuple(launch.values())))
+            for ms, config in sorted(dots)[:3]:
+                print(
+                    f"  {label:13s} 16 rows gemv dot (BLOCK_N, BLOCK_K, warps, stages) {config}: {ms * 1e3:6.1f} us "
+                    f"({nbytes / ms / 1e9:4.2f} TB/s)"
+                )
         d, _ = time_variant(lambda: dense(x512), graph=True)
         r, _ = time_variant(lambda: reference(x512), graph=True)
         print(

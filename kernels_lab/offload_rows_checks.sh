@@ -6,6 +6,8 @@
 #                                                     # the CPU mode's W1 and a 512-token prompt's first token
 #   bash kernels_lab/offload_rows_checks.sh rows      # gemv's dot tiles swept at 5 and 16 rows; the verify step of
 #                                                     # random Qwen3-4B with its rows through the folded GEMVs
+#   bash kernels_lab/offload_rows_checks.sh gguf      # a GGUF file's repacked layers at 16 rows: split-K against
+#                                                     # gemv's dot with group scales (needs the gguf package)
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -27,7 +29,10 @@ case "${1:-}" in
         > "$out/verify_gemv_rows_$gemv_rows.log" 2>&1
       tail -10 "$out/verify_gemv_rows_$gemv_rows.log"
     done ;;
+  gguf)
+    (cd kernels_lab && timeout 550 python3 gguf_rows_sweep.py > "$out/gguf_rows.log" 2>&1)
+    grep -E "16 rows|GEMV" "$out/gguf_rows.log" | tail -40 ;;
   *)
-    echo "usage: $0 tests|offload|rows" >&2
+    echo "usage: $0 tests|offload|rows|gguf" >&2
     exit 2 ;;
 esac

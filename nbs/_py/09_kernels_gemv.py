@@ -297,10 +297,14 @@ def _gemv_step(
     BYTE_ASM: tl.constexpr,
     NORM: tl.constexpr,
     DOT: tl.constexpr,
+    s_rows,
+    k0,
+    GROUP: tl.constexpr,
     w=None,
 ):
-    """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
-    `sq`, `g_ptr`, NORM: `_normed_x`. DOT: acc [ROWS, BLOCK_N] += x @ w.T on the tensor cores (`_dot_step`)."""
+    """(acc + one step of the GEMV, sq): inputs k (from k0) of x's rows and of the weight rows (`w`: that tile, already
+    loaded); `sq`, `g_ptr`, NORM: `_normed_x`. DOT: acc [ROWS, BLOCK_N] += x @ w.T on the tensor cores (`_dot_step`),
+    the weights times their group's scale first where GROUP (`s_rows`: the rows' scales)."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -311,12 +315,26 @@ def _gemv_step(
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
     if DOT:
+        if GROUP:
+            w = _as_f32(w, BYTE_ASM) * _group_scales(s_rows, k, k0, K, n_ok, GROUP)
         acc = _dot_step(acc, x, w, x_rows, BYTE_ASM)
     elif ROWS == 1:
         acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
         acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
     return acc, sq
+
+
+@triton.jit
+def _group_scales(s_rows, k, k0, K, n_ok, GROUP: tl.constexpr):
+    """A step's weight tile's scales (inputs k, from k0), one per GROUP inputs (a GGUF file's Q8_0 / Q6_K repacked,
+    chapter 10g), fp32 [BLOCK_N, BLOCK_K]; `s_rows` [BLOCK_N, 1]: the tile's rows of scales (k0, BLOCK_K whole groups)."""
+    BLOCK_N: tl.constexpr = n_ok.shape[0]
+    GROUPS: tl.constexpr = k.shape[0] // GROUP
+    g = k0 // GROUP + tl.arange(0, GROUPS)
+    s = tl.load(s_rows + g[None, :], mask=n_ok[:, None] & (g < K // GROUP)[None, :], other=0.0)
+    wide = tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, GROUPS, GROUP))
+    return tl.reshape(wide, (BLOCK_N, GROUPS * GROUP))
 
 
 # the interpreter's tl.dot misreads 16-bit floats: there they are multiplied as fp32 (the same, exact, products)
@@ -400,6 +418,8 @@ def _gemv_kernel(
     NORM_SUMS: tl.constexpr,
     HAND_OFF: tl.constexpr,
     DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -418,6 +438,8 @@ def _gemv_kernel(
         w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     )  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # GROUP: scale_ptr holds a scale per GROUP inputs of each row
+    s_rows = scale_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP if GROUP else 1)
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
     if DOT:  # [ROWS, BLOCK_N], the tensor cores' sums
@@ -433,7 +455,8 @@ def _gemv_kernel(
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
         # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
-        k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
+        k0 = tl.program_id(1) * BLOCK_K
+        k = _step_inputs(w_ptr, k0, offs_k)
         w = tl.load(
             w_rows + k[None, :],
             mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :],
@@ -441,16 +464,16 @@ def _gemv_kernel(
         )
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(
-            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, DOT, w
-        )
+            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, DOT, s_rows,
+            k0, GROUP, w,
+        )  # fmt: skip
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
         handed = tl.load(
             sums_ptr + offs_m, mask=m_ok, other=0.0
         )  # for once x is there, used at the end
-    for k0 in tl.range(
-        first, K, BLOCK_K, num_stages=1
-    ):  # the loop as written (pipelined by Triton: slower, above)
+    # the loop as written (pipelined by Triton: slower, above); `dot`'s loads may be (LOOP_STAGES)
+    for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):
         acc, sq = _gemv_step(
             acc,
             sq,
@@ -466,6 +489,9 @@ def _gemv_kernel(
             BYTE_ASM,
             NORM,
             DOT,
+            s_rows,
+            k0,
+            GROUP,
         )
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
     # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
@@ -812,6 +838,7 @@ def gemv(
     norm_sums: torch.Tensor | None = None,
     hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
     dot: bool | None = None,
+    group_scale: torch.Tensor | None = None,
 ):
     """x [M, K] (M <= GEMV_DOT_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
@@ -827,7 +854,9 @@ def gemv(
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
     choice at one row, else 'tile'.
     `dot`: the tile's products on the tensor cores, x's rows padded to 16 (`_dot_step`); default: past GEMV_MAX_ROWS
-    rows, where the FMA tiles stop."""
+    rows, where the FMA tiles stop. `num_stages` with dot: the loop's weight loads pipelined (default 1, as written).
+    `group_scale` (with dot, int8 weights, no `scale`): [N, K / group] scales, each of `group` inputs of its row (a
+    GGUF file's Q8_0 / Q6_K as chapter 10g repacks them; groups of 16 or more, a power of two)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -841,7 +870,21 @@ def gemv(
         raise ValueError(
             f"gemv's FMA tiles take at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: dot=True"
         )
-    if weight.dtype == torch.int8 and scale is None:
+    group = 0 if group_scale is None else x.shape[1] // group_scale.shape[-1]
+    if group_scale is not None and (
+        not dot
+        or weight.dtype != torch.int8
+        or scale is not None
+        or group_scale.shape != (weight.shape[0], x.shape[1] // max(group, 1))
+        or group < 16
+        or group & (group - 1)
+        or x.shape[1] % group
+    ):
+        raise ValueError(
+            f"gemv's group_scale takes dot, int8 weights, no per-row scale and [N, K / group] scales in groups of "
+            f"16 or more, a power of two: got {tuple(group_scale.shape)} for weights {tuple(weight.shape)}"
+        )
+    if weight.dtype == torch.int8 and scale is None and group_scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(
@@ -872,6 +915,8 @@ def gemv(
             x = add_rmsnorm_reference(x, None, norm, eps)[0]
         if norm_sums is not None:
             x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
+        if group_scale is not None:  # the weights q · their group's scale
+            weight = (weight.view(n, -1, group).float() * group_scale.float()[..., None]).view(n, k)
         result = gemv_reference(x, weight, bias, scale)
         if swiglu:
             return silu_mul(result, backend)
@@ -896,7 +941,7 @@ def gemv(
         block_k or default[1],
         num_warps or default[2],
     )
-    block_k = min(block_k, max(16, _pow2(k)))
+    block_k = max(min(block_k, max(16, _pow2(k))), group)  # (whole groups a step)
     if dot and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"gemv's dot takes a block_n of 16 or more, a power of two, got {block_n}")
     if swiglu and (block_n < 2 or block_n % 2):
@@ -912,6 +957,9 @@ def gemv(
     early = pdl and early_weights
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
+    scale = (
+        group_scale if group_scale is not None else scale
+    )  # (the kernel reads either from one pointer)
     operands = (
         x,
         weight,
@@ -970,7 +1018,7 @@ def gemv(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             EVEN_K=k % block_k == 0,
-            HAS_SCALE=scale is not None,
+            HAS_SCALE=scale is not None and not group,  # (group scales: in the loop)
             HAS_BIAS=bias is not None,
             PDL=pdl,
             launch_pdl=pdl,
@@ -980,6 +1028,8 @@ def gemv(
             **folds,
             HAND_OFF=hand_off is not None,
             DOT=dot,
+            GROUP=group,
+            LOOP_STAGES=(num_stages or 1) if dot else 1,
             num_warps=num_warps,
             **_stages(num_stages),
         )
@@ -1036,6 +1086,19 @@ for m, n, k, dtype, int8 in (
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     got = gemv(x, w, None, scale, impl="triton", block_k=64, dot=True if m <= 4 else None)
     torch.testing.assert_close(got, gemv_reference(x, w, None, scale), **tolerance)
+# group scales (chapter 10g's int8 planes of Q8_0 / Q6_K): the weights q · their group's scale, in fp32 and bf16
+for m, n, k, group, dtype in ((6, 32, 128, 32, torch.float32), (16, 48, 96, 16, torch.bfloat16)):
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) / 64).half()
+    w = (q.view(n, -1, group).float() * scales.float()[..., None]).view(n, k)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    want = F.linear(x.float(), w).to(dtype)
+    for impl in ("triton", "torch"):
+        got = gemv(x, q, impl=impl, block_k=32, dot=True, group_scale=scales)
+        torch.testing.assert_close(got, want, **tolerance)
+with pytest.raises(ValueError, match="group_scale takes dot"):
+    gemv(x[:2], q, impl="triton", dot=False, group_scale=scales)
 with pytest.raises(ValueError, match="at most 16 rows, got 17"):
     gemv(torch.randn(17, 64), torch.randn(32, 64), impl="triton")
 with pytest.raises(ValueError, match="FMA tiles take at most 4 rows, got 5"):
@@ -1340,7 +1403,10 @@ with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
 # registers; a verify step (chapter 08c: a row and its k drafts) or a small batch has up to 16.
 # `dot=True` keeps the kernel, its loads and its epilogue, and makes each step one `tl.dot` of x's
 # rows (padded to 16) with the weight tile: the same bytes read, the products on the tensor cores.
-# Every fold above works unchanged on its `[ROWS, BLOCK_N]` sums:
+# Every fold above works unchanged on its `[ROWS, BLOCK_N]` sums. With `group_scale` the int8
+# weights carry a scale per group of inputs instead of one per row (chapter 10g's planes of a
+# GGUF file's Q8_0 and Q6_K, whose 16 sequences' decode steps otherwise take chapter 10b's
+# split-K), applied to the tile before the `tl.dot`:
 
 # %%
 # six rows, fp32 (the products in fp32, "ieee"), FP32 and int8 weights, each fold against the PyTorch path
