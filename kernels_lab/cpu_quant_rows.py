@@ -3,18 +3,25 @@
 on a tile of dequantized weights reuses each weight across all of them. `CPU_WEIGHT_GEMM_ROWS` says where the
 quantized layers switch from the first to the second.
 
-One random Qwen3-14B decoder layer (its four matrices: qkv, o, gate_up, down), int8 and int4, bf16 activations as a
-model split with the CPU runs them (chapter 10h): for 1 to 512 rows, the layer's products through the weight-only
-GEMMs always, against the path chapter 10e chooses, median of three.
+1. One random Qwen3-14B decoder layer (its four matrices: qkv, o, gate_up, down), int8 and int4, bf16 activations as
+   a model split with the CPU runs them (chapter 10h): for 1 to 512 rows, the layer's products through the weight-only
+   GEMMs always, against the path chapter 10e chooses, median of three.
+2. SmolLM2-135M-Instruct's GGUF (Q4_1, FP32 activations, the CPU default): the first token of a 128, 256 and
+   512-token prompt (no prefix cache), the weight-only GEMMs always against the chosen path, interleaved, median of
+   five.
 
 Run from the repository root: PYTHONPATH=. python3 kernels_lab/cpu_quant_rows.py"""
 
+import statistics
 import time
 
 import torch
 
 import forge_engine.quant.layers as quant_layers
-from forge_engine.config import preset
+from forge_engine.config import EngineConfig, preset
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
 from forge_engine.model import empty_model, init_random_weights
 from forge_engine.quant.layers import QUANTIZED_LINEARS, quantize_model
 
@@ -58,5 +65,34 @@ def main() -> None:
             )
 
 
+def first_token_seconds(engine: LLMEngine, length: int, seed: int) -> float:
+    "Seconds to the first token of a prompt of `length` ids (differing by `seed`: nothing cached)."
+    prompt = [(i * 7919 + seed * 31) % 20000 + 100 for i in range(length)]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def smollm2_prompts() -> None:
+    loaded = load_model("smollm2-135m-instruct", "cpu", quantization="auto", progress=False)
+    config = EngineConfig(max_num_seqs=1, kv_cache_bytes=2**26, enable_prefix_caching=False)
+    engine, chosen = LLMEngine(loaded, config), dict(quant_layers.CPU_WEIGHT_GEMM_ROWS)
+    first_token_seconds(engine, 64, 0)  # (warm: the packs are built on the first call)
+    for length in (128, 256, 512):
+        times = {"gemms": [], "chosen": []}
+        for seed in range(5):
+            for path, rows in (("gemms", {k: 10**9 for k in chosen}), ("chosen", chosen)):
+                quant_layers.CPU_WEIGHT_GEMM_ROWS.update(rows)
+                times[path].append(first_token_seconds(engine, length, seed))
+        gemms, ms = (statistics.median(times[p]) * 1e3 for p in ("gemms", "chosen"))
+        print(
+            f"SmolLM2 GGUF, a {length}-token prompt's first token: weight-only GEMMs {gemms:.0f} ms, chosen path "
+            f"{ms:.0f} ms ({gemms / ms:.2f}x)"
+        )
+
+
 if __name__ == "__main__":
     main()
+    smollm2_prompts()

@@ -38,17 +38,17 @@ from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 # %% auto #0
 __all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'DENSE_TILE_WEIGHTS', 'CPU_TILE_WEIGHTS', 'INT8_GEMV_ROWS',
            'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'takes_cpu_weight_gemm', 'cpu_int4pack', 'cpu_int4pack_mm',
-           'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear', 'swap_layer_matrices',
-           'quantize_model', 'load_gguf_quantized', 'perplexity']
+           'q4_blocks_as_int4', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
+           'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
 # Those GEMMs read every weight again for each row of x (their time grows with the rows, ~5 ms a row for a Qwen3-14B
 # layer in int4 on 2 cores), while a dequantized tile is reused by all the rows of one matmul: past these many rows
 # (a prompt's step) dequantizing is faster (below: the measurement)
-# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's rows are dequantized block by block,
-# slower than chapter 10's int4 codes: their GEMMs pay off longer
-CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 128}
+# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's Q4_0 / Q4_1 rows dequantize as int4
+# (`q4_blocks_as_int4`), plus the blocks' unpacking: their GEMMs pay off a little longer
+CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 64}
 
 
 def takes_cpu_weight_gemm(x: torch.Tensor, weights: str) -> bool:
@@ -102,6 +102,19 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def q4_blocks_as_int4(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, ...]:
+    """Rows of Q4_0 or Q4_1 blocks [N, bytes a row] as chapter 10's int4 in groups of 32, weights q · scale + minimum:
+    (nibbles [N, K/2], the blocks' own bytes in our order; scale d and minimum [N, K/32], FP32). Q4_0's weights are
+    d (q - 8): minimum -8d; Q4_1's d q + m: minimum m."""
+    from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
+
+    n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
+    blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
+    d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each block opens with d
+    minimum = -8 * d if qtype == 2 else _f16(blocks, 2).reshape(n, -1)
+    return blocks[:, size - 16 :].reshape(n, -1), d, minimum
+
+
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
     from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
@@ -114,9 +127,9 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     if qtype in (
         2,
         3,
-    ):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
-        zero = torch.zeros_like(d) if qtype == 2 else _f16(blocks, 2).reshape(n, -1) + 8 * d
-        operands = cpu_int4pack(blocks[:, size - 16 :].reshape(n, -1), 32, d, zero)
+    ):  # PyTorch's int4 GEMM: weights (q - 8) · scale + zero, so zero = minimum + 8d
+        nibbles, scale, minimum = q4_blocks_as_int4(raw, qtype)
+        operands = cpu_int4pack(nibbles, 32, scale, minimum + 8 * scale)
         return None if operands is None else (cpu_int4pack_mm, operands)
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
         q = (
@@ -418,7 +431,14 @@ class GGUFLinear(QuantLinear):
         outs, first = [], 0
         for qtype, raw in self.runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
-            if lo < hi:
+            if lo < hi and qtype in (2, 3) and x.device.type == "cpu":
+                # Q4_0 / Q4_1 are chapter 10's int4 in groups of 32: its in-place dequantizer (SmolLM2's gate-up at
+                # 256 rows: 5.9 ms against chapter 01a's dequantizer's 10.6, the same products)
+                w = dequantize_int4(
+                    *q4_blocks_as_int4(raw[lo - first : hi - first], qtype), x.dtype
+                )
+                outs.append(F.linear(x, w))
+            elif lo < hi:
                 outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))
             first += raw.shape[0]
         return torch.cat(outs, dim=-1)

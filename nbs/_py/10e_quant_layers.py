@@ -85,9 +85,9 @@ CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-on
 # Those GEMMs read every weight again for each row of x (their time grows with the rows, ~5 ms a row for a Qwen3-14B
 # layer in int4 on 2 cores), while a dequantized tile is reused by all the rows of one matmul: past these many rows
 # (a prompt's step) dequantizing is faster (below: the measurement)
-# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's rows are dequantized block by block,
-# slower than chapter 10's int4 codes: their GEMMs pay off longer
-CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 128}
+# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's Q4_0 / Q4_1 rows dequantize as int4
+# (`q4_blocks_as_int4`), plus the blocks' unpacking: their GEMMs pay off a little longer
+CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 64}
 
 
 def takes_cpu_weight_gemm(x: torch.Tensor, weights: str) -> bool:
@@ -141,6 +141,19 @@ def _q8_0_blocks_mm(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def q4_blocks_as_int4(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, ...]:
+    """Rows of Q4_0 or Q4_1 blocks [N, bytes a row] as chapter 10's int4 in groups of 32, weights q · scale + minimum:
+    (nibbles [N, K/2], the blocks' own bytes in our order; scale d and minimum [N, K/32], FP32). Q4_0's weights are
+    d (q - 8): minimum -8d; Q4_1's d q + m: minimum m."""
+    from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
+
+    n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
+    blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
+    d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each block opens with d
+    minimum = -8 * d if qtype == 2 else _f16(blocks, 2).reshape(n, -1)
+    return blocks[:, size - 16 :].reshape(n, -1), d, minimum
+
+
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     "(matmul, operands) for a run of GGUF rows [N, bytes a row] on PyTorch's CPU GEMMs, or None (another type, shape)."
     from forge_engine.gguf_file import _f16  # (chapter 01a's reader of a block's float16 fields)
@@ -153,9 +166,9 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
     if qtype in (
         2,
         3,
-    ):  # Q4_0: d, 16 bytes, weights d (q - 8); Q4_1: d, m, 16 bytes, weights d q + m
-        zero = torch.zeros_like(d) if qtype == 2 else _f16(blocks, 2).reshape(n, -1) + 8 * d
-        operands = cpu_int4pack(blocks[:, size - 16 :].reshape(n, -1), 32, d, zero)
+    ):  # PyTorch's int4 GEMM: weights (q - 8) · scale + zero, so zero = minimum + 8d
+        nibbles, scale, minimum = q4_blocks_as_int4(raw, qtype)
+        operands = cpu_int4pack(nibbles, 32, scale, minimum + 8 * scale)
         return None if operands is None else (cpu_int4pack_mm, operands)
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
         q = (
@@ -389,11 +402,12 @@ class TiedEmbedding(nn.Module):
 # all of them. So a prompt's step (many rows) dequantizes a tile of output rows at a time, small
 # enough on a CPU to stay in its caches (`CPU_TILE_WEIGHTS`), and a decode step's few rows take
 # the weight-only GEMMs (`takes_cpu_weight_gemm`). The row counts where the two cross were
-# measured on this project's 2-core CPU, one Qwen3-14B layer's four matrices in bf16: at 512 rows
-# the tiles take 264 ms in int8 against the GEMMs' 3,093 ms (11.7x), 783 ms in int4 against
-# 2,781 ms (3.6x); at one row the GEMMs, as before (`PYTHONPATH=. python3
-# kernels_lab/cpu_quant_rows.py`). It matters most to a model split with the CPU (chapter 10h),
-# whose CPU layers see a prompt's every token.
+# measured on this project's 2-core CPU (a noisy machine: three runs), one Qwen3-14B layer's four
+# matrices in bf16 at 512 rows: the tiles 5.4-11.7x faster than the GEMMs in int8 (264-677 ms
+# against 3.1-3.7 s), 3.6-6.0x in int4; at one row the GEMMs, as before. SmolLM2's GGUF (Q4_1,
+# whose blocks dequantize as int4: `q4_blocks_as_int4`) reaches a 512-token prompt's first token
+# 1.09-1.76x sooner (`PYTHONPATH=. python3 kernels_lab/cpu_quant_rows.py`). It matters most to a
+# model split with the CPU (chapter 10h), whose CPU layers see a prompt's every token.
 #
 # Tiles of output rows give what one dequantized matrix gives (here 3 rows a tile, the last one
 # short), and a tied embedding read from its quantized head is the head's rows dequantized:
@@ -526,7 +540,14 @@ class GGUFLinear(QuantLinear):
         outs, first = [], 0
         for qtype, raw in self.runs():
             lo, hi = max(start, first), min(end, first + raw.shape[0])
-            if lo < hi:
+            if lo < hi and qtype in (2, 3) and x.device.type == "cpu":
+                # Q4_0 / Q4_1 are chapter 10's int4 in groups of 32: its in-place dequantizer (SmolLM2's gate-up at
+                # 256 rows: 5.9 ms against chapter 01a's dequantizer's 10.6, the same products)
+                w = dequantize_int4(
+                    *q4_blocks_as_int4(raw[lo - first : hi - first], qtype), x.dtype
+                )
+                outs.append(F.linear(x, w))
+            elif lo < hi:
                 outs.append(gguf_matmul_reference(x, raw[lo - first : hi - first], qtype))
             first += raw.shape[0]
         return torch.cat(outs, dim=-1)
@@ -598,6 +619,19 @@ torch.testing.assert_close(
 torch.testing.assert_close(
     QuantLinear.dense(layer, x), want, rtol=1e-5, atol=1e-5
 )  # (the tiled reference path: FP32)
+# Q4_0 / Q4_1 blocks are chapter 10's int4 in groups of 32: the same weights as chapter 01a's dequantizer, exactly; a
+# prompt's many rows take them (past CPU_WEIGHT_GEMM_ROWS), in FP32
+from forge_engine.gguf_file import DEQUANTIZERS
+
+for _, qtype, (n, k), raw in parts[:2]:
+    as_int4 = dequantize_int4(*q4_blocks_as_int4(raw, int(qtype)))
+    assert torch.equal(
+        as_int4,
+        DEQUANTIZERS[int(qtype)](raw.reshape(-1, raw.numel() // (n * k // 32))).reshape(n, k),
+    )
+x_many = torch.randn(2 * CPU_WEIGHT_GEMM_ROWS["gguf"] + 1, 256)
+want_many = torch.cat([gguf_matmul_reference(x_many, raw, qt) for _, qt, _, raw in parts], -1)
+torch.testing.assert_close(layer(x_many), want_many, rtol=1e-5, atol=1e-5)
 assert (
     GGUFLinear(
         parts[:1] + [("v", QType.Q4_1, (8, 256), gguf_bytes(QType.Q4_1, 8, 256))]
