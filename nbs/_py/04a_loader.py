@@ -199,6 +199,7 @@ assert vars(flags.parse_args(["--quantization", "int4", "--gpu-memory-budget", "
 }
 assert vars(flags.parse_args(["--gpu-layers", "auto"]))["gpu_layers"] == "auto"
 assert vars(flags.parse_args(["--gpu-layers", "20"]))["gpu_layers"] == 20
+assert vars(flags.parse_args(["--offload", "auto"]))["offload"] == "auto"
 with pytest.raises(
     SystemExit
 ):  # argparse's error: "--gpu-layers takes a positive number of layers or auto"
