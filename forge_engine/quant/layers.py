@@ -43,11 +43,11 @@ __all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'DENSE_TILE_WEIGHTS', 'CP
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
-# Those GEMMs read every weight again for each row of x (their time grows with the rows, ~5 ms a row for a Qwen3-14B
+# Those GEMMs read every weight again for each row of x (their time grows with the rows: ~5 ms a row for a Qwen3-14B
 # layer in int4 on 2 cores), while a dequantized tile is reused by all the rows of one matmul: past these many rows
-# (a prompt's step) dequantizing is faster (below: the measurement)
-# with bf16 x; FP32 x: twice as many (an FP32 matmul is slower). A GGUF file's Q4_0 / Q4_1 rows dequantize as int4
-# (`q4_blocks_as_int4`), plus the blocks' unpacking: their GEMMs pay off a little longer
+# (a prompt's step) dequantizing is faster. With bf16 x; with FP32 x twice as many (an FP32 matmul is slower). A GGUF
+# file's Q4_0 / Q4_1 rows dequantize as int4 after their blocks are unpacked (`q4_blocks_as_int4`): their GEMMs pay
+# off a little longer. (The measurement: below.)
 CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 64}
 
 

@@ -293,9 +293,8 @@ class OffloadPlan:
     kv_cache: int  # what the budget leaves the GPU's KV cache
     # the other layers streamed to the GPU (two slots of it), not computed on the CPU
     streamed: bool = False
-    prompt_slot: bool = (
-        False  # computed on the CPU, but a prompt's matmuls on the GPU (one slot of it)
-    )
+    # computed on the CPU, but a prompt's matmuls on the GPU (one slot of it)
+    prompt_slot: bool = False
 
     def describe(self) -> str:
         if self.gpu_layers == self.num_layers:
@@ -817,11 +816,11 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 def choose_offload(
-    num_layers: int, gpu_layers: dict[str, int], layer_seconds: dict[str, float]
+    num_layers: int, gpu_layers: dict[str, int], seconds: dict[str, float]
 ) -> tuple[str, dict[str, float]]:
     """The mode ("cpu" or "stream") whose offloaded layers cost a decode step less: each mode's `gpu_layers` (its own
-    plan) and one layer's seconds in it (`offload_layer_seconds`); with each mode's estimate of that part of a step."""
-    step = {mode: (num_layers - gpu_layers[mode]) * layer_seconds[mode] for mode in gpu_layers}
+    plan) and one layer's `seconds` in it (`offload_layer_seconds`); with each mode's estimate of that part of a step."""
+    step = {mode: (num_layers - gpu_layers[mode]) * seconds[mode] for mode in gpu_layers}
     return min(step, key=step.get), step
 
 
