@@ -16,7 +16,7 @@ from torch import nn
 from .kernels.backend import kernels_available
 from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
-from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
+from .kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_folds_norms, gemv_hands_off_norms
 from forge_engine.model import (
     MLP,
     Attention,
@@ -206,9 +206,8 @@ class FusedMLP(MLP):
                 return self.down(
                     gemv(x, *self.gate_up.gemv_operands(), swiglu=True)
                 )  # SiLU-mul by the GEMV
-            if hasattr(
-                self.gate_up, "decode_gemv"
-            ):  # a layer with a GEMV of its own (chapter 10's int4)
+            # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
+            if hasattr(self.gate_up, "decode_gemv") and x.shape[0] <= GEMV_MAX_ROWS:
                 return self.down(self.gate_up.decode_gemv(x, swiglu=True))
         return self.down(
             silu_mul(self.gate_up(x))
@@ -259,9 +258,13 @@ class FusedDecoderLayer(DecoderLayer):
         layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0])
-        return takes_gemv(x) and all(
-            hasattr(layer, "decode_gemv") and layer.hands_off_norms()
-            for layer in self._projections()
+        return (
+            takes_gemv(x)
+            and x.shape[0] <= GEMV_MAX_ROWS  # (chapter 10's int4 GEMV: no more rows)
+            and all(
+                hasattr(layer, "decode_gemv") and layer.hands_off_norms()
+                for layer in self._projections()
+            )
         )
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
