@@ -20,7 +20,8 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
 
 4. The folded GEMVs for the verify rows (LAB_GEMV_ROWS=N): steps of up to N rows take chapter 09a's folded GEMVs
    (chapter 09's `gemv`, on the tensor cores past 4 rows: `dot`) instead of cuBLAS and the separate norms, SiLU-mul
-   and adds (the package sends them one row: GEMV_ROWS). BF16 and int8 only (chapter 10's int4 GEMV takes 4 rows).
+   and adds (the package sends them one row: GEMV_ROWS). In int4 past 4 rows the layers run unfused (chapter 10's int4
+   GEMV takes 4 rows).
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
 (LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3; LAB_GEMV_ROWS=5: with part 4)"""
