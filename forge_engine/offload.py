@@ -266,24 +266,28 @@ OFFLOAD_MODES = ("cpu", "stream", "auto")
 class LayerStream:
     """Layers `first`.. of `layers`: their matrices' tensors kept in host memory (pinned when `device` is a GPU) and
     run from `slots` slots on `device` (two: one fills while the other runs), each filled on a copy stream once the
-    layer before in that slot has run."""
+    layer before in that slot has run. `on_host(j, tensors)`: called with streamed layer j's host copies as soon as
+    they are made (`PromptMatmuls` hands them to the CPU's modules: one layer's copy at a time, never all twice)."""
 
-    def __init__(self, layers, first: int, device, slots: int = 2):
+    def __init__(self, layers, first: int, device, slots: int = 2, on_host=None):
         self.first, self.count, device = first, len(layers) - first, torch.device(device)
         self.cuda = device.type == "cuda"
         tensors = [matrix_tensors(layer) for layer in layers[first:]]
         kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
         if any(k != kinds[0] for k in kinds):
             raise ValueError("streamed layers must hold matrices of one shape and type each")
-        self.host = [
-            [t.detach().cpu().pin_memory() if self.cuda else t.detach().clone() for t in ts]
-            for ts in tensors
-        ]
         self.slots = [
             [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
             for _ in range(min(slots, self.count))
         ]
-        for j, ts in enumerate(tensors):  # each layer's tensors now live in its slot
+        self.host = []
+        for j, ts in enumerate(
+            tensors
+        ):  # a layer at a time: its host copy, then its tensors in its slot
+            host = [t.detach().cpu().pin_memory() if self.cuda else t.detach().clone() for t in ts]
+            self.host.append(host)
+            if on_host is not None:
+                on_host(j, host)
             for t, s in zip(ts, self.slots[j % len(self.slots)]):
                 t.data = s
         # the layer each slot holds (or is being filled with)
@@ -379,11 +383,14 @@ class PromptMatmuls:
             raise ValueError(f"PromptMatmuls' rows must be at least 1, got {rows}")
         cpu_layers = list(model.layers)[model.gpu_layers :]
         twins = [_gpu_twin_layer(layer) for layer in cpu_layers]
-        self.stream = LayerStream(twins, 0, device, slots=1)
-        # one host copy of each matrix: the CPU's, and the slot's source
-        for layer, host in zip(cpu_layers, self.stream.host):
-            for t, pinned in zip(matrix_tensors(layer), host):
+
+        def to_host_copy(
+            j, host
+        ):  # one copy of each matrix in host memory: the CPU's, and the slot's source
+            for t, pinned in zip(matrix_tensors(cpu_layers[j]), host):
                 t.data = pinned
+
+        self.stream = LayerStream(twins, 0, device, slots=1, on_host=to_host_copy)
         self.rows, self.device = rows, torch.device(device)
         for layer, twin in zip(cpu_layers, twins):
             layer.attn.qkv = RowsOnGPU(layer.attn.qkv, twin.attn.qkv, self)
