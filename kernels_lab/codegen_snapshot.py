@@ -414,7 +414,12 @@ def cases() -> dict:
 def snapshot(path: str):
     records = {}
     for name, (kernel, constexprs, pointers, warps, maxnreg) in cases().items():
-        records[name] = compile_case(find(kernel), constexprs, pointers, warps, maxnreg)
+        try:
+            records[name] = compile_case(find(kernel), constexprs, pointers, warps, maxnreg)
+        except Exception as e:  # (a case this tree does not compile: recorded, compared as such)
+            records[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}"}
+            print(f"{name:24s} does not compile: {records[name]['error']}", file=sys.stderr)
+            continue
         print(
             f"{name:24s} {len(records[name]['sass']):5d} instructions {records[name]['registers']:4d} registers",
             file=sys.stderr,
@@ -431,12 +436,14 @@ def compare(before_path: str, after_path: str) -> int:
         a, b = before.get(name), after.get(name)
         if a == b:
             print(
-                f"{name:24s} identical ({len(a['sass'])} instructions, {a['registers']} registers)"
+                f"{name:24s} identical ({len(a.get('sass', ()))} instructions, {a.get('error', '')})"
             )
             continue
         differ += 1
-        if a is None or b is None:
-            print(f"{name:24s} only {'after' if a is None else 'before'}")
+        if a is None or b is None or "error" in a or "error" in b:
+            print(
+                f"{name:24s} before {a and a.get('error', 'compiled')}, after {b and b.get('error', 'compiled')}"
+            )
             continue
         changed = sum(x != y for x, y in zip(a["sass"], b["sass"])) + abs(
             len(a["sass"]) - len(b["sass"])
