@@ -325,14 +325,20 @@ def cases() -> dict:
                 UPCAST=False,
                 PRECISION="tf32",
             ),
-            dict(tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32"),
+            dict(
+                tables_ptr="*i32",
+                query_start_ptr="*i32",
+                context_lens_ptr="*i32",
+                tile_seq_ptr="*i32",
+                tile_first_ptr="*i32",
+            ),
             4,
             None,
         ),
         # the small kernels, as dependents (a one-row step)
         "add_rmsnorm": (
             "_add_rmsnorm_kernel",
-            dict(HAS_RESIDUAL=True, BLOCK_H=4096, PDL=True, WAIT=True),
+            dict(HAS_RESIDUAL=True, ZERO_CENTRED=False, BLOCK_H=4096, PDL=True, WAIT=True),
             {},
             8,
             None,
