@@ -616,15 +616,16 @@ with pytest.raises(ValueError, match="unknown offload 'gpu'"):
 #
 # The CPU computes its layers at a decode step's one row because reading their weights is all
 # that step does. A prompt's step is the other case: its rows multiply every weight, and the CPU's
-# time grows with them (a Qwen3-14B layer in int4 takes 0.8 s at 512 rows on two cores, chapter
-# 10e) while a copy of the layer to the GPU takes the same milliseconds whatever the rows. So
-# `PromptMatmuls` gives each CPU layer's matrices a GPU twin, streamed as above through one slot (a
-# prompt's products take a fraction of a layer's copy: a second slot to overlap them would save
-# little and take a layer's room; the CPU computes from the same pinned host copies the slot is
-# filled from), and a step of
-# `rows` rows or more sends each CPU layer's qkv, o and MLP to the GPU: x there, the product back.
-# Attention stays on the CPU with its KV cache; norms and rotations too (a few KB a row). This is
-# what llama.cpp does with a partly offloaded model's large batches.
+# time grows with them (a Qwen3-14B layer in int4 takes 0.5-0.8 s at 512 rows on two cores, with
+# chapter 10e's tiles), while a copy of the layer to the GPU takes the same milliseconds whatever
+# the rows. So `PromptMatmuls` gives each CPU layer's matrices a GPU twin, streamed as above, and
+# a step of `rows` rows or more sends each CPU layer's qkv, o and MLP to the GPU: x there, the
+# product back. Attention stays on the CPU with its KV cache, and so do the norms and rotations
+# (a few KB a row). This is what llama.cpp does with a partly offloaded model's large batches.
+#
+# The twins stream through one slot: a prompt's products take a fraction of a layer's copy, so a
+# second slot to overlap them would save little and cost a layer's room. The CPU computes from the
+# same pinned host copies the slot is filled from, so the host holds each matrix once.
 #
 # `rows` is where the two cost the same: one row's products on the CPU times the rows against the
 # layer's copy, both measured by the loader on one of the model's CPU layers (`layer_seconds`,
