@@ -88,8 +88,7 @@ def _placement(name: str, quantization: str, budget: int) -> list[tuple[str, str
                 "a Qwen3.5 model's layers are not split (chapter 10h splits chapter 03's Transformer)"
             )
         # as the loader plans it: on a GPU the CPU's layers keep a slot there for a prompt's matmuls (chapter 10h)
-        prompts = torch.cuda.is_available() and quantization != "gguf"
-        plan = plan_gpu_layers(config, budget, quantization, prompt_slot=prompts)
+        plan = plan_gpu_layers(config, budget, quantization, prompt_slot=torch.cuda.is_available())
     except (ValueError, FileNotFoundError) as e:
         return [("placement", f"{name} in {quantization}: {e}")]
     rows = [("placement", plan.describe())]

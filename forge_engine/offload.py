@@ -27,10 +27,11 @@ from forge_engine.memory_plan import (
 from .model import AttentionBackend, Transformer
 
 # %% auto #0
-__all__ = ['OFFLOAD_MODES', 'OffloadedTransformer', 'check_split', 'place_layers', 'SplitAttention', 'offload_pool', 'gpu_part',
-           'OffloadPlan', 'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers', 'offload_step_seconds',
-           'pcie_bandwidth', 'LayerStream', 'matrix_tensors', 'StreamedTransformer', 'stream_layers', 'PromptMatmuls',
-           'RowsOnGPU', 'offload_layer_seconds', 'layer_seconds', 'prompt_rows', 'choose_offload']
+__all__ = ['OFFLOAD_MODES', 'SLOT_ALIGN', 'OffloadedTransformer', 'check_split', 'place_layers', 'SplitAttention', 'offload_pool',
+           'gpu_part', 'OffloadPlan', 'describe_split', 'split_bytes', 'layer_bytes', 'plan_gpu_layers',
+           'offload_step_seconds', 'pcie_bandwidth', 'LayerStream', 'matrix_tensors', 'StreamedTransformer',
+           'stream_layers', 'PromptMatmuls', 'RowsOnGPU', 'offload_layer_seconds', 'layer_seconds', 'prompt_rows',
+           'choose_offload']
 
 # %% ../nbs/10h_offload.ipynb #04b8dc79
 class OffloadedTransformer(Transformer):
@@ -273,14 +274,14 @@ class LayerStream:
         self.first, self.count, device = first, len(layers) - first, torch.device(device)
         self.cuda = device.type == "cuda"
         tensors = [matrix_tensors(layer) for layer in layers[first:]]
-        kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
-        if any(k != kinds[0] for k in kinds):
-            raise ValueError("streamed layers must hold matrices of one shape and type each")
+        # a slot: bytes for the largest layer (a GGUF file's layers may differ in types); each layer's tensors are
+        # views of its slot, at offsets of its own
+        size = max(_slot_bytes(ts) for ts in tensors)
         self.slots = [
-            [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
+            torch.empty(size, dtype=torch.uint8, device=device)
             for _ in range(min(slots, self.count))
         ]
-        self.host = []
+        self.host, self.views = [], []
         for j, ts in enumerate(
             tensors
         ):  # a layer at a time: its host copy, then its tensors in its slot
@@ -288,8 +289,9 @@ class LayerStream:
             self.host.append(host)
             if on_host is not None:
                 on_host(j, host)
-            for t, s in zip(ts, self.slots[j % len(self.slots)]):
-                t.data = s
+            self.views.append(_slot_views(self.slots[j % len(self.slots)], ts))
+            for t, view in zip(ts, self.views[j]):
+                t.data = view
         # the layer each slot holds (or is being filled with)
         self.filled = [None] * len(self.slots)
         if self.cuda:
@@ -309,12 +311,12 @@ class LayerStream:
         if self.filled[s] == j:
             return
         if not self.cuda:  # (a CPU "device": the bookkeeping, copied at once)
-            for dst, src in zip(self.slots[s], self.host[j]):
+            for dst, src in zip(self.views[j], self.host[j]):
                 dst.copy_(src)
         else:
             with torch.cuda.stream(self.copier):
                 self.copier.wait_event(self.used[s])
-                for dst, src in zip(self.slots[s], self.host[j]):
+                for dst, src in zip(self.views[j], self.host[j]):
                     dst.copy_(src, non_blocking=True)
                 self.copied[s].record(self.copier)
         self.filled[s] = j
@@ -333,6 +335,23 @@ class LayerStream:
         if self.cuda:
             self.used[s].record(torch.cuda.current_stream())
         self.fill(following if following < self.count else s)  # past the last: the next step's
+
+
+SLOT_ALIGN = 256  # bytes: where each tensor starts in a slot (any dtype's alignment; the kernels' wide loads)
+
+
+def _slot_bytes(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // SLOT_ALIGN) * SLOT_ALIGN for t in tensors)
+
+
+def _slot_views(slot: torch.Tensor, tensors) -> list[torch.Tensor]:
+    "Views of `slot` (bytes) shaped and typed as `tensors`, one after another, each at a multiple of SLOT_ALIGN."
+    views, at = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        views.append(slot[at : at + nbytes].view(t.dtype).view(t.shape))
+        at += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    return views
 
 
 def matrix_tensors(layer) -> list[torch.Tensor]:

@@ -446,8 +446,8 @@ def load_model(
             gpu_layers, config, memory_budget, quantization, dtype, device, progress
         )
     streamed = offload == "stream"
-    # computed on the CPU, a split model's layers still take a prompt's matmuls to the GPU (a GGUF file's keep its blocks)
-    prompts = not streamed and device.type == "cuda" and quantization != "gguf"
+    # computed on the CPU, a split model's layers still take a prompt's matmuls to the GPU
+    prompts = not streamed and device.type == "cuda"
     split = offloaded_layers(
         gpu_layers, config, memory_budget, quantization, dtype, progress, streamed, prompts
     )

@@ -479,14 +479,14 @@ class LayerStream:
         self.first, self.count, device = first, len(layers) - first, torch.device(device)
         self.cuda = device.type == "cuda"
         tensors = [matrix_tensors(layer) for layer in layers[first:]]
-        kinds = [[(t.shape, t.dtype) for t in ts] for ts in tensors]
-        if any(k != kinds[0] for k in kinds):
-            raise ValueError("streamed layers must hold matrices of one shape and type each")
+        # a slot: bytes for the largest layer (a GGUF file's layers may differ in types); each layer's tensors are
+        # views of its slot, at offsets of its own
+        size = max(_slot_bytes(ts) for ts in tensors)
         self.slots = [
-            [torch.empty(s, dtype=d, device=device) for s, d in kinds[0]]
+            torch.empty(size, dtype=torch.uint8, device=device)
             for _ in range(min(slots, self.count))
         ]
-        self.host = []
+        self.host, self.views = [], []
         for j, ts in enumerate(
             tensors
         ):  # a layer at a time: its host copy, then its tensors in its slot
@@ -494,8 +494,9 @@ class LayerStream:
             self.host.append(host)
             if on_host is not None:
                 on_host(j, host)
-            for t, s in zip(ts, self.slots[j % len(self.slots)]):
-                t.data = s
+            self.views.append(_slot_views(self.slots[j % len(self.slots)], ts))
+            for t, view in zip(ts, self.views[j]):
+                t.data = view
         # the layer each slot holds (or is being filled with)
         self.filled = [None] * len(self.slots)
         if self.cuda:
@@ -515,12 +516,12 @@ class LayerStream:
         if self.filled[s] == j:
             return
         if not self.cuda:  # (a CPU "device": the bookkeeping, copied at once)
-            for dst, src in zip(self.slots[s], self.host[j]):
+            for dst, src in zip(self.views[j], self.host[j]):
                 dst.copy_(src)
         else:
             with torch.cuda.stream(self.copier):
                 self.copier.wait_event(self.used[s])
-                for dst, src in zip(self.slots[s], self.host[j]):
+                for dst, src in zip(self.views[j], self.host[j]):
                     dst.copy_(src, non_blocking=True)
                 self.copied[s].record(self.copier)
         self.filled[s] = j
@@ -539,6 +540,23 @@ class LayerStream:
         if self.cuda:
             self.used[s].record(torch.cuda.current_stream())
         self.fill(following if following < self.count else s)  # past the last: the next step's
+
+
+SLOT_ALIGN = 256  # bytes: where each tensor starts in a slot (any dtype's alignment; the kernels' wide loads)
+
+
+def _slot_bytes(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // SLOT_ALIGN) * SLOT_ALIGN for t in tensors)
+
+
+def _slot_views(slot: torch.Tensor, tensors) -> list[torch.Tensor]:
+    "Views of `slot` (bytes) shaped and typed as `tensors`, one after another, each at a multiple of SLOT_ALIGN."
+    views, at = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        views.append(slot[at : at + nbytes].view(t.dtype).view(t.shape))
+        at += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    return views
 
 
 def matrix_tensors(layer) -> list[torch.Tensor]:
@@ -721,7 +739,10 @@ both = offload.place_layers(copy.deepcopy(whole4), 1, "cpu")
 matmuls = offload.PromptMatmuls(both, "cpu", rows=8)
 assert both.prompt_matmuls is matmuls
 assert isinstance(both.layers[2].mlp, offload.RowsOnGPU) and len(matmuls.stream.slots) == 1
-assert both.layers[2].mlp.on_gpu.down.weight.data_ptr() == matmuls.stream.slots[0][-1].data_ptr()
+assert both.layers[2].mlp.on_gpu.down.weight.data_ptr() == matmuls.stream.views[1][-1].data_ptr()
+assert (
+    matmuls.stream.views[1][0].data_ptr() == matmuls.stream.slots[0].data_ptr()
+)  # (one slot: every layer's)
 assert both.layers[1].attn.qkv.on_cpu.weight.data_ptr() == matmuls.stream.host[0][0].data_ptr()
 taken, takes = (
     [],
@@ -740,6 +761,42 @@ assert p14.kv_per_token == p14.gpu_layers * q14.kv_per_token // q14.gpu_layers
 assert "a prompt's matmuls on the GPU through one slot" in p14.describe()
 with pytest.raises(ValueError, match="rows must be at least 1"):
     offload.PromptMatmuls(offload.place_layers(copy.deepcopy(whole4), 1, "cpu"), "cpu", rows=0)
+
+# %% [markdown]
+# A GGUF file's layers keep their blocks on both sides (the GPU twins run chapter 10d's kernels on
+# them), and its layers need not hold one type: a slot is bytes for the largest layer, each layer
+# a view of its own. SmolLM2's file split after its first layer, its prompts through the twins:
+
+# %%
+from forge_engine.quant.layers import Int4Linear, swap_layer_matrices
+
+smol = load_model("smollm2-135m-instruct", "cpu", progress=False, quantization="gguf")
+smol_whole = copy.deepcopy(smol.model)
+offload.PromptMatmuls(offload.place_layers(smol.model, 1, "cpu"), "cpu", rows=8)
+assert type(smol.model.layers[5].attn.qkv.on_cpu).__name__ == "GGUFLinear"
+smol_prompts = [list(range(5, 45)), list(range(50, 62))]
+smol_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+smol_config = EngineConfig(kv_cache_bytes=2**24, max_num_seqs=2, max_num_batched_tokens=32)
+
+
+def smol_greedy(model):
+    engine = LLMEngine(LoadedModel("smollm2", model, None, None), smol_config)
+    for i, p in enumerate(smol_prompts):
+        engine.add_request(p, smol_params, str(i))
+    outs = {}
+    while engine.has_unfinished():
+        outs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    return outs
+
+
+assert smol_greedy(smol.model) == smol_greedy(smol_whole)
+# layers of different formats through one slot: int8, int8, int4 after the first
+mixed = copy.deepcopy(whole4)
+swap_layer_matrices(mixed, lambda m, where: Int8Linear(m), range(1, 3))
+swap_layer_matrices(mixed, lambda m, where: Int4Linear(m, group=32), range(3, 4))
+mixed_whole = copy.deepcopy(mixed)
+offload.PromptMatmuls(offload.place_layers(mixed, 1, "cpu"), "cpu", rows=8)
+assert greedy(mixed)[0] == greedy(mixed_whole)[0]
 
 
 # %% [markdown]
