@@ -223,7 +223,7 @@ prompts = [list(range(3, 3 + n)) for n in (5, 30, 1)]
 config = EngineConfig(kv_cache_bytes=2**20, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 
 
-def greedy(model):
+def greedy(model, config=config, prompts=prompts, params=params):
     engine = LLMEngine(LoadedModel("tiny", model, None, None), config)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, str(i))
@@ -778,18 +778,8 @@ smol_prompts = [list(range(5, 45)), list(range(50, 62))]
 smol_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 smol_config = EngineConfig(kv_cache_bytes=2**24, max_num_seqs=2, max_num_batched_tokens=32)
 
-
-def smol_greedy(model):
-    engine = LLMEngine(LoadedModel("smollm2", model, None, None), smol_config)
-    for i, p in enumerate(smol_prompts):
-        engine.add_request(p, smol_params, str(i))
-    outs = {}
-    while engine.has_unfinished():
-        outs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-    return outs
-
-
-assert smol_greedy(smol.model) == smol_greedy(smol_whole)
+smol_run = dict(config=smol_config, prompts=smol_prompts, params=smol_params)
+assert greedy(smol.model, **smol_run)[0] == greedy(smol_whole, **smol_run)[0]
 # layers of different formats through one slot: int8, int8, int4 after the first
 mixed = copy.deepcopy(whole4)
 swap_layer_matrices(mixed, lambda m, where: Int8Linear(m), range(1, 3))
