@@ -287,10 +287,10 @@ def auto_offload(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-) -> str:
+) -> tuple[str, dict[str, float] | None]:
     """`--offload auto`: "stream" where this machine runs a decode step's offloaded layers faster streamed to `device`
     than on its CPU (chapter 10h's `offload_layer_seconds`, each mode with its own plan), else "cpu" (nothing split,
-    a GGUF file's blocks, or no room for streaming's slots)."""
+    a GGUF file's blocks, or no room for streaming's slots); and the layer's seconds where it measured them."""
     from forge_engine.memory_plan import MemoryPlanError
     from forge_engine.offload import choose_offload, offload_layer_seconds
 
@@ -301,12 +301,15 @@ def auto_offload(
         )
         return config.num_layers if plan is None else plan
 
-    if gpu_layers is None or quantization == "gguf" or split("cpu") == config.num_layers:
-        return "cpu"
+    if gpu_layers is None or quantization == "gguf":
+        return "cpu", None
+    splits = {"cpu": split("cpu")}
+    if splits["cpu"] == config.num_layers:
+        return "cpu", None
     try:
-        splits = {mode: split(mode) for mode in ("cpu", "stream")}
+        splits["stream"] = split("stream")
     except MemoryPlanError:  # the budget holds a layer, not the slots besides it
-        return "cpu"
+        return "cpu", None
     seconds = offload_layer_seconds(config, quantization, dtype, device)
     mode, step = choose_offload(config.num_layers, splits, seconds)
     if progress:
@@ -316,15 +319,18 @@ def auto_offload(
             f"{step['stream'] * 1e3:.1f} ms streamed",
             file=sys.stderr,
         )
-    return mode
+    return mode, seconds
 
 
-def prompt_matmuls(model, device: torch.device, progress: bool) -> None:
+def prompt_matmuls(
+    model, device: torch.device, progress: bool, seconds: dict[str, float] | None = None
+) -> None:
     """Chapter 10h's `PromptMatmuls` for a model split with the CPU: its CPU layers' matmuls on `device` from the rows
-    where that is faster, measured on its last layer (`layer_seconds`)."""
+    where that is faster, from `seconds` (`auto_offload`'s measure of a layer of the model's shape), else measured on
+    its last layer (`layer_seconds`)."""
     from forge_engine.offload import PromptMatmuls, layer_seconds, prompt_rows
 
-    seconds = layer_seconds(model.layers[-1], device)
+    seconds = seconds or layer_seconds(model.layers[-1], device)
     rows = PromptMatmuls(model, device, prompt_rows(seconds)).rows
     if progress:
         print(
@@ -383,8 +389,9 @@ def load_model(
             f"--quantization gguf keeps a GGUF file's blocks, but {resolved.name!r} is {resolved.format}; "
             f"use int8 or int4"
         )
+    layer_times = None  # (`--offload auto` measures one layer: the prompt matmuls' rows reuse it)
     if offload == "auto":
-        offload = auto_offload(
+        offload, layer_times = auto_offload(
             gpu_layers, config, memory_budget, quantization, dtype, device, progress
         )
     streamed = offload == "stream"
@@ -455,7 +462,7 @@ def load_model(
     if split:  # chapter 10h: its embedding, first layers, final norm and head to the GPU
         model = (stream_layers if streamed else place_layers)(model, split, device)
         if prompts:
-            prompt_matmuls(model, device, progress)
+            prompt_matmuls(model, device, progress, layer_times)
     if quantization == "gguf" and device.type == "cuda":
         # aligned planes for the GPU's GEMVs (chapter 10g); a CPU (and a split model's CPU layers) reads the blocks
         from forge_engine.quant.gguf_gpu import gguf_layers_for_gpu

@@ -160,9 +160,6 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
 
     if qtype not in (2, 3, 8) or raw.device.type != "cpu":
         return None
-    n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
-    blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
-    d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each of these blocks opens with d
     if qtype in (
         2,
         3,
@@ -170,6 +167,9 @@ def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
         nibbles, scale, minimum = q4_blocks_as_int4(raw, qtype)
         operands = cpu_int4pack(nibbles, 32, scale, minimum + 8 * scale)
         return None if operands is None else (cpu_int4pack_mm, operands)
+    n, size = raw.shape[0], KEPT_GGUF_TYPES[qtype][2]
+    blocks = raw.reshape(-1, size)  # a block a row, N x K/32 of them
+    d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each of these blocks opens with d
     if hasattr(torch, "_weight_int8pack_mm"):  # Q8_0: d, 32 int8
         q = (
             blocks[:, 2:]
