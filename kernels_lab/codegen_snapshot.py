@@ -131,14 +131,8 @@ GEMV = dict(
     RESIDUAL=False,
     NORM_SUMS=False,
     HAND_OFF=False,
-    DOT=False,
-    GROUP=0,
 )
-ROWS = {
-    k: v
-    for k, v in GEMV.items()
-    if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF", "DOT", "GROUP")
-}
+ROWS = {k: v for k, v in GEMV.items() if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF")}
 DECODE = dict(
     HEAD_DIM=128,
     BLOCK_D=128,

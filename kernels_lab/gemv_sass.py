@@ -35,9 +35,6 @@ FLAGS = (
     "RESIDUAL",
     "NORM_SUMS",
     "HAND_OFF",
-    "DOT",
-    "GROUP",
-    "LOOP_STAGES",
 )
 GEMV_SIGNATURE = {
     "x_ptr": "*bf16",
@@ -185,18 +182,14 @@ def gemv_loop(
     early: bool = False,
     norm: bool = False,
     hand_off: bool = False,
-    dot: bool = False,
-    group: int = 0,
-    loop_stages: int = 1,
 ) -> tuple[list[str], float, int]:
     """chapter 09's GEMV (bf16 or int8 weights) at one row: its loop, the weights each thread handles per step, and
     registers a thread. `swiglu`: the gate-up GEMV with SiLU-mul in its epilogue (its loop should be the plain one's);
     `norm`: an RMSNorm folded in (x times the norm weight, its squares summed, in the loop); `hand_off`: the residual
-    added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8); `dot`: the
-    tensor-core variant, 16 rows of x (`gemv(..., dot=True)`), with `group` scales (int8) and `loop_stages`."""
+    added and the next norm handed off in the epilogue (chapter 03's o / down GEMVs at batch 1, int8)."""
     flags = dict(
         EVEN_K=True,
-        HAS_SCALE=weight == "*i8" and not group,
+        HAS_SCALE=weight == "*i8",
         HAS_BIAS=False,
         PDL=True,
         BYTE_ASM=byte_asm,
@@ -206,14 +199,11 @@ def gemv_loop(
         RESIDUAL=hand_off,
         NORM_SUMS=False,
         HAND_OFF=hand_off,
-        DOT=dot,
-        GROUP=group,
-        LOOP_STAGES=loop_stages,
     )
     body, registers = loop_sass(
         _gemv_kernel,
         dict(GEMV_SIGNATURE, w_ptr=weight),
-        dict(ROWS=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, **flags),
+        dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, **flags),
         num_warps,
         maxnreg,
     )

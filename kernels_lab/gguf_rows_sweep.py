@@ -2,12 +2,7 @@
 chapter 10b's split-K launch with a tile dequantized in registers and `tl.dot`, over a sweep of its tiles (BLOCK_N,
 warps, pipeline stages), against the one-row GEMV of the same matrix (the time to read it once: what 16 rows should
 cost when they are bandwidth-bound), and the dense path (one Triton launch makes the weights, then one matmul).
-Qwen3-4B's matrices as Q8_0 and Q6_K (int8 planes, groups of 32 and 16) and Q4_K (int4, groups of 32). The int8
-planes also through chapter 09's GEMV on all 16 rows (`gemv(..., dot=True, group_scale=...)`: no split-K, the GEMV's
-early weights; a sweep of BLOCK_N, BLOCK_K, warps and pipelined loop stages). Q4_K's int4 planes also through a
-GEMV of this file's own on all 16 rows (`int4_dot`: no split-K; each step's bytes split into their low and high
-nibbles, each half dequantized by its group's scale and minimum and multiplied with its half of x's inputs by one
-`tl.dot`), the same sweep.
+Qwen3-4B's matrices as Q8_0 and Q6_K (int8 planes, groups of 32 and 16) and Q4_K (int4, groups of 32).
 
 Napkin math: at 16 rows a weight is used 16 times, 32 FLOP a byte for int8: far under the H200's ~190 FLOP a byte of
 tensor-core BF16, so 16 rows are bound by reading the weights, as one row is. 512 rows: 1,024 FLOP a byte, bound by
@@ -22,13 +17,8 @@ from common import (
     time_variant,
     validate,
 )  # first: may switch on the interpreter
-import itertools
-
 import torch
-import triton
-import triton.language as tl
 
-from forge_engine.kernels.gemv import GEMV_DOT_CONFIG, gemv
 from forge_engine.quant.gemv import int4_dense, int4_matmul, int4_matmul_reference
 from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul_reference
 from forge_engine.quant.gguf_gpu import (
@@ -49,72 +39,6 @@ SHAPES = {
 }
 TYPES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
 SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-DOT_SWEEP = list(
-    itertools.product((16, 32, 64), (128, 256), (4, 8), (1, 3))
-)  # BLOCK_N, BLOCK_K, warps, stages
-DOT_IN_F32 = tl.constexpr(
-    not ON_GPU
-)  # the interpreter's tl.dot misreads bf16: the same products in fp32 there
-
-
-@triton.jit
-def _int4_dot_kernel(
-    x_ptr, q_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_sn, stride_sg,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """out [M, N] = x [M <= 16, K] @ (q · scale + minimum).T for chapter 10's int4: a group's byte j holds its inputs j
-    (low nibble) and j + GROUP / 2 (high); BLOCK_K whole groups a step, K a whole number of steps; scale and minimum
-    strided alike (`pair_scales` keeps them side by side)."""
-    HALF: tl.constexpr = GROUP // 2
-    rows = tl.arange(0, 16)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok, m_ok = cols < N, rows < M
-    # a step's bytes, and the inputs of their low nibbles (group g's g GROUP + j, j < HALF); the high ones are + HALF
-    lane = tl.arange(0, BLOCK_K // 2)
-    low_k = (lane // HALF) * GROUP + lane % HALF
-    q_rows = q_ptr + cols.to(tl.int64)[:, None] * (K // 2)
-    s_rows = cols.to(tl.int64)[:, None] * stride_sn
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        b = tl.load(q_rows + k0 // 2 + lane[None, :], mask=n_ok[:, None], other=0)
-        g = k0 // GROUP + lane // HALF
-        at = s_rows + g[None, :] * stride_sg
-        s = tl.load(scale_ptr + at, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        m = tl.load(min_ptr + at, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w_low = ((b & 0x0F).to(tl.float32) * s + m).to(tl.bfloat16)
-        w_high = ((b >> 4).to(tl.float32) * s + m).to(tl.bfloat16)
-        x_low = tl.load(
-            x_ptr + rows[:, None] * K + k0 + low_k[None, :], mask=m_ok[:, None], other=0.0
-        )
-        x_high = tl.load(
-            x_ptr + rows[:, None] * K + k0 + HALF + low_k[None, :], mask=m_ok[:, None], other=0.0
-        )
-        if DOT_IN_F32:
-            f32 = tl.float32
-            acc = tl.dot(x_low.to(f32), tl.trans(w_low.to(f32)), acc, input_precision="ieee")
-            acc = tl.dot(x_high.to(f32), tl.trans(w_high.to(f32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x_low.to(tl.bfloat16), tl.trans(w_low), acc)
-            acc = tl.dot(x_high.to(tl.bfloat16), tl.trans(w_high), acc)
-    out = out_ptr + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def int4_dot(x, packed, scale, minimum, block_n=32, block_k=256, num_warps=4, num_stages=1):
-    "x [M <= 16, K] @ dequantize_int4(packed, scale, minimum).T through `_int4_dot_kernel`."
-    m, k = x.shape
-    n, group = packed.shape[0], k // scale.shape[1]
-    if m > 16 or k % block_k or block_k % group or scale.stride() != minimum.stride():
-        raise ValueError(
-            f"int4_dot: at most 16 rows, K a multiple of block_k, whole groups: {m}, {k}, {group}"
-        )
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _int4_dot_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), packed, scale, minimum, out, m, n, k, scale.stride(0), scale.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, STAGES=num_stages, num_warps=num_warps,
-    )  # fmt: skip
-    return out
-
 
 ok = True
 torch.manual_seed(0)
@@ -182,11 +106,6 @@ for type_name, qtype in TYPES.items():
         ok &= validate(
             f"{label} 512 rows dense", dense(x512).float(), reference(x512).float(), 1e-2
         )
-        if qtype == 12:
-            dot16 = int4_dot(x16, packed, s, m, block_k=min(256, k))
-        else:
-            dot16 = gemv(x16, q, dot=True, group_scale=scale, block_n=GEMV_DOT_CONFIG[0])
-        ok &= validate(f"{label} 16 rows gemv dot", dot16.float(), want16, 2e-2)
         if not ON_GPU:
             break
         one, _ = time_variant(lambda: run(x1), graph=True)
@@ -209,29 +128,6 @@ for type_name, qtype in TYPES.items():
         for ms, config in results[:3]:
             print(
                 f"  {label:13s} 16 rows (BLOCK_N, warps, stages) {config}: {ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s)"
-            )
-        # the planes through a GEMV on all 16 rows: chapter 09's (int8), this file's (int4)
-        dots = []
-        for block_n, block_k, warps, stages in DOT_SWEEP:
-            launch = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-
-            def dot16(launch=launch):
-                if qtype == 12:
-                    return int4_dot(x16, packed, s, m, **launch)
-                return gemv(x16, q, dot=True, group_scale=scale, **launch)
-
-            try:
-                got = dot16()
-                ms, _ = time_variant(dot16, graph=True)
-            except Exception as e:  # a tile the compiler refuses: say so, go on
-                print(f"  {label:13s} gemv dot {tuple(launch.values())}: {type(e).__name__}")
-                continue
-            ok &= validate(f"{label} 16 rows gemv dot", got.float(), want16, 2e-2)
-            dots.append((ms, tuple(launch.values())))
-        for ms, config in sorted(dots)[:3]:
-            print(
-                f"  {label:13s} 16 rows gemv dot (BLOCK_N, BLOCK_K, warps, stages) {config}: {ms * 1e3:6.1f} us "
-                f"({nbytes / ms / 1e9:4.2f} TB/s)"
             )
         d, _ = time_variant(lambda: dense(x512), graph=True)
         r, _ = time_variant(lambda: reference(x512), graph=True)

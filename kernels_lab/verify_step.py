@@ -18,13 +18,8 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
 3. Where the time goes (LAB_PROFILE=1): the kernels of a decode graph of 1 row and of a verify graph of 1 + DRAFTS
    rows, by name, microseconds a step, under torch.profiler.
 
-4. The folded GEMVs for the verify rows (LAB_GEMV_ROWS=N): steps of up to N rows take chapter 09a's folded GEMVs
-   (chapter 09's `gemv`, on the tensor cores past 4 rows: `dot`) instead of cuBLAS and the separate norms, SiLU-mul
-   and adds (the package sends them one row: GEMV_ROWS). In int4 past 4 rows the layers run unfused (chapter 10's int4
-   GEMV takes 4 rows).
-
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
-(LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3; LAB_GEMV_ROWS=5: with part 4)"""
+(LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3)"""
 
 import os
 import statistics
@@ -33,7 +28,6 @@ import time
 
 import torch
 
-import forge_engine.fused_layers as fused_layers
 from forge_engine.bench import free_memory
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -121,9 +115,6 @@ def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]
 
 
 def main(quantization: str) -> None:
-    if os.environ.get("LAB_GEMV_ROWS"):
-        fused_layers.GEMV_ROWS = int(os.environ["LAB_GEMV_ROWS"])
-        print(f"steps of up to {fused_layers.GEMV_ROWS} rows through the folded GEMVs")
     loaded = load_model(
         "random:qwen3-4b",
         "cuda",

@@ -80,32 +80,6 @@ def test_the_hand_off_epilogue_costs_the_int8_gemv_no_registers():
     assert registers["true"] <= registers["false"], registers
 
 
-DOT_SCRIPT = """
-import json, sys
-sys.path.insert(0, "kernels_lab")
-from forge_engine.kernels.gemv import GEMV_DOT_CONFIG
-from gemv_sass import gemv_loop
-block_n, block_k, warps = GEMV_DOT_CONFIG
-loops = {}
-cases = [(w, f) for w in ("*bf16", "*i8") for f in ({}, {"norm": True, "swiglu": True}, {"hand_off": True})]
-cases += [("*i8", {"group": 32}), ("*i8", {"group": 32, "loop_stages": 3})]  # a GGUF file's Q8_0, pipelined
-for weight, folds in cases:
-    body, _, registers = gemv_loop(weight, block_n, block_k, warps, True, early=True, dot=True, **folds)
-    loops[f"{weight} {sorted(folds.items())}"] = dict(mma=sum("HMMA" in text for text in body), registers=registers)
-print(json.dumps(loops))
-"""
-
-
-def test_the_gemv_for_more_rows_runs_on_the_tensor_cores():
-    """`gemv(..., dot=True)` (16 rows of x) compiled for sm_90 at GEMV_DOT_CONFIG, in BF16 and int8, plain, with the
-    folds, with group scales (pipelined too): its loop's products are tensor-core MMAs (the interpreter, which checks
-    its numbers, cannot see that), and it fits the registers of a program of its warps."""
-    loops = compiled_offline(DOT_SCRIPT)
-    assert len(loops) == 8, loops
-    for name, loop in loops.items():
-        assert loop["mma"] > 0 and loop["registers"] <= 255, (name, loop)
-
-
 INT4_SCRIPT = """
 import collections, json, sys
 sys.path.insert(0, "kernels_lab")

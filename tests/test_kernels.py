@@ -522,53 +522,6 @@ def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["bf16", "int8", "int8 groups"])
-def test_gpu_gemv_dot_rows_at_qwen3_4b_shapes(weights):
-    """`gemv(..., dot=True)` compiled: 2, 5 and 16 rows on the tensor cores against the reference at each of a layer's
-    shapes (int8 with a scale per row, or per group of 32 inputs as chapter 10g's Q8_0 planes), with each fold."""
-    from forge_engine.kernels.elementwise import add_rmsnorm_reference, silu_mul_reference
-    from forge_engine.kernels.gemv import gemv, gemv_reference
-    from forge_engine.quant.formats import quantize_int8
-
-    for (n, k), m in itertools.product(
-        ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)), (2, 5, 16)
-    ):
-        x, w = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k**0.5
-        scale = group_scale = None
-        if weights == "int8":
-            w, scale = quantize_int8(w)
-        elif weights == "int8 groups":
-            groups = w.float().view(n, -1, 32).abs().amax(-1) / 127
-            w = (w.float().view(n, -1, 32) / groups[..., None]).round().to(torch.int8).view(n, k)
-            group_scale = groups.half()
-        dense = (
-            (w.view(n, -1, 32).float() * group_scale.float()[..., None]).view(n, k)
-            if group_scale is not None
-            else w.float()
-        )
-        want = gemv_reference(x.float(), dense, None, scale)
-        launch = dict(dot=True, group_scale=group_scale)
-        # fp32 sums of bf16 products (x and the scaled weights rounded to bf16), one rounding out: outputs of O(1)
-        close = dict(rtol=2e-2, atol=2e-2, msg=lambda e: f"{weights} {n}x{k} {m} rows: {e}")
-        torch.testing.assert_close(gemv(x, w, None, scale, **launch).float(), want, **close)
-        g, r = randn(k, dtype=torch.bfloat16, seed=2) + 1, randn(m, n, dtype=torch.bfloat16, seed=3)
-        normed = add_rmsnorm_reference(x.float(), None, g.float(), 1e-6)[0]
-        torch.testing.assert_close(
-            gemv(x, w, None, scale, norm=g, **launch).float(),
-            gemv_reference(normed, dense, None, scale),
-            **close,
-        )
-        torch.testing.assert_close(
-            gemv(x, w, None, scale, residual=r, **launch).float(), want + r.float(), **close
-        )
-        torch.testing.assert_close(
-            gemv(x, w, None, scale, swiglu=True, **launch).float(),
-            silu_mul_reference(want),
-            **close,
-        )
-
-
-@pytest.mark.gpu
 def test_gpu_decode_normalises_and_rotates_q_and_the_new_k():
     "Qwen3-4B's heads: the decode kernel given q and k as the QKV projection leaves them (rope) = norm_rope first."
     from forge_engine.kernels.elementwise import NormRope, norm_rope_reference, write_kv_reference

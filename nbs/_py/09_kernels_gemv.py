@@ -1,14 +1,14 @@
 # %% [markdown]
 # # Kernels: matrix-vector products for small batches
 #
-# > The GEMV for one to sixteen rows of x (BF16 and int8 weights, a Triton-placed tile or the `rows` layout; past four rows on the tensor cores), and what its epilogue folds in: SiLU-mul, the residual add, the RMSNorms, norms handed from GEMV to GEMV.
+# > The GEMV for one to four rows of x (BF16 and int8 weights, a Triton-placed tile or the `rows` layout), and what its epilogue folds in: SiLU-mul, the residual add, the RMSNorms, norms handed from GEMV to GEMV.
 
 # %%
 #| default_exp kernels.gemv
 
 # %%
 #| export
-# Why one module of ~850 lines: it is one concept, the GEMV for a few rows, and its parts
+# Why one module of ~800 lines: it is one concept, the GEMV for one to four rows, and its parts
 # are not used apart. The two layouts (`_gemv_kernel`, `_gemv_rows_kernel`) share the int8
 # conversion, the norm folds and the dependent-launch start; `gemv` checks the folds, picks the
 # layout and the tile (`gemv_layout`, `gemv_config`: the measured winners) and launches one of
@@ -46,7 +46,9 @@ gen = torch.Generator().manual_seed(2)
 # loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
 # cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
 # Up to `GEMV_MAX_ROWS` input rows share every weight tile (batch 2 and 4 read the weights
-# once, not twice or four times).
+# once, not twice or four times). More rows belong to cuBLAS: a variant that multiplied 5-16 rows
+# by each tile with `tl.dot` ran an H100 verify step of 1 + 4 rows at 2.15x a decode step against
+# cuBLAS's 1.33x (`kernels_lab/verify_step.py`), so the package has none.
 #
 # ```
 #                      K (inputs) ──────────────────────────────────────────▶
@@ -148,13 +150,7 @@ gen = torch.Generator().manual_seed(2)
 
 # %%
 #| export
-GEMV_MAX_ROWS = 4  # the FMA tiles' limit; the model sends them one row (see above)
-GEMV_DOT_MAX_ROWS = 16  # more rows (a verify step's 1 + k) on the tensor cores: `dot` (below)
-GEMV_DOT_CONFIG = (
-    32,
-    256,
-    4,
-)  # (BLOCK_N, BLOCK_K, num_warps) of `dot` (kernels_lab/few_rows_matmul.py sweeps it)
+GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
 
 
 def gemv_folds_norms(weight: torch.Tensor) -> bool:
@@ -296,15 +292,10 @@ def _gemv_step(
     ROWS: tl.constexpr,
     BYTE_ASM: tl.constexpr,
     NORM: tl.constexpr,
-    DOT: tl.constexpr,
-    s_rows,
-    k0,
-    GROUP: tl.constexpr,
     w=None,
 ):
-    """(acc + one step of the GEMV, sq): inputs k (from k0) of x's rows and of the weight rows (`w`: that tile, already
-    loaded); `sq`, `g_ptr`, NORM: `_normed_x`. DOT: acc [ROWS, BLOCK_N] += x @ w.T on the tensor cores (`_dot_step`),
-    the weights times their group's scale first where GROUP (`s_rows`: the rows' scales)."""
+    """(acc + one step of the GEMV, sq): inputs k of x's rows and of the weight rows (`w`: that tile, already loaded);
+    `sq`, `g_ptr`, NORM: `_normed_x`."""
     if EVEN_K:
         if w is None:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
@@ -314,45 +305,11 @@ def _gemv_step(
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
     x, sq = _normed_x(x.to(tl.float32), sq, g_ptr, k[None, :], (k < K)[None, :] | EVEN_K, NORM)
-    if DOT:
-        if GROUP:
-            w = _as_f32(w, BYTE_ASM) * _group_scales(s_rows, k, k0, K, n_ok, GROUP)
-        acc = _dot_step(acc, x, w, x_rows, BYTE_ASM)
-    elif ROWS == 1:
+    if ROWS == 1:
         acc += x * _as_f32(w, BYTE_ASM)  # x [1, BLOCK_K] broadcast over the rows of w
     else:
         acc += x[:, None, :] * _as_f32(w, BYTE_ASM)[None, :, :]
     return acc, sq
-
-
-@triton.jit
-def _group_scales(s_rows, k, k0, K, n_ok, GROUP: tl.constexpr):
-    """A step's weight tile's scales (inputs k, from k0), one per GROUP inputs (a GGUF file's Q8_0 / Q6_K repacked,
-    chapter 10g), fp32 [BLOCK_N, BLOCK_K]; `s_rows` [BLOCK_N, 1]: the tile's rows of scales (k0, BLOCK_K whole groups)."""
-    BLOCK_N: tl.constexpr = n_ok.shape[0]
-    GROUPS: tl.constexpr = k.shape[0] // GROUP
-    g = k0 // GROUP + tl.arange(0, GROUPS)
-    s = tl.load(s_rows + g[None, :], mask=n_ok[:, None] & (g < K // GROUP)[None, :], other=0.0)
-    wide = tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, GROUPS, GROUP))
-    return tl.reshape(wide, (BLOCK_N, GROUPS * GROUP))
-
-
-# the interpreter's tl.dot misreads 16-bit floats: there they are multiplied as fp32 (the same, exact, products)
-_DOT_IN_F32 = tl.constexpr(INTERPRETED)
-
-
-@triton.jit
-def _dot_step(acc, x, w, x_rows, BYTE_ASM: tl.constexpr):
-    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] (fp32, normed) @ w [BLOCK_N, BLOCK_K].T by `tl.dot`, in x's type
-    (`x_rows` points into x): 16-bit x rounded back to it (int8 weights converted to it, exactly); fp32 in fp32
-    ("ieee", not tf32)."""
-    x_type: tl.constexpr = x_rows.dtype.element_ty
-    if x_type == tl.float32 or _DOT_IN_F32:
-        x = x if x_type == tl.float32 else x.to(x_type).to(tl.float32)
-        return tl.dot(x, tl.trans(_as_f32(w, BYTE_ASM)), acc, input_precision="ieee")
-    if w.dtype == tl.int8:
-        w = _as_f32(w, BYTE_ASM).to(x_type)
-    return tl.dot(x.to(x_type), tl.trans(w.to(x_type)), acc)
 
 
 @triton.jit
@@ -417,9 +374,6 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     NORM_SUMS: tl.constexpr,
     HAND_OFF: tl.constexpr,
-    DOT: tl.constexpr,
-    GROUP: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
 ):
     _start_gemv(PDL, not EARLY_W)
     if SWIGLU:  # rows [gate | up] of the gate-up matrix: a program takes BLOCK_N / 2 gate rows and their up rows
@@ -438,16 +392,9 @@ def _gemv_kernel(
         w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     )  # the LM head has 389M elements: int64 offsets
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    # GROUP: scale_ptr holds a scale per GROUP inputs of each row
-    s_rows = scale_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP if GROUP else 1)
     # one row (decode): a 2-D tile in the weights' own layout; more rows: [ROWS, BLOCK_N, BLOCK_K] (its layout
     # differs from the loads', which costs a trip through shared memory per step)
-    if DOT:  # [ROWS, BLOCK_N], the tensor cores' sums
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    elif ROWS == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K) if ROWS == 1 else (ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros(
         (ROWS, BLOCK_K), dtype=tl.float32
     )  # NORM: x's squares (unused, and compiled away, without)
@@ -455,8 +402,7 @@ def _gemv_kernel(
     if EARLY_W:  # the first step's weights asked for before waiting for x: they do not depend on the kernel before
         # (step 0's inputs in the form of the loop's, k0 + offs_k, k0 unknown to the compiler: with a plain 0 it gave
         # int8 16-byte loads and moved every later step's tile through shared memory into that layout)
-        k0 = tl.program_id(1) * BLOCK_K
-        k = _step_inputs(w_ptr, k0, offs_k)
+        k = _step_inputs(w_ptr, tl.program_id(1) * BLOCK_K, offs_k)
         w = tl.load(
             w_rows + k[None, :],
             mask=n_ok[:, None] if EVEN_K else n_ok[:, None] & (k < K)[None, :],
@@ -464,16 +410,16 @@ def _gemv_kernel(
         )
         _wait_for_previous(PDL)
         acc, sq = _gemv_step(
-            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, DOT, s_rows,
-            k0, GROUP, w,
-        )  # fmt: skip
+            acc, sq, x_rows, w_rows, g_ptr, k, K, m_ok, n_ok, EVEN_K, ROWS, BYTE_ASM, NORM, w
+        )
         first = BLOCK_K
     if NORM_SUMS:  # x came normalised but for its 1 / rms; its squares, summed by the GEMV before (HAND_OFF): asked
         handed = tl.load(
             sums_ptr + offs_m, mask=m_ok, other=0.0
         )  # for once x is there, used at the end
-    # the loop as written (pipelined by Triton: slower, above); `dot`'s loads may be (LOOP_STAGES)
-    for k0 in tl.range(first, K, BLOCK_K, num_stages=LOOP_STAGES):
+    for k0 in tl.range(
+        first, K, BLOCK_K, num_stages=1
+    ):  # the loop as written (pipelined by Triton: slower, above)
         acc, sq = _gemv_step(
             acc,
             sq,
@@ -488,10 +434,6 @@ def _gemv_kernel(
             ROWS,
             BYTE_ASM,
             NORM,
-            DOT,
-            s_rows,
-            k0,
-            GROUP,
         )
     # the epilogue's operands, asked for together: one wait for all of them (asked for before the loop they hold
     # registers through it, and some GEMVs then fit fewer programs an SM: measured slower)
@@ -502,10 +444,7 @@ def _gemv_kernel(
         residual = tl.load(
             res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0
         )
-    if DOT:
-        out = acc  # [ROWS, BLOCK_N]
-    else:
-        out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)
+    out = tl.sum(acc, axis=1)[None, :] if ROWS == 1 else tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if NORM:
         out *= _norm_scale(tl.sum(sq, axis=1), K, eps)[:, None]
     if NORM_SUMS:
@@ -837,10 +776,8 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_sums: torch.Tensor | None = None,
     hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
-    dot: bool | None = None,
-    group_scale: torch.Tensor | None = None,
 ):
-    """x [M, K] (M <= GEMV_DOT_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ weight [N, K].T (x scale[N] for int8 weights) (+ bias) -> [M, N], written into
     `out` where given (contiguous, x's dtype: chapter 09c's all-reduce buffer), else into a new tensor.
     `norm`: an RMSNorm's weight [K]: x is normalised first (`rmsnorm(x, norm, eps)`), inside the GEMV.
     `residual` [M, N]: added to the result (rounded to x's dtype first, as a separate add would find it).
@@ -852,39 +789,14 @@ def gemv(
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
     (measured faster; False: it waits first).
     `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
-    choice at one row, else 'tile'.
-    `dot`: the tile's products on the tensor cores, x's rows padded to 16 (`_dot_step`); default: past GEMV_MAX_ROWS
-    rows, where the FMA tiles stop. `num_stages` with dot: the loop's weight loads pipelined (default 1, as written).
-    `group_scale` (with dot, int8 weights, no `scale`): [N, K / group] scales, each of `group` inputs of its row (a
-    GGUF file's Q8_0 / Q6_K as chapter 10g repacks them; groups of 16 or more, a power of two)."""
+    choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.shape[0] > GEMV_DOT_MAX_ROWS:
-        raise ValueError(
-            f"gemv takes at most {GEMV_DOT_MAX_ROWS} rows, got {x.shape[0]}: use F.linear"
-        )
-    dot = x.shape[0] > GEMV_MAX_ROWS if dot is None else dot
-    if x.shape[0] > GEMV_MAX_ROWS and not dot:
-        raise ValueError(
-            f"gemv's FMA tiles take at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: dot=True"
-        )
-    group = 0 if group_scale is None else x.shape[1] // group_scale.shape[-1]
-    if group_scale is not None and (
-        not dot
-        or weight.dtype != torch.int8
-        or scale is not None
-        or group_scale.shape != (weight.shape[0], x.shape[1] // max(group, 1))
-        or group < 16
-        or group & (group - 1)
-        or x.shape[1] % group
-    ):
-        raise ValueError(
-            f"gemv's group_scale takes dot, int8 weights, no per-row scale and [N, K / group] scales in groups of "
-            f"16 or more, a power of two: got {tuple(group_scale.shape)} for weights {tuple(weight.shape)}"
-        )
-    if weight.dtype == torch.int8 and scale is None and group_scale is None:
+    if x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(
@@ -893,8 +805,8 @@ def gemv(
     (m, k), n = x.shape, weight.shape[0]
     if layout not in (None, "tile", "rows"):
         raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
-    if layout == "rows" and (m != 1 or dot):
-        raise ValueError(f"gemv's rows layout takes one row of x (and no dot), got {m}")
+    if layout == "rows" and m != 1:
+        raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
     if out is not None and (
         swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
     ):
@@ -915,8 +827,6 @@ def gemv(
             x = add_rmsnorm_reference(x, None, norm, eps)[0]
         if norm_sums is not None:
             x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
-        if group_scale is not None:  # the weights q · their group's scale
-            weight = (weight.view(n, -1, group).float() * group_scale.float()[..., None]).view(n, k)
         result = gemv_reference(x, weight, bias, scale)
         if swiglu:
             return silu_mul(result, backend)
@@ -930,20 +840,17 @@ def gemv(
     if hand_off is not None and layout == "rows":
         raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
     layout = layout or (
-        gemv_layout(n, k, weight.element_size())
-        if m == 1 and hand_off is None and not dot
-        else "tile"
+        gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile"
     )
-    # the measured configuration, where none is asked for (dot: a tile of 16 rows at least, not yet swept)
-    default = GEMV_DOT_CONFIG if dot else gemv_config(n, k, weight.element_size(), layout)
+    default = gemv_config(
+        n, k, weight.element_size(), layout
+    )  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = (
         block_n or default[0],
         block_k or default[1],
         num_warps or default[2],
     )
-    block_k = max(min(block_k, max(16, _pow2(k))), group)  # (whole groups a step)
-    if dot and (block_n < 16 or block_n & (block_n - 1)):
-        raise ValueError(f"gemv's dot takes a block_n of 16 or more, a power of two, got {block_n}")
+    block_k = min(block_k, max(16, _pow2(k)))
     if swiglu and (block_n < 2 or block_n % 2):
         raise ValueError(
             f"gemv with swiglu takes gate rows and their up rows together: an even block_n, got {block_n}"
@@ -957,9 +864,6 @@ def gemv(
     early = pdl and early_weights
     grid = (triton.cdiv(out.shape[1], block_n // 2 if swiglu else block_n),)
     sums, next_g, normed = hand_off_operands(out, norm_sums, hand_off, weight)
-    scale = (
-        group_scale if group_scale is not None else scale
-    )  # (the kernel reads either from one pointer)
     operands = (
         x,
         weight,
@@ -1014,11 +918,11 @@ def gemv(
             0 if residual is None else residual.stride(0),
             out.stride(0),
             eps,
-            ROWS=16 if dot else max(1, _pow2(m)),
+            ROWS=max(1, _pow2(m)),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             EVEN_K=k % block_k == 0,
-            HAS_SCALE=scale is not None and not group,  # (group scales: in the loop)
+            HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None,
             PDL=pdl,
             launch_pdl=pdl,
@@ -1027,9 +931,6 @@ def gemv(
             EARLY_W=early,
             **folds,
             HAND_OFF=hand_off is not None,
-            DOT=dot,
-            GROUP=group,
-            LOOP_STAGES=(num_stages or 1) if dot else 1,
             num_warps=num_warps,
             **_stages(num_stages),
         )
@@ -1070,41 +971,6 @@ xb, wb = (
 torch.testing.assert_close(
     gemv(xb, wb, impl="triton", block_k=128), F.linear(xb, wb), rtol=2e-2, atol=5e-2
 )
-# `dot` (past 4 rows, or asked for): the products on the tensor cores, x's rows padded to 16; fp32 in fp32 ("ieee"),
-# bf16 and int8 weights in bf16: the tolerances above
-for m, n, k, dtype, int8 in (
-    (5, 32, 96, torch.float32, False),
-    (2, 32, 100, torch.float32, True),
-    (16, 64, 256, torch.bfloat16, False),
-    (7, 48, 64, torch.bfloat16, True),
-):
-    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    scale = None
-    if int8:
-        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scale = torch.rand(n, generator=gen) / 64
-    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    got = gemv(x, w, None, scale, impl="triton", block_k=64, dot=True if m <= 4 else None)
-    torch.testing.assert_close(got, gemv_reference(x, w, None, scale), **tolerance)
-# group scales (chapter 10g's int8 planes of Q8_0 / Q6_K): the weights q · their group's scale, in fp32 and bf16
-for m, n, k, group, dtype in ((6, 32, 128, 32, torch.float32), (16, 48, 96, 16, torch.bfloat16)):
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, k // group, generator=gen) / 64).half()
-    w = (q.view(n, -1, group).float() * scales.float()[..., None]).view(n, k)
-    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    want = F.linear(x.float(), w).to(dtype)
-    for impl in ("triton", "torch"):
-        got = gemv(x, q, impl=impl, block_k=32, dot=True, group_scale=scales)
-        torch.testing.assert_close(got, want, **tolerance)
-with pytest.raises(ValueError, match="group_scale takes dot"):
-    gemv(x[:2], q, impl="triton", dot=False, group_scale=scales)
-with pytest.raises(ValueError, match="at most 16 rows, got 17"):
-    gemv(torch.randn(17, 64), torch.randn(32, 64), impl="triton")
-with pytest.raises(ValueError, match="FMA tiles take at most 4 rows, got 5"):
-    gemv(torch.randn(5, 64), torch.randn(32, 64), impl="triton", dot=False)
-with pytest.raises(ValueError, match="block_n of 16 or more"):
-    gemv(torch.randn(5, 64), torch.randn(32, 64), impl="triton", block_n=8)
 # `out`: the result written where the caller says (chapter 09c writes into its all-reduce buffer), the same bits
 for impl in ("triton", "torch"):
     into = torch.full((2, 16), float("nan")).bfloat16()
@@ -1151,8 +1017,8 @@ with pytest.raises(ValueError, match="an even block_n, got 3"):
         block_k=64,
         num_warps=1,
     )
-with pytest.raises(ValueError, match="at most 16 rows"):
-    gemv(torch.zeros(17, 8), torch.zeros(2, 8))
+with pytest.raises(ValueError, match="at most 4 rows"):
+    gemv(torch.zeros(5, 8), torch.zeros(2, 8))
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
 # the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
@@ -1201,7 +1067,7 @@ assert (
 )  # int8 down, the int8 LM head
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
-with pytest.raises(ValueError, match=r"takes one row of x \(and no dot\), got 2"):
+with pytest.raises(ValueError, match="takes one row of x, got 2"):
     gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
 with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
     gemv(
@@ -1396,43 +1262,4 @@ with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
         layout="rows",
         residual=torch.zeros(1, 2),
         hand_off=(torch.ones(2), torch.zeros(1)),
-    )
-
-# %% [markdown]
-# **More rows on the tensor cores** (`dot`). Past four rows the FMA tiles above run out of
-# registers; a verify step (chapter 08c: a row and its k drafts) or a small batch has up to 16.
-# `dot=True` keeps the kernel, its loads and its epilogue, and makes each step one `tl.dot` of x's
-# rows (padded to 16) with the weight tile: the same bytes read, the products on the tensor cores.
-# Every fold above works unchanged on its `[ROWS, BLOCK_N]` sums. With `group_scale` the int8
-# weights carry a scale per group of inputs instead of one per row (chapter 10g's planes of a
-# GGUF file's Q8_0 and Q6_K, whose 16 sequences' decode steps otherwise take chapter 10b's
-# split-K), applied to the tile before the `tl.dot`:
-
-# %%
-# six rows, fp32 (the products in fp32, "ieee"), FP32 and int8 weights, each fold against the PyTorch path
-for int8 in (False, True):
-    m, n, k = 6, 32, 96
-    x, r = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
-    g, g_next = torch.rand(k, generator=gen) + 0.5, torch.rand(n, generator=gen) + 0.5
-    w, scale = torch.randn(n, k, generator=gen), None
-    if int8:
-        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scale = torch.rand(n, generator=gen) / 64
-    close, launch = dict(rtol=1e-4, atol=1e-4), dict(block_k=32, block_n=16, num_warps=1)
-    for folds in (dict(norm=g), dict(residual=r), dict(swiglu=True), dict(norm=g, swiglu=True)):
-        torch.testing.assert_close(
-            gemv(x, w, None, scale, impl="triton", **launch, **folds),
-            gemv(x, w, None, scale, impl="torch", **folds),
-            **close,
-        )
-    sums, torch_sums = torch.zeros(m), torch.zeros(m)
-    h, hg = gemv(x, w, None, scale, impl="triton", residual=r, hand_off=(g_next, sums), **launch)
-    h_t, hg_t = gemv(x, w, None, scale, impl="torch", residual=r, hand_off=(g_next, torch_sums))
-    for got, want in ((h, h_t), (hg, hg_t), (sums, torch_sums)):
-        torch.testing.assert_close(got, want, **close)
-    w2 = torch.randn(48, n, generator=gen)
-    torch.testing.assert_close(
-        gemv(hg, w2, impl="triton", norm_sums=sums, **launch),
-        gemv(hg_t, w2, impl="torch", norm_sums=torch_sums),
-        **close,
     )
