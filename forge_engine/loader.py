@@ -142,10 +142,10 @@ def add_memory_budget_flag(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--offload",
-        default="cpu",
+        default="auto",
         choices=list(OFFLOAD_MODES),
         help="with --gpu-layers, the other layers computed on the CPU, streamed to the GPU each step, or auto: "
-        "whichever a layer of the model runs faster on this machine, measured at load (chapter 10h; default cpu)",
+        "whichever a layer of the model runs faster on this machine, measured at load (chapter 10h; the default)",
     )
 
 
@@ -290,7 +290,7 @@ def auto_offload(
 ) -> tuple[str, dict[str, float] | None]:
     """`--offload auto`: "stream" where this machine runs a decode step's offloaded layers faster streamed to `device`
     than on its CPU (chapter 10h's `offload_layer_seconds`, each mode with its own plan), else "cpu" (nothing split,
-    a GGUF file's blocks, or no room for streaming's slots); and the layer's seconds where it measured them."""
+    no GPU to stream to, a GGUF file's blocks, or no room for streaming's slots); and the layer's seconds where it measured them."""
     from forge_engine.memory_plan import MemoryPlanError
     from forge_engine.offload import choose_offload, offload_layer_seconds
 
@@ -301,7 +301,7 @@ def auto_offload(
         )
         return config.num_layers if plan is None else plan
 
-    if gpu_layers is None or quantization == "gguf":
+    if gpu_layers is None or quantization == "gguf" or device.type != "cuda":
         return "cpu", None
     splits = {"cpu": split("cpu")}
     if splits["cpu"] == config.num_layers:
@@ -349,7 +349,7 @@ def load_model(
     quantization: str = "none",
     memory_budget: int | None = None,
     gpu_layers: int | str | None = None,
-    offload: str = "cpu",
+    offload: str = "auto",
 ) -> LoadedModel:
     """Resolve `name` through the registry, fetch what is missing, and load it onto `device`, in this process.
     `quantization` (chapter 10): "int8" / "int4" quantize the layer matrices after loading, one at a time;

@@ -77,6 +77,7 @@ def main() -> None:
         quantization=QUANTIZATION,
         memory_budget=BUDGET,
         gpu_layers="auto",
+        offload="cpu",
     )
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, gpu_memory_budget=BUDGET)
     result = w1_single_stream(loaded, config, prompt_len=128, new_tokens=64, repeats=1)

@@ -1,12 +1,12 @@
 """Chapter 10h's streaming mode (`--offload stream`) against the CPU mode and against its floor: the layers past the
 GPU's kept in pinned host memory and streamed to the GPU every step, computed there by its kernels.
 
-Napkin math: chapter 10h's plan for Qwen3-14B int4 under 8 GiB keeps 24 of 40 layers on the GPU and 2.62 GiB of
-layers elsewhere (the streamed plan keeps 22, its two slots taking two layers' room: 2.94 GiB elsewhere). Streamed, a
-decode step copies those bytes over PCIe: at 54.9 GB/s (pinned, host to GPU, an H100 machine's figure from
-offload_bandwidth.py) about 58 ms, 17 tok/s, against the CPU mode's measured 217 ms a step on the same machine (its
-int4 products read the CPU's memory at about a quarter of its bandwidth). A copy engine runs at its rate and the GPU
-computes a streamed layer in well under a millisecond, so streaming should land near its floor.
+Napkin math: chapter 10h's plan for Qwen3-14B int4 under 8 GiB keeps 23 of 40 layers on the GPU in the CPU mode (one
+layer's room for a prompt's matmuls) and 2.78 GiB of layers elsewhere; the streamed plan keeps 22, its two slots taking
+two layers' room: 2.94 GiB elsewhere. Streamed, a decode step copies those bytes over PCIe: at 55.2 GB/s (pinned,
+host to GPU, an H100 machine's figure from offload_bandwidth.py) about 57 ms, 17 tok/s. A copy engine runs at its
+rate and the GPU computes a streamed layer in well under a millisecond, so streaming should land near its floor.
+Measured on that machine: 58.0 ms a step (17.3 tok/s) against the floor's 57.3, and the CPU mode 56.9 ms.
 
 1. On a CPU (no GPU: the copies made at once): SmolLM2 (30 layers), fp32, layers 1.. streamed (29 layers through two
    slots): its greedy tokens equal the model whole's.

@@ -537,7 +537,7 @@ def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantizati
     model whole on the GPU."""
     from forge_engine.offload import OffloadedTransformer
 
-    split, got = loaded_tokens(quantization, gpu_layers=1)
+    split, got = loaded_tokens(quantization, gpu_layers=1, offload="cpu")
     assert (
         isinstance(split.model, OffloadedTransformer)
         and split.model.layers[1].attn_norm.weight.device.type == "cpu"

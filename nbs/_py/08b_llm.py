@@ -53,7 +53,7 @@ def load_model_over(
     tensor_parallel_size: int = 1,
     memory_budget: int | None = None,
     gpu_layers: int | str | None = None,
-    offload: str = "cpu",
+    offload: str = "auto",
 ) -> LoadedModel:
     """`load_model` (chapter 04a) in this process, or `load_model_parallel` (chapter 09c) over `tensor_parallel_size`.
     `gpu_layers`: the first N layers on the GPU, the others computed on the CPU or (`offload` "stream") streamed to
@@ -112,7 +112,7 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         gpu_layers: int | str | None = None,
-        offload: str = "cpu",
+        offload: str = "auto",
         **engine_options,
     ):
         """`gpu_layers`: only the first N layers on the GPU, the others on the CPU or streamed (`offload`, chapter 10h);
