@@ -13,7 +13,10 @@ layer for a prompt's matmuls) and 2.78 GiB on the CPU (`plan_gpu_layers`): at 60
 2. The plan and its floors: `plan_gpu_layers` for Qwen3-14B int4 at 8 GiB, `offload_step_seconds` at both
    measured bandwidths.
 3. One Qwen3-14B int4 layer (`offload_layer_seconds`): its one-row products on the CPU at 1, 4 and all threads, and
-   its copy to the GPU: what a CPU-mode step pays per layer against the layer's bytes at B_cpu.
+   its copy to the GPU: what a CPU-mode step pays per layer against the layer's bytes at B_cpu. Then a whole decode
+   step of two such layers on the CPU (an engine of a 2-layer model with a 256-token vocabulary, fused layers, all
+   threads) against their products: what the CPU's layers spend besides their matmuls (norms, rotations,
+   attention, the step's own work).
 4. End to end: random Qwen3-14B, int4, `gpu_layers="auto"` under the 8 GiB budget (`load_model`), one request
    (W1: 128 prompt tokens, 64 new), decode tok/s against the CPU-compute floor; then the first token of a 512-token
    prompt with the CPU's layers' matmuls on the GPU (chapter 10h's `PromptMatmuls`, from the rows the loader
@@ -21,23 +24,57 @@ layer for a prompt's matmuls) and 2.78 GiB on the CPU (`plan_gpu_layers`): at 60
 
 Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/offload_bandwidth.py [--no-model]"""
 
+import statistics
 import sys
+import time
 
 import torch
 
 from forge_engine.bench import free_memory, read_bandwidth, w1_single_stream
 from forge_engine.config import EngineConfig, preset
-from forge_engine.loader import load_model
+from forge_engine.engine import LLMEngine
+from forge_engine.fused_layers import install_fused_layers
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import LoadedModel, load_model
+from forge_engine.model import empty_model, init_random_weights
 from forge_engine.offload import (
     layer_bytes,
+    layer_seconds,
     offload_layer_seconds,
     offload_step_seconds,
     pcie_bandwidth,
     plan_gpu_layers,
 )
+from forge_engine.quant.layers import quantize_model
 
 GIB = 2**30
 BUDGET, MODEL, QUANTIZATION, PROMPT = 8 * GIB, "qwen3-14b", "int4", 512
+
+
+def cpu_step_against_products(layers: int = 2, new_tokens: int = 17) -> None:
+    "A decode step of `layers` Qwen3-14B int4 layers on the CPU against those layers' one-row products."
+    config = preset(MODEL).replace(num_layers=layers, vocab_size=256)
+    model = init_random_weights(empty_model(config, "cpu", torch.bfloat16))
+    quantize_model(model, QUANTIZATION)
+    model = install_fused_layers(model)
+    products = layer_seconds(model.layers[0], "cpu")["cpu"] * layers
+    engine = LLMEngine(
+        LoadedModel(MODEL, model, None, None),
+        EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=1, cuda_graphs=False),
+    )
+    engine.add_request(
+        list(range(5, 133)), SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    )
+    steps = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    step = statistics.median(steps[1:])  # (the first step is the prompt's)
+    print(
+        f"a decode step of {layers} layers on the CPU: {step * 1e3:.2f} ms against their products "
+        f"{products * 1e3:.2f} ms ({step / products:.3f}x)"
+    )
 
 
 def main() -> None:
@@ -69,6 +106,7 @@ def main() -> None:
             f"({one / seconds['cpu'] / 1e9:.1f} GB/s, floor {one / cpu * 1e3:.2f} ms){copy}"
         )
     torch.set_num_threads(threads)
+    cpu_step_against_products()
     if "--no-model" in sys.argv or not torch.cuda.is_available():
         return
     loaded = load_model(

@@ -35,8 +35,10 @@
 # decodes **17.6 tok/s, 56.9 ms a step, against the CPU-compute floor of 25.5 ms**; streamed
 # (22 layers on the GPU), 17.3 tok/s, 58.0 ms a step against its floor of 57.3 ms
 # (`kernels_lab/offload_streaming.py`). On that machine the two modes cost the same and `auto`
-# takes the CPU's; the CPU mode's step is twice its floor (the CPU layers' norms, rotations and
-# attention, and the residual stream's two crossings, are not in it).
+# takes the CPU's. The CPU mode's step is twice its floor, which counts the CPU layers' matrices
+# only: besides them a step runs those layers' norms, rotations and attention (on a 2-core CPU a
+# step of two such layers costs 1.05-1.20x their products), the GPU's layers eagerly (no CUDA
+# graph around a split model yet) and the residual stream's two crossings.
 #
 # What each part needs:
 #
