@@ -28,12 +28,14 @@ from forge_engine.model import (
 )
 
 # %% auto #0
-__all__ = ['GEMV_ROWS', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm',
-           'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers',
-           'device_of', 'CPURMSNorm', 'CPUMLP', 'CPUAttention', 'install_cpu_layers']
+__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm',
+           'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer',
+           'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP', 'CPUAttention', 'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
-GEMV_ROWS = 1  # steps of up to this many tokens use `gemv` on a GPU (measured: one row only pays)
+# steps of up to GEMV_ROWS tokens use `gemv` on a GPU (measured: one row only pays), with 2-byte weights up to
+# GEMV_ROWS_BF16 (its rows layout takes up to 8 rows: chapter 09 says why the model sends it one)
+GEMV_ROWS, GEMV_ROWS_BF16 = 1, 1
 
 
 @functools.cache
@@ -41,9 +43,11 @@ def _kernels_compiled() -> bool:
     return kernels_available("cuda")  # (asked once: every linear layer asks, every step)
 
 
-def takes_gemv(x: torch.Tensor) -> bool:
-    "Whether x is a decode step's few rows (up to GEMV_ROWS) on a GPU where `gemv` runs compiled."
-    return x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and _kernels_compiled()
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether x is a decode step's few rows on a GPU where `gemv` runs compiled: up to GEMV_ROWS, or up to
+    GEMV_ROWS_BF16 times a 2-byte `weight`."""
+    rows = GEMV_ROWS_BF16 if weight is not None and weight.element_size() == 2 else GEMV_ROWS
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
 
 
 def linear(
@@ -54,7 +58,7 @@ def linear(
 ) -> torch.Tensor:
     """F.linear; a decode step's rows on a GPU (`takes_gemv`) through `gemv`. `out`: a contiguous [rows, out_features]
     tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
-    if takes_gemv(x):
+    if takes_gemv(x, weight):
         return gemv(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
@@ -201,14 +205,13 @@ class FusedMLP(MLP):
                 residual=residual,
                 hand_off=hand_off,
             )
-        if takes_gemv(x):
-            if hasattr(self.gate_up, "gemv_operands"):
-                return self.down(
-                    gemv(x, *self.gate_up.gemv_operands(), swiglu=True)
-                )  # SiLU-mul by the GEMV
-            # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
-            if hasattr(self.gate_up, "decode_gemv") and x.shape[0] <= GEMV_MAX_ROWS:
-                return self.down(self.gate_up.decode_gemv(x, swiglu=True))
+        if hasattr(self.gate_up, "gemv_operands"):
+            operands = self.gate_up.gemv_operands()
+            if takes_gemv(x, operands[0]):
+                return self.down(gemv(x, *operands, swiglu=True))  # SiLU-mul by the GEMV
+        # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
+        elif hasattr(self.gate_up, "decode_gemv") and takes_gemv(x) and x.shape[0] <= GEMV_MAX_ROWS:
+            return self.down(self.gate_up.decode_gemv(x, swiglu=True))
         return self.down(
             silu_mul(self.gate_up(x))
         )  # one kernel for silu, the halves and the product
@@ -250,14 +253,16 @@ class FusedDecoderLayer(DecoderLayer):
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step folds the norms and residual adds into the GEMVs (`gemv` with `norm` and `residual`,
         `gemv_folds_norms`): x is few enough rows for the GEMV, and each of the four layers is one it reads."""
-        return self._gemv_reads_all(x) and gemv_folds_norms(self.attn.qkv.gemv_operands()[0])
+        return self._gemv_reads_all(x) and gemv_folds_norms(
+            self.attn.qkv.gemv_operands()[0], x.shape[0]
+        )
 
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (`gemv` with
         `hand_off` and `norm_sums`, `gemv_hands_off_norms`): as `folds_norms`, for the formats that take it; or each
         layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
         if self._gemv_reads_all(x):
-            return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0])
+            return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0], x.shape[0])
         return (
             takes_gemv(x)
             and x.shape[0] <= GEMV_MAX_ROWS  # (chapter 10's int4 GEMV: no more rows)
@@ -269,8 +274,8 @@ class FusedDecoderLayer(DecoderLayer):
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for the GEMV, and each of the four layers is one it reads."
-        return takes_gemv(x) and all(
-            hasattr(layer, "gemv_operands") for layer in self._projections()
+        return all(hasattr(layer, "gemv_operands") for layer in self._projections()) and takes_gemv(
+            x, self.attn.qkv.gemv_operands()[0]
         )
 
     def _projections(self) -> tuple[nn.Module, ...]:

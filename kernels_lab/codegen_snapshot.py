@@ -132,7 +132,9 @@ GEMV = dict(
     NORM_SUMS=False,
     HAND_OFF=False,
 )
-ROWS = {k: v for k, v in GEMV.items() if k not in ("ROWS", "PREFETCH", "LOOP_STAGES", "HAND_OFF")}
+ROWS = {
+    k: v for k, v in GEMV.items() if k not in ("PREFETCH", "LOOP_STAGES")
+}  # (one row of x, no hand-off)
 DECODE = dict(
     HEAD_DIM=128,
     BLOCK_D=128,

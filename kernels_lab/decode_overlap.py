@@ -166,10 +166,10 @@ EXPORTED_INT4_GEMV = quant.int4_gemv
 def configs_for(configs: dict):
     "gemv_config with `configs` ({(n, k, weight bytes, layout): (BLOCK_N, BLOCK_K, warps)}) in place of its answers."
 
-    def gemv_config(n, k, weight_bytes=2, layout=None):
-        chosen = layout or kernels_gemv.gemv_layout(n, k, weight_bytes)
+    def gemv_config(n, k, weight_bytes=2, layout=None, rows=1):
+        chosen = layout or kernels_gemv.gemv_layout(n, k, weight_bytes, rows)
         return configs.get((n, k, weight_bytes, chosen)) or EXPORTED_CONFIG(
-            n, k, weight_bytes, layout
+            n, k, weight_bytes, layout, rows
         )
 
     return gemv_config
@@ -240,7 +240,7 @@ def skipped_add_norm(self, x, residual):
     return x, residual
 
 
-def no_folds(weight):
+def no_folds(weight, rows=1):
     "Lab-only: a decode step's norms neither folded into nor handed between the GEMVs (their separate launches)."
     return False
 

@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from forge_engine.kernels.gemv import _gemv_kernel
+from forge_engine.kernels.gemv import _gemv_kernel, _gemv_rows_kernel
 from forge_engine.quant.gemv import INT4_INT_DOT, _int4_gemv_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -210,6 +210,44 @@ def gemv_loop(
     return body, block_n * block_k / (32 * num_warps), registers
 
 
+ROWS_SIGNATURE = {
+    **{
+        name: t
+        for name, t in GEMV_SIGNATURE.items()
+        if name not in ("M", "ROWS", "BLOCK_K", "EVEN_K")
+    },
+    **{name: "constexpr" for name in ("ROWS", "CHUNK", "SLABS", "EVEN")},
+}
+
+
+def rows_loop(
+    rows: int, block_n: int, num_warps: int, chunk: int, norm: bool = False, norm_sums: bool = False
+) -> tuple[list[str], float, int]:
+    """chapter 09's rows-layout GEMV (bf16 weights) at `rows` rows of x, whole steps, early weights: its loop, the
+    weights each thread handles per step, registers a thread. `norm`: an RMSNorm folded into the loop; `norm_sums`:
+    one handed in (nothing in the loop)."""
+    flags = dict(
+        EVEN=True,
+        HAS_SCALE=False,
+        HAS_BIAS=False,
+        PDL=True,
+        BYTE_ASM=True,
+        SWIGLU=False,
+        EARLY_W=True,
+        NORM=norm,
+        RESIDUAL=False,
+        NORM_SUMS=norm_sums,
+        HAND_OFF=False,
+    )
+    body, registers = loop_sass(
+        _gemv_rows_kernel,
+        ROWS_SIGNATURE,
+        dict(ROWS=rows, BLOCK_N=block_n, CHUNK=chunk, SLABS=num_warps, **flags),
+        num_warps,
+    )
+    return body, block_n * chunk, registers
+
+
 def int4_loop(
     block_n: int,
     num_warps: int,
@@ -286,13 +324,30 @@ def main():
             for cap in (56, 48)
         ],
     ]
+    cases += [  # the rows layout at several rows of x (a verify step's), the norm folded in or handed in
+        (f"rows x{rows}", dict(rows=rows, block_n=bn, num_warps=1, chunk=8, norm=norm))
+        for rows, bn, norm in (
+            (1, 4, False),
+            (1, 4, True),
+            (2, 4, False),
+            (5, 4, False),
+            (5, 4, True),
+            (5, 8, False),
+        )
+    ]
     for label, case in cases:
-        loop = int4_loop if label == "int4" else gemv_loop
+        loop = (
+            int4_loop if label == "int4" else rows_loop if label.startswith("rows") else gemv_loop
+        )
         body, per_thread, registers = loop(**case)
         warps = resident_warps(registers, case["num_warps"])
         # every resident warp with one step's weights requested: the bytes an SM can have on their way from memory
         in_flight = (
-            warps * 32 * per_thread * {"*bf16": 2, "*i8": 1}.get(case.get("weight"), 0.5) / 1024
+            warps
+            * 32
+            * per_thread
+            * {"*bf16": 2, "*i8": 1}.get(case.get("weight", label[:4] == "rows" and "*bf16"), 0.5)
+            / 1024
         )
         ops = collections.Counter(
             t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in body
@@ -300,7 +355,7 @@ def main():
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
         tile = f"{case['block_n']:4d} x {case.get('block_k', str(case.get('chunk')) + 'B'):>5}"
         print(
-            f"{label:11s} {tile} {case['num_warps']:5d} {case['byte_asm']!s:8s} "
+            f"{label:11s} {tile} {case['num_warps']:5d} {case.get('byte_asm', True)!s:8s} "
             f"{case.get('maxnreg') or '-':>7}  {len(body) / per_thread:6.2f} ({len(body):3d})"
             f"  {registers:4d}  {warps:8d}  {in_flight:5.1f}  {top}"
         )

@@ -8,7 +8,8 @@ tok/s). A verify step of 1 + k rows reads the same weights. Its extra work is sm
 - K/V stored by a launch of its own before attention (the decode graph stores them inside the attention kernel).
 So it should cost close to one decode step. The target is at most 1.15x at k = 4.
 
-1. Step cost: the decode graph of 1 row against the verify graphs of 1 + k rows (k = 0..7). One sequence with
+1. Step cost: the decode graph of 1 row against the verify graphs of 1 + k rows (k = 0..DRAFTS; an engine with
+   DRAFTS drafts records graphs of 1, 2, 4 and 1 + DRAFTS rows, so 1 + 2 rows replay the 4-row one). One sequence with
    CONTEXT tokens of context; the median of 7 timings of REPLAYS steps each, inputs written as the engine writes them.
 2. End to end: one request, greedy, NEW_TOKENS new tokens, without speculation, then with k = 4 and a proposer that
    is always right: it replays the tokens of a run with speculation, replayed until they are what the run gives
@@ -19,8 +20,12 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
    rows, by name, microseconds a step, under torch.profiler.
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
-(LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3)"""
+(LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3; LAB_ROWS_CONFIGS=FILE: the rows GEMV's configurations
+per (N, K, rows) from few_rows_matmul.py's LAB_BEST_OUT in place of gemv_config's). Parts 1-3 run BF16 steps of up
+to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1
+also times the verify graphs as exported."""
 
+import json
 import os
 import statistics
 import sys
@@ -28,6 +33,8 @@ import time
 
 import torch
 
+import forge_engine.fused_layers as fused_layers
+import forge_engine.kernels.gemv as kernels_gemv
 from forge_engine.bench import free_memory
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -101,6 +108,21 @@ def kernel_profile(decode, rows: int, verify: bool, block_size: int, top: int = 
         )
 
 
+def use_rows_configs(configs_file: str) -> None:
+    'The rows GEMV in the configurations of `configs_file` ({"N,K,rows": [BLOCK_N, warps, chunk]}) where it names one.'
+    with open(configs_file) as f:
+        configs = {tuple(map(int, key.split(","))): cfg for key, cfg in json.load(f).items()}
+    exported = kernels_gemv.gemv_config
+
+    def gemv_config(n, k, weight_bytes=2, layout=None, rows=1):
+        if (n, k, rows) in configs and weight_bytes == 2 and layout == "rows":
+            block_n, warps, chunk = configs[n, k, rows]
+            return block_n, 32 * warps * chunk, warps
+        return exported(n, k, weight_bytes, layout, rows)
+
+    kernels_gemv.gemv_config = gemv_config
+
+
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
     "Decode tok/s after the first token, and the tokens."
     engine.add_request(
@@ -122,14 +144,22 @@ def main(quantization: str) -> None:
         quantization="none" if quantization == "bf16" else quantization,
     )
     config = EngineConfig(max_num_seqs=1, max_model_len=4096, kv_cache_bytes=2 * 2**30)
+    if os.environ.get("LAB_ROWS_CONFIGS"):
+        use_rows_configs(os.environ["LAB_ROWS_CONFIGS"])
     plain = LLMEngine(loaded, config)
-    spec = LLMEngine(loaded, config.replace(speculative_tokens=7))
+    exported = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)).runner.decode
+    fused_layers.GEMV_ROWS_BF16 = int(os.environ.get("LAB_GEMV_ROWS", 1 + DRAFTS))
+    spec = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS))
     decode, size = spec.runner.decode, config.block_size
     one = step_ms(decode, 1, False, size)
     print(f"{quantization}: decode graph, 1 row: {one:.3f} ms")
-    for k in range(8):
-        ms = step_ms(decode, 1 + k, True, size)
-        print(f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step")
+    for k in range(DRAFTS + 1):
+        ms, base = step_ms(decode, 1 + k, True, size), step_ms(exported, 1 + k, True, size)
+        print(
+            f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step with BF16 rows "
+            f"through the rows GEMV up to {fused_layers.GEMV_ROWS_BF16} rows; as exported: {base:.3f} ms = "
+            f"{base / one:.3f}x"
+        )
 
     if os.environ.get("LAB_PROFILE"):
         kernel_profile(decode, 1, False, size)

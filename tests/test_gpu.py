@@ -166,7 +166,9 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
     ):
         for module in (fused_layers, quant_layers):  # asked when the graphs are recorded
             if hasattr(module, switch):
-                monkeypatch.setattr(module, switch, chosen if fold else lambda weight: False)
+                monkeypatch.setattr(
+                    module, switch, chosen if fold else lambda weight, rows=1: False
+                )
         cache.k_cache.copy_(prefilled[0])
         cache.v_cache.copy_(prefilled[1])
         attention = KernelDecodeAttention() if graphs else paged_decode_attention_torch
@@ -183,6 +185,58 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
         atol = 2e-2 * logits[other].abs().max().item()
         torch.testing.assert_close(logits["folded"], logits[other], rtol=0, atol=atol)
         assert logits[other][0, logits["folded"].argmax()] >= logits[other].max() - atol, other
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+def test_bf16_decode_rows_through_the_rows_gemv_match_cublas(rows, monkeypatch):
+    """A BF16 decode step of several sequences (their rows through chapter 09's rows GEMV with the norms handed from
+    GEMV to GEMV: chapter 09a's GEMV_ROWS_BF16) against the same step with the rows through cuBLAS and the separate kernels, both
+    replayed from CUDA graphs after the same prefill: logits within BF16, each row's pick scored as the best under
+    the other, within that."""
+    import forge_engine.fused_layers as fused_layers
+    from forge_engine.cuda_graphs import DecodeRunner
+    from forge_engine.fused_layers import install_fused_layers
+    from forge_engine.kernels.prefill_attention import KernelDecodeAttention
+    from forge_engine.kv_cache import PagedAttention, PagedKVCache, build_step_layout
+
+    config = preset("qwen3-tiny")
+    model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
+    install_fused_layers(model)
+    cache = PagedKVCache(
+        config, 3 * rows + 1, 16, "cuda", torch.bfloat16
+    )  # 3 blocks a sequence + scratch
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(rows)]
+    prefill = build_step_layout([(table, 0, 40) for table in tables], 16, "cuda")
+    tokens = torch.tensor([t for i in range(rows) for t in range(5 + i, 45 + i)], device="cuda")
+    with torch.no_grad():
+        model(tokens, prefill.positions, PagedAttention(cache, prefill))
+    prefilled = cache.k_cache.clone(), cache.v_cache.clone()
+    step = (
+        [7 + i for i in range(rows)],
+        [40] * rows,
+        [table[2] * 16 + 8 for table in tables],
+        tables,
+        [41] * rows,
+    )
+    logits = {}
+    for label, gemv_rows in (("gemv", 8), ("cublas", 1)):
+        monkeypatch.setattr(
+            fused_layers, "GEMV_ROWS_BF16", gemv_rows
+        )  # asked when the graphs are recorded
+        cache.k_cache.copy_(prefilled[0])
+        cache.v_cache.copy_(prefilled[1])
+        runner = DecodeRunner(
+            model, cache, rows, 256, scratch_block=3 * rows, attention=KernelDecodeAttention()
+        )
+        x = torch.zeros(rows, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        assert model.layers[0].hands_off_norms(x) == (gemv_rows > 1)
+        logits[label] = runner.run(*step).float()
+    # as the one-row fold against the separate kernels (test above): a few roundings of 2^-8 of the largest logit
+    atol = 2e-2 * logits["cublas"].abs().max().item()
+    torch.testing.assert_close(logits["gemv"], logits["cublas"], rtol=0, atol=atol)
+    picks = logits["gemv"].argmax(-1)
+    best = logits["cublas"].max(-1).values
+    assert (logits["cublas"].gather(1, picks[:, None])[:, 0] >= best - atol).all()
 
 
 @pytest.mark.parametrize("heads,dim,with_norm", [(32, 128, True), (8, 128, True), (9, 64, False)])

@@ -505,20 +505,30 @@ def test_gpu_gate_up_gemv_with_swiglu_epilogue(int8, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
 def test_gpu_gemv_layouts_at_qwen3_4b_shapes(int8):
-    "Both GEMV layouts, with the first weights early or not, against the reference at each of a layer's shapes."
+    """Both GEMV layouts, with the first weights early or not, against the reference at each of a layer's shapes; the
+    rows layout also at 5 and 8 rows of x (a verify step's), each row the bits it gets among two."""
     from forge_engine.kernels.gemv import gemv, gemv_reference
     from forge_engine.quant.formats import quantize_int8
 
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (100, 2560 + 64)):
-        x, w = randn(1, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k**0.5
+        x, w = randn(8, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1) / k**0.5
         w, scale = quantize_int8(w) if int8 else (w, None)
         want = gemv_reference(x.float(), w.float(), None, scale)
-        for layout, early in itertools.product(("tile", "rows"), (False, True)):
-            got = gemv(x, w, None, scale, layout=layout, early_weights=early).float()
+        for layout, early, m in itertools.product(("tile", "rows"), (False, True), (1, 5, 8)):
+            if layout == "tile" and m > 1:
+                continue
+            got = gemv(x[:m], w, None, scale, layout=layout, early_weights=early)
             # fp32 sums against an fp32 reference, then one rounding to bf16 (2^-8 = 3.9e-3 relative) on outputs of O(1)
             torch.testing.assert_close(
-                got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}x{k} {layout} {early}: {m}"
+                got.float(),
+                want[:m],
+                rtol=2e-2,
+                atol=2e-2,
+                msg=lambda e: f"{n}x{k} {layout} {early} {m}: {e}",
             )
+            if m > 2:  # (one row takes the loop of its own: its sums add in another order)
+                two = gemv(x[m - 2 : m], w, None, scale, layout=layout, early_weights=early)
+                assert torch.equal(got[m - 2 :], two), (n, k, m)
 
 
 @pytest.mark.gpu

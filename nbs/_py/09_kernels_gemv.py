@@ -45,10 +45,11 @@ gen = torch.Generator().manual_seed(2)
 # first microsecond to the last: many independent programs, each owning `BLOCK_N` output rows,
 # loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
 # cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
-# Up to `GEMV_MAX_ROWS` input rows share every weight tile (batch 2 and 4 read the weights
-# once, not twice or four times). More rows belong to cuBLAS: a variant that multiplied 5-16 rows
-# by each tile with `tl.dot` ran an H100 verify step of 1 + 4 rows at 2.15x a decode step against
-# cuBLAS's 1.33x (`kernels_lab/verify_step.py`), so the package has none.
+# Several input rows share every weight tile (batch 2 and 4 read the weights once, not twice or
+# four times): up to `GEMV_MAX_ROWS` in the tile layout, 8 in the rows layout (below). A variant
+# that multiplied 5-16 rows by each tile with `tl.dot` ran an H100 verify step of 1 + 4 rows at
+# 2.15x a decode step against cuBLAS's 1.33x (`kernels_lab/verify_step.py`), so the package has
+# none.
 #
 # ```
 #                      K (inputs) ──────────────────────────────────────────▶
@@ -136,6 +137,28 @@ gen = torch.Generator().manual_seed(2)
 # takes 23.91 µs a matrix against the tile kernel's 25.69 (4.17 TB/s; `kernels_lab/gemv_rows.py`),
 # and the int8 decode step 1.679 ms against 1.702 (`kernels_lab/decode_overlap.py int8`).
 #
+# **Several rows of x in the rows layout** (up to `GEMV_ROWS_LAYOUT_MAX_ROWS`, 8: a verify step's
+# 1 + k rows, chapter 08c). Each thread's chunk of every weight row is converted once and
+# multiplied by the same chunk of each row of x, into `BLOCK_N × ROWS` accumulators. With more
+# rows the loop is bound by instructions, not bytes: an H200 SM issues about 14 instructions per
+# bf16 weight it receives at full bandwidth (an H100 about 18), and five rows need five
+# multiply-adds a weight before anything else. Written as the one-row loop is, it took 10.0 a
+# weight at 5 rows and 4 weight rows a program, 13.1 with a norm folded in
+# (`kernels_lab/gemv_sass.py`), and on an H100 (`kernels_lab/few_rows_matmul.py 5,2`) it ran
+# level with cuBLAS at 5 rows (qkv 17.4 µs against 16.6, o 14.4 / 15.2, gate-up 39.3 / 40.4,
+# down 27.9 / 25.4; one row: 15.2 / 11.3 / 37.0 / 21.7) and ahead at 2 (15.9 / 13.0 / 38.8 /
+# 23.6 against 17.3 / 15.2 / 40.2 / 25.4). In the verify step of random Qwen3-4B
+# (`kernels_lab/verify_step.py`, a 3.226 ms decode step) 1 + 1 rows took 1.175x a decode step
+# against cuBLAS's 1.221x, but 1 + 4 rows 1.462x against 1.303x. The loop now does less: each
+# chunk's products chain into their accumulator as multiply-adds (`_chunk_values`; a `tl.sum` per
+# step compiles to a multiply, seven multiply-adds and an add), bf16 becomes a float by one
+# shift or one mask (`_bf16x2_to_f32`; the compiler's way spends a permute and a shift on every
+# other value), and several rows take their norms handed from the GEMV before
+# (`gemv_hands_off_norms`) instead of applying them in the loop: 8.2 instructions a weight, 5 of
+# them the multiply-adds (`tests/test_gemv_sass.py` keeps it so). That loop is not yet measured
+# on a GPU, so chapter 09a sends the GEMV one row of BF16 (`GEMV_ROWS_BF16`); one row keeps the
+# loop the chain lab measured.
+#
 # **The add + RMSNorm folded in** (`norm`, `residual`). `gemv(x, w, norm=g, eps=...)` multiplies
 # x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the program, which
 # reads all of x anyway, scales its sums by 1/rms at the end (`_norm_scale`). `residual=r` adds r
@@ -150,19 +173,21 @@ gen = torch.Generator().manual_seed(2)
 
 # %%
 #| export
-GEMV_MAX_ROWS = 4  # the kernel's limit; the model sends it one row (see above)
+GEMV_MAX_ROWS = 4  # the tile layout's limit (and chapter 10's int4 GEMV's)
+GEMV_ROWS_LAYOUT_MAX_ROWS = 8  # the rows layout's: a verify step of 1 + 7 drafts
 
 
-def gemv_folds_norms(weight: torch.Tensor) -> bool:
-    """Whether a decode step folds its add + RMSNorm into the GEMVs of `weight`'s format (`norm`, `residual`; below):
-    for 2-byte weights (int8's tiles measured slower with it)."""
-    return weight.element_size() == 2
+def gemv_folds_norms(weight: torch.Tensor, rows: int = 1) -> bool:
+    """Whether a decode step of `rows` rows folds its add + RMSNorm into the GEMVs of `weight`'s format (`norm`,
+    `residual`; below): for one row of 2-byte weights (int8's tiles measured slower with it)."""
+    return weight.element_size() == 2 and rows == 1
 
 
-def gemv_hands_off_norms(weight: torch.Tensor) -> bool:
-    """Whether a decode step hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s `hand_off` and
-    `norm_sums`): for 1-byte weights (int8; chapter 10's int4, two to a byte, in its own GEMV)."""
-    return weight.element_size() == 1
+def gemv_hands_off_norms(weight: torch.Tensor, rows: int = 1) -> bool:
+    """Whether a decode step of `rows` rows hands its norms between the GEMVs of `weight`'s format instead (`gemv`'s
+    `hand_off` and `norm_sums`): for 1-byte weights (int8; chapter 10's int4, two to a byte, in its own GEMV), and
+    for several rows (the rows layout: a norm folded in costs its loop a multiply and a square a row and input)."""
+    return weight.element_size() == 1 or rows > 1
 
 
 GEMV_ROWS_MAX_N = 65536  # `_gemv_rows_kernel` for fewer rows than this: the LM head (151,936 rows) keeps the tile kernel
@@ -171,10 +196,12 @@ GEMV_ROWS_INT8_MIN_N = (
 )
 
 
-def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
-    """The GEMV kernel for an [n, k] weight at one input row: 'rows' (`_gemv_rows_kernel`, below) for the gate-up
-    shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where the chain lab and the decode step
-    measured it faster, else 'tile' (`_gemv_kernel`)."""
+def gemv_layout(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> str:
+    """The GEMV kernel for an [n, k] weight at `rows` input rows: 'rows' (`_gemv_rows_kernel`, below) for several
+    rows, and at one row for the gate-up shape in BF16 and int8 (int8 from GEMV_ROWS_INT8_MIN_N outputs on), where
+    the chain lab and the decode step measured it faster, else 'tile' (`_gemv_kernel`)."""
+    if rows > 1:
+        return "rows"
     if (
         n < GEMV_ROWS_MAX_N
         and k < 4096
@@ -188,12 +215,12 @@ def gemv_layout(n: int, k: int, weight_bytes: int = 2) -> str:
 
 
 def gemv_config(
-    n: int, k: int, weight_bytes: int = 2, layout: str | None = None
+    n: int, k: int, weight_bytes: int = 2, layout: str | None = None, rows: int = 1
 ) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight of 2-byte or 1-byte (int8) elements in `layout` (default
     `gemv_layout`'s): the sweeps' winners as a rule (kernels_lab/gemv_chain_sweep.py and gemv_rows.py: 36 matrices of
     a shape in one graph; the LM head from kernels_lab/gemv.py)."""
-    if (layout or gemv_layout(n, k, weight_bytes)) == "rows":
+    if (layout or gemv_layout(n, k, weight_bytes, rows)) == "rows":
         if (
             weight_bytes == 1
         ):  # int8: 8 rows, 8 bytes of each a thread and step, 2 warps; fewer outputs 2, 16 bytes, 1
@@ -239,6 +266,22 @@ def _int8x4_to_f32(w):
 
 
 @triton.jit
+def _bf16x2_to_f32(v):
+    "bf16 -> fp32 on an NVIDIA GPU, two values a register: one shift or one mask each (the compiler's way: up to two)."
+    return tl.inline_asm_elementwise(
+        asm="""{
+        shl.b32 $0, $2, 16;
+        and.b32 $1, $2, 0xFFFF0000;
+        }""",
+        constraints="=r,=r,r",
+        args=[v],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
 def _as_f32(w, BYTE_ASM: tl.constexpr):
     "A weight tile in fp32. int8 through the float's bits (2^23 + byte), not the int->float unit: that runs at a quarter rate."
     if w.dtype == tl.int8:
@@ -249,6 +292,14 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
         ) | 0x4B000000  # 2^23 + (w + 128), exactly
         return bits.to(tl.float32, bitcast=True) - 8388736.0  # - (2^23 + 128)
     return w.to(tl.float32)
+
+
+@triton.jit
+def _rows_f32(v, BYTE_ASM: tl.constexpr):
+    "A rows-layout operand (weights, x, the norm's weight) in fp32: bf16 by `_bf16x2_to_f32` where compiled, else `_as_f32`."
+    if v.dtype == tl.bfloat16 and BYTE_ASM:
+        return _bf16x2_to_f32(v)
+    return _as_f32(v, BYTE_ASM)
 
 
 @triton.jit
@@ -524,27 +575,77 @@ def _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _chunk_values(t, CHUNK: tl.constexpr):
+    """t [SLABS, 32, CHUNK] as CHUNK tensors [SLABS, 32]: a thread's chunk one value at a time (halved and split; the
+    order is the same for every tensor so split)."""
+    pieces = (t,)
+    for _ in tl.static_range(CHUNK.bit_length() - 1):
+        halves = ()
+        for i in tl.static_range(len(pieces)):
+            p = pieces[i]
+            a, b = tl.split(tl.reshape(p, [p.shape[0], p.shape[1], p.shape[2] // 2, 2]))
+            halves = halves + (a, b)
+        pieces = halves
+    values = ()
+    for i in tl.static_range(CHUNK):
+        values = values + (tl.reshape(pieces[i], [t.shape[0], t.shape[1]]),)
+    return values
+
+
+@triton.jit
 def _rows_step(
     accs,
-    sq,
+    sqs,
     ws,
     x_ptr,
+    stride_xm,
     g_ptr,
     at,
     ok,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
     BYTE_ASM: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    """(accs + one step, sq): x's inputs `at` (loaded and converted once for every row) times each row's weights `ws`;
-    `sq`, `g_ptr`, NORM: `_normed_x`."""
-    x, sq = _normed_x(
-        tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sq, g_ptr, at, ok, NORM
-    )
-    new = ()
-    for r in tl.static_range(BLOCK_N):
-        new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
-    return new, sq
+    """(accs + one step, sqs): each of x's ROWS rows at inputs `at` (loaded and converted once for every weight row)
+    times each weight row's `ws` (converted once for every x row); accs[r * ROWS + m] for weight row r and x row m,
+    each a chain of multiply-adds over the thread's chunk (`_chunk_values`: no separate multiply and add).
+    With NORM (`_normed_x`): x times the norm's weight (loaded once for all rows), its squares added to sqs[m].
+    One row (the decode step's gate-up) keeps the loop the chain lab measured: products summed per step."""
+    if ROWS == 1:
+        x, sq = _normed_x(
+            tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32), sqs[0], g_ptr, at, ok, NORM
+        )
+        new, new_sqs = (), (sq,)
+        for r in tl.static_range(BLOCK_N):
+            new = new + (accs[r] + tl.sum(x * _as_f32(ws[r], BYTE_ASM), axis=2),)
+    else:
+        wf = ()
+        for r in tl.static_range(BLOCK_N):
+            wf = wf + (_chunk_values(_rows_f32(ws[r], BYTE_ASM), CHUNK),)
+        if NORM:
+            g = _chunk_values(_rows_f32(tl.load(g_ptr + at, mask=ok, other=0.0), BYTE_ASM), CHUNK)
+        xs, new_sqs = (), ()
+        for m in tl.static_range(ROWS):
+            x = tl.load(x_ptr + m * stride_xm + at, mask=ok, other=0.0)
+            x = _chunk_values(_rows_f32(x, BYTE_ASM), CHUNK)
+            sq = sqs[m]
+            if NORM:
+                normed = ()
+                for c in tl.static_range(CHUNK):
+                    sq += x[c] * x[c]
+                    normed = normed + (x[c] * g[c],)
+                x = normed
+            xs, new_sqs = xs + (x,), new_sqs + (sq,)
+        new = ()
+        for r in tl.static_range(BLOCK_N):
+            for m in tl.static_range(ROWS):
+                acc = accs[r * ROWS + m]
+                for c in tl.static_range(CHUNK):
+                    acc += xs[m][c] * wf[r][c]
+                new = new + (acc,)
+    return new, new_sqs
 
 
 @triton.jit
@@ -608,10 +709,16 @@ def _gemv_rows_kernel(
     res_ptr,
     out_ptr,
     sums_ptr,
+    next_g_ptr,
+    normed_ptr,
     N,
     K,
     stride_wn,
+    stride_xm,
+    stride_rm,
+    stride_om,
     eps,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     SLABS: tl.constexpr,
@@ -625,6 +732,7 @@ def _gemv_rows_kernel(
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
 ):
     _start_gemv(PDL, not EARLY_W)
     STEP: tl.constexpr = (
@@ -641,65 +749,87 @@ def _gemv_rows_kernel(
     for r in tl.static_range(BLOCK_N):
         row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
         rows, row_ok = rows + (row.to(tl.int64) * stride_wn,), row_ok + (real | EVEN,)
-    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * BLOCK_N
-    sq = tl.zeros((SLABS, 32, CHUNK), dtype=tl.float32)  # NORM: x's squares
+    accs = (tl.zeros((SLABS, 32), dtype=tl.float32),) * (
+        BLOCK_N * ROWS
+    )  # [weight row r, x row m] at r * ROWS + m
+    sqs = (  # NORM: each x row's squares (`_rows_step`)
+        tl.zeros((SLABS, 32, CHUNK) if ROWS == 1 else (SLABS, 32), dtype=tl.float32),
+    ) * ROWS
     first = 0
     if EARLY_W:  # the first step's weights asked for before waiting for x (as `_gemv_kernel`)
         at, ok = _rows_chunk(0, lane, K, CHUNK, EVEN)
         ws = _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N)
         _wait_for_previous(PDL)
-        accs, sq = _rows_step(accs, sq, ws, x_ptr, g_ptr, at, ok, BLOCK_N, BYTE_ASM, NORM)
+        accs, sqs = _rows_step(
+            accs, sqs, ws, x_ptr, stride_xm, g_ptr, at, ok, BLOCK_N, ROWS, CHUNK, BYTE_ASM, NORM
+        )
         first = STEP
-    if NORM_SUMS:  # (as `_gemv_kernel`'s)
-        handed = tl.load(sums_ptr)
+    handed = ()  # NORM_SUMS: (as `_gemv_kernel`'s) each x row's, asked for once x is there
+    for m in tl.static_range(ROWS if NORM_SUMS else 0):
+        handed = handed + (tl.load(sums_ptr + m),)
     for k0 in tl.range(first, K, STEP):
         at, ok = _rows_chunk(k0, lane, K, CHUNK, EVEN)
-        accs, sq = _rows_step(
+        accs, sqs = _rows_step(
             accs,
-            sq,
+            sqs,
             _rows_weights(w_ptr, rows, row_ok, at, ok, BLOCK_N),
             x_ptr,
+            stride_xm,
             g_ptr,
             at,
             ok,
             BLOCK_N,
+            ROWS,
+            CHUNK,
             BYTE_ASM,
             NORM,
         )
     scales, biases = _rows_constants(
         scale_ptr, b_ptr, first_col, N, BLOCK_N, SWIGLU, HAS_SCALE, HAS_BIAS
     )  # together
-    if RESIDUAL:  # (as `_gemv_kernel`'s)
-        residuals = _rows_epilogue_operands(
-            res_ptr, res_ptr, first_col, 1, N, 0, 1, BLOCK_N, True, False
-        )[0]
+    residuals, next_gs = _rows_epilogue_operands(  # (as `_gemv_kernel`'s) residuals at r * ROWS + m
+        res_ptr, next_g_ptr, first_col, ROWS, N, stride_rm, ROWS, BLOCK_N, RESIDUAL, HAND_OFF
+    )
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    rstd = _norm_scale(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0), K, eps)  # (NORM only)
-    if NORM_SUMS:
-        rstd = _norm_scale(handed, K, eps)
-    outs = ()
-    for r in tl.static_range(BLOCK_N):
-        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
-        if NORM or NORM_SUMS:
-            total *= rstd
-        if HAS_SCALE:
-            total *= scales[r]
-        if HAS_BIAS:
-            total += biases[r]
-        outs = outs + (total,)
-    for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
-        row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
-        if SWIGLU:  # silu(gate) * up, rounded as `_gemv_kernel`'s epilogue rounds them
-            gate, up = outs[r].to(dtype).to(tl.float32), outs[r + HALF_N].to(dtype).to(tl.float32)
-            tl.store(out_ptr + row, _silu_times(gate, up, dtype), mask=real)
-        elif RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
-            tl.store(
-                out_ptr + row,
-                (outs[r].to(dtype).to(tl.float32) + residuals[r]).to(dtype),
-                mask=real,
-            )
-        else:
-            tl.store(out_ptr + row, outs[r].to(dtype), mask=real)
+    for m in tl.static_range(ROWS):
+        rstd = 1.0
+        if NORM:
+            squares = tl.sum(sqs[m], axis=2) if ROWS == 1 else sqs[m]
+            rstd = _norm_scale(tl.sum(tl.sum(squares, axis=1), axis=0), K, eps)
+        if NORM_SUMS:
+            rstd = _norm_scale(handed[m], K, eps)
+        outs = ()
+        for r in tl.static_range(BLOCK_N):
+            total = tl.sum(tl.sum(accs[r * ROWS + m], axis=1), axis=0)
+            if NORM or NORM_SUMS:
+                total *= rstd
+            if HAS_SCALE:
+                total *= scales[r]
+            if HAS_BIAS:
+                total += biases[r]
+            outs = outs + (total,)
+        squares = 0.0  # HAND_OFF: this program's share of h's squares
+        for r in tl.static_range(HALF_N if SWIGLU else BLOCK_N):
+            row, real = _program_row(first_col, r, N, HALF_N, SWIGLU)
+            if SWIGLU:  # silu(gate) * up, rounded as `_gemv_kernel`'s epilogue rounds them
+                gate = outs[r].to(dtype).to(tl.float32)
+                up = outs[r + HALF_N].to(dtype).to(tl.float32)
+                tl.store(out_ptr + m * stride_om + row, _silu_times(gate, up, dtype), mask=real)
+            else:
+                h = outs[r]
+                if RESIDUAL:  # added as rounded, as `_gemv_kernel`'s
+                    h = h.to(dtype).to(tl.float32) + residuals[r * ROWS + m]
+                tl.store(out_ptr + m * stride_om + row, h.to(dtype), mask=real)
+                if (
+                    HAND_OFF
+                ):  # (as `_gemv_kernel`'s) h x the next norm's weight stored, h's squares summed
+                    h = h.to(dtype).to(tl.float32)
+                    tl.store(
+                        normed_ptr + m * stride_om + row, (h * next_gs[r]).to(dtype), mask=real
+                    )
+                    squares += tl.where(real, h * h, 0.0)
+        if HAND_OFF:
+            tl.atomic_add(sums_ptr + m, squares, sem="relaxed")
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> torch.Tensor:
@@ -788,25 +918,28 @@ def gemv(
     `byte_asm`: int8 converted by `_int8x4_to_f32`'s PTX (default: whenever compiled, not interpreted).
     `early_weights`: launched as a dependent, each program asks for its first step's weights before it waits for x
     (measured faster; False: it waits first).
-    `layout`: 'tile' (`_gemv_kernel`) or 'rows' (`_gemv_rows_kernel`, one row of x only); default `gemv_layout`'s
+    `layout`: 'tile' (`_gemv_kernel`, M <= GEMV_MAX_ROWS) or 'rows' (`_gemv_rows_kernel`, M <= 8); default `gemv_layout`'s
     choice at one row, else 'tile'."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.shape[0] > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if layout not in (None, "tile", "rows"):
+        raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
+    (m, k), n = x.shape, weight.shape[0]
+    one_row_hand_off = m == 1 and hand_off is not None  # (the tile layout's, as measured for int8)
+    layout = layout or ("tile" if one_row_hand_off else gemv_layout(n, k, weight.element_size(), m))
+    limit = GEMV_ROWS_LAYOUT_MAX_ROWS if layout == "rows" else GEMV_MAX_ROWS
+    if m > limit:
+        raise ValueError(
+            f"gemv takes at most {limit} rows in its {layout} layout, got {m}: use F.linear"
+        )
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("gemv: int8 weights need their per-row scale")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(
             f"gemv with swiglu needs a [gate | up] weight with an even number of rows, got {weight.shape[0]}"
         )
-    (m, k), n = x.shape, weight.shape[0]
-    if layout not in (None, "tile", "rows"):
-        raise ValueError(f"gemv's layout is 'tile' or 'rows', got {layout!r}")
-    if layout == "rows" and m != 1:
-        raise ValueError(f"gemv's rows layout takes one row of x, got {m}")
     if out is not None and (
         swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
     ):
@@ -837,13 +970,8 @@ def gemv(
             return result
         hand_off[1].add_(result.float().square().sum(-1))
         return result, result * hand_off[0].to(result.dtype)
-    if hand_off is not None and layout == "rows":
-        raise ValueError("gemv's rows layout does not hand a norm off: use layout='tile'")
-    layout = layout or (
-        gemv_layout(n, k, weight.element_size()) if m == 1 and hand_off is None else "tile"
-    )
     default = gemv_config(
-        n, k, weight.element_size(), layout
+        n, k, weight.element_size(), layout, m
     )  # the measured configuration, where none is asked for
     block_n, block_k, num_warps = (
         block_n or default[0],
@@ -883,12 +1011,19 @@ def gemv(
                 f"is no multiple of 32 x {num_warps}"
             )
         whole_rows = (n // 2) % (block_n // 2) == 0 if swiglu else n % block_n == 0
+    if layout == "rows" and m:
         _gemv_rows_kernel[grid](
             *operands,
+            next_g,
+            normed,
             n,
             k,
             weight.stride(0),
+            x.stride(0),
+            0 if residual is None else residual.stride(0),
+            out.stride(0),
             eps,
+            ROWS=m,
             BLOCK_N=block_n,
             CHUNK=chunk,
             SLABS=num_warps,
@@ -901,11 +1036,11 @@ def gemv(
             SWIGLU=swiglu,
             EARLY_W=early,
             **folds,
+            HAND_OFF=hand_off is not None,
             num_warps=num_warps,
             **_stages(num_stages),
         )
-        return out
-    if m:
+    elif m:
         _gemv_kernel[grid](
             *operands,
             next_g,
@@ -1017,20 +1152,21 @@ with pytest.raises(ValueError, match="an even block_n, got 3"):
         block_k=64,
         num_warps=1,
     )
-with pytest.raises(ValueError, match="at most 4 rows"):
-    gemv(torch.zeros(5, 8), torch.zeros(2, 8))
+with pytest.raises(ValueError, match="at most 4 rows in its tile layout"):
+    gemv(torch.zeros(5, 8), torch.zeros(2, 8), layout="tile")
 with pytest.raises(ValueError, match="need their per-row scale"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8, dtype=torch.int8))
-# the rows layout (one row of x): against the reference in fp32 and bf16, with int8 weights and their scales, a bias,
-# rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by `silu_mul`
-for n, k, dtype, int8, with_bias, block_k, warps in (
-    (12, 256, torch.float32, False, True, 128, 2),
-    (10, 100, torch.float32, True, False, 64, 1),
-    (16, 512, torch.bfloat16, False, False, 512, 2),
-    (8, 192, torch.bfloat16, True, True, 128, 1),
+# the rows layout: against the reference in fp32 and bf16, one to eight rows of x, with int8 weights and their scales,
+# a bias, rows and inputs that fill no whole program or step; with `swiglu`, the bits of its own GEMV followed by
+# `silu_mul`; each of several rows of x the bits it gets among fewer (a row's sums do not depend on the others)
+for m, n, k, dtype, int8, with_bias, block_k, warps in (
+    (1, 12, 256, torch.float32, False, True, 128, 2),
+    (3, 10, 100, torch.float32, True, False, 64, 1),
+    (5, 16, 512, torch.bfloat16, False, False, 512, 2),
+    (8, 8, 192, torch.bfloat16, True, True, 128, 1),
 ):
     x, w, scale = (
-        torch.randn(1, k, generator=gen).to(dtype),
+        torch.randn(m, k, generator=gen).to(dtype),
         torch.randn(n, k, generator=gen).to(dtype),
         None,
     )
@@ -1051,6 +1187,10 @@ for n, k, dtype, int8, with_bias, block_k, warps in (
         gemv(x, w, None, scale, swiglu=True, **rows),
         silu_mul(gemv(x, w, None, scale, **rows), impl="triton"),
     ), (n, k, dtype)
+    if m > 2:  # (one row takes the loop of its own: its sums add in another order)
+        assert torch.equal(
+            gemv(x, w, bias, scale, **rows)[-2:], gemv(x[-2:], w, bias, scale, **rows)
+        ), m
 assert gemv_layout(19456, 2560) == "rows" and gemv_config(19456, 2560) == (
     4,
     512,
@@ -1067,8 +1207,8 @@ assert (
 )  # int8 down, the int8 LM head
 with pytest.raises(ValueError, match="'tile' or 'rows', got 'diagonal'"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), impl="triton", layout="diagonal")
-with pytest.raises(ValueError, match="takes one row of x, got 2"):
-    gemv(torch.zeros(2, 8), torch.zeros(2, 8), impl="triton", layout="rows")
+with pytest.raises(ValueError, match="at most 8 rows in its rows layout, got 9"):
+    gemv(torch.zeros(9, 8), torch.zeros(2, 8), impl="triton", layout="rows")
 with pytest.raises(ValueError, match="block_k 32 is no multiple of 32 x 2"):
     gemv(
         torch.zeros(1, 32),
@@ -1089,6 +1229,8 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
     ("tile", 2, 16, 192, torch.bfloat16, False, False, True),
     ("rows", 1, 24, 200, torch.bfloat16, True, True, False),
     ("rows", 1, 16, 256, torch.float32, False, False, True),
+    ("rows", 5, 16, 192, torch.bfloat16, False, True, False),
+    ("rows", 3, 24, 200, torch.float32, True, False, True),
 ):
     x, g = (
         (3 * torch.randn(m, k, generator=gen)).to(dtype),
@@ -1120,7 +1262,9 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
         tol["atol"] *= 3  # the PyTorch path rounds x, x · g and (int8) the scales to bf16 too
     torch.testing.assert_close(
         normed,
-        gemv(x, w, bias, scale, impl="torch", norm=g, eps=1e-5, swiglu=swiglu).float(),
+        gemv(
+            x, w, bias, scale, impl="torch", layout=layout, norm=g, eps=1e-5, swiglu=swiglu
+        ).float(),
         **tol,
     )
     if not swiglu:
@@ -1131,14 +1275,14 @@ for layout, m, n, k, dtype, int8, with_bias, swiglu in (
             layout
         )  # (the add it replaces)
         added = add_rmsnorm(
-            gemv(x, w, bias, scale, impl="torch"),
+            gemv(x, w, bias, scale, impl="torch", layout=layout),
             res,
             torch.ones(n, dtype=dtype),
             1e-6,
             impl="torch",
         )[1]
         assert torch.equal(
-            gemv(x, w, bias, scale, impl="torch", residual=res), added
+            gemv(x, w, bias, scale, impl="torch", layout=layout, residual=res), added
         )  # (and on the PyTorch path)
 with pytest.raises(ValueError, match=r"norm is an RMSNorm weight \[8\], got \(4,\)"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(4))
@@ -1173,6 +1317,7 @@ for m, n, k, dtype, int8, layout in (
     (1, 48, 96, torch.bfloat16, True, "rows"),
     (2, 40, 64, torch.float32, False, "tile"),
     (1, 32, 80, torch.bfloat16, False, "tile"),
+    (3, 40, 64, torch.float32, True, "rows"),
 ):
     x, r = (
         torch.randn(m, k, generator=gen).to(dtype),
@@ -1191,7 +1336,9 @@ for m, n, k, dtype, int8, layout in (
         )
     g = (torch.rand(n, generator=gen) + 0.5).to(dtype)
     sums = torch.zeros(m)
-    tile = dict(impl="triton", block_k=32, num_warps=1, block_n=8)
+    tile = dict(
+        impl="triton", block_k=32, num_warps=1, block_n=8, layout=layout
+    )  # (the producer's too)
     h, hg = gemv(x, w1, None, scale1, residual=r, hand_off=(g, sums), **tile)
     assert torch.equal(h, gemv(x, w1, None, scale1, residual=r, **tile))
     # (bit for bit on a GPU; the interpreter truncates to bf16: one ulp, 2^-7, within the default bf16 rtol 1.6e-2)
@@ -1228,7 +1375,9 @@ for m, n, k, dtype, int8, layout in (
         got.float(), want.float(), rtol=tol if dtype == torch.float32 else 0, atol=tol
     )
     torch_sums = torch.zeros(m)  # the PyTorch path: the same three results as the kernels
-    h_t, hg_t = gemv(x, w1, None, scale1, impl="torch", residual=r, hand_off=(g, torch_sums))
+    h_t, hg_t = gemv(
+        x, w1, None, scale1, impl="torch", layout=layout, residual=r, hand_off=(g, torch_sums)
+    )
     # h_t is PyTorch's GEMV + r, h the kernel's: in bf16 (truncated here) W·x and the sum h each an ulp apart, 2^-7 of
     # |W·x| + |h|; so the sums of squares up to twice that, ~3e-2, and h·g a couple of ulps of the largest; fp32: 2^-24
     fp32 = dtype == torch.float32
@@ -1241,7 +1390,9 @@ for m, n, k, dtype, int8, layout in (
     )
     # (the PyTorch path rounds x·(1/rms) to the dtype before its GEMV, and its h·g differs as above: three times the bound)
     torch.testing.assert_close(
-        gemv(hg_t, w2, None, scale2, impl="torch", norm_sums=torch_sums, eps=1e-5).float(),
+        gemv(
+            hg_t, w2, None, scale2, impl="torch", layout=layout, norm_sums=torch_sums, eps=1e-5
+        ).float(),
         want.float(),
         rtol=3 * tol if dtype == torch.float32 else 0,
         atol=3 * tol,
@@ -1254,12 +1405,3 @@ with pytest.raises(ValueError, match="hand_off needs a residual"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), hand_off=(torch.ones(2), torch.zeros(1)))
 with pytest.raises(ValueError, match="norm to apply .* not both"):
     gemv(torch.zeros(1, 8), torch.zeros(2, 8), norm=torch.ones(8), norm_sums=torch.zeros(1))
-with pytest.raises(ValueError, match="rows layout does not hand a norm off"):
-    gemv(
-        torch.zeros(1, 64),
-        torch.zeros(2, 64),
-        impl="triton",
-        layout="rows",
-        residual=torch.zeros(1, 2),
-        hand_off=(torch.ones(2), torch.zeros(1)),
-    )
