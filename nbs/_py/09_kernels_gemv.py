@@ -139,25 +139,20 @@ gen = torch.Generator().manual_seed(2)
 #
 # **Several rows of x in the rows layout** (up to `GEMV_ROWS_LAYOUT_MAX_ROWS`, 8: a verify step's
 # 1 + k rows, chapter 08c). Each thread's chunk of every weight row is converted once and
-# multiplied by the same chunk of each row of x, into `BLOCK_N × ROWS` accumulators. With more
-# rows the loop is bound by instructions, not bytes: an H200 SM issues about 14 instructions per
-# bf16 weight it receives at full bandwidth (an H100 about 18), and five rows need five
-# multiply-adds a weight before anything else. Written as the one-row loop is, it took 10.0 a
-# weight at 5 rows and 4 weight rows a program, 13.1 with a norm folded in
-# (`kernels_lab/gemv_sass.py`), and on an H100 (`kernels_lab/few_rows_matmul.py 5,2`) it ran
-# level with cuBLAS at 5 rows (qkv 17.4 µs against 16.6, o 14.4 / 15.2, gate-up 39.3 / 40.4,
-# down 27.9 / 25.4; one row: 15.2 / 11.3 / 37.0 / 21.7) and ahead at 2 (15.9 / 13.0 / 38.8 /
-# 23.6 against 17.3 / 15.2 / 40.2 / 25.4). In the verify step of random Qwen3-4B
-# (`kernels_lab/verify_step.py`, a 3.226 ms decode step) 1 + 1 rows took 1.175x a decode step
-# against cuBLAS's 1.221x, but 1 + 4 rows 1.462x against 1.303x. The loop now does less: each
-# chunk's products chain into their accumulator as multiply-adds (`_chunk_values`; a `tl.sum` per
-# step compiles to a multiply, seven multiply-adds and an add), bf16 becomes a float by one
-# shift or one mask (`_bf16x2_to_f32`; the compiler's way spends a permute and a shift on every
-# other value), and several rows take their norms handed from the GEMV before
-# (`gemv_hands_off_norms`) instead of applying them in the loop: 8.2 instructions a weight, 5 of
-# them the multiply-adds (`tests/test_gemv_sass.py` keeps it so). That loop is not yet measured
-# on a GPU, so chapter 09a sends the GEMV one row of BF16 (`GEMV_ROWS_BF16`); one row keeps the
-# loop the chain lab measured.
+# multiplied by the same chunk of each row of x, into `BLOCK_N × ROWS` accumulators. Rows add
+# instructions, not bytes: five rows are five multiply-adds a weight, and an H100 SM issues about
+# 18 instructions per bf16 weight it receives at full bandwidth (an H200 about 14). So the loop
+# does nothing else it can avoid: each chunk's products chain into their accumulator
+# (`_chunk_values`), bf16 becomes fp32 by one shift or one mask (`_bf16x2_to_f32`), and several
+# rows take their norms handed off by the GEMV before (`gemv_hands_off_norms`): 8.2 instructions
+# a weight at 5 rows, 5 of them the multiply-adds (`kernels_lab/gemv_sass.py`;
+# `tests/test_gemv_sass.py` keeps it so). It still reads no faster than cuBLAS: at 5 rows on an
+# H100 it is behind on qkv, o, gate-up and down (down 28.5 µs against 25.3) and ahead only on the
+# LM head, and the k = 4 verify step of random Qwen3-4B in its best tiles takes **1.34x** a decode
+# step against cuBLAS's 1.30x (`LAB_FOLD=handoff LAB_BEST_OUT=rows.json python3
+# kernels_lab/few_rows_matmul.py 5`, then `LAB_ROWS_CONFIGS=rows.json python3
+# kernels_lab/verify_step.py bf16`). So chapter 09a sends the GEMV one row of BF16
+# (`GEMV_ROWS_BF16`), and the several-row form is there for the tests and the lab.
 #
 # **The add + RMSNorm folded in** (`norm`, `residual`). `gemv(x, w, norm=g, eps=...)` multiplies
 # x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the program, which
