@@ -345,11 +345,14 @@ def device_of(module: nn.Module) -> torch.device:
 
 # %% ../nbs/09a_fused_layers.ipynb #49370f1e
 class CPURMSNorm(RMSNorm):
-    "RMSNorm, and the residual add before it, by one C call for float32 rows on a CPU; else chapter 03's."
+    "RMSNorm, and the residual add before it, by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        done = cpu_add_rms_norm(x, None, self.weight, self.eps)
-        return super().forward(x) if done is None else done[0]
+        rows = x.reshape(
+            -1, x.shape[-1]
+        )  # (q's and k's heads [T, heads, D]: copied out of the QKV rows)
+        done = cpu_add_rms_norm(rows, None, self.weight, self.eps)
+        return super().forward(x) if done is None else done[0].view(x.shape)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -359,7 +362,7 @@ class CPURMSNorm(RMSNorm):
 
 
 class CPUMLP(MLP):
-    "SwiGLU with its SiLU-mul by one C call for float32 rows on a CPU; else chapter 03's."
+    "SwiGLU with its SiLU-mul by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -371,7 +374,7 @@ class CPUMLP(MLP):
 
 
 class CPUAttention(Attention):
-    "Attention with RoPE by one C call for float32 rows on a CPU; else chapter 03's `apply_rope`."
+    "Attention with RoPE by one C call for float32 or bf16 rows on a CPU; else chapter 03's `apply_rope`."
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         out = cpu_rope(x, cos, sin)
@@ -382,11 +385,12 @@ CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP, Attention: CPUAttention}
 
 
 def install_cpu_layers(model: Transformer) -> Transformer:
-    """Swap each module of `model` whose class is one of CPU_LAYERS' for its C-backed subclass, in place, where that
-    runs: float32 weights on a CPU, the C kernels built here. Only the class changes. Returns `model`."""
-    if next(model.parameters()).dtype != torch.float32 or not cpu_layer_ops_run():
+    """Swap each module of `model` on a CPU whose class is one of CPU_LAYERS' for its C-backed subclass, in place,
+    where the C kernels are built here (a model split with a GPU, chapter 10h: its CPU layers). Only the class
+    changes; each falls back to chapter 03's code for what the kernels do not read. Returns `model`."""
+    if not cpu_layer_ops_run():
         return model
-    for module in model.modules():  # (a model split with a GPU, chapter 10h: its CPU layers)
+    for module in model.modules():
         swap = CPU_LAYERS.get(type(module))
         if swap is not None and device_of(module).type == "cpu":
             module.__class__ = swap

@@ -444,8 +444,7 @@ def build_runner(
     if param.device.type == "cuda":  # (chapter 09h's for a Qwen3.5 model)
         hybrid = isinstance(model, Qwen35Model)
         (install_fused_hybrid_layers if hybrid else install_fused_layers)(model)
-    else:
-        install_cpu_layers(model)
+    install_cpu_layers(model)  # (a model split with the CPU, chapter 10h: its CPU layers)
     states = None
     if (
         model.config.linear_layers

@@ -504,18 +504,22 @@ with torch.no_grad():
 #
 # A CPU has no Triton to run, but the same idea pays there: chapter 09_kernels_cpu's C functions
 # do the residual add with its RMSNorm, SwiGLU's SiLU-mul and RoPE in one call each, where
-# PyTorch takes eight, three and eight small operations. `install_cpu_layers` swaps those two classes in on a float32 CPU
-# model where the C kernels are built (`build_runner` calls it for the engine); each falls back to
-# chapter 03's code for any other input.
+# PyTorch takes eight, three and eight small operations, in float32 or bf16. `install_cpu_layers`
+# swaps those classes in on the modules of a model that sit on a CPU (a whole CPU model, or the
+# CPU's layers of one split with a GPU, chapter 10h) where the C kernels are built (`build_runner`
+# calls it for the engine); each falls back to chapter 03's code for any other input.
 
 # %%
 #| export
 class CPURMSNorm(RMSNorm):
-    "RMSNorm, and the residual add before it, by one C call for float32 rows on a CPU; else chapter 03's."
+    "RMSNorm, and the residual add before it, by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        done = cpu_add_rms_norm(x, None, self.weight, self.eps)
-        return super().forward(x) if done is None else done[0]
+        rows = x.reshape(
+            -1, x.shape[-1]
+        )  # (q's and k's heads [T, heads, D]: copied out of the QKV rows)
+        done = cpu_add_rms_norm(rows, None, self.weight, self.eps)
+        return super().forward(x) if done is None else done[0].view(x.shape)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -525,7 +529,7 @@ class CPURMSNorm(RMSNorm):
 
 
 class CPUMLP(MLP):
-    "SwiGLU with its SiLU-mul by one C call for float32 rows on a CPU; else chapter 03's."
+    "SwiGLU with its SiLU-mul by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -537,7 +541,7 @@ class CPUMLP(MLP):
 
 
 class CPUAttention(Attention):
-    "Attention with RoPE by one C call for float32 rows on a CPU; else chapter 03's `apply_rope`."
+    "Attention with RoPE by one C call for float32 or bf16 rows on a CPU; else chapter 03's `apply_rope`."
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         out = cpu_rope(x, cos, sin)
@@ -548,11 +552,12 @@ CPU_LAYERS = {RMSNorm: CPURMSNorm, MLP: CPUMLP, Attention: CPUAttention}
 
 
 def install_cpu_layers(model: Transformer) -> Transformer:
-    """Swap each module of `model` whose class is one of CPU_LAYERS' for its C-backed subclass, in place, where that
-    runs: float32 weights on a CPU, the C kernels built here. Only the class changes. Returns `model`."""
-    if next(model.parameters()).dtype != torch.float32 or not cpu_layer_ops_run():
+    """Swap each module of `model` on a CPU whose class is one of CPU_LAYERS' for its C-backed subclass, in place,
+    where the C kernels are built here (a model split with a GPU, chapter 10h: its CPU layers). Only the class
+    changes; each falls back to chapter 03's code for what the kernels do not read. Returns `model`."""
+    if not cpu_layer_ops_run():
         return model
-    for module in model.modules():  # (a model split with a GPU, chapter 10h: its CPU layers)
+    for module in model.modules():
         swap = CPU_LAYERS.get(type(module))
         if swap is not None and device_of(module).type == "cpu":
             module.__class__ = swap

@@ -130,13 +130,13 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
     float *q = qkv + (size_t)M * width, *att = q + (size_t)M * nq, *gate_up = att + (size_t)M * nq;
     float *act = gate_up + (size_t)M * 2 * I;
     xblock *xb = (xblock *)(act + (size_t)M * I);
-    for (int l = 0; l < s->num_layers; l++) {
+    for (int l = 0; l < s->num_layers; l++) {  // (the kernels' `bf16` argument 0: this step is float32)
         const decoder_layer *layer = layers + l;
         if (l == 0) {  // the residual stream starts as the embedding
             memcpy(residual, x, sizeof(float) * (size_t)M * H);
-            add_rms_norm(x, NULL, NULL, layer->attn_norm, M, H, s->eps, h);
+            add_rms_norm(x, NULL, NULL, layer->attn_norm, M, H, s->eps, h, 0);
         } else {  // the previous layer's MLP output joins the stream
-            add_rms_norm(x, residual, residual, layer->attn_norm, M, H, s->eps, h);
+            add_rms_norm(x, residual, residual, layer->attn_norm, M, H, s->eps, h, 0);
         }
         gguf_linear_rows(&layer->qkv, h, M, xb, qkv, threads);
         for (int m = 0; m < M; m++) {  // q rotated into q; k rotated and v copied into the pool at the slot
@@ -144,27 +144,27 @@ int decode_layers(const decoder_layer *layers, const decode_shape *s, int M, flo
             float *qm = q + (size_t)m * nq;
             float *k_at = layer->k_pool + slots[m] * nkv, *v_at = layer->v_pool + slots[m] * nkv;
             if (layer->q_norm) {  // Qwen3: each head normed, then rotated in place
-                add_rms_norm(row, NULL, NULL, layer->q_norm, heads, D, s->eps, qm);
-                add_rms_norm(row + nq, NULL, NULL, layer->k_norm, kv_heads, D, s->eps, k_at);
-                rope(qm, 1, heads, D, nq, c, sn, qm);
-                rope(k_at, 1, kv_heads, D, nkv, c, sn, k_at);
+                add_rms_norm(row, NULL, NULL, layer->q_norm, heads, D, s->eps, qm, 0);
+                add_rms_norm(row + nq, NULL, NULL, layer->k_norm, kv_heads, D, s->eps, k_at, 0);
+                rope(qm, 1, heads, D, nq, c, sn, qm, 0);
+                rope(k_at, 1, kv_heads, D, nkv, c, sn, k_at, 0);
             } else {
-                rope(row, 1, heads, D, width, c, sn, qm);
-                rope(row + nq, 1, kv_heads, D, width, c, sn, k_at);
+                rope(row, 1, heads, D, width, c, sn, qm, 0);
+                rope(row + nq, 1, kv_heads, D, width, c, sn, k_at, 0);
             }
             memcpy(v_at, row + nq + nkv, sizeof(float) * nkv);
         }
         code = decode_attention(q, M, heads, kv_heads, D, layer->k_pool, layer->v_pool, (int)s->num_blocks,
                                 (int)s->block_size, tables, (int)s->table_width, context_lens, s->scale, att,
-                                threads);
+                                threads, 0);
         if (code) return code;
         gguf_linear_rows(&layer->o, att, M, xb, x, threads);
-        add_rms_norm(x, residual, residual, layer->mlp_norm, M, H, s->eps, h);
+        add_rms_norm(x, residual, residual, layer->mlp_norm, M, H, s->eps, h, 0);
         gguf_linear_rows(&layer->gate_up, h, M, xb, gate_up, threads);
-        silu_mul(gate_up, M, I, act);
+        silu_mul(gate_up, M, I, act, 0, threads);
         gguf_linear_rows(&layer->down, act, M, xb, x, threads);
     }
-    add_rms_norm(x, residual, NULL, final_norm, M, H, s->eps, x);
+    add_rms_norm(x, residual, NULL, final_norm, M, H, s->eps, x, 0);
     return 0;
 }
 """

@@ -36,9 +36,12 @@
 # (22 layers on the GPU), 17.3 tok/s, 58.0 ms a step against its floor of 57.3 ms
 # (`kernels_lab/offload_streaming.py`). On that machine the two modes cost the same and `auto`
 # takes the CPU's. The CPU mode's step is twice its floor, which counts the CPU layers' matrices
-# only: besides them a step runs those layers' norms, rotations and attention (on a 2-core CPU a
-# step of two such layers costs 1.05-1.20x their products), the GPU's layers eagerly (no CUDA
-# graph around a split model yet) and the residual stream's two crossings.
+# only: besides them a step runs those layers' norms, rotations and attention, the GPU's layers
+# eagerly (no CUDA graph around a split model yet) and the residual stream's two crossings. The
+# CPU's layers take chapter 09_kernels_cpu's C calls for their small steps in bf16
+# (`install_cpu_layers`, `cpu_decode_attention`): at Qwen3-14B's shapes 214 µs a layer against
+# PyTorch's 649 at 160 keys on 2 threads (`kernels_lab/cpu_layer_ops.py`). (The H100 figures
+# above ran those steps in PyTorch.)
 #
 # What each part needs:
 #
