@@ -348,9 +348,8 @@ class CPURMSNorm(RMSNorm):
     "RMSNorm, and the residual add before it, by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(
-            -1, x.shape[-1]
-        )  # (q's and k's heads [T, heads, D]: copied out of the QKV rows)
+        # q's and k's heads [T, heads, D] as rows (copied out of the QKV projection's rows)
+        rows = x.reshape(-1, x.shape[-1])
         done = cpu_add_rms_norm(rows, None, self.weight, self.eps)
         return super().forward(x) if done is None else done[0].view(x.shape)
 

@@ -515,9 +515,8 @@ class CPURMSNorm(RMSNorm):
     "RMSNorm, and the residual add before it, by one C call for float32 or bf16 rows on a CPU; else chapter 03's."
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(
-            -1, x.shape[-1]
-        )  # (q's and k's heads [T, heads, D]: copied out of the QKV rows)
+        # q's and k's heads [T, heads, D] as rows (copied out of the QKV projection's rows)
+        rows = x.reshape(-1, x.shape[-1])
         done = cpu_add_rms_norm(rows, None, self.weight, self.eps)
         return super().forward(x) if done is None else done[0].view(x.shape)
 
@@ -565,7 +564,8 @@ def install_cpu_layers(model: Transformer) -> Transformer:
 
 
 # %% [markdown]
-# The tiny Qwen3 through the swapped layers gives the plain model's logits to float32's rounding.
+# The tiny Qwen3 through the swapped layers gives the plain model's logits to float32's rounding,
+# and in bf16 the plain bf16 model's.
 
 # %%
 if cpu_layer_ops_run():
@@ -580,3 +580,10 @@ if cpu_layer_ops_run():
             rtol=1e-5,
             atol=1e-5,
         )
+        # in bf16 the C calls round as PyTorch's bf16 operations do: the same logits but for a rare last bit
+        plain = copy.deepcopy(model).to(torch.bfloat16)
+        on_cpu = install_cpu_layers(copy.deepcopy(plain))
+        got, want = (m.compute_logits(m(ids, positions)) for m in (on_cpu, plain))
+        assert type(on_cpu.layers[0].mlp) is CPUMLP
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+        assert (got != want).float().mean() < 0.01
