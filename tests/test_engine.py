@@ -293,7 +293,11 @@ def smollm2():
     return load_model("smollm2-135m-instruct", device="cpu", progress=False)
 
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three fruits.",
+]
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])

@@ -445,7 +445,9 @@ def test_real_model_answers_paris_and_health_said_loading_first(servers):
     )  # before /health said ok
     r = client(smol, api_key="unused").chat.completions.create(
         model="smollm2-135m-instruct",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+        ],
         max_tokens=16,
         temperature=0,
     )

@@ -203,7 +203,7 @@ class LLM:
 # %%
 llm = LLM("smollm2-135m-instruct", device="cpu", progress=False)
 questions = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Name a primary color.",
     "What is 2 + 2?",
     "Say hello in Spanish.",
