@@ -32,8 +32,8 @@
 # Measured on a 2-core AMD EPYC, SmolLM2-135M-Instruct (GGUF, chapter 10f's C step) asked to
 # rewrite a given text, batch 1, greedy, two runs of `PYTHONPATH=. python3
 # kernels_lab/speculative_cpu.py` (medians of 3 interleaved rounds each): 3 drafts accept 69% and
-# give 3.04 tokens a verify step, **1.47× and 1.59×** the tokens per second without speculation;
-# 7 drafts accept 55%, 4.78 tokens a step, 1.70× and 1.52×. The tokens are the same in every run.
+# give 3.04 tokens a verify step, **1.81× and 1.62×** the tokens per second without speculation;
+# 7 drafts accept 55%, 4.78 tokens a step, 1.62× and 1.36×. The tokens are the same in every run.
 #
 # On a GPU a verify step replays a CUDA graph of its own (chapter 09b: K/V stored before attention
 # reads it). Measured on an H200 (`PYTHONPATH=. python3 kernels_lab/verify_step.py`, random

@@ -1,0 +1,62 @@
+"""One decode row times a Qwen3-14B int4 matrix on a CPU (what the CPU's layers of a split model spend most of a step
+on, chapter 10h): PyTorch's int4 GEMM (chapter 10's int4, groups of 128 and of 32) against chapter 10da's C kernel on
+the same weights as Q4_1 blocks (groups of 32: d q + m, integer dot products with the input quantized to int8).
+
+Napkin math: gate-up (34,816 x 5,120) is 89 MB in 4 bits; at the CPU's read bandwidth that is its floor. PyTorch's
+int4 GEMM turns every weight into a float before it multiplies; the C kernel multiplies bytes.
+
+Prints each matrix's time and bandwidth, and the C kernel's error against PyTorch's on the same weights.
+Run anywhere from the repository root: PYTHONPATH=. python3 kernels_lab/cpu_int4_rows.py"""
+
+from common import best_host_s  # first: it may switch on the interpreter (unused here)
+import numpy as np
+import torch
+
+from forge_engine.quant.cpu_gguf import native_gguf_matmul
+from forge_engine.quant.layers import _gguf_cpu_operands, cpu_int4pack, cpu_int4pack_mm
+
+Q4_1 = 3  # GGML's type number
+MATRICES = {"gate_up": (34816, 5120), "down": (5120, 17408), "qkv": (7168, 5120)}
+
+
+def random_q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    "Rows of random Q4_1 blocks [n, k/32 * 20 bytes]: d and m float16 (scale 1e-2, minimum -8e-2), 16 bytes of nibbles."
+    rng = np.random.default_rng(seed)
+    blocks = np.empty((n * k // 32, 20), dtype=np.uint8)
+    d = rng.uniform(0.005, 0.015, n * k // 32).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = (-8 * d).view(np.uint8).reshape(-1, 2)
+    blocks[:, 4:] = rng.integers(0, 256, size=(n * k // 32, 16), dtype=np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def main():
+    print(f"{torch.get_num_threads()} threads, one row; ms a matrix (GB/s of its 4-bit weights)")
+    for name, (n, k) in MATRICES.items():
+        raw, x = random_q4_1(n, k), torch.randn(1, k)
+        matmul, operands = _gguf_cpu_operands(raw, Q4_1)  # the same weights in PyTorch's int4 GEMM
+        nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        groups_of_128 = cpu_int4pack(
+            nibbles, 128, torch.full((n, k // 128), 0.01), torch.zeros(n, k // 128)
+        )
+        got, want = native_gguf_matmul(x, raw, Q4_1), matmul(x, operands)
+        error = float((got - want).abs().max() / want.abs().max())
+        bytes_4bit = n * k / 2
+        times = {
+            "C Q4_1": best_host_s(lambda: native_gguf_matmul(x, raw, Q4_1), reps=5, rounds=3),
+            "PyTorch int4, 32": best_host_s(lambda: matmul(x, operands), reps=5, rounds=3),
+            "PyTorch int4, 128": best_host_s(
+                lambda: cpu_int4pack_mm(x, groups_of_128), reps=5, rounds=3
+            ),
+        }
+        print(
+            f"  {name:8s} {n:6d} x {k:6d}: "
+            + ", ".join(
+                f"{k_} {s * 1e3:.2f} ({bytes_4bit / s / 1e9:.1f})" for k_, s in times.items()
+            )
+            + f"; C against PyTorch {error:.1e} relative"
+        )
+
+
+if __name__ == "__main__":
+    main()
