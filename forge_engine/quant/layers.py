@@ -36,10 +36,10 @@ from .gguf_blocks import KEPT_GGUF_TYPES, gguf_matmul, gguf_matmul_reference
 from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 
 # %% auto #0
-__all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'DENSE_TILE_WEIGHTS', 'CPU_TILE_WEIGHTS', 'INT8_GEMV_ROWS',
+__all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'GGUF_Q4_1', 'DENSE_TILE_WEIGHTS', 'CPU_TILE_WEIGHTS', 'INT8_GEMV_ROWS',
            'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'takes_cpu_weight_gemm', 'cpu_int4pack', 'cpu_int4pack_mm',
-           'q4_blocks_as_int4', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding', 'GGUFLinear',
-           'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
+           'q4_blocks_as_int4', 'int4_as_q4_1', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding',
+           'GGUFLinear', 'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
 CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-only GEMMs; off: dequantize + matmul (exact)
@@ -49,6 +49,7 @@ CPU_WEIGHT_GEMMS = True  # quantized layers on a CPU through PyTorch's weight-on
 # file's Q4_0 / Q4_1 rows dequantize as int4 after their blocks are unpacked (`q4_blocks_as_int4`): their GEMMs pay
 # off a little longer. (The measurement: below.)
 CPU_WEIGHT_GEMM_ROWS = {"int8": 16, "int4": 48, "gguf": 64}
+GGUF_Q4_1 = 3  # GGML's number of Q4_1: the blocks int4 takes at one row (below)
 
 
 def takes_cpu_weight_gemm(x: torch.Tensor, weights: str) -> bool:
@@ -113,6 +114,24 @@ def q4_blocks_as_int4(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, ...]
     d = _f16(blocks, 0).reshape(n, -1)  # [N, K/32]: each block opens with d
     minimum = -8 * d if qtype == 2 else _f16(blocks, 2).reshape(n, -1)
     return blocks[:, size - 16 :].reshape(n, -1), d, minimum
+
+
+def int4_as_q4_1(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """Chapter 10's int4 (packed [N, K/2], float16 scale and minimum [N, K/group]) as rows of GGUF Q4_1 blocks [N,
+    K/32 * 20 bytes], the same weights: each block of 32 takes its group's scale and minimum as d and m (`d q + m`),
+    its nibbles regrouped (a block's byte j holds its weights j and j + 16). Groups must be whole blocks."""
+    n, groups = scale.shape
+    if (2 * packed.shape[1] // groups) % 32:
+        raise ValueError(
+            f"int4 groups of {2 * packed.shape[1] // groups}: Q4_1 blocks of 32 would straddle two"
+        )
+    b = packed.reshape(n, groups, -1)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1, 2, 16)  # [N, K/32, halves, 16] codes
+    nibbles = q[:, :, 0] | (q[:, :, 1] << 4)
+    per_block = q.shape[1] // groups
+    d, m = (t.half().repeat_interleave(per_block, dim=1)[..., None] for t in (scale, minimum))
+    fields = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)  # [N, K/32, 4]: d, then m
+    return torch.cat([fields, nibbles], dim=-1).reshape(n, -1)
 
 
 def _gguf_cpu_operands(raw: torch.Tensor, qtype: int) -> tuple | None:
@@ -288,11 +307,27 @@ class Int4Linear(QuantLinear):
         return int4_matmul(x, self.qweight, self.scale, self.minimum, impl="triton")
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
+        if (
+            CPU_WEIGHT_GEMMS
+            and native_gguf_runs(x, GGUF_Q4_1)
+            and (blocks := self.q4_1_blocks()) is not None
+        ):  # one row on a CPU: chapter 10da's C kernel on these weights as Q4_1 blocks, integer dot products
+            return native_gguf_matmul(x, blocks, GGUF_Q4_1)
         if takes_cpu_weight_gemm(x, "int4") and (cpu := self.cpu_pack()) is not None:
             return cpu_int4pack_mm(
                 x, cpu
             )  # PyTorch's CPU int4 GEMM (gpt-fast's / torchao's), bf16 inputs
         return super().dense(x, tile_weights)
+
+    def q4_1_blocks(self) -> torch.Tensor | None:
+        """The weights as GGUF Q4_1 blocks (`int4_as_q4_1`: a second copy of the nibbles), built on the first call
+        and kept; None for groups that are not whole blocks of 32."""
+        if "_q4_1" not in self.__dict__:
+            whole = (self.in_features // self.scale.shape[1]) % 32 == 0
+            self.__dict__["_q4_1"] = (
+                int4_as_q4_1(self.qweight, self.scale, self.minimum) if whole else None
+            )
+        return self.__dict__["_q4_1"]
 
     def cpu_pack(self) -> tuple | None:
         """The weights as PyTorch's CPU int4 GEMM takes them (`cpu_int4pack`: a second copy of the nibbles, in its own
