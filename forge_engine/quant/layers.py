@@ -116,15 +116,16 @@ def q4_blocks_as_int4(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, ...]
     return blocks[:, size - 16 :].reshape(n, -1), d, minimum
 
 
-def int4_as_q4_1(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+def int4_as_q4_1(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor | None:
     """Chapter 10's int4 (packed [N, K/2], float16 scale and minimum [N, K/group]) as rows of GGUF Q4_1 blocks [N,
     K/32 * 20 bytes], the same weights: each block of 32 takes its group's scale and minimum as d and m (`d q + m`),
-    its nibbles regrouped (a block's byte j holds its weights j and j + 16). Groups must be whole blocks."""
+    its nibbles regrouped (a block's byte j holds its weights j and j + 16). None for groups that are not whole
+    blocks (a block would straddle two)."""
     n, groups = scale.shape
     if (2 * packed.shape[1] // groups) % 32:
-        raise ValueError(
-            f"int4 groups of {2 * packed.shape[1] // groups}: Q4_1 blocks of 32 would straddle two"
-        )
+        return None
     b = packed.reshape(n, groups, -1)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1, 2, 16)  # [N, K/32, halves, 16] codes
     nibbles = q[:, :, 0] | (q[:, :, 1] << 4)
@@ -320,13 +321,10 @@ class Int4Linear(QuantLinear):
         return super().dense(x, tile_weights)
 
     def q4_1_blocks(self) -> torch.Tensor | None:
-        """The weights as GGUF Q4_1 blocks (`int4_as_q4_1`: a second copy of the nibbles), built on the first call
-        and kept; None for groups that are not whole blocks of 32."""
+        """The weights as GGUF Q4_1 blocks (`int4_as_q4_1`: a second copy of the nibbles; None for groups that are not
+        whole blocks), built on the first call and kept."""
         if "_q4_1" not in self.__dict__:
-            whole = (self.in_features // self.scale.shape[1]) % 32 == 0
-            self.__dict__["_q4_1"] = (
-                int4_as_q4_1(self.qweight, self.scale, self.minimum) if whole else None
-            )
+            self.__dict__["_q4_1"] = int4_as_q4_1(self.qweight, self.scale, self.minimum)
         return self.__dict__["_q4_1"]
 
     def cpu_pack(self) -> tuple | None:

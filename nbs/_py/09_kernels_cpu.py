@@ -241,9 +241,10 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     size_t first = ((size_t)b * Hq + (size_t)kv * group) * D;  // the group's first query and output
     const float *qh = floats_at(q, first, (size_t)group * D, bf16, q_f);
     float *acc = bf16 ? row_f + D : (float *)out + first;
+    if (L > W * block_size) return 2;
     for (int t = 0; t < L; t++) {
         int64_t block = tables[(size_t)b * W + t / block_size];
-        if (L > W * block_size || block < 0 || block >= num_blocks) return 2;
+        if (block < 0 || block >= num_blocks) return 2;
     }
     for (int t = 0; t < L; t++) {
         int64_t block = tables[(size_t)b * W + t / block_size];
@@ -328,9 +329,7 @@ def cpu_decode_attention(
     float32 or all bf16, or no compiler."""
     if not cpu_decode_attention_runs(q.device, q.dtype) or not _same_cpu_dtype(q, k_layer, v_layer):
         return None
-    kernel = _attention_kernel()
-    if isinstance(kernel, str):
-        return None
+    kernel = _attention_kernel()  # (built: `cpu_decode_attention_runs`)
     num_blocks, block_size, kv_heads, dim = k_layer.shape
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
