@@ -197,9 +197,12 @@ class Transformer(nn.Module):
         attention: AttentionBackend = no_cache_attention,
     ) -> torch.Tensor:
         "input_ids, positions [T] -> final hidden states [T, hidden]."
+        return self.run_layers(*self.embed_tokens(input_ids, positions), attention)
+
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        "input_ids, positions [T] -> (the embedded tokens x [T, hidden], and the rotary tables cos, sin)."
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        return self.run_layers(x, cos, sin, attention)
+        return x, *rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
 
     def run_layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
@@ -208,6 +211,10 @@ class Transformer(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        "The last layer's output added to the residual stream (when there is one), normed."
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,18 +42,30 @@ class OffloadedTransformer(Transformer):
     prompt_matmuls: PromptMatmuls | None = None  # a prompt's matmuls on the GPU (below)
 
     def run_layers(self, x, cos, sin, attention: AttentionBackend) -> torch.Tensor:
-        home, residual = x.device, None
-        on_gpu = self.prompt_matmuls is not None and self.prompt_matmuls.takes(x)
-        for i, layer in enumerate(self.layers):
-            if i == self.gpu_layers:  # the residual stream crosses to the CPU's layers
-                x, residual, cos, sin = _to(self.offload_device, x, residual, cos, sin)
-            if on_gpu and i >= self.gpu_layers:  # this CPU layer's matrices in their GPU slot
-                self.prompt_matmuls.stream.before(i - self.gpu_layers)
+        home = x.device
+        x, residual = self.run_gpu_layers(x, cos, sin, attention)
+        x, residual = self.run_cpu_layers(
+            *_to(self.offload_device, x, residual, cos, sin), attention
+        )  # the residual stream crosses to the CPU's layers, and back after them
+        return self.final_norm(*_to(home, x, residual))
+
+    def run_gpu_layers(self, x, cos, sin, attention: AttentionBackend):
+        "The embedded tokens through layers 0..gpu_layers-1: (output, residual stream), on the GPU."
+        residual = None
+        for layer in self.layers[: self.gpu_layers]:
             x, residual = layer(x, residual, cos, sin, attention)
-            if on_gpu and i >= self.gpu_layers:
-                self.prompt_matmuls.stream.after(i - self.gpu_layers)
-        x, residual = _to(home, x, residual)
-        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+        return x, residual
+
+    def run_cpu_layers(self, x, residual, cos, sin, attention: AttentionBackend):
+        "The GPU's layers' (output, residual stream), moved to the CPU, through the CPU's layers."
+        on_gpu = self.prompt_matmuls is not None and self.prompt_matmuls.takes(x)
+        for i, layer in enumerate(self.layers[self.gpu_layers :]):
+            if on_gpu:  # this CPU layer's matrices in their GPU slot
+                self.prompt_matmuls.stream.before(i)
+            x, residual = layer(x, residual, cos, sin, attention)
+            if on_gpu:
+                self.prompt_matmuls.stream.after(i)
+        return x, residual
 
 
 def _to(device, *tensors):
@@ -376,7 +388,7 @@ class StreamedTransformer(Transformer):
             x, residual = layer(x, residual, cos, sin, attention)
             if i >= self.gpu_layers:
                 self.stream.after(i)
-        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+        return self.final_norm(x, residual)
 
 
 def stream_layers(model: Transformer, gpu_layers: int, device) -> StreamedTransformer:

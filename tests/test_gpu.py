@@ -565,7 +565,8 @@ def test_layers_streamed_to_the_gpu_give_the_tokens_of_the_model_whole(quantizat
 
 
 def loaded_tokens(quantization: str, **split):
-    "A tiny fp32 model loaded on the GPU (split as `split` says), and its greedy tokens (with logprobs) for three prompts."
+    """A tiny fp32 model loaded on the GPU (split as `split` says), its greedy tokens (with logprobs) for three prompts,
+    and the engine's decode runner."""
     from forge_engine.loader import load_model
 
     loaded = load_model(
@@ -581,7 +582,7 @@ def loaded_tokens(quantization: str, **split):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outs = run_all(engine, [list(range(5, 5 + n)) for n in (1, 20, 70)], params)
     engine.allocator.check_idle()
-    return loaded, outs
+    return loaded, outs, engine.runner.decode
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
@@ -589,16 +590,19 @@ def test_layers_split_with_the_cpu_give_the_tokens_of_the_model_whole(quantizati
     """Chapter 10h on a real GPU: a tiny model in fp32 with its first layer on the GPU and the rest on the CPU (each
     matrix quantized where it sits; a prompt's matmuls on the GPU, `PromptMatmuls`) gives the greedy tokens of the same
     model whole on the GPU."""
+    from forge_engine.cuda_graphs import SplitDecodeRunner
     from forge_engine.offload import OffloadedTransformer
 
-    split, got = loaded_tokens(quantization, gpu_layers=1, offload="cpu")
+    split, got, runner = loaded_tokens(quantization, gpu_layers=1, offload="cpu")
     assert (
         isinstance(split.model, OffloadedTransformer)
         and split.model.layers[1].attn_norm.weight.device.type == "cpu"
     )
     # a prompt's matmuls of the CPU's layers go to the GPU from the rows the loader measured (chapter 10h)
     assert split.model.prompt_matmuls is not None and split.model.prompt_matmuls.rows >= 2
-    _, want = loaded_tokens(quantization)
+    # decode steps replayed the GPU's layers and the head as graphs around the CPU's layers (chapter 09b)
+    assert isinstance(runner, SplitDecodeRunner) and runner.use_graphs and runner.fronts
+    _, want, _ = loaded_tokens(quantization)
     # fp32 both ways; quantized layers are computed by different kernels on each device (PyTorch's weight-only CPU
     # matmul, chapter 10's GEMV), whose sums of ~1e4 products round apart by ~1e-4 of a logit
     assert_same_greedy(got, want, tolerance=1e-3 if quantization == "none" else 5e-3)
@@ -609,7 +613,7 @@ def test_offload_auto_picks_a_mode_and_gives_the_tokens_of_the_model_whole():
     loaded (split with the CPU, or streamed), whose int4 tokens are the model whole's."""
     from forge_engine.offload import OffloadedTransformer, StreamedTransformer
 
-    auto, got = loaded_tokens("int4", gpu_layers=1, offload="auto")
+    auto, got, _ = loaded_tokens("int4", gpu_layers=1, offload="auto")
     assert isinstance(auto.model, (OffloadedTransformer, StreamedTransformer))
     assert_same_greedy(got, loaded_tokens("int4")[1], tolerance=5e-3)
 

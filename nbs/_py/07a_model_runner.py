@@ -49,6 +49,7 @@ from forge_engine.cuda_graphs import (
     VERIFY_MAX_ROWS,
     DecodeRunner,
     MixedStepRunner,
+    SplitDecodeRunner,
     decode_attention_for,
     mixed_buckets,
 )
@@ -104,14 +105,14 @@ def budgeted_kv_bytes(model: Transformer, config: EngineConfig, peak: int, total
     torch.cuda.set_per_process_memory_fraction(
         budget / total, param.device
     )  # past the budget, allocations fail
-    graphs = 0
-    # the decode graphs' pool, the mixed-step graphs' and their logits (a model split with the CPU, or streamed, has none)
-    if config.cuda_graphs is not False and not isinstance(
-        model, (OffloadedTransformer, StreamedTransformer)
-    ):
-        c, mixed = model.config, mixed_buckets(config.max_num_batched_tokens)
-        rows = [min(config.max_num_seqs, t) for t in mixed]
+    graphs, c = 0, model.config
+    # the decode graphs' pool, the mixed-step graphs' and their logits (a streamed model has none; a model split with
+    # the CPU, decode graphs only)
+    if config.cuda_graphs is not False and not isinstance(model, StreamedTransformer):
         graphs = activation_bytes(c, config.max_num_seqs, config.max_num_seqs, param.element_size())
+    if graphs and not isinstance(model, OffloadedTransformer):
+        mixed = mixed_buckets(config.max_num_batched_tokens)
+        rows = [min(config.max_num_seqs, t) for t in mixed]
         graphs += activation_bytes(c, mixed[-1], rows[-1], param.element_size())
         graphs += sum(rows) * c.vocab_size * 4
     # the cap counts what the allocator holds: what it cannot give back is not free either
@@ -465,7 +466,7 @@ def build_runner(
     offloaded = isinstance(model, OffloadedTransformer)  # layers split with the CPU (chapter 10h)
     if offloaded and (config.batch_invariant or config.speculative_tokens):
         raise ValueError(
-            "a model split between the GPU and the CPU runs eager steps over two pools: not with batch_invariant "
+            "a model split between the GPU and the CPU runs its steps over two pools: not with batch_invariant "
             "or speculative_tokens"
         )
     # the GPU's pool holds the GPU's layers; a split model's other layers get a pool of as many blocks where they run
@@ -481,11 +482,25 @@ def build_runner(
     )
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     graphs = config.cuda_graphs if config.cuda_graphs is not None else param.device.type == "cuda"
-    # (no graphs of a split step yet; a streamed one copies weights between its kernels: eager)
+    # (a streamed step copies weights between its kernels: eager)
     streamed = isinstance(model, StreamedTransformer)
-    graphs = graphs and not config.batch_invariant and not offloaded and not streamed
-    decode = (
-        DecodeRunner(
+    graphs = graphs and not config.batch_invariant and not streamed
+    decode = None
+    if (
+        graphs and offloaded
+    ):  # the GPU's layers, then the head, as graphs; the CPU's layers between them
+        decode = SplitDecodeRunner(
+            model,
+            cache,
+            offload,
+            config.max_num_seqs,
+            max_model_len,
+            scratch_block=num_blocks,
+            attention=decode_attention_for(param.device),
+            use_graphs=param.device.type == "cuda",
+        )
+    elif graphs:
+        decode = DecodeRunner(
             model,
             cache,
             config.max_num_seqs,
@@ -499,9 +514,6 @@ def build_runner(
             else 0,
             states=states,
         )
-        if graphs
-        else None
-    )
     if (
         decode is None
         and param.device.type == "cpu"
@@ -525,8 +537,12 @@ def build_runner(
             max_model_len,
             scratch_block=num_blocks,
         )
-        # (steps with prefill tokens of a model with recurrent state run eager: no mixed graphs for it yet)
-        if graphs and mixed_graphs and states is None and _prefill_kernel_runs(param.device)
+        # (steps with prefill tokens of a model with recurrent state, or split with the CPU, run eager)
+        if graphs
+        and mixed_graphs
+        and states is None
+        and not offloaded
+        and _prefill_kernel_runs(param.device)
         else None
     )
     return ModelRunner(model, cache, config.batch_invariant, decode, mixed, states, offload)

@@ -50,6 +50,7 @@ import torch
 from forge_engine.kernels.cpu import cpu_decode_attention
 from forge_engine.kv_cache import PagedKVCache, paged_decode_attention_torch
 from forge_engine.model import Transformer
+from forge_engine.offload import OffloadedTransformer, SplitAttention
 from forge_engine.state_pool import StatePool, StepStates
 
 # %%
@@ -376,14 +377,27 @@ class DecodeRunner:
         pool = None
         for key in self.graph_keys():
             self._write_inputs(*key[:2], [], [], [], [], [], [])
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[key] = logits = self._forward(*key)
-                if GREEDY_IN_GRAPH and key[0] <= GREEDY_IN_GRAPH_MAX_ROWS:
-                    self.greedy[logits.data_ptr()] = argmax_rows(logits)
-            pool = graph.pool()
-            self.graphs[key] = graph
+            pool = self._record(key, pool)
         torch.cuda.synchronize(self.device)
+
+    def _record(self, key: tuple[int, int, bool], pool) -> tuple:
+        "Record graph `key` into the memory pool `pool` (None: a new one); returns the pool."
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._record_logits(key, self._forward(*key))
+        self.graphs[key] = graph
+        return graph.pool()
+
+    def _record_logits(self, key: tuple[int, int, bool], logits: torch.Tensor) -> None:
+        "Keep graph `key`'s logits, and record their argmax after them (GREEDY_IN_GRAPH)."
+        from forge_engine.kernels.elementwise import argmax_rows
+
+        self.logits[key] = logits
+        if GREEDY_IN_GRAPH and key[0] <= GREEDY_IN_GRAPH_MAX_ROWS:
+            self.greedy[logits.data_ptr()] = argmax_rows(logits)
+
+    def _replay(self, key: tuple[int, int, bool]) -> None:
+        self.graphs[key].replay()
 
     def bucket_for(self, n: int, verify: bool = False) -> int:
         return next(b for b in (self.verify_buckets if verify else self.buckets) if b >= n)
@@ -401,10 +415,11 @@ class DecodeRunner:
 
     def _write_inputs(
         self, b: int, w: int, token_ids, positions, slots, block_tables, context_lens, state_slots
-    ) -> None:
+    ) -> torch.Tensor:
         """Lay out a step's inputs on the host as `decode_inputs` reads them for graph (b, w), then copy them in with
-        one copy, queued behind the GPU's work (chapter 05). Rows past the n given are padding: one token at
-        position 0, written to the scratch slot, attending to itself (and updating the scratch state slot)."""
+        one copy, queued behind the GPU's work (chapter 05); returns the host's copy. Rows past the n given are
+        padding: one token at position 0, written to the scratch slot, attending to itself (and updating the scratch
+        state slot)."""
         n = len(token_ids)
         host = self.staging.take(decode_inputs_bytes(b, w))
         ids, pos, slot, state, lens, tables = (t.numpy() for t in decode_inputs(host, b, w))
@@ -415,6 +430,7 @@ class DecodeRunner:
         tables[n:, 0] = self.scratch_slot // self.cache.block_size
         fill_tables(tables, block_tables)
         self.staging.copy(self.inputs[: host.numel()], host)
+        return host
 
     @torch.no_grad()
     def run(
@@ -448,7 +464,7 @@ class DecodeRunner:
         if self.use_graphs:
             if not self.graphs:
                 raise RuntimeError("this decode runner's CUDA graphs were released")
-            self.graphs[b, w, verify].replay()
+            self._replay((b, w, verify))
             return self.logits[b, w, verify][:n]
         return self._forward(b, w, verify)[:n]
 
@@ -623,6 +639,134 @@ torch.testing.assert_close(
     rtol=2e-2,
     atol=2e-2,
 )
+
+
+# %% [markdown]
+# ## A model split with the CPU
+#
+# A model whose last layers run on the CPU (chapter 10h) cannot be one graph: its CPU layers are
+# the host's work. Its decode step is two graphs per bucket with those layers between them. The
+# first records the embedding and the GPU's layers and leaves the residual stream (and the rotary
+# tables) in its outputs; the host copies them to the CPU and runs the CPU's layers eagerly over
+# their own pool, reading the step's slots, block tables and lengths from the host's copy of the
+# inputs; their output goes into the second graph's inputs, which records the final norm, the
+# head and the greedy argmax. So the GPU's part of a step is two launches, as a whole model's is
+# one.
+
+# %%
+#| export
+class SplitDecodeRunner(DecodeRunner):
+    """`DecodeRunner` for an `OffloadedTransformer` (chapter 10h): per (batch bucket, table width), the embedding and
+    the GPU's layers as one graph, the CPU's layers eagerly over their pool `offload`, the final norm and the head as
+    a second graph. Decode steps only: no verify rows, no recurrent state."""
+
+    def __init__(
+        self,
+        model: OffloadedTransformer,
+        cache: PagedKVCache,
+        offload: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        scratch_block: int,
+        attention: DecodeAttentionFn = paged_decode_attention_torch,
+        use_graphs: bool | None = None,
+    ):
+        self.offload, self.cpu_attention = offload, decode_attention_for(offload.k_cache.device)
+        self.fronts: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # per graph key: what the first graph leaves (x, residual, cos, sin), what the second reads (x, residual)
+        self.crossing: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}
+        self.returning: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.host_inputs: tuple[torch.Tensor, ...] = ()  # the step's inputs as the host wrote them
+        super().__init__(
+            model, cache, max_num_seqs, max_model_len, scratch_block, attention, use_graphs
+        )
+
+    def _write_inputs(self, b: int, w: int, *rows) -> torch.Tensor:
+        host = super()._write_inputs(b, w, *rows)
+        self.host_inputs = decode_inputs(host, b, w)
+        return host
+
+    def _front(self, b: int, w: int) -> tuple[torch.Tensor, ...]:
+        "The embedding and the GPU's layers: (x, residual, cos, sin) where the residual stream leaves the GPU."
+        ids, positions, slots, _, lens, tables = decode_inputs(self.inputs, b, w)
+        attention = StaticDecodeAttention(self.cache, slots, tables, lens, self.attention)
+        x, cos, sin = self.model.embed_tokens(ids, positions)
+        return (*self.model.run_gpu_layers(x, cos, sin, attention), cos, sin)
+
+    def _cpu_layers(self, *crossing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "The CPU's layers over their pool, the step's layout read from the host's copy of the inputs."
+        _, _, slots, _, lens, tables = self.host_inputs
+        there = StaticDecodeAttention(self.offload, slots, tables, lens, self.cpu_attention)
+        attention = SplitAttention(
+            None, there, self.model.gpu_layers
+        )  # (layers numbered from the pool's first)
+        where = self.offload.k_cache.device
+        return self.model.run_cpu_layers(*(t.to(where) for t in crossing), attention)
+
+    def _back(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model.final_norm(x, residual))
+
+    @torch.no_grad()
+    def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
+        x, residual = self._cpu_layers(*self._front(b, w))
+        return self._back(x.to(self.device), residual.to(self.device))
+
+    def _record(self, key: tuple[int, int, bool], pool) -> tuple:
+        front, back = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(front, pool=pool):
+            self.crossing[key] = self._front(*key[:2])
+        self.returning[key] = x, residual = tuple(map(torch.empty_like, self.crossing[key][:2]))
+        with torch.cuda.graph(back, pool=front.pool()):
+            self._record_logits(key, self._back(x, residual))
+        self.fronts[key], self.graphs[key] = front, back
+        return back.pool()
+
+    def _replay(self, key: tuple[int, int, bool]) -> None:
+        self.fronts[key].replay()
+        for into, out in zip(self.returning[key], self._cpu_layers(*self.crossing[key])):
+            into.copy_(out)
+        self.graphs[key].replay()
+
+    def release_graphs(self) -> None:
+        super().release_graphs()
+        self.fronts, self.crossing, self.returning = {}, {}, {}
+
+
+# %% [markdown]
+# Both devices are the CPU in this test, which checks the bookkeeping: the tiny model split after
+# its first layer, its second layer over a pool of its own, gives the logits of the model whole
+# through the plain runner, and each pool took its layers' K/V.
+
+# %%
+from forge_engine.offload import offload_pool, place_layers
+
+split_model = place_layers(copy.deepcopy(model), 1, "cpu")
+cpu_pool = offload_pool(split_model, num_blocks + 1, block_size, torch.float32)
+split_cache = PagedKVCache(
+    config.replace(num_layers=1), num_blocks + 1, block_size
+)  # the "GPU's" pool: layer 0
+with torch.no_grad():
+    cache.k_cache.copy_(before)
+    split_cache.k_cache.copy_(cache.k_cache[:1]), split_cache.v_cache.copy_(cache.v_cache[:1])
+    cpu_pool.k_cache.copy_(cache.k_cache[1:]), cpu_pool.v_cache.copy_(cache.v_cache[1:])
+split_runner = SplitDecodeRunner(
+    split_model,
+    split_cache,
+    cpu_pool,
+    max_num_seqs=8,
+    max_model_len=64,
+    scratch_block=num_blocks,
+    use_graphs=False,
+)
+whole_logits = runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions])
+torch.testing.assert_close(
+    split_runner.run(next_tokens, positions, slots, tables, [p + 1 for p in positions]),
+    whole_logits,
+    rtol=1e-5,
+    atol=1e-5,
+)
+torch.testing.assert_close(split_cache.k_cache, cache.k_cache[:1])
+torch.testing.assert_close(cpu_pool.v_cache, cache.v_cache[1:])
 
 # %% [markdown]
 # ## Mixed steps: prefill chunks beside decodes
