@@ -1,0 +1,116 @@
+"""Where a decode step of 16 sequences goes on a GGUF Q8_0 file's layers (chapter 10g's int8 planes with fp16 scales
+per 32 inputs), and what `sixteen_rows_swap.py`'s kernel changes end to end: llama_cpp_cuda_peer.py's 16-sequence
+figure without a file. The model is random:qwen3-4b with every matrix and the tied head as random int8 planes of the
+Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
+
+Per variant (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile LAB_SWAP,
+default 128,128,4,3,0), printed:
+  - the decode rate at 16 sequences as llama-batched-bench counts it (S_TG: 16 prompts of 128 tokens, 128 new tokens
+    each; the run to 129 tokens minus the run to 1), and at 1 sequence (W1-like);
+  - the 16-row decode graph replayed alone, and its kernels by name (decode_step_timeline.py's table).
+
+Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap]"""
+
+import collections
+import os
+import sys
+
+import torch
+
+from decode_step_timeline import REPLAYS, decode_graph, kernel_events, replay_ms
+from forge_engine.bench import free_memory, random_prompts, run_batch
+from forge_engine.config import EngineConfig
+from forge_engine.engine import LLMEngine
+from forge_engine.generate import SamplingParams
+from forge_engine.loader import load_model
+from forge_engine.quant.gguf_gpu import Int8GroupLinear
+from forge_engine.quant.layers import TiedEmbedding, swap_layer_matrices
+
+GROUP = 32
+
+
+def random_planes(n: int, k: int, device) -> Int8GroupLinear:
+    "A Q8_0 matrix as the loader repacks it: int8 [n, k] and an fp16 scale per 32 inputs, random."
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    scale = (torch.rand(n, k // GROUP, device=device) * 2e-3 + 1e-3).half()
+    return Int8GroupLinear(q, scale)
+
+
+def q8_0_model():
+    "random:qwen3-4b with every matrix, and the tied head, as random Q8_0 planes."
+    loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int8")
+    model = loaded.model
+    swap_layer_matrices(model, lambda m, where: random_planes(*m.qweight.shape, m.qweight.device))
+    model.lm_head = random_planes(*model.lm_head.qweight.shape, model.lm_head.qweight.device)
+    model.embed = TiedEmbedding(model.lm_head, torch.bfloat16)
+    torch.cuda.empty_cache()
+    return loaded
+
+
+def sixteen(engine) -> dict:
+    "S_TG at 16 sequences and the decode rate of one, as llama_cpp_cuda_peer.py counts them."
+    result = {}
+    for seqs in (16, 1):
+        prompts = random_prompts(seqs, 128, 128, seed=200)
+        run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        walls = {}
+        for new in (1, 129):
+            fresh = [[(t + new) % 10000 for t in p] for p in prompts]
+            walls[new] = run_batch(
+                engine, fresh, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+            )["wall_s"]
+        result[seqs] = seqs * 128 / (walls[129] - walls[1])
+    return result
+
+
+def kernel_table(graph):
+    replays = kernel_events(graph)
+    stats = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for run in replays:
+        for i, e in enumerate(run):
+            s = stats[e["name"].split("(")[0][:60]]
+            s[0] += 1
+            s[1] += e["dur"]
+            if i:
+                s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
+    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(
+            f"    {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
+            f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}"
+        )
+
+
+def use_swap(config):
+    from sixteen_rows_swap import int8_group_swap
+
+    plain = Int8GroupLinear.skinny
+
+    def skinny(self, x):
+        if 4 < x.shape[0] <= 16:
+            return int8_group_swap(x, self.q, self.scale, *config)
+        return plain(self, x)
+
+    Int8GroupLinear.skinny = skinny
+
+
+def main():
+    variants = (sys.argv[1] if len(sys.argv) > 1 else "export,swap").split(",")
+    swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,0").split(","))
+    for variant in variants:
+        if variant == "swap":
+            use_swap(swap_config)
+        engine = LLMEngine(q8_0_model(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192))
+        rates = sixteen(engine)
+        print(
+            f"[{variant}] S_TG 16 sequences {rates[16]:7.1f} tok/s; 1 sequence {rates[1]:6.1f} tok/s",
+            flush=True,
+        )
+        graph = decode_graph(engine, 16, 128)
+        print(f"[{variant}] 16-row decode graph {replay_ms(graph):.3f} ms a replay")
+        kernel_table(graph)
+        del engine, graph
+        free_memory()
+
+
+if __name__ == "__main__":
+    main()
