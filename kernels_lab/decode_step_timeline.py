@@ -82,6 +82,25 @@ def kernel_events(graph) -> list[list[dict]]:
     return [events[r * per : (r + 1) * per] for r in range(REPLAYS)]
 
 
+def print_kernels(replays, top: int | None = None) -> None:
+    "The replays' kernels by name, most time first (the `top` first): launches a step, mean duration, gap, total."
+    stats = collections.defaultdict(
+        lambda: [0, 0.0, 0.0]
+    )  # name: launches, duration, gap before (µs)
+    for run in replays:
+        for i, e in enumerate(run):
+            s = stats[e["name"].split("(")[0][:60]]
+            s[0] += 1
+            s[1] += e["dur"]
+            if i:
+                s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
+    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(
+            f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
+            f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}"
+        )
+
+
 def print_positions(replays):
     """The kernels of a middle layer (its QKV GEMV to its down GEMV, found from the decode attentions) and the step's
     last five, one by one: mean duration, gap before and their sum (what the kernel adds after the one before), grid."""
@@ -121,25 +140,11 @@ def main():
         f"[{quantization}] batch {batch}, {prompt_tokens}-token prompts: graph replay {replay_ms(graph):.3f} ms"
     )
     replays = kernel_events(graph)
-    stats = collections.defaultdict(
-        lambda: [0, 0.0, 0.0]
-    )  # name: launches, duration, gap before (µs)
-    for run in replays:
-        for i, e in enumerate(run):
-            s = stats[e["name"].split("(")[0][:60]]
-            s[0] += 1
-            s[1] += e["dur"]
-            if i:
-                s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
     spans = sorted(run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"] for run in replays)
     print(
         f"[{quantization}] {len(replays[0])} kernels a replay; first start to last end: median {spans[REPLAYS // 2]:.1f} µs"
     )
-    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        print(
-            f"  {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
-            f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}"
-        )
+    print_kernels(replays)
     if positions:
         print_positions(replays)
     del engine

@@ -122,6 +122,7 @@ def kernel_sass(
     num_warps: int,
     aligned=ALIGNED,
     maxnreg: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[list[tuple[int, str]], int]:
     """The kernel compiled for an H200 (sm_90) by Triton and ptxas: its machine code as (address, instruction), and its
     registers per thread. `aligned`: the arguments the launchers promise divisible by 16 (as real launches tell the
@@ -129,6 +130,8 @@ def kernel_sass(
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in signature}
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs, attrs),
         target=GPUTarget("cuda", 90, 32),
@@ -152,10 +155,18 @@ def kernel_sass(
 
 
 def loop_sass(
-    kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None
+    kernel,
+    signature: dict,
+    constexprs: dict,
+    num_warps: int,
+    maxnreg: int | None = None,
+    num_stages: int | None = None,
+    aligned=ALIGNED,
 ) -> tuple[list[str], int]:
     "The instructions of the kernel's innermost loop (between the loop's backward branch and its target), and registers."
-    code, registers = kernel_sass(kernel, signature, constexprs, num_warps, maxnreg=maxnreg)
+    code, registers = kernel_sass(
+        kernel, signature, constexprs, num_warps, aligned, maxnreg=maxnreg, num_stages=num_stages
+    )
     for address, text in code:  # the first backward branch closes the loop
         target = re.search(r"BRA (0x[0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address:

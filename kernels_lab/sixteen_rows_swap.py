@@ -20,7 +20,6 @@ run with TRITON_INTERPRET=0)."""
 import collections
 import os
 import re
-import subprocess
 import sys
 
 if "--sass" not in sys.argv:
@@ -42,6 +41,23 @@ from forge_engine.quant.split_k import _sum_splits_kernel, _target_programs
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 ROWS = 16
+
+
+@triton.jit
+def _program_slice(N, K, k_per_split, BLOCK_N: tl.constexpr):
+    """This program's split index, outputs (and as int64 rows, and which are inside N), and slice [k_start, k_end) of
+    K; the grid is (output tiles, splits)."""
+    pid_k = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    return (
+        pid_k,
+        offs_n,
+        offs_n.to(tl.int64)[:, None],
+        (offs_n < N)[:, None],
+        k_start,
+        tl.minimum(k_start + k_per_split, K),
+    )
 
 
 @triton.jit
@@ -99,12 +115,7 @@ def _int8_group_swap_kernel(
     UPCAST: tl.constexpr,
     PRMT: tl.constexpr,
 ):
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)[:, None]
-    n_mask = (offs_n < N)[:, None]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # whole steps (the launcher checks)
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -138,12 +149,7 @@ def _bf16_swap_kernel(
     UPCAST: tl.constexpr,
 ):
     "bf16 weights as they are: the tile goes from memory to the tensor cores through shared memory only."
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)[:, None]
-    n_mask = (offs_n < N)[:, None]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -179,12 +185,7 @@ def _int4_swap_kernel(
     """Chapter 10's int4 (byte j of a group: input j low, j + GROUP/2 high) with scale and minimum side by side
     (`pair_scales`): the low nibbles times their inputs, then the high ones, two products a step."""
     HALF: tl.constexpr = GROUP // 2
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)[:, None]
-    n_mask = (offs_n < N)[:, None]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
     t = tl.arange(0, STEP_GROUPS * HALF)
     groups = K // GROUP
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
@@ -254,12 +255,7 @@ def _int4_groups_kernel(
     exact, straight from the nibbles) by x, then acc += s * dot + (m - 128 s) * sum(x over the group). No conversion
     to float and no rounding of a weight: per weight half a LOP3 and, for 16 rows, one FMA of the epilogue."""
     HALF: tl.constexpr = GROUP // 2
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)[:, None]
-    n_mask = (offs_n < N)[:, None]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
     j = tl.arange(0, HALF)
     groups = K // GROUP
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
@@ -368,39 +364,11 @@ INT4_SWEEP = [  # the last item: 0 the weights dequantized before the product, 1
 
 def sass(kernel, signature, constexprs, warps, stages) -> tuple[list[str], int]:
     "Compiled for sm_90 offline (no GPU): the instructions of its main loop and its registers a thread."
-    from gemv_sass import ALIGNED, CUOBJDUMP
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from gemv_sass import ALIGNED, loop_sass
 
-    names = list(signature) + list(constexprs)
-    attrs = {
-        (names.index(a),): [["tt.divisibility", 16]]
-        for a in (*ALIGNED, "k_per_split")
-        if a in signature
-    }
-    src = ASTSource(
-        kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, attrs
-    )
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
-    path = f"/tmp/swap_sass_{os.getpid()}.cubin"
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    text = subprocess.run(
-        [CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True
-    ).stdout
-    usage = subprocess.run(
-        [CUOBJDUMP, "-res-usage", path], capture_output=True, text=True, check=True
-    ).stdout
-    os.remove(path)
-    code = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]+);", text)]
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    for address, t in code:  # the first backward branch closes the main loop
-        target = re.search(r"BRA (0x[0-9a-f]+)", t)
-        if target and int(target.group(1), 16) < address:
-            return [c for a, c in code if int(target.group(1), 16) <= a <= address], registers
-    raise RuntimeError("no loop found")
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    aligned = (*ALIGNED, "k_per_split")
+    return loop_sass(kernel, signature, constexprs, warps, num_stages=stages, aligned=aligned)
 
 
 def _loop_report(label, body, registers, weights_a_thread):

@@ -11,13 +11,12 @@ default 128,128,4,3,0), printed:
 
 Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap]"""
 
-import collections
 import os
 import sys
 
 import torch
 
-from decode_step_timeline import REPLAYS, decode_graph, kernel_events, replay_ms
+from decode_step_timeline import decode_graph, kernel_events, print_kernels, replay_ms
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -63,23 +62,6 @@ def sixteen(engine) -> dict:
     return result
 
 
-def kernel_table(graph):
-    replays = kernel_events(graph)
-    stats = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for run in replays:
-        for i, e in enumerate(run):
-            s = stats[e["name"].split("(")[0][:60]]
-            s[0] += 1
-            s[1] += e["dur"]
-            if i:
-                s[2] += e["ts"] - (run[i - 1]["ts"] + run[i - 1]["dur"])
-    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:12]:
-        print(
-            f"    {n / REPLAYS:5.0f}/step  {dur / n:7.2f} µs  gap before {gap / n:6.2f} µs  "
-            f"total {(dur + gap) / REPLAYS:8.1f} µs  {name}"
-        )
-
-
 def use_swap(config):
     from sixteen_rows_swap import int8_group_swap
 
@@ -107,7 +89,7 @@ def main():
         )
         graph = decode_graph(engine, 16, 128)
         print(f"[{variant}] 16-row decode graph {replay_ms(graph):.3f} ms a replay")
-        kernel_table(graph)
+        print_kernels(kernel_events(graph), top=12)
         del engine, graph
         free_memory()
 
