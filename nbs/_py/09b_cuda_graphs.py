@@ -686,6 +686,7 @@ class SplitDecodeRunner(DecodeRunner):
         self.host_inputs = decode_inputs(host, b, w)
         return host
 
+    @torch.no_grad()
     def _front(self, b: int, w: int) -> tuple[torch.Tensor, ...]:
         "The embedding and the GPU's layers: (x, residual, cos, sin) where the residual stream leaves the GPU."
         ids, positions, slots, _, lens, tables = decode_inputs(self.inputs, b, w)
@@ -693,6 +694,7 @@ class SplitDecodeRunner(DecodeRunner):
         x, cos, sin = self.model.embed_tokens(ids, positions)
         return (*self.model.run_gpu_layers(x, cos, sin, attention), cos, sin)
 
+    @torch.no_grad()
     def _cpu_layers(self, *crossing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "The CPU's layers over their pool, the step's layout read from the host's copy of the inputs."
         _, _, slots, _, lens, tables = self.host_inputs
@@ -703,6 +705,7 @@ class SplitDecodeRunner(DecodeRunner):
         where = self.offload.k_cache.device
         return self.model.run_cpu_layers(*(t.to(where) for t in crossing), attention)
 
+    @torch.no_grad()
     def _back(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model.final_norm(x, residual))
 
