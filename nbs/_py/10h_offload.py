@@ -263,6 +263,10 @@ assert got == want
 assert (
     engine.runner.offload.k_cache.shape[0] == 2 and engine.runner.cache.k_cache.shape[0] == 1
 )  # layers per pool
+# the decode steps through chapter 09b's runner of static buffers (on a GPU: two CUDA graphs around the CPU's layers;
+# here it runs the same parts eagerly)
+graphed, engine = greedy(split, config.replace(cuda_graphs=True))
+assert graphed == want and type(engine.runner.decode).__name__ == "SplitDecodeRunner"
 part = offload.gpu_part(split)
 assert (
     len(part.layers) == 1 and part.layers[0] is split.layers[0] and len(split.layers) == 3
