@@ -44,6 +44,27 @@ ROWS = 16
 
 
 @triton.jit
+def _int8x2_to_f32(w):
+    "int8 -> fp32, two weights a 16-bit register: w + 128 (XOR of the sign bits) under 2^23's exponent, minus it."
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u;
+        cvt.u32.u16 u, $2;
+        xor.b32 u, u, 0x8080;
+        prmt.b32 $0, u, 0x4B000000, 0x7440;
+        prmt.b32 $1, u, 0x4B000000, 0x7441;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        }""",
+        constraints="=r,=r,h",
+        args=[w],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
 def _program_slice(N, K, k_per_split, BLOCK_N: tl.constexpr):
     """This program's split index, outputs (and as int64 rows, and which are inside N), and slice [k_start, k_end) of
     K; the grid is (output tiles, splits)."""
@@ -113,7 +134,7 @@ def _int8_group_swap_kernel(
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     UPCAST: tl.constexpr,
-    PRMT: tl.constexpr,
+    PRMT: tl.constexpr,  # how int8 becomes fp32: 0 I2F, 1 PRMT four bytes a register, 2 two bytes a register
 ):
     pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
@@ -128,8 +149,10 @@ def _int8_group_swap_kernel(
         )
         if UPCAST or PRMT == 0:
             w = q.to(tl.float32)  # I2F: a conversion, issued at a quarter of the FP32 rate
-        else:  # chapter 09's PRMT + FADD, four bytes a register
+        elif PRMT == 1:  # chapter 09's PRMT + FADD, four bytes a register
             w = _int8x4_to_f32(q)
+        else:  # the same, two bytes a register: as the tensor cores' operand holds them
+            w = _int8x2_to_f32(q)
         acc = _swap_dot(acc, w * s, _x_columns(x_ptr, offs_k, M, K, ROWS), UPCAST)
     _store_columns(out_ptr, acc, offs_n, M, N, pid_k, ROWS)
 
@@ -349,13 +372,13 @@ def bf16_swap(x, w, block_n=128, block_k=128, warps=4, stages=4):
 BF16_SWEEP = [
     (bn, bk, w, st) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4, 6)
 ]
-INT8_SWEEP = [
+INT8_SWEEP = [  # the last item: 0 I2F, 1 PRMT four bytes a register, 2 PRMT two bytes a register
     (bn, bk, w, st, p)
     for bn in (64, 128)
     for bk in (128, 256)
     for w in (4, 8)
     for st in (3, 4)
-    for p in (0, 1)
+    for p in (0, 2)
 ]
 INT4_SWEEP = [  # the last item: 0 the weights dequantized before the product, 1 the scales after it, a group at a time
     (bn, 4, w, st, v) for bn in (64, 128) for w in (4, 8) for st in (3, 4) for v in (0, 1)
@@ -393,6 +416,7 @@ def sass_report():
     for bn, bk, w, st, p in [
         (128, 128, 4, 3, 0),
         (128, 128, 4, 3, 1),
+        (128, 128, 4, 3, 2),
         (64, 256, 4, 3, 0),
         (128, 256, 8, 3, 0),
     ]:

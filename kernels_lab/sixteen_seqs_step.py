@@ -4,7 +4,7 @@ figure without a file. The model is random:qwen3-4b with every matrix and the ti
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
 Per variant (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile LAB_SWAP,
-default 128,128,4,3,0), printed:
+default 128,128,4,3,2), printed:
   - the decode rate at 16 sequences as llama-batched-bench counts it (S_TG: 16 prompts of 128 tokens, 128 new tokens
     each; the run to 129 tokens minus the run to 1), and at 1 sequence (W1-like);
   - the 16-row decode graph replayed alone, and its kernels by name (decode_step_timeline.py's table).
@@ -77,7 +77,7 @@ def use_swap(config):
 
 def main():
     variants = (sys.argv[1] if len(sys.argv) > 1 else "export,swap").split(",")
-    swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,0").split(","))
+    swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,2").split(","))
     for variant in variants:
         if variant == "swap":
             use_swap(swap_config)
