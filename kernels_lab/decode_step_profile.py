@@ -16,7 +16,7 @@ eng.add_request(list(range(100, 228)), p)
 for _ in range(10):
     eng.step()
 d = eng.runner.decode
-key = (1, d.widths[0])
+key = (1, d.widths[0], False)
 g = d.graphs[key]
 torch.cuda.synchronize()
 for reps in (50, 200):

@@ -49,7 +49,18 @@ def decode_graph(engine, batch: int = 1, prompt_tokens: int = 256, max_tokens: i
         engine.step()
     decode = engine.runner.decode
     blocks = -(-(prompt_tokens + 10) // engine.cache.block_size)
-    return decode.graphs[(decode.bucket_for(batch), next(w for w in decode.widths if w >= blocks))]
+    return decode.graphs[
+        (decode.bucket_for(batch), next(w for w in decode.widths if w >= blocks), False)
+    ]
+
+
+def set_constant(name: str, value: int) -> None:
+    "A tuning constant (an int) of the kernels' modules, in every module that holds it (some import it by value)."
+    modules = [m for m in (backend, gemv, paged_attention) if hasattr(m, name)]
+    if not modules:
+        raise ValueError(f"no kernel module has {name}")
+    for module in modules:
+        setattr(module, name, type(getattr(module, name))(value))
 
 
 def replay_ms(graph, reps: int = 200) -> float:
@@ -129,8 +140,7 @@ def main():
         elif name == "--prompt":
             prompt_tokens = int(value)
         else:  # a tuning constant (an int) of the kernels' modules
-            module = next(m for m in (backend, gemv, paged_attention) if hasattr(m, name))
-            setattr(module, name, type(getattr(module, name))(int(value)))
+            set_constant(name, int(value))
     engine = LLMEngine(
         load_model("random:qwen3-4b", "cuda", progress=False, quantization=quantization),
         EngineConfig(max_num_seqs=max(8, batch), max_num_batched_tokens=8192),

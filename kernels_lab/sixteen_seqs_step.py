@@ -3,20 +3,28 @@ per 32 inputs), and what `sixteen_rows_swap.py`'s kernel changes end to end: lla
 figure without a file. The model is random:qwen3-4b with every matrix and the tied head as random int8 planes of the
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
-Per variant (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile LAB_SWAP,
-default 128,128,4,3,2), printed:
+Per variant, in turn (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+LAB_SWAP, default 128,128,4,3,2; `dependent=N`: the step's small kernels and decode attention launched as
+dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; each variant keeps the ones before it),
+printed:
   - the decode rate at 16 sequences as llama-batched-bench counts it (S_TG: 16 prompts of 128 tokens, 128 new tokens
     each; the run to 129 tokens minus the run to 1), and at 1 sequence (W1-like);
   - the 16-row decode graph replayed alone, and its kernels by name (decode_step_timeline.py's table).
 
-Run on the GPU machine from the repository root: PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap]"""
+Measured on one H100 (`export,dependent=16`): the package gives S_TG 4,244 tok/s at 16 sequences and 453.8 at one.
+Its 16-row graph replays in 3.697 ms: the 145 int8 matmuls take 2,923 us (the 4.3 GB at 1.5 TB/s), decode attention
+366, the split sums 207, add+RMSNorm 156. Launched as dependents up to 16 rows (the split-K matmuls and their sums too,
+in a version of chapter 10b tried for this and not kept): 3.621 ms a replay, S_TG 4,102 tok/s, no gain.
+
+Run on the GPU machine from the repository root:
+    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,dependent=16]"""
 
 import os
 import sys
 
 import torch
 
-from decode_step_timeline import decode_graph, kernel_events, print_kernels, replay_ms
+from decode_step_timeline import decode_graph, kernel_events, print_kernels, replay_ms, set_constant
 from forge_engine.bench import free_memory, random_prompts, run_batch
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -81,6 +89,10 @@ def main():
     for variant in variants:
         if variant == "swap":
             use_swap(swap_config)
+        if variant.startswith(
+            "dependent="
+        ):  # the step's kernels launched as dependents up to this many rows
+            set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(variant.split("=")[1]))
         engine = LLMEngine(q8_0_model(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192))
         rates = sixteen(engine)
         print(

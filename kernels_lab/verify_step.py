@@ -21,9 +21,15 @@ So it should cost close to one decode step. The target is at most 1.15x at k = 4
 
 Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_step.py [bf16,int8,int4]
 (LAB_STEPS_ONLY=1: part 1 only; LAB_PROFILE=1: parts 1 and 3; LAB_ROWS_CONFIGS=FILE: the rows GEMV's configurations
-per (N, K, rows) from few_rows_matmul.py's LAB_BEST_OUT in place of gemv_config's). Parts 1-3 run BF16 steps of up
-to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1
-also times the verify graphs as exported."""
+per (N, K, rows) from few_rows_matmul.py's LAB_BEST_OUT in place of gemv_config's; LAB_SWAP="BN,BK,W,ST[;...]": part 1
+also times verify graphs with their 2-16 BF16 rows through sixteen_rows_swap.py's bf16_swap in each tile, with the
+step's kernels launched as dependents up to LAB_DEPENDENT_ROWS rows if set: chapter 09_kernels_gemv's
+DEPENDENT_LAUNCH_MAX_ROWS). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter
+09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
+
+On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 4.063 ms = 1.289x a decode step,
+against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; with LAB_DEPENDENT_ROWS=8 as well:
+1.291x."""
 
 import json
 import os
@@ -123,6 +129,22 @@ def use_rows_configs(configs_file: str) -> None:
     kernels_gemv.gemv_config = gemv_config
 
 
+def use_swap(tile: tuple[int, ...]):
+    "2-16 BF16 rows through sixteen_rows_swap.py's bf16_swap in `tile`; returns the function that undoes it."
+    from sixteen_rows_swap import bf16_swap
+
+    exported = fused_layers.linear
+
+    def linear(x, weight, bias=None, out=None):
+        if x.is_cuda and 2 <= x.shape[0] <= 16 and weight.dtype == torch.bfloat16 and bias is None:
+            y = bf16_swap(x, weight, *tile)
+            return y if out is None else out.copy_(y)
+        return exported(x, weight, bias, out)
+
+    fused_layers.linear = linear
+    return lambda: setattr(fused_layers, "linear", exported)
+
+
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
     "Decode tok/s after the first token, and the tokens."
     engine.add_request(
@@ -160,6 +182,21 @@ def main(quantization: str) -> None:
             f"through the rows GEMV up to {fused_layers.GEMV_ROWS_BF16} rows; as exported: {base:.3f} ms = "
             f"{base / one:.3f}x"
         )
+
+    for tile in [
+        tuple(map(int, t.split(","))) for t in os.environ.get("LAB_SWAP", "").split(";") if t
+    ]:
+        undo = use_swap(tile)
+        swapped = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)).runner.decode
+        undo()
+        ms = step_ms(swapped, 1 + DRAFTS, True, size)
+        print(
+            f"  verify graph, 1 + {DRAFTS} rows, bf16_swap {tile}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
+        )
+        if os.environ.get("LAB_PROFILE"):
+            kernel_profile(swapped, 1 + DRAFTS, True, size)
+        del swapped
+        free_memory()
 
     if os.environ.get("LAB_PROFILE"):
         kernel_profile(decode, 1, False, size)
