@@ -321,7 +321,12 @@ def int8_group_gemv(
 # %% [markdown]
 # More rows, up to chapter 10b's `SKINNY_MAX_ROWS`: the split-K launch of chapter 10b with a tile
 # dequantized in registers (each int8 times its group's scale, broadcast over the group) and
-# multiplied by `tl.dot`.
+# multiplied by `tl.dot`. The tile is `tl.dot`'s right operand, so Hopper's tensor cores read it
+# from shared memory. Turned around, the weights on the left read straight from registers, and
+# the loop issues fewer instructions a weight (6.3 against 10.0). It is no faster: on an H100, 16
+# rows of Qwen3-4B's Q8_0 matrices take 0.89-1.05x this kernel's time
+# (`PYTHONPATH=. LAB_TYPES=Q8_0 python3 kernels_lab/sixteen_rows_swap.py`). At these sizes the
+# kernels are not bound by issuing instructions.
 
 # %%
 #| export
