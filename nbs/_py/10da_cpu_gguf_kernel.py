@@ -315,7 +315,7 @@ static inline __attribute__((always_inline)) void row_dot(
     if (k_type(qtype)) {
         for (size_t size = row_bytes(qtype, 8); b < nb; b += 8) {
             for (size_t line = 0; line < size; line += 64)
-                _mm_prefetch((const char *)row + size * (b / 8) + PREFETCH_BYTES + line, _MM_HINT_T0);
+                __builtin_prefetch(row + size * (b / 8) + PREFETCH_BYTES + line);
             __m256i w[8];
             float dw[8], dw_high[8], m[8];
             super_block_quants(row, qtype, b / 8, w, dw, dw_high, m);
@@ -324,7 +324,7 @@ static inline __attribute__((always_inline)) void row_dot(
         }
     }
     for (size_t size = row_bytes(qtype, 1); b < nb; b++) {
-        _mm_prefetch((const char *)row + size * b + PREFETCH_BYTES, _MM_HINT_T0);
+        __builtin_prefetch(row + size * b + PREFETCH_BYTES);
         float dw, m;
         __m256i w = block_quants(row + size * b, qtype, &dw, &m);
         block_dot(w, dw, dw, 0, m, is_signed, x + b, nb, R, acc, sum);
@@ -332,6 +332,7 @@ static inline __attribute__((always_inline)) void row_dot(
     for (int r = 0; r < R; r++) sum[r] += hsum(acc[r]);
 #endif
     for (; b < nb; b++) {  // without AVX2: all of it
+        __builtin_prefetch(row + row_bytes(qtype, b) + PREFETCH_BYTES);
         int8_t q[32];
         float dw[2], m;
         unpack_block(row, qtype, b, q, dw, &m);
