@@ -87,6 +87,18 @@ def selected(variants: dict) -> dict:
     }
 
 
+def c_build_with(name: str, source: str, exported: str, value: str, function: str, *argtypes):
+    """`function` of a C kernel's `source` built with its line `exported` as `value` instead (a tuning constant's
+    other setting), under its own name in the build cache."""
+    from forge_engine.kernels.cpu import c_function, load_cpu_kernel
+
+    assert exported in source, f"the source no longer says {exported!r}"
+    library = load_cpu_kernel(name, source.replace(exported, value))
+    if isinstance(library, str):
+        raise RuntimeError(f"{name}: {library}")
+    return c_function(library, function, *argtypes)
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     "||got - want|| / ||want|| in fp64; NaN never passes."
     got, want = got.double(), want.double()

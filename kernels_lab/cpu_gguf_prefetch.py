@@ -10,14 +10,13 @@ at ~100 ns a miss that is a few GB/s, under what the integer dot products sustai
 Run anywhere from the repository root (a C compiler builds the kernel; `gguf` makes the blocks):
     PYTHONPATH=. python3 kernels_lab/cpu_gguf_prefetch.py"""
 
-from common import best_host_s  # noqa: F401  first: it may switch on the interpreter (these ops do not care)
+from common import c_build_with  # first: it may switch on the interpreter (these ops do not care)
 import ctypes
 import statistics
 import time
 
 import torch
 
-from forge_engine.kernels.cpu import c_function, load_cpu_kernel
 from forge_engine.quant.cpu_gguf import GGUF_CPU_SOURCE, _run_gguf_kernel
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_bytes
 
@@ -29,15 +28,11 @@ ROUNDS = 7
 
 def build(distance: int):
     "`gguf_matmul` built with PREFETCH_BYTES = distance."
-    exported = "enum { PREFETCH_BYTES = 4096 };"
-    assert exported in GGUF_CPU_SOURCE, "the source no longer says PREFETCH_BYTES = 4096"
-    library = load_cpu_kernel(
-        f"gguf_matmul_prefetch_{distance}",
-        GGUF_CPU_SOURCE.replace(exported, f"enum {{ PREFETCH_BYTES = {distance} }};"),
-    )
-    assert not isinstance(library, str), library
     p, i = ctypes.c_void_p, ctypes.c_int
-    return c_function(library, "gguf_matmul", p, i, i, p, i, i, p, i)
+    return c_build_with(
+        f"gguf_matmul_prefetch_{distance}", GGUF_CPU_SOURCE, "enum { PREFETCH_BYTES = 4096 };",
+        f"enum {{ PREFETCH_BYTES = {distance} }};", "gguf_matmul", p, i, i, p, i, i, p, i,
+    )  # fmt: skip
 
 
 def main():

@@ -178,6 +178,15 @@ ATTENTION_CPU_SOURCE = (
 #include <stdlib.h>
 #include <math.h>
 
+// rows of keys or values asked for this many positions before they are read: a head's rows lie Hkv * D apart
+// inside a block and the blocks anywhere in the pool, a pattern a core's own prefetchers do not follow
+enum { ROWS_AHEAD = 4 };
+INLINE void prefetch_row(const void *pool, int64_t block, int t, int block_size, int Hkv, int kv, int D, int bf16) {
+    size_t bytes = bf16 ? 2 : 4;
+    const char *row = (const char *)pool + (((size_t)block * block_size + t % block_size) * Hkv + kv) * D * bytes;
+    for (size_t line = 0; line < D * bytes; line += 64) __builtin_prefetch(row + line);
+}
+
 // decode attention for sequence b, KV head kv (below): scratch holds the group's scores and, where bf16, its queries,
 // a key or value row and its outputs as floats. Returns 0, or 2 if the table names a block outside the pool.
 INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const void *k_pool, const void *v_pool,
@@ -195,6 +204,9 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     }
     for (int t = 0; t < L; t++) {
         int64_t block = tables[(size_t)b * W + t / block_size];
+        if (t + ROWS_AHEAD < L)
+            prefetch_row(k_pool, tables[(size_t)b * W + (t + ROWS_AHEAD) / block_size], t + ROWS_AHEAD, block_size,
+                         Hkv, kv, D, bf16);
         const float *k = floats_at(k_pool, (((size_t)block * block_size + t % block_size) * Hkv + kv) * D, D, bf16, row_f);
         for (int g = 0; g < group; g++) {
             float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -216,6 +228,9 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     for (size_t d = 0; d < (size_t)group * D; d++) acc[d] = 0.f;
     for (int t = 0; t < L; t++) {  // each value row read (and converted) once for the group
         int64_t block = tables[(size_t)b * W + t / block_size];
+        if (t + ROWS_AHEAD < L)
+            prefetch_row(v_pool, tables[(size_t)b * W + (t + ROWS_AHEAD) / block_size], t + ROWS_AHEAD, block_size,
+                         Hkv, kv, D, bf16);
         const float *v = floats_at(v_pool, (((size_t)block * block_size + t % block_size) * Hkv + kv) * D, D, bf16, row_f);
         for (int g = 0; g < group; g++) {
             float p = scores[(size_t)g * L + t], *o = acc + (size_t)g * D;
