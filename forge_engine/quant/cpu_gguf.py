@@ -30,7 +30,7 @@ GGUF_CPU_SOURCE = r"""
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum { MAX_ROWS = 16 };
 // weights asked for this many bytes ahead of the block being read (their rows lie back to back, so past a row's end
-// is the next row's start): without it a core streams a large matrix at a third of the rate (see below)
+// is the next row's start): without it a core streams a large matrix at a third of the rate (the chapter's figure)
 enum { PREFETCH_BYTES = 4096 };
 static int k_type(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }  // super-blocks of 256
 static int known_type(int qtype) {
