@@ -89,9 +89,8 @@ def main():
     for variant in variants:
         if variant == "swap":
             use_swap(swap_config)
-        if variant.startswith(
-            "dependent="
-        ):  # the step's kernels launched as dependents up to this many rows
+        # dependent=N: the step's small kernels launched as dependents up to N rows
+        if variant.startswith("dependent="):
             set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(variant.split("=")[1]))
         engine = LLMEngine(q8_0_model(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192))
         rates = sixteen(engine)
