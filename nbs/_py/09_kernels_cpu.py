@@ -139,8 +139,11 @@ with tempfile.TemporaryDirectory() as tmp:
 # Each key and value row is asked for `ROWS_AHEAD` (4) positions before it is read. A head's rows
 # lie `kv heads × head_dim` apart inside a block, and the blocks lie anywhere in the pool, a pattern
 # a core's own prefetchers do not follow. On a 2-core Xeon, Qwen3-4B's heads over 4,096 bf16
-# positions took 3,156 µs without it and 1,945 µs with it (`PYTHONPATH=. python3
-# kernels_lab/cpu_attention_prefetch.py`).
+# positions took 3,156 µs without it and 1,945 µs with it. Once the rows arrive in time, a
+# position costs a KV head a few hundred instructions, and the loops' own overhead is a share of
+# them: `attend_head` compiles the common head sizes (128, 64) as constants, so that the loops
+# over a row unroll, which took the same attention from 2,167 to 1,811 µs (`PYTHONPATH=. python3
+# kernels_lab/cpu_attention_builds.py` times each choice undone).
 
 # %% [markdown]
 # The kernels read float32 or bf16 tensors (a model split with a GPU keeps its CPU layers in
@@ -301,6 +304,20 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     return 0;
 }
 
+// `attend` with the common head sizes (Qwen3's 128, SmolLM2's 64) as constants, so that its loops over a row unroll
+INLINE int attend_head(const void *q, int b, int kv, int Hq, int Hkv, int D, const void *k_pool, const void *v_pool,
+                       int num_blocks, int block_size, const int64_t *tables, int W, int L, float scale, void *out,
+                       float *scratch, int bf16) {
+    if (D == 128)
+        return attend(q, b, kv, Hq, Hkv, 128, k_pool, v_pool, num_blocks, block_size, tables, W, L, scale, out,
+                      scratch, bf16);
+    if (D == 64)
+        return attend(q, b, kv, Hq, Hkv, 64, k_pool, v_pool, num_blocks, block_size, tables, W, L, scale, out,
+                      scratch, bf16);
+    return attend(q, b, kv, Hq, Hkv, D, k_pool, v_pool, num_blocks, block_size, tables, W, L, scale, out, scratch,
+                  bf16);
+}
+
 // out [B, Hq, D] = softmax(q k^T * scale) v for one query a sequence, over the context_lens[b] positions of
 // sequence b, found through tables [B, W] in the pools [num_blocks, block_size, Hkv, D]; q, the pools and out
 // float32, or bf16 where bf16 (the sums float32 either way, out rounded once). Returns 0; -1 if the scores of a
@@ -316,7 +333,7 @@ int decode_attention(const void *q, int B, int Hq, int Hkv, int D, const void *k
             size_t floats = (size_t)group * (L > 0 ? L : 1) + (bf16 ? (size_t)(2 * group + 1) * D : 0);
             float *scratch = malloc(sizeof(float) * floats);
             if (!scratch) { failed = 1; continue; }
-            int code = BY_DTYPE(bf16, attend, q, b, kv, Hq, Hkv, D, k_pool, v_pool, num_blocks, block_size,
+            int code = BY_DTYPE(bf16, attend_head, q, b, kv, Hq, Hkv, D, k_pool, v_pool, num_blocks, block_size,
                                 tables, W, L, scale, out, scratch);
             if (code) failed = code;
             free(scratch);
