@@ -30,22 +30,22 @@
 # last section). `offload_step_seconds` does the arithmetic of both for a plan, and
 # `kernels_lab/offload_bandwidth.py` measures the two bandwidths of a machine.
 #
-# Measured there on an H100 machine (16 CPU threads read 117 GB/s; pinned PCIe copies 55.2
-# GB/s): Qwen3-14B in int4 under an 8 GiB budget, 23 layers on the GPU (a peak of 7.56 GiB),
-# decodes **17.6 tok/s, 56.9 ms a step, against the CPU-compute floor of 25.5 ms**; streamed
-# (22 layers on the GPU), 17.3 tok/s, 58.0 ms a step against its floor of 57.3 ms
-# (`kernels_lab/offload_streaming.py`). On that machine the two modes cost the same and `auto`
-# takes the CPU's. The CPU mode's step is twice its floor, which counts the CPU layers' matrices
-# only: besides them a step runs those layers' norms, rotations and attention, the GPU's layers
-# (eagerly, in that measurement) and the residual stream's two crossings. A decode step's GPU
-# part now replays as two CUDA graphs, the GPU's layers and then the head, around the CPU's
-# layers (chapter 09b's `SplitDecodeRunner`); prompts stay eager. The
-# CPU's layers take chapter 09_kernels_cpu's C calls for their small steps in bf16
-# (`install_cpu_layers`, `cpu_decode_attention`): at Qwen3-14B's shapes 214 µs a layer against
-# PyTorch's 649 at 160 keys on 2 threads (`kernels_lab/cpu_layer_ops.py`), and their int4
-# products at one row go to chapter 10da's C kernel (chapter 10e): on 2 cores a decode step of two
-# Qwen3-14B int4 layers takes 32.3-36.8 ms against 51.5 with PyTorch's int4 GEMM and small steps. (The
-# H100 figures above ran both in PyTorch.)
+# Measured there on an H100 machine (16 CPU threads read 152 GB/s; pinned PCIe copies 55.1
+# GB/s): Qwen3-14B in int4 under an 8 GiB budget, 23 layers on the GPU (a peak of 7.58 GiB),
+# decodes **24.8 tok/s, 40.4 ms a step, against the CPU-compute floor of 19.6 ms**; streamed
+# (22 layers on the GPU), 17.3 tok/s, 57.8 ms a step against its floor of 57.2 ms
+# (`kernels_lab/offload_streaming.py`). `auto` takes the CPU's there: one layer 2.04 ms on the
+# CPU against a 3.21 ms copy. The CPU mode's step is twice its floor, which counts the CPU
+# layers' matrices only: one layer's products take 1.65 ms on 16 threads against the floor's
+# 1.15, and a step also runs those layers' norms, rotations and attention, the GPU's layers and
+# the residual stream's two crossings. A decode step's GPU part replays as two CUDA graphs, the
+# GPU's layers and then the head, around the CPU's layers (chapter 09b's `SplitDecodeRunner`);
+# prompts stay eager. The CPU's layers take chapter 09_kernels_cpu's C calls for their small
+# steps in bf16 (`install_cpu_layers`, `cpu_decode_attention`): at Qwen3-14B's shapes 214 µs a
+# layer against PyTorch's 649 at 160 keys on 2 threads (`kernels_lab/cpu_layer_ops.py`), and
+# their int4 products at one row go to chapter 10da's C kernel (chapter 10e), which asks for its
+# weights ahead of the block it reads: on 2 cores a decode step of two Qwen3-14B int4 layers
+# takes 27.0 ms, its products 23.4 (`kernels_lab/offload_bandwidth.py --no-model`).
 #
 # What each part needs:
 #
@@ -678,9 +678,9 @@ with pytest.raises(ValueError, match="unknown offload 'gpu'"):
 # `prompt_rows`); the CPU mode then chooses per step. The slot takes one layer's room on the GPU,
 # which the memory plan gives it (`plan_gpu_layers(..., prompt_slot=True)`): Qwen3-14B in int4
 # under 8 GiB keeps 23 layers on the GPU instead of 24, a decode step's CPU part one layer (1/16)
-# longer, for prompts whose CPU layers take a layer's copy each instead of seconds. On an H100
-# machine a 512-token prompt's first token came in **192 ms with the twins against 386 ms**
-# without (from 3 rows on; `kernels_lab/offload_bandwidth.py`).
+# longer, for prompts whose CPU layers take a layer's copy each instead of seconds. On the H100
+# machine above a 512-token prompt's first token came in **168 ms with the twins against 361 ms**
+# without (from 2 rows on; `kernels_lab/offload_bandwidth.py`).
 
 # %%
 #| export
