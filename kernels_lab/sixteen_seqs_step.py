@@ -15,6 +15,8 @@ Measured on one H100 (`export,dependent=16`): the package gives S_TG 4,244 tok/s
 Its 16-row graph replays in 3.697 ms: the 145 int8 matmuls take 2,923 us (the 4.3 GB at 1.5 TB/s), decode attention
 366, the split sums 207, add+RMSNorm 156. Launched as dependents up to 16 rows (the split-K matmuls and their sums too,
 in a version of chapter 10b tried for this and not kept): 3.621 ms a replay, S_TG 4,102 tok/s, no gain.
+On one H200 (`export`): S_TG 4,358 tok/s at 16 sequences and 516.0 at one; the 16-row graph 3.615 ms, its int8
+matmuls 2,885 us (1.48 TB/s), decode attention 345, the split sums 206, add+RMSNorm 159.
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,dependent=16]"""
