@@ -1,0 +1,314 @@
+"""A verify step's few rows (1 + k) times each BF16 matrix on the tensor cores, with what the one-row GEMV folds in:
+the matmul and the small steps around it as one launch, not cuBLAS and a kernel for each small step.
+
+Why: on an H200 a k = 4 verify step of random Qwen3-4B costs 1.39x a decode step (`verify_step.py`): its cuBLAS
+matmuls alone take 2,466 µs and their split-K reductions 129, as long as the whole one-row step, and the small steps
+the one-row GEMVs fold in (add + RMSNorm twice a layer, SiLU-mul) another 270, each a launch of its own. A kernel
+that matches cuBLAS per matrix and folds those in saves the 400 µs of launches: about 1.23x.
+
+The kernel is `sixteen_rows_swap.py`'s (the weight tile as the left operand of `tl.dot`, x's rows padded to 16 as the
+right one) with chapter 09's folds, as `gemv` takes them for several rows (the norms handed off):
+- `norm_sums`: x is h x g of the norm before, these h's squares: the outputs are scaled by 1 / rms at the end;
+- `swiglu`: the program's gate rows and their up rows (N / 2 further on), silu(gate) x up stored;
+- `residual`: added to the result (rounded first, as a separate add would find it);
+- `hand_off` (with `residual`): (g, sums): h x g stored as well, h's squares added to sums.
+Split-K without a second launch: each program stores its partial sums, and the program of a tile that finishes
+last (a ticket a tile, taken with an atomic add; reset by that program) adds the tile's partials in split order
+(the same sums every replay) and runs the epilogue.
+
+Checked against `gemv(..., impl="torch")` with the same folds, every fold, split 1 and more (on a CPU under Triton's
+interpreter, small shapes). On a GPU, per Qwen3-4B matrix at 5 rows in a CUDA graph over COPIES weight copies: the
+folded kernel in a sweep of tiles against cuBLAS with the small steps the export runs around it (add + RMSNorm before
+qkv and gate-up, SiLU-mul after gate-up) and against the one-row GEMV with its folds (the floor); then a layer's four
+matrices chained both ways.
+
+Run from the repository root (a GPU for timings): PYTHONPATH=. python3 kernels_lab/folded_rows_matmul.py [rows]"""
+
+import functools
+import sys
+
+from common import ON_GPU, graphed_ms  # first: it may switch on the interpreter
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from forge_engine.kernels.backend import INTERPRETED
+from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm, silu_mul
+from forge_engine.kernels.gemv import _norm_scale, gemv
+from forge_engine.quant.split_k import _target_programs
+from few_rows_matmul import SHAPES, step_folds
+from sixteen_rows_swap import ROWS, _swap_dot, _x_columns
+
+COPIES = 4
+TILES = [  # (BLOCK_N, BLOCK_K, warps, stages)
+    (bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)
+]
+
+
+@triton.jit
+def _folded_epilogue(
+    acc,
+    acc_up,
+    offs_n,
+    n_ok,
+    M,
+    OUT_N,
+    K,
+    eps,
+    out_ptr,
+    res_ptr,
+    in_sums_ptr,
+    out_sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    ROWS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
+    """A tile's whole sums acc [BLOCK_N, ROWS] (and acc_up: SWIGLU's up rows) through the folds into out [M, OUT_N],
+    rounded as `gemv`'s epilogue rounds them."""
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
+    mask = n_ok[:, None] & m_ok[None, :]
+    at = offs_m[None, :] * OUT_N + offs_n[:, None]  # the tile of out, transposed
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if NORM_SUMS:
+        rstd = _norm_scale(tl.load(in_sums_ptr + offs_m, mask=m_ok, other=1.0), K, eps)
+        acc = acc * rstd[None, :]
+        acc_up = acc_up * rstd[None, :]
+    if SWIGLU:
+        gate = acc.to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, _silu_times(gate, acc_up.to(dtype).to(tl.float32), dtype), mask=mask)
+    else:
+        h = acc
+        if RESIDUAL:
+            h = h.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(out_ptr + at, h.to(dtype), mask=mask)
+        if HAND_OFF:
+            h = h.to(dtype).to(tl.float32)
+            g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + at, (h * g[:, None]).to(dtype), mask=mask)
+            squares = tl.sum(tl.where(mask, h * h, 0.0), axis=0)
+            tl.atomic_add(out_sums_ptr + offs_m, squares, mask=m_ok, sem="relaxed")
+
+
+@triton.jit
+def _folded_rows_kernel(
+    x_ptr,
+    w_ptr,
+    partials_ptr,
+    tickets_ptr,
+    out_ptr,
+    res_ptr,
+    in_sums_ptr,
+    out_sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    M,
+    OUT_N,
+    K,
+    k_per_split,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
+    n_ok = offs_n < OUT_N
+    rows = offs_n.to(tl.int64)[:, None] * K
+    up_rows = (offs_n + OUT_N).to(tl.int64)[:, None] * K  # SWIGLU: the up rows after the gate rows
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(
+        k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K
+    ):  # whole steps (the launcher checks)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
+        w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        acc = _swap_dot(acc, w, xt, UPCAST)
+        if SWIGLU:
+            w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
+    finish = True
+    if SPLIT > 1:  # partials [SPLIT, 2, M, OUT_N]; the tile's last program sums them in split order
+        mask = n_ok[:, None] & (tl.arange(0, ROWS) < M)[None, :]
+        at = tl.arange(0, ROWS)[None, :] * OUT_N + offs_n[:, None]
+        tl.store(partials_ptr + pid_k * 2 * M * OUT_N + at, acc, mask=mask)
+        if SWIGLU:
+            tl.store(partials_ptr + (pid_k * 2 + 1) * M * OUT_N + at, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        finish = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+        if finish:
+            acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(
+                    partials_ptr + s * 2 * M * OUT_N + at,
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                if SWIGLU:
+                    acc_up += tl.load(
+                        partials_ptr + (s * 2 + 1) * M * OUT_N + at,
+                        mask=mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+            tl.store(tickets_ptr + pid_n, 0)  # for the next launch
+    if finish:
+        _folded_epilogue(
+            acc, acc_up, offs_n, n_ok, M, OUT_N, K, eps, out_ptr, res_ptr, in_sums_ptr, out_sums_ptr, next_g_ptr,
+            normed_ptr, ROWS, SWIGLU, RESIDUAL, NORM_SUMS, HAND_OFF,
+        )  # fmt: skip
+
+
+@functools.cache
+def _tickets(tiles: int, device: str) -> torch.Tensor:
+    "A launch shape's tickets, zero between launches (each tile's last program resets its own)."
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def folded_rows_matmul(
+    x,
+    w,
+    swiglu=False,
+    residual=None,
+    norm_sums=None,
+    hand_off=None,
+    eps=1e-6,
+    tile=(64, 128, 4, 3),
+    split=None,
+):
+    """x [M, K] @ w [N, K].T with `gemv`'s folds (see the module's docstring) -> out, or (out, out x g) with hand_off.
+    tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM)."""
+    block_n, block_k, warps, stages = tile
+    (m, k), n = x.shape, w.shape[0]
+    assert m <= ROWS and k % block_k == 0 and not (swiglu and residual is not None), (m, k, block_k)
+    out_n = n // 2 if swiglu else n
+    tiles, k_steps = triton.cdiv(out_n, block_n), k // block_k
+    if split is None:
+        split = max(1, min(k_steps, _target_programs(x.device) // tiles))
+    per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, per_split)
+    out = torch.empty(m, out_n, device=x.device, dtype=x.dtype)
+    normed = torch.empty_like(out) if hand_off is not None else out
+    partials = torch.empty(
+        split if split > 1 else 1, 2, m, out_n, device=x.device, dtype=torch.float32
+    )
+    unused = out
+    _folded_rows_kernel[(tiles, split)](
+        x.contiguous(), w, partials, _tickets(tiles, str(x.device)), out,
+        unused if residual is None else residual,
+        unused if norm_sums is None else norm_sums,
+        unused if hand_off is None else hand_off[1],
+        unused if hand_off is None else hand_off[0],
+        normed, m, out_n, k, per_split * block_k, eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=split, SWIGLU=swiglu, RESIDUAL=residual is not None,
+        NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return (out, normed) if hand_off is not None else out
+
+
+def fresh_folds(folds: dict) -> dict:
+    "The folds with the hand-off's sums zeroed (they add up from call to call) and everything else as it is."
+    if "hand_off" in folds:
+        g, sums = folds["hand_off"]
+        return dict(folds, hand_off=(g, torch.zeros_like(sums)))
+    return folds
+
+
+def check(name, x, w, folds, tile, split) -> float:
+    "The folded kernel's largest error against `gemv(impl='torch')`, relative to the largest output, both outputs."
+    want_folds, got_folds = fresh_folds(folds), fresh_folds(folds)
+    want = gemv(x, w, impl="torch", layout="rows", **want_folds)
+    got = folded_rows_matmul(x, w, tile=tile, split=split, **got_folds)
+    pairs = list(zip(want, got)) if isinstance(want, tuple) else [(want, got)]
+    if "hand_off" in folds:
+        pairs.append((want_folds["hand_off"][1], got_folds["hand_off"][1]))
+    return max(
+        (g.float() - v.float()).abs().max().item() / v.float().abs().max().item() for v, g in pairs
+    )
+
+
+def export_small_steps(name, x, w, folds):
+    """What the export runs for this matrix at several rows: cuBLAS, with add + RMSNorm before qkv and gate-up (the
+    norm handed in: here one launch of `add_rmsnorm`) and SiLU-mul after gate-up."""
+    if name in ("qkv", "gate_up"):
+        x, _ = add_rmsnorm(x, x, torch.ones(x.shape[1], device=x.device, dtype=x.dtype))
+    y = F.linear(x, w)
+    return silu_mul(y) if name == "gate_up" else y
+
+
+def main(m: int):
+    device = "cuda" if ON_GPU else "cpu"
+    shapes = (
+        SHAPES
+        if ON_GPU
+        else {"qkv": (96, 256), "o": (80, 256), "gate_up": (192, 256), "down": (80, 384)}
+    )
+    tiles = TILES if ON_GPU else [(32, 64, 4, 3), (64, 128, 4, 3)]
+    for name, (n, k) in shapes.items():
+        if name == "head":
+            continue
+        weights = [
+            torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)
+        ]
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        folds = step_folds(name, m, n, k, device, hand_off=True)
+        worst = max(
+            check(name, x, weights[0], folds, tile, split)
+            for tile in tiles[:2]
+            for split in (1, 3, None)
+        )
+        assert worst < 2e-2, (name, worst)
+        if not ON_GPU:
+            print(
+                f"{name} m={m}: the folded kernel within {worst:.1e} of gemv's reference, splits 1, 3, auto"
+            )
+            continue
+        nbytes = n * k * 2
+        line = {
+            "cublas + small steps": graphed_ms(
+                lambda: [export_small_steps(name, x, w, folds) for w in weights]
+            ),
+            "cublas": graphed_ms(lambda: [F.linear(x, w) for w in weights]),
+            "gemv 1 row, folded": graphed_ms(
+                lambda: [
+                    gemv(x[:1], w, **step_folds(name, 1, n, k, device, hand_off=True))
+                    for w in weights
+                ]
+            ),
+        }
+        timed = sorted(
+            (graphed_ms(lambda: [folded_rows_matmul(x, w, tile=t, **folds) for w in weights]), t)
+            for t in tiles
+        )
+        line[f"folded {timed[0][1]}"] = timed[0][0]
+        print(
+            f"{name:8s} N={n:6d} K={k:5d} m={m}: "
+            + ", ".join(
+                f"{key} {v / COPIES * 1e3:6.1f} us ({nbytes * COPIES / (v * 1e-3) / 1e12:.2f} TB/s)"
+                for key, v in line.items()
+            )
+            + f"; next tiles {[t for _, t in timed[1:4]]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
