@@ -24,8 +24,10 @@ Run on a GPU from the repository root: PYTHONPATH=. python3 kernels_lab/verify_s
 per (N, K, rows) from few_rows_matmul.py's LAB_BEST_OUT in place of gemv_config's; LAB_SWAP="BN,BK,W,ST[;...]": part 1
 also times verify graphs with their 2-16 BF16 rows through sixteen_rows_swap.py's bf16_swap in each tile, with the
 step's kernels launched as dependents up to LAB_DEPENDENT_ROWS rows if set: chapter 09_kernels_gemv's
-DEPENDENT_LAUNCH_MAX_ROWS). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter
-09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
+DEPENDENT_LAUNCH_MAX_ROWS); LAB_FOLDED="BN,BK,W,ST[;...]" and / or LAB_FOLDED_TILES=FILE: part 1 also times
+verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`route_rows`: the norms handed off, SwiGLU
+and the residual adds folded in). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through
+chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
 
 On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 4.063 ms = 1.289x a decode step,
 against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; with LAB_DEPENDENT_ROWS=8 as well:
@@ -147,6 +149,22 @@ def use_swap(tile: tuple[int, ...]):
     return lambda: setattr(fused_layers, "linear", exported)
 
 
+def folded_tiles() -> list[tuple[tuple[int, ...], dict | None]]:
+    """LAB_FOLDED's tiles ("BN,BK,W,ST;..."), each with LAB_FOLDED_TILES's best tile per matrix (folded_rows_matmul.py's
+    LAB_BEST_OUT) where given, which then also runs alone (its other matrices in 64,128,4,3)."""
+    tiles = [
+        tuple(map(int, t.split(","))) for t in os.environ.get("LAB_FOLDED", "").split(";") if t
+    ]
+    per_shape = None
+    if os.environ.get("LAB_FOLDED_TILES"):
+        with open(os.environ["LAB_FOLDED_TILES"]) as f:
+            per_shape = {
+                tuple(map(int, key.split(","))): tuple(t) for key, t in json.load(f).items()
+            }
+        tiles = tiles or [(64, 128, 4, 3)]
+    return [(tile, per_shape) for tile in tiles]
+
+
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
     "Decode tok/s after the first token, and the tokens."
     engine.add_request(
@@ -198,6 +216,28 @@ def main(quantization: str) -> None:
         if os.environ.get("LAB_PROFILE"):
             kernel_profile(swapped, 1 + DRAFTS, True, size)
         del swapped
+        free_memory()
+
+    for tile, per_shape in folded_tiles():
+        from folded_rows_matmul import route_rows
+
+        undo, rows_limit = route_rows(tile, per_shape), fused_layers.GEMV_ROWS_BF16
+        fused_layers.GEMV_ROWS_BF16 = (
+            1 + DRAFTS
+        )  # (the layers hand their norms off up to this many rows)
+        try:
+            folded = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)).runner.decode
+        finally:
+            undo()
+            fused_layers.GEMV_ROWS_BF16 = rows_limit
+        ms = step_ms(folded, 1 + DRAFTS, True, size)
+        print(
+            f"  verify graph, 1 + {DRAFTS} rows through folded_rows_matmul {per_shape or tile}: {ms:.3f} ms = "
+            f"{ms / one:.3f}x a decode step"
+        )
+        if os.environ.get("LAB_PROFILE"):
+            kernel_profile(folded, 1 + DRAFTS, True, size)
+        del folded
         free_memory()
 
     if os.environ.get("LAB_PROFILE"):
