@@ -12,7 +12,9 @@ right one) with chapter 09's folds, as `gemv` takes them for several rows (the n
 - `swiglu`: the program's gate rows and their up rows (N / 2 further on), silu(gate) x up stored;
 - `residual`: added to the result (rounded first, as a separate add would find it);
 - `hand_off` (with `residual`): (g, sums): h x g stored as well, h's squares added to sums.
-Split-K without a second launch: each program stores its partial sums, and the program of a tile that finishes
+Launched as a dependent (PDL) on Hopper, as chapter 09's GEMV: each program lets the next kernel launch at once
+and asks for its first weights before it waits for x. Split-K without a second launch: each program stores its
+partial sums, and the program of a tile that finishes
 last (a ticket a tile, taken with an atomic add; reset by that program) adds the tile's partials in split order
 (the same sums every replay) and runs the epilogue.
 
@@ -37,9 +39,9 @@ import triton
 import triton.language as tl
 
 import forge_engine.fused_layers as fused_layers
-from forge_engine.kernels.backend import INTERPRETED
+from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_supported
 from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm, silu_mul
-from forge_engine.kernels.gemv import _norm_scale, gemv
+from forge_engine.kernels.gemv import _norm_scale, _start_gemv, gemv
 from forge_engine.quant.split_k import _target_programs
 from few_rows_matmul import SHAPES, step_folds
 from sixteen_rows_swap import ROWS, _swap_dot, _x_columns
@@ -131,7 +133,10 @@ def _folded_rows_kernel(
     NORM_SUMS: tl.constexpr,
     HAND_OFF: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
 ):
+    _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: the next kernel may launch now
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     n_ok = offs_n < OUT_N
@@ -140,9 +145,20 @@ def _folded_rows_kernel(
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(
-        k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K
-    ):  # whole steps (the launcher checks)
+    # the first step's weights asked for before waiting for x (EARLY_W: launched as a dependent, as chapter 09's GEMV)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    w_up = w
+    if SWIGLU:
+        w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    if EARLY_W:
+        _wait_for_previous(PDL)
+    xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
+    acc = _swap_dot(acc, w, xt, UPCAST)
+    if SWIGLU:
+        acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # whole steps (the launcher checks)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
         w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
@@ -205,6 +221,7 @@ def folded_rows_matmul(
     tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM)."""
     block_n, block_k, warps, stages = tile
     (m, k), n = x.shape, w.shape[0]
+    pdl = pdl_supported(x.device)  # launched as a dependent on Hopper, as chapter 09's GEMV
     assert m <= ROWS and k % block_k == 0 and not (swiglu and residual is not None), (m, k, block_k)
     out_n = n // 2 if swiglu else n
     tiles, k_steps = triton.cdiv(out_n, block_n), k // block_k
@@ -226,8 +243,8 @@ def folded_rows_matmul(
         unused if hand_off is None else hand_off[0],
         normed, m, out_n, k, per_split * block_k, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=split, SWIGLU=swiglu, RESIDUAL=residual is not None,
-        NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED,
-        num_warps=warps, num_stages=stages,
+        NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, PDL=pdl,
+        EARLY_W=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return (out, normed) if hand_off is not None else out
 

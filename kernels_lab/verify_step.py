@@ -44,6 +44,7 @@ import time
 import torch
 
 import forge_engine.fused_layers as fused_layers
+import forge_engine.kernels.backend as backend
 import forge_engine.kernels.gemv as kernels_gemv
 from forge_engine.bench import free_memory
 from forge_engine.config import EngineConfig
@@ -149,6 +150,21 @@ def use_swap(tile: tuple[int, ...]):
     return lambda: setattr(fused_layers, "linear", exported)
 
 
+def captured(build):
+    """build()'s engine's decode runner, its graphs captured with the small kernels launched as dependents up to
+    LAB_DEPENDENT_ROWS rows where set (chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS), then restored."""
+    from decode_step_timeline import set_constant
+
+    rows = os.environ.get("LAB_DEPENDENT_ROWS")
+    exported = backend.DEPENDENT_LAUNCH_MAX_ROWS
+    if rows:
+        set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(rows))
+    try:
+        return build().runner.decode
+    finally:
+        set_constant("DEPENDENT_LAUNCH_MAX_ROWS", exported)
+
+
 def folded_tiles() -> list[tuple[tuple[int, ...], dict | None]]:
     """LAB_FOLDED's tiles ("BN,BK,W,ST;..."), each with LAB_FOLDED_TILES's best tile per matrix (folded_rows_matmul.py's
     LAB_BEST_OUT) where given, which then also runs alone (its other matrices in 64,128,4,3)."""
@@ -207,8 +223,10 @@ def main(quantization: str) -> None:
         tuple(map(int, t.split(","))) for t in os.environ.get("LAB_SWAP", "").split(";") if t
     ]:
         undo = use_swap(tile)
-        swapped = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)).runner.decode
-        undo()
+        try:
+            swapped = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
+        finally:
+            undo()
         ms = step_ms(swapped, 1 + DRAFTS, True, size)
         print(
             f"  verify graph, 1 + {DRAFTS} rows, bf16_swap {tile}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
@@ -226,7 +244,7 @@ def main(quantization: str) -> None:
             1 + DRAFTS
         )  # (the layers hand their norms off up to this many rows)
         try:
-            folded = LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)).runner.decode
+            folded = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
         finally:
             undo()
             fused_layers.GEMV_ROWS_BF16 = rows_limit
