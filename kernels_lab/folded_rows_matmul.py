@@ -25,7 +25,13 @@ qkv and gate-up, SiLU-mul after gate-up) and against the one-row GEMV with its f
 step through it: verify_step.py's LAB_FOLDED (`route_rows`, also checked here as chapter 09a's `folded_gemv` calls
 it). LAB_BEST_OUT=FILE: the best tile per matrix as JSON, which verify_step.py's LAB_FOLDED_TILES reads.
 
-Run from the repository root (a GPU for timings): PYTHONPATH=. python3 kernels_lab/folded_rows_matmul.py [rows]"""
+The same kernel takes chapter 10g's int8 planes with an fp16 scale a group of 32 (a Q8_0 file's), dequantized in
+registers: `q8_0` times them at 16 rows (16 sequences of a GGUF file, where the 16-row step's split-K sums, add +
+RMSNorm and SiLU-mul take 425 of its 3,615 µs on an H200: `sixteen_seqs_step.py`) against chapter 10g's split-K with
+its sums and the one-row int8 group GEMV.
+
+Run from the repository root (a GPU for timings):
+    PYTHONPATH=. python3 kernels_lab/folded_rows_matmul.py [rows] [bf16|q8_0]"""
 
 import functools
 import json
@@ -42,6 +48,7 @@ import forge_engine.fused_layers as fused_layers
 from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_supported
 from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm, silu_mul
 from forge_engine.kernels.gemv import _norm_scale, _start_gemv, gemv
+from forge_engine.quant.gguf_gpu import int8_group_gemv, int8_group_matmul
 from forge_engine.quant.split_k import _target_programs
 from few_rows_matmul import SHAPES, step_folds
 from sixteen_rows_swap import ROWS, _swap_dot, _x_columns
@@ -108,9 +115,42 @@ def _folded_epilogue(
 
 
 @triton.jit
+def _weight_tile(
+    w_ptr,
+    scale_ptr,
+    offs_n,
+    n_ok,
+    k0,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The weight rows offs_n at inputs k0 .. k0 + BLOCK_K as the product takes them: bf16 as they are, or (GROUP > 0) int8 times
+    their fp16 scale a group of GROUP inputs (chapter 10g's planes of a Q8_0 or Q6_K file), dequantized in registers."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(
+        w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None], other=0
+    )
+    if GROUP > 0:
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(
+            scale_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP) + offs_g[None, :],
+            mask=n_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        s = tl.reshape(
+            tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
+        )
+        w = w.to(tl.float32) * s
+    return w
+
+
+@triton.jit
 def _folded_rows_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     partials_ptr,
     tickets_ptr,
     out_ptr,
@@ -135,22 +175,22 @@ def _folded_rows_kernel(
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: the next kernel may launch now
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     n_ok = offs_n < OUT_N
-    rows = offs_n.to(tl.int64)[:, None] * K
-    up_rows = (offs_n + OUT_N).to(tl.int64)[:, None] * K  # SWIGLU: the up rows after the gate rows
+    up_n = offs_n + OUT_N  # SWIGLU: the up rows after the gate rows
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     k_start = pid_k * k_per_split
     # the first step's weights asked for before waiting for x (EARLY_W: launched as a dependent, as chapter 09's GEMV)
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    w = _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
     w_up = w
     if SWIGLU:
-        w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
     if EARLY_W:
         _wait_for_previous(PDL)
     xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
@@ -161,10 +201,14 @@ def _folded_rows_kernel(
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # whole steps (the launcher checks)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
-        w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-        acc = _swap_dot(acc, w, xt, UPCAST)
+        acc = _swap_dot(
+            acc,
+            _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP),
+            xt,
+            UPCAST,
+        )
         if SWIGLU:
-            w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP)
             acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
     finish = True
     if SPLIT > 1:  # partials [SPLIT, 2, M, OUT_N]; the tile's last program sums them in split order
@@ -216,13 +260,16 @@ def folded_rows_matmul(
     eps=1e-6,
     tile=(64, 128, 4, 3),
     split=None,
+    scale=None,
 ):
     """x [M, K] @ w [N, K].T with `gemv`'s folds (see the module's docstring) -> out, or (out, out x g) with hand_off.
-    tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM)."""
+    tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM); scale: w is
+    int8 with an fp16 scale a group of inputs [N, K / group] (chapter 10g's planes), else w is bf16."""
     block_n, block_k, warps, stages = tile
     (m, k), n = x.shape, w.shape[0]
     pdl = pdl_supported(x.device)  # launched as a dependent on Hopper, as chapter 09's GEMV
     assert m <= ROWS and k % block_k == 0 and not (swiglu and residual is not None), (m, k, block_k)
+    assert scale is None or block_k % (k // scale.shape[1]) == 0, (block_k, k // scale.shape[1])
     out_n = n // 2 if swiglu else n
     tiles, k_steps = triton.cdiv(out_n, block_n), k // block_k
     if split is None:
@@ -236,7 +283,7 @@ def folded_rows_matmul(
     )
     unused = out
     _folded_rows_kernel[(tiles, split)](
-        x.contiguous(), w, partials, _tickets(tiles, str(x.device)), out,
+        x.contiguous(), w, w if scale is None else scale, partials, _tickets(tiles, str(x.device)), out,
         unused if residual is None else residual,
         unused if norm_sums is None else norm_sums,
         unused if hand_off is None else hand_off[1],
@@ -244,7 +291,8 @@ def folded_rows_matmul(
         normed, m, out_n, k, per_split * block_k, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=split, SWIGLU=swiglu, RESIDUAL=residual is not None,
         NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, PDL=pdl,
-        EARLY_W=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        EARLY_W=pdl, GROUP=0 if scale is None else k // scale.shape[1], launch_pdl=pdl, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return (out, normed) if hand_off is not None else out
 
@@ -309,11 +357,52 @@ def fresh_folds(folds: dict) -> dict:
     return folds
 
 
-def check(name, x, w, folds, tile, split) -> float:
+def make_weights(kind: str, n: int, k: int, device: str) -> list[tuple]:
+    "COPIES random weights (w, scale): bf16 (scale None), or q8_0: int8 with an fp16 scale a group of 32 (chapter 10g)."
+    if kind == "bf16":
+        return [
+            (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5, None)
+            for _ in range(COPIES)
+        ]
+    return [
+        (
+            torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8),
+            (torch.rand(n, k // 32, device=device) * 2e-4 + 1e-4).to(torch.float16),
+        )
+        for _ in range(COPIES)
+    ]
+
+
+def dense(weight: tuple) -> torch.Tensor:
+    "The weight in bf16, dequantized where it is int8: what the kernel multiplies."
+    w, scale = weight
+    if scale is None:
+        return w
+    group = w.shape[1] // scale.shape[1]
+    deq = w.view(w.shape[0], -1, group).float() * scale.float()[:, :, None]
+    return deq.reshape(w.shape).to(torch.bfloat16)
+
+
+def reference(x, w, folds, rows: int = 8):
+    "`gemv(impl='torch')` with `folds`, `rows` rows at a time (its rows layout's most): what the folded kernel gives."
+    outs = []
+    for a in range(0, x.shape[0], rows):
+        part = {
+            k: v[a : a + rows] if k in ("residual", "norm_sums") else v for k, v in folds.items()
+        }
+        if "hand_off" in folds:
+            part["hand_off"] = (folds["hand_off"][0], folds["hand_off"][1][a : a + rows])
+        outs.append(gemv(x[a : a + rows], w, impl="torch", layout="rows", **part))
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+def check(x, weight, folds, tile, split) -> float:
     "The folded kernel's largest error against `gemv(impl='torch')`, relative to the largest output, both outputs."
     want_folds, got_folds = fresh_folds(folds), fresh_folds(folds)
-    want = gemv(x, w, impl="torch", layout="rows", **want_folds)
-    got = folded_rows_matmul(x, w, tile=tile, split=split, **got_folds)
+    want = reference(x, dense(weight), want_folds)
+    got = folded_rows_matmul(x, weight[0], scale=weight[1], tile=tile, split=split, **got_folds)
     pairs = list(zip(want, got)) if isinstance(want, tuple) else [(want, got)]
     if "hand_off" in folds:
         pairs.append((want_folds["hand_off"][1], got_folds["hand_off"][1]))
@@ -322,16 +411,30 @@ def check(name, x, w, folds, tile, split) -> float:
     )
 
 
-def export_small_steps(name, x, w, folds):
-    """What the export runs for this matrix at several rows: cuBLAS, with add + RMSNorm before qkv and gate-up (the
+def package_matmul(x, weight):
+    "What the package multiplies these rows with: cuBLAS for bf16, chapter 10g's split-K and its sums for int8."
+    w, scale = weight
+    return F.linear(x, w) if scale is None else int8_group_matmul(x, w, scale)
+
+
+def export_small_steps(name, x, weight, folds):
+    """What the export runs for this matrix at several rows: its matmul, with add + RMSNorm before qkv and gate-up (the
     norm handed in: here one launch of `add_rmsnorm`) and SiLU-mul after gate-up."""
     if name in ("qkv", "gate_up"):
         x, _ = add_rmsnorm(x, x, torch.ones(x.shape[1], device=x.device, dtype=x.dtype))
-    y = F.linear(x, w)
+    y = package_matmul(x, weight)
     return silu_mul(y) if name == "gate_up" else y
 
 
-def main(m: int):
+def one_row(name, x, weight, n, k, device):
+    "The one-row step's GEMV: chapter 09's with its folds (bf16), chapter 10g's (int8 groups, no folds)."
+    w, scale = weight
+    if scale is None:
+        return gemv(x[:1], w, **step_folds(name, 1, n, k, device, hand_off=True))
+    return int8_group_gemv(x[:1], w, scale)
+
+
+def main(m: int, kind: str):
     device = "cuda" if ON_GPU else "cpu"
     shapes = (
         SHAPES
@@ -346,43 +449,41 @@ def main(m: int):
     for name, (n, k) in shapes.items():
         if name == "head":
             continue
-        weights = [
-            torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)
-        ]
+        weights = make_weights(kind, n, k, device)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         folds = step_folds(name, m, n, k, device, hand_off=True)
         worst = max(
-            check(name, x, weights[0], folds, tile, split)
-            for tile in tiles[:2]
-            for split in (1, 3, None)
+            check(x, weights[0], folds, tile, split) for tile in tiles[:2] for split in (1, 3, None)
         )
         assert worst < TOLERANCE, (name, worst)
         if not ON_GPU:
             print(
-                f"{name} m={m}: the folded kernel within {worst:.1e} of gemv's reference, splits 1, 3, auto"
+                f"{name} {kind} m={m}: the folded kernel within {worst:.1e} of gemv's reference, splits 1, 3, auto"
             )
             continue
-        nbytes = n * k * 2
+        nbytes = sum(t.numel() * t.element_size() for t in weights[0] if t is not None)
         line = {
-            "cublas + small steps": graphed_ms(
-                lambda: [export_small_steps(name, x, w, folds) for w in weights]
+            "package + small steps": graphed_ms(
+                lambda: [export_small_steps(name, x, wt, folds) for wt in weights]
             ),
-            "cublas": graphed_ms(lambda: [F.linear(x, w) for w in weights]),
-            "gemv 1 row, folded": graphed_ms(
-                lambda: [
-                    gemv(x[:1], w, **step_folds(name, 1, n, k, device, hand_off=True))
-                    for w in weights
-                ]
-            ),
+            "package": graphed_ms(lambda: [package_matmul(x, wt) for wt in weights]),
+            "1 row": graphed_ms(lambda: [one_row(name, x, wt, n, k, device) for wt in weights]),
         }
         timed = sorted(
-            (graphed_ms(lambda: [folded_rows_matmul(x, w, tile=t, **folds) for w in weights]), t)
+            (
+                graphed_ms(
+                    lambda: [
+                        folded_rows_matmul(x, wt[0], scale=wt[1], tile=t, **folds) for wt in weights
+                    ]
+                ),
+                t,
+            )
             for t in tiles
         )
         line[f"folded {timed[0][1]}"] = timed[0][0]
         best[f"{n},{k}"] = timed[0][1]
         print(
-            f"{name:8s} N={n:6d} K={k:5d} m={m}: "
+            f"{name:8s} {kind} N={n:6d} K={k:5d} m={m}: "
             + ", ".join(
                 f"{key} {v / COPIES * 1e3:6.1f} us ({nbytes * COPIES / (v * 1e-3) / 1e12:.2f} TB/s)"
                 for key, v in line.items()
@@ -396,4 +497,4 @@ def main(m: int):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5, sys.argv[2] if len(sys.argv) > 2 else "bf16")
