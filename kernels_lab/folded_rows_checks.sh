@@ -5,7 +5,8 @@
 #       $OUT/folded.json), then the k = 4 verify graphs with their rows through it in those tiles against the export
 #       and the decode step (verify_step.py), also with the small kernels launched as dependents (LAB_DEPENDENT_ROWS)
 #   bash kernels_lab/folded_rows_checks.sh sixteen   # 16 rows on Q8_0 planes (16 sequences of a GGUF file): the sweep
-#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV
+#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV; then the 16-sequence
+#       step with its rows through it, the norms handed off (sixteen_seqs_step.py's `folded`), against the export
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -21,8 +22,10 @@ case "${1:-}" in
       tail -3 "$out/verify_folded${dependent}.log"
     done ;;
   sixteen)
-    timeout 550 python3 kernels_lab/folded_rows_matmul.py 16 q8_0 > "$out/folded_sixteen.log" 2>&1
-    tail -6 "$out/folded_sixteen.log" ;;
+    timeout 330 python3 kernels_lab/folded_rows_matmul.py 16 q8_0 > "$out/folded_sixteen.log" 2>&1
+    tail -6 "$out/folded_sixteen.log"
+    timeout 220 python3 kernels_lab/sixteen_seqs_step.py export,folded > "$out/sixteen_folded.log" 2>&1
+    grep "^\[" "$out/sixteen_folded.log" ;;
   *)
     echo "usage: $0 verify|sixteen" >&2
     exit 2 ;;

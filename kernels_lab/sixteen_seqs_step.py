@@ -4,7 +4,9 @@ figure without a file. The model is random:qwen3-4b with every matrix and the ti
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
 Per variant, in turn (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
-LAB_SWAP, default 128,128,4,3,2; `dependent=N`: the step's small kernels and decode attention launched as
+LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
+LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in
+(one sequence's steps too); `dependent=N`: the step's small kernels and decode attention launched as
 dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; each variant keeps the ones before it),
 printed:
   - the decode rate at 16 sequences as llama-batched-bench counts it (S_TG: 16 prompts of 128 tokens, 128 new tokens
@@ -19,7 +21,7 @@ On one H200 (`export`): S_TG 4,358 tok/s at 16 sequences and 516.0 at one; the 1
 matmuls 2,885 us (1.48 TB/s), decode attention 345, the split sums 206, add+RMSNorm 159.
 
 Run on the GPU machine from the repository root:
-    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,dependent=16]"""
+    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,folded,dependent=16]"""
 
 import os
 import sys
@@ -79,18 +81,39 @@ def use_swap(config):
 
     def skinny(self, x):
         if 4 < x.shape[0] <= 16:
-            return int8_group_swap(x, self.q, self.scale, *config)
+            return int8_group_swap(x, self.qweight, self.scale, *config)
         return plain(self, x)
 
     Int8GroupLinear.skinny = skinny
 
 
+def use_folded(tile):
+    """Steps of up to 16 rows through folded_rows_matmul.py's kernel with the norms handed off between the layers'
+    matrices (chapter 09a's hand-off path, as it takes chapter 10's int4 GEMV): Int8GroupLinear given a
+    `decode_gemv` that folds them, and chapter 09a's row limits raised to 16."""
+    import forge_engine.fused_layers as fused_layers
+    from folded_rows_matmul import folded_rows_matmul
+
+    def decode_gemv(self, x, swiglu=False, residual=None, eps=1e-6, norm_sums=None, hand_off=None):
+        return folded_rows_matmul(
+            x, self.qweight, scale=self.scale, swiglu=swiglu, residual=residual, norm_sums=norm_sums,
+            hand_off=hand_off, eps=eps, tile=tile,
+        )  # fmt: skip
+
+    Int8GroupLinear.decode_gemv = decode_gemv
+    Int8GroupLinear.hands_off_norms = lambda self: True
+    fused_layers.GEMV_ROWS = fused_layers.GEMV_MAX_ROWS = 16
+
+
 def main():
     variants = (sys.argv[1] if len(sys.argv) > 1 else "export,swap").split(",")
     swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,2").split(","))
+    folded_tile = tuple(int(v) for v in os.environ.get("LAB_FOLDED", "64,128,4,3").split(","))
     for variant in variants:
         if variant == "swap":
             use_swap(swap_config)
+        if variant == "folded":
+            use_folded(folded_tile)
         # dependent=N: the step's small kernels launched as dependents up to N rows
         if variant.startswith("dependent="):
             set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(variant.split("=")[1]))
