@@ -321,7 +321,8 @@ def check_route(device: str) -> float:
     n, k, m = 96, 256, 5
     layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     layer.__class__ = fused_layers.FusedLinear
-    g = torch.nn.Module()
+    g = torch.nn.Module()  # the norm handed on: its weight (per matrix, below) and eps
+    g.eps = 1e-6
     worst = 0.0
     for name in ("qkv", "o", "gate_up"):
         folds = step_folds(name, m, n, k, device, hand_off=True)
@@ -330,9 +331,8 @@ def check_route(device: str) -> float:
         handed_in = fused_layers.HandedNorm(g, folds["norm_sums"]) if "norm_sums" in folds else None
         hand_off = None
         if "hand_off" in folds:
-            g.weight, g.eps = folds["hand_off"][0], 1e-6
+            g.weight = folds["hand_off"][0]
             hand_off = fused_layers.HandedNorm(g, torch.zeros(m, device=device))
-        g.eps = 1e-6
         want = fused_layers.folded_gemv(layer, x, handed_in=handed_in, hand_off=hand_off, **args)
         undo = route_rows((32, 64, 4, 3))
         try:

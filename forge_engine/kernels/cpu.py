@@ -181,9 +181,15 @@ ATTENTION_CPU_SOURCE = (
 // rows of keys or values asked for this many positions before they are read: a head's rows lie Hkv * D apart
 // inside a block and the blocks anywhere in the pool, a pattern a core's own prefetchers do not follow
 enum { ROWS_AHEAD = 4 };
-INLINE void prefetch_row(const void *pool, int64_t block, int t, int block_size, int Hkv, int kv, int D, int bf16) {
+
+// where KV head kv's row for position t of a sequence (its block table `table`) starts in a pool, in elements
+INLINE size_t row_at(const int64_t *table, int t, int block_size, int Hkv, int kv, int D) {
+    return (((size_t)table[t / block_size] * block_size + t % block_size) * Hkv + kv) * D;
+}
+
+INLINE void prefetch_row(const void *pool, size_t at, int D, int bf16) {
     size_t bytes = bf16 ? 2 : 4;
-    const char *row = (const char *)pool + (((size_t)block * block_size + t % block_size) * Hkv + kv) * D * bytes;
+    const char *row = (const char *)pool + at * bytes;
     for (size_t line = 0; line < D * bytes; line += 64) __builtin_prefetch(row + line);
 }
 
@@ -197,17 +203,15 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     size_t first = ((size_t)b * Hq + (size_t)kv * group) * D;  // the group's first query and output
     const float *qh = floats_at(q, first, (size_t)group * D, bf16, q_f);
     float *acc = bf16 ? row_f + D : (float *)out + first;
+    const int64_t *table = tables + (size_t)b * W;
     if (L > W * block_size) return 2;
     for (int t = 0; t < L; t++) {
-        int64_t block = tables[(size_t)b * W + t / block_size];
+        int64_t block = table[t / block_size];
         if (block < 0 || block >= num_blocks) return 2;
     }
     for (int t = 0; t < L; t++) {
-        int64_t block = tables[(size_t)b * W + t / block_size];
-        if (t + ROWS_AHEAD < L)
-            prefetch_row(k_pool, tables[(size_t)b * W + (t + ROWS_AHEAD) / block_size], t + ROWS_AHEAD, block_size,
-                         Hkv, kv, D, bf16);
-        const float *k = floats_at(k_pool, (((size_t)block * block_size + t % block_size) * Hkv + kv) * D, D, bf16, row_f);
+        if (t + ROWS_AHEAD < L) prefetch_row(k_pool, row_at(table, t + ROWS_AHEAD, block_size, Hkv, kv, D), D, bf16);
+        const float *k = floats_at(k_pool, row_at(table, t, block_size, Hkv, kv, D), D, bf16, row_f);
         for (int g = 0; g < group; g++) {
             float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             int d = 0;
@@ -227,11 +231,8 @@ INLINE int attend(const void *q, int b, int kv, int Hq, int Hkv, int D, const vo
     }
     for (size_t d = 0; d < (size_t)group * D; d++) acc[d] = 0.f;
     for (int t = 0; t < L; t++) {  // each value row read (and converted) once for the group
-        int64_t block = tables[(size_t)b * W + t / block_size];
-        if (t + ROWS_AHEAD < L)
-            prefetch_row(v_pool, tables[(size_t)b * W + (t + ROWS_AHEAD) / block_size], t + ROWS_AHEAD, block_size,
-                         Hkv, kv, D, bf16);
-        const float *v = floats_at(v_pool, (((size_t)block * block_size + t % block_size) * Hkv + kv) * D, D, bf16, row_f);
+        if (t + ROWS_AHEAD < L) prefetch_row(v_pool, row_at(table, t + ROWS_AHEAD, block_size, Hkv, kv, D), D, bf16);
+        const float *v = floats_at(v_pool, row_at(table, t, block_size, Hkv, kv, D), D, bf16, row_f);
         for (int g = 0; g < group; g++) {
             float p = scores[(size_t)g * L + t], *o = acc + (size_t)g * D;
             for (int d = 0; d < D; d++) o[d] += p * v[d];
