@@ -35,6 +35,7 @@ against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; wi
 1.386x, whose cuBLAS matmuls take 2,466 us and split-K reductions 129, decode attention 403, the norms, rotation, K/V
 store and SiLU-mul 270."""
 
+import functools
 import json
 import os
 import statistics
@@ -165,13 +166,15 @@ def captured(build):
         set_constant("DEPENDENT_LAUNCH_MAX_ROWS", exported)
 
 
+def lab_tiles(name: str) -> list[tuple[int, ...]]:
+    "The tiles an environment variable names: 'BN,BK,W,ST;...'."
+    return [tuple(map(int, t.split(","))) for t in os.environ.get(name, "").split(";") if t]
+
+
 def folded_tiles() -> list[tuple[tuple[int, ...], dict | None]]:
-    """LAB_FOLDED's tiles ("BN,BK,W,ST;..."), each with LAB_FOLDED_TILES's best tile per matrix (folded_rows_matmul.py's
-    LAB_BEST_OUT) where given, which then also runs alone (its other matrices in 64,128,4,3)."""
-    tiles = [
-        tuple(map(int, t.split(","))) for t in os.environ.get("LAB_FOLDED", "").split(";") if t
-    ]
-    per_shape = None
+    """LAB_FOLDED's tiles, each with LAB_FOLDED_TILES's best tile per matrix (folded_rows_matmul.py's LAB_BEST_OUT)
+    where given, which then also runs alone (its other matrices in 64,128,4,3)."""
+    tiles, per_shape = lab_tiles("LAB_FOLDED"), None
     if os.environ.get("LAB_FOLDED_TILES"):
         with open(os.environ["LAB_FOLDED_TILES"]) as f:
             per_shape = {
@@ -179,6 +182,21 @@ def folded_tiles() -> list[tuple[tuple[int, ...], dict | None]]:
             }
         tiles = tiles or [(64, 128, 4, 3)]
     return [(tile, per_shape) for tile in tiles]
+
+
+def use_folded(tile: tuple[int, ...], per_shape: dict | None):
+    """Verify rows through folded_rows_matmul.py's kernel (`route_rows`), the layers handing their norms off up to
+    1 + DRAFTS rows (chapter 09a's GEMV_ROWS_BF16); returns the function that undoes both."""
+    from folded_rows_matmul import route_rows
+
+    undo, rows_limit = route_rows(tile, per_shape), fused_layers.GEMV_ROWS_BF16
+    fused_layers.GEMV_ROWS_BF16 = 1 + DRAFTS
+
+    def undo_both():
+        undo()
+        fused_layers.GEMV_ROWS_BF16 = rows_limit
+
+    return undo_both
 
 
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
@@ -219,43 +237,24 @@ def main(quantization: str) -> None:
             f"{base / one:.3f}x"
         )
 
-    for tile in [
-        tuple(map(int, t.split(","))) for t in os.environ.get("LAB_SWAP", "").split(";") if t
-    ]:
-        undo = use_swap(tile)
+    routes = [(f"bf16_swap {t}", functools.partial(use_swap, t)) for t in lab_tiles("LAB_SWAP")]
+    routes += [
+        (f"folded_rows_matmul {per_shape or t}", functools.partial(use_folded, t, per_shape))
+        for t, per_shape in folded_tiles()
+    ]
+    for label, route in routes:
+        undo = route()
         try:
-            swapped = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
+            routed = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
         finally:
             undo()
-        ms = step_ms(swapped, 1 + DRAFTS, True, size)
+        ms = step_ms(routed, 1 + DRAFTS, True, size)
         print(
-            f"  verify graph, 1 + {DRAFTS} rows, bf16_swap {tile}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
+            f"  verify graph, 1 + {DRAFTS} rows through {label}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
         )
         if os.environ.get("LAB_PROFILE"):
-            kernel_profile(swapped, 1 + DRAFTS, True, size)
-        del swapped
-        free_memory()
-
-    for tile, per_shape in folded_tiles():
-        from folded_rows_matmul import route_rows
-
-        undo, rows_limit = route_rows(tile, per_shape), fused_layers.GEMV_ROWS_BF16
-        fused_layers.GEMV_ROWS_BF16 = (
-            1 + DRAFTS
-        )  # (the layers hand their norms off up to this many rows)
-        try:
-            folded = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
-        finally:
-            undo()
-            fused_layers.GEMV_ROWS_BF16 = rows_limit
-        ms = step_ms(folded, 1 + DRAFTS, True, size)
-        print(
-            f"  verify graph, 1 + {DRAFTS} rows through folded_rows_matmul {per_shape or tile}: {ms:.3f} ms = "
-            f"{ms / one:.3f}x a decode step"
-        )
-        if os.environ.get("LAB_PROFILE"):
-            kernel_profile(folded, 1 + DRAFTS, True, size)
-        del folded
+            kernel_profile(routed, 1 + DRAFTS, True, size)
+        del routed
         free_memory()
 
     if os.environ.get("LAB_PROFILE"):
