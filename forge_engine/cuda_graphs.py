@@ -69,9 +69,10 @@ def paged_decode_attention_cpu(q, k_layer, v_layer, block_tables, context_lens) 
 
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
-    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself, unless
-    `store_first`: rows that are positions of one sequence (a verify step, chapter 08c) read each other's K/V, so every
-    row's K/V is stored before any row attends."""
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself. `verify`:
+    rows may be positions of one sequence (a verify step, chapter 08c) that read each other's K/V; an attention that
+    `attends_step_rows` then takes them from the step's rows (`verify=True`), for any other every row's K/V is stored
+    before any row attends."""
 
     def __init__(
         self,
@@ -80,11 +81,13 @@ class StaticDecodeAttention:
         block_tables,
         context_lens,
         attention: DecodeAttentionFn,
-        store_first: bool = False,
+        verify: bool = False,
     ):
         self.cache, self.slots, self.tables, self.lens = cache, slots, block_tables, context_lens
-        self.attention, self.store_first = attention, store_first
-        self.fused_store = getattr(attention, "stores_kv", False) and not store_first
+        self.attention, self.verify = attention, verify
+        self.fused_store = getattr(attention, "stores_kv", False) and (
+            not verify or getattr(attention, "attends_step_rows", False)
+        )
 
     @property
     def rope_inside(
@@ -95,8 +98,16 @@ class StaticDecodeAttention:
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if self.fused_store:
+            step_rows = {"verify": True} if self.verify else {}
             return self.attention(
-                q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
+                q,
+                k_layer,
+                v_layer,
+                self.tables,
+                self.lens,
+                new_kv=(k, v, self.slots),
+                rope=rope,
+                **step_rows,
             )
         self.cache.write(layer, self.slots, k, v)
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
@@ -220,9 +231,7 @@ class DecodeRunner:
     def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
         ids, positions, slots, state_slots, lens, tables = decode_inputs(self.inputs, b, w)
         backends = (
-            StaticDecodeAttention(
-                self.cache, slots, tables, lens, self.attention, store_first=verify
-            ),
+            StaticDecodeAttention(self.cache, slots, tables, lens, self.attention, verify=verify),
         )
         if self.states is not None:  # every row a decode from its sequence's state slot
             backends += (StepStates.decodes(self.states, state_slots[:b]),)

@@ -83,6 +83,7 @@ def decode_sass(
         EARLY_TILE=early,
         WAIT_LATE=early,
         UNROLL_MERGE=unroll,
+        SEQUENCE_ROWS=0,
     )
     signature = {
         **POINTERS,

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_SPLIT_TOKENS', 'MAX_DECODE_SPLITS', 'DECODE_TARGET_PROGRAMS', 'DECODE_MIN_SPLIT',
-           'DECODE_MAX_WORK_SPLITS', 'DECODE_UNROLL_MERGE', 'paged_attention_reference', 'random_paged_kv',
-           'decode_split_len', 'paged_decode_attention']
+           'DECODE_MAX_WORK_SPLITS', 'DECODE_SEQUENCE_ROWS', 'DECODE_UNROLL_MERGE', 'paged_attention_reference',
+           'random_paged_kv', 'decode_split_len', 'paged_decode_attention']
 
 # %% ../../nbs/09_kernels_paged_attention.ipynb #8cc0aad6
 # Why one module of ~830 lines: most of it is one kernel and its launcher. `_decode_kernel` is
@@ -212,6 +212,9 @@ DECODE_MIN_SPLIT = (
 DECODE_MAX_WORK_SPLITS = (
     16  # the rule's cap: the merging program reads the splits one after another
 )
+DECODE_SEQUENCE_ROWS = (
+    16  # `verify`: the most rows of one sequence a step may hold (a tile of them: tl.dot takes 16)
+)
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
@@ -360,6 +363,7 @@ def _decode_kernel(
     EARLY_TILE: tl.constexpr,
     WAIT_LATE: tl.constexpr,
     UNROLL_MERGE: tl.constexpr,
+    SEQUENCE_ROWS: tl.constexpr,
 ):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -376,6 +380,23 @@ def _decode_kernel(
         v_ptr + kv_head * stride_kh,
         tables_ptr + seq * stride_tb,
     )
+    if (
+        SEQUENCE_ROWS > 0
+    ):  # (with STORE) rows before this one may be earlier positions of its sequence (a verify step)
+        back = tl.arange(0, SEQUENCE_ROWS)
+        earlier, pos = (
+            seq - back,
+            ctx - 1 - back,
+        )  # this row and those before it, at the positions before its own
+        maybe = (back <= seq) & (pos >= 0)
+        block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=maybe, other=0).to(tl.int64)
+        # a row of this sequence writes the slot this row's table gives its position: no other row writes it
+        same = maybe & (
+            tl.load(slots_ptr + earlier, mask=maybe, other=-1).to(tl.int64)
+            == block * BLOCK_SIZE + pos % BLOCK_SIZE
+        )
+        # the step's positions of this sequence are read from new_kv below, not from the pool they are stored in
+        end = tl.maximum(tl.minimum(end, ctx - tl.sum(same.to(tl.int32), 0)), start)
     if EARLY_TILE:  # the split's first tile of K/V, written by earlier steps: asked for before waiting for q (WAIT_LATE)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         n0_mask = offs_n0 < end
@@ -438,6 +459,37 @@ def _decode_kernel(
         tl.store(k_head + at, new_k, mask=mine)
         tl.store(v_head + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
+    if (
+        SEQUENCE_ROWS > 0
+    ):  # the split of the last position: the sequence's new K/V up to this row, from new_kv
+        take = same & ((ctx - 1) // split_len == split)
+        new_mask = take[:, None] & d_mask[None, :]
+        step_k_rows = new_k_ptr + earlier[:, None] * stride_nkb + kv_head * stride_nkh
+        step_k = tl.load(step_k_rows + offs_d[None, :], mask=new_mask, other=0.0)
+        step_v = tl.load(
+            new_v_ptr + earlier[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
+            mask=new_mask,
+            other=0.0,
+        )
+        if ROPE:  # each at its own position's angles
+            step_cos = tl.load(
+                cos_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
+            )
+            step_sin = tl.load(
+                sin_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
+            )
+            step_k = _norm_rope_rows(
+                step_k,
+                tl.load(step_k_rows + pair, mask=new_mask, other=0.0),
+                k_w,
+                k_w_pair,
+                step_cos.to(tl.float32),
+                tl.where(offs_d[None, :] < half, -step_sin.to(tl.float32), step_sin.to(tl.float32)),
+                eps,
+                HEAD_DIM,
+                QK_NORM,
+            ).to(step_v.dtype)
+        step_pos = tl.where(take, pos, ctx)  # the rows not taken: past the end, masked
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -494,6 +546,11 @@ def _decode_kernel(
             UPCAST,
             PRECISION,
         )
+    if SEQUENCE_ROWS > 0:
+        p, alpha, m_i, l_i = _softmax_step(
+            q, step_k, step_pos, ctx, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     part = (
@@ -681,6 +738,7 @@ def paged_decode_attention(
     merge: bool = True,
     counters: torch.Tensor | None = None,
     early_tile: bool | None = None,
+    verify: bool = False,
 ) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
@@ -695,7 +753,11 @@ def paged_decode_attention(
     for at most DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store only): launched as a dependent of the
     kernel before, each program asks for its first K/V tile before it waits for q, and takes the new position's K/V
     from registers. `num_warps`: default 4, 8 with the early tile (at 4
-    its K and V spill registers, compiled for an H200)."""
+    its K and V spill registers, compiled for an H200). `verify` (with `new_kv`): consecutive rows may be consecutive
+    positions of one sequence, up to DECODE_SEQUENCE_ROWS (a verify step, chapter 08c; each row with the table, length
+    and slot of its own position): each row attends to its sequence's earlier rows too. Where the kernel stores the
+    new K/V, each row's program takes those rows' K/V from `new_kv` rather than the pool that another program stores
+    them in."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
@@ -815,6 +877,7 @@ def paged_decode_attention(
         EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
         UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
+        SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS if verify and fused else 0,
         num_warps=num_warps,
         **_stages(num_stages),
     )

@@ -321,9 +321,10 @@ class KernelPagedAttention:
 
 class KernelDecodeAttention:
     """Chapter 09b's graph-safe decode attention on a GPU: `paged_decode_attention`, which also stores the step's new
-    K/V (`new_kv`) in the same launch and applies q/k-norm and RoPE (`rope`)."""
+    K/V (`new_kv`) in the same launch and applies q/k-norm and RoPE (`rope`); `verify`: the rows of a verify step, each
+    attending to its sequence's rows before it (`attends_step_rows`)."""
 
-    stores_kv = True
+    stores_kv = attends_step_rows = True
 
     def __init__(self, impl: str = "auto"):
         self.impl, self.counters = (
@@ -357,6 +358,7 @@ class KernelDecodeAttention:
         context_lens,
         new_kv=None,
         rope: NormRope | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
         return paged_decode_attention(
             q,
@@ -369,4 +371,5 @@ class KernelDecodeAttention:
             new_kv=new_kv,
             rope=rope,
             counters=self._counters(q.shape[0] * k_layer.shape[2], q.device),
+            verify=verify,
         )

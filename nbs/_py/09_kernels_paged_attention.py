@@ -313,6 +313,9 @@ DECODE_MIN_SPLIT = (
 DECODE_MAX_WORK_SPLITS = (
     16  # the rule's cap: the merging program reads the splits one after another
 )
+DECODE_SEQUENCE_ROWS = (
+    16  # `verify`: the most rows of one sequence a step may hold (a tile of them: tl.dot takes 16)
+)
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
 
@@ -461,6 +464,7 @@ def _decode_kernel(
     EARLY_TILE: tl.constexpr,
     WAIT_LATE: tl.constexpr,
     UNROLL_MERGE: tl.constexpr,
+    SEQUENCE_ROWS: tl.constexpr,
 ):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -477,6 +481,23 @@ def _decode_kernel(
         v_ptr + kv_head * stride_kh,
         tables_ptr + seq * stride_tb,
     )
+    if (
+        SEQUENCE_ROWS > 0
+    ):  # (with STORE) rows before this one may be earlier positions of its sequence (a verify step)
+        back = tl.arange(0, SEQUENCE_ROWS)
+        earlier, pos = (
+            seq - back,
+            ctx - 1 - back,
+        )  # this row and those before it, at the positions before its own
+        maybe = (back <= seq) & (pos >= 0)
+        block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=maybe, other=0).to(tl.int64)
+        # a row of this sequence writes the slot this row's table gives its position: no other row writes it
+        same = maybe & (
+            tl.load(slots_ptr + earlier, mask=maybe, other=-1).to(tl.int64)
+            == block * BLOCK_SIZE + pos % BLOCK_SIZE
+        )
+        # the step's positions of this sequence are read from new_kv below, not from the pool they are stored in
+        end = tl.maximum(tl.minimum(end, ctx - tl.sum(same.to(tl.int32), 0)), start)
     if EARLY_TILE:  # the split's first tile of K/V, written by earlier steps: asked for before waiting for q (WAIT_LATE)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         n0_mask = offs_n0 < end
@@ -539,6 +560,37 @@ def _decode_kernel(
         tl.store(k_head + at, new_k, mask=mine)
         tl.store(v_head + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
+    if (
+        SEQUENCE_ROWS > 0
+    ):  # the split of the last position: the sequence's new K/V up to this row, from new_kv
+        take = same & ((ctx - 1) // split_len == split)
+        new_mask = take[:, None] & d_mask[None, :]
+        step_k_rows = new_k_ptr + earlier[:, None] * stride_nkb + kv_head * stride_nkh
+        step_k = tl.load(step_k_rows + offs_d[None, :], mask=new_mask, other=0.0)
+        step_v = tl.load(
+            new_v_ptr + earlier[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
+            mask=new_mask,
+            other=0.0,
+        )
+        if ROPE:  # each at its own position's angles
+            step_cos = tl.load(
+                cos_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
+            )
+            step_sin = tl.load(
+                sin_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
+            )
+            step_k = _norm_rope_rows(
+                step_k,
+                tl.load(step_k_rows + pair, mask=new_mask, other=0.0),
+                k_w,
+                k_w_pair,
+                step_cos.to(tl.float32),
+                tl.where(offs_d[None, :] < half, -step_sin.to(tl.float32), step_sin.to(tl.float32)),
+                eps,
+                HEAD_DIM,
+                QK_NORM,
+            ).to(step_v.dtype)
+        step_pos = tl.where(take, pos, ctx)  # the rows not taken: past the end, masked
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -595,6 +647,11 @@ def _decode_kernel(
             UPCAST,
             PRECISION,
         )
+    if SEQUENCE_ROWS > 0:
+        p, alpha, m_i, l_i = _softmax_step(
+            q, step_k, step_pos, ctx, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     part = (
@@ -782,6 +839,7 @@ def paged_decode_attention(
     merge: bool = True,
     counters: torch.Tensor | None = None,
     early_tile: bool | None = None,
+    verify: bool = False,
 ) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] attends to its context_lens[b] keys in the pool -> [B, Hq, D].
     `new_kv` (k, v [B, Hkv, D], slots [B]): the step's new K/V, stored in the pool first, each at its sequence's last
@@ -796,7 +854,11 @@ def paged_decode_attention(
     for at most DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store only): launched as a dependent of the
     kernel before, each program asks for its first K/V tile before it waits for q, and takes the new position's K/V
     from registers. `num_warps`: default 4, 8 with the early tile (at 4
-    its K and V spill registers, compiled for an H200)."""
+    its K and V spill registers, compiled for an H200). `verify` (with `new_kv`): consecutive rows may be consecutive
+    positions of one sequence, up to DECODE_SEQUENCE_ROWS (a verify step, chapter 08c; each row with the table, length
+    and slot of its own position): each row attends to its sequence's earlier rows too. Where the kernel stores the
+    new K/V, each row's program takes those rows' K/V from `new_kv` rather than the pool that another program stores
+    them in."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
@@ -916,6 +978,7 @@ def paged_decode_attention(
         EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
         UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
+        SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS if verify and fused else 0,
         num_warps=num_warps,
         **_stages(num_stages),
     )
@@ -1232,3 +1295,66 @@ with pytest.raises(ValueError, match="one query per sequence"):
     paged_decode_attention(q[:2], k_cache, v_cache, tables, ctx, 1.0)
 with pytest.raises(ValueError, match="multiple of kv_heads"):
     paged_decode_attention(q[:, :3], k_cache, v_cache, tables, ctx, 1.0)
+
+# %% [markdown]
+# A verify step (chapter 08c) gives a sequence several rows at consecutive positions, each
+# attending to the rows before it. With the store inside the launch, row j's program could read
+# row i's slot before row i's program stored it. With `verify`, each program finds the rows of
+# its sequence before it (a row of the same sequence writes the slot that this row's table gives
+# the position before: no other row writes it) and takes their K/V, normalised and rotated at
+# their own positions, from the step's inputs; it reads the pool only below the step's first
+# position. Below: a sequence's three rows beside another sequence's one, against storing every
+# row first and attending row by row.
+
+# %%
+step_lens = [
+    40,
+    161,
+]  # the pool holds every position the step writes (what it holds there now is overwritten)
+k_cache, v_cache, tables = random_paged_kv(
+    step_lens, num_kv_heads=2, head_dim=32, block_size=8, seed=2
+)
+rows = [(1, 158), (1, 159), (1, 160), (0, 39)]  # (sequence, position)
+row_tables = tables[[seq for seq, _ in rows]]
+row_lens = torch.tensor([pos + 1 for _, pos in rows])
+slots = torch.tensor([int(tables[seq, pos // 8]) * 8 + pos % 8 for seq, pos in rows])
+q = torch.randn(4, 8, 32, generator=gen)
+new_k, new_v = torch.randn(4, 2, 32, generator=gen), torch.randn(4, 2, 32, generator=gen)
+angles = (
+    torch.tensor([float(pos) for _, pos in rows])[:, None] * torch.rand(16, generator=gen)[None, :]
+)
+for norm_weights in (
+    (torch.rand(32, generator=gen) + 0.5, torch.rand(32, generator=gen) + 0.5),
+    None,
+):
+    rope = (
+        None if norm_weights is None else NormRope(*norm_weights, 1e-6, angles.cos(), angles.sin())
+    )
+    roped_q, roped_k = (
+        (q, new_k)
+        if rope is None
+        else (
+            norm_rope_reference(x, w, 1e-6, rope.cos, rope.sin)
+            for x, w in ((q, rope.q_weight), (new_k, rope.k_weight))
+        )
+    )
+    by_hand = (k_cache.clone(), v_cache.clone())
+    write_kv_reference(*by_hand, slots, roped_k, new_v)
+    want = paged_attention_reference(
+        roped_q, *by_hand, row_tables, torch.arange(5), row_lens, 32**-0.5
+    )
+    for impl, split_tokens, early in (
+        ("torch", 64, False),
+        ("triton", 16, False),  # splits of 16 keys: the sequence's rows across two (158-159, 160)
+        ("triton", 16, True),
+        ("triton", 64, True),
+        ("triton", 10_000, False),
+    ):
+        pools = (k_cache.clone(), v_cache.clone())
+        got = paged_decode_attention(
+            q, *pools, row_tables, row_lens, 32**-0.5, impl=impl, split_tokens=split_tokens, block_n=16,
+            new_kv=(new_k, new_v, slots), rope=rope, early_tile=early, verify=True,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(pools[1], by_hand[1]), (impl, split_tokens, early)

@@ -106,9 +106,10 @@ def paged_decode_attention_cpu(q, k_layer, v_layer, block_tables, context_lens) 
 
 class StaticDecodeAttention:
     """Attention backend over static buffers: write K/V through the slots, attend through the block tables. An
-    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself, unless
-    `store_first`: rows that are positions of one sequence (a verify step, chapter 08c) read each other's K/V, so every
-    row's K/V is stored before any row attends."""
+    attention that `stores_kv` (chapter 09's kernel) gets the new K/V and their slots and stores them itself. `verify`:
+    rows may be positions of one sequence (a verify step, chapter 08c) that read each other's K/V; an attention that
+    `attends_step_rows` then takes them from the step's rows (`verify=True`), for any other every row's K/V is stored
+    before any row attends."""
 
     def __init__(
         self,
@@ -117,11 +118,13 @@ class StaticDecodeAttention:
         block_tables,
         context_lens,
         attention: DecodeAttentionFn,
-        store_first: bool = False,
+        verify: bool = False,
     ):
         self.cache, self.slots, self.tables, self.lens = cache, slots, block_tables, context_lens
-        self.attention, self.store_first = attention, store_first
-        self.fused_store = getattr(attention, "stores_kv", False) and not store_first
+        self.attention, self.verify = attention, verify
+        self.fused_store = getattr(attention, "stores_kv", False) and (
+            not verify or getattr(attention, "attends_step_rows", False)
+        )
 
     @property
     def rope_inside(
@@ -132,8 +135,16 @@ class StaticDecodeAttention:
     def __call__(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         k_layer, v_layer = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if self.fused_store:
+            step_rows = {"verify": True} if self.verify else {}
             return self.attention(
-                q, k_layer, v_layer, self.tables, self.lens, new_kv=(k, v, self.slots), rope=rope
+                q,
+                k_layer,
+                v_layer,
+                self.tables,
+                self.lens,
+                new_kv=(k, v, self.slots),
+                rope=rope,
+                **step_rows,
             )
         self.cache.write(layer, self.slots, k, v)
         return self.attention(q, k_layer, v_layer, self.tables, self.lens)
@@ -334,9 +345,7 @@ class DecodeRunner:
     def _forward(self, b: int, w: int, verify: bool = False) -> torch.Tensor:
         ids, positions, slots, state_slots, lens, tables = decode_inputs(self.inputs, b, w)
         backends = (
-            StaticDecodeAttention(
-                self.cache, slots, tables, lens, self.attention, store_first=verify
-            ),
+            StaticDecodeAttention(self.cache, slots, tables, lens, self.attention, verify=verify),
         )
         if self.states is not None:  # every row a decode from its sequence's state slot
             backends += (StepStates.decodes(self.states, state_slots[:b]),)
@@ -551,12 +560,14 @@ for impl in ("torch", "triton"):
 # consecutive positions: row j attends to the drafts before it, so it reads K/V that other rows
 # of the same step write. The fused kernel above stores each row's K/V inside the launch that
 # attends, so a row could read a slot before its writer stored it. A runner given `verify_rows`
-# therefore records graphs of its own for such steps (`run(..., verify=True)`): the layers
-# rotate q and k themselves, every row's K/V is stored through the slots, and only then does the
-# same kernel attend, each row up to its own position. Storing first costs two launches a layer:
-# measured on an H200 (`PYTHONPATH=. python3 kernels_lab/verify_step.py`, random Qwen3-4B in
-# BF16, one sequence of 512 tokens), a verify graph of 1 row takes 2.62 ms against the decode
-# graph's 2.51; chapter 08c gives what more rows cost.
+# therefore records graphs of its own for such steps (`run(..., verify=True)`), whose attention
+# is told so (`verify`): chapter 09's kernel then takes the K/V of a row's earlier rows from the
+# step's inputs, not the pool (`attends_step_rows`), and still stores each row's own; an
+# attention that cannot has every row's K/V stored through the slots first, the layers rotating
+# q and k themselves. Storing first costs two launches a layer: measured on an H200
+# (`PYTHONPATH=. python3 kernels_lab/verify_step.py`, random Qwen3-4B in BF16, one sequence of
+# 512 tokens), a verify graph of 1 row so took 2.62 ms against the decode graph's 2.51; chapter
+# 08c gives what more rows cost.
 #
 # Below: sequence 0's last token and two drafts, beside sequence 2's decode row, through the
 # interpreted kernel, against the paged reference that runs sequence 0's three tokens as a chunk.
