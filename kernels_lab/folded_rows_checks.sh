@@ -6,7 +6,8 @@
 #       and the decode step (verify_step.py), the kernel launched plainly and as a dependent (LAB_FOLDED_PDL late, wait),
 #       also with the small kernels around it launched as dependents (LAB_DEPENDENT_ROWS=5)
 #   bash kernels_lab/folded_rows_checks.sh sixteen   # 16 rows on Q8_0 planes (16 sequences of a GGUF file): the sweep
-#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV; then the 16-sequence
+#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV (and the kernel with x
+#       quantized to int8 and int8 products, as llama.cpp multiplies Q8_0); then the 16-sequence
 #       step with its rows through it, the norms handed off (sixteen_seqs_step.py's `folded`), against the export,
 #       launched plainly and as a dependent that lets the next kernel launch once its weights are read (LAB_FOLDED_PDL=late)
 set -uo pipefail
@@ -28,7 +29,7 @@ case "${1:-}" in
     timeout 330 python3 kernels_lab/folded_rows_matmul.py 16 q8_0 > "$out/folded_sixteen.log" 2>&1
     tail -6 "$out/folded_sixteen.log"
     for mode in 0 late; do
-      LAB_FOLDED_PDL=$mode timeout 110 python3 kernels_lab/sixteen_seqs_step.py export,folded \
+      LAB_FOLDED_PDL=$mode timeout 150 python3 kernels_lab/sixteen_seqs_step.py export,folded,folded_int8 \
         > "$out/sixteen_folded_$mode.log" 2>&1
       echo "LAB_FOLDED_PDL=$mode"; grep "^\[" "$out/sixteen_folded_$mode.log"
     done ;;

@@ -30,7 +30,10 @@ it). LAB_BEST_OUT=FILE: the best tile per matrix as JSON, which verify_step.py's
 The same kernel takes chapter 10g's int8 planes with an fp16 scale a group of 32 (a Q8_0 file's), dequantized in
 registers: `q8_0` times them at 16 rows (16 sequences of a GGUF file, where the 16-row step's split-K sums, add +
 RMSNorm and SiLU-mul take 425 of its 3,615 µs on an H200: `sixteen_seqs_step.py`) against chapter 10g's split-K with
-its sums and the one-row int8 group GEMV.
+its sums and the one-row int8 group GEMV. With `int8_dot` it does not dequantize them: x is quantized to int8 a group
+of 32 inputs a row with a scale each (llama.cpp's Q8_1 blocks), each group's product taken on the int8 tensor cores
+(int32 sums) and scaled by both scales, as llama.cpp multiplies a Q8_0 file's matrices by several rows; within 2% of
+the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8), not yet timed.
 
 Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixteen`; decode step 3.226 ms):
 - 1 + 4 BF16 rows, per matrix (µs; cuBLAS + the small steps around it / the folded kernel / the one-row GEMV): qkv
@@ -171,6 +174,53 @@ def _weight_tile(
 
 
 @triton.jit
+def _quantized_x(x_ptr, k0, M, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """x's rows at inputs k0 .. k0 + BLOCK_K quantized to int8 a group of GROUP inputs a row, with a scale each (as
+    llama.cpp's Q8_1 blocks): ([BLOCK_K / GROUP, GROUP, ROWS] int8, [BLOCK_K / GROUP, ROWS] float32)."""
+    xt = _x_columns(x_ptr, k0 + tl.arange(0, BLOCK_K), M, K, ROWS).to(tl.float32)
+    x3 = tl.reshape(xt, (BLOCK_K // GROUP, GROUP, ROWS))
+    scale = tl.max(tl.abs(x3), axis=1) / 127.0
+    scaled = x3 / tl.where(scale == 0.0, 1.0, scale)[:, None, :]
+    return (scaled + tl.where(scaled >= 0.0, 0.5, -0.5)).to(
+        tl.int8
+    ), scale  # rounded half away from zero
+
+
+@triton.jit
+def _int8_product(
+    acc,
+    w_ptr,
+    scale_ptr,
+    offs_n,
+    n_ok,
+    k0,
+    K,
+    xq,
+    x_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """acc [BLOCK_N, ROWS] += the int8 weight rows offs_n at inputs k0 .. k0 + BLOCK_K times `_quantized_x`'s xq: one
+    int8 product a group (int32 sums), scaled by the weights' and x's scales of that group."""
+    groups: tl.constexpr = BLOCK_K // GROUP
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(
+        w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None], other=0
+    )
+    w3 = tl.permute(tl.reshape(w, (BLOCK_N, groups, GROUP)), (1, 0, 2))  # [groups, BLOCK_N, GROUP]
+    offs_g = k0 // GROUP + tl.arange(0, groups)
+    w_scale = tl.load(
+        scale_ptr + offs_n.to(tl.int64)[None, :] * (K // GROUP) + offs_g[:, None],
+        mask=n_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [groups, BLOCK_N]
+    sums = tl.dot(w3, xq, out_dtype=tl.int32).to(tl.float32)  # [groups, BLOCK_N, ROWS]
+    return acc + tl.sum(sums * w_scale[:, :, None] * x_scale[:, None, :], axis=0)
+
+
+@triton.jit
 def _folded_rows_kernel(
     x_ptr,
     w_ptr,
@@ -201,6 +251,7 @@ def _folded_rows_kernel(
     EARLY_W: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
     GROUP: tl.constexpr,
+    INT8_DOT: tl.constexpr,
 ):
     if not LATE_TRIGGER:
         _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: the next kernel may launch now
@@ -213,31 +264,70 @@ def _folded_rows_kernel(
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     k_start = pid_k * k_per_split
-    # the first step's weights asked for before waiting for x (EARLY_W: launched as a dependent, as chapter 09's GEMV)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
-    w_up = w
-    if SWIGLU:
-        w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
-    if EARLY_W:
-        _wait_for_previous(PDL)
-    xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
-    acc = _swap_dot(acc, w, xt, UPCAST)
-    if SWIGLU:
-        acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # whole steps (the launcher checks)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
-        acc = _swap_dot(
-            acc,
-            _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP),
-            xt,
-            UPCAST,
-        )
+    if (
+        INT8_DOT
+    ):  # int8 planes times x quantized to int8: int8 tensor-core products (no early weights)
+        if EARLY_W:
+            _wait_for_previous(PDL)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            xq, x_scale = _quantized_x(x_ptr, k0, M, K, BLOCK_K, GROUP, ROWS)
+            acc = _int8_product(
+                acc,
+                w_ptr,
+                scale_ptr,
+                offs_n,
+                n_ok,
+                k0,
+                K,
+                xq,
+                x_scale,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP,
+                ROWS,
+            )
+            if SWIGLU:
+                acc_up = _int8_product(
+                    acc_up,
+                    w_ptr,
+                    scale_ptr,
+                    up_n,
+                    n_ok,
+                    k0,
+                    K,
+                    xq,
+                    x_scale,
+                    BLOCK_N,
+                    BLOCK_K,
+                    GROUP,
+                    ROWS,
+                )
+    else:
+        # the first step's weights asked for before waiting for x (EARLY_W: launched as a dependent, as chapter 09's GEMV)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        w = _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
+        w_up = w
         if SWIGLU:
-            w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP)
+            w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k_start, K, BLOCK_N, BLOCK_K, GROUP)
+        if EARLY_W:
+            _wait_for_previous(PDL)
+        xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
+        acc = _swap_dot(acc, w, xt, UPCAST)
+        if SWIGLU:
             acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # whole steps (the launcher checks)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = _x_columns(x_ptr, offs_k, M, K, ROWS)
+            acc = _swap_dot(
+                acc,
+                _weight_tile(w_ptr, scale_ptr, offs_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP),
+                xt,
+                UPCAST,
+            )
+            if SWIGLU:
+                w_up = _weight_tile(w_ptr, scale_ptr, up_n, n_ok, k0, K, BLOCK_N, BLOCK_K, GROUP)
+                acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
     if PDL and LATE_TRIGGER:  # the next kernel may launch once this one's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     finish = True
@@ -291,10 +381,13 @@ def folded_rows_matmul(
     tile=(64, 128, 4, 3),
     split=None,
     scale=None,
+    int8_dot=False,
 ):
     """x [M, K] @ w [N, K].T with `gemv`'s folds (see the module's docstring) -> out, or (out, out x g) with hand_off.
     tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM); scale: w is
-    int8 with an fp16 scale a group of inputs [N, K / group] (chapter 10g's planes), else w is bf16."""
+    int8 with an fp16 scale a group of inputs [N, K / group] (chapter 10g's planes), else w is bf16; int8_dot (with
+    scale): x quantized to int8 a group a row (its own scale) and multiplied on the int8 tensor cores, as llama.cpp
+    multiplies a Q8_0 file's matrices, not the weights dequantized to bf16."""
     block_n, block_k, warps, stages = tile
     (m, k), n = x.shape, w.shape[0]
     # LAB_FOLDED_PDL: how it is launched as a dependent on Hopper (PDL_MODES; off unless named: the module's docstring)
@@ -327,7 +420,7 @@ def folded_rows_matmul(
         normed, m, out_n, k, per_split * block_k, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=split, SWIGLU=swiglu, RESIDUAL=residual is not None,
         NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, **pdl_mode,
-        GROUP=0 if scale is None else k // scale.shape[1], launch_pdl=pdl, num_warps=warps,
+        GROUP=0 if scale is None else k // scale.shape[1], INT8_DOT=int8_dot, launch_pdl=pdl, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return (out, normed) if hand_off is not None else out
@@ -434,11 +527,13 @@ def reference(x, w, folds, rows: int = 8):
     return torch.cat(outs)
 
 
-def check(x, weight, folds, tile, split) -> float:
+def check(x, weight, folds, tile, split, int8_dot=False) -> float:
     "The folded kernel's largest error against `gemv(impl='torch')`, relative to the largest output, both outputs."
     want_folds, got_folds = fresh_folds(folds), fresh_folds(folds)
     want = reference(x, dense(weight), want_folds)
-    got = folded_rows_matmul(x, weight[0], scale=weight[1], tile=tile, split=split, **got_folds)
+    got = folded_rows_matmul(
+        x, weight[0], scale=weight[1], tile=tile, split=split, int8_dot=int8_dot, **got_folds
+    )
     pairs = list(zip(want, got)) if isinstance(want, tuple) else [(want, got)]
     if "hand_off" in folds:
         pairs.append((want_folds["hand_off"][1], got_folds["hand_off"][1]))
@@ -497,7 +592,10 @@ def main(m: int, kind: str):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         folds = step_folds(name, m, n, k, device, hand_off=True)
         worst = max(
-            check(x, weights[0], folds, tile, split) for tile in tiles[:2] for split in (1, 3, None)
+            check(x, weights[0], folds, tile, split, int8_dot)
+            for tile in tiles[:2]
+            for split in (1, 3, None)
+            for int8_dot in ((False, True) if kind == "q8_0" else (False,))
         )
         assert worst < TOLERANCE, (name, worst)
         if not ON_GPU:
@@ -525,6 +623,22 @@ def main(m: int, kind: str):
             for t in tiles
         )
         line[f"folded {timed[0][1]}"] = timed[0][0]
+        if kind == "q8_0":  # x quantized, int8 products
+            by_int8 = min(
+                (
+                    time_tile(
+                        lambda: [
+                            folded_rows_matmul(
+                                x, wt[0], scale=wt[1], tile=t, int8_dot=True, **folds
+                            )
+                            for wt in weights
+                        ]
+                    ),
+                    t,
+                )
+                for t in tiles
+            )
+            line[f"folded int8 products {by_int8[1]}"] = by_int8[0]
         best[f"{n},{k}"] = timed[0][1]
         print(
             f"{name:8s} {kind} N={n:6d} K={k:5d} m={m}: "

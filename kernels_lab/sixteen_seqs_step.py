@@ -5,7 +5,8 @@ Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file an
 
 Per variant, in turn (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
-LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in
+LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
+`folded_int8`: the same with x quantized to int8 and int8 products
 (one sequence's steps too); `dependent=N`: the step's small kernels and decode attention launched as
 dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; each variant keeps the ones before it),
 printed:
@@ -87,17 +88,18 @@ def use_swap(config):
     Int8GroupLinear.skinny = skinny
 
 
-def use_folded(tile):
+def use_folded(tile, int8_dot=False):
     """Steps of up to 16 rows through folded_rows_matmul.py's kernel with the norms handed off between the layers'
     matrices (chapter 09a's hand-off path, as it takes chapter 10's int4 GEMV): Int8GroupLinear given a
-    `decode_gemv` that folds them, and chapter 09a's row limits raised to 16."""
+    `decode_gemv` that folds them, and chapter 09a's row limits raised to 16. int8_dot: x quantized to int8, int8
+    products (`folded_int8`)."""
     import forge_engine.fused_layers as fused_layers
     from folded_rows_matmul import folded_rows_matmul
 
     def decode_gemv(self, x, swiglu=False, residual=None, eps=1e-6, norm_sums=None, hand_off=None):
         return folded_rows_matmul(
             x, self.qweight, scale=self.scale, swiglu=swiglu, residual=residual, norm_sums=norm_sums,
-            hand_off=hand_off, eps=eps, tile=tile,
+            hand_off=hand_off, eps=eps, tile=tile, int8_dot=int8_dot,
         )  # fmt: skip
 
     Int8GroupLinear.decode_gemv = decode_gemv
@@ -112,8 +114,8 @@ def main():
     for variant in variants:
         if variant == "swap":
             use_swap(swap_config)
-        if variant == "folded":
-            use_folded(folded_tile)
+        if variant in ("folded", "folded_int8"):
+            use_folded(folded_tile, int8_dot=variant == "folded_int8")
         # dependent=N: the step's small kernels launched as dependents up to N rows
         if variant.startswith("dependent="):
             set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(variant.split("=")[1]))
