@@ -273,36 +273,12 @@ def _folded_rows_kernel(
         for k0 in range(k_start, k_end, BLOCK_K):
             xq, x_scale = _quantized_x(x_ptr, k0, M, K, BLOCK_K, GROUP, ROWS)
             acc = _int8_product(
-                acc,
-                w_ptr,
-                scale_ptr,
-                offs_n,
-                n_ok,
-                k0,
-                K,
-                xq,
-                x_scale,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP,
-                ROWS,
-            )
+                acc, w_ptr, scale_ptr, offs_n, n_ok, k0, K, xq, x_scale, BLOCK_N, BLOCK_K, GROUP, ROWS
+            )  # fmt: skip
             if SWIGLU:
                 acc_up = _int8_product(
-                    acc_up,
-                    w_ptr,
-                    scale_ptr,
-                    up_n,
-                    n_ok,
-                    k0,
-                    K,
-                    xq,
-                    x_scale,
-                    BLOCK_N,
-                    BLOCK_K,
-                    GROUP,
-                    ROWS,
-                )
+                    acc_up, w_ptr, scale_ptr, up_n, n_ok, k0, K, xq, x_scale, BLOCK_N, BLOCK_K, GROUP, ROWS
+                )  # fmt: skip
     else:
         # the first step's weights asked for before waiting for x (EARLY_W: launched as a dependent, as chapter 09's GEMV)
         offs_k = k_start + tl.arange(0, BLOCK_K)
