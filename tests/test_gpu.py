@@ -394,6 +394,62 @@ def test_silu_mul_and_qk_norm_rope_on_the_gpu():
     )
 
 
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("split_tokens", [16, None])
+def test_verify_rows_attend_to_their_sequences_rows_on_the_gpu(early, split_tokens):
+    """Chapter 09's decode attention with `verify`: rows of one sequence at consecutive positions (1 + 7 across a
+    split's end, a decode row, 1 + 4), each program storing its own row's K/V while the others attend, Qwen3-4B's
+    heads in bf16. Contexts of a few keys, so that the step's rows weigh in each output (under the interpreter, a
+    kernel that forgets the earlier rows fails it). Against storing every row first and attending row by row."""
+    from forge_engine.kernels.elementwise import NormRope, norm_rope_reference, write_kv_reference
+    from forge_engine.kernels.paged_attention import (
+        paged_attention_reference,
+        paged_decode_attention,
+        random_paged_kv,
+    )
+
+    rows = [(0, 12 + j) for j in range(8)] + [(1, 5)] + [(2, 2 + j) for j in range(5)]
+    k_cache, v_cache, tables = random_paged_kv(
+        [20, 6, 7],
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(len(rows), 32, 128, device="cuda", generator=gen).bfloat16()
+    new_k, new_v = (
+        torch.randn(len(rows), 8, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)
+    )
+    positions = torch.tensor([p for _, p in rows], device="cuda")
+    row_tables, lens = tables[[s for s, _ in rows]], (positions + 1).int()
+    slots = tables[[s for s, _ in rows], positions // 16].long() * 16 + positions % 16
+    angles = positions[:, None].float() * torch.rand(64, device="cuda", generator=gen)[None, :]
+    weights = (torch.rand(128, device="cuda", generator=gen).bfloat16() + 0.5 for _ in range(2))
+    rope = NormRope(*weights, 1e-6, angles.cos(), angles.sin())
+    roped_k = norm_rope_reference(new_k, rope.k_weight, 1e-6, rope.cos, rope.sin)
+    by_hand = (k_cache.clone(), v_cache.clone())
+    write_kv_reference(*by_hand, slots, roped_k, new_v)
+    want = paged_attention_reference(
+        norm_rope_reference(q, rope.q_weight, 1e-6, rope.cos, rope.sin),
+        *by_hand,
+        row_tables,
+        torch.arange(len(rows) + 1, device="cuda"),
+        lens,
+        128**-0.5,
+    )
+    pools = (k_cache.clone(), v_cache.clone())
+    got = paged_decode_attention(
+        q, *pools, row_tables, lens, 128**-0.5, split_tokens=split_tokens, block_n=16,
+        new_kv=(new_k, new_v, slots), rope=rope, early_tile=early, verify=True,
+    )  # fmt: skip
+    # bf16: the kernel rounds the softmax's weights to bf16 before multiplying V, the reference not
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pools[0].float(), by_hand[0].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(pools[1], by_hand[1])
+
+
 def test_write_kv_on_the_gpu_matches_index_copy():
     from forge_engine.kernels.elementwise import write_kv, write_kv_reference
 
@@ -480,8 +536,8 @@ def test_mixed_steps_replayed_from_graphs_match_the_reference_path():
 
 
 def test_verify_steps_replayed_from_graphs_keep_the_greedy_tokens():
-    """Speculative decoding on a GPU (chapter 08c): verify steps replay chapter 09b's verify graphs, which store every
-    row's K/V before any row attends. With the target as its own draft model every draft is accepted, and the greedy
+    """Speculative decoding on a GPU (chapter 08c): verify steps replay chapter 09b's verify graphs, whose attention
+    takes each row's earlier rows' K/V from the step's rows (chapter 09's `verify`). With the target as its own draft model every draft is accepted, and the greedy
     tokens are those without speculation (fp32: no near ties between the 1-row GEMV and the verify rows' matmul)."""
     model = init_random_weights(
         empty_model(preset("qwen3-tiny"), "cuda", torch.float32), seed=2, std=0.1
