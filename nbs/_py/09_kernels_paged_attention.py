@@ -481,14 +481,11 @@ def _decode_kernel(
         v_ptr + kv_head * stride_kh,
         tables_ptr + seq * stride_tb,
     )
-    if (
-        SEQUENCE_ROWS > 0
-    ):  # (with STORE) rows before this one may be earlier positions of its sequence (a verify step)
+    # (with STORE) the rows before this one may be earlier positions of its sequence (a verify step)
+    if SEQUENCE_ROWS > 0:
         back = tl.arange(0, SEQUENCE_ROWS)
-        earlier, pos = (
-            seq - back,
-            ctx - 1 - back,
-        )  # this row and those before it, at the positions before its own
+        # this row and those before it, at the positions before its own
+        earlier, pos = seq - back, ctx - 1 - back
         maybe = (back <= seq) & (pos >= 0)
         block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=maybe, other=0).to(tl.int64)
         # a row of this sequence writes the slot this row's table gives its position: no other row writes it
@@ -560,9 +557,8 @@ def _decode_kernel(
         tl.store(k_head + at, new_k, mask=mine)
         tl.store(v_head + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
-    if (
-        SEQUENCE_ROWS > 0
-    ):  # the split of the last position: the sequence's new K/V up to this row, from new_kv
+    # the split of the last position: the sequence's new K/V up to this row, from new_kv
+    if SEQUENCE_ROWS > 0:
         take = same & ((ctx - 1) // split_len == split)
         new_mask = take[:, None] & d_mask[None, :]
         step_k_rows = new_k_ptr + earlier[:, None] * stride_nkb + kv_head * stride_nkh
