@@ -1303,10 +1303,13 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # row first and attending row by row.
 
 # %%
-step_lens = [
-    40,
-    161,
-]  # the pool holds every position the step writes (what it holds there now is overwritten)
+from forge_engine.config import MAX_SPECULATIVE_TOKENS
+
+assert (
+    1 + MAX_SPECULATIVE_TOKENS <= DECODE_SEQUENCE_ROWS
+)  # a verify step's rows of one sequence fit the tile
+# the pool holds every position the step writes (what it holds there now is overwritten)
+step_lens = [40, 161]
 k_cache, v_cache, tables = random_paged_kv(
     step_lens, num_kv_heads=2, head_dim=32, block_size=8, seed=2
 )
