@@ -14,11 +14,10 @@ right one) with chapter 09's folds, as `gemv` takes them for several rows (the n
 - `hand_off` (with `residual`): (g, sums): h x g stored as well, h's squares added to sums.
 LAB_FOLDED_PDL=1 launches it as a dependent (PDL) on Hopper, as chapter 09's GEMV: each program lets the next kernel
 launch at once and asks for its first weights before it waits for x; `late` lets the next kernel launch only once the
-program's weights are read, `wait` waits for x first (both compiled for sm_90 offline, not yet timed). Split-K without
-a second launch: each program stores its
-partial sums, and the program of a tile that finishes
-last (a ticket a tile, taken with an atomic add; reset by that program) adds the tile's partials in split order
-(the same sums every replay) and runs the epilogue.
+program's weights are read (the fastest verify step: below), `wait` waits for x first. Split-K without a second
+launch: each program stores its partial sums, and the program of a tile that finishes last (a ticket a tile, taken
+with an atomic add; reset by that program) adds the tile's partials in split order (the same sums every replay) and
+runs the epilogue.
 
 Checked against `gemv(..., impl="torch")` with the same folds, every fold, split 1 and more (on a CPU under Triton's
 interpreter, small shapes). On a GPU, per Qwen3-4B matrix at 5 rows in a CUDA graph over COPIES weight copies: the
@@ -33,7 +32,7 @@ RMSNorm and SiLU-mul take 425 of its 3,615 µs on an H200: `sixteen_seqs_step.py
 its sums and the one-row int8 group GEMV. With `int8_dot` it does not dequantize them: x is quantized to int8 a group
 of 32 inputs a row with a scale each (llama.cpp's Q8_1 blocks), each group's product taken on the int8 tensor cores
 (int32 sums) and scaled by both scales, as llama.cpp multiplies a Q8_0 file's matrices by several rows; within 2% of
-the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8), not yet timed.
+the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8).
 
 Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixteen`; decode step 3.226 ms):
 - 1 + 4 BF16 rows, per matrix (µs; cuBLAS + the small steps around it / the folded kernel / the one-row GEMV): qkv
@@ -43,6 +42,15 @@ Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixt
   125 + the small steps 171: the folds pay, the tensor-core tile reads the weights no faster than cuBLAS (2.0-2.4 TB/s).
 - Launched as a dependent (LAB_FOLDED_PDL=1) it is slower: the verify graph 1.273x; the 16-sequence step 5.204 ms
   against 3.681 without and 3.709 as exported (its programs wait on the SMs for x while the kernel before still runs).
+- Launched as a dependent that lets the next kernel launch once its weights are read (LAB_FOLDED_PDL=late), in one
+  tile for every matrix (LAB_FOLDED), the verify graph of 1 + 4 rows: 32,128,2,3 **1.158x** (again: 1.160x), 32,128,1,3
+  1.164x, 32,128,4,3 1.173x, 32,128,2,4 1.183x, 16,128,2,3 1.193x, 64,128,2,3 1.209x, 64,64,4,3 1.232x, 32,128,8,4
+  1.314x; the sweep's best tiles per matrix (timed alone) 1.179x, 1.205x with the small kernels launched as
+  dependents too (LAB_DEPENDENT_ROWS=5); `wait` 1.321x. As exported in the same calls: 1.310-1.313x (decode step
+  3.226-3.231 ms). The tiles that win alone do not win in the step.
+- x quantized to int8 and int8 products (`int8_dot`), 16 rows of Q8_0 planes: qkv 35.1 µs, o 29.9, gate-up 104.2,
+  down 54.1, two to two and a half times the dequantizing kernel (16.0 / 14.3 / 41.2 / 21.6): every program quantizes
+  x again, and the groups' products (a batched `tl.dot` of 32 inputs each) do not take the wide tensor-core path.
 - 16 rows on Q8_0 planes (µs; chapter 10g's split-K + its sums and small steps / folded / one row): qkv 18.5 / 13.7 /
   10.7, o 14.8 / 12.3 / 8.8, gate-up 39.5 / 41.6 / 23.4, down 24.3 / 19.1 / 14.7. The 16-sequence step through it:
   3.681 ms against 3.709 as exported (S_TG 4,253 against 4,238 tok/s): 143 launches of it take 3,080 µs and two of

@@ -8,7 +8,8 @@ LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products
 (one sequence's steps too); `dependent=N`: the step's small kernels and decode attention launched as
-dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; each variant keeps the ones before it),
+dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; `NAME=N`: the kernels' constant NAME set
+to N, as DECODE_TARGET_PROGRAMS=512; each variant keeps the ones before it),
 printed:
   - the decode rate at 16 sequences as llama-batched-bench counts it (S_TG: 16 prompts of 128 tokens, 128 new tokens
     each; the run to 129 tokens minus the run to 1), and at 1 sequence (W1-like);
@@ -20,6 +21,9 @@ Its 16-row graph replays in 3.697 ms: the 145 int8 matmuls take 2,923 us (the 4.
 in a version of chapter 10b tried for this and not kept): 3.621 ms a replay, S_TG 4,102 tok/s, no gain.
 On one H200 (`export`): S_TG 4,358 tok/s at 16 sequences and 516.0 at one; the 16-row graph 3.615 ms, its int8
 matmuls 2,885 us (1.48 TB/s), decode attention 345, the split sums 206, add+RMSNorm 159.
+H100, `export,DECODE_TARGET_PROGRAMS=512` (twice the attention's programs, so splits of 128 keys rather than 256): the
+graph 3.816 ms against 3.711, decode attention 12.6 µs a layer against 9.7 (S_TG 4,370 against 4,196 tok/s, within
+its spread); `folded_int8` (x quantized to int8, int8 products): 8.342 ms, the 16-row step more than twice as slow.
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,folded,dependent=16]"""
@@ -116,9 +120,10 @@ def main():
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
-        # dependent=N: the step's small kernels launched as dependents up to N rows
-        if variant.startswith("dependent="):
-            set_constant("DEPENDENT_LAUNCH_MAX_ROWS", int(variant.split("=")[1]))
+        # dependent=N: the step's small kernels launched as dependents up to N rows; NAME=N: a kernel constant
+        if "=" in variant:
+            name, value = variant.split("=")
+            set_constant("DEPENDENT_LAUNCH_MAX_ROWS" if name == "dependent" else name, int(value))
         engine = LLMEngine(q8_0_model(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192))
         rates = sixteen(engine)
         print(

@@ -33,7 +33,9 @@ On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 
 against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; with LAB_DEPENDENT_ROWS=8 as well:
 1.291x. On one H200 (LAB_GEMV_ROWS=1 LAB_PROFILE=1): a decode step 2.508 ms, 1 + 1 rows 1.286x, 1 + 4 rows 3.475 ms =
 1.386x, whose cuBLAS matmuls take 2,466 us and split-K reductions 129, decode attention 403, the norms, rotation, K/V
-store and SiLU-mul 270."""
+store and SiLU-mul 270. Those figures stored every verify row's K/V first; with the attention storing them itself
+(chapter 09's `verify`), on one H100 (LAB_GEMV_ROWS=1 LAB_PROFILE=1): 1 + 4 rows 1.310-1.313x, the attention 520 us a
+step against 405 + 54 (norm + RoPE) + 52 (K/V store)."""
 
 import functools
 import json
