@@ -47,7 +47,9 @@ Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixt
   1.164x, 32,128,4,3 1.173x, 32,128,2,4 1.183x, 16,128,2,3 1.193x, 64,128,2,3 1.209x, 64,64,4,3 1.232x, 32,128,8,4
   1.314x; the sweep's best tiles per matrix (timed alone) 1.179x, 1.205x with the small kernels launched as
   dependents too (LAB_DEPENDENT_ROWS=5); `wait` 1.321x. As exported in the same calls: 1.310-1.313x (decode step
-  3.226-3.231 ms). The tiles that win alone do not win in the step.
+  3.226-3.231 ms). The tiles that win alone do not win in the step. Compiled for sm_90 (gate-up's folds, `late`):
+  32,128 at 2 warps multiplies by mma.sync (HMMA) from weights loaded through registers (LDG, then STS), 255 registers
+  a thread and no spills, four programs an SM; 64,64 at 4 warps by wgmma (HGMMA).
 - x quantized to int8 and int8 products (`int8_dot`), 16 rows of Q8_0 planes: qkv 35.1 µs, o 29.9, gate-up 104.2,
   down 54.1, two to two and a half times the dequantizing kernel (16.0 / 14.3 / 41.2 / 21.6): every program quantizes
   x again, and the groups' products (a batched `tl.dot` of 32 inputs each) do not take the wide tensor-core path.
