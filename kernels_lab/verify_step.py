@@ -26,7 +26,8 @@ also times verify graphs with their 2-16 BF16 rows through sixteen_rows_swap.py'
 step's kernels launched as dependents up to LAB_DEPENDENT_ROWS rows if set: chapter 09_kernels_gemv's
 DEPENDENT_LAUNCH_MAX_ROWS); LAB_FOLDED="BN,BK,W,ST[;...]" and / or LAB_FOLDED_TILES=FILE: part 1 also times
 verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`route_rows`: the norms handed off, SwiGLU
-and the residual adds folded in). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through
+and the residual adds folded in); LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
+sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through
 chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
 
 On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 4.063 ms = 1.289x a decode step,
@@ -75,7 +76,11 @@ class Replay:
 
 def step_ms(decode, rows: int, verify: bool, block_size: int) -> float:
     "Milliseconds a step of `rows` rows of one sequence (positions CONTEXT - 1 ...), graph replays back to back."
-    args = step_args(rows, block_size)
+    return graph_ms(decode, step_args(rows, block_size), verify)
+
+
+def graph_ms(decode, args: tuple, verify: bool) -> float:
+    "Milliseconds a step with inputs `args` (`step_args`, `decode_args`): the median of 7 timings of REPLAYS replays."
     times = []
     for _ in range(7):
         torch.cuda.synchronize()
@@ -97,6 +102,19 @@ def step_args(rows: int, block_size: int) -> tuple:
         [table[p // block_size] * block_size + p % block_size for p in positions],
         [table] * rows,
         [p + 1 for p in positions],
+    )
+
+
+def decode_args(rows: int, block_size: int) -> tuple:
+    "A decode step's inputs for `rows` sequences, a row each at position CONTEXT - 1, each with a table of its own."
+    blocks, position = -(-(CONTEXT + 1) // block_size), CONTEXT - 1
+    tables = [list(range(j * blocks, (j + 1) * blocks)) for j in range(rows)]
+    return (
+        [100 + j for j in range(rows)],
+        [position] * rows,
+        [t[position // block_size] * block_size + position % block_size for t in tables],
+        tables,
+        [position + 1] * rows,
     )
 
 
@@ -191,8 +209,12 @@ def use_folded(tile: tuple[int, ...], per_shape: dict | None):
     1 + DRAFTS rows (chapter 09a's GEMV_ROWS_BF16); returns the function that undoes both."""
     from folded_rows_matmul import route_rows
 
+    from folded_rows_matmul import ROWS
+
     undo, rows_limit = route_rows(tile, per_shape), fused_layers.GEMV_ROWS_BF16
-    fused_layers.GEMV_ROWS_BF16 = 1 + DRAFTS
+    fused_layers.GEMV_ROWS_BF16 = (
+        ROWS  # (every step of 2-16 rows: LAB_DECODE_ROWS's decode steps too)
+    )
 
     def undo_both():
         undo()
@@ -221,7 +243,10 @@ def main(quantization: str) -> None:
         progress=False,
         quantization="none" if quantization == "bf16" else quantization,
     )
-    config = EngineConfig(max_num_seqs=1, max_model_len=4096, kv_cache_bytes=2 * 2**30)
+    decode_rows = [int(r) for r in os.environ.get("LAB_DECODE_ROWS", "").split(",") if r]
+    config = EngineConfig(
+        max_num_seqs=max(decode_rows, default=1), max_model_len=4096, kv_cache_bytes=2 * 2**30
+    )
     if os.environ.get("LAB_ROWS_CONFIGS"):
         use_rows_configs(os.environ["LAB_ROWS_CONFIGS"])
     plain = LLMEngine(loaded, config)
@@ -237,6 +262,10 @@ def main(quantization: str) -> None:
             f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step with BF16 rows "
             f"through the rows GEMV up to {fused_layers.GEMV_ROWS_BF16} rows; as exported: {base:.3f} ms = "
             f"{base / one:.3f}x"
+        )
+    for n in decode_rows:
+        print(
+            f"  decode graph, {n} sequences: {graph_ms(exported, decode_args(n, size), False):.3f} ms as exported"
         )
 
     routes = [(f"bf16_swap {t}", functools.partial(use_swap, t)) for t in lab_tiles("LAB_SWAP")]
@@ -254,6 +283,11 @@ def main(quantization: str) -> None:
         print(
             f"  verify graph, 1 + {DRAFTS} rows through {label}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
         )
+        for n in decode_rows:
+            print(
+                f"  decode graph, {n} sequences through {label}: "
+                f"{graph_ms(routed, decode_args(n, size), False):.3f} ms"
+            )
         if os.environ.get("LAB_PROFILE"):
             kernel_profile(routed, 1 + DRAFTS, True, size)
         del routed
