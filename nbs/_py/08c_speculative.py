@@ -40,8 +40,8 @@
 # (`LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`, random
 # Qwen3-4B in BF16, one sequence of 512 tokens), a decode step takes 3.23 ms and a verify step of
 # 1 + 4 rows 4.23 ms, **1.31×**: the rows leave the one-row GEMV for cuBLAS (about 0.47 ms of
-# matmuls more on an H200, `kernels_lab/few_rows_matmul.py`) and lose the norms it folds in. With
-# a proposer that is always right (`E = 5`) that bounds the speed-up at 3.8×.
+# matmuls more, `kernels_lab/few_rows_matmul.py`) and lose the norms it folds in. With a proposer
+# that is always right (`E = 5`) that bounds the speed-up at 3.8×.
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed
