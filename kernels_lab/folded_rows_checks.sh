@@ -6,13 +6,15 @@
 #       the decode step; then the first of them launched plainly (the tiles that win a matrix alone do not win in the
 #       step: folded_rows_matmul.py's sweep, `sweep` below); then plain decode steps of 2, 4, 8 and 16 sequences through
 #       it against the export (LAB_DECODE_ROWS), which a package that routes 2-16 BF16 rows through it would change
-#   bash kernels_lab/folded_rows_checks.sh sweep     # each Qwen3-4B matrix at 1 + 4 BF16 rows through the folded kernel
-#       in a sweep of tiles against cuBLAS with the small steps around it and the one-row GEMV (the best to $OUT/folded.json)
+#   bash kernels_lab/folded_rows_checks.sh sweep     # each Qwen3-4B matrix at 1 + 4 BF16 rows through the folded
+#       kernel in a sweep of tiles against cuBLAS with the small steps around it and the one-row GEMV (the best to
+#       $OUT/folded.json)
 #   bash kernels_lab/folded_rows_checks.sh sixteen   # 16 rows on Q8_0 planes (16 sequences of a GGUF file): the sweep
-#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV (and the kernel with x
-#       quantized to int8 and int8 products, as llama.cpp multiplies Q8_0: on an H100 2-2.5x slower); then the 16-sequence
-#       step with its rows through it, the norms handed off (sixteen_seqs_step.py's `folded`), against the export,
-#       launched plainly and as a dependent that lets the next kernel launch once its weights are read (LAB_FOLDED_PDL=late)
+#       against chapter 10g's split-K with its sums and small steps, and the one-row int8 group GEMV (and the kernel
+#       with x quantized to int8 and int8 products, as llama.cpp multiplies Q8_0: on an H100 2-2.5x slower); then the
+#       16-sequence step with its rows through it, the norms handed off (sixteen_seqs_step.py's `folded`), against the
+#       export, launched plainly and as a dependent that lets the next kernel launch once its weights are read
+#       (LAB_FOLDED_PDL=late)
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -27,8 +27,9 @@ step's kernels launched as dependents up to LAB_DEPENDENT_ROWS rows if set: chap
 DEPENDENT_LAUNCH_MAX_ROWS); LAB_FOLDED="BN,BK,W,ST[;...]" and / or LAB_FOLDED_TILES=FILE: part 1 also times
 verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`route_rows`: the norms handed off, SwiGLU
 and the residual adds folded in); LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
-sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through
-chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
+sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3
+run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's
+GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
 
 On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 4.063 ms = 1.289x a decode step,
 against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; with LAB_DEPENDENT_ROWS=8 as well:
@@ -205,16 +206,13 @@ def folded_tiles() -> list[tuple[tuple[int, ...], dict | None]]:
 
 
 def use_folded(tile: tuple[int, ...], per_shape: dict | None):
-    """Verify rows through folded_rows_matmul.py's kernel (`route_rows`), the layers handing their norms off up to
-    1 + DRAFTS rows (chapter 09a's GEMV_ROWS_BF16); returns the function that undoes both."""
-    from folded_rows_matmul import route_rows
-
-    from folded_rows_matmul import ROWS
+    """Steps of 2-16 BF16 rows (verify steps, and LAB_DECODE_ROWS's decode steps) through folded_rows_matmul.py's
+    kernel (`route_rows`), the layers handing their norms off up to 16 rows (chapter 09a's GEMV_ROWS_BF16); returns
+    the function that undoes both."""
+    from folded_rows_matmul import ROWS, route_rows
 
     undo, rows_limit = route_rows(tile, per_shape), fused_layers.GEMV_ROWS_BF16
-    fused_layers.GEMV_ROWS_BF16 = (
-        ROWS  # (every step of 2-16 rows: LAB_DECODE_ROWS's decode steps too)
-    )
+    fused_layers.GEMV_ROWS_BF16 = ROWS
 
     def undo_both():
         undo()
