@@ -17,6 +17,7 @@ from .kernels.backend import kernels_available
 from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
 from .kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_folds_norms, gemv_hands_off_norms
+from .kernels.rows_matmul import ROWS_MATMUL_MAX_ROWS, rows_matmul, rows_matmul_tiles
 from forge_engine.model import (
     MLP,
     Attention,
@@ -28,14 +29,15 @@ from forge_engine.model import (
 )
 
 # %% auto #0
-__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'linear', 'FusedLinear', 'FusedRMSNorm',
-           'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer',
-           'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP', 'CPUAttention', 'install_cpu_layers']
+__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'decode_matmul', 'linear', 'FusedLinear',
+           'FusedRMSNorm', 'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer',
+           'FusedTransformer', 'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP', 'CPUAttention',
+           'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
-# steps of up to GEMV_ROWS tokens use `gemv` on a GPU (measured: one row only pays), with 2-byte weights up to
-# GEMV_ROWS_BF16 (its rows layout takes up to 8 rows: chapter 09 says why the model sends it one)
-GEMV_ROWS, GEMV_ROWS_BF16 = 1, 1
+# steps of up to GEMV_ROWS tokens use `gemv` on a GPU (int8's GEMV: one row only pays); with 2-byte weights up to
+# GEMV_ROWS_BF16, the rows past the first through `rows_matmul` (`decode_matmul`)
+GEMV_ROWS, GEMV_ROWS_BF16 = 1, ROWS_MATMUL_MAX_ROWS
 
 
 @functools.cache
@@ -44,10 +46,28 @@ def _kernels_compiled() -> bool:
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether x is a decode step's few rows on a GPU where `gemv` runs compiled: up to GEMV_ROWS, or up to
-    GEMV_ROWS_BF16 times a 2-byte `weight`."""
+    """Whether x is a decode step's few rows on a GPU where the kernels run compiled (`decode_matmul`): up to
+    GEMV_ROWS, or up to GEMV_ROWS_BF16 times a 2-byte `weight`."""
     rows = GEMV_ROWS_BF16 if weight is not None and weight.element_size() == 2 else GEMV_ROWS
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
+
+
+def decode_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    *,
+    norm: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
+    **folds,
+):
+    """x @ weight.T for a decode step's rows (`takes_gemv`) with `gemv`'s arguments and folds: 2-16 rows of 2-byte
+    weights (no norm to apply: those steps hand theirs off) by `rows_matmul` on the tensor cores, counting its
+    split-K programs on `tickets` (int32 zeros, this launch's alone; None: new ones); anything else by `gemv`."""
+    if x.shape[0] > 1 and weight.element_size() == 2 and scale is None and norm is None:
+        return rows_matmul(x, weight, bias, tickets=tickets, **folds)
+    return gemv(x, weight, bias, scale, norm=norm, **folds)
 
 
 def linear(
@@ -56,10 +76,10 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear; a decode step's rows on a GPU (`takes_gemv`) through `gemv`. `out`: a contiguous [rows, out_features]
-    tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
+    """F.linear; a decode step's rows on a GPU (`takes_gemv`) through `decode_matmul`. `out`: a contiguous [rows,
+    out_features] tensor to write the result into (chapter 09c's all-reduce buffer), else a new one."""
     if takes_gemv(x, weight):
-        return gemv(x, weight, bias, out=out)
+        return decode_matmul(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
     return (
@@ -109,11 +129,13 @@ def folded_gemv(
     swiglu: bool = False,
     handed_in: HandedNorm | None = None,
     hand_off: HandedNorm | None = None,
+    tickets: torch.Tensor | None = None,
 ):
-    """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of `gemv` (the layer has
+    """`layer`(norm(x)) (+ residual) for a decode step's rows, by one launch of `decode_matmul` (the layer has
     `gemv_operands`): the norm applied to x as the GEMV reads it, the residual added in its epilogue.
     `handed_in`: x is that norm applied but for its 1 / rms, which the GEMV takes from the sums. `hand_off` (with
-    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums.
+    `residual`): -> (h, h x the norm's weight) for h the result, h's squares added to its sums. `tickets`: this
+    launch's split-K tickets, for `rows_matmul`.
     A layer with a GEMV of its own (`decode_gemv`: chapter 10's int4) takes the same folds but `norm`."""
     eps = norm.eps if norm is not None else handed_in.norm.eps if handed_in is not None else 1e-6
     folds = dict(
@@ -129,7 +151,8 @@ def folded_gemv(
                 f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)"
             )
         return layer.decode_gemv(x, **folds)
-    return gemv(x, *layer.gemv_operands(), norm=None if norm is None else norm.weight, **folds)
+    norm_weight = None if norm is None else norm.weight
+    return decode_matmul(x, *layer.gemv_operands(), norm=norm_weight, tickets=tickets, **folds)
 
 # %% ../nbs/09a_fused_layers.ipynb #217a921a
 class FusedAttention(Attention):
@@ -145,14 +168,17 @@ class FusedAttention(Attention):
         residual: torch.Tensor | None = None,
         handed_in: HandedNorm | None = None,
         hand_off: HandedNorm | None = None,
+        tickets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`norm`, `residual`: a decode step's folds (see FusedDecoderLayer): x normalised by the qkv GEMV, residual
-        added by o's. `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
+        added by o's. `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`). `tickets`:
+        [2, T] int32 zeros, qkv's and o's split-K tickets (`folded_gemv`)."""
         c = self.config
+        qkv_tickets, o_tickets = (None, None) if tickets is None else tickets
         qkv = (
             self.qkv(x)
             if norm is None and handed_in is None
-            else folded_gemv(self.qkv, x, norm, handed_in=handed_in)
+            else folded_gemv(self.qkv, x, norm, handed_in=handed_in, tickets=qkv_tickets)
         )
         q, k, v = self.heads(qkv)
         q_weight, k_weight = (
@@ -179,7 +205,7 @@ class FusedAttention(Attention):
         return (
             self.o(out)
             if residual is None
-            else folded_gemv(self.o, out, residual=residual, hand_off=hand_off)
+            else folded_gemv(self.o, out, residual=residual, hand_off=hand_off, tickets=o_tickets)
         )
 
 
@@ -193,22 +219,30 @@ class FusedMLP(MLP):
         residual: torch.Tensor | None = None,
         handed_in: HandedNorm | None = None,
         hand_off: HandedNorm | None = None,
+        tickets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`norm`, `residual`: a decode step's folds (see FusedDecoderLayer): residual + down(silu_mul(gate_up(norm(x)))).
-        `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`)."""
+        `handed_in`, `hand_off`: the norms handed between GEMVs instead (`folded_gemv`). `tickets`: [2, T] int32
+        zeros, gate-up's and down's split-K tickets (`folded_gemv`)."""
         if (
             norm is not None or handed_in is not None
         ):  # two GEMVs: the norm and SiLU-mul in the first, the add in the second
+            gate_up_tickets, down_tickets = (None, None) if tickets is None else tickets
             return folded_gemv(
                 self.down,
-                folded_gemv(self.gate_up, x, norm, swiglu=True, handed_in=handed_in),
+                folded_gemv(
+                    self.gate_up, x, norm, swiglu=True, handed_in=handed_in, tickets=gate_up_tickets
+                ),
                 residual=residual,
                 hand_off=hand_off,
+                tickets=down_tickets,
             )
         if hasattr(self.gate_up, "gemv_operands"):
             operands = self.gate_up.gemv_operands()
             if takes_gemv(x, operands[0]):
-                return self.down(gemv(x, *operands, swiglu=True))  # SiLU-mul by the GEMV
+                return self.down(
+                    decode_matmul(x, *operands, swiglu=True)
+                )  # SiLU-mul in its epilogue
         # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
         elif hasattr(self.gate_up, "decode_gemv") and takes_gemv(x) and x.shape[0] <= GEMV_MAX_ROWS:
             return self.down(self.gate_up.decode_gemv(x, swiglu=True))
@@ -241,13 +275,25 @@ class FusedDecoderLayer(DecoderLayer):
         attention,
         sums: torch.Tensor,
         hand_off: HandedNorm | None,
+        tickets: torch.Tensor | None = None,
     ):
         """`forward` for a decode step whose norms travel between the GEMVs (`hands_off_norms`): h is the residual
         stream, x its attn_norm as `handed_in` says (None: normalised already). Returns (h after the layer,
-        `hand_off`'s norm of it but for 1 / rms, or None without one). `sums`: zeroed floats [rows] for mlp_norm's."""
+        `hand_off`'s norm of it but for 1 / rms, or None without one). `sums`: zeroed floats [rows] for mlp_norm's.
+        `tickets`: [4, T] int32 zeros, the split-K tickets of qkv, o, gate-up and down (`rows_matmul`'s), or None."""
         mlp = HandedNorm(self.mlp_norm, sums)
-        h, x = self.attn(x, cos, sin, attention, residual=h, handed_in=handed_in, hand_off=mlp)
-        out = self.mlp(x, residual=h, handed_in=mlp, hand_off=hand_off)
+        attn_tickets, mlp_tickets = (None, None) if tickets is None else (tickets[:2], tickets[2:])
+        h, x = self.attn(
+            x,
+            cos,
+            sin,
+            attention,
+            residual=h,
+            handed_in=handed_in,
+            hand_off=mlp,
+            tickets=attn_tickets,
+        )
+        out = self.mlp(x, residual=h, handed_in=mlp, hand_off=hand_off, tickets=mlp_tickets)
         return out if hand_off is not None else (out, None)
 
     def folds_norms(self, x: torch.Tensor) -> bool:
@@ -271,6 +317,18 @@ class FusedDecoderLayer(DecoderLayer):
                 for layer in self._projections()
             )
         )
+
+    def rows_matmul_tiles(self, x: torch.Tensor) -> int:
+        """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul` (`decode_matmul`: 2-16
+        rows of 2-byte weights), else 0: how many split-K tickets each launch needs."""
+        weights = (
+            [layer.gemv_operands()[0] for layer in self._projections()]
+            if self._gemv_reads_all(x)
+            else []
+        )
+        if x.shape[0] < 2 or not weights or weights[0].element_size() != 2:
+            return 0
+        return max(rows_matmul_tiles(w.shape[0]) for w in weights)
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for the GEMV, and each of the four layers is one it reads."
@@ -298,12 +356,26 @@ class FusedTransformer(Transformer):
         sums = torch.zeros(
             2 * len(self.layers), h.shape[0], device=h.device
         )  # per norm and row; one memset a step
+        tiles = self.layers[0].rows_matmul_tiles(h)
+        tickets = (  # each launch's own split-K tickets (a launch may still finish as the next starts); one memset
+            torch.zeros(len(self.layers), 4, tiles, dtype=torch.int32, device=h.device)
+            if tiles
+            else None
+        )
         x, handed = self.layers[0].attn_norm(h), None
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             hand_off = None if last else HandedNorm(self.layers[i + 1].attn_norm, sums[2 * i + 1])
             h, x = layer.forward_handing_off(
-                h, x, handed, cos, sin, attention, sums[2 * i], hand_off
+                h,
+                x,
+                handed,
+                cos,
+                sin,
+                attention,
+                sums[2 * i],
+                hand_off,
+                None if tickets is None else tickets[i],
             )
             handed = hand_off
         return self.norm(h)

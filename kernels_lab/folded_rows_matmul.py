@@ -78,7 +78,7 @@ from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_su
 from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm, silu_mul
 from forge_engine.kernels.gemv import _norm_scale, _start_gemv, gemv
 from forge_engine.quant.gguf_gpu import int8_group_gemv, int8_group_matmul
-from forge_engine.quant.split_k import _target_programs
+from forge_engine.kernels.backend import split_k_programs
 from few_rows_matmul import SHAPES, step_folds
 from sixteen_rows_swap import ROWS, _swap_dot, _x_columns
 
@@ -388,7 +388,7 @@ def folded_rows_matmul(
     out_n = n // 2 if swiglu else n
     tiles, k_steps = triton.cdiv(out_n, block_n), k // block_k
     if split is None:
-        split = max(1, min(k_steps, _target_programs(x.device) // tiles))
+        split = max(1, min(k_steps, split_k_programs(x.device) // tiles))
     per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, per_split)
     out = torch.empty(m, out_n, device=x.device, dtype=x.dtype)
@@ -413,21 +413,19 @@ def folded_rows_matmul(
 
 
 def route_rows(tile: tuple[int, ...], per_shape: dict | None = None):
-    """Chapter 09a's GEMV calls of 2-16 BF16 rows (a verify step's, with `GEMV_ROWS_BF16` raised so that its layers
-    hand their norms off) through `folded_rows_matmul` in `tile`, or per_shape[(N, K)]'s; returns the function that
-    undoes it."""
-    exported = fused_layers.gemv
+    """Chapter 09a's matmuls of 2-16 BF16 rows (`decode_matmul`'s calls of chapter 09's `rows_matmul`) through
+    `folded_rows_matmul` in `tile`, or per_shape[(N, K)]'s; returns the function that undoes it."""
+    exported = fused_layers.rows_matmul
 
-    def gemv(x, weight, bias=None, scale=None, *, norm=None, out=None, eps=1e-6, **folds):
-        plain = bias is None and scale is None and norm is None
-        if 2 <= x.shape[0] <= ROWS and weight.dtype == torch.bfloat16 and plain:
-            shape_tile = (per_shape or {}).get(tuple(weight.shape), tile)
-            y = folded_rows_matmul(x, weight, eps=eps, tile=shape_tile, **folds)
-            return y if out is None else out.copy_(y)
-        return exported(x, weight, bias, scale, norm=norm, out=out, eps=eps, **folds)
+    def rows_matmul(x, weight, bias=None, *, tickets=None, out=None, eps=1e-6, **folds):
+        if bias is not None:
+            return exported(x, weight, bias, tickets=tickets, out=out, eps=eps, **folds)
+        shape_tile = (per_shape or {}).get(tuple(weight.shape), tile)
+        y = folded_rows_matmul(x, weight, eps=eps, tile=shape_tile, **folds)
+        return y if out is None else out.copy_(y)
 
-    fused_layers.gemv = gemv
-    return lambda: setattr(fused_layers, "gemv", exported)
+    fused_layers.rows_matmul = rows_matmul
+    return lambda: setattr(fused_layers, "rows_matmul", exported)
 
 
 def check_route(device: str) -> float:

@@ -43,7 +43,8 @@ import triton.language as tl
 from forge_engine.kernels.backend import INTERPRETED
 from forge_engine.kernels.gemv import _int8x4_to_f32
 from forge_engine.quant.gemv import _nibbles_to_f32
-from forge_engine.quant.split_k import _sum_splits_kernel, _target_programs
+from forge_engine.kernels.backend import split_k_programs
+from forge_engine.quant.split_k import _sum_splits_kernel
 
 SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 ROWS = 16
@@ -323,7 +324,7 @@ def _launch_swap(kernel, x, weights, n, k_step, block_n, warps, stages, split=No
     assert m <= ROWS and k % k_step == 0, (m, k, k_step)
     n_tiles, k_steps = triton.cdiv(n, block_n), k // k_step
     if split is None:
-        split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
+        split = max(1, min(k_steps, split_k_programs(x.device) // n_tiles))
     per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, per_split)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)

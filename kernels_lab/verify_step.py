@@ -258,12 +258,14 @@ def main(quantization: str) -> None:
         ms, base = step_ms(decode, 1 + k, True, size), step_ms(exported, 1 + k, True, size)
         print(
             f"  verify graph, 1 + {k} rows: {ms:.3f} ms = {ms / one:.3f}x a decode step with BF16 rows "
-            f"through the rows GEMV up to {fused_layers.GEMV_ROWS_BF16} rows; as exported: {base:.3f} ms = "
+            f"through the kernels up to {fused_layers.GEMV_ROWS_BF16} rows (else cuBLAS); as exported: {base:.3f} ms = "
             f"{base / one:.3f}x"
         )
     for n in decode_rows:
         print(
-            f"  decode graph, {n} sequences: {graph_ms(exported, decode_args(n, size), False):.3f} ms as exported"
+            f"  decode graph, {n} sequences: {graph_ms(exported, decode_args(n, size), False):.3f} ms as exported; "
+            f"{graph_ms(decode, decode_args(n, size), False):.3f} ms with BF16 rows through the kernels up to "
+            f"{fused_layers.GEMV_ROWS_BF16} rows (else cuBLAS)"
         )
 
     routes = [(f"bf16_swap {t}", functools.partial(use_swap, t)) for t in lab_tiles("LAB_SWAP")]

@@ -187,12 +187,12 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
         assert logits[other][0, logits["folded"].argmax()] >= logits[other].max() - atol, other
 
 
-@pytest.mark.parametrize("rows", [3, 8])
-def test_bf16_decode_rows_through_the_rows_gemv_match_cublas(rows, monkeypatch):
-    """A BF16 decode step of several sequences (their rows through chapter 09's rows GEMV with the norms handed from
-    GEMV to GEMV: chapter 09a's GEMV_ROWS_BF16) against the same step with the rows through cuBLAS and the separate kernels, both
-    replayed from CUDA graphs after the same prefill: logits within BF16, each row's pick scored as the best under
-    the other, within that."""
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_bf16_decode_rows_through_the_rows_matmul_match_cublas(rows, monkeypatch):
+    """A BF16 decode step of several sequences (their rows through chapter 09's `rows_matmul` with the norms handed
+    from matmul to matmul: chapter 09a's GEMV_ROWS_BF16) against the same step with the rows through cuBLAS and the
+    separate kernels, both replayed from CUDA graphs after the same prefill: logits within BF16, each row's pick
+    scored as the best under the other, within that."""
     import forge_engine.fused_layers as fused_layers
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.fused_layers import install_fused_layers
@@ -219,7 +219,7 @@ def test_bf16_decode_rows_through_the_rows_gemv_match_cublas(rows, monkeypatch):
         [41] * rows,
     )
     logits = {}
-    for label, gemv_rows in (("gemv", 8), ("cublas", 1)):
+    for label, gemv_rows in (("rows_matmul", fused_layers.GEMV_ROWS_BF16), ("cublas", 1)):
         monkeypatch.setattr(
             fused_layers, "GEMV_ROWS_BF16", gemv_rows
         )  # asked when the graphs are recorded
@@ -233,8 +233,8 @@ def test_bf16_decode_rows_through_the_rows_gemv_match_cublas(rows, monkeypatch):
         logits[label] = runner.run(*step).float()
     # as the one-row fold against the separate kernels (test above): a few roundings of 2^-8 of the largest logit
     atol = 2e-2 * logits["cublas"].abs().max().item()
-    torch.testing.assert_close(logits["gemv"], logits["cublas"], rtol=0, atol=atol)
-    picks = logits["gemv"].argmax(-1)
+    torch.testing.assert_close(logits["rows_matmul"], logits["cublas"], rtol=0, atol=atol)
+    picks = logits["rows_matmul"].argmax(-1)
     best = logits["cublas"].max(-1).values
     assert (logits["cublas"].gather(1, picks[:, None])[:, 0] >= best - atol).all()
 
@@ -272,6 +272,45 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
     torch.testing.assert_close(
         gemv(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2
     )
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize(
+    "n,k", [(6144, 2560), (2560, 9728), (19456, 2560), (151936, 2560), (1000, 300)]
+)
+def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k):
+    """Chapter 09's tensor-core matmul for a few rows against cuBLAS followed by the small steps it folds in (gemv's
+    PyTorch path), on Qwen3-4B's shapes (split along K or not): plain, SiLU-mul, the residual with the next norm
+    handed on, the handed norm taken in. Replayed, a launch gives the same bits and leaves its tickets zero."""
+    from forge_engine.kernels.gemv import gemv_folds_reference
+    from forge_engine.kernels.rows_matmul import rows_matmul, rows_matmul_tiles
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(n, device="cuda", generator=gen) + 0.5).bfloat16()
+    sums = torch.rand(rows, device="cuda", generator=gen) * k + 1
+    tickets = torch.zeros(rows_matmul_tiles(n), device="cuda", dtype=torch.int32)
+
+    def close(
+        got, want
+    ):  # fp32 sums in another order, then bf16 roundings: a few 2^-8 of the largest output
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale)
+
+    first = rows_matmul(x, w, tickets=tickets)
+    close(first, gemv_folds_reference(x, w))
+    assert torch.equal(rows_matmul(x, w, tickets=tickets), first) and not tickets.any()
+    close(
+        rows_matmul(x, w, swiglu=True, norm_sums=sums),
+        gemv_folds_reference(x, w, swiglu=True, norm_sums=sums),
+    )
+    got_sums, want_sums = torch.zeros_like(sums), torch.zeros_like(sums)
+    got = rows_matmul(x, w, residual=res, hand_off=(g, got_sums), tickets=tickets)
+    want = gemv_folds_reference(x, w, residual=res, hand_off=(g, want_sums))
+    for a, b in zip((*got, got_sums), (*want, want_sums)):
+        close(a, b)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'IMPLS', 'DEPENDENT_LAUNCH_MAX_ROWS', 'interpret_without_a_gpu', 'kernel_backend', 'kernels_available',
-           'kernels_report', 'pdl_supported']
+           'kernels_report', 'split_k_programs', 'pdl_supported']
 
 # %% ../../nbs/09_kernels.ipynb #0ebf81bb
 import functools
@@ -99,6 +99,16 @@ def _pow2(n: int) -> int:
 
 def _stages(num_stages: int | None) -> dict:
     return {} if num_stages is None else {"num_stages": num_stages}
+
+
+@functools.cache
+def split_k_programs(device) -> int:
+    """The programs a launch split along K aims for (chapter 10b's skinny matmuls, chapter 09's tensor-core matmul for
+    several rows): four an SM, enough to keep every SM streaming; 8 where there is no GPU (the interpreter's tests)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
 
 
 # Programmatic dependent launch (Hopper and newer; chapter 09_kernels_gemv tells why): a

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['GEMV_MAX_ROWS', 'GEMV_ROWS_LAYOUT_MAX_ROWS', 'GEMV_ROWS_MAX_N', 'GEMV_ROWS_INT8_MIN_N', 'gemv_folds_norms',
-           'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'hand_off_operands',
-           'check_gemv_folds', 'gemv']
+           'gemv_hands_off_norms', 'gemv_layout', 'gemv_config', 'gemv_reference', 'gemv_folds_reference',
+           'hand_off_operands', 'check_gemv_folds', 'gemv']
 
 # %% ../../nbs/09_kernels_gemv.ipynb #4b042ed9
 # Why one module of ~800 lines: it is one concept, the GEMV for one to four rows, and its parts
@@ -698,6 +698,39 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
+def gemv_folds_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str = "torch",
+):
+    """PyTorch: what `gemv` returns with these folds (its arguments, checked by it), each step a launch of its own
+    (`backend`'s SiLU-mul). Also the reference of chapter 09's tensor-core matmul for several rows."""
+    if norm is not None:
+        x = add_rmsnorm_reference(x, None, norm, eps)[0]
+    if norm_sums is not None:
+        x = (x.float() * torch.rsqrt(norm_sums[:, None] / x.shape[1] + eps)).to(x.dtype)
+    result = gemv_reference(x, weight, bias, scale)
+    if swiglu:
+        return silu_mul(result, backend)
+    if residual is not None:
+        result = residual + result
+    result = result if out is None else out.copy_(result)
+    if hand_off is None:
+        return result
+    hand_off[1].add_(result.float().square().sum(-1))
+    return result, result * hand_off[0].to(result.dtype)
+
+
 def hand_off_operands(
     out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None, unused: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -814,20 +847,10 @@ def gemv(
     check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        if norm is not None:
-            x = add_rmsnorm_reference(x, None, norm, eps)[0]
-        if norm_sums is not None:
-            x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
-        result = gemv_reference(x, weight, bias, scale)
-        if swiglu:
-            return silu_mul(result, backend)
-        if residual is not None:
-            result = residual + result
-        result = result if out is None else out.copy_(result)
-        if hand_off is None:
-            return result
-        hand_off[1].add_(result.float().square().sum(-1))
-        return result, result * hand_off[0].to(result.dtype)
+        return gemv_folds_reference(
+            x, weight, bias, scale, swiglu=swiglu, out=out, norm=norm, eps=eps, residual=residual,
+            norm_sums=norm_sums, hand_off=hand_off, backend=backend,
+        )  # fmt: skip
     default = gemv_config(
         n, k, weight.element_size(), layout, m
     )  # the measured configuration, where none is asked for

@@ -5,8 +5,6 @@
 # %% ../../nbs/10b_quant_split_k.ipynb #4a086522
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from forge_engine.kernels.backend import (
@@ -15,6 +13,7 @@ from forge_engine.kernels.backend import (
     _dot_precision,
     _pow2,
     kernel_backend,
+    split_k_programs,
     tl,
     triton,
 )
@@ -179,13 +178,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _target_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def _skinny_matmul(
     kernel,
     x: torch.Tensor,
@@ -210,7 +202,7 @@ def _skinny_matmul(
         triton.cdiv(k, k_step),
     )
     if split is None:
-        split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
+        split = max(1, min(k_steps, split_k_programs(x.device) // n_tiles))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no empty slices
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)

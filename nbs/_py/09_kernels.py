@@ -182,6 +182,16 @@ def _stages(num_stages: int | None) -> dict:
     return {} if num_stages is None else {"num_stages": num_stages}
 
 
+@functools.cache
+def split_k_programs(device) -> int:
+    """The programs a launch split along K aims for (chapter 10b's skinny matmuls, chapter 09's tensor-core matmul for
+    several rows): four an SM, enough to keep every SM streaming; 8 where there is no GPU (the interpreter's tests)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 # Programmatic dependent launch (Hopper and newer; chapter 09_kernels_gemv tells why): a
 # kernel launched with it may start while the kernel before it is still finishing, once that
 # kernel allows it; it must wait (`gdc_wait`) before reading what that kernel writes.

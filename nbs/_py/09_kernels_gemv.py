@@ -46,10 +46,9 @@ gen = torch.Generator().manual_seed(2)
 # loading `BLOCK_K`-wide tiles of those rows as wide vector loads, multiplying by the (tiny,
 # cached) input rows and keeping fp32 partial sums in registers; one reduction at the end.
 # Several input rows share every weight tile (batch 2 and 4 read the weights once, not twice or
-# four times): up to `GEMV_MAX_ROWS` in the tile layout, 8 in the rows layout (below). A variant
-# that multiplied 5-16 rows by each tile with `tl.dot` ran an H100 verify step of 1 + 4 rows at
-# 2.15x a decode step against cuBLAS's 1.33x (`kernels_lab/verify_step.py`), so the package has
-# none.
+# four times): up to `GEMV_MAX_ROWS` in the tile layout, 8 in the rows layout (below). The
+# model sends it one row: BF16 steps of 2-16 rows go to the tensor cores, with the same folds
+# (chapter 09_kernels_rows_matmul).
 #
 # ```
 #                      K (inputs) ──────────────────────────────────────────▶
@@ -151,8 +150,9 @@ gen = torch.Generator().manual_seed(2)
 # LM head, and the k = 4 verify step of random Qwen3-4B in its best tiles takes **1.34x** a decode
 # step against cuBLAS's 1.30x (`LAB_FOLD=handoff LAB_BEST_OUT=rows.json python3
 # kernels_lab/few_rows_matmul.py 5`, then `LAB_ROWS_CONFIGS=rows.json python3
-# kernels_lab/verify_step.py bf16`). So chapter 09a sends the GEMV one row of BF16
-# (`GEMV_ROWS_BF16`), and the several-row form is there for the tests and the lab.
+# kernels_lab/verify_step.py bf16`). So chapter 09a sends BF16 steps of 2-16 rows to the
+# tensor-core matmul of chapter 09_kernels_rows_matmul instead (`decode_matmul`), and the
+# several-row form is there for the tests and the lab.
 #
 # **The add + RMSNorm folded in** (`norm`, `residual`). `gemv(x, w, norm=g, eps=...)` multiplies
 # x by the norm weight as it loads it and sums x² on the side (`_normed_x`); the program, which
@@ -835,6 +835,39 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None)
     return out if bias is None else out + bias
 
 
+def gemv_folds_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str = "torch",
+):
+    """PyTorch: what `gemv` returns with these folds (its arguments, checked by it), each step a launch of its own
+    (`backend`'s SiLU-mul). Also the reference of chapter 09's tensor-core matmul for several rows."""
+    if norm is not None:
+        x = add_rmsnorm_reference(x, None, norm, eps)[0]
+    if norm_sums is not None:
+        x = (x.float() * torch.rsqrt(norm_sums[:, None] / x.shape[1] + eps)).to(x.dtype)
+    result = gemv_reference(x, weight, bias, scale)
+    if swiglu:
+        return silu_mul(result, backend)
+    if residual is not None:
+        result = residual + result
+    result = result if out is None else out.copy_(result)
+    if hand_off is None:
+        return result
+    hand_off[1].add_(result.float().square().sum(-1))
+    return result, result * hand_off[0].to(result.dtype)
+
+
 def hand_off_operands(
     out: torch.Tensor, norm_sums: torch.Tensor | None, hand_off: tuple | None, unused: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -951,20 +984,10 @@ def gemv(
     check_gemv_folds("gemv", x, n, swiglu, residual, norm_sums, hand_off)
     backend = kernel_backend(x.device, impl)
     if backend == "torch" or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        if norm is not None:
-            x = add_rmsnorm_reference(x, None, norm, eps)[0]
-        if norm_sums is not None:
-            x = (x.float() * torch.rsqrt(norm_sums[:, None] / k + eps)).to(x.dtype)
-        result = gemv_reference(x, weight, bias, scale)
-        if swiglu:
-            return silu_mul(result, backend)
-        if residual is not None:
-            result = residual + result
-        result = result if out is None else out.copy_(result)
-        if hand_off is None:
-            return result
-        hand_off[1].add_(result.float().square().sum(-1))
-        return result, result * hand_off[0].to(result.dtype)
+        return gemv_folds_reference(
+            x, weight, bias, scale, swiglu=swiglu, out=out, norm=norm, eps=eps, residual=residual,
+            norm_sums=norm_sums, hand_off=hand_off, backend=backend,
+        )  # fmt: skip
     default = gemv_config(
         n, k, weight.element_size(), layout, m
     )  # the measured configuration, where none is asked for

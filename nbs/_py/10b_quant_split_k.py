@@ -27,8 +27,6 @@
 #| export
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from forge_engine.kernels.backend import (
@@ -37,6 +35,7 @@ from forge_engine.kernels.backend import (
     _dot_precision,
     _pow2,
     kernel_backend,
+    split_k_programs,
     tl,
     triton,
 )
@@ -211,13 +210,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _target_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def _skinny_matmul(
     kernel,
     x: torch.Tensor,
@@ -242,7 +234,7 @@ def _skinny_matmul(
         triton.cdiv(k, k_step),
     )
     if split is None:
-        split = max(1, min(k_steps, _target_programs(x.device) // n_tiles))
+        split = max(1, min(k_steps, split_k_programs(x.device) // n_tiles))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no empty slices
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)

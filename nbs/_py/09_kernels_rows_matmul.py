@@ -1,0 +1,478 @@
+# %% [markdown]
+# # Kernels: a few rows on the tensor cores
+#
+# > The matmul for 2-16 rows of x and BF16 weights (a verify step's 1 + k rows, a decode step of a few sequences) on the tensor cores, split along K in one launch, with the GEMV's folds in its epilogue.
+
+# %%
+#| default_exp kernels.rows_matmul
+
+# %%
+#| export
+import torch
+
+from forge_engine.kernels.backend import (
+    INTERPRETED,
+    _wait_for_previous,
+    kernel_backend,
+    pdl_supported,
+    split_k_programs,
+    tl,
+    triton,
+)
+from forge_engine.kernels.elementwise import _silu_times
+from forge_engine.kernels.gemv import _norm_scale, check_gemv_folds, gemv_folds_reference
+
+# %%
+#| hide
+import pytest
+
+gen = torch.Generator().manual_seed(9)
+
+# %% [markdown]
+# A step of a few rows (a verify step of 1 + 4 tokens, chapter 08c; a decode step of a few
+# sequences) reads every weight once, as a one-row step does, so it should cost about what a
+# one-row step costs. Sent to cuBLAS it did not: on an H100 the verify step of random Qwen3-4B
+# took 1.31x a decode step. Its matmuls read the weights no faster than the one-row GEMV, and
+# around them ran what the GEMV folds away: split-K reductions, add + RMSNorm twice a layer,
+# SiLU-mul, each a launch of its own (145 matmuls and 289 small launches a step).
+#
+# This kernel multiplies on the tensor cores and keeps the GEMV's folds (chapter 09's `gemv`:
+# `swiglu`, `residual`, `norm_sums`, `hand_off`). Two things make a 16-wide `tl.dot` fit a step
+# of 2-16 rows:
+#
+# - **The weights are the left operand.** `tl.dot` needs at least 16 rows on each side; x has
+#   only a few. So a program multiplies its `BLOCK_N` weight rows `[BLOCK_N, BLOCK_K]` by x's rows
+#   as columns `[BLOCK_K, 16]` (rows past M read as 0) into `acc [BLOCK_N, 16]`, the output
+#   transposed, and stores it back in rows. The padding costs tensor-core work, which a step of a
+#   few rows has to spare; the bytes read are the weights' alone.
+# - **Split along K in the same launch.** Qwen3-4B's o and down matrices have 2,560 outputs: 80
+#   tiles of 32, too few programs for 132 SMs. So each tile's K is split over programs
+#   (`split_k_programs`: about four an SM). Each program stores its partial sums; the last of a
+#   tile's programs to finish (a ticket a tile, taken with an atomic add) adds the tile's partials
+#   in split order, the same sums every time, and runs the epilogue. No second launch, no
+#   reduction kernel.
+#
+# ```
+#            K ──────────────────────────────────────────▶
+#          ┌──────────────┬──────────────┬──────────────┐
+# tile 0   │ program k=0  │ program k=1  │ program k=2  │  BLOCK_N weight rows
+#          └──────┬───────┴──────┬───────┴──────┬───────┘
+#                 ▼ partials     ▼ partials     ▼ partials (fp32, [split, M, N])
+#            ticket += 1 ... the third to arrive sums them, k = 0, 1, 2, and runs the epilogue
+#                             (1/rms, bias, SiLU-mul or + residual, the next norm handed on)
+# ```
+#
+# **Launched as a dependent** (Hopper, chapter 09's GEMV tells what it is): a program asks for its
+# first weights before it waits for x, and lets the next kernel launch only once its weights are
+# read. Letting the next kernel launch at once, as the one-row GEMV does, was slower: the next
+# kernel's programs then sit on the SMs waiting while these still stream weights (on an H100 the
+# verify step 1.273x against 1.158x; `kernels_lab/folded_rows_matmul.py`'s `LAB_FOLDED_PDL`).
+#
+# **The tile** (`ROWS_MATMUL_TILE`): 32 weight rows by 128 inputs, 2 warps, 3 stages. Compiled for
+# Hopper it is `mma.sync` fed by plain loads: 255 registers a thread, no spills, four programs an
+# SM. Tiles were chosen in the whole step, not one matrix at a time: the tiles that win a matrix
+# timed alone lose inside the step.
+#
+# | tile (BLOCK_N, BLOCK_K, warps, stages) | H100, verify 1 + 4 rows ÷ decode step |
+# |---|---|
+# | 32, 128, 2, 3 | **1.158** |
+# | 32, 128, 1, 3 | 1.164 |
+# | 32, 128, 4, 3 | 1.173 |
+# | 16, 128, 2, 3 | 1.193 |
+# | 64, 128, 2, 3 | 1.209 |
+# | cuBLAS and the small kernels | 1.310 |
+#
+# Reproduce: `OUT=DIR bash kernels_lab/folded_rows_checks.sh verify` (random Qwen3-4B).
+#
+# Chapter 09a sends it every step of 2-16 rows with 2-byte weights (`GEMV_ROWS_BF16`), and those
+# steps hand their norms from matmul to matmul. Its split-K tickets belong to the caller: int32
+# zeros, which the kernel leaves zero; a decode step takes one zeroed buffer for all its layers
+# (one memset a step, as the handed norms' sums).
+
+# %%
+#| export
+ROWS_MATMUL_MAX_ROWS = (
+    16  # the rows of x a program takes: the narrowest side of a tensor-core product
+)
+ROWS_MATMUL_TILE = (
+    32,
+    128,
+    2,
+    3,
+)  # (BLOCK_N, BLOCK_K, warps, stages): the verify step's winner, above
+
+
+def rows_matmul_tiles(n: int, swiglu: bool = False) -> int:
+    "The tiles (and split-K tickets) of a `rows_matmul` over an [n, K] weight: one per BLOCK_N outputs."
+    return triton.cdiv(n // 2 if swiglu else n, ROWS_MATMUL_TILE[0])
+
+
+@triton.jit
+def _weight_rows(w_ptr, rows, n_ok, offs_k, K, stride_wn, EVEN_K: tl.constexpr):
+    "The weight rows `rows` at inputs offs_k: [BLOCK_N, BLOCK_K] (rows and inputs past the end read 0)."
+    mask = n_ok[:, None]
+    if not EVEN_K:
+        mask = mask & (offs_k < K)[None, :]
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    "x's rows at inputs offs_k as the columns of a [BLOCK_K, ROWS] tile (rows past M read 0)."
+    offs_m = tl.arange(0, ROWS)
+    mask = (offs_m < M)[None, :]
+    if not EVEN_K:
+        mask = mask & (offs_k < K)[:, None]
+    return tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _times_x(acc, w, xt, UPCAST: tl.constexpr):
+    "acc [BLOCK_N, ROWS] += w [BLOCK_N, BLOCK_K] @ xt [BLOCK_K, ROWS] (the interpreter, UPCAST: in float32)."
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
+
+
+@triton.jit
+def _rows_epilogue(
+    acc,
+    acc_up,
+    offs_n,
+    n_ok,
+    M,
+    OUT_N,
+    K,
+    eps,
+    b_ptr,
+    out_ptr,
+    res_ptr,
+    stride_rm,
+    in_sums_ptr,
+    out_sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+):
+    """A tile's whole sums acc [BLOCK_N, ROWS] (and acc_up, SWIGLU's up rows) through the folds into out [M, OUT_N],
+    in `gemv`'s order and roundings: 1 / rms, bias, then SiLU-mul, or the residual and the next norm handed on."""
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
+    mask = n_ok[:, None] & m_ok[None, :]
+    at = offs_m[None, :] * OUT_N + offs_n[:, None]  # out's tile, transposed as acc is
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if NORM_SUMS:
+        rstd = _norm_scale(tl.load(in_sums_ptr + offs_m, mask=m_ok, other=1.0), K, eps)
+        acc = acc * rstd[None, :]
+        acc_up = acc_up * rstd[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if SWIGLU:
+            acc_up += tl.load(b_ptr + OUT_N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if SWIGLU:  # rounded at each step as the matmul's store and `silu_mul` round them
+        gate, up = acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, _silu_times(gate, up, dtype), mask=mask)
+    else:
+        h = acc
+        if RESIDUAL:  # added to the output as rounded, as a separate add would find it
+            residual = tl.load(
+                res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0
+            )
+            h = h.to(dtype).to(tl.float32) + residual.to(tl.float32)
+        tl.store(out_ptr + at, h.to(dtype), mask=mask)
+        if (
+            HAND_OFF
+        ):  # the next RMSNorm but its 1 / rms: h x its weight, and h's squares into its sums
+            h = h.to(dtype).to(tl.float32)
+            g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + at, (h * g[:, None]).to(dtype), mask=mask)
+            squares = tl.sum(tl.where(mask, h * h, 0.0), axis=0)
+            tl.atomic_add(out_sums_ptr + offs_m, squares, mask=m_ok, sem="relaxed")
+
+
+@triton.jit
+def _rows_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    partials_ptr,
+    tickets_ptr,
+    out_ptr,
+    res_ptr,
+    in_sums_ptr,
+    out_sums_ptr,
+    next_g_ptr,
+    normed_ptr,
+    M,
+    OUT_N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    NORM_SUMS: tl.constexpr,
+    HAND_OFF: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
+    n_ok = offs_n < OUT_N
+    up_n = offs_n + OUT_N  # SWIGLU: the up rows, after the gate rows
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # the first step's weights asked for before waiting for x, which the kernel before writes
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w = _weight_rows(w_ptr, offs_n, n_ok, offs_k, K, stride_wn, EVEN_K)
+    w_up = w
+    if SWIGLU:
+        w_up = _weight_rows(w_ptr, up_n, n_ok, offs_k, K, stride_wn, EVEN_K)
+    _wait_for_previous(PDL)
+    xt = _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS, EVEN_K)
+    acc = _times_x(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, xt, UPCAST)
+    acc_up = acc
+    if SWIGLU:
+        acc_up = _times_x(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w_up, xt, UPCAST)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS, EVEN_K)
+        acc = _times_x(
+            acc, _weight_rows(w_ptr, offs_n, n_ok, offs_k, K, stride_wn, EVEN_K), xt, UPCAST
+        )
+        if SWIGLU:
+            w_up = _weight_rows(w_ptr, up_n, n_ok, offs_k, K, stride_wn, EVEN_K)
+            acc_up = _times_x(acc_up, w_up, xt, UPCAST)
+    if (
+        PDL
+    ):  # this program's weights are read: the next kernel may launch (it waits for our results)
+        tl.extra.cuda.gdc_launch_dependents()
+    finish = True
+    if (
+        SPLIT > 1
+    ):  # partials [SPLIT, parts, M, OUT_N]; the tile's last program sums them in split order
+        parts: tl.constexpr = 2 if SWIGLU else 1
+        mask = n_ok[:, None] & (tl.arange(0, ROWS) < M)[None, :]
+        at = tl.arange(0, ROWS)[None, :] * OUT_N + offs_n[:, None]
+        tl.store(partials_ptr + pid_k * parts * M * OUT_N + at, acc, mask=mask)
+        if SWIGLU:
+            tl.store(partials_ptr + (pid_k * 2 + 1) * M * OUT_N + at, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        finish = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+        if finish:
+            acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(
+                    partials_ptr + s * parts * M * OUT_N + at,
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                if SWIGLU:
+                    acc_up += tl.load(
+                        partials_ptr + (s * 2 + 1) * M * OUT_N + at,
+                        mask=mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+            tl.store(tickets_ptr + pid_n, 0)  # left zero for the next launch
+    if finish:
+        _rows_epilogue(
+            acc, acc_up, offs_n, n_ok, M, OUT_N, K, eps, b_ptr, out_ptr, res_ptr, stride_rm, in_sums_ptr,
+            out_sums_ptr, next_g_ptr, normed_ptr, ROWS, HAS_BIAS, SWIGLU, RESIDUAL, NORM_SUMS, HAND_OFF,
+        )  # fmt: skip
+
+
+# %%
+#| export
+def _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_sums, hand_off):
+    "Raise a ValueError that names what of a `rows_matmul` call does not fit."
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"rows_matmul needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    (m, _), n = x.shape, weight.shape[0]
+    if m > ROWS_MATMUL_MAX_ROWS:
+        raise ValueError(
+            f"rows_matmul takes at most {ROWS_MATMUL_MAX_ROWS} rows, got {m}: use F.linear"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(
+            f"rows_matmul multiplies bf16 or fp16 x by weights of the same dtype, got {x.dtype} and {weight.dtype}"
+        )
+    if swiglu and n % 2:
+        raise ValueError(
+            f"rows_matmul with swiglu needs a [gate | up] weight with an even number of rows, got {n}"
+        )
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"rows_matmul's bias must be [{n}], got {tuple(bias.shape)}")
+    if out is not None and (
+        swiglu or out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"rows_matmul's out must be a contiguous {x.dtype} [{m}, {n}] (and no swiglu), got {out.dtype} "
+            f"{tuple(out.shape)}{'' if out.is_contiguous() else ' not contiguous'}"
+        )
+    tiles = rows_matmul_tiles(n, swiglu)
+    if tickets is not None and (
+        tickets.dtype != torch.int32 or tickets.numel() < tiles or tickets.device != x.device
+    ):
+        raise ValueError(
+            f"rows_matmul's tickets must be int32 zeros on {x.device} with at least {tiles} elements (one a tile), "
+            f"got {tickets.dtype} [{tickets.numel()}] on {tickets.device}"
+        )
+    check_gemv_folds("rows_matmul", x, n, swiglu, residual, norm_sums, hand_off)
+
+
+def rows_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+    norm_sums: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
+    split: int | None = None,
+    impl: str = "auto",
+):
+    """x [M, K] (M <= ROWS_MATMUL_MAX_ROWS) @ weight [N, K].T (+ bias), bf16 or fp16, with `gemv`'s folds (`swiglu`,
+    `residual`, `norm_sums`, `hand_off`: chapter 09's `gemv` says what each does) -> [M, N], or (h, h x g) with
+    hand_off; written into `out` where given (contiguous, x's dtype), else a new tensor.
+    `tickets`: int32 zeros, at least `rows_matmul_tiles` of them, which the launch leaves zero; a launch split along
+    K counts its finished programs on them (default: new zeros, a memset each call). Two launches must not use the
+    same tickets at once. `split`: programs along K a tile (default: about `split_k_programs` in all)."""
+    _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_sums, hand_off)
+    if kernel_backend(x.device, impl) == "torch" or weight.stride(-1) != 1:
+        return gemv_folds_reference(
+            x, weight, bias, swiglu=swiglu, out=out, eps=eps, residual=residual, norm_sums=norm_sums,
+            hand_off=hand_off,
+        )  # fmt: skip
+    block_n, block_k, warps, stages = ROWS_MATMUL_TILE
+    (m, k), n = x.shape, weight.shape[0]
+    out_n = n // 2 if swiglu else n
+    out = torch.empty(m, out_n, device=x.device, dtype=x.dtype) if out is None else out
+    normed = torch.empty_like(out) if hand_off is not None else out
+    if m == 0:
+        return (out, normed) if hand_off is not None else out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    tiles, k_steps = rows_matmul_tiles(n, swiglu), triton.cdiv(k, block_k)
+    if split is None:
+        split = max(1, min(k_steps, split_k_programs(x.device) // tiles))
+    per_split = triton.cdiv(k_steps, max(1, min(split, k_steps)))
+    split = triton.cdiv(k_steps, per_split)  # no program without a step
+    if split > 1 and tickets is None:
+        tickets = torch.zeros(tiles, device=x.device, dtype=torch.int32)
+    parts = 2 if swiglu else 1
+    partials = torch.empty(
+        split * parts * m * out_n if split > 1 else 1, device=x.device, dtype=torch.float32
+    )
+    pdl = pdl_supported(x.device)
+    next_g, out_sums = (out, out) if hand_off is None else hand_off
+    _rows_matmul_kernel[(tiles, split)](
+        x, weight, out if bias is None else bias, partials, partials if tickets is None else tickets, out,
+        out if residual is None else residual, out if norm_sums is None else norm_sums, out_sums, next_g, normed,
+        m, out_n, k, per_split * block_k, x.stride(0), weight.stride(0),
+        0 if residual is None else residual.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS_MATMUL_MAX_ROWS, SPLIT=split, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None,
+        HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return (out, normed) if hand_off is not None else out
+
+
+# %% [markdown]
+# Against `gemv`'s PyTorch path with the same folds (`gemv_folds_reference`), under Triton's
+# interpreter here: 2-16 rows, K a multiple of the tile and not, split 1, 3 and the default, each
+# fold, a bias, `out`. The sums run in another order and bf16 rounds each output, so the outputs
+# agree within a few bf16 steps, not bit for bit.
+
+# %%
+def close(got, want, what):
+    "Within 2% of the largest output (a few bf16 roundings: the interpreter truncates to bf16 where a GPU rounds)."
+    err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+    assert err < 2e-2, (what, err)
+
+
+def operands(m, n, k):
+    "x [m, k], a weight [n, k] and a residual [m, n] in bf16, of unit-ish outputs."
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    return (
+        x,
+        (torch.randn(n, k, generator=gen) / k**0.5).bfloat16(),
+        torch.randn(m, n, generator=gen).bfloat16(),
+    )
+
+
+for m, n, k in ((2, 48, 256), (5, 40, 320), (16, 64, 128)):
+    x, w, res = operands(m, n, k)
+    bias = torch.randn(n, generator=gen).bfloat16()
+    g, sums = torch.rand(n, generator=gen).bfloat16() + 0.5, torch.rand(m, generator=gen) * k + 1
+    for split in (1, 3, None):
+        case = f"m={m} n={n} k={k} split={split}"
+        close(rows_matmul(x, w, impl="triton", split=split), gemv_folds_reference(x, w), case)
+        close(
+            rows_matmul(x, w, bias, impl="triton", split=split),
+            gemv_folds_reference(x, w, bias),
+            case + " bias",
+        )
+        close(
+            rows_matmul(x, w, swiglu=True, norm_sums=sums, impl="triton", split=split),
+            gemv_folds_reference(x, w, swiglu=True, norm_sums=sums),
+            case + " swiglu, norm_sums",
+        )
+        want_sums, got_sums = torch.zeros(m), torch.zeros(m)
+        want = gemv_folds_reference(x, w, residual=res, hand_off=(g, want_sums))
+        got = rows_matmul(x, w, residual=res, hand_off=(g, got_sums), impl="triton", split=split)
+        for name, a, b in (
+            ("h", got[0], want[0]),
+            ("h x g", got[1], want[1]),
+            ("sums", got_sums, want_sums),
+        ):
+            close(a, b, f"{case} residual, hand_off: {name}")
+
+# %% [markdown]
+# A launch split along K leaves its tickets zero, so a caller's buffer serves launch after launch;
+# `out` takes the result in place; and what does not fit is named.
+
+# %%
+x, w, _ = operands(4, 64, 512)
+tickets = torch.zeros(rows_matmul_tiles(64), dtype=torch.int32)
+into = torch.full((4, 64), float("nan")).bfloat16()
+for _ in range(2):
+    assert rows_matmul(x, w, tickets=tickets, split=4, out=into, impl="triton") is into
+    assert not tickets.any()
+    close(into, gemv_folds_reference(x, w), "out, tickets")
+assert torch.equal(rows_matmul(x, w, impl="torch"), gemv_folds_reference(x, w))
+for call, message in (
+    (lambda: rows_matmul(torch.randn(17, 512).bfloat16(), w), "at most 16 rows, got 17"),
+    (lambda: rows_matmul(x.float(), w.float()), "bf16 or fp16 x"),
+    (lambda: rows_matmul(x, w, tickets=torch.zeros(1, dtype=torch.int32)), r"at least 2 elements"),
+    (lambda: rows_matmul(x, w[:63], swiglu=True), "even number of rows"),
+    (
+        lambda: rows_matmul(x, w, residual=torch.zeros(4, 63).bfloat16()),
+        r"residual must be \[4, 64\]",
+    ),
+):
+    with pytest.raises(ValueError, match=message):
+        call()
