@@ -75,8 +75,9 @@ import triton.language as tl
 
 import forge_engine.fused_layers as fused_layers
 from forge_engine.kernels.backend import INTERPRETED, _wait_for_previous, pdl_supported
-from forge_engine.kernels.elementwise import _silu_times, add_rmsnorm, silu_mul
-from forge_engine.kernels.gemv import _norm_scale, _start_gemv, gemv
+from forge_engine.kernels.elementwise import add_rmsnorm, silu_mul
+from forge_engine.kernels.gemv import _start_gemv, gemv
+from forge_engine.kernels.rows_matmul import _rows_epilogue, _sum_splits_if_last
 from forge_engine.quant.gguf_gpu import int8_group_gemv, int8_group_matmul
 from forge_engine.kernels.backend import split_k_programs
 from few_rows_matmul import SHAPES, step_folds
@@ -98,57 +99,6 @@ PDL_MODES = {  # LAB_FOLDED_PDL: "1" as chapter 09's GEMV (the next kernel launc
 TILES = [  # (BLOCK_N, BLOCK_K, warps, stages); BLOCK_K 256 and 4 stages at 4 warps won no matrix on an H100
     (bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128) for w, st in ((4, 3), (8, 4))
 ]
-
-
-@triton.jit
-def _folded_epilogue(
-    acc,
-    acc_up,
-    offs_n,
-    n_ok,
-    M,
-    OUT_N,
-    K,
-    eps,
-    out_ptr,
-    res_ptr,
-    in_sums_ptr,
-    out_sums_ptr,
-    next_g_ptr,
-    normed_ptr,
-    ROWS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    NORM_SUMS: tl.constexpr,
-    HAND_OFF: tl.constexpr,
-):
-    """A tile's whole sums acc [BLOCK_N, ROWS] (and acc_up: SWIGLU's up rows) through the folds into out [M, OUT_N],
-    rounded as `gemv`'s epilogue rounds them."""
-    offs_m = tl.arange(0, ROWS)
-    m_ok = offs_m < M
-    mask = n_ok[:, None] & m_ok[None, :]
-    at = offs_m[None, :] * OUT_N + offs_n[:, None]  # the tile of out, transposed
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    if NORM_SUMS:
-        rstd = _norm_scale(tl.load(in_sums_ptr + offs_m, mask=m_ok, other=1.0), K, eps)
-        acc = acc * rstd[None, :]
-        acc_up = acc_up * rstd[None, :]
-    if SWIGLU:
-        gate = acc.to(dtype).to(tl.float32)
-        tl.store(out_ptr + at, _silu_times(gate, acc_up.to(dtype).to(tl.float32), dtype), mask=mask)
-    else:
-        h = acc
-        if RESIDUAL:
-            h = h.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(
-                tl.float32
-            )
-        tl.store(out_ptr + at, h.to(dtype), mask=mask)
-        if HAND_OFF:
-            h = h.to(dtype).to(tl.float32)
-            g = tl.load(next_g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(normed_ptr + at, (h * g[:, None]).to(dtype), mask=mask)
-            squares = tl.sum(tl.where(mask, h * h, 0.0), axis=0)
-            tl.atomic_add(out_sums_ptr + offs_m, squares, mask=m_ok, sem="relaxed")
 
 
 @triton.jit
@@ -316,37 +266,25 @@ def _folded_rows_kernel(
                 acc_up = _swap_dot(acc_up, w_up, xt, UPCAST)
     if PDL and LATE_TRIGGER:  # the next kernel may launch once this one's weights are read
         tl.extra.cuda.gdc_launch_dependents()
-    finish = True
-    if SPLIT > 1:  # partials [SPLIT, 2, M, OUT_N]; the tile's last program sums them in split order
-        mask = n_ok[:, None] & (tl.arange(0, ROWS) < M)[None, :]
-        at = tl.arange(0, ROWS)[None, :] * OUT_N + offs_n[:, None]
-        tl.store(partials_ptr + pid_k * 2 * M * OUT_N + at, acc, mask=mask)
-        if SWIGLU:
-            tl.store(partials_ptr + (pid_k * 2 + 1) * M * OUT_N + at, acc_up, mask=mask)
-        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
-        finish = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
-        if finish:
-            acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                acc += tl.load(
-                    partials_ptr + s * 2 * M * OUT_N + at,
-                    mask=mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                if SWIGLU:
-                    acc_up += tl.load(
-                        partials_ptr + (s * 2 + 1) * M * OUT_N + at,
-                        mask=mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            tl.store(tickets_ptr + pid_n, 0)  # for the next launch
-    if finish:
-        _folded_epilogue(
-            acc, acc_up, offs_n, n_ok, M, OUT_N, K, eps, out_ptr, res_ptr, in_sums_ptr, out_sums_ptr, next_g_ptr,
-            normed_ptr, ROWS, SWIGLU, RESIDUAL, NORM_SUMS, HAND_OFF,
+    finish, acc, acc_up = _sum_splits_if_last(
+        acc,
+        acc_up,
+        partials_ptr,
+        tickets_ptr,
+        pid_n,
+        pid_k,
+        offs_n,
+        n_ok,
+        M,
+        OUT_N,
+        ROWS,
+        SPLIT,
+        SWIGLU,
+    )
+    if finish:  # (residual rows are contiguous here: their stride is OUT_N)
+        _rows_epilogue(
+            acc, acc_up, offs_n, n_ok, M, OUT_N, K, eps, out_ptr, out_ptr, res_ptr, OUT_N, in_sums_ptr, out_sums_ptr,
+            next_g_ptr, normed_ptr, ROWS, False, SWIGLU, RESIDUAL, NORM_SUMS, HAND_OFF,
         )  # fmt: skip
 
 

@@ -197,6 +197,47 @@ def _rows_epilogue(
 
 
 @triton.jit
+def _sum_splits_if_last(
+    acc,
+    acc_up,
+    partials_ptr,
+    tickets_ptr,
+    pid_n,
+    pid_k,
+    offs_n,
+    n_ok,
+    M,
+    OUT_N,
+    ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWIGLU: tl.constexpr,
+):
+    """Split along K (SPLIT > 1): store this program's sums as partials [SPLIT, parts, M, OUT_N] and take the tile's
+    ticket; the tile's last program gets (True, the whole sums, added in split order) and leaves the ticket zero, the
+    others (False, ...). Unsplit: (True, acc, acc_up)."""
+    finish = True
+    if SPLIT > 1:
+        parts: tl.constexpr = 2 if SWIGLU else 1
+        mask = n_ok[:, None] & (tl.arange(0, ROWS) < M)[None, :]
+        at = tl.arange(0, ROWS)[None, :] * OUT_N + offs_n[:, None]
+        tl.store(partials_ptr + pid_k * parts * M * OUT_N + at, acc, mask=mask)
+        if SWIGLU:
+            tl.store(partials_ptr + (pid_k * 2 + 1) * M * OUT_N + at, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        finish = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+        if finish:
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc_up)
+            for s in tl.static_range(SPLIT):
+                at_s = partials_ptr + s * parts * M * OUT_N + at
+                acc += tl.load(at_s, mask=mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_up += tl.load(at_s + M * OUT_N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(tickets_ptr + pid_n, 0)  # left zero for the next launch
+    return finish, acc, acc_up
+
+
+@triton.jit
 def _rows_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -261,36 +302,21 @@ def _rows_matmul_kernel(
         PDL
     ):  # this program's weights are read: the next kernel may launch (it waits for our results)
         tl.extra.cuda.gdc_launch_dependents()
-    finish = True
-    if (
-        SPLIT > 1
-    ):  # partials [SPLIT, parts, M, OUT_N]; the tile's last program sums them in split order
-        parts: tl.constexpr = 2 if SWIGLU else 1
-        mask = n_ok[:, None] & (tl.arange(0, ROWS) < M)[None, :]
-        at = tl.arange(0, ROWS)[None, :] * OUT_N + offs_n[:, None]
-        tl.store(partials_ptr + pid_k * parts * M * OUT_N + at, acc, mask=mask)
-        if SWIGLU:
-            tl.store(partials_ptr + (pid_k * 2 + 1) * M * OUT_N + at, acc_up, mask=mask)
-        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
-        finish = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
-        if finish:
-            acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                acc += tl.load(
-                    partials_ptr + s * parts * M * OUT_N + at,
-                    mask=mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                if SWIGLU:
-                    acc_up += tl.load(
-                        partials_ptr + (s * 2 + 1) * M * OUT_N + at,
-                        mask=mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            tl.store(tickets_ptr + pid_n, 0)  # left zero for the next launch
+    finish, acc, acc_up = _sum_splits_if_last(
+        acc,
+        acc_up,
+        partials_ptr,
+        tickets_ptr,
+        pid_n,
+        pid_k,
+        offs_n,
+        n_ok,
+        M,
+        OUT_N,
+        ROWS,
+        SPLIT,
+        SWIGLU,
+    )
     if finish:
         _rows_epilogue(
             acc, acc_up, offs_n, n_ok, M, OUT_N, K, eps, b_ptr, out_ptr, res_ptr, stride_rm, in_sums_ptr,
