@@ -36,12 +36,15 @@
 # 7 drafts accept 55%, 4.78 tokens a step, 1.62× and 1.36×. The tokens are the same in every run.
 #
 # On a GPU a verify step replays a CUDA graph of its own (chapter 09b: each row's attention takes
-# the K/V of its sequence's rows before it from the step's rows). Measured on an H100
-# (`LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`, random
-# Qwen3-4B in BF16, one sequence of 512 tokens), a decode step takes 3.23 ms and a verify step of
-# 1 + 4 rows 4.23 ms, **1.31×**: the rows leave the one-row GEMV for cuBLAS (about 0.47 ms of
-# matmuls more, `kernels_lab/few_rows_matmul.py`) and lose the norms it folds in. With a proposer
-# that is always right (`E = 5`) that bounds the speed-up at 3.8×.
+# the K/V of its sequence's rows before it from the step's rows). Its rows cannot take the one-row
+# GEMV. On cuBLAS (measured on an H100, `LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 PYTHONPATH=. python3
+# kernels_lab/verify_step.py bf16`, random Qwen3-4B in BF16, one sequence of 512 tokens) a decode
+# step takes 3.23 ms and a verify step of 1 + 4 rows 4.23 ms, 1.31×: about 0.47 ms of matmuls
+# more (`kernels_lab/few_rows_matmul.py`), and the norms the GEMV folds in become launches of
+# their own. So the rows go to a tensor-core matmul that folds them in as the GEMV does (chapter
+# 09_kernels_rows_matmul): **1.158×** on the same H100 as a lab kernel (`OUT=DIR bash
+# kernels_lab/folded_rows_checks.sh verify`). With a proposer that is always right (`E = 5`)
+# that bounds the speed-up at about 4.3×.
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed
