@@ -37,7 +37,10 @@ against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; wi
 1.386x, whose cuBLAS matmuls take 2,466 us and split-K reductions 129, decode attention 403, the norms, rotation, K/V
 store and SiLU-mul 270. Those figures stored every verify row's K/V first; with the attention storing them itself
 (chapter 09's `verify`), on one H100 (LAB_GEMV_ROWS=1 LAB_PROFILE=1): 1 + 4 rows 1.310-1.313x, the attention 520 us a
-step against 405 + 54 (norm + RoPE) + 52 (K/V store)."""
+step against 405 + 54 (norm + RoPE) + 52 (K/V store). With the rows through chapter 09's `rows_matmul` as exported,
+on one H100: 1 + 4 rows 1.167x (LAB_GEMV_ROWS=5 LAB_FOLDED=32,128,2,3 LAB_FOLDED_PDL=late: the lab kernel 1.162x);
+with LAB_DECODE_ROWS=2,16 (engines of 16 sequences) and LAB_GEMV_ROWS=1: verify 1 + 4 rows 1.204x against 1.345x on
+cuBLAS, decode graphs of 2 sequences 3.704 ms against 4.200, of 16 sequences 4.035 against 4.450."""
 
 import functools
 import json

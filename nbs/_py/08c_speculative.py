@@ -42,9 +42,9 @@
 # step takes 3.23 ms and a verify step of 1 + 4 rows 4.23 ms, 1.31×: about 0.47 ms of matmuls
 # more (`kernels_lab/few_rows_matmul.py`), and the norms the GEMV folds in become launches of
 # their own. So the rows go to a tensor-core matmul that folds them in as the GEMV does (chapter
-# 09_kernels_rows_matmul): **1.158×** on the same H100 as a lab kernel (`OUT=DIR bash
-# kernels_lab/folded_rows_checks.sh verify`). With a proposer that is always right (`E = 5`)
-# that bounds the speed-up at about 4.3×.
+# 09_kernels_rows_matmul): **1.167×** on an H100 (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=.
+# python3 kernels_lab/verify_step.py bf16`). With a proposer that is always right (`E = 5`) that
+# bounds the speed-up at about 4.3×.
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed
