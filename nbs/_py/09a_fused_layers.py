@@ -241,9 +241,9 @@ assert torch.equal(
 # ## Attention, the MLP, the decoder layer, the model
 #
 # Each takes its folds as keywords. The decoder layer decides per step: a decode step of one
-# row with BF16 weights folds its norms (`folds_norms`), one with int8 / int4 weights hands them
-# on (`hands_off_norms`, asked of the first layer by the model, which then runs every layer that
-# way); anything else runs chapter 03's order with the fused norms.
+# row with BF16 weights folds its norms (`folds_norms`), one with int8 / int4 weights or of 2-16
+# BF16 rows hands them on (`hands_off_norms`, asked of the first layer by the model, which then
+# runs every layer that way); anything else runs chapter 03's order with the fused norms.
 
 # %%
 #| export
