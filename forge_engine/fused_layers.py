@@ -29,10 +29,10 @@ from forge_engine.model import (
 )
 
 # %% auto #0
-__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'decode_matmul', 'linear', 'FusedLinear',
-           'FusedRMSNorm', 'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer',
-           'FusedTransformer', 'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP', 'CPUAttention',
-           'install_cpu_layers']
+__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'takes_rows_matmul', 'decode_matmul',
+           'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP',
+           'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP',
+           'CPUAttention', 'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
 # steps of up to GEMV_ROWS tokens use `gemv` on a GPU (int8's GEMV: one row only pays); with 2-byte weights up to
@@ -52,6 +52,12 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
 
 
+def takes_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None) -> bool:
+    """Whether `decode_matmul` multiplies x by `weight` with `rows_matmul`: several rows of 2-byte weights, with no
+    scale and no norm to apply (those steps hand their norms off)."""
+    return x.shape[0] > 1 and weight.element_size() == 2 and scale is None and norm is None
+
+
 def decode_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -63,9 +69,9 @@ def decode_matmul(
     **folds,
 ):
     """x @ weight.T for a decode step's rows (`takes_gemv`) with `gemv`'s arguments and folds: 2-16 rows of 2-byte
-    weights (no norm to apply: those steps hand theirs off) by `rows_matmul` on the tensor cores, counting its
-    split-K programs on `tickets` (int32 zeros, this launch's alone; None: new ones); anything else by `gemv`."""
-    if x.shape[0] > 1 and weight.element_size() == 2 and scale is None and norm is None:
+    weights by `rows_matmul` on the tensor cores (`takes_rows_matmul`), counting its split-K programs on `tickets`
+    (int32 zeros, this launch's alone; None: new ones); anything else by `gemv`."""
+    if takes_rows_matmul(x, weight, scale, norm):
         return rows_matmul(x, weight, bias, tickets=tickets, **folds)
     return gemv(x, weight, bias, scale, norm=norm, **folds)
 
@@ -319,16 +325,15 @@ class FusedDecoderLayer(DecoderLayer):
         )
 
     def rows_matmul_tiles(self, x: torch.Tensor) -> int:
-        """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul` (`decode_matmul`: 2-16
-        rows of 2-byte weights), else 0: how many split-K tickets each launch needs."""
-        weights = (
-            [layer.gemv_operands()[0] for layer in self._projections()]
-            if self._gemv_reads_all(x)
-            else []
-        )
-        if x.shape[0] < 2 or not weights or weights[0].element_size() != 2:
+        """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul`
+        (`takes_rows_matmul`), else 0: how many split-K tickets each launch needs."""
+        if not self._gemv_reads_all(x):
             return 0
-        return max(rows_matmul_tiles(w.shape[0]) for w in weights)
+        operands = [layer.gemv_operands() for layer in self._projections()]
+        weight, _, scale = operands[0]
+        if not takes_rows_matmul(x, weight, scale):
+            return 0
+        return max(rows_matmul_tiles(w.shape[0]) for w, _, _ in operands)
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for the GEMV, and each of the four layers is one it reads."

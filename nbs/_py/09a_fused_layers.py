@@ -95,6 +95,12 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
 
 
+def takes_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None) -> bool:
+    """Whether `decode_matmul` multiplies x by `weight` with `rows_matmul`: several rows of 2-byte weights, with no
+    scale and no norm to apply (those steps hand their norms off)."""
+    return x.shape[0] > 1 and weight.element_size() == 2 and scale is None and norm is None
+
+
 def decode_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -106,9 +112,9 @@ def decode_matmul(
     **folds,
 ):
     """x @ weight.T for a decode step's rows (`takes_gemv`) with `gemv`'s arguments and folds: 2-16 rows of 2-byte
-    weights (no norm to apply: those steps hand theirs off) by `rows_matmul` on the tensor cores, counting its
-    split-K programs on `tickets` (int32 zeros, this launch's alone; None: new ones); anything else by `gemv`."""
-    if x.shape[0] > 1 and weight.element_size() == 2 and scale is None and norm is None:
+    weights by `rows_matmul` on the tensor cores (`takes_rows_matmul`), counting its split-K programs on `tickets`
+    (int32 zeros, this launch's alone; None: new ones); anything else by `gemv`."""
+    if takes_rows_matmul(x, weight, scale, norm):
         return rows_matmul(x, weight, bias, tickets=tickets, **folds)
     return gemv(x, weight, bias, scale, norm=norm, **folds)
 
@@ -235,6 +241,11 @@ assert torch.equal(
     folded_gemv(layer, x, norm, residual=r),
     gemv(x, layer.weight, layer.bias, norm=norm.weight, eps=1e-5, residual=r),
 )
+# which rows go to the tensor-core matmul: several of 2-byte weights, with no scale (int8) and no norm to fold
+w16, rows5 = torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5, 4, dtype=torch.bfloat16)
+assert takes_rows_matmul(rows5, w16) and not takes_rows_matmul(rows5[:1], w16)
+assert not takes_rows_matmul(rows5, w16.to(torch.int8), scale=torch.ones(3))
+assert not takes_rows_matmul(rows5, w16, norm=torch.ones(4))
 
 
 # %% [markdown]
@@ -411,16 +422,15 @@ class FusedDecoderLayer(DecoderLayer):
         )
 
     def rows_matmul_tiles(self, x: torch.Tensor) -> int:
-        """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul` (`decode_matmul`: 2-16
-        rows of 2-byte weights), else 0: how many split-K tickets each launch needs."""
-        weights = (
-            [layer.gemv_operands()[0] for layer in self._projections()]
-            if self._gemv_reads_all(x)
-            else []
-        )
-        if x.shape[0] < 2 or not weights or weights[0].element_size() != 2:
+        """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul`
+        (`takes_rows_matmul`), else 0: how many split-K tickets each launch needs."""
+        if not self._gemv_reads_all(x):
             return 0
-        return max(rows_matmul_tiles(w.shape[0]) for w in weights)
+        operands = [layer.gemv_operands() for layer in self._projections()]
+        weight, _, scale = operands[0]
+        if not takes_rows_matmul(x, weight, scale):
+            return 0
+        return max(rows_matmul_tiles(w.shape[0]) for w, _, _ in operands)
 
     def _gemv_reads_all(self, x: torch.Tensor) -> bool:
         "x is few enough rows for the GEMV, and each of the four layers is one it reads."
