@@ -16,7 +16,7 @@ from torch import nn
 from .kernels.backend import kernels_available
 from .kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from .kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
-from .kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_folds_norms, gemv_hands_off_norms
+from .kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from .kernels.rows_matmul import ROWS_MATMUL_MAX_ROWS, rows_matmul, rows_matmul_tiles
 from forge_engine.model import (
     MLP,
@@ -29,10 +29,10 @@ from forge_engine.model import (
 )
 
 # %% auto #0
-__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'takes_rows_matmul', 'decode_matmul',
-           'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm', 'folded_gemv', 'FusedAttention', 'FusedMLP',
-           'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers', 'device_of', 'CPURMSNorm', 'CPUMLP',
-           'CPUAttention', 'install_cpu_layers']
+__all__ = ['GEMV_ROWS', 'GEMV_ROWS_BF16', 'FUSED_LAYERS', 'CPU_LAYERS', 'takes_gemv', 'takes_own_gemv', 'takes_rows_matmul',
+           'decode_matmul', 'linear', 'FusedLinear', 'FusedRMSNorm', 'HandedNorm', 'folded_gemv', 'FusedAttention',
+           'FusedMLP', 'FusedDecoderLayer', 'FusedTransformer', 'install_fused_layers', 'device_of', 'CPURMSNorm',
+           'CPUMLP', 'CPUAttention', 'install_cpu_layers']
 
 # %% ../nbs/09a_fused_layers.ipynb #b36c4cfa
 # steps of up to GEMV_ROWS tokens use `gemv` on a GPU (int8's GEMV: one row only pays); with 2-byte weights up to
@@ -45,11 +45,23 @@ def _kernels_compiled() -> bool:
     return kernels_available("cuda")  # (asked once: every linear layer asks, every step)
 
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    "Whether x is a step's rows [rows, features] on a GPU where the kernels run compiled."
+    return x.is_cuda and x.dim() == 2 and _kernels_compiled()
+
+
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether x is a decode step's few rows on a GPU where the kernels run compiled (`decode_matmul`): up to
     GEMV_ROWS, or up to GEMV_ROWS_BF16 times a 2-byte `weight`."""
     rows = GEMV_ROWS_BF16 if weight is not None and weight.element_size() == 2 else GEMV_ROWS
-    return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
+    return _on_kernels(x) and x.shape[0] <= rows
+
+
+def takes_own_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` multiplies step x by a decode kernel of its own that takes the GEMV's folds (`decode_gemv`:
+    chapter 10's int4 GEMV, chapter 10g's int8 groups through `rows_matmul`): x on a GPU where the kernels run
+    compiled, as many rows as the layer's kernel takes (its `decodes`)."""
+    return hasattr(layer, "decode_gemv") and _on_kernels(x) and layer.decodes(x.shape[0])
 
 
 def takes_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None) -> bool:
@@ -156,7 +168,7 @@ def folded_gemv(
             raise ValueError(
                 f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)"
             )
-        return layer.decode_gemv(x, **folds)
+        return layer.decode_gemv(x, tickets=tickets, **folds)
     norm_weight = None if norm is None else norm.weight
     return decode_matmul(x, *layer.gemv_operands(), norm=norm_weight, tickets=tickets, **folds)
 
@@ -249,8 +261,7 @@ class FusedMLP(MLP):
                 return self.down(
                     decode_matmul(x, *operands, swiglu=True)
                 )  # SiLU-mul in its epilogue
-        # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
-        elif hasattr(self.gate_up, "decode_gemv") and takes_gemv(x) and x.shape[0] <= GEMV_MAX_ROWS:
+        elif takes_own_gemv(self.gate_up, x):  # a layer with a decode kernel of its own
             return self.down(self.gate_up.decode_gemv(x, swiglu=True))
         return self.down(
             silu_mul(self.gate_up(x))
@@ -312,21 +323,24 @@ class FusedDecoderLayer(DecoderLayer):
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (`gemv` with
         `hand_off` and `norm_sums`, `gemv_hands_off_norms`): as `folds_norms`, for the formats that take it; or each
-        layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
+        layer has a decode kernel of its own that takes this step (`takes_own_gemv`: chapter 10's int4, 10g's int8
+        groups)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0], x.shape[0])
-        return (
-            takes_gemv(x)
-            and x.shape[0] <= GEMV_MAX_ROWS  # (chapter 10's int4 GEMV: no more rows)
-            and all(
-                hasattr(layer, "decode_gemv") and layer.hands_off_norms()
-                for layer in self._projections()
-            )
-        )
+        return all(takes_own_gemv(layer, x) for layer in self._projections())
 
     def rows_matmul_tiles(self, x: torch.Tensor) -> int:
         """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul`
-        (`takes_rows_matmul`), else 0: how many split-K tickets each launch needs."""
+        (`takes_rows_matmul`, or a decode kernel of the layer's own that is one: its `rows_matmul_tiles`), else 0:
+        how many split-K tickets each launch needs."""
+        projections = self._projections()
+        if all(takes_own_gemv(layer, x) for layer in projections):
+            own = [
+                layer.rows_matmul_tiles()
+                for layer in projections
+                if hasattr(layer, "rows_matmul_tiles")
+            ]
+            return max(own, default=0)
         if not self._gemv_reads_all(x):
             return 0
         operands = [layer.gemv_operands() for layer in self._projections()]

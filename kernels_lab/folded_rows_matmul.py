@@ -289,9 +289,17 @@ def _folded_rows_kernel(
 
 
 @functools.cache
+def _ticket_pair(tiles: int, device: str) -> list:
+    "A launch shape's two ticket buffers, zero between launches (each tile's last program resets its own)."
+    return [torch.zeros(tiles, dtype=torch.int32, device=device) for _ in range(2)]
+
+
 def _tickets(tiles: int, device: str) -> torch.Tensor:
-    "A launch shape's tickets, zero between launches (each tile's last program resets its own)."
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+    """The next launch's tickets: the pair's buffers in turn, so a launch as a dependent never takes the tickets of the
+    launch before it, which may still be finishing (two launches back has finished: the one between waited for it)."""
+    pair = _ticket_pair(tiles, device)
+    pair.reverse()
+    return pair[0]
 
 
 def folded_rows_matmul(

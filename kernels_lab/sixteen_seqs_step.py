@@ -3,7 +3,8 @@ per 32 inputs), and what `sixteen_rows_swap.py`'s kernel changes end to end: lla
 figure without a file. The model is random:qwen3-4b with every matrix and the tied head as random int8 planes of the
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
-Per variant, in turn (`export`: the package; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+Per variant, in turn (`export`: the package, 2-16 rows through chapter 09's rows_matmul; `split`: 2-16 rows through
+chapter 10g's split-K and the separate small kernels, as before; `tile=BN/BK/W/ST`: rows_matmul in that tile; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products
@@ -25,8 +26,14 @@ H100, `export,DECODE_TARGET_PROGRAMS=512` (twice the attention's programs, so sp
 graph 3.816 ms against 3.711, decode attention 12.6 µs a layer against 9.7 (S_TG 4,370 against 4,196 tok/s, within
 its spread); `folded_int8` (x quantized to int8, int8 products): 8.342 ms, the 16-row step more than twice as slow.
 
+With 2-16 rows through chapter 09's rows_matmul, on one H100 (`export,split`): the 16-row graph 3.215 ms against 3.722,
+S_TG 4,874 against 4,204 tok/s (one sequence 446.6 and 445.1); rows_matmul's 143 launches 2,569 us, the LM head's two
+split-K launches 214, decode attention 395. Its tile (`export,tile=...`, the graph): 32/128/2/3 3.215 ms, 32/256/2/3
+3.198, 32/128/2/4 3.480, 32/128/4/3 3.537, 64/128/4/3 3.560, 16/256/2/3 3.829, 32/256/4/3 3.865, 32/128/1/3 3.899,
+64/256/4/3 4.022.
+
 Run on the GPU machine from the repository root:
-    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,swap,folded,dependent=16]"""
+    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,split,swap,folded,dependent=16,tile=32/256/2/3]"""
 
 import os
 import sys
@@ -95,9 +102,8 @@ def use_swap(config):
 def use_folded(tile, int8_dot=False):
     """Steps of up to 16 rows through folded_rows_matmul.py's kernel with the norms handed off between the layers'
     matrices (chapter 09a's hand-off path, as it takes chapter 10's int4 GEMV): Int8GroupLinear given a
-    `decode_gemv` that folds them, and chapter 09a's row limits raised to 16. int8_dot: x quantized to int8, int8
-    products (`folded_int8`)."""
-    import forge_engine.fused_layers as fused_layers
+    `decode_gemv` that folds them, for steps of 1-16 rows. int8_dot: x quantized to int8, int8 products
+    (`folded_int8`)."""
     from folded_rows_matmul import folded_rows_matmul
 
     def decode_gemv(self, x, swiglu=False, residual=None, eps=1e-6, norm_sums=None, hand_off=None):
@@ -107,8 +113,7 @@ def use_folded(tile, int8_dot=False):
         )  # fmt: skip
 
     Int8GroupLinear.decode_gemv = decode_gemv
-    Int8GroupLinear.hands_off_norms = lambda self: True
-    fused_layers.GEMV_ROWS = fused_layers.GEMV_MAX_ROWS = 16
+    Int8GroupLinear.decodes = lambda self, rows: rows <= 16  # one sequence's steps too
 
 
 def main():
@@ -116,12 +121,20 @@ def main():
     swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,2").split(","))
     folded_tile = tuple(int(v) for v in os.environ.get("LAB_FOLDED", "64,128,4,3").split(","))
     for variant in variants:
+        # split: 2-16 rows as before chapter 09's rows_matmul took them, through chapter 10g's split-K
+        if variant == "split":
+            Int8GroupLinear.decodes = lambda self, rows: False
         if variant == "swap":
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
+        # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile
+        if variant.startswith("tile="):
+            import forge_engine.kernels.rows_matmul as rows_matmul
+
+            rows_matmul.ROWS_MATMUL_TILE = tuple(int(v) for v in variant[5:].split("/"))
         # dependent=N: the step's small kernels launched as dependents up to N rows; NAME=N: a kernel constant
-        if "=" in variant:
+        elif "=" in variant:
             name, value = variant.split("=")
             set_constant("DEPENDENT_LAUNCH_MAX_ROWS" if name == "dependent" else name, int(value))
         engine = LLMEngine(q8_0_model(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192))

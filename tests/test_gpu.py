@@ -187,13 +187,17 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
         assert logits[other][0, logits["folded"].argmax()] >= logits[other].max() - atol, other
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8 groups"])
 @pytest.mark.parametrize("rows", [2, 5, 16])
-def test_bf16_decode_rows_through_the_rows_matmul_match_cublas(rows, monkeypatch):
-    """A BF16 decode step of several sequences (their rows through chapter 09's `rows_matmul` with the norms handed
-    from matmul to matmul: chapter 09a's GEMV_ROWS_BF16) against the same step with the rows through cuBLAS and the
-    separate kernels, both replayed from CUDA graphs after the same prefill: logits within BF16, each row's pick
-    scored as the best under the other, within that."""
+def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, weights, monkeypatch):
+    """A decode step of several sequences (their rows through chapter 09's `rows_matmul` with the norms handed from
+    matmul to matmul: chapter 09a's GEMV_ROWS_BF16 for BF16 weights, chapter 10g's `Int8GroupLinear.decodes` for a
+    GGUF file's int8 planes with a scale a group of 32) against the same step with the rows through cuBLAS (int8
+    groups: chapter 10g's split-K launches) and the separate kernels, both replayed from CUDA graphs after the same
+    prefill: logits within BF16, each row's pick scored as the best under the other, within that."""
     import forge_engine.fused_layers as fused_layers
+    from forge_engine.quant.gguf_gpu import Int8GroupLinear
+    from forge_engine.quant.layers import swap_layer_matrices
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.fused_layers import install_fused_layers
     from forge_engine.kernels.prefill_attention import KernelDecodeAttention
@@ -201,6 +205,17 @@ def test_bf16_decode_rows_through_the_rows_matmul_match_cublas(rows, monkeypatch
 
     config = preset("qwen3-tiny")
     model = init_random_weights(empty_model(config, "cuda", torch.bfloat16), seed=0, std=0.1)
+    if (
+        weights == "int8 groups"
+    ):  # each matrix as the loader repacks a Q8_0 file's: int8, an fp16 scale a group of 32
+
+        def planes(linear, where):
+            w = linear.weight.float().view(linear.out_features, -1, 32)
+            scale = w.abs().amax(-1).clamp(min=1e-8) / 127
+            q = (w / scale[:, :, None]).round().to(torch.int8).view(linear.weight.shape)
+            return Int8GroupLinear(q, scale.half())
+
+        swap_layer_matrices(model, planes)
     install_fused_layers(model)
     cache = PagedKVCache(
         config, 3 * rows + 1, 16, "cuda", torch.bfloat16
@@ -220,9 +235,9 @@ def test_bf16_decode_rows_through_the_rows_matmul_match_cublas(rows, monkeypatch
     )
     logits = {}
     for label, gemv_rows in (("rows_matmul", fused_layers.GEMV_ROWS_BF16), ("cublas", 1)):
-        monkeypatch.setattr(
-            fused_layers, "GEMV_ROWS_BF16", gemv_rows
-        )  # asked when the graphs are recorded
+        # asked when the graphs are recorded
+        monkeypatch.setattr(fused_layers, "GEMV_ROWS_BF16", gemv_rows)
+        monkeypatch.setattr(Int8GroupLinear, "decodes", lambda self, rows: 1 < rows <= gemv_rows)
         cache.k_cache.copy_(prefilled[0])
         cache.v_cache.copy_(prefilled[1])
         runner = DecodeRunner(
@@ -276,18 +291,34 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
 
 @pytest.mark.parametrize("rows", [2, 5, 16])
 @pytest.mark.parametrize(
-    "n,k", [(6144, 2560), (2560, 9728), (19456, 2560), (151936, 2560), (1000, 300)]
+    "n,k,group",
+    [(6144, 2560, 0), (2560, 9728, 0), (19456, 2560, 0), (151936, 2560, 0), (1000, 300, 0)]
+    + [(6144, 2560, 32), (2560, 9728, 32), (19456, 2560, 32), (1024, 2560, 16)],
 )
-def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k):
+def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k, group):
     """Chapter 09's tensor-core matmul for a few rows against cuBLAS followed by the small steps it folds in (gemv's
     PyTorch path), on Qwen3-4B's shapes (split along K or not): plain, SiLU-mul, the residual with the next norm
-    handed on, the handed norm taken in. Replayed, a launch gives the same bits and leaves its tickets zero."""
+    handed on, the handed norm taken in. Replayed, a launch gives the same bits and leaves its tickets zero.
+    group > 0: int8 weights with an fp16 scale a group of inputs (chapter 10g's planes of Q8_0 and Q6_K blocks),
+    against cuBLAS on them dequantized."""
     from forge_engine.kernels.gemv import gemv_folds_reference
-    from forge_engine.kernels.rows_matmul import rows_matmul, rows_matmul_tiles
+    from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul, rows_matmul_tiles
 
-    gen = torch.Generator(device="cuda").manual_seed(rows * n)
+    gen = torch.Generator(device="cuda").manual_seed(rows * n + group)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    weight, planes = w, {}
+    if group:
+        q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+        scale = (torch.rand(n, k // group, device="cuda", generator=gen) + 0.5).half() / (
+            127 * k**0.5
+        )
+        weight, planes = q, {"scale": scale}
+        w = dequantized_groups(q, scale, torch.bfloat16)  # what the reference multiplies by
+
+    def multiply(**folds):
+        return rows_matmul(x, weight, **planes, **folds)
+
     res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
     g = (torch.rand(n, device="cuda", generator=gen) + 0.5).bfloat16()
     sums = torch.rand(rows, device="cuda", generator=gen) * k + 1
@@ -299,15 +330,15 @@ def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale)
 
-    first = rows_matmul(x, w, tickets=tickets)
+    first = multiply(tickets=tickets)
     close(first, gemv_folds_reference(x, w))
-    assert torch.equal(rows_matmul(x, w, tickets=tickets), first) and not tickets.any()
+    assert torch.equal(multiply(tickets=tickets), first) and not tickets.any()
     close(
-        rows_matmul(x, w, swiglu=True, norm_sums=sums),
+        multiply(swiglu=True, norm_sums=sums),
         gemv_folds_reference(x, w, swiglu=True, norm_sums=sums),
     )
     got_sums, want_sums = torch.zeros_like(sums), torch.zeros_like(sums)
-    got = rows_matmul(x, w, residual=res, hand_off=(g, got_sums), tickets=tickets)
+    got = multiply(residual=res, hand_off=(g, got_sums), tickets=tickets)
     want = gemv_folds_reference(x, w, residual=res, hand_off=(g, want_sums))
     for a, b in zip((*got, got_sums), (*want, want_sums)):
         close(a, b)

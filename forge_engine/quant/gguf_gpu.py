@@ -21,6 +21,12 @@ from forge_engine.kernels.backend import (
     triton,
 )
 from ..kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
+from forge_engine.kernels.rows_matmul import (
+    ROWS_MATMUL_MAX_ROWS,
+    dequantized_groups,
+    rows_matmul,
+    rows_matmul_tiles,
+)
 from ..model import Transformer
 from .gguf_blocks import KEPT_GGUF_TYPES
 from forge_engine.quant.layers import (
@@ -259,9 +265,7 @@ def int8_group_matmul_reference(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     "Dense: the weights q · scale (per group) in x's dtype, one matmul."
-    group = q.shape[1] // scale.shape[1]
-    w = (q.view(q.shape[0], -1, group).float() * scale.float()[:, :, None]).reshape(q.shape)
-    return x @ w.to(x.dtype).T
+    return x @ dequantized_groups(q, scale, x.dtype).T
 
 
 @triton.jit
@@ -329,11 +333,27 @@ class Int8GroupLinear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int8_group_dense(x, self.qweight[start:end], self.scale[start:end])
 
+    def decodes(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
+        handed between the matmuls: 2-16 rows. One row stays with the int8 group GEMV, which takes no folds."""
+        return 1 < rows <= ROWS_MATMUL_MAX_ROWS
+
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
+    ):
+        """This layer on a decode step's 2-16 rows by chapter 09's `rows_matmul` (the planes dequantized as it reads
+        them), with `gemv`'s folds, which chapter 09a's `folded_gemv` passes, and its split-K `tickets`."""
+        return rows_matmul(
+            x, self.qweight, self.bias, scale=self.scale, swiglu=swiglu, residual=residual, norm_sums=norm_sums,
+            hand_off=hand_off, eps=eps, tickets=tickets,
+        )  # fmt: skip
+
+    def rows_matmul_tiles(self) -> int:
+        "The split-K tickets a `decode_gemv` launch takes (chapter 09's `rows_matmul_tiles`)."
+        return rows_matmul_tiles(self.out_features)
+
     def rows(self, ids, dtype):
-        group = self.in_features // self.scale.shape[1]
-        q, scale = self.qweight[ids], self.scale[ids]
-        w = q.view(len(ids), -1, group).float() * scale.float()[:, :, None]
-        return w.reshape(q.shape).to(dtype)
+        return dequantized_groups(self.qweight[ids], self.scale[ids], dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group={self.in_features // self.scale.shape[1]}"

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.backend import kernel_backend
-from ..kernels.gemv import gemv, gemv_hands_off_norms
+import forge_engine.fused_layers as fused_layers
+from ..kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
 from ..model import Transformer, load_weights
 from forge_engine.quant.formats import (
     dequantize_int4,
@@ -345,10 +346,13 @@ class Int4Linear(QuantLinear):
             x, self.qweight[start:end], self.scale[start:end], self.minimum[start:end]
         )
 
-    def decode_gemv(self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6):
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
+    ):
         """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
         09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
-        `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there)."""
+        `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there).
+        `tickets` (split-K's, for `rows_matmul`) go unused: the GEMV is one launch unsplit."""
         if self.bias is not None and (swiglu or residual is not None):
             raise ValueError(
                 "Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual"
@@ -366,9 +370,12 @@ class Int4Linear(QuantLinear):
         )
         return out if self.bias is None else out + self.bias
 
-    def hands_off_norms(self) -> bool:
-        "Whether a decode step hands its norms between this format's GEMVs (chapter 09's `gemv_hands_off_norms`)."
-        return gemv_hands_off_norms(self.qweight)
+    def decodes(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`) and hands
+        its norms between the GEMVs (chapter 09's `gemv_hands_off_norms`): up to chapter 09a's GEMV_ROWS."""
+        return rows <= min(fused_layers.GEMV_ROWS, GEMV_MAX_ROWS) and gemv_hands_off_norms(
+            self.qweight
+        )
 
     def rows(self, ids, dtype):
         return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)

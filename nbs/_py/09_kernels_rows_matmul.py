@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Kernels: a few rows on the tensor cores
 #
-# > The matmul for 2-16 rows of x and BF16 weights (a verify step's 1 + k rows, a decode step of a few sequences) on the tensor cores, split along K in one launch, with the GEMV's folds in its epilogue.
+# > The matmul for 2-16 rows of x and BF16 weights, or int8 ones with a scale a group (a verify step's 1 + k rows, a decode step of a few sequences), on the tensor cores, split along K in one launch, with the GEMV's folds in its epilogue.
 
 # %%
 #| default_exp kernels.rows_matmul
@@ -20,7 +20,7 @@ from forge_engine.kernels.backend import (
     triton,
 )
 from forge_engine.kernels.elementwise import _silu_times
-from forge_engine.kernels.gemv import _norm_scale, check_gemv_folds, gemv_folds_reference
+from forge_engine.kernels.gemv import _as_f32, _norm_scale, check_gemv_folds, gemv_folds_reference
 
 # %%
 #| hide
@@ -95,6 +95,18 @@ gen = torch.Generator().manual_seed(9)
 # bf16`). Decode steps of several sequences gain too: 2 sequences 3.704 ms against 4.200 with
 # their rows on cuBLAS, 16 sequences 4.035 against 4.450 (`LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1
 # LAB_DECODE_ROWS=2,16 ...`, the same file).
+#
+# **int8 weights with a scale a group of inputs** (`scale`: chapter 10g's planes of a GGUF file's
+# Q8_0 and Q6_K blocks) take the same kernel: each tile is loaded as int8, turned into fp32
+# through the float's bits (chapter 09's `_as_f32`, not the quarter-rate conversion unit), times
+# its group's scale broadcast over the group, then rounded to x's dtype for the product, as the
+# dense path rounds the dequantized weights (`dequantized_groups`). Chapter 10g sends a decode step
+# of 2-16 sequences on such a file here: on an H100 with every matrix of random Qwen3-4B as Q8_0
+# planes, the 16-sequence decode graph takes 3.215 ms against 3.722 through chapter 10g's split-K
+# and the separate small kernels (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py
+# export,split`). Its tile there, in the same runs: 32,128,2,3 3.215 ms; 32,256,2,3 3.198;
+# 32,128,2,4 3.480; 32,128,4,3 3.537; 64,128,4,3 3.560 (`... sixteen_seqs_step.py
+# tile=32/256/2/3,...`). The BF16 tile is kept for both.
 
 # %%
 #| export
@@ -115,13 +127,37 @@ def rows_matmul_tiles(n: int, swiglu: bool = False) -> int:
 
 
 @triton.jit
-def _weight_rows(w_ptr, rows, n_ok, offs_k, K, stride_wn, EVEN_K: tl.constexpr):
-    "The weight rows `rows` at inputs offs_k: [BLOCK_N, BLOCK_K] (rows and inputs past the end read 0)."
+def _weight_rows(
+    w_ptr,
+    scale_ptr,
+    rows,
+    n_ok,
+    k0,
+    K,
+    stride_wn,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The weight rows `rows` at inputs k0 .. k0 + BLOCK_K as loaded: (w [BLOCK_N, BLOCK_K], and with GROUP > 0
+    (int8 weights) their scales [BLOCK_N, BLOCK_K / GROUP], one a group of GROUP inputs; k0 starts a group). Rows and
+    inputs past the end read 0."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = n_ok[:, None]
     if not EVEN_K:
         mask = mask & (offs_k < K)[None, :]
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0)
+    w = tl.load(
+        w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0
+    )
+    scale = w
+    if GROUP > 0:
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        scale = tl.load(
+            scale_ptr + rows.to(tl.int64)[:, None] * (K // GROUP) + offs_g[None, :],
+            mask=n_ok[:, None] & (offs_g < K // GROUP)[None, :],
+            other=0.0,
+        )
+    return w, scale
 
 
 @triton.jit
@@ -135,8 +171,17 @@ def _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _times_x(acc, w, xt, UPCAST: tl.constexpr):
-    "acc [BLOCK_N, ROWS] += w [BLOCK_N, BLOCK_K] @ xt [BLOCK_K, ROWS] (the interpreter, UPCAST: in float32)."
+def _times_x(acc, w, scale, xt, GROUP: tl.constexpr, BYTE_ASM: tl.constexpr, UPCAST: tl.constexpr):
+    """acc [BLOCK_N, ROWS] += w [BLOCK_N, BLOCK_K] @ xt [BLOCK_K, ROWS] (the interpreter, UPCAST: in float32). GROUP > 0:
+    w is int8, times its `scale` a group in fp32 first, then rounded to x's dtype (as chapter 10g's dense path)."""
+    if GROUP > 0:
+        block_n: tl.constexpr = w.shape[0]
+        block_k: tl.constexpr = w.shape[1]
+        scale = tl.reshape(
+            tl.broadcast_to(scale.to(tl.float32)[:, :, None], (block_n, block_k // GROUP, GROUP)),
+            (block_n, block_k),
+        )
+        w = (_as_f32(w, BYTE_ASM) * scale).to(xt.dtype)
     if UPCAST:
         return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(w, xt, acc)
@@ -248,6 +293,7 @@ def _sum_splits_if_last(
 def _rows_matmul_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     b_ptr,
     partials_ptr,
     tickets_ptr,
@@ -275,6 +321,8 @@ def _rows_matmul_kernel(
     RESIDUAL: tl.constexpr,
     NORM_SUMS: tl.constexpr,
     HAND_OFF: tl.constexpr,
+    GROUP: tl.constexpr,
+    BYTE_ASM: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -285,26 +333,35 @@ def _rows_matmul_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights asked for before waiting for x, which the kernel before writes
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    w = _weight_rows(w_ptr, offs_n, n_ok, offs_k, K, stride_wn, EVEN_K)
-    w_up = w
+    w, scale = _weight_rows(
+        w_ptr, scale_ptr, offs_n, n_ok, k_start, K, stride_wn, BLOCK_K, EVEN_K, GROUP
+    )
+    w_up, scale_up = w, scale
     if SWIGLU:
-        w_up = _weight_rows(w_ptr, up_n, n_ok, offs_k, K, stride_wn, EVEN_K)
+        w_up, scale_up = _weight_rows(
+            w_ptr, scale_ptr, up_n, n_ok, k_start, K, stride_wn, BLOCK_K, EVEN_K, GROUP
+        )
     _wait_for_previous(PDL)
-    xt = _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS, EVEN_K)
-    acc = _times_x(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, xt, UPCAST)
+    xt = _x_columns(x_ptr, k_start + tl.arange(0, BLOCK_K), M, K, stride_xm, ROWS, EVEN_K)
+    acc = _times_x(
+        tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, scale, xt, GROUP, BYTE_ASM, UPCAST
+    )
     acc_up = acc
     if SWIGLU:
-        acc_up = _times_x(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w_up, xt, UPCAST)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = _x_columns(x_ptr, offs_k, M, K, stride_xm, ROWS, EVEN_K)
-        acc = _times_x(
-            acc, _weight_rows(w_ptr, offs_n, n_ok, offs_k, K, stride_wn, EVEN_K), xt, UPCAST
+        acc_up = _times_x(
+            tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w_up, scale_up, xt, GROUP, BYTE_ASM, UPCAST
         )
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        xt = _x_columns(x_ptr, k0 + tl.arange(0, BLOCK_K), M, K, stride_xm, ROWS, EVEN_K)
+        w, scale = _weight_rows(
+            w_ptr, scale_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K, GROUP
+        )
+        acc = _times_x(acc, w, scale, xt, GROUP, BYTE_ASM, UPCAST)
         if SWIGLU:
-            w_up = _weight_rows(w_ptr, up_n, n_ok, offs_k, K, stride_wn, EVEN_K)
-            acc_up = _times_x(acc_up, w_up, xt, UPCAST)
+            w_up, scale_up = _weight_rows(
+                w_ptr, scale_ptr, up_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K, GROUP
+            )
+            acc_up = _times_x(acc_up, w_up, scale_up, xt, GROUP, BYTE_ASM, UPCAST)
     if (
         PDL
     ):  # this program's weights are read: the next kernel may launch (it waits for our results)
@@ -333,7 +390,9 @@ def _rows_matmul_kernel(
 
 # %%
 #| export
-def _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_sums, hand_off):
+def _check_rows_operands(
+    x, weight, scale, bias, swiglu, out, tickets, residual, norm_sums, hand_off
+):
     "Raise a ValueError that names what of a `rows_matmul` call does not fit."
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -344,9 +403,17 @@ def _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_s
         raise ValueError(
             f"rows_matmul takes at most {ROWS_MATMUL_MAX_ROWS} rows, got {m}: use F.linear"
         )
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != (
+        x.dtype if scale is None else torch.int8
+    ):
         raise ValueError(
-            f"rows_matmul multiplies bf16 or fp16 x by weights of the same dtype, got {x.dtype} and {weight.dtype}"
+            f"rows_matmul multiplies bf16 or fp16 x by weights of the same dtype, or int8 ones with a scale, got "
+            f"{x.dtype} and {weight.dtype}{'' if scale is None else ' with a scale'}"
+        )
+    if scale is not None and not _whole_groups(weight, scale):
+        raise ValueError(
+            f"rows_matmul's scale must be [{n}, K / group] for groups of 16 inputs or a multiple that divide "
+            f"{ROWS_MATMUL_TILE[1]}, got {tuple(scale.shape)} for weights {tuple(weight.shape)}"
         )
     if swiglu and n % 2:
         raise ValueError(
@@ -372,11 +439,34 @@ def _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_s
     check_gemv_folds("rows_matmul", x, n, swiglu, residual, norm_sums, hand_off)
 
 
+def _whole_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    "Whether `scale` gives weight's rows a scale a group of inputs that the kernel's steps hold whole."
+    (n, k), groups = weight.shape, scale.shape[-1]
+    group = k // max(groups, 1)
+    return (
+        scale.dim() == 2
+        and scale.shape[0] == n
+        and group * groups == k
+        and group % 16 == 0
+        and ROWS_MATMUL_TILE[1] % group == 0
+    )
+
+
+def dequantized_groups(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    "int8 weights [N, K] times their scale [N, K / group] a group of inputs, in fp32, rounded once to `dtype`."
+    n, k = weight.shape
+    w = weight.view(n, scale.shape[1], -1).float() * scale.float()[:, :, None]
+    return w.reshape(n, k).to(dtype)
+
+
 def rows_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    scale: torch.Tensor | None = None,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
     norm_sums: torch.Tensor | None = None,
@@ -389,12 +479,18 @@ def rows_matmul(
 ):
     """x [M, K] (M <= ROWS_MATMUL_MAX_ROWS) @ weight [N, K].T (+ bias), bf16 or fp16, with `gemv`'s folds (`swiglu`,
     `residual`, `norm_sums`, `hand_off`: chapter 09's `gemv` says what each does) -> [M, N], or (h, h x g) with
-    hand_off; written into `out` where given (contiguous, x's dtype), else a new tensor.
+    hand_off; written into `out` where given (contiguous, x's dtype), else a new tensor. `scale`: weight is int8,
+    times scale [N, K / group] a group of inputs (chapter 10g's planes of a GGUF file's Q8_0 and Q6_K blocks),
+    dequantized as it is read (`dequantized_groups`' roundings).
     `tickets`: int32 zeros, at least `rows_matmul_tiles` of them, which the launch leaves zero; a launch split along
     K counts its finished programs on them (default: new zeros, a memset each call). Two launches must not use the
     same tickets at once. `split`: programs along K a tile (default: about `split_k_programs` in all)."""
-    _check_rows_operands(x, weight, bias, swiglu, out, tickets, residual, norm_sums, hand_off)
+    _check_rows_operands(
+        x, weight, scale, bias, swiglu, out, tickets, residual, norm_sums, hand_off
+    )
     if kernel_backend(x.device, impl) == "torch" or weight.stride(-1) != 1:
+        if scale is not None:
+            weight = dequantized_groups(weight, scale, x.dtype)
         return gemv_folds_reference(
             x, weight, bias, swiglu=swiglu, out=out, eps=eps, residual=residual, norm_sums=norm_sums,
             hand_off=hand_off,
@@ -422,13 +518,14 @@ def rows_matmul(
     pdl = pdl_supported(x.device)
     next_g, out_sums = (out, out) if hand_off is None else hand_off
     _rows_matmul_kernel[(tiles, split)](
-        x, weight, out if bias is None else bias, partials, partials if tickets is None else tickets, out,
+        x, weight, weight if scale is None else scale.contiguous(), out if bias is None else bias, partials, partials if tickets is None else tickets, out,
         out if residual is None else residual, out if norm_sums is None else norm_sums, out_sums, next_g, normed,
         m, out_n, k, per_split * block_k, x.stride(0), weight.stride(0),
         0 if residual is None else residual.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS_MATMUL_MAX_ROWS, SPLIT=split, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, NORM_SUMS=norm_sums is not None,
-        HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        HAND_OFF=hand_off is not None, GROUP=0 if scale is None else k // scale.shape[1],
+        BYTE_ASM=not INTERPRETED, UPCAST=INTERPRETED, PDL=pdl, launch_pdl=pdl, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return (out, normed) if hand_off is not None else out
@@ -485,6 +582,37 @@ for m, n, k in ((2, 48, 256), (5, 40, 320), (16, 64, 128)):
             close(a, b, f"{case} residual, hand_off: {name}")
 
 # %% [markdown]
+# int8 weights with a scale a group of inputs (chapter 10g's planes of a GGUF file: Q8_0's groups
+# of 32, Q6_K's of 16) take the same kernel, each tile dequantized in registers as it is read:
+# against the same folds on the weights dequantized first (`dequantized_groups`).
+
+# %%
+for (m, n, k), group in (((2, 48, 256), 32), ((16, 64, 320), 32), ((5, 40, 128), 16)):
+    x, _, res = operands(m, n, k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // group, generator=gen) * 2 + 1).half() / (127 * k**0.5)
+    w = dequantized_groups(q, scale, torch.bfloat16)
+    sums = torch.rand(m, generator=gen) * k + 1
+    for split in (1, 3):
+        case = f"int8 m={m} n={n} k={k} group={group} split={split}"
+        close(
+            rows_matmul(x, q, scale=scale, impl="triton", split=split),
+            gemv_folds_reference(x, w),
+            case,
+        )
+        close(
+            rows_matmul(x, q, scale=scale, swiglu=True, norm_sums=sums, impl="triton", split=split),
+            gemv_folds_reference(x, w, swiglu=True, norm_sums=sums),
+            case + " swiglu, norm_sums",
+        )
+        close(
+            rows_matmul(x, q, scale=scale, residual=res, impl="triton", split=split),
+            gemv_folds_reference(x, w, residual=res),
+            case + " residual",
+        )
+    assert torch.equal(rows_matmul(x, q, scale=scale, impl="torch"), gemv_folds_reference(x, w))
+
+# %% [markdown]
 # A launch split along K leaves its tickets zero, so a caller's buffer serves launch after launch;
 # `out` takes the result in place; and what does not fit is named.
 
@@ -500,6 +628,11 @@ assert torch.equal(rows_matmul(x, w, impl="torch"), gemv_folds_reference(x, w))
 for call, message in (
     (lambda: rows_matmul(torch.randn(17, 512).bfloat16(), w), "at most 16 rows, got 17"),
     (lambda: rows_matmul(x.float(), w.float()), "bf16 or fp16 x"),
+    (lambda: rows_matmul(x, w.to(torch.int8)), "or int8 ones with a scale"),
+    (
+        lambda: rows_matmul(x, w.to(torch.int8), scale=torch.ones(64, 3).half()),
+        r"scale must be \[64, K / group\]",
+    ),
     (lambda: rows_matmul(x, w, tickets=torch.zeros(1, dtype=torch.int32)), r"at least 2 elements"),
     (lambda: rows_matmul(x, w[:63], swiglu=True), "even number of rows"),
     (

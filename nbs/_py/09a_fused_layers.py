@@ -20,11 +20,11 @@
 # | `FusedAttention` | q/k-norm and RoPE of q and k in one `norm_rope`; none at all with a backend whose `rope_inside` takes them (the decode kernel) | a copy, the norms, ~7 small kernels of RoPE for q and again for k |
 # | `FusedMLP` | a decode row's gate-up GEMV with SiLU-mul in its epilogue (`swiglu`); else `silu_mul` | silu, the product, the strided halves: 3 kernels |
 # | `FusedDecoderLayer` | BF16, one row: each add + RMSNorm folded into the GEMVs around it (`folds_norms`) | 6 launches a layer: 4 |
-# | `FusedTransformer` | int8 / int4, one row: each norm handed from GEMV to GEMV (`hands_off_norms`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
+# | `FusedTransformer` | int8 / int4, one row, and BF16 or a GGUF file's int8 planes, 2-16 rows: each norm handed from matmul to matmul (`hands_off_norms`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
 #
 # Chapter 09 measured each of these; this chapter only wires them in. Chapter 10's quantized
 # layers are not `nn.Linear`s and stay: the fused layers call their GEMVs (`gemv_operands`, or a
-# `decode_gemv` of their own). Chapter 09c's tensor-parallel layers stay too: its row-parallel
+# `decode_gemv` of their own, which `takes_own_gemv` asks). Chapter 09c's tensor-parallel layers stay too: its row-parallel
 # o and down go through `linear` themselves, its norms, which finish the all-reduce, are
 # `FusedRMSNorm`s already, and its layers never fold.
 
@@ -46,7 +46,7 @@ from torch import nn
 from forge_engine.kernels.backend import kernels_available
 from forge_engine.kernels.cpu import cpu_add_rms_norm, cpu_layer_ops_run, cpu_rope, cpu_silu_mul
 from forge_engine.kernels.elementwise import NormRope, add_rmsnorm, norm_rope, rmsnorm, silu_mul
-from forge_engine.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_folds_norms, gemv_hands_off_norms
+from forge_engine.kernels.gemv import gemv, gemv_folds_norms, gemv_hands_off_norms
 from forge_engine.kernels.rows_matmul import ROWS_MATMUL_MAX_ROWS, rows_matmul, rows_matmul_tiles
 from forge_engine.model import (
     MLP,
@@ -88,11 +88,23 @@ def _kernels_compiled() -> bool:
     return kernels_available("cuda")  # (asked once: every linear layer asks, every step)
 
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    "Whether x is a step's rows [rows, features] on a GPU where the kernels run compiled."
+    return x.is_cuda and x.dim() == 2 and _kernels_compiled()
+
+
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether x is a decode step's few rows on a GPU where the kernels run compiled (`decode_matmul`): up to
     GEMV_ROWS, or up to GEMV_ROWS_BF16 times a 2-byte `weight`."""
     rows = GEMV_ROWS_BF16 if weight is not None and weight.element_size() == 2 else GEMV_ROWS
-    return x.is_cuda and x.dim() == 2 and x.shape[0] <= rows and _kernels_compiled()
+    return _on_kernels(x) and x.shape[0] <= rows
+
+
+def takes_own_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` multiplies step x by a decode kernel of its own that takes the GEMV's folds (`decode_gemv`:
+    chapter 10's int4 GEMV, chapter 10g's int8 groups through `rows_matmul`): x on a GPU where the kernels run
+    compiled, as many rows as the layer's kernel takes (its `decodes`)."""
+    return hasattr(layer, "decode_gemv") and _on_kernels(x) and layer.decodes(x.shape[0])
 
 
 def takes_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None) -> bool:
@@ -210,7 +222,7 @@ def folded_gemv(
             raise ValueError(
                 f"{type(layer).__name__}'s own GEMV takes no norm to apply: hand it off (handed_in)"
             )
-        return layer.decode_gemv(x, **folds)
+        return layer.decode_gemv(x, tickets=tickets, **folds)
     norm_weight = None if norm is None else norm.weight
     return decode_matmul(x, *layer.gemv_operands(), norm=norm_weight, tickets=tickets, **folds)
 
@@ -346,8 +358,7 @@ class FusedMLP(MLP):
                 return self.down(
                     decode_matmul(x, *operands, swiglu=True)
                 )  # SiLU-mul in its epilogue
-        # a layer with a GEMV of its own (chapter 10's int4: up to GEMV_MAX_ROWS rows)
-        elif hasattr(self.gate_up, "decode_gemv") and takes_gemv(x) and x.shape[0] <= GEMV_MAX_ROWS:
+        elif takes_own_gemv(self.gate_up, x):  # a layer with a decode kernel of its own
             return self.down(self.gate_up.decode_gemv(x, swiglu=True))
         return self.down(
             silu_mul(self.gate_up(x))
@@ -409,21 +420,24 @@ class FusedDecoderLayer(DecoderLayer):
     def hands_off_norms(self, x: torch.Tensor) -> bool:
         """Whether this step hands each norm from the GEMV that adds the residual to the GEMV after it (`gemv` with
         `hand_off` and `norm_sums`, `gemv_hands_off_norms`): as `folds_norms`, for the formats that take it; or each
-        layer has a GEMV of its own that takes it (`decode_gemv`, `hands_off_norms`: chapter 10's int4)."""
+        layer has a decode kernel of its own that takes this step (`takes_own_gemv`: chapter 10's int4, 10g's int8
+        groups)."""
         if self._gemv_reads_all(x):
             return gemv_hands_off_norms(self.attn.qkv.gemv_operands()[0], x.shape[0])
-        return (
-            takes_gemv(x)
-            and x.shape[0] <= GEMV_MAX_ROWS  # (chapter 10's int4 GEMV: no more rows)
-            and all(
-                hasattr(layer, "decode_gemv") and layer.hands_off_norms()
-                for layer in self._projections()
-            )
-        )
+        return all(takes_own_gemv(layer, x) for layer in self._projections())
 
     def rows_matmul_tiles(self, x: torch.Tensor) -> int:
         """The most tiles of this layer's four matmuls for step x where they run as `rows_matmul`
-        (`takes_rows_matmul`), else 0: how many split-K tickets each launch needs."""
+        (`takes_rows_matmul`, or a decode kernel of the layer's own that is one: its `rows_matmul_tiles`), else 0:
+        how many split-K tickets each launch needs."""
+        projections = self._projections()
+        if all(takes_own_gemv(layer, x) for layer in projections):
+            own = [
+                layer.rows_matmul_tiles()
+                for layer in projections
+                if hasattr(layer, "rows_matmul_tiles")
+            ]
+            return max(own, default=0)
         if not self._gemv_reads_all(x):
             return 0
         operands = [layer.gemv_operands() for layer in self._projections()]

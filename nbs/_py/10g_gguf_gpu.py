@@ -30,8 +30,10 @@
 # once. The int8 → FP32 conversion goes through the float's bits (chapter 09's `_as_f32`), not the
 # conversion unit, which runs at a quarter rate. Napkin math for one row of Qwen3-4B's `gate_up`
 # in Q8_0 (19,456 × 2,560, 52.9 MB): 11 µs at the H200's ~4.8 TB/s, 13 µs at a realistic 4 TB/s.
-# More rows than the GEMV takes (5-16) go to a split-K kernel that dequantizes a tile in registers
-# and multiplies it with `tl.dot`; prefill dequantizes tiles and calls the dense matmul.
+# A decode step of 2-16 sequences on int8 planes goes to chapter 09's `rows_matmul`, which
+# dequantizes each tile as it reads it and takes the GEMV's folds (below, `Int8GroupLinear`); other
+# calls of 5-16 rows go to a split-K kernel that dequantizes a tile in registers and multiplies it
+# with `tl.dot`; prefill dequantizes tiles and calls the dense matmul.
 
 # %%
 #| default_exp quant.gguf_gpu
@@ -56,6 +58,12 @@ from forge_engine.kernels.backend import (
     triton,
 )
 from forge_engine.kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
+from forge_engine.kernels.rows_matmul import (
+    ROWS_MATMUL_MAX_ROWS,
+    dequantized_groups,
+    rows_matmul,
+    rows_matmul_tiles,
+)
 from forge_engine.model import Transformer
 from forge_engine.quant.gguf_blocks import KEPT_GGUF_TYPES
 from forge_engine.quant.layers import (
@@ -327,6 +335,17 @@ def int8_group_gemv(
 # rows of Qwen3-4B's Q8_0 matrices take 0.89-1.05x this kernel's time
 # (`PYTHONPATH=. LAB_TYPES=Q8_0 python3 kernels_lab/sixteen_rows_swap.py`). At these sizes the
 # kernels are not bound by issuing instructions.
+#
+# What pays is what runs around them. A decode step of 16 sequences through this kernel spends,
+# besides its 145 matmuls, 108 launches summing their splits, 73 of add + RMSNorm and 36 of
+# SiLU-mul. So `Int8GroupLinear` sends a decode step of 2-16 rows to chapter 09's `rows_matmul`
+# instead (`decodes`, `decode_gemv`): the same dequantized tiles, with the splits summed by the
+# tile's last program, the norms handed from matmul to matmul, SiLU-mul and the residual in its
+# epilogue, launched as a dependent. On an H100, random Qwen3-4B with every matrix as Q8_0 planes:
+# the 16-sequence decode graph **3.215 ms against 3.722**, S_TG 4,874 against 4,204 tok/s
+# (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`). One sequence keeps the
+# int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The LM head still runs this split-K
+# kernel (two of its launches, 214 µs a step at 16 rows).
 
 # %%
 #| export
@@ -374,9 +393,7 @@ def int8_group_matmul_reference(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     "Dense: the weights q · scale (per group) in x's dtype, one matmul."
-    group = q.shape[1] // scale.shape[1]
-    w = (q.view(q.shape[0], -1, group).float() * scale.float()[:, :, None]).reshape(q.shape)
-    return x @ w.to(x.dtype).T
+    return x @ dequantized_groups(q, scale, x.dtype).T
 
 
 @triton.jit
@@ -485,11 +502,27 @@ class Int8GroupLinear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int8_group_dense(x, self.qweight[start:end], self.scale[start:end])
 
+    def decodes(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
+        handed between the matmuls: 2-16 rows. One row stays with the int8 group GEMV, which takes no folds."""
+        return 1 < rows <= ROWS_MATMUL_MAX_ROWS
+
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
+    ):
+        """This layer on a decode step's 2-16 rows by chapter 09's `rows_matmul` (the planes dequantized as it reads
+        them), with `gemv`'s folds, which chapter 09a's `folded_gemv` passes, and its split-K `tickets`."""
+        return rows_matmul(
+            x, self.qweight, self.bias, scale=self.scale, swiglu=swiglu, residual=residual, norm_sums=norm_sums,
+            hand_off=hand_off, eps=eps, tickets=tickets,
+        )  # fmt: skip
+
+    def rows_matmul_tiles(self) -> int:
+        "The split-K tickets a `decode_gemv` launch takes (chapter 09's `rows_matmul_tiles`)."
+        return rows_matmul_tiles(self.out_features)
+
     def rows(self, ids, dtype):
-        group = self.in_features // self.scale.shape[1]
-        q, scale = self.qweight[ids], self.scale[ids]
-        w = q.view(len(ids), -1, group).float() * scale.float()[:, :, None]
-        return w.reshape(q.shape).to(dtype)
+        return dequantized_groups(self.qweight[ids], self.scale[ids], dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group={self.in_features // self.scale.shape[1]}"
