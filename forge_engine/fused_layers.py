@@ -365,7 +365,8 @@ class FusedTransformer(Transformer):
     def run_layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
-        if self.layers[0].hands_off_norms(x):
+        # every layer asked: a GGUF file's layers may differ in their matrices' types
+        if all(layer.hands_off_norms(x) for layer in self.layers):
             return self._run_layers_handing_off(x, cos, sin, attention)
         return super().run_layers(x, cos, sin, attention)
 
@@ -375,7 +376,7 @@ class FusedTransformer(Transformer):
         sums = torch.zeros(
             2 * len(self.layers), h.shape[0], device=h.device
         )  # per norm and row; one memset a step
-        tiles = self.layers[0].rows_matmul_tiles(h)
+        tiles = max(layer.rows_matmul_tiles(h) for layer in self.layers)
         tickets = (  # each launch's own split-K tickets (a launch may still finish as the next starts); one memset
             torch.zeros(len(self.layers), 4, tiles, dtype=torch.int32, device=h.device)
             if tiles

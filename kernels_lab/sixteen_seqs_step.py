@@ -4,7 +4,8 @@ figure without a file. The model is random:qwen3-4b with every matrix and the ti
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
 Per variant, in turn (`export`: the package, 2-16 rows through chapter 09's rows_matmul; `split`: 2-16 rows through
-chapter 10g's split-K and the separate small kernels, as before; `tile=BN/BK/W/ST`: rows_matmul in that tile; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+chapter 10g's split-K and the separate small kernels, as before; `tile=BN/BK/W/ST`: rows_matmul in that tile; `head`:
+the LM head's rows through rows_matmul too; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products
@@ -116,6 +117,20 @@ def use_folded(tile, int8_dot=False):
     Int8GroupLinear.decodes = lambda self, rows: rows <= 16  # one sequence's steps too
 
 
+def use_rows_matmul_head():
+    "Every other call of 2-16 rows on int8 planes (the LM head's) through chapter 09's rows_matmul."
+    from forge_engine.kernels.rows_matmul import rows_matmul
+
+    plain = Int8GroupLinear.skinny
+
+    def skinny(self, x):
+        if 1 < x.shape[0] <= 16:
+            return rows_matmul(x, self.qweight, scale=self.scale)
+        return plain(self, x)
+
+    Int8GroupLinear.skinny = skinny
+
+
 def main():
     variants = (sys.argv[1] if len(sys.argv) > 1 else "export,swap").split(",")
     swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,2").split(","))
@@ -128,6 +143,9 @@ def main():
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
+        # head: the LM head's 2-16 rows through chapter 09's rows_matmul too, not chapter 10g's split-K
+        if variant == "head":
+            use_rows_matmul_head()
         # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile
         if variant.startswith("tile="):
             import forge_engine.kernels.rows_matmul as rows_matmul

@@ -265,8 +265,9 @@ assert not takes_rows_matmul(rows5, w16, norm=torch.ones(4))
 #
 # Each takes its folds as keywords. The decoder layer decides per step: a decode step of one
 # row with BF16 weights folds its norms (`folds_norms`), one with int8 / int4 weights or of 2-16
-# BF16 rows hands them on (`hands_off_norms`, asked of the first layer by the model, which then
-# runs every layer that way); anything else runs chapter 03's order with the fused norms.
+# rows of BF16 weights or of a GGUF file's int8 planes hands them on (`hands_off_norms`, asked of
+# every layer by the model, which then runs every layer that way); anything else runs chapter
+# 03's order with the fused norms.
 
 # %%
 #| export
@@ -462,7 +463,8 @@ class FusedTransformer(Transformer):
     def run_layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
-        if self.layers[0].hands_off_norms(x):
+        # every layer asked: a GGUF file's layers may differ in their matrices' types
+        if all(layer.hands_off_norms(x) for layer in self.layers):
             return self._run_layers_handing_off(x, cos, sin, attention)
         return super().run_layers(x, cos, sin, attention)
 
@@ -472,7 +474,7 @@ class FusedTransformer(Transformer):
         sums = torch.zeros(
             2 * len(self.layers), h.shape[0], device=h.device
         )  # per norm and row; one memset a step
-        tiles = self.layers[0].rows_matmul_tiles(h)
+        tiles = max(layer.rows_matmul_tiles(h) for layer in self.layers)
         tickets = (  # each launch's own split-K tickets (a launch may still finish as the next starts); one memset
             torch.zeros(len(self.layers), 4, tiles, dtype=torch.int32, device=h.device)
             if tiles
