@@ -114,7 +114,7 @@ def use_folded(tile, int8_dot=False):
         )  # fmt: skip
 
     Int8GroupLinear.decode_gemv = decode_gemv
-    Int8GroupLinear.decodes = lambda self, rows: rows <= 16  # one sequence's steps too
+    Int8GroupLinear.takes_decode_step = lambda self, x: x.shape[0] <= 16  # one sequence's steps too
 
 
 def use_rows_matmul_head():
@@ -138,7 +138,7 @@ def main():
     for variant in variants:
         # split: 2-16 rows as before chapter 09's rows_matmul took them, through chapter 10g's split-K
         if variant == "split":
-            Int8GroupLinear.decodes = lambda self, rows: False
+            Int8GroupLinear.takes_decode_step = lambda self, x: False
         if variant == "swap":
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):

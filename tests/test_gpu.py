@@ -191,7 +191,7 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
 @pytest.mark.parametrize("rows", [2, 5, 16])
 def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, weights, monkeypatch):
     """A decode step of several sequences (their rows through chapter 09's `rows_matmul` with the norms handed from
-    matmul to matmul: chapter 09a's GEMV_ROWS_BF16 for BF16 weights, chapter 10g's `Int8GroupLinear.decodes` for a
+    matmul to matmul: chapter 09a's GEMV_ROWS_BF16 for BF16 weights, chapter 10g's `Int8GroupLinear.takes_decode_step` for a
     GGUF file's int8 planes with a scale a group of 32) against the same step with the rows through cuBLAS (int8
     groups: chapter 10g's split-K launches) and the separate kernels, both replayed from CUDA graphs after the same
     prefill: logits within BF16, each row's pick scored as the best under the other, within that."""
@@ -237,7 +237,9 @@ def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, we
     for label, gemv_rows in (("rows_matmul", fused_layers.GEMV_ROWS_BF16), ("cublas", 1)):
         # asked when the graphs are recorded
         monkeypatch.setattr(fused_layers, "GEMV_ROWS_BF16", gemv_rows)
-        monkeypatch.setattr(Int8GroupLinear, "decodes", lambda self, rows: 1 < rows <= gemv_rows)
+        monkeypatch.setattr(
+            Int8GroupLinear, "takes_decode_step", lambda self, x: 1 < x.shape[0] <= gemv_rows
+        )
         cache.k_cache.copy_(prefilled[0])
         cache.v_cache.copy_(prefilled[1])
         runner = DecodeRunner(

@@ -298,12 +298,15 @@ def int8_group_dense(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
 def int8_group_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto"
 ) -> torch.Tensor:
-    """x [M, K] @ (q · scale per group).T -> [M, N] in x's dtype: the GEMV up to GEMV_MAX_ROWS rows, chapter 10b's
-    split-K launch above (`impl='torch'`, or a CPU: the dense reference)."""
+    """x [M, K] @ (q · scale per group).T -> [M, N] in x's dtype: the GEMV up to GEMV_MAX_ROWS rows, chapter 09's
+    `rows_matmul` up to its 16 rows of bf16 or fp16 x, chapter 10b's split-K launch above (`impl='torch'`, or a
+    CPU: the dense reference)."""
     if kernel_backend(x.device, impl) == "torch":
         return int8_group_matmul_reference(x, q, scale)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return int8_group_gemv(x, q, scale)
+    if x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return rows_matmul(x, q, scale=scale)  # (faster than split-K at 16 rows: the LM head below)
     group = q.shape[1] // scale.shape[1]
     block_k = next(b for b in (256, 128, 64, group) if x.shape[1] % b == 0 and b % group == 0)
     return _skinny_matmul(  # tiles of 32 outputs: 2-11% faster than 64 at 16 rows (kernels_lab/gguf_rows_sweep.py)
@@ -333,10 +336,11 @@ class Int8GroupLinear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int8_group_dense(x, self.qweight[start:end], self.scale[start:end])
 
-    def decodes(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
-        handed between the matmuls: 2-16 rows. One row stays with the int8 group GEMV, which takes no folds."""
-        return 1 < rows <= ROWS_MATMUL_MAX_ROWS
+    def takes_decode_step(self, x: torch.Tensor) -> bool:
+        """Whether decode step x (on a GPU) goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
+        handed between the matmuls: 2-16 rows of bf16 or fp16. One row stays with the int8 group GEMV, which takes
+        no folds."""
+        return 1 < x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
     def decode_gemv(
         self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None

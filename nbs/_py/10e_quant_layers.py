@@ -417,10 +417,10 @@ class Int4Linear(QuantLinear):
         )
         return out if self.bias is None else out + self.bias
 
-    def decodes(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`) and hands
-        its norms between the GEMVs (chapter 09's `gemv_hands_off_norms`): up to chapter 09a's GEMV_ROWS."""
-        return rows <= min(fused_layers.GEMV_ROWS, GEMV_MAX_ROWS) and gemv_hands_off_norms(
+    def takes_decode_step(self, x: torch.Tensor) -> bool:
+        """Whether decode step x (on a GPU) goes through `decode_gemv` (chapter 09a's `takes_own_gemv`) and hands its
+        norms between the GEMVs (chapter 09's `gemv_hands_off_norms`): up to chapter 09a's GEMV_ROWS rows."""
+        return x.shape[0] <= min(fused_layers.GEMV_ROWS, GEMV_MAX_ROWS) and gemv_hands_off_norms(
             self.qweight
         )
 

@@ -339,13 +339,16 @@ def int8_group_gemv(
 # What pays is what runs around them. A decode step of 16 sequences through this kernel spends,
 # besides its 145 matmuls, 108 launches summing their splits, 73 of add + RMSNorm and 36 of
 # SiLU-mul. So `Int8GroupLinear` sends a decode step of 2-16 rows to chapter 09's `rows_matmul`
-# instead (`decodes`, `decode_gemv`): the same dequantized tiles, with the splits summed by the
+# instead (`takes_decode_step`, `decode_gemv`): the same dequantized tiles, with the splits summed by the
 # tile's last program, the norms handed from matmul to matmul, SiLU-mul and the residual in its
 # epilogue, launched as a dependent. On an H100, random Qwen3-4B with every matrix as Q8_0 planes:
 # the 16-sequence decode graph **3.215 ms against 3.722**, S_TG 4,874 against 4,204 tok/s
 # (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`). One sequence keeps the
-# int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The LM head still runs this split-K
-# kernel (two of its launches, 214 µs a step at 16 rows).
+# int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The other calls of 5-16 rows of bf16
+# or fp16 x go there too (`int8_group_matmul`): the tied LM head at 16 rows took 214 µs a step in
+# two launches of this kernel and its sums, about 166 in `rows_matmul` (the graph 3.126 ms against
+# 3.166, S_TG 5,039 against 4,948 tok/s: `sixteen_seqs_step.py export,head`). This kernel keeps
+# fp32 x and 17-64 rows.
 
 # %%
 #| export
@@ -426,12 +429,15 @@ def int8_group_dense(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
 def int8_group_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, impl: str = "auto"
 ) -> torch.Tensor:
-    """x [M, K] @ (q · scale per group).T -> [M, N] in x's dtype: the GEMV up to GEMV_MAX_ROWS rows, chapter 10b's
-    split-K launch above (`impl='torch'`, or a CPU: the dense reference)."""
+    """x [M, K] @ (q · scale per group).T -> [M, N] in x's dtype: the GEMV up to GEMV_MAX_ROWS rows, chapter 09's
+    `rows_matmul` up to its 16 rows of bf16 or fp16 x, chapter 10b's split-K launch above (`impl='torch'`, or a
+    CPU: the dense reference)."""
     if kernel_backend(x.device, impl) == "torch":
         return int8_group_matmul_reference(x, q, scale)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return int8_group_gemv(x, q, scale)
+    if x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return rows_matmul(x, q, scale=scale)  # (faster than split-K at 16 rows: the LM head below)
     group = q.shape[1] // scale.shape[1]
     block_k = next(b for b in (256, 128, 64, group) if x.shape[1] % b == 0 and b % group == 0)
     return _skinny_matmul(  # tiles of 32 outputs: 2-11% faster than 64 at 16 rows (kernels_lab/gguf_rows_sweep.py)
@@ -448,15 +454,16 @@ def int8_group_matmul(
 
 # %% [markdown]
 # The GEMV against the dense reference at one to four rows, with groups of 16 and 32, masked and
-# whole steps; the split-K launch at 5 and 16 rows. In FP32 to 1e-4 (sums in another order),
-# in BF16 to 1% of the norm (chapter 10b's `assert_matches`).
+# whole steps; 5 and 16 rows of BF16 through chapter 09's `rows_matmul`, of FP32 (and 20 rows of
+# either) through the split-K launch. In FP32 to 1e-4 (sums in another order), in BF16 to 1% of
+# the norm (chapter 10b's `assert_matches`).
 
 # %%
 torch.manual_seed(0)
 for n, k, group in [(24, 512, 32), (20, 384, 16), (8, 1024, 16)]:
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     scale = (torch.rand(n, k // group) * 0.01).half()
-    for rows in (1, 2, 3, 4, 5, 16):
+    for rows in (1, 2, 3, 4, 5, 16, 20):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, k, dtype=dtype)
             want = int8_group_matmul_reference(x, q, scale)
@@ -502,10 +509,11 @@ class Int8GroupLinear(QuantLinear):
     def dense_rows(self, x, start, end):
         return int8_group_dense(x, self.qweight[start:end], self.scale[start:end])
 
-    def decodes(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
-        handed between the matmuls: 2-16 rows. One row stays with the int8 group GEMV, which takes no folds."""
-        return 1 < rows <= ROWS_MATMUL_MAX_ROWS
+    def takes_decode_step(self, x: torch.Tensor) -> bool:
+        """Whether decode step x (on a GPU) goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
+        handed between the matmuls: 2-16 rows of bf16 or fp16. One row stays with the int8 group GEMV, which takes
+        no folds."""
+        return 1 < x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
     def decode_gemv(
         self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
