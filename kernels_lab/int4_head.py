@@ -31,8 +31,8 @@ def int4_head(model, group: int | None = None):
     head = model.lm_head
     weight = dequantize_int8(head.qweight, head.scale, torch.bfloat16)
     model.lm_head = quant.Int4Linear(SimpleNamespace(weight=weight), group=group)
-    if isinstance(model.embed, quant.TiedEmbedding):
-        model.embed = quant.TiedEmbedding(model.lm_head, model.embed.dtype)
+    if isinstance(model.embed, quant.QuantEmbedding):
+        model.embed = quant.QuantEmbedding(model.lm_head, model.embed.dtype)
 
 
 def main():

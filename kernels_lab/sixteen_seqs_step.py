@@ -48,7 +48,7 @@ from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
 from forge_engine.quant.gguf_gpu import Int8GroupLinear
-from forge_engine.quant.layers import TiedEmbedding, swap_layer_matrices
+from forge_engine.quant.layers import QuantEmbedding, swap_layer_matrices
 
 GROUP = 32
 
@@ -66,7 +66,7 @@ def q8_0_model():
     model = loaded.model
     swap_layer_matrices(model, lambda m, where: random_planes(*m.qweight.shape, m.qweight.device))
     model.lm_head = random_planes(*model.lm_head.qweight.shape, model.lm_head.qweight.device)
-    model.embed = TiedEmbedding(model.lm_head, torch.bfloat16)
+    model.embed = QuantEmbedding(model.lm_head, torch.bfloat16)
     torch.cuda.empty_cache()
     return loaded
 

@@ -309,7 +309,7 @@ def test_smollm2_quantized_heads_on_the_static_decode_path(quantization):
     loaded = load_model(
         "smollm2-135m-instruct", device="cpu", progress=False, quantization=quantization
     )
-    assert loaded.model.embed.head is loaded.model.lm_head  # one table for both ends
+    assert loaded.model.embed.table is loaded.model.lm_head  # one table for both ends
     prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = []

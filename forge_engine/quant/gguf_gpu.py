@@ -34,7 +34,7 @@ from forge_engine.quant.layers import (
     GGUFLinear,
     Int4Linear,
     QuantLinear,
-    TiedEmbedding,
+    QuantEmbedding,
     swap_layer_matrices,
 )
 from forge_engine.quant.split_k import (
@@ -432,10 +432,11 @@ def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
     return ConcatLinear(parts, layer.bias)
 
 
-def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tuple[int, int]:
+def gguf_gpu_bytes(tensors, dtype_bytes: int) -> tuple[int, int]:
     """(bytes, loading peak) on a GPU of a GGUF model loaded with its blocks kept and repacked (chapter 10e's
     `load_gguf_quantized`, then `gguf_layers_for_gpu`), from its tensors' (GGUF name, GGML type, shape): the layer
-    matrices and the LM head as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a number. Every block
+    matrices, the LM head and the token embedding as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a
+    number. Every block
     comes to the GPU first, then each matrix is repacked in turn, the head last; planes take at least their blocks'
     bytes, so the peak is the weights, the largest matrix's blocks and one slice's temporaries (under 10 bytes a byte
     of blocks)."""
@@ -443,11 +444,14 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
     from forge_engine.quant.layers import _GGUF_PARTS
 
     parts = {part for names in _GGUF_PARTS.values() for part in names}
-    head = "token_embd.weight" if tie_word_embeddings else "output.weight"
+    tables = {
+        "token_embd.weight",
+        "output.weight",
+    }  # the embedding and the head: kept where their type is
     total, largest = 0, 0
     for name, qtype, shape in tensors:
         qtype, numel = int(qtype), math.prod(shape)
-        kept = name == head and qtype in KEPT_GGUF_TYPES
+        kept = name in tables and qtype in KEPT_GGUF_TYPES
         if name.split(".")[-2] in parts and name.startswith("blk."):
             if qtype not in KEPT_GGUF_TYPES:
                 raise ValueError(f"{name}: GGUF type {qtype} cannot be kept quantized")
@@ -465,8 +469,9 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
 
 @torch.no_grad()
 def gguf_layers_for_gpu(model: Transformer) -> Transformer:
-    """Every `GGUFLinear` of `model` where its embedding is (layer matrices, LM head: a model split with the CPU,
-    chapter 10h, keeps its CPU layers' blocks for the CPU's kernels) replaced, in place, by `repack_gguf_linear`'s."""
+    """Every `GGUFLinear` of `model` where its embedding is (layer matrices, LM head, an untied embedding's table: a
+    model split with the CPU, chapter 10h, keeps its CPU layers' blocks for the CPU's kernels) replaced, in place, by
+    `repack_gguf_linear`'s."""
     home = next(itertools.chain(model.embed.parameters(), model.embed.buffers())).device
 
     def at_home(child) -> bool:
@@ -475,8 +480,11 @@ def gguf_layers_for_gpu(model: Transformer) -> Transformer:
     swap_layer_matrices(
         model, lambda child, _: repack_gguf_linear(child) if at_home(child) else None
     )
+    tied = isinstance(model.embed, QuantEmbedding) and model.embed.table is model.lm_head
     if at_home(model.lm_head):
         model.lm_head = repack_gguf_linear(model.lm_head)
-        if isinstance(model.embed, TiedEmbedding):
-            model.embed = TiedEmbedding(model.lm_head, model.embed.dtype)
+        if tied:
+            model.embed = QuantEmbedding(model.lm_head, model.embed.dtype)
+    if not tied and isinstance(model.embed, QuantEmbedding) and at_home(model.embed.table):
+        model.embed = QuantEmbedding(repack_gguf_linear(model.embed.table), model.embed.dtype)
     return model

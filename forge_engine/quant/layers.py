@@ -39,7 +39,7 @@ from .split_k import SKINNY_MAX_ROWS, int8_matmul, int8_matmul_reference
 # %% auto #0
 __all__ = ['CPU_WEIGHT_GEMMS', 'CPU_WEIGHT_GEMM_ROWS', 'GGUF_Q4_1', 'DENSE_TILE_WEIGHTS', 'CPU_TILE_WEIGHTS', 'INT8_GEMV_ROWS',
            'QUANTIZED_LINEARS', 'QUANTIZERS', 'FIXED_TEXT', 'takes_cpu_weight_gemm', 'cpu_int4pack', 'cpu_int4pack_mm',
-           'q4_blocks_as_int4', 'int4_as_q4_1', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'TiedEmbedding',
+           'q4_blocks_as_int4', 'int4_as_q4_1', 'QuantLinear', 'Int8Linear', 'Int4Linear', 'QuantEmbedding',
            'GGUFLinear', 'swap_layer_matrices', 'quantize_model', 'load_gguf_quantized', 'perplexity']
 
 # %% ../../nbs/10e_quant_layers.ipynb #8195ba23
@@ -381,18 +381,16 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)
 
 
-class TiedEmbedding(nn.Module):
-    "A tied model's embedding read from its quantized LM head (the same table): a token's row, dequantized."
+class QuantEmbedding(nn.Module):
+    """An embedding read from a quantized table [vocab, hidden] (a `QuantLinear`): a token's row, dequantized. A tied
+    model's table is its LM head, shared with the model's lm_head, not copied: one table serves both ends."""
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+    def __init__(self, table: QuantLinear, dtype: torch.dtype):
         super().__init__()
-        self.head, self.dtype = (
-            head,
-            dtype,
-        )  # shared with the model's lm_head, not copied: one table serves both ends
+        self.table, self.dtype = table, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
+        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
 
 # %% ../../nbs/10e_quant_layers.ipynb #44a8d074
 class GGUFLinear(QuantLinear):
@@ -561,7 +559,7 @@ def quantize_model(
     else:  # tied: one int8 table, the head's, read by both ends
         dtype = model.embed.weight.dtype
         model.lm_head = Int8Linear(model.embed, device)
-        model.embed = TiedEmbedding(model.lm_head, dtype)
+        model.embed = QuantEmbedding(model.lm_head, dtype)
     return model
 
 # %% ../../nbs/10e_quant_layers.ipynb #923cdbae
@@ -589,8 +587,8 @@ def _materialize(model: nn.Module, device, dtype) -> None:
 
 @torch.no_grad()
 def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
-    """A model whose layer matrices and LM head keep the `GGUFFile`'s quantized blocks (a tied model's embedding reads
-    its rows from the head's); everything else dequantized to `dtype`."""
+    """A model whose layer matrices, LM head and token embedding keep the `GGUFFile`'s quantized blocks (a tied model's
+    embedding reads its rows from the head's); everything else dequantized to `dtype`."""
     from forge_engine.gguf_file import SKIPPED_TENSORS, hf_name, llama_cpp_unpermute
 
     config = gguf.model_config()
@@ -622,17 +620,25 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
                 attr,
                 GGUFLinear(parts, None if bias is None else torch.empty(bias.shape, device="meta")),
             )
-    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    if (
-        head in infos and int(infos[head].qtype) in KEPT_GGUF_TYPES
-    ):  # (a head stored as F16 / F32 is loaded dense)
-        info = infos[head]
-        model.lm_head = GGUFLinear(
-            [(f"{gguf.path.name}: {head}", info.qtype, info.shape, gguf.raw(head).to(device))]
+
+    def kept_table(name: str) -> GGUFLinear | None:  # (a table stored as F16 / F32 is loaded dense)
+        if name not in infos or int(infos[name].qtype) not in KEPT_GGUF_TYPES:
+            return None
+        kept.add(name)
+        info = infos[name]
+        return GGUFLinear(
+            [(f"{gguf.path.name}: {name}", info.qtype, info.shape, gguf.raw(name).to(device))]
         )
-        if config.tie_word_embeddings:
-            model.embed = TiedEmbedding(model.lm_head, dtype)
-        kept.add(head)
+
+    tied = config.tie_word_embeddings
+    if (head := kept_table("token_embd.weight" if tied else "output.weight")) is not None:
+        model.lm_head = head
+        if tied:
+            model.embed = QuantEmbedding(head, dtype)
+    if not tied and (table := kept_table("token_embd.weight")) is not None:
+        model.embed = QuantEmbedding(
+            table, dtype
+        )  # read a row a token: its blocks, not a dense copy
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))

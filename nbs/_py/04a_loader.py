@@ -473,9 +473,7 @@ def load_model(
             from forge_engine.quant.gguf_gpu import gguf_gpu_bytes
 
             infos = [(t.name, t.qtype, t.shape) for t in GGUFFile(resolved.path).tensor_infos]
-            weights = gguf_gpu_bytes(
-                infos, config.tie_word_embeddings, torch.finfo(dtype).bits // 8
-            )
+            weights = gguf_gpu_bytes(infos, torch.finfo(dtype).bits // 8)
         plan = plan_memory(
             config,
             memory_budget,

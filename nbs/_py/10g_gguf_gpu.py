@@ -71,7 +71,7 @@ from forge_engine.quant.layers import (
     GGUFLinear,
     Int4Linear,
     QuantLinear,
-    TiedEmbedding,
+    QuantEmbedding,
     swap_layer_matrices,
 )
 from forge_engine.quant.split_k import (
@@ -615,10 +615,11 @@ def repack_gguf_linear(layer: GGUFLinear) -> QuantLinear:
     return ConcatLinear(parts, layer.bias)
 
 
-def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tuple[int, int]:
+def gguf_gpu_bytes(tensors, dtype_bytes: int) -> tuple[int, int]:
     """(bytes, loading peak) on a GPU of a GGUF model loaded with its blocks kept and repacked (chapter 10e's
     `load_gguf_quantized`, then `gguf_layers_for_gpu`), from its tensors' (GGUF name, GGML type, shape): the layer
-    matrices and the LM head as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a number. Every block
+    matrices, the LM head and the token embedding as `repacked_bytes` says, the rest dequantized to `dtype_bytes` a
+    number. Every block
     comes to the GPU first, then each matrix is repacked in turn, the head last; planes take at least their blocks'
     bytes, so the peak is the weights, the largest matrix's blocks and one slice's temporaries (under 10 bytes a byte
     of blocks)."""
@@ -626,11 +627,14 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
     from forge_engine.quant.layers import _GGUF_PARTS
 
     parts = {part for names in _GGUF_PARTS.values() for part in names}
-    head = "token_embd.weight" if tie_word_embeddings else "output.weight"
+    tables = {
+        "token_embd.weight",
+        "output.weight",
+    }  # the embedding and the head: kept where their type is
     total, largest = 0, 0
     for name, qtype, shape in tensors:
         qtype, numel = int(qtype), math.prod(shape)
-        kept = name == head and qtype in KEPT_GGUF_TYPES
+        kept = name in tables and qtype in KEPT_GGUF_TYPES
         if name.split(".")[-2] in parts and name.startswith("blk."):
             if qtype not in KEPT_GGUF_TYPES:
                 raise ValueError(f"{name}: GGUF type {qtype} cannot be kept quantized")
@@ -648,8 +652,9 @@ def gguf_gpu_bytes(tensors, tie_word_embeddings: bool, dtype_bytes: int) -> tupl
 
 @torch.no_grad()
 def gguf_layers_for_gpu(model: Transformer) -> Transformer:
-    """Every `GGUFLinear` of `model` where its embedding is (layer matrices, LM head: a model split with the CPU,
-    chapter 10h, keeps its CPU layers' blocks for the CPU's kernels) replaced, in place, by `repack_gguf_linear`'s."""
+    """Every `GGUFLinear` of `model` where its embedding is (layer matrices, LM head, an untied embedding's table: a
+    model split with the CPU, chapter 10h, keeps its CPU layers' blocks for the CPU's kernels) replaced, in place, by
+    `repack_gguf_linear`'s."""
     home = next(itertools.chain(model.embed.parameters(), model.embed.buffers())).device
 
     def at_home(child) -> bool:
@@ -658,10 +663,13 @@ def gguf_layers_for_gpu(model: Transformer) -> Transformer:
     swap_layer_matrices(
         model, lambda child, _: repack_gguf_linear(child) if at_home(child) else None
     )
+    tied = isinstance(model.embed, QuantEmbedding) and model.embed.table is model.lm_head
     if at_home(model.lm_head):
         model.lm_head = repack_gguf_linear(model.lm_head)
-        if isinstance(model.embed, TiedEmbedding):
-            model.embed = TiedEmbedding(model.lm_head, model.embed.dtype)
+        if tied:
+            model.embed = QuantEmbedding(model.lm_head, model.embed.dtype)
+    if not tied and isinstance(model.embed, QuantEmbedding) and at_home(model.embed.table):
+        model.embed = QuantEmbedding(repack_gguf_linear(model.embed.table), model.embed.dtype)
     return model
 
 
@@ -697,7 +705,7 @@ for (i, name), types in kinds.items():
     setattr(parent, name, GGUFLinear(parts, getattr(parent, name).bias))
 head_bytes = gguf_bytes(QType.Q6_K, wide.vocab_size, wide.hidden_size, seed=9)
 model.lm_head = GGUFLinear([("head", QType.Q6_K, (wide.vocab_size, wide.hidden_size), head_bytes)])
-model.embed = TiedEmbedding(model.lm_head, torch.float32)
+model.embed = QuantEmbedding(model.lm_head, torch.float32)
 before = {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
 gguf_layers_for_gpu(model)
 after = dict(model.named_modules())
@@ -709,7 +717,7 @@ assert isinstance(after["layers.0.attn.o"], Int8GroupLinear) and isinstance(
     after["layers.1.mlp.gate_up"], Int4Linear
 )
 assert isinstance(after["layers.1.attn.o"], GGUFLinear)  # Q5_K: chapter 10d's kernel
-assert isinstance(model.lm_head, Int8GroupLinear) and model.embed.head is model.lm_head
+assert isinstance(model.lm_head, Int8GroupLinear) and model.embed.table is model.lm_head
 
 
 def _with_bias(layer, y):
@@ -732,6 +740,31 @@ for name, blocks in before.items():
         else:  # the dense path (on a CPU: PyTorch's BF16 weight-only GEMMs for int4)
             got = _with_bias(layer, layer.dense(x))
             assert ((got - want).norm() / want.norm()).item() < 1e-2, name
+
+# %% [markdown]
+# An untied model's token embedding kept in its blocks (a Q4_K table, as a Q4_K_M file stores it)
+# is repacked too, and reads the same rows.
+
+# %%
+table = GGUFLinear(
+    [
+        (
+            "token_embd",
+            QType.Q4_K,
+            (wide.vocab_size, wide.hidden_size),
+            gguf_bytes(QType.Q4_K, wide.vocab_size, wide.hidden_size, seed=5),
+        )
+    ]
+)
+model.embed = QuantEmbedding(table, torch.float32)  # untied: a table of its own
+gguf_layers_for_gpu(model)
+assert isinstance(model.embed.table, Int4Linear) and isinstance(model.lm_head, Int8GroupLinear)
+tokens = torch.tensor([0, 5, wide.vocab_size - 1])
+want = table.rows(tokens, torch.float32)
+torch.testing.assert_close(  # within the fp16 rounding of Q4_K's scales
+    model.embed(tokens), want, rtol=2e-3, atol=2e-3 * want.abs().max().item()
+)
+model.embed = QuantEmbedding(model.lm_head, torch.float32)  # tied again, for what follows
 
 # %% [markdown]
 # What the repacked model takes, from the file's types alone (`gguf_gpu_bytes`: what chapter
@@ -770,10 +803,53 @@ for (i, name), types in kinds.items():
 infos += [
     (f"dense.{n}", QType.F32, tuple(p.shape)) for n, p in model.named_parameters()
 ]  # norms, biases
-weights, peak = gguf_gpu_bytes(infos, tie_word_embeddings=True, dtype_bytes=4)
+weights, peak = gguf_gpu_bytes(infos, dtype_bytes=4)
 assert weights == model_bytes(model) and peak > weights
 with pytest.raises(ValueError, match="blk.0.attn_q.weight: GGUF type 10 cannot be kept"):
-    gguf_gpu_bytes([("blk.0.attn_q.weight", QType.Q2_K, (256, 256))], True, 2)
+    gguf_gpu_bytes([("blk.0.attn_q.weight", QType.Q2_K, (256, 256))], 2)
+
+# %% [markdown]
+# Qwen3-8B's shape as a Q4_K_M file, under an 8 GiB budget (a consumer card). llama.cpp's
+# `llama-quantize` gives that type Q4_K matrices, Q6_K for `attn_v` and `ffn_down` in the first
+# and last eighth of the layers and every third between, a Q6_K head and a Q4_K token embedding.
+# Kept in its blocks, the embedding costs 0.35 GB instead of 1.24 GB of BF16, and the model fits
+# whole with more than the minimum KV cache; with the embedding in BF16 it would not.
+
+# %%
+from forge_engine.memory_plan import MIN_KV_BYTES, MemoryPlanError, plan_memory
+
+c8 = preset("qwen3-8b")
+n = c8.num_layers
+more_bits = [i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2 for i in range(n)]
+h, q_rows, kv_rows = c8.hidden_size, c8.num_heads * c8.head_dim, c8.num_kv_heads * c8.head_dim
+shapes = {
+    "attn_q": (q_rows, h), "attn_k": (kv_rows, h), "attn_v": (kv_rows, h), "attn_output": (h, q_rows),
+    "ffn_gate": (c8.intermediate_size, h), "ffn_up": (c8.intermediate_size, h), "ffn_down": (h, c8.intermediate_size),
+}  # fmt: skip
+q4_k_m = [
+    ("token_embd.weight", QType.Q4_K, (c8.vocab_size, h)),
+    ("output.weight", QType.Q6_K, (c8.vocab_size, h)),
+]
+for i in range(n):
+    for part, shape in shapes.items():
+        six_bits = part in ("attn_v", "ffn_down") and more_bits[i]
+        q4_k_m.append((f"blk.{i}.{part}.weight", QType.Q6_K if six_bits else QType.Q4_K, shape))
+q4_k_m += [("output_norm.weight", QType.F32, (h,))] + [
+    (
+        f"blk.{i}.{norm}.weight",
+        QType.F32,
+        (c8.head_dim if norm in ("attn_q_norm", "attn_k_norm") else h,),
+    )
+    for i in range(n)
+    for norm in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm")
+]
+weights = gguf_gpu_bytes(q4_k_m, dtype_bytes=2)
+plan = plan_memory(c8, 8 * 2**30, "gguf", weights=weights)
+print(plan.describe())
+assert plan.kv_cache >= MIN_KV_BYTES
+embedding_in_bf16 = c8.vocab_size * h * 2 - repacked_bytes(int(QType.Q4_K), c8.vocab_size, h)
+with pytest.raises(MemoryPlanError, match="under the"):
+    plan_memory(c8, 8 * 2**30, "gguf", weights=tuple(w + embedding_in_bf16 for w in weights))
 
 # %%
 ids = torch.tensor([0, 7, wide.vocab_size - 1])
