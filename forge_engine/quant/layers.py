@@ -635,10 +635,9 @@ def load_gguf_quantized(gguf, device="cpu", dtype=torch.float32) -> Transformer:
         model.lm_head = head
         if tied:
             model.embed = QuantEmbedding(head, dtype)
+    # an untied embedding in its own blocks: read a row a token, no dense copy
     if not tied and (table := kept_table("token_embd.weight")) is not None:
-        model.embed = QuantEmbedding(
-            table, dtype
-        )  # read a row a token: its blocks, not a dense copy
+        model.embed = QuantEmbedding(table, dtype)
     _materialize(model, device, dtype)
     rest = [t for t in gguf.tensor_infos if t.name not in kept and t.name not in SKIPPED_TENSORS]
     load_weights(model, ((hf_name(t.name), gguf.load(t, config, dtype, device)) for t in rest))

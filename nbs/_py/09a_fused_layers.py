@@ -24,9 +24,9 @@
 #
 # Chapter 09 measured each of these; this chapter only wires them in. Chapter 10's quantized
 # layers are not `nn.Linear`s and stay: the fused layers call their GEMVs (`gemv_operands`, or a
-# `decode_gemv` of their own, which `takes_own_gemv` asks). Chapter 09c's tensor-parallel layers stay too: its row-parallel
-# o and down go through `linear` themselves, its norms, which finish the all-reduce, are
-# `FusedRMSNorm`s already, and its layers never fold.
+# `decode_gemv` of their own, which `takes_own_gemv` asks). Chapter 09c's tensor-parallel
+# layers stay too: its row-parallel o and down go through `linear` themselves, its norms, which
+# finish the all-reduce, are `FusedRMSNorm`s already, and its layers never fold.
 
 # %%
 #| default_exp fused_layers

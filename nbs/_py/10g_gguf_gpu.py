@@ -31,9 +31,10 @@
 # conversion unit, which runs at a quarter rate. Napkin math for one row of Qwen3-4B's `gate_up`
 # in Q8_0 (19,456 × 2,560, 52.9 MB): 11 µs at the H200's ~4.8 TB/s, 13 µs at a realistic 4 TB/s.
 # A decode step of 2-16 sequences on int8 planes goes to chapter 09's `rows_matmul`, which
-# dequantizes each tile as it reads it and takes the GEMV's folds (below, `Int8GroupLinear`); other
-# calls of 5-16 rows go to a split-K kernel that dequantizes a tile in registers and multiplies it
-# with `tl.dot`; prefill dequantizes tiles and calls the dense matmul.
+# dequantizes each tile as it reads it and takes the GEMV's folds (below, `Int8GroupLinear`), and
+# so do other calls of 5-16 rows of bf16 or fp16; the rest (fp32, 17-64 rows) go to a split-K
+# kernel that dequantizes a tile in registers and multiplies it with `tl.dot`; prefill
+# dequantizes tiles and calls the dense matmul.
 
 # %%
 #| default_exp quant.gguf_gpu
@@ -339,16 +340,16 @@ def int8_group_gemv(
 # What pays is what runs around them. A decode step of 16 sequences through this kernel spends,
 # besides its 145 matmuls, 108 launches summing their splits, 73 of add + RMSNorm and 36 of
 # SiLU-mul. So `Int8GroupLinear` sends a decode step of 2-16 rows to chapter 09's `rows_matmul`
-# instead (`takes_decode_step`, `decode_gemv`): the same dequantized tiles, with the splits summed by the
-# tile's last program, the norms handed from matmul to matmul, SiLU-mul and the residual in its
-# epilogue, launched as a dependent. On an H100, random Qwen3-4B with every matrix as Q8_0 planes:
-# the 16-sequence decode graph **3.215 ms against 3.722**, S_TG 4,874 against 4,204 tok/s
-# (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`). One sequence keeps the
-# int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The other calls of 5-16 rows of bf16
-# or fp16 x go there too (`int8_group_matmul`): the tied LM head at 16 rows took 214 µs a step in
-# two launches of this kernel and its sums, about 166 in `rows_matmul` (the graph 3.126 ms against
-# 3.166, S_TG 5,039 against 4,948 tok/s: `sixteen_seqs_step.py export,head`). This kernel keeps
-# fp32 x and 17-64 rows.
+# instead (`takes_decode_step`, `decode_gemv`): the same dequantized tiles, with the splits summed
+# by the tile's last program, the norms handed from matmul to matmul, SiLU-mul and the residual in
+# its epilogue, launched as a dependent. On an H100, random Qwen3-4B with every matrix as Q8_0
+# planes: the 16-sequence decode graph **3.215 ms against 3.722**, S_TG 4,874 against 4,204
+# tok/s (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`). One sequence
+# keeps the int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The other calls of 5-16
+# rows of bf16 or fp16 x go there too (`int8_group_matmul`): the tied LM head at 16 rows took 214
+# µs a step in two launches of this kernel and its sums, about 166 in `rows_matmul` (the graph
+# 3.126 ms against 3.166, S_TG 5,039 against 4,948 tok/s: `sixteen_seqs_step.py export,head`).
+# This kernel keeps fp32 x and 17-64 rows.
 
 # %%
 #| export
