@@ -4,8 +4,8 @@ figure without a file. The model is random:qwen3-4b with every matrix and the ti
 Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file and no `gguf` package are needed.
 
 Per variant, in turn (`export`: the package, 2-16 rows through chapter 09's rows_matmul; `split`: 2-16 rows through
-chapter 10g's split-K and the separate small kernels, as before; `tile=BN/BK/W/ST`: rows_matmul in that tile; `head`:
-the LM head's rows through rows_matmul too; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+chapter 10g's split-K and the separate small kernels, as before; `head_split`: only the LM head's rows on split-K;
+`tile=BN/BK/W/ST`: rows_matmul in that tile; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products
@@ -31,10 +31,12 @@ With 2-16 rows through chapter 09's rows_matmul, on one H100 (`export,split`): t
 S_TG 4,874 against 4,204 tok/s (one sequence 446.6 and 445.1); rows_matmul's 143 launches 2,569 us, the LM head's two
 split-K launches 214, decode attention 395. Its tile (`export,tile=...`, the graph): 32/128/2/3 3.215 ms, 32/256/2/3
 3.198, 32/128/2/4 3.480, 32/128/4/3 3.537, 64/128/4/3 3.560, 16/256/2/3 3.829, 32/256/4/3 3.865, 32/128/1/3 3.899,
-64/256/4/3 4.022.
+64/256/4/3 4.022. Those runs had the LM head's rows on split-K; through rows_matmul too (then a variant of its own, now
+as exported; `head_split` is the reverse), in one run: 3.126 ms against 3.166, S_TG 5,039 against 4,948 tok/s (`split`,
+in a process of its own: 3.682 ms).
 
 Run on the GPU machine from the repository root:
-    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,split,swap,folded,dependent=16,tile=32/256/2/3]"""
+    PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,head_split,split,swap,folded,dependent=16,tile=32/256/2/3]"""
 
 import os
 import sys
@@ -117,16 +119,22 @@ def use_folded(tile, int8_dot=False):
     Int8GroupLinear.takes_decode_step = lambda self, x: x.shape[0] <= 16  # one sequence's steps too
 
 
-def use_rows_matmul_head():
-    "Every other call of 2-16 rows on int8 planes (the LM head's) through chapter 09's rows_matmul."
-    from forge_engine.kernels.rows_matmul import rows_matmul
+def rows_on_split_k(head_only: bool):
+    """Calls of 5-16 rows on int8 planes through chapter 10g's split-K, as before chapter 09's rows_matmul took them:
+    the LM head's (head_only), or those and the layers' decode steps (their norms then separate kernels)."""
+    import forge_engine.quant.gguf_gpu as gguf_gpu
 
-    plain = Int8GroupLinear.skinny
+    if not head_only:  # (takes_decode_step and int8_group_matmul both ask it)
+        gguf_gpu.ROWS_MATMUL_MAX_ROWS = 0
+        return
+    plain, rows = Int8GroupLinear.skinny, gguf_gpu.ROWS_MATMUL_MAX_ROWS
 
-    def skinny(self, x):
-        if 1 < x.shape[0] <= 16:
-            return rows_matmul(x, self.qweight, scale=self.scale)
-        return plain(self, x)
+    def skinny(self, x):  # (the layers' decode steps go through decode_gemv, not here)
+        gguf_gpu.ROWS_MATMUL_MAX_ROWS = 0
+        try:
+            return plain(self, x)
+        finally:
+            gguf_gpu.ROWS_MATMUL_MAX_ROWS = rows
 
     Int8GroupLinear.skinny = skinny
 
@@ -136,16 +144,12 @@ def main():
     swap_config = tuple(int(v) for v in os.environ.get("LAB_SWAP", "128,128,4,3,2").split(","))
     folded_tile = tuple(int(v) for v in os.environ.get("LAB_FOLDED", "64,128,4,3").split(","))
     for variant in variants:
-        # split: 2-16 rows as before chapter 09's rows_matmul took them, through chapter 10g's split-K
-        if variant == "split":
-            Int8GroupLinear.takes_decode_step = lambda self, x: False
+        if variant in ("split", "head_split"):
+            rows_on_split_k(head_only=variant == "head_split")
         if variant == "swap":
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
-        # head: the LM head's 2-16 rows through chapter 09's rows_matmul too, not chapter 10g's split-K
-        if variant == "head":
-            use_rows_matmul_head()
         # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile
         if variant.startswith("tile="):
             import forge_engine.kernels.rows_matmul as rows_matmul
