@@ -32,7 +32,10 @@ RMSNorm and SiLU-mul take 425 of its 3,615 µs on an H200: `sixteen_seqs_step.py
 its sums and the one-row int8 group GEMV. With `int8_dot` it does not dequantize them: x is quantized to int8 a group
 of 32 inputs a row with a scale each (llama.cpp's Q8_1 blocks), each group's product taken on the int8 tensor cores
 (int32 sums) and scaled by both scales, as llama.cpp multiplies a Q8_0 file's matrices by several rows; within 2% of
-the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8).
+the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8). With `int4_pairs` it takes
+chapter 10's int4 planes (a GGUF file's Q4_K blocks as chapter 10g repacks them), dequantized in registers as
+`sixteen_rows_swap.py`'s int4 tile does (the low nibbles by their inputs, then the high ones): within 2% of `gemv`'s
+reference on every fold under the interpreter (1.4e-2), not yet timed on a GPU (`sixteen_seqs_step.py`'s LAB_PLANES=q4_k).
 
 Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixteen`; decode step 3.226 ms):
 - 1 + 4 BF16 rows, per matrix (µs; cuBLAS + the small steps around it / the folded kernel / the one-row GEMV): qkv
@@ -81,7 +84,8 @@ from forge_engine.kernels.rows_matmul import _rows_epilogue, _sum_splits_if_last
 from forge_engine.quant.gguf_gpu import int8_group_gemv, int8_group_matmul
 from forge_engine.kernels.backend import split_k_programs
 from few_rows_matmul import SHAPES, step_folds
-from sixteen_rows_swap import ROWS, _swap_dot, _x_columns
+from forge_engine.quant.gemv import _nibbles_to_f32
+from sixteen_rows_swap import ROWS, _per_group, _swap_dot, _x_columns, _x_halves
 
 COPIES = 4
 # largest error against the export's GEMV, relative to the largest output: a few bf16 roundings apart on a GPU; Triton's
@@ -181,6 +185,50 @@ def _int8_product(
 
 
 @triton.jit
+def _int4_product(
+    acc,
+    w_ptr,
+    sm_ptr,
+    offs_n,
+    n_ok,
+    k0,
+    K,
+    x_ptr,
+    M,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc [BLOCK_N, ROWS] += chapter 10's int4 weight rows offs_n (byte j of a group: input j in its low nibble, j +
+    GROUP / 2 in its high one; scale and minimum side by side, `pair_scales`) at inputs k0 .. k0 + BLOCK_K times x:
+    the low nibbles by their inputs, then the high ones (`sixteen_rows_swap.py`'s int4 tile), two products a step."""
+    HALF: tl.constexpr = GROUP // 2
+    groups: tl.constexpr = BLOCK_K // GROUP
+    rows = offs_n.to(tl.int64)[:, None]
+    b = tl.load(
+        w_ptr + rows * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
+        mask=n_ok[:, None],
+        other=0,
+    )
+    at = (rows * (K // GROUP) + k0 // GROUP + tl.arange(0, groups)[None, :]) * 2
+    pair = tl.load(
+        sm_ptr + at[:, :, None] + tl.arange(0, 2)[None, None, :], mask=n_ok[:, None, None]
+    )
+    s, m = tl.split(pair.to(tl.float32))
+    # nibbles as 128 + q (low) and 128 + q / 16 (high), exact (chapter 10c): w = v * s' + (m - 128 s') in one FFMA
+    lo, hi = _nibbles_to_f32(b, not UPCAST)
+    s_lo = _per_group(s, BLOCK_N, groups, HALF)
+    s_hi = _per_group(s * 16.0, BLOCK_N, groups, HALF)
+    c_lo = _per_group(m - 128.0 * s, BLOCK_N, groups, HALF)
+    c_hi = _per_group(m - 2048.0 * s, BLOCK_N, groups, HALF)
+    x_lo, x_hi = _x_halves(x_ptr, k0, M, K, groups, HALF, ROWS)
+    acc = _swap_dot(acc, lo * s_lo + c_lo, x_lo, UPCAST)
+    return _swap_dot(acc, hi * s_hi + c_hi, x_hi, UPCAST)
+
+
+@triton.jit
 def _folded_rows_kernel(
     x_ptr,
     w_ptr,
@@ -212,6 +260,7 @@ def _folded_rows_kernel(
     LATE_TRIGGER: tl.constexpr,
     GROUP: tl.constexpr,
     INT8_DOT: tl.constexpr,
+    INT4: tl.constexpr,
 ):
     if not LATE_TRIGGER:
         _start_gemv(PDL, not EARLY_W)  # as chapter 09's GEMV: the next kernel may launch now
@@ -225,7 +274,19 @@ def _folded_rows_kernel(
     acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if (
+    # INT4: chapter 10's int4 planes (w: the nibbles, scale_ptr: the pairs), dequantized in registers
+    if INT4:
+        if EARLY_W:
+            _wait_for_previous(PDL)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc = _int4_product(
+                acc, w_ptr, scale_ptr, offs_n, n_ok, k0, K, x_ptr, M, BLOCK_N, BLOCK_K, GROUP, ROWS, UPCAST
+            )  # fmt: skip
+            if SWIGLU:
+                acc_up = _int4_product(
+                    acc_up, w_ptr, scale_ptr, up_n, n_ok, k0, K, x_ptr, M, BLOCK_N, BLOCK_K, GROUP, ROWS, UPCAST
+                )  # fmt: skip
+    elif (
         INT8_DOT
     ):  # int8 planes times x quantized to int8: int8 tensor-core products (no early weights)
         if EARLY_W:
@@ -314,14 +375,18 @@ def folded_rows_matmul(
     split=None,
     scale=None,
     int8_dot=False,
+    int4_pairs=None,
 ):
     """x [M, K] @ w [N, K].T with `gemv`'s folds (see the module's docstring) -> out, or (out, out x g) with hand_off.
     tile: (BLOCK_N, BLOCK_K, warps, stages); split: programs along K (default: about four programs an SM); scale: w is
     int8 with an fp16 scale a group of inputs [N, K / group] (chapter 10g's planes), else w is bf16; int8_dot (with
     scale): x quantized to int8 a group a row (its own scale) and multiplied on the int8 tensor cores, as llama.cpp
-    multiplies a Q8_0 file's matrices, not the weights dequantized to bf16."""
+    multiplies a Q8_0 file's matrices, not the weights dequantized to bf16; int4_pairs: w is chapter 10's int4 nibbles
+    [N, K / 2] with these scales and minimums [N, K / group, 2] (`pair_scales`)."""
     block_n, block_k, warps, stages = tile
     (m, k), n = x.shape, w.shape[0]
+    if int4_pairs is not None:
+        scale = int4_pairs[..., 0]  # (its groups, for the checks below)
     # LAB_FOLDED_PDL: how it is launched as a dependent on Hopper (PDL_MODES; off unless named: the module's docstring)
     pdl_mode = (
         PDL_MODES[os.environ.get("LAB_FOLDED_PDL", "0")]
@@ -344,7 +409,7 @@ def folded_rows_matmul(
     )
     unused = out
     _folded_rows_kernel[(tiles, split)](
-        x.contiguous(), w, w if scale is None else scale, partials, _tickets(tiles, str(x.device)), out,
+        x.contiguous(), w, w if scale is None else scale if int4_pairs is None else int4_pairs, partials, _tickets(tiles, str(x.device)), out,
         unused if residual is None else residual,
         unused if norm_sums is None else norm_sums,
         unused if hand_off is None else hand_off[1],
@@ -352,7 +417,8 @@ def folded_rows_matmul(
         normed, m, out_n, k, per_split * block_k, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=split, SWIGLU=swiglu, RESIDUAL=residual is not None,
         NORM_SUMS=norm_sums is not None, HAND_OFF=hand_off is not None, UPCAST=INTERPRETED, **pdl_mode,
-        GROUP=0 if scale is None else k // scale.shape[1], INT8_DOT=int8_dot, launch_pdl=pdl, num_warps=warps,
+        GROUP=0 if scale is None else k // scale.shape[1], INT8_DOT=int8_dot, INT4=int4_pairs is not None,
+        launch_pdl=pdl, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return (out, normed) if hand_off is not None else out
@@ -372,6 +438,51 @@ def route_rows(tile: tuple[int, ...], per_shape: dict | None = None):
 
     fused_layers.rows_matmul = rows_matmul
     return lambda: setattr(fused_layers, "rows_matmul", exported)
+
+
+def check_int4(device: str) -> float:
+    """The kernel on chapter 10's int4 planes (`int4_pairs`) against `gemv(impl='torch')`'s folds on the same weights
+    dequantized, every fold, splits 1, 2 and the default, groups of 32 and 64: its largest relative error."""
+    from forge_engine.quant.formats import dequantize_int4, quantize_int4
+    from forge_engine.quant.gemv import pair_scales
+
+    worst = 0.0
+    for m, n, k, group in ((16, 64, 256, 32), (5, 96, 512, 32), (3, 64, 256, 64)):
+        x = torch.randn(m, k, device=device).bfloat16()
+        packed, scale, minimum = quantize_int4(torch.randn(n, k, device=device) / k**0.5, group)
+        pairs, w = (
+            pair_scales(scale, minimum),
+            dequantize_int4(packed, scale, minimum, torch.bfloat16),
+        )
+        folds = {
+            "plain": {},
+            "swiglu": dict(swiglu=True, norm_sums=torch.rand(m, device=device) * k + 1),
+            "residual": dict(
+                residual=torch.randn(m, n, device=device).bfloat16(),
+                hand_off=(
+                    (torch.rand(n, device=device) + 0.5).bfloat16(),
+                    torch.zeros(m, device=device),
+                ),
+            ),
+        }
+        for fold in folds.values():
+            for split in (1, 2, None):
+                want_folds, got_folds = fresh_folds(fold), fresh_folds(fold)
+                want = reference(x, w, want_folds)
+                got = folded_rows_matmul(
+                    x, packed, int4_pairs=pairs, tile=(32, 128, 2, 3), split=split, **got_folds
+                )
+                pairs_out = list(zip(want, got)) if isinstance(want, tuple) else [(want, got)]
+                if "hand_off" in fold:
+                    pairs_out.append((want_folds["hand_off"][1], got_folds["hand_off"][1]))
+                worst = max(
+                    worst,
+                    *(
+                        (g.float() - v.float()).abs().max().item() / v.float().abs().max().item()
+                        for v, g in pairs_out
+                    ),
+                )
+    return worst
 
 
 def check_route(device: str) -> float:
@@ -514,6 +625,11 @@ def main(m: int, kind: str):
     worst = check_route(device)
     assert worst < TOLERANCE, worst
     print(f"route_rows through chapter 09a's folded_gemv: within {worst:.1e} of the export's GEMV")
+    worst = check_int4(device)
+    assert worst < TOLERANCE, worst
+    print(
+        f"chapter 10's int4 planes (int4_pairs): within {worst:.1e} of gemv's reference on them dequantized"
+    )
     best = {}
     for name, (n, k) in shapes.items():
         if name == "head":

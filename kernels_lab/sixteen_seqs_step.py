@@ -8,7 +8,8 @@ chapter 10g's split-K and the separate small kernels, as before; `head_split`: o
 `tile=BN/BK/W/ST`: rows_matmul in that tile; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
-`folded_int8`: the same with x quantized to int8 and int8 products
+`folded_int8`: the same with x quantized to int8 and int8 products; `folded4`, with LAB_PLANES=q4_k (every layer matrix
+as random Q4_K planes, chapter 10's int4): 2-16 rows through that kernel's int4 tiles, not chapter 10's split-K
 (one sequence's steps too); `dependent=N`: the step's small kernels and decode attention launched as
 dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; `NAME=N`: the kernels' constant NAME set
 to N, as DECODE_TARGET_PROGRAMS=512; each variant keeps the ones before it),
@@ -50,7 +51,7 @@ from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
 from forge_engine.quant.gguf_gpu import Int8GroupLinear
-from forge_engine.quant.layers import QuantEmbedding, swap_layer_matrices
+from forge_engine.quant.layers import Int4Linear, QuantEmbedding, swap_layer_matrices
 
 GROUP = 32
 
@@ -62,11 +63,20 @@ def random_planes(n: int, k: int, device) -> Int8GroupLinear:
     return Int8GroupLinear(q, scale)
 
 
+def random_int4_planes(n: int, k: int, device) -> Int4Linear:
+    "A Q4_K matrix as the loader repacks it: chapter 10's int4 nibbles and an fp16 scale and minimum per 32, random."
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+    scale = (torch.rand(n, k // GROUP, device=device) * 2e-3 + 1e-3).half()
+    return Int4Linear.from_groups(packed, scale, (-8 * scale.float()).half())
+
+
 def q8_0_model():
-    "random:qwen3-4b with every matrix, and the tied head, as random Q8_0 planes."
+    """random:qwen3-4b with every matrix, and the tied head, as random Q8_0 planes; LAB_PLANES=q4_k: the layers' matrices
+    as random Q4_K planes (a Q4_K_M file's but for its Q6_K v and down in a third of the layers), the head Q8_0."""
     loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int8")
     model = loaded.model
-    swap_layer_matrices(model, lambda m, where: random_planes(*m.qweight.shape, m.qweight.device))
+    planes = random_int4_planes if os.environ.get("LAB_PLANES") == "q4_k" else random_planes
+    swap_layer_matrices(model, lambda m, where: planes(*m.qweight.shape, m.qweight.device))
     model.lm_head = random_planes(*model.lm_head.qweight.shape, model.lm_head.qweight.device)
     model.embed = QuantEmbedding(model.lm_head, torch.bfloat16)
     torch.cuda.empty_cache()
@@ -109,7 +119,9 @@ def use_folded(tile, int8_dot=False):
     (`folded_int8`)."""
     from folded_rows_matmul import folded_rows_matmul
 
-    def decode_gemv(self, x, swiglu=False, residual=None, eps=1e-6, norm_sums=None, hand_off=None):
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, eps=1e-6, norm_sums=None, hand_off=None, tickets=None
+    ):
         return folded_rows_matmul(
             x, self.qweight, scale=self.scale, swiglu=swiglu, residual=residual, norm_sums=norm_sums,
             hand_off=hand_off, eps=eps, tile=tile, int8_dot=int8_dot,
@@ -117,6 +129,24 @@ def use_folded(tile, int8_dot=False):
 
     Int8GroupLinear.decode_gemv = decode_gemv
     Int8GroupLinear.takes_decode_step = lambda self, x: x.shape[0] <= 16  # one sequence's steps too
+
+
+def use_folded_int4(tile):
+    """Steps of 2-16 rows on chapter 10's int4 planes (LAB_PLANES=q4_k) through folded_rows_matmul.py's kernel, the norms
+    handed off between the matrices; one row keeps chapter 10's int4 GEMV, as exported."""
+    from folded_rows_matmul import folded_rows_matmul
+
+    one_row = Int4Linear.decode_gemv
+
+    def decode_gemv(self, x, tickets=None, **folds):
+        if x.shape[0] == 1:
+            return one_row(self, x, **folds)
+        return folded_rows_matmul(
+            x, self.qweight, int4_pairs=self.scale_minimum, tile=tile, **folds
+        )
+
+    Int4Linear.decode_gemv = decode_gemv
+    Int4Linear.takes_decode_step = lambda self, x: x.shape[0] <= 16
 
 
 def rows_on_split_k(head_only: bool):
@@ -150,6 +180,8 @@ def main():
             use_swap(swap_config)
         if variant in ("folded", "folded_int8"):
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
+        if variant == "folded4":
+            use_folded_int4(folded_tile)
         # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile
         if variant.startswith("tile="):
             import forge_engine.kernels.rows_matmul as rows_matmul
