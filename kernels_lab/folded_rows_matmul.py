@@ -35,7 +35,7 @@ of 32 inputs a row with a scale each (llama.cpp's Q8_1 blocks), each group's pro
 the dequantized product under the interpreter, compiled for sm_90 offline (mma.sync on s8). With `int4_pairs` it takes
 chapter 10's int4 planes (a GGUF file's Q4_K blocks as chapter 10g repacks them), dequantized in registers as
 `sixteen_rows_swap.py`'s int4 tile does (the low nibbles by their inputs, then the high ones): within 2% of `gemv`'s
-reference on every fold under the interpreter (1.4e-2), not yet timed on a GPU (`sixteen_seqs_step.py`'s LAB_PLANES=q4_k).
+reference on every fold under the interpreter (within 2%), not yet timed on a GPU (`sixteen_seqs_step.py`'s LAB_PLANES=q4_k).
 
 Measured on an H100 (`OUT=DIR bash kernels_lab/folded_rows_checks.sh verify|sixteen`; decode step 3.226 ms):
 - 1 + 4 BF16 rows, per matrix (µs; cuBLAS + the small steps around it / the folded kernel / the one-row GEMV): qkv
@@ -84,8 +84,7 @@ from forge_engine.kernels.rows_matmul import _rows_epilogue, _sum_splits_if_last
 from forge_engine.quant.gguf_gpu import int8_group_gemv, int8_group_matmul
 from forge_engine.kernels.backend import split_k_programs
 from few_rows_matmul import SHAPES, step_folds
-from forge_engine.quant.gemv import _nibbles_to_f32
-from sixteen_rows_swap import ROWS, _per_group, _swap_dot, _x_columns, _x_halves
+from sixteen_rows_swap import ROWS, _int4_product, _swap_dot, _x_columns
 
 COPIES = 4
 # largest error against the export's GEMV, relative to the largest output: a few bf16 roundings apart on a GPU; Triton's
@@ -185,50 +184,6 @@ def _int8_product(
 
 
 @triton.jit
-def _int4_product(
-    acc,
-    w_ptr,
-    sm_ptr,
-    offs_n,
-    n_ok,
-    k0,
-    K,
-    x_ptr,
-    M,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """acc [BLOCK_N, ROWS] += chapter 10's int4 weight rows offs_n (byte j of a group: input j in its low nibble, j +
-    GROUP / 2 in its high one; scale and minimum side by side, `pair_scales`) at inputs k0 .. k0 + BLOCK_K times x:
-    the low nibbles by their inputs, then the high ones (`sixteen_rows_swap.py`'s int4 tile), two products a step."""
-    HALF: tl.constexpr = GROUP // 2
-    groups: tl.constexpr = BLOCK_K // GROUP
-    rows = offs_n.to(tl.int64)[:, None]
-    b = tl.load(
-        w_ptr + rows * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
-        mask=n_ok[:, None],
-        other=0,
-    )
-    at = (rows * (K // GROUP) + k0 // GROUP + tl.arange(0, groups)[None, :]) * 2
-    pair = tl.load(
-        sm_ptr + at[:, :, None] + tl.arange(0, 2)[None, None, :], mask=n_ok[:, None, None]
-    )
-    s, m = tl.split(pair.to(tl.float32))
-    # nibbles as 128 + q (low) and 128 + q / 16 (high), exact (chapter 10c): w = v * s' + (m - 128 s') in one FFMA
-    lo, hi = _nibbles_to_f32(b, not UPCAST)
-    s_lo = _per_group(s, BLOCK_N, groups, HALF)
-    s_hi = _per_group(s * 16.0, BLOCK_N, groups, HALF)
-    c_lo = _per_group(m - 128.0 * s, BLOCK_N, groups, HALF)
-    c_hi = _per_group(m - 2048.0 * s, BLOCK_N, groups, HALF)
-    x_lo, x_hi = _x_halves(x_ptr, k0, M, K, groups, HALF, ROWS)
-    acc = _swap_dot(acc, lo * s_lo + c_lo, x_lo, UPCAST)
-    return _swap_dot(acc, hi * s_hi + c_hi, x_hi, UPCAST)
-
-
-@triton.jit
 def _folded_rows_kernel(
     x_ptr,
     w_ptr,
@@ -280,11 +235,13 @@ def _folded_rows_kernel(
             _wait_for_previous(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
             acc = _int4_product(
-                acc, w_ptr, scale_ptr, offs_n, n_ok, k0, K, x_ptr, M, BLOCK_N, BLOCK_K, GROUP, ROWS, UPCAST
+                acc, w_ptr, scale_ptr, offs_n.to(tl.int64)[:, None], n_ok[:, None], k0, K, x_ptr, M, BLOCK_N,
+                BLOCK_K // GROUP, GROUP, ROWS, UPCAST,
             )  # fmt: skip
             if SWIGLU:
                 acc_up = _int4_product(
-                    acc_up, w_ptr, scale_ptr, up_n, n_ok, k0, K, x_ptr, M, BLOCK_N, BLOCK_K, GROUP, ROWS, UPCAST
+                    acc_up, w_ptr, scale_ptr, up_n.to(tl.int64)[:, None], n_ok[:, None], k0, K, x_ptr, M, BLOCK_N,
+                    BLOCK_K // GROUP, GROUP, ROWS, UPCAST,
                 )  # fmt: skip
     elif (
         INT8_DOT

@@ -197,6 +197,45 @@ def _per_group(t, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, EACH: tl.constexp
 
 
 @triton.jit
+def _int4_product(
+    acc,
+    q_ptr,
+    sm_ptr,
+    rows,
+    n_mask,
+    k0,
+    K,
+    x_ptr,
+    M,
+    BLOCK_N: tl.constexpr,
+    STEP_GROUPS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc [BLOCK_N, ROWS] += chapter 10's int4 weight `rows` ([BLOCK_N, 1] int64, `n_mask` inside N; byte j of a
+    group: input j low, j + GROUP/2 high; scale and minimum side by side, `pair_scales`) at STEP_GROUPS groups from
+    input k0 times x: the low nibbles times their inputs, then the high ones, two products."""
+    HALF: tl.constexpr = GROUP // 2
+    t = tl.arange(0, STEP_GROUPS * HALF)
+    b = tl.load(q_ptr + rows * (K // 2) + k0 // 2 + t[None, :], mask=n_mask, other=0)
+    at = (rows * (K // GROUP) + k0 // GROUP + tl.arange(0, STEP_GROUPS)[None, :]) * 2
+    pair = tl.load(
+        sm_ptr + at[:, :, None] + tl.arange(0, 2)[None, None, :], mask=n_mask[:, :, None]
+    )
+    s, m = tl.split(pair.to(tl.float32))
+    # nibbles as 128 + q (low) and 128 + q / 16 (high), exact (chapter 10c): w = v * s' + (m - 128 s') in one FFMA
+    lo, hi = _nibbles_to_f32(b, not UPCAST)
+    s_lo = _per_group(s, BLOCK_N, STEP_GROUPS, HALF)
+    s_hi = _per_group(s * 16.0, BLOCK_N, STEP_GROUPS, HALF)
+    c_lo = _per_group(m - 128.0 * s, BLOCK_N, STEP_GROUPS, HALF)
+    c_hi = _per_group(m - 2048.0 * s, BLOCK_N, STEP_GROUPS, HALF)
+    x_lo, x_hi = _x_halves(x_ptr, k0, M, K, STEP_GROUPS, HALF, ROWS)
+    acc = _swap_dot(acc, lo * s_lo + c_lo, x_lo, UPCAST)
+    return _swap_dot(acc, hi * s_hi + c_hi, x_hi, UPCAST)
+
+
+@triton.jit
 def _int4_swap_kernel(
     x_ptr,
     q_ptr,
@@ -212,29 +251,13 @@ def _int4_swap_kernel(
     ROWS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Chapter 10's int4 (byte j of a group: input j low, j + GROUP/2 high) with scale and minimum side by side
-    (`pair_scales`): the low nibbles times their inputs, then the high ones, two products a step."""
-    HALF: tl.constexpr = GROUP // 2
+    "Chapter 10's int4 with scale and minimum side by side (`pair_scales`), `_int4_product` a step."
     pid_k, offs_n, rows, n_mask, k_start, k_end = _program_slice(N, K, k_per_split, BLOCK_N)
-    t = tl.arange(0, STEP_GROUPS * HALF)
-    groups = K // GROUP
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(k_start, k_end, STEP_GROUPS * GROUP):
-        b = tl.load(q_ptr + rows * (K // 2) + k0 // 2 + t[None, :], mask=n_mask, other=0)
-        at = (rows * groups + k0 // GROUP + tl.arange(0, STEP_GROUPS)[None, :]) * 2
-        pair = tl.load(
-            sm_ptr + at[:, :, None] + tl.arange(0, 2)[None, None, :], mask=n_mask[:, :, None]
-        )
-        s, m = tl.split(pair.to(tl.float32))
-        # nibbles as 128 + q (low) and 128 + q / 16 (high), exact (chapter 10c): w = v * s' + (m - 128 s') in one FFMA
-        lo, hi = _nibbles_to_f32(b, not UPCAST)
-        s_lo = _per_group(s, BLOCK_N, STEP_GROUPS, HALF)
-        s_hi = _per_group(s * 16.0, BLOCK_N, STEP_GROUPS, HALF)
-        c_lo = _per_group(m - 128.0 * s, BLOCK_N, STEP_GROUPS, HALF)
-        c_hi = _per_group(m - 2048.0 * s, BLOCK_N, STEP_GROUPS, HALF)
-        x_lo, x_hi = _x_halves(x_ptr, k0, M, K, STEP_GROUPS, HALF, ROWS)
-        acc = _swap_dot(acc, lo * s_lo + c_lo, x_lo, UPCAST)
-        acc = _swap_dot(acc, hi * s_hi + c_hi, x_hi, UPCAST)
+        acc = _int4_product(
+            acc, q_ptr, sm_ptr, rows, n_mask, k0, K, x_ptr, M, BLOCK_N, STEP_GROUPS, GROUP, ROWS, UPCAST
+        )  # fmt: skip
     _store_columns(out_ptr, acc, offs_n, M, N, pid_k, ROWS)
 
 
