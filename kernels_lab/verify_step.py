@@ -26,7 +26,9 @@ also times verify graphs with their 2-16 BF16 rows through sixteen_rows_swap.py'
 step's kernels launched as dependents up to LAB_DEPENDENT_ROWS rows if set: chapter 09_kernels_gemv's
 DEPENDENT_LAUNCH_MAX_ROWS); LAB_FOLDED="BN,BK,W,ST[;...]" and / or LAB_FOLDED_TILES=FILE: part 1 also times
 verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`route_rows`: the norms handed off, SwiGLU
-and the residual adds folded in); LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
+and the residual adds folded in); LAB_CONSTANTS="NAME=V,NAME=V;...": part 1 also times the verify graphs with the
+kernels' tuning constants set as each group says (e.g. DECODE_TARGET_PROGRAMS=512: the attention's splits);
+LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
 sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3
 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's
 GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
@@ -54,6 +56,7 @@ import torch
 import forge_engine.fused_layers as fused_layers
 import forge_engine.kernels.backend as backend
 import forge_engine.kernels.gemv as kernels_gemv
+import forge_engine.kernels.paged_attention as paged_attention
 from forge_engine.bench import free_memory
 from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
@@ -224,6 +227,26 @@ def use_folded(tile: tuple[int, ...], per_shape: dict | None):
     return undo_both
 
 
+def use_constants(assignments: str):
+    """The kernels' tuning constants set as `assignments` says ("NAME=V,NAME=V": decode_step_timeline.py's
+    `set_constant`, e.g. DECODE_TARGET_PROGRAMS=512 for the attention's splits); returns the function that restores
+    them."""
+    from decode_step_timeline import set_constant
+
+    saved = {}
+    for assignment in assignments.split(","):
+        name, value = assignment.split("=")
+        module = next(m for m in (backend, kernels_gemv, paged_attention) if hasattr(m, name))
+        saved[name] = getattr(module, name)
+        set_constant(name, int(value))
+
+    def restore():
+        for name, value in saved.items():
+            set_constant(name, value)
+
+    return restore
+
+
 def decode_rate(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]]:
     "Decode tok/s after the first token, and the tokens."
     engine.add_request(
@@ -276,15 +299,22 @@ def main(quantization: str) -> None:
         (f"folded_rows_matmul {per_shape or t}", functools.partial(use_folded, t, per_shape))
         for t, per_shape in folded_tiles()
     ]
+    # LAB_CONSTANTS="NAME=V,NAME=V;...": the exported verify step with the kernels' constants set so, each group in turn
+    routes += [
+        (group, functools.partial(use_constants, group))
+        for group in os.environ.get("LAB_CONSTANTS", "").split(";")
+        if group
+    ]
     for label, route in routes:
         undo = route()
         try:
             routed = captured(lambda: LLMEngine(loaded, config.replace(speculative_tokens=DRAFTS)))
         finally:
             undo()
-        ms = step_ms(routed, 1 + DRAFTS, True, size)
+        ms, own_one = step_ms(routed, 1 + DRAFTS, True, size), step_ms(routed, 1, False, size)
         print(
-            f"  verify graph, 1 + {DRAFTS} rows through {label}: {ms:.3f} ms = {ms / one:.3f}x a decode step"
+            f"  verify graph, 1 + {DRAFTS} rows through {label}: {ms:.3f} ms = {ms / one:.3f}x a decode step "
+            f"(its own decode step {own_one:.3f} ms: {ms / own_one:.3f}x)"
         )
         for n in decode_rows:
             print(
