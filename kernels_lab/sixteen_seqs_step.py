@@ -28,8 +28,8 @@ H100, `export,DECODE_TARGET_PROGRAMS=512` (twice the attention's programs, so sp
 graph 3.816 ms against 3.711, decode attention 12.6 µs a layer against 9.7 (S_TG 4,370 against 4,196 tok/s, within
 its spread); `folded_int8` (x quantized to int8, int8 products): 8.342 ms, the 16-row step more than twice as slow.
 
-With 2-16 rows through chapter 09's rows_matmul, on one H100 (`export,split`): the 16-row graph 3.215 ms against 3.722,
-S_TG 4,874 against 4,204 tok/s (one sequence 446.6 and 445.1); rows_matmul's 143 launches 2,569 us, the LM head's two
+With 2-16 rows through chapter 09's rows_matmul, on one H100 (`export,split`): the 16-row graph 3.210 ms against 3.722,
+S_TG 4,872 against 4,204 tok/s (one sequence 446.8 and 445.1); rows_matmul's 143 launches 2,569 us, the LM head's two
 split-K launches 214, decode attention 395. Its tile (`export,tile=...`, the graph): 32/128/2/3 3.215 ms, 32/256/2/3
 3.198, 32/128/2/4 3.480, 32/128/4/3 3.537, 64/128/4/3 3.560, 16/256/2/3 3.829, 32/256/4/3 3.865, 32/128/1/3 3.899,
 64/256/4/3 4.022. Those runs had the LM head's rows on split-K; through rows_matmul too (then a variant of its own, now

@@ -102,9 +102,9 @@ gen = torch.Generator().manual_seed(9)
 # its group's scale broadcast over the group, then rounded to x's dtype for the product, as the
 # dense path rounds the dequantized weights (`dequantized_groups`). Chapter 10g sends a decode step
 # of 2-16 sequences on such a file here: on an H100 with every matrix of random Qwen3-4B as Q8_0
-# planes, the 16-sequence decode graph takes 3.215 ms against 3.722 through chapter 10g's split-K
+# planes, the 16-sequence decode graph takes 3.210 ms against 3.722 through chapter 10g's split-K
 # and the separate small kernels (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py
-# export,split`). Its tile there, in the same runs: 32,128,2,3 3.215 ms; 32,256,2,3 3.198;
+# export,split`). Its tile there, in one run of the sweep: 32,128,2,3 3.215 ms; 32,256,2,3 3.198;
 # 32,128,2,4 3.480; 32,128,4,3 3.537; 64,128,4,3 3.560 (`... sixteen_seqs_step.py
 # tile=32/256/2/3,...`). The BF16 tile is kept for both.
 

@@ -343,9 +343,9 @@ def int8_group_gemv(
 # instead (`takes_decode_step`, `decode_gemv`): the same dequantized tiles, with the splits summed
 # by the tile's last program, the norms handed from matmul to matmul, SiLU-mul and the residual in
 # its epilogue, launched as a dependent. On an H100, random Qwen3-4B with every matrix as Q8_0
-# planes: the 16-sequence decode graph **3.215 ms against 3.722**, S_TG 4,874 against 4,204
+# planes: the 16-sequence decode graph **3.210 ms against 3.722**, S_TG 4,872 against 4,204
 # tok/s (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`). One sequence
-# keeps the int8 group GEMV (446.6 and 445.1 tok/s in the same runs). The other calls of 5-16
+# keeps the int8 group GEMV (446.8 and 445.1 tok/s in the same runs). The other calls of 5-16
 # rows of bf16 or fp16 x go there too (`int8_group_matmul`): the tied LM head at 16 rows took 214
 # µs a step in two launches of this kernel and its sums, about 166 in `rows_matmul` (the graph
 # 3.126 ms against 3.166, S_TG 5,039 against 4,948 tok/s: `sixteen_seqs_step.py export,head`).
