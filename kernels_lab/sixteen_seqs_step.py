@@ -155,16 +155,16 @@ def rows_on_split_k(head_only: bool):
     import forge_engine.quant.gguf_gpu as gguf_gpu
 
     if not head_only:  # (takes_decode_step and int8_group_matmul both ask it)
-        gguf_gpu.ROWS_MATMUL_MAX_ROWS = 0
+        gguf_gpu.fits_rows_matmul = lambda x: False
         return
-    plain, rows = Int8GroupLinear.skinny, gguf_gpu.ROWS_MATMUL_MAX_ROWS
+    plain, fits = Int8GroupLinear.skinny, gguf_gpu.fits_rows_matmul
 
     def skinny(self, x):  # (the layers' decode steps go through decode_gemv, not here)
-        gguf_gpu.ROWS_MATMUL_MAX_ROWS = 0
+        gguf_gpu.fits_rows_matmul = lambda x: False
         try:
             return plain(self, x)
         finally:
-            gguf_gpu.ROWS_MATMUL_MAX_ROWS = rows
+            gguf_gpu.fits_rows_matmul = fits
 
     Int8GroupLinear.skinny = skinny
 

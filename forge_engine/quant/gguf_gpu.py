@@ -22,8 +22,8 @@ from forge_engine.kernels.backend import (
 )
 from ..kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
 from forge_engine.kernels.rows_matmul import (
-    ROWS_MATMUL_MAX_ROWS,
     dequantized_groups,
+    fits_rows_matmul,
     rows_matmul,
     rows_matmul_tiles,
 )
@@ -305,7 +305,7 @@ def int8_group_matmul(
         return int8_group_matmul_reference(x, q, scale)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return int8_group_gemv(x, q, scale)
-    if x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+    if fits_rows_matmul(x):
         return rows_matmul(x, q, scale=scale)  # (faster than split-K at 16 rows: the LM head below)
     group = q.shape[1] // scale.shape[1]
     block_k = next(b for b in (256, 128, 64, group) if x.shape[1] % b == 0 and b % group == 0)
@@ -340,7 +340,7 @@ class Int8GroupLinear(QuantLinear):
         """Whether decode step x (on a GPU) goes through `decode_gemv` (chapter 09a's `takes_own_gemv`), its norms
         handed between the matmuls: 2-16 rows of bf16 or fp16. One row stays with the int8 group GEMV, which takes
         no folds."""
-        return 1 < x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+        return x.shape[0] > 1 and fits_rows_matmul(x)
 
     def decode_gemv(
         self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None

@@ -121,6 +121,11 @@ ROWS_MATMUL_TILE = (
 )  # (BLOCK_N, BLOCK_K, warps, stages): the verify step's winner, above
 
 
+def fits_rows_matmul(x: torch.Tensor) -> bool:
+    "Whether `rows_matmul` takes x: at most ROWS_MATMUL_MAX_ROWS rows of bf16 or fp16."
+    return x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def rows_matmul_tiles(n: int, swiglu: bool = False) -> int:
     "The tiles (and split-K tickets) of a `rows_matmul` over an [n, K] weight: one per BLOCK_N outputs."
     return triton.cdiv(n // 2 if swiglu else n, ROWS_MATMUL_TILE[0])
