@@ -36,6 +36,11 @@ split-K launches 214, decode attention 395. Its tile (`export,tile=...`, the gra
 as exported; `head_split` is the reverse), in one run: 3.126 ms against 3.166, S_TG 5,039 against 4,948 tok/s (`split`,
 in a process of its own: 3.682 ms).
 
+int4 steps of 2-16 rows through rows_matmul, one H100 (`LAB_PLANES=int4|q4_k|q4_k_m ... export,split`, the graph):
+int4 (groups of 128) 3.026 ms in the BF16 tile, 2.623 in 64/128/4/3 (`tile=64/128/4/3`, now int4's own tile), against
+3.287 on split-K (S_TG 6,113 against 4,584 tok/s); q4_k 4.013 and 3.334 against 3.940 (32/256/2/3 3.794, 128/128/4/3
+4.097, 16/256/2/3 5.381, 64/128/8/3 5.549); q4_k_m 4.012 and 3.461 against 4.129 (the tile was then every kind's).
+
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,head_split,split,swap,folded,dependent=16,tile=32/256/2/3]"""
 
@@ -50,7 +55,7 @@ from forge_engine.config import EngineConfig
 from forge_engine.engine import LLMEngine
 from forge_engine.generate import SamplingParams
 from forge_engine.loader import load_model
-from forge_engine.quant.gguf_gpu import Int8GroupLinear
+from forge_engine.quant.gguf_gpu import ConcatLinear, Int8GroupLinear
 from forge_engine.quant.layers import Int4Linear, QuantEmbedding, swap_layer_matrices
 
 GROUP = 32
@@ -72,11 +77,35 @@ def random_int4_planes(n: int, k: int, device) -> Int4Linear:
 
 def q8_0_model():
     """random:qwen3-4b with every matrix, and the tied head, as random Q8_0 planes; LAB_PLANES=q4_k: the layers' matrices
-    as random Q4_K planes (a Q4_K_M file's but for its Q6_K v and down in a third of the layers), the head Q8_0."""
+    as random Q4_K planes (a Q4_K_M file's but for its Q6_K v and down in some layers), the head Q8_0; LAB_PLANES=q4_k_m:
+    those, with every other layer's v rows (qkv a ConcatLinear) and down as int8 planes, as Q6_K repacks; LAB_PLANES=int4:
+    random:qwen3-4b quantized to int4 by the loader (`--quantization int4`, groups of 128)."""
+    kind = os.environ.get("LAB_PLANES", "q8_0")
+    if (
+        kind == "int4"
+    ):  # --quantization int4 as the loader makes it (groups of 128), no planes swapped in
+        return load_model("random:qwen3-4b", "cuda", progress=False, quantization="int4")
     loaded = load_model("random:qwen3-4b", "cuda", progress=False, quantization="int8")
     model = loaded.model
-    planes = random_int4_planes if os.environ.get("LAB_PLANES") == "q4_k" else random_planes
-    swap_layer_matrices(model, lambda m, where: planes(*m.qweight.shape, m.qweight.device))
+    planes = random_planes if kind == "q8_0" else random_int4_planes
+    v_rows = model.config.num_kv_heads * model.config.head_dim
+
+    def swap(m, where):
+        (n, k), device = m.qweight.shape, m.qweight.device
+        layer = int(where.split()[1])
+        if (
+            kind != "q4_k_m" or layer % 2
+        ):  # q4_k_m: every other layer's v and down as Q6_K (int8 planes)
+            return planes(n, k, device)
+        if where.endswith("down"):
+            return random_planes(n, k, device)
+        if where.endswith("qkv"):
+            return ConcatLinear(
+                [random_int4_planes(n - v_rows, k, device), random_planes(v_rows, k, device)]
+            )
+        return planes(n, k, device)
+
+    swap_layer_matrices(model, swap)
     model.lm_head = random_planes(*model.lm_head.qweight.shape, model.lm_head.qweight.device)
     model.embed = QuantEmbedding(model.lm_head, torch.bfloat16)
     torch.cuda.empty_cache()
@@ -151,16 +180,21 @@ def use_folded_int4(tile):
 
 def rows_on_split_k(head_only: bool):
     """Calls of 5-16 rows on int8 planes through chapter 10g's split-K, as before chapter 09's rows_matmul took them:
-    the LM head's (head_only), or those and the layers' decode steps (their norms then separate kernels)."""
+    the LM head's (head_only), or those and the layers' decode steps (their norms then separate kernels; int4 planes'
+    steps of 2-16 rows through chapter 10's split-K too)."""
     import forge_engine.quant.gguf_gpu as gguf_gpu
+    import forge_engine.quant.layers as quant_layers
 
-    if not head_only:  # (takes_decode_step and int8_group_matmul both ask it)
-        gguf_gpu.fits_rows_matmul = lambda x: False
+    if (
+        not head_only
+    ):  # (takes_decode_step and int8_group_matmul both ask it; Int4Linear.takes_decode_step too)
+        gguf_gpu.fits_rows_matmul = lambda x, group=0: False
+        quant_layers.fits_rows_matmul = lambda x, group=0: False
         return
     plain, fits = Int8GroupLinear.skinny, gguf_gpu.fits_rows_matmul
 
     def skinny(self, x):  # (the layers' decode steps go through decode_gemv, not here)
-        gguf_gpu.fits_rows_matmul = lambda x: False
+        gguf_gpu.fits_rows_matmul = lambda x, group=0: False
         try:
             return plain(self, x)
         finally:
@@ -182,11 +216,12 @@ def main():
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
         if variant == "folded4":
             use_folded_int4(folded_tile)
-        # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile
-        if variant.startswith("tile="):
+        # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile (tile4=: its int4 tile)
+        if variant.startswith(("tile=", "tile4=")):
             import forge_engine.kernels.rows_matmul as rows_matmul
 
-            rows_matmul.ROWS_MATMUL_TILE = tuple(int(v) for v in variant[5:].split("/"))
+            name = "ROWS_MATMUL_INT4_TILE" if variant.startswith("tile4=") else "ROWS_MATMUL_TILE"
+            setattr(rows_matmul, name, tuple(int(v) for v in variant.split("=")[1].split("/")))
         # dependent=N: the step's small kernels launched as dependents up to N rows; NAME=N: a kernel constant
         elif "=" in variant:
             name, value = variant.split("=")

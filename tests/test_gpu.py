@@ -187,16 +187,19 @@ def test_norms_folded_into_the_gemvs_match_the_separate_kernels(name, mode, monk
         assert logits[other][0, logits["folded"].argmax()] >= logits[other].max() - atol, other
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8 groups"])
+@pytest.mark.parametrize("weights", ["bf16", "int8 groups", "int4 groups", "q4_k_m mix"])
 @pytest.mark.parametrize("rows", [2, 5, 16])
 def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, weights, monkeypatch):
     """A decode step of several sequences (their rows through chapter 09's `rows_matmul` with the norms handed from
     matmul to matmul: chapter 09a's GEMV_ROWS_BF16 for BF16 weights, chapter 10g's `Int8GroupLinear.takes_decode_step` for a
-    GGUF file's int8 planes with a scale a group of 32) against the same step with the rows through cuBLAS (int8
-    groups: chapter 10g's split-K launches) and the separate kernels, both replayed from CUDA graphs after the same
-    prefill: logits within BF16, each row's pick scored as the best under the other, within that."""
+    GGUF file's int8 planes with a scale a group of 32, `Int4Linear`'s for int4 ones with groups of 32 as a Q4_K
+    file's repack, and as a Q4_K_M file mixes them: qkv a `ConcatLinear` of int4 q, k and int8 v, down int8) against
+    the same step with the rows through cuBLAS (the planes: chapter 10b's and 10g's split-K launches) and the
+    separate kernels, both replayed from CUDA graphs after the same prefill: logits within BF16, each row's pick
+    scored as the best under the other, within that."""
     import forge_engine.fused_layers as fused_layers
-    from forge_engine.quant.gguf_gpu import Int8GroupLinear
+    from forge_engine.quant.gguf_gpu import ConcatLinear, Int8GroupLinear
+    from forge_engine.quant.layers import Int4Linear
     from forge_engine.quant.layers import swap_layer_matrices
     from forge_engine.cuda_graphs import DecodeRunner
     from forge_engine.fused_layers import install_fused_layers
@@ -214,6 +217,22 @@ def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, we
             scale = w.abs().amax(-1).clamp(min=1e-8) / 127
             q = (w / scale[:, :, None]).round().to(torch.int8).view(linear.weight.shape)
             return Int8GroupLinear(q, scale.half())
+
+        swap_layer_matrices(model, planes)
+    if weights in ("int4 groups", "q4_k_m mix"):
+
+        def planes(linear, where):
+            int4 = Int4Linear(linear, group=32)
+            if weights == "int4 groups" or not where.endswith(("qkv", "down")):
+                return int4
+            w = linear.weight.float().view(linear.out_features, -1, 32)
+            scale = w.abs().amax(-1).clamp(min=1e-8) / 127
+            q = (w / scale[:, :, None]).round().to(torch.int8).view(linear.weight.shape)
+            if where.endswith("down"):
+                return Int8GroupLinear(q, scale.half())
+            v = config.num_kv_heads * config.head_dim  # the last rows: v, int8 as Q6_K's repack
+            front = Int4Linear.from_groups(int4.qweight[:-v], int4.scale[:-v], int4.minimum[:-v])
+            return ConcatLinear([front, Int8GroupLinear(q[-v:].contiguous(), scale[-v:].half())])
 
         swap_layer_matrices(model, planes)
     install_fused_layers(model)
@@ -237,9 +256,10 @@ def test_decode_rows_through_the_rows_matmul_match_the_separate_kernels(rows, we
     for label, gemv_rows in (("rows_matmul", fused_layers.GEMV_ROWS_BF16), ("cublas", 1)):
         # asked when the graphs are recorded
         monkeypatch.setattr(fused_layers, "GEMV_ROWS_BF16", gemv_rows)
-        monkeypatch.setattr(
-            Int8GroupLinear, "takes_decode_step", lambda self, x: 1 < x.shape[0] <= gemv_rows
-        )
+        for kind in (Int8GroupLinear, Int4Linear, ConcatLinear):
+            monkeypatch.setattr(
+                kind, "takes_decode_step", lambda self, x: 1 < x.shape[0] <= gemv_rows
+            )
         cache.k_cache.copy_(prefilled[0])
         cache.v_cache.copy_(prefilled[1])
         runner = DecodeRunner(
@@ -295,28 +315,38 @@ def test_gemv_on_the_gpu_matches_the_matmul(rows, n, k):
 @pytest.mark.parametrize(
     "n,k,group",
     [(6144, 2560, 0), (2560, 9728, 0), (19456, 2560, 0), (151936, 2560, 0), (1000, 300, 0)]
-    + [(6144, 2560, 32), (2560, 9728, 32), (19456, 2560, 32), (1024, 2560, 16)],
+    + [(6144, 2560, 32), (2560, 9728, 32), (19456, 2560, 32), (1024, 2560, 16)]
+    + [(6144, 2560, -128), (2560, 9728, -128), (19456, 2560, -32), (2560, 9728, -32)],
 )
 def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k, group):
     """Chapter 09's tensor-core matmul for a few rows against cuBLAS followed by the small steps it folds in (gemv's
     PyTorch path), on Qwen3-4B's shapes (split along K or not): plain, SiLU-mul, the residual with the next norm
     handed on, the handed norm taken in. Replayed, a launch gives the same bits and leaves its tickets zero.
-    group > 0: int8 weights with an fp16 scale a group of inputs (chapter 10g's planes of Q8_0 and Q6_K blocks),
-    against cuBLAS on them dequantized."""
+    group > 0: int8 weights with an fp16 scale a group of inputs (chapter 10g's planes of Q8_0 and Q6_K blocks);
+    group < 0: chapter 10's int4 pairs with a scale and a minimum a group of -group inputs (`Int4Linear`'s, and a
+    GGUF file's Q4_K blocks repacked), the two as views of one tensor; each against cuBLAS on them dequantized."""
     from forge_engine.kernels.gemv import gemv_folds_reference
     from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul, rows_matmul_tiles
 
-    gen = torch.Generator(device="cuda").manual_seed(rows * n + group)
+    gen = torch.Generator(device="cuda").manual_seed(rows * n + abs(group))
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
     weight, planes = w, {}
-    if group:
+    if group > 0:
         q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
         scale = (torch.rand(n, k // group, device="cuda", generator=gen) + 0.5).half() / (
             127 * k**0.5
         )
         weight, planes = q, {"scale": scale}
         w = dequantized_groups(q, scale, torch.bfloat16)  # what the reference multiplies by
+    if group < 0:
+        q = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
+        spread = torch.rand(n, k // -group, device="cuda", generator=gen) + 0.5
+        pairs = (
+            torch.stack((spread, -7.5 * spread), -1) / (8 * k**0.5)
+        ).half()  # about zero-mean weights
+        weight, planes = q, {"scale": pairs[..., 0], "minimum": pairs[..., 1]}
+        w = dequantized_groups(q, pairs[..., 0], torch.bfloat16, pairs[..., 1])
 
     def multiply(**folds):
         return rows_matmul(x, weight, **planes, **folds)

@@ -20,7 +20,7 @@ from forge_engine.kernels.backend import (
     tl,
     triton,
 )
-from ..kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
+from ..kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv, output_folds
 from forge_engine.kernels.rows_matmul import (
     dequantized_groups,
     fits_rows_matmul,
@@ -375,6 +375,31 @@ class ConcatLinear(QuantLinear):
 
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         return torch.cat([p.dense(x, tile_weights) for p in self.parts], dim=-1)
+
+    def takes_decode_step(self, x: torch.Tensor) -> bool:
+        "Whether decode step x goes through `decode_gemv` (chapter 09a's `takes_own_gemv`): each part takes it."
+        return all(hasattr(p, "decode_gemv") and p.takes_decode_step(x) for p in self.parts)
+
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
+    ):
+        """Each part's `decode_gemv` with the handed norm (`norm_sums`), one launch after another on the same split-K
+        `tickets` (each leaves them zero), the outputs concatenated; the folds that need the whole output (`swiglu`,
+        `residual`, `hand_off`: chapter 09's `output_folds`) after it. A GGUF file's qkv is such a layer when its v
+        rows are of another type (Q4_K_M's Q6_K ones), and it takes only the norm."""
+        parts = [
+            p.decode_gemv(x, norm_sums=norm_sums, eps=eps, tickets=tickets) for p in self.parts
+        ]
+        result = torch.cat(parts, dim=-1)
+        result = result if self.bias is None else result + self.bias
+        return output_folds(result, swiglu=swiglu, residual=residual, hand_off=hand_off)
+
+    def rows_matmul_tiles(self) -> int:
+        "The split-K tickets a part's `decode_gemv` launch takes at most."
+        return max(
+            (p.rows_matmul_tiles() for p in self.parts if hasattr(p, "rows_matmul_tiles")),
+            default=0,
+        )
 
 # %% ../../nbs/10g_gguf_gpu.ipynb #5784753e
 REPACK_SLICE_BYTES = (

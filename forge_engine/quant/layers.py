@@ -17,6 +17,7 @@ from torch import nn
 from ..kernels.backend import kernel_backend
 import forge_engine.fused_layers as fused_layers
 from ..kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_hands_off_norms
+from ..kernels.rows_matmul import fits_rows_matmul, rows_matmul, rows_matmul_tiles
 from ..model import Transformer, load_weights
 from forge_engine.quant.formats import (
     dequantize_int4,
@@ -349,10 +350,16 @@ class Int4Linear(QuantLinear):
     def decode_gemv(
         self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
     ):
-        """This layer on a decode step's rows (x on a GPU) by the int4 GEMV, with chapter 09's `gemv`'s folds (chapter
-        09a's `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
-        `hand_off`. A bias is added after the GEMV: not with swiglu or a residual (our models have none there).
-        `tickets` (split-K's, for `rows_matmul`) go unused: the GEMV is one launch unsplit."""
+        """This layer on a decode step's rows (x on a GPU) with chapter 09's `gemv`'s folds (chapter 09a's
+        `folded_gemv` passes them): `swiglu` (as a gate-up layer: silu(gate) * up), `residual`, `norm_sums`,
+        `hand_off`. One row by the int4 GEMV (one launch unsplit: `tickets` go unused), 2-16 rows by chapter 09's
+        `rows_matmul` with the step's split-K `tickets`. A bias is added after the GEMV: not with swiglu or a residual
+        (our models have none there)."""
+        if not self._one_row_step(x):
+            return rows_matmul(
+                x, self.qweight, self.bias, scale=self.scale, minimum=self.minimum, swiglu=swiglu, residual=residual,
+                norm_sums=norm_sums, hand_off=hand_off, eps=eps, tickets=tickets,
+            )  # fmt: skip
         if self.bias is not None and (swiglu or residual is not None):
             raise ValueError(
                 "Int4Linear.decode_gemv adds its bias after the GEMV: not with swiglu or a residual"
@@ -370,12 +377,21 @@ class Int4Linear(QuantLinear):
         )
         return out if self.bias is None else out + self.bias
 
+    def _one_row_step(self, x: torch.Tensor) -> bool:
+        "Whether step x is the int4 GEMV's: up to chapter 09a's GEMV_ROWS rows (one)."
+        return x.shape[0] <= min(fused_layers.GEMV_ROWS, GEMV_MAX_ROWS)
+
     def takes_decode_step(self, x: torch.Tensor) -> bool:
         """Whether decode step x (on a GPU) goes through `decode_gemv` (chapter 09a's `takes_own_gemv`) and hands its
-        norms between the GEMVs (chapter 09's `gemv_hands_off_norms`): up to chapter 09a's GEMV_ROWS rows."""
-        return x.shape[0] <= min(fused_layers.GEMV_ROWS, GEMV_MAX_ROWS) and gemv_hands_off_norms(
-            self.qweight
-        )
+        norms between the matmuls: the int4 GEMV's rows where its rows start at whole words (chapter 09's
+        `gemv_hands_off_norms`), and 2-16 rows of bf16 or fp16 whose groups `rows_matmul` holds whole."""
+        if self._one_row_step(x):
+            return gemv_hands_off_norms(self.qweight)
+        return fits_rows_matmul(x, self.in_features // self.scale.shape[1])
+
+    def rows_matmul_tiles(self) -> int:
+        "The split-K tickets a `decode_gemv` launch of 2-16 rows takes (chapter 09's `rows_matmul_tiles`)."
+        return rows_matmul_tiles(self.out_features, int4=True)
 
     def rows(self, ids, dtype):
         return dequantize_int4(self.qweight[ids], self.scale[ids], self.minimum[ids], dtype)

@@ -290,6 +290,41 @@ def _as_f32(w, BYTE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
+    """A uint8 tile -> (128 + low nibble, 128 + high nibble / 16) in fp32, exactly: the low nibble in the mantissa
+    bits 16-19 of 128 (0x43000000), the high one in bits 12-15 (chapter 10c tells the trick; its int4 GEMV and
+    `rows_matmul` read chapter 10's nibbles through it)."""
+    if (
+        BYTE_ASM
+    ):  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 l, r, t;
+            shl.b32 l, $8, 8;
+            shr.b32 r, $8, 8;
+            prmt.b32 t, $8, 0, 0x1032;
+            lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
+            lop3.b32 $4, l, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $5, $8, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $6, r, 0x0000F000, 0x43000000, 0xEA;
+            lop3.b32 $7, t, 0x0000F000, 0x43000000, 0xEA;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=4,
+        )
+    b = b.to(tl.int32)
+    low = ((b & 0x0F) << 16) | 0x43000000
+    high = ((b >> 4) << 12) | 0x43000000
+    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rows_f32(v, BYTE_ASM: tl.constexpr):
     "A rows-layout operand (weights, x, the norm's weight) in fp32: bf16 by `_bf16x2_to_f32` where compiled, else `_as_f32`."
     if v.dtype == tl.bfloat16 and BYTE_ASM:
@@ -857,6 +892,22 @@ def gemv_folds_reference(
     if norm_sums is not None:
         x = (x.float() * torch.rsqrt(norm_sums[:, None] / x.shape[1] + eps)).to(x.dtype)
     result = gemv_reference(x, weight, bias, scale)
+    return output_folds(
+        result, swiglu=swiglu, out=out, residual=residual, hand_off=hand_off, backend=backend
+    )
+
+
+def output_folds(
+    result: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    hand_off: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str = "torch",
+):
+    """The folds `gemv` applies to a product already made (`result`, [M, N]), each a launch of its own: SiLU-mul
+    (`swiglu`), the residual add, `out`, the hand-off to the next norm (its squares summed into hand_off[1])."""
     if swiglu:
         return silu_mul(result, backend)
     if residual is not None:

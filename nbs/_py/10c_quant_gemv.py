@@ -104,6 +104,7 @@ from forge_engine.kernels.backend import (
 )
 from forge_engine.kernels.elementwise import _silu_times
 from forge_engine.kernels.gemv import (
+    _nibbles_to_f32,
     GEMV_MAX_ROWS,
     _norm_scale,
     _program_row,
@@ -125,40 +126,6 @@ from forge_engine.quant.split_k import assert_matches, check_kernel
 
 # %%
 #| export
-@triton.jit
-def _nibbles_to_f32(b, BYTE_ASM: tl.constexpr):
-    """A uint8 tile -> (128 + low nibble, 128 + high nibble / 16) in fp32, exactly: the low nibble in the mantissa
-    bits 16-19 of 128 (0x43000000), the high one in bits 12-15."""
-    if (
-        BYTE_ASM
-    ):  # compiled for an NVIDIA GPU: per four bytes three shifts, per weight one LOP3 (and + or)
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 l, r, t;
-            shl.b32 l, $8, 8;
-            shr.b32 r, $8, 8;
-            prmt.b32 t, $8, 0, 0x1032;
-            lop3.b32 $0, t, 0x000F0000, 0x43000000, 0xEA;
-            lop3.b32 $1, l, 0x000F0000, 0x43000000, 0xEA;
-            lop3.b32 $2, $8, 0x000F0000, 0x43000000, 0xEA;
-            lop3.b32 $3, r, 0x000F0000, 0x43000000, 0xEA;
-            lop3.b32 $4, l, 0x0000F000, 0x43000000, 0xEA;
-            lop3.b32 $5, $8, 0x0000F000, 0x43000000, 0xEA;
-            lop3.b32 $6, r, 0x0000F000, 0x43000000, 0xEA;
-            lop3.b32 $7, t, 0x0000F000, 0x43000000, 0xEA;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=4,
-        )
-    b = b.to(tl.int32)
-    low = ((b & 0x0F) << 16) | 0x43000000
-    high = ((b >> 4) << 12) | 0x43000000
-    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _x_chunk(b0, lane, K, GROUP: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """For a step at byte b0 of the rows: whether each thread's chunk is inside the row, and the first of x's inputs

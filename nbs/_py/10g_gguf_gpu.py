@@ -58,7 +58,7 @@ from forge_engine.kernels.backend import (
     tl,
     triton,
 )
-from forge_engine.kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv
+from forge_engine.kernels.gemv import GEMV_MAX_ROWS, _as_f32, _start_gemv, output_folds
 from forge_engine.kernels.rows_matmul import (
     dequantized_groups,
     fits_rows_matmul,
@@ -90,6 +90,7 @@ from gguf import GGMLQuantizationType as QType
 from forge_engine.config import preset
 from forge_engine.gguf_file import DEQUANTIZERS
 from forge_engine.model import empty_model, init_random_weights
+from forge_engine.kernels.gemv import gemv_folds_reference
 from forge_engine.quant.formats import dequantize_int4
 from forge_engine.quant.gguf_blocks import gguf_bytes, gguf_matmul_reference
 from forge_engine.quant.split_k import assert_matches
@@ -550,6 +551,88 @@ class ConcatLinear(QuantLinear):
     def dense(self, x, tile_weights=DENSE_TILE_WEIGHTS):
         return torch.cat([p.dense(x, tile_weights) for p in self.parts], dim=-1)
 
+    def takes_decode_step(self, x: torch.Tensor) -> bool:
+        "Whether decode step x goes through `decode_gemv` (chapter 09a's `takes_own_gemv`): each part takes it."
+        return all(hasattr(p, "decode_gemv") and p.takes_decode_step(x) for p in self.parts)
+
+    def decode_gemv(
+        self, x, swiglu=False, residual=None, norm_sums=None, hand_off=None, eps=1e-6, tickets=None
+    ):
+        """Each part's `decode_gemv` with the handed norm (`norm_sums`), one launch after another on the same split-K
+        `tickets` (each leaves them zero), the outputs concatenated; the folds that need the whole output (`swiglu`,
+        `residual`, `hand_off`: chapter 09's `output_folds`) after it. A GGUF file's qkv is such a layer when its v
+        rows are of another type (Q4_K_M's Q6_K ones), and it takes only the norm."""
+        parts = [
+            p.decode_gemv(x, norm_sums=norm_sums, eps=eps, tickets=tickets) for p in self.parts
+        ]
+        result = torch.cat(parts, dim=-1)
+        result = result if self.bias is None else result + self.bias
+        return output_folds(result, swiglu=swiglu, residual=residual, hand_off=hand_off)
+
+    def rows_matmul_tiles(self) -> int:
+        "The split-K tickets a part's `decode_gemv` launch takes at most."
+        return max(
+            (p.rows_matmul_tiles() for p in self.parts if hasattr(p, "rows_matmul_tiles")),
+            default=0,
+        )
+
+
+# %% [markdown]
+# A decode step of 2-16 sequences hands its norms from matmul to matmul when every layer matrix
+# has a decode kernel that takes the step (chapter 09a asks `takes_decode_step`). A Q4_K_M file's
+# matrices are int4 planes (`Int4Linear`, whose 2-16 rows go to chapter 09's `rows_matmul` too),
+# int8 planes, and qkv's that mix the two (`ConcatLinear`: each part launched in turn on the
+# handed norm, the outputs concatenated). On an H100, random Qwen3-4B with a Q4_K_M file's mix
+# (every matrix Q4_K planes but every other layer's v rows and down as int8 ones, the head Q8_0;
+# `LAB_PLANES=q4_k_m PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export,split`), the
+# 16-sequence decode graph: 4.129 ms through chapter 10's and 10g's split-K and the small kernels
+# (S_TG 3,793 tok/s); 4.012 with the steps through `rows_matmul` in the BF16 tile; 3.461 (S_TG
+# 4,441 tok/s) with every kind in int4's tile, 64, 128, 4, 3. As exported the int8 parts keep
+# their own tile, which won on Q8_0 planes; that mix itself was not timed.
+#
+# Under the interpreter here, against the same folds on the weights dequantized
+# (`gemv_folds_reference`):
+
+# %%
+concat_gen = torch.Generator().manual_seed(5)
+packed = torch.randint(0, 256, (48, 64), generator=concat_gen, dtype=torch.uint8)
+spread = (torch.rand(48, 4, generator=concat_gen) + 0.5) / 64
+int4_part = Int4Linear.from_groups(packed, spread.half(), (-7.5 * spread).half())
+q8 = torch.randint(-127, 128, (64, 128), generator=concat_gen, dtype=torch.int8)
+int8_part = Int8GroupLinear(q8, (torch.rand(64, 4, generator=concat_gen) / 1000 + 1e-3).half())
+qkv = ConcatLinear([int4_part, int8_part])
+dense_qkv = torch.cat(
+    [
+        dequantize_int4(packed, int4_part.scale, int4_part.minimum, torch.bfloat16),
+        dequantized_groups(q8, int8_part.scale, torch.bfloat16),
+    ]
+)
+x = torch.randn(5, 128, generator=concat_gen).bfloat16()
+sums = torch.rand(5, generator=concat_gen) * 128 + 1
+assert qkv.takes_decode_step(x) and int4_part.takes_decode_step(x)
+assert (int4_part.rows_matmul_tiles(), int8_part.rows_matmul_tiles(), qkv.rows_matmul_tiles()) == (
+    1,
+    2,
+    2,
+)  # tiles of 64 and 32 rows
+for got, want in (
+    (
+        int4_part.decode_gemv(x, norm_sums=sums),
+        gemv_folds_reference(x, dense_qkv[:48], norm_sums=sums),
+    ),
+    (qkv.decode_gemv(x, norm_sums=sums), gemv_folds_reference(x, dense_qkv, norm_sums=sums)),
+):
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < 2e-2, err  # bf16 roundings (the interpreter truncates where a GPU rounds)
+res, g = (
+    torch.randn(5, 112, generator=concat_gen).bfloat16(),
+    torch.rand(112, generator=concat_gen).bfloat16(),
+)
+got_sums, want_sums = torch.zeros(5), torch.zeros(5)
+got = qkv.decode_gemv(x, residual=res, hand_off=(g, got_sums))
+want = gemv_folds_reference(x, dense_qkv, residual=res, hand_off=(g, want_sums))
+for a, b in zip((*got, got_sums), (*want, want_sums)):
+    assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
 
 # %% [markdown]
 # ## Repacking a model
