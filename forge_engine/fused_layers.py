@@ -59,8 +59,8 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 
 def takes_own_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer` multiplies step x by a decode kernel of its own that takes the GEMV's folds (`decode_gemv`:
-    chapter 10's int4 GEMV, chapter 10g's int8 groups through `rows_matmul`): x on a GPU where the kernels run
-    compiled, a step the layer's kernel takes (its `takes_decode_step`)."""
+    chapter 10's int4 GEMV, or for 2-16 rows of int4 and of chapter 10g's int8 groups `rows_matmul`): x on a GPU where
+    the kernels run compiled, a step the layer's kernel takes (its `takes_decode_step`)."""
     return hasattr(layer, "decode_gemv") and _on_kernels(x) and layer.takes_decode_step(x)
 
 

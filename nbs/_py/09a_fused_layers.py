@@ -20,7 +20,7 @@
 # | `FusedAttention` | q/k-norm and RoPE of q and k in one `norm_rope`; none at all with a backend whose `rope_inside` takes them (the decode kernel) | a copy, the norms, ~7 small kernels of RoPE for q and again for k |
 # | `FusedMLP` | a decode row's gate-up GEMV with SiLU-mul in its epilogue (`swiglu`); else `silu_mul` | silu, the product, the strided halves: 3 kernels |
 # | `FusedDecoderLayer` | BF16, one row: each add + RMSNorm folded into the GEMVs around it (`folds_norms`) | 6 launches a layer: 4 |
-# | `FusedTransformer` | int8 / int4, one row, and BF16 or a GGUF file's int8 planes, 2-16 rows: each norm handed from matmul to matmul (`hands_off_norms`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
+# | `FusedTransformer` | int8 / int4, one row, and BF16, int4 or a GGUF file's int8 / int4 planes, 2-16 rows: each norm handed from matmul to matmul (`hands_off_norms`); the tied LM head by `gemv` | 73 norm launches a step: 2 |
 #
 # Chapter 09 measured each of these; this chapter only wires them in. Chapter 10's quantized
 # layers are not `nn.Linear`s and stay: the fused layers call their GEMVs (`gemv_operands`, or a
@@ -102,8 +102,8 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 
 def takes_own_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer` multiplies step x by a decode kernel of its own that takes the GEMV's folds (`decode_gemv`:
-    chapter 10's int4 GEMV, chapter 10g's int8 groups through `rows_matmul`): x on a GPU where the kernels run
-    compiled, a step the layer's kernel takes (its `takes_decode_step`)."""
+    chapter 10's int4 GEMV, or for 2-16 rows of int4 and of chapter 10g's int8 groups `rows_matmul`): x on a GPU where
+    the kernels run compiled, a step the layer's kernel takes (its `takes_decode_step`)."""
     return hasattr(layer, "decode_gemv") and _on_kernels(x) and layer.takes_decode_step(x)
 
 
@@ -265,7 +265,7 @@ assert not takes_rows_matmul(rows5, w16, norm=torch.ones(4))
 #
 # Each takes its folds as keywords. The decoder layer decides per step: a decode step of one
 # row with BF16 weights folds its norms (`folds_norms`), one with int8 / int4 weights or of 2-16
-# rows of BF16 weights or of a GGUF file's int8 planes hands them on (`hands_off_norms`, asked of
+# rows of BF16 or int4 weights or of a GGUF file's int8 / int4 planes hands them on (`hands_off_norms`, asked of
 # every layer by the model, which then runs every layer that way); anything else runs chapter
 # 03's order with the fused norms.
 
