@@ -10,8 +10,8 @@ LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products; `folded4`, with LAB_PLANES=q4_k (every layer matrix
 as random Q4_K planes, chapter 10's int4): 2-16 rows through that kernel's int4 tiles, not chapter 10's split-K
-(one sequence's steps too); `int8_bits`: the int8 tiles made bf16 through their bits (int8_bits_rows.py; first in
-its process, not yet run on a GPU); `dependent=N`: the step's small kernels and decode attention launched as
+(one sequence's steps too); `int8_bits` / `int4_bits`: the int8 / int4 tiles made bf16 through their bits (rows_matmul_bits.py;
+first in its process, not yet run on a GPU); `dependent=N`: the step's small kernels and decode attention launched as
 dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; `NAME=N`: the kernels' constant NAME set
 to N, as DECODE_TARGET_PROGRAMS=512; each variant keeps the ones before it),
 printed:
@@ -217,12 +217,13 @@ def main():
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
         if variant == "folded4":
             use_folded_int4(folded_tile)
-        if (
-            variant == "int8_bits"
-        ):  # (first in its process: a kernel compiled before keeps the export's tile product)
-            from int8_bits_rows import use_int8_bits
+        if variant in (
+            "int8_bits",
+            "int4_bits",
+        ):  # (first in its process: a kernel compiled before keeps the export's)
+            from rows_matmul_bits import use_bits
 
-            use_int8_bits()
+            use_bits(int8=variant == "int8_bits", int4=variant == "int4_bits")
         # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile (tile4=: its int4 tile)
         if variant.startswith(("tile=", "tile4=")):
             import forge_engine.kernels.rows_matmul as rows_matmul
