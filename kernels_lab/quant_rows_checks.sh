@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The quantized tiles of chapter 09's rows_matmul on a GPU, one command each (each under 600 s; run from the
+# repository root, logs to $OUT; a GGUF run needs the `gguf` package on PYTHONPATH):
+#   bash kernels_lab/quant_rows_checks.sh tests   # the GPU tests of rows_matmul (BF16, int8 groups, int4 pairs in
+#       int4's own tile) and of decode steps of 2-16 sequences through it (BF16, int8 groups, int4, a Q4_K_M mix)
+#   bash kernels_lab/quant_rows_checks.sh steps   # the 16-sequence decode step as exported against split-K and the
+#       separate small kernels on Q4_K_M-mixed planes and on --quantization int4 (sixteen_seqs_step.py export,split)
+#   bash kernels_lab/quant_rows_checks.sh bits    # the int8 and int4 tiles made bf16 through their bits
+#       (rows_matmul_bits.py) against the export: Q8_0 planes, then Q4_K planes, each variant in a process of its own
+set -uo pipefail
+out=${OUT:-/tmp}
+export PYTHONPATH=$PWD:$PWD/kernels_lab${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() {  # LAB_PLANES, variants, log name: the lines that name a variant and the graph's largest kernels
+  LAB_PLANES=$1 timeout 170 python3 kernels_lab/sixteen_seqs_step.py "$2" > "$out/$3.log" 2>&1
+  grep -A3 "^\[" "$out/$3.log" | sed "s/^/$1 /"
+}
+case "${1:-}" in
+  tests)
+    timeout 400 python3 -m pytest -m gpu tests/test_gpu.py -q -k "rows_matmul_on or decode_rows" \
+      > "$out/rows_tests.log" 2>&1
+    tail -3 "$out/rows_tests.log" ;;
+  steps)
+    step q4_k_m export,split q4_k_m
+    step int4 export,split int4 ;;
+  bits)
+    step q8_0 int8_bits q8_0_bits
+    step q8_0 export q8_0_export
+    step q4_k int4_bits q4_k_bits
+    step q4_k export q4_k_export ;;
+  *)
+    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|bits" >&2
+    exit 2 ;;
+esac
