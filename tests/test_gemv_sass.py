@@ -192,3 +192,41 @@ def test_the_rows_gemv_loop_is_a_multiply_add_a_product():
         assert loop["ffma"] == int(rows) * loop["weights"], (rows, loop)
         assert loop["converts"] <= values, (rows, loop)
         assert loop["instructions"] - loop["ffma"] - loop["converts"] <= 40, (rows, loop)
+
+
+ROWS_MATMUL_SCRIPT = """
+import json, sys
+sys.path.insert(0, "kernels_lab")
+from gemv_sass import kernel_sass
+from forge_engine.kernels.rows_matmul import ROWS_MATMUL_INT4_TILE, ROWS_MATMUL_TILE, _rows_matmul_kernel
+pointers = ["x_ptr", "w_ptr", "scale_ptr", "min_ptr", "b_ptr", "partials_ptr", "tickets_ptr", "out_ptr", "res_ptr",
+            "in_sums_ptr", "out_sums_ptr", "next_g_ptr", "normed_ptr"]
+scalars = ["M", "OUT_N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_sg", "stride_rm"]
+found = {}
+for kind, weight, group in (("int8", "*i8", 32), ("int4", "*u8", 32), ("int4", "*u8", 128)):
+    block_n, block_k, warps, stages = ROWS_MATMUL_INT4_TILE if kind == "int4" else ROWS_MATMUL_TILE
+    signature = {**{p: "*bf16" for p in pointers}, **{s: "i32" for s in scalars}, "eps": "fp32",
+                 "w_ptr": weight, "scale_ptr": "*fp16", "min_ptr": "*fp16", "partials_ptr": "*fp32",
+                 "tickets_ptr": "*i32", "in_sums_ptr": "*fp32", "out_sums_ptr": "*fp32"}
+    for swiglu in (False, True):
+        flags = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=16, SPLIT=4, EVEN_K=True, HAS_BIAS=False, SWIGLU=swiglu,
+                     RESIDUAL=not swiglu, NORM_SUMS=True, HAND_OFF=not swiglu, GROUP=group, INT4=kind == "int4",
+                     BYTE_ASM=True, UPCAST=False, PDL=True)
+        code, registers = kernel_sass(_rows_matmul_kernel, signature, flags, warps, num_stages=stages,
+                                      aligned=("x_ptr", "w_ptr", "partials_ptr", "out_ptr", "stride_xm", "stride_wn",
+                                               "K", "k_per_split"))
+        found[f"{kind} group={group} swiglu={swiglu}"] = dict(
+            registers=registers, spills=sum(("STL" in text) or ("LDL" in text) for _, text in code))
+print(json.dumps(found))
+"""
+
+
+def test_the_rows_matmul_tiles_spill_nothing():
+    """Chapter 09's `rows_matmul` on int8 groups (its BF16 tile) and on int4 pairs (`ROWS_MATMUL_INT4_TILE`, groups of
+    32 as Q4_K repacks and 128 as `--quantization int4`), with SwiGLU (two accumulators) and with the residual and the
+    hand-off, compiles for sm_90 with no spills to local memory: a tile that spilled would stream its weights through
+    local loads and stores."""
+    found = compiled_offline(ROWS_MATMUL_SCRIPT)
+    assert len(found) == 6, found
+    for case, compiled in found.items():
+        assert compiled["spills"] == 0 and compiled["registers"] <= 255, (case, compiled)
