@@ -12,7 +12,8 @@ sequences (llama-batched-bench). In two phases, so each fits one device call:
 
 Each phase writes its JSON to --out. The source: llama-cpp-python's source distribution carries llama.cpp under
 `vendor/llama.cpp` (`pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`); without its docs, models,
-tests, examples and other backends' sources it packs to ~6 MB. The tokenizer: `forge-engine models pull
+tests, examples and other backends' sources it packs to ~6 MB (`bash kernels_lab/llama_cpp_source.sh SRC.tar.gz` makes
+it; carry its folder, git-ignored, to the GPU machine). The tokenizer: `forge-engine models pull
 qwen3-tokenizer` and `qwen3-tokenizer-config` into $FORGE_HOME.
 
 Run on the GPU machine from the repository root:
