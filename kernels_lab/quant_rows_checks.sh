@@ -7,6 +7,8 @@
 #       separate small kernels on Q4_K_M-mixed planes and on --quantization int4 (sixteen_seqs_step.py export,split)
 #   bash kernels_lab/quant_rows_checks.sh bits    # the int8 and int4 tiles made bf16 through their bits
 #       (rows_matmul_bits.py) against the export: Q8_0 planes, then Q4_K planes, each variant in a process of its own
+#   bash kernels_lab/quant_rows_checks.sh tiles   # int4's tile on another GPU: the export's (64/128/4/3) against its
+#       neighbours on Q4_K planes (sixteen_seqs_step.py tile4=...)
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD:$PWD/kernels_lab${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -27,7 +29,9 @@ case "${1:-}" in
     step q8_0 export q8_0_export
     step q4_k int4_bits q4_k_bits
     step q4_k export q4_k_export ;;
+  tiles)
+    step q4_k export,tile4=32/128/2/3,tile4=64/256/4/3,tile4=128/128/8/3,tile4=64/128/4/4 q4_k_tiles ;;
   *)
-    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|bits" >&2
+    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|bits|tiles" >&2
     exit 2 ;;
 esac
