@@ -120,9 +120,10 @@ gen = torch.Generator().manual_seed(9)
 # minimum in one FFMA a weight, and the low nibbles multiply the first half of each group's inputs,
 # the high ones the second half: two products a step. Twice the weights a byte cost twice the
 # arithmetic a byte, and the tile that wins is another (`ROWS_MATMUL_INT4_TILE`): on an H100, the
-# 16-sequence decode graph of random Qwen3-4B (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py
-# VARIANTS` with `LAB_PLANES=...`, on one machine; `split` is the route before: chapter 10's split-K
-# with the separate small kernels):
+# 16-sequence decode graph of random Qwen3-4B, on one machine (`LAB_PLANES=int4 PYTHONPATH=. python3
+# kernels_lab/sixteen_seqs_step.py export,split`; `LAB_PLANES=q4_k` for Q4_K planes, `tile4=BN/BK/W/ST`
+# for another int4 tile; `split` is the route before: chapter 10's split-K with the separate small
+# kernels):
 #
 # | layers | `split` | 32, 128, 2, 3 | **64, 128, 4, 3** | S_TG 16 sequences, `split` → 64, 128, 4, 3 |
 # |---|---|---|---|---|

@@ -608,6 +608,7 @@ dense_qkv = torch.cat(
     ]
 )
 x = torch.randn(5, 128, generator=concat_gen).bfloat16()
+qkv_bias = torch.randn(112, generator=concat_gen).bfloat16()
 sums = torch.rand(5, generator=concat_gen) * 128 + 1
 assert qkv.takes_decode_step(x) and int4_part.takes_decode_step(x)
 assert (int4_part.rows_matmul_tiles(), int8_part.rows_matmul_tiles(), qkv.rows_matmul_tiles()) == (
@@ -621,6 +622,10 @@ for got, want in (
         gemv_folds_reference(x, dense_qkv[:48], norm_sums=sums),
     ),
     (qkv.decode_gemv(x, norm_sums=sums), gemv_folds_reference(x, dense_qkv, norm_sums=sums)),
+    (  # a bias (Qwen2's qkv has one): added after the parts
+        ConcatLinear([int4_part, int8_part], bias=qkv_bias).decode_gemv(x, norm_sums=sums),
+        gemv_folds_reference(x, dense_qkv, qkv_bias, norm_sums=sums),
+    ),
 ):
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
     assert err < 2e-2, err  # bf16 roundings (the interpreter truncates where a GPU rounds)
