@@ -433,7 +433,8 @@ def _check_rows_operands(
         )
     if scale is not None and not _whole_groups(k, n, scale, minimum):
         raise ValueError(
-            f"rows_matmul's scale{' and minimum' if int4 else ''} must be [{n}, K / group] for groups of 16 inputs "
+            f"rows_matmul's scale{' and minimum' if int4 else ''} must be [{n}, K / group]"
+            f"{' with the same strides' if int4 else ''} for groups of 16 inputs "
             f"or a multiple that divide {ROWS_MATMUL_TILE[1]}, got {tuple(scale.shape)}"
             f"{'' if not int4 else f' and {tuple(minimum.shape)}'} for K = {k}"
         )

@@ -544,7 +544,8 @@ def _check_rows_operands(
         )
     if scale is not None and not _whole_groups(k, n, scale, minimum):
         raise ValueError(
-            f"rows_matmul's scale{' and minimum' if int4 else ''} must be [{n}, K / group] for groups of 16 inputs "
+            f"rows_matmul's scale{' and minimum' if int4 else ''} must be [{n}, K / group]"
+            f"{' with the same strides' if int4 else ''} for groups of 16 inputs "
             f"or a multiple that divide {ROWS_MATMUL_TILE[1]}, got {tuple(scale.shape)}"
             f"{'' if not int4 else f' and {tuple(minimum.shape)}'} for K = {k}"
         )
@@ -865,6 +866,15 @@ for call, message in (
             minimum=torch.ones(64, 2).half(),
         ),
         r"scale and minimum must be \[64, K / group\]",
+    ),
+    (
+        lambda: rows_matmul(
+            x,
+            w[:, :256].to(torch.uint8),
+            scale=torch.ones(64, 4).half(),
+            minimum=torch.ones(4, 64).half().t(),
+        ),
+        r"\[64, K / group\] with the same strides",
     ),
     (lambda: rows_matmul(x, w, tickets=torch.zeros(1, dtype=torch.int32)), r"at least 2 elements"),
     (lambda: rows_matmul(x, w[:63], swiglu=True), "even number of rows"),
