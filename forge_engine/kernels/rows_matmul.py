@@ -48,10 +48,15 @@ ROWS_MATMUL_INT4_TILE = (
 def fits_rows_matmul(x: torch.Tensor, group: int = 0) -> bool:
     """Whether `rows_matmul` takes x: at most ROWS_MATMUL_MAX_ROWS rows of bf16 or fp16; and for weights with a scale
     a `group` of inputs, whether a step holds its groups whole (16 inputs or a multiple that divides the tile's)."""
-    whole = group == 0 or (group % 16 == 0 and ROWS_MATMUL_TILE[1] % group == 0)
+    whole = group == 0 or _holds_group(group)
     return (
         whole and x.shape[0] <= ROWS_MATMUL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
     )
+
+
+def _holds_group(group: int) -> bool:
+    "Whether a step of the kernel holds whole groups of `group` inputs: 16 or a multiple that divides its BLOCK_K."
+    return group % 16 == 0 and ROWS_MATMUL_TILE[1] % group == 0
 
 
 def rows_matmul_tiles(n: int, swiglu: bool = False, int4: bool = False) -> int:
@@ -471,8 +476,7 @@ def _whole_groups(k: int, n: int, scale: torch.Tensor, minimum: torch.Tensor | N
         scale.dim() == 2
         and scale.shape[0] == n
         and group * groups == k
-        and group % 16 == 0
-        and ROWS_MATMUL_TILE[1] % group == 0
+        and _holds_group(group)
         and (
             minimum is None or (minimum.shape == scale.shape and minimum.stride() == scale.stride())
         )
