@@ -5,7 +5,8 @@ Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file an
 
 Per variant, in turn (`export`: the package, 2-16 rows through chapter 09's rows_matmul; `split`: 2-16 rows through
 chapter 10g's split-K and the separate small kernels, as before; `head_split`: only the LM head's rows on split-K;
-`tile=BN/BK/W/ST`: rows_matmul in that tile; `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+`tile=BN/BK/W/ST`: rows_matmul in that tile; `programs=N`: its launches split along K
+to about N programs an SM (split_k_programs aims for 4); `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products; `folded4`, with LAB_PLANES=q4_k (every layer matrix
@@ -230,6 +231,14 @@ def main():
 
             name = "ROWS_MATMUL_INT4_TILE" if variant.startswith("tile4=") else "ROWS_MATMUL_TILE"
             setattr(rows_matmul, name, tuple(int(v) for v in variant.split("=")[1].split("/")))
+        # programs=N: rows_matmul's launches aim for N programs an SM (split along K), not split_k_programs' 4
+        elif variant.startswith("programs="):
+            import forge_engine.kernels.rows_matmul as rows_matmul
+
+            per_sm = int(variant.split("=")[1])
+            rows_matmul.split_k_programs = lambda device: (
+                per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+            )
         # dependent=N: the step's small kernels launched as dependents up to N rows; NAME=N: a kernel constant
         elif "=" in variant:
             name, value = variant.split("=")
