@@ -5,8 +5,10 @@
 #       int4's own tile) and of decode steps of 2-16 sequences through it (BF16, int8 groups, int4, a Q4_K_M mix)
 #   bash kernels_lab/quant_rows_checks.sh steps   # the 16-sequence decode step as exported against split-K and the
 #       separate small kernels on Q4_K_M-mixed planes and on --quantization int4 (sixteen_seqs_step.py export,split)
-#   bash kernels_lab/quant_rows_checks.sh bits    # the int8 and int4 tiles made bf16 through their bits
-#       (rows_matmul_bits.py) against the export: Q8_0 planes, then Q4_K planes, each variant in a process of its own
+#   bash kernels_lab/quant_rows_checks.sh programs  # the programs an SM of the int8 and int4 launches on another
+#       GPU: the export (int8 at 8, int4 at 4) against int8 at 4 and 12 on Q8_0 planes and int4 at 8 on Q4_K planes
+#   bash kernels_lab/quant_rows_checks.sh imma    # rows_matmul_imma.py: x quantized to int8, int8 tensor-core
+#       products, per Qwen3-4B matrix at 16 rows against the export
 #   bash kernels_lab/quant_rows_checks.sh tiles   # int4's tile on another GPU: the export's (64/128/4/3) against its
 #       neighbours on Q4_K planes (sixteen_seqs_step.py tile4=...)
 set -uo pipefail
@@ -24,14 +26,15 @@ case "${1:-}" in
   steps)
     step q4_k_m export,split q4_k_m
     step int4 export,split int4 ;;
-  bits)
-    step q8_0 int8_bits q8_0_bits
-    step q8_0 export q8_0_export
-    step q4_k int4_bits q4_k_bits
-    step q4_k export q4_k_export ;;
+  programs)
+    step q8_0 export,programs=4,programs=12 q8_0_programs
+    step q4_k export,programs=8 q4_k_programs ;;
+  imma)
+    timeout 200 python3 kernels_lab/rows_matmul_imma.py time > "$out/imma.log" 2>&1
+    grep -v Warn "$out/imma.log" ;;
   tiles)
     step q4_k export,tile4=32/128/2/3,tile4=64/256/4/3,tile4=128/128/8/3,tile4=64/128/4/4 q4_k_tiles ;;
   *)
-    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|bits|tiles" >&2
+    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|programs|imma|tiles" >&2
     exit 2 ;;
 esac

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from forge_engine.kernels.backend import INTERPRETED
 from forge_engine.kernels.gemv import _int8x4_to_f32
+from forge_engine.kernels.rows_matmul import _nibbles_as_bf16
 from forge_engine.quant.gemv import _nibbles_to_f32
 from forge_engine.kernels.backend import split_k_programs
 from forge_engine.quant.split_k import _sum_splits_kernel
@@ -262,33 +263,6 @@ def _int4_swap_kernel(
 
 
 @triton.jit
-def _nibbles_as_bf16(b, ASM: tl.constexpr):
-    """A uint8 tile -> (128 + low nibble, 128 + high nibble) as bf16, exactly: each nibble under 128's exponent
-    (0x4300), two weights a register; per four bytes two PRMT, two shifts and four LOP3."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, u;
-            prmt.b32 t, $4, 0, 0x4140;
-            prmt.b32 u, $4, 0, 0x4342;
-            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA;
-            shr.b32 t, t, 4;
-            shr.b32 u, u, 4;
-            lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xEA;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        return (b & 0x0F).to(tl.float32) + 128.0, (b >> 4).to(tl.float32) + 128.0
-
-
-@triton.jit
 def _int4_groups_kernel(
     x_ptr,
     q_ptr,
@@ -324,8 +298,8 @@ def _int4_groups_kernel(
             x_sum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)
             lo, hi = _nibbles_as_bf16(b, not UPCAST)
             if UPCAST:
-                d = tl.dot(lo, x_lo.to(tl.float32), input_precision="ieee")
-                d = tl.dot(hi, x_hi.to(tl.float32), d, input_precision="ieee")
+                d = tl.dot(lo.to(tl.float32), x_lo.to(tl.float32), input_precision="ieee")
+                d = tl.dot(hi.to(tl.float32), x_hi.to(tl.float32), d, input_precision="ieee")
             else:
                 d = tl.dot(hi, x_hi, tl.dot(lo, x_lo))
             acc += s[:, None] * d + (m - 128.0 * s)[:, None] * x_sum[None, :]

@@ -6,13 +6,12 @@ Q8_0 shape (`Int8GroupLinear`, as the loader repacks a Q8_0 file), so no file an
 Per variant, in turn (`export`: the package, 2-16 rows through chapter 09's rows_matmul; `split`: 2-16 rows through
 chapter 10g's split-K and the separate small kernels, as before; `head_split`: only the LM head's rows on split-K;
 `tile=BN/BK/W/ST`: rows_matmul in that tile; `programs=N`: its launches split along K
-to about N programs an SM (split_k_programs aims for 4); `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
+to about N programs an SM (as exported: 8 for int8 weights, 4 for BF16 and int4); `swap`: 5-16 rows through sixteen_rows_swap.py's kernel in its tile
 LAB_SWAP, default 128,128,4,3,2; `folded`: steps of up to 16 rows through folded_rows_matmul.py's kernel in its tile
 LAB_FOLDED, default 64,128,4,3, the norms handed off between the matrices and SwiGLU and the residual adds folded in;
 `folded_int8`: the same with x quantized to int8 and int8 products; `folded4`, with LAB_PLANES=q4_k (every layer matrix
 as random Q4_K planes, chapter 10's int4): 2-16 rows through that kernel's int4 tiles, not chapter 10's split-K
-(one sequence's steps too); `int8_bits` / `int4_bits`: the int8 / int4 tiles made bf16 through their bits (rows_matmul_bits.py;
-first in its process, not yet run on a GPU); `dependent=N`: the step's small kernels and decode attention launched as
+(one sequence's steps too); `dependent=N`: the step's small kernels and decode attention launched as
 dependents up to N rows, chapter 09_kernels_gemv's DEPENDENT_LAUNCH_MAX_ROWS; `NAME=N`: the kernels' constant NAME set
 to N, as DECODE_TARGET_PROGRAMS=512; each variant keeps the ones before it),
 printed:
@@ -42,6 +41,12 @@ int4 steps of 2-16 rows through rows_matmul, one H100 (`LAB_PLANES=int4|q4_k|q4_
 int4 (groups of 128) 3.026 ms in the BF16 tile, 2.623 in 64/128/4/3 (`tile=64/128/4/3`, now int4's own tile), against
 3.287 on split-K (S_TG 6,113 against 4,584 tok/s); q4_k 4.013 and 3.334 against 3.940 (32/256/2/3 3.794, 128/128/4/3
 4.097, 16/256/2/3 5.381, 64/128/8/3 5.549); q4_k_m 4.012 and 3.461 against 4.129 (the tile was then every kind's).
+
+Through bf16's bits (chapter 09's `_int8_as_bf16`, `_nibbles_as_bf16`) and the int8 launches at eight programs an SM,
+one H100, one machine (the graph, S_TG): Q8_0 planes 3.133 ms (4,981 tok/s) with the fp32 path at four an SM, 3.046
+(5,092) through the bits, **2.865 (5,330)** with int8 at eight (`programs=8`), the fp32 path at eight 2.955 (5,289),
+the bits at sixteen 3.457, the fp32 path at two 3.338; Q4_K planes 3.293 (4,690) before, 3.095-3.102 (5,046-5,098)
+through the bits, int4 at eight 3.625.
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py [export,head_split,split,swap,folded,dependent=16,tile=32/256/2/3]"""
@@ -218,25 +223,18 @@ def main():
             use_folded(folded_tile, int8_dot=variant == "folded_int8")
         if variant == "folded4":
             use_folded_int4(folded_tile)
-        if variant in (
-            "int8_bits",
-            "int4_bits",
-        ):  # (first in its process: a kernel compiled before keeps the export's)
-            from rows_matmul_bits import use_bits
-
-            use_bits(int8=variant == "int8_bits", int4=variant == "int4_bits")
         # tile=BLOCK_N/BLOCK_K/warps/stages: chapter 09's rows_matmul in that tile (tile4=: its int4 tile)
         if variant.startswith(("tile=", "tile4=")):
             import forge_engine.kernels.rows_matmul as rows_matmul
 
             name = "ROWS_MATMUL_INT4_TILE" if variant.startswith("tile4=") else "ROWS_MATMUL_TILE"
             setattr(rows_matmul, name, tuple(int(v) for v in variant.split("=")[1].split("/")))
-        # programs=N: rows_matmul's launches aim for N programs an SM (split along K), not split_k_programs' 4
+        # programs=N: every rows_matmul launch aims for N programs an SM (split along K), whatever its kind's default
         elif variant.startswith("programs="):
             import forge_engine.kernels.rows_matmul as rows_matmul
 
             per_sm = int(variant.split("=")[1])
-            rows_matmul.split_k_programs = lambda device: (
+            rows_matmul.split_k_programs = lambda device, _kind_default=4: (
                 per_sm * torch.cuda.get_device_properties(device).multi_processor_count
             )
         # dependent=N: the step's small kernels launched as dependents up to N rows; NAME=N: a kernel constant

@@ -102,12 +102,13 @@ def _stages(num_stages: int | None) -> dict:
 
 
 @functools.cache
-def split_k_programs(device) -> int:
+def split_k_programs(device, per_sm: int = 4) -> int:
     """The programs a launch split along K aims for (chapter 10b's skinny matmuls, chapter 09's tensor-core matmul for
-    several rows): four an SM, enough to keep every SM streaming; 8 where there is no GPU (the interpreter's tests)."""
+    several rows): `per_sm` an SM, four by default, enough to keep every SM streaming; 8 where there is no GPU (the
+    interpreter's tests)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
 
 

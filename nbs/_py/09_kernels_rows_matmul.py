@@ -103,10 +103,8 @@ gen = torch.Generator().manual_seed(9)
 # LAB_DECODE_ROWS=2,16 ...`, the same file).
 #
 # **int8 weights with a scale a group of inputs** (`scale`: chapter 10g's planes of a GGUF file's
-# Q8_0 and Q6_K blocks) take the same kernel: each tile is loaded as int8, turned into fp32
-# through the float's bits (chapter 09's `_as_f32`, not the quarter-rate conversion unit), times
-# its group's scale broadcast over the group, then rounded to x's dtype for the product, as the
-# dense path rounds the dequantized weights (`dequantized_groups`). Chapter 10g sends a decode step
+# Q8_0 and Q6_K blocks) take the same kernel: each tile is loaded as int8 and dequantized in
+# registers, times its group's scale broadcast over the group (how, below). Chapter 10g sends a decode step
 # of 2-16 sequences on such a file here: on an H100 with every matrix of random Qwen3-4B as Q8_0
 # planes, the 16-sequence decode graph takes 3.210 ms against 3.722 through chapter 10g's split-K
 # and the separate small kernels (`PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py
@@ -116,9 +114,8 @@ gen = torch.Generator().manual_seed(9)
 #
 # **int4 weights with a scale and a minimum a group** (`scale`, `minimum`: chapter 10's layout,
 # `Int4Linear`'s, which a GGUF file's Q4_K blocks repack into) take it too: a step's bytes are
-# unpacked by chapter 09's `_nibbles_to_f32` (128 + q, exactly), each weight made q * scale +
-# minimum in one FFMA a weight, and the low nibbles multiply the first half of each group's inputs,
-# the high ones the second half: two products a step. Twice the weights a byte cost twice the
+# unpacked in registers into q * scale + minimum (how, below), and the low nibbles multiply the
+# first half of each group's inputs, the high ones the second half: two products a step. Twice the weights a byte cost twice the
 # arithmetic a byte, and the tile that wins is another (`ROWS_MATMUL_INT4_TILE`): on an H100, the
 # 16-sequence decode graph of random Qwen3-4B, on one machine (`LAB_PLANES=int4 PYTHONPATH=. python3
 # kernels_lab/sixteen_seqs_step.py export,split`; `LAB_PLANES=q4_k` for Q4_K planes, `tile4=BN/BK/W/ST`
@@ -134,6 +131,37 @@ gen = torch.Generator().manual_seed(9)
 # 64,128,8,3 5.549. In those runs the tile was every kind's, so the Q8_0 head's matmul took it
 # too; as exported the int8 and BF16 weights keep theirs (on Q8_0 planes 64,128,4,3 lost: 3.560 ms
 # against 3.215).
+#
+# **Dequantized through their bits.** At 16 rows the int8 tile went through fewer weights a second
+# than the BF16 tile although it reads half the bytes: turning each int8 into a float (through
+# fp32's bits, chapter 09's `_as_f32`), times its scale, rounded to bf16 took four instructions and
+# a half a weight. For bf16 x the weights are now made bf16 in bf16's own bits, two a register:
+#
+# - int8 (`_int8_as_bf16`): a PRMT puts each byte under 0x43, the exponent of 128 with bf16's 7
+#   mantissa bits; one LOP3 keeps the byte's low 7 bits (128 + (b & 127)), one its sign bit (128,
+#   or 256 where b < 0); one bf16x2 FMA takes the second from the first, b exactly (every int8 is a
+#   bf16 integer). Then one bf16x2 multiply by the group's scale.
+# - int4 (`_nibbles_as_bf16`): each nibble under 0x4300 in one LOP3 a pair (128 + q, exactly), then
+#   one bf16x2 subtract of 128 and one bf16x2 FMA, q * scale + minimum.
+#
+# The scale and minimum are rounded to bf16 before they multiply, so a weight is rounded twice
+# where the fp32 path rounds once (within 2% of `dequantized_groups`' product, below). fp16 x keeps
+# the fp32 path: a bf16 weight would lose its small values in fp16. Compiled for sm_90, with groups
+# of 32: the int8 loop 326 instructions a step against 402, the int4 loop 378 against 448.
+#
+# **Programs an SM.** With the conversion cheaper, the int8 launches want more programs in flight
+# (`ROWS_MATMUL_INT8_PROGRAMS`: eight an SM, split along K; BF16 and int4 keep
+# `split_k_programs`' four). The 16-sequence decode graph of random Qwen3-4B on one H100
+# (`LAB_PLANES=q8_0|q4_k PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export` before,
+# `... programs=N` for the programs; the bits and the fp32 path in turn):
+#
+# | layers | fp32 path, 4 an SM | bits, 4 an SM | **bits, int8 at 8 an SM** | fp32 path, 8 an SM | bits, 16 an SM |
+# |---|---|---|---|---|---|
+# | Q8_0 planes | 3.133 ms (S_TG 4,981 tok/s) | 3.046 (5,092) | **2.865 (5,330)** | 2.955 (5,289) | 3.457 (4,536) |
+# | Q4_K planes (head Q8_0) | 3.293 (4,690) | 3.095 (5,098) | | | int4 at 8: 3.625 (4,342) |
+#
+# Two programs an SM: 3.338 ms on the Q8_0 planes. At eight an SM the BF16 verify step of 1 + 4
+# rows lost as well (1.225x a decode step, against 1.167-1.177x at four).
 
 # %%
 #| export
@@ -152,6 +180,9 @@ ROWS_MATMUL_INT4_TILE = (
     4,
     3,
 )  # for int4 weights: the 16-sequence step's winner (below; the same BLOCK_K: a step holds the same groups)
+ROWS_MATMUL_INT8_PROGRAMS = (
+    8  # an SM, for int8 weights (BF16 and int4: split_k_programs' four); measured below
+)
 
 
 def fits_rows_matmul(x: torch.Tensor, group: int = 0) -> bool:
@@ -271,6 +302,83 @@ def _dot(acc, w, xt, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _int8_as_bf16(w, BYTE_ASM: tl.constexpr):
+    """int8 -> bf16, exactly (every int8 is a bf16 integer), two a register: a PRMT puts each byte under 0x43 (the
+    exponent of 128, 7 mantissa bits), one LOP3 keeps its low 7 bits (128 + (b & 127)), one its sign bit (128, or 256
+    where b < 0), and one bf16x2 FMA takes the second from the first: b."""
+    if BYTE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 r, a, c, n;
+            mov.b32 n, 0xBF80BF80;
+            prmt.b32 r, $2, 0x43434343, 0x4140;
+            and.b32 a, r, 0xFF7FFF7F;
+            and.b32 c, r, 0xFF80FF80;
+            fma.rn.bf16x2 $0, c, n, a;
+            prmt.b32 r, $2, 0x43434343, 0x4342;
+            and.b32 a, r, 0xFF7FFF7F;
+            and.b32 c, r, 0xFF80FF80;
+            fma.rn.bf16x2 $1, c, n, a;
+            }""",
+            constraints="=r,=r,r",
+            args=[w],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    b = w.to(tl.uint8, bitcast=True).to(
+        tl.int32
+    )  # the interpreter: the same bits, as the top half of an fp32
+    low = (((b & 0x7F) | 0x4300) << 16).to(tl.float32, bitcast=True)
+    sign = (((b & 0x80) | 0x4300) << 16).to(tl.float32, bitcast=True)
+    return (low - sign).to(tl.bfloat16)
+
+
+@triton.jit
+def _nibbles_as_bf16(b, BYTE_ASM: tl.constexpr):
+    """A uint8 tile -> (128 + low nibble, 128 + high nibble) in bf16, exactly: each nibble under the exponent of 128
+    (0x4300), two weights a register; per four bytes two PRMT, two shifts and four LOP3."""
+    if BYTE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u;
+            prmt.b32 t, $4, 0, 0x4140;
+            prmt.b32 u, $4, 0, 0x4342;
+            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA;
+            shr.b32 t, t, 4;
+            shr.b32 u, u, 4;
+            lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xEA;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    low = (b & 0x0F).to(tl.float32) + 128.0
+    high = (b >> 4).to(tl.float32) + 128.0
+    return low.to(tl.bfloat16), high.to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_scaled(v, SHIFT: tl.constexpr, s, m, BYTE_ASM: tl.constexpr):
+    """(v - SHIFT) * s, plus m where given, on bf16 tiles in bf16 arithmetic (bf16x2: a pair an instruction); the
+    interpreter, which has no bf16 arithmetic, through fp32 (the same values: v - SHIFT and v * s are exact there)."""
+    if BYTE_ASM:
+        r = (v - SHIFT) * s
+        if m is not None:
+            r = r + m
+    else:
+        r = (v.to(tl.float32) - SHIFT) * s.to(tl.float32)
+        if m is not None:
+            r = r + m.to(tl.float32)
+        r = r.to(tl.bfloat16)
+    return r
+
+
+@triton.jit
 def _times_x(
     acc,
     w,
@@ -282,24 +390,38 @@ def _times_x(
     BYTE_ASM: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """acc [BLOCK_N, ROWS] += the step's weights @ its x columns `xs` (`_x_step`'s pair). GROUP > 0: w is int8, times
-    its `scale` a group in fp32 first, then rounded to x's dtype (as chapter 10g's dense path); INT4: w is nibbles,
-    each q * scale + minimum in fp32, rounded so: the low nibbles times the first columns, the high ones the second."""
+    """acc [BLOCK_N, ROWS] += the step's weights @ its x columns `xs` (`_x_step`'s pair). GROUP > 0: w is int8 times
+    its `scale` a group; INT4: w is nibbles, each q * scale + minimum, the low nibbles times the first columns, the
+    high ones the second. For bf16 x both are made bf16 through their bits and scaled in bf16 (the scale and minimum
+    rounded to bf16 first); for fp16 x through fp32, rounded once to fp16 (as chapter 10g's dense path)."""
     x_lo, x_hi = xs
     if INT4:
         HALF: tl.constexpr = GROUP // 2
-        lo, hi = _nibbles_to_f32(
-            w, BYTE_ASM
-        )  # 128 + q (low nibbles), 128 + q / 16 (high ones), exactly
-        s, m = scale.to(tl.float32), minimum.to(tl.float32)
-        w_lo = lo * _per_group(s, HALF) + _per_group(m - 128.0 * s, HALF)
-        acc = _dot(acc, w_lo.to(x_lo.dtype), x_lo, UPCAST)
-        w_hi = hi * _per_group(16.0 * s, HALF) + _per_group(m - 2048.0 * s, HALF)
-        acc = _dot(acc, w_hi.to(x_hi.dtype), x_hi, UPCAST)
+        if x_lo.dtype == tl.bfloat16:
+            lo, hi = _nibbles_as_bf16(w, BYTE_ASM)  # 128 + q, exactly
+            s = _per_group(scale, HALF).to(tl.bfloat16)
+            m = _per_group(minimum, HALF).to(tl.bfloat16)
+            acc = _dot(acc, _bf16_scaled(lo, 128.0, s, m, BYTE_ASM), x_lo, UPCAST)
+            acc = _dot(acc, _bf16_scaled(hi, 128.0, s, m, BYTE_ASM), x_hi, UPCAST)
+        else:
+            lo, hi = _nibbles_to_f32(
+                w, BYTE_ASM
+            )  # 128 + q (low nibbles), 128 + q / 16 (high ones), exactly
+            s, m = scale.to(tl.float32), minimum.to(tl.float32)
+            w_lo = lo * _per_group(s, HALF) + _per_group(m - 128.0 * s, HALF)
+            acc = _dot(acc, w_lo.to(x_lo.dtype), x_lo, UPCAST)
+            w_hi = hi * _per_group(16.0 * s, HALF) + _per_group(m - 2048.0 * s, HALF)
+            acc = _dot(acc, w_hi.to(x_hi.dtype), x_hi, UPCAST)
     elif GROUP > 0:
-        acc = _dot(
-            acc, (_as_f32(w, BYTE_ASM) * _per_group(scale, GROUP)).to(x_lo.dtype), x_lo, UPCAST
-        )
+        if x_lo.dtype == tl.bfloat16:
+            s = _per_group(scale, GROUP).to(tl.bfloat16)
+            acc = _dot(
+                acc, _bf16_scaled(_int8_as_bf16(w, BYTE_ASM), 0.0, s, None, BYTE_ASM), x_lo, UPCAST
+            )
+        else:
+            acc = _dot(
+                acc, (_as_f32(w, BYTE_ASM) * _per_group(scale, GROUP)).to(x_lo.dtype), x_lo, UPCAST
+            )
     else:
         acc = _dot(acc, w, x_lo, UPCAST)
     return acc
@@ -665,7 +787,13 @@ def rows_matmul(
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     tiles, k_steps = rows_matmul_tiles(n, swiglu, int4), triton.cdiv(k, block_k)
     if split is None:
-        split = max(1, min(k_steps, split_k_programs(x.device) // tiles))
+        int8 = scale is not None and not int4
+        programs = (
+            split_k_programs(x.device, ROWS_MATMUL_INT8_PROGRAMS)
+            if int8
+            else split_k_programs(x.device)
+        )
+        split = max(1, min(k_steps, programs // tiles))
     per_split = triton.cdiv(k_steps, max(1, min(split, k_steps)))
     split = triton.cdiv(k_steps, per_split)  # no program without a step
     if split > 1 and tickets is None:
@@ -746,7 +874,8 @@ for m, n, k in ((2, 48, 256), (5, 40, 320), (16, 64, 128)):
 # %% [markdown]
 # int8 weights with a scale a group of inputs (chapter 10g's planes of a GGUF file: Q8_0's groups
 # of 32, Q6_K's of 16) take the same kernel, each tile dequantized in registers as it is read:
-# against the same folds on the weights dequantized first (`dequantized_groups`).
+# against the same folds on the weights dequantized first (`dequantized_groups`), for bf16 x (the
+# weights through bf16's bits) and fp16 x (through fp32).
 
 # %%
 for (m, n, k), group in (((2, 48, 256), 32), ((16, 64, 320), 32), ((5, 40, 128), 16)):
@@ -766,6 +895,7 @@ for (m, n, k), group in (((2, 48, 256), 32), ((16, 64, 320), 32), ((5, 40, 128),
             rows_matmul(x, q, scale=scale, swiglu=True, norm_sums=sums, impl="triton", split=split),
             gemv_folds_reference(x, w, swiglu=True, norm_sums=sums),
             case + " swiglu, norm_sums",
+            4e-2,  # silu(gate) * up: the product of two outputs, each within 2%
         )
         close(
             rows_matmul(x, q, scale=scale, residual=res, impl="triton", split=split),
@@ -834,6 +964,26 @@ for (m, n, k), group in (((2, 48, 256), 128), ((16, 64, 320), 32), ((5, 40, 128)
     assert torch.equal(
         rows_matmul(x, q, scale=scale, minimum=minimum, impl="torch"), gemv_folds_reference(x, w)
     )
+
+# %% [markdown]
+# fp16 x takes the fp32 path for both kinds (the weights rounded once, to fp16):
+
+# %%
+x = torch.randn(5, 256, generator=gen).half()
+q8 = torch.randint(-127, 128, (48, 256), generator=gen, dtype=torch.int8)
+scale = (torch.rand(48, 8, generator=gen) + 0.5).half() / (127 * 16)
+close(
+    rows_matmul(x, q8, scale=scale, impl="triton", split=2),
+    gemv_folds_reference(x, dequantized_groups(q8, scale, torch.float16)),
+    "int8, fp16 x",
+)
+q4 = torch.randint(0, 256, (48, 128), generator=gen, dtype=torch.uint8)
+minimum = (-8 * scale.float()).half()
+close(
+    rows_matmul(x, q4, scale=scale, minimum=minimum, impl="triton", split=2),
+    gemv_folds_reference(x, dequantized_groups(q4, scale, torch.float16, minimum)),
+    "int4, fp16 x",
+)
 
 # %% [markdown]
 # A launch split along K leaves its tickets zero, so a caller's buffer serves launch after launch;
