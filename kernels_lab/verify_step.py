@@ -28,7 +28,8 @@ DEPENDENT_LAUNCH_MAX_ROWS); LAB_FOLDED="BN,BK,W,ST[;...]" and / or LAB_FOLDED_TI
 verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`route_rows`: the norms handed off, SwiGLU
 and the residual adds folded in); LAB_CONSTANTS="NAME=V,NAME=V;...": part 1 also times the verify graphs with the
 kernels' tuning constants set as each group says (e.g. DECODE_TARGET_PROGRAMS=512: the attention's splits);
-LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
+LAB_PROGRAMS="3,6": part 1 also times the verify graphs with chapter 09's rows_matmul launches split along K to that
+many programs an SM; LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
 sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3
 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's
 GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
@@ -227,6 +228,17 @@ def use_folded(tile: tuple[int, ...], per_shape: dict | None):
     return undo_both
 
 
+def use_programs(per_sm: int):
+    """chapter 09's `rows_matmul` launches split along K to `per_sm` programs an SM (every kind; the export: BF16 and
+    int4 four, int8 eight); returns the function that restores the export's rule."""
+    import forge_engine.kernels.rows_matmul as rows_matmul
+
+    exported = rows_matmul.split_k_programs
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows_matmul.split_k_programs = lambda device, _per_sm=4: per_sm * sms
+    return lambda: setattr(rows_matmul, "split_k_programs", exported)
+
+
 def use_constants(assignments: str):
     """The kernels' tuning constants set as `assignments` says ("NAME=V,NAME=V": decode_step_timeline.py's
     `set_constant`, e.g. DECODE_TARGET_PROGRAMS=512 for the attention's splits); returns the function that restores
@@ -304,6 +316,12 @@ def main(quantization: str) -> None:
         (group, functools.partial(use_constants, group))
         for group in os.environ.get("LAB_CONSTANTS", "").split(";")
         if group
+    ]
+    # LAB_PROGRAMS="3,6": the exported verify step with rows_matmul's launches at that many programs an SM, in turn
+    routes += [
+        (f"programs={n}", functools.partial(use_programs, int(n)))
+        for n in os.environ.get("LAB_PROGRAMS", "").split(",")
+        if n
     ]
     for label, route in routes:
         undo = route()
