@@ -376,6 +376,32 @@ def test_rows_matmul_on_the_gpu_matches_the_matmul_with_its_folds(rows, n, k, gr
         close(a, b)
 
 
+@pytest.mark.parametrize("group", [32, -32])
+def test_rows_matmul_on_the_gpu_takes_fp16_x_through_fp32(group):
+    """For bf16 x `rows_matmul` makes quantized weights bf16 through their bits (chapter 09_kernels_rows_matmul); fp16
+    x keeps the fp32 path, each weight rounded once to fp16: against cuBLAS on the weights dequantized to fp16, at 5
+    rows of Qwen3-4B's down projection (int8 groups of 32; int4 pairs, groups of 32)."""
+    from forge_engine.kernels.gemv import gemv_folds_reference
+    from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul
+
+    n, k = 2560, 9728
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(5, k, device="cuda", generator=gen).half()
+    spread = (torch.rand(n, k // abs(group), device="cuda", generator=gen) + 0.5) / k**0.5
+    if group > 0:
+        q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+        planes = {"scale": (spread / 127).half()}
+    else:
+        q = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
+        planes = {"scale": (spread / 8).half(), "minimum": (-7.5 * spread / 8).half()}
+    want = gemv_folds_reference(x, dequantized_groups(q, dtype=torch.float16, **planes))
+    got = rows_matmul(x, q, **planes)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item()
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("n,k", [(6144, 2560), (2560, 9728), (151936, 2560), (1000, 300)])
 def test_int8_gemv_on_the_gpu(rows, n, k):
