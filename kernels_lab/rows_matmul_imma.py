@@ -270,16 +270,22 @@ def time_shapes():
         )
         quant = median_us(lambda i: quantize_rows(x), 50)
         line = f"{name} {n}x{k}: rows_matmul {export:6.1f} µs ({w_bytes / export / 1e6:.2f} TB/s); x quantized {quant:.1f} µs"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
         for tile in TILES:
-            try:
-                us = median_us(
-                    lambda i: imma_rows_matmul(xq, sx, *weights[i % copies], tile, out=out), 50
-                )
-            except Exception as e:  # a tile that does not compile is reported, not fatal
-                line += f"; {tile} failed: {type(e).__name__}"
-                continue
-            own, exact = errors(x, *weights[0], tile)
-            line += f"; {'/'.join(map(str, tile))} {us:6.1f} µs ({w_bytes / us / 1e6:.2f} TB/s, err {exact:.1e})"
+            _, exact = errors(x, *weights[0], tile)
+            line += f"\n  {'/'.join(map(str, tile))} (err {exact:.1e})"
+            for per_sm in (4, 8):  # programs an SM (the export: eight for its int8 tile)
+                try:
+                    us = median_us(
+                        lambda i: imma_rows_matmul(
+                            xq, sx, *weights[i % copies], tile, out=out, programs=per_sm * sms
+                        ),
+                        50,
+                    )
+                except Exception as e:  # a tile that does not compile is reported, not fatal
+                    line += f" {per_sm} an SM failed: {type(e).__name__}"
+                    continue
+                line += f"; {per_sm} an SM {us:6.1f} µs ({w_bytes / us / 1e6:.2f} TB/s)"
         print(line, flush=True)
         weights = None  # (freed before the next shape)
         torch.cuda.empty_cache()
