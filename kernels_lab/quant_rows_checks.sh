@@ -6,7 +6,7 @@
 #   bash kernels_lab/quant_rows_checks.sh steps   # the 16-sequence decode step as exported against split-K and the
 #       separate small kernels on Q4_K_M-mixed planes and on --quantization int4 (sixteen_seqs_step.py export,split)
 #   bash kernels_lab/quant_rows_checks.sh programs  # the programs an SM of the int8 and int4 launches on another
-#       GPU: the export (int8 at 8, int4 at 4) against int8 at 4 and 12 on Q8_0 planes and int4 at 8 on Q4_K planes
+#       GPU: the export (int8 at 8, int4 at 4) against int8 at 4 and 12 on Q8_0 planes and int4 at 6 and 8 on Q4_K planes
 #   bash kernels_lab/quant_rows_checks.sh imma    # rows_matmul_imma.py: x quantized to int8, int8 tensor-core
 #       products, per Qwen3-4B matrix at 16 rows against the export
 #   bash kernels_lab/quant_rows_checks.sh tiles   # int4's tile on another GPU: the export's (64/128/4/3) against its
@@ -31,7 +31,7 @@ case "${1:-}" in
     step int4 export,split int4 ;;
   programs)
     step q8_0 export,programs=4,programs=12 q8_0_programs
-    step q4_k export,programs=8 q4_k_programs ;;
+    step q4_k export,programs=6,programs=8 q4_k_programs ;;
   tiles8)
     step q8_0 export,tile=64/128/2/3,tile=64/128/4/3 q8_0_tiles
     step q8_0 tile=32/256/2/3,tile=128/128/4/3 q8_0_tiles_wide ;;
