@@ -5,9 +5,9 @@ Why: chapter 09's decode kernel gives each row of a verify step (1 + k positions
 of its own, (row, KV head, split), and each reads the sequence's keys again. Its q tile is BLOCK_G = 16 rows for
 Qwen3's 4 query heads a KV head: 12 of them padding. Four positions x four heads fill that tile exactly, so one program
 can take every row of a sequence (up to 16 / GROUP of them; 5 rows take a tile of 32) for the same keys read once and
-no more tensor-core work. On an H100 the verify graph's attention took ~520 µs a step against ~400 for the decode
-graph's (`verify_step.py`'s LAB_PROFILE, an earlier run): the largest part of the verify step's extra cost after its
-matmuls.
+no more tensor-core work. On an H100 the verify graph of 1 + 4 rows spent ~520 µs a step in its attention
+(`verify_step.py`'s LAB_PROFILE, an earlier run; the decode graph's attention was not profiled beside it), a sixth of
+a decode step: if the rows' reading the keys again is most of it, this is the next lever after the matmuls.
 
 Here the plain form of each, K/V already in the pool and q already rotated (the package's verify kernel also stores the
 new K/V and normalises and rotates q and k inside; these do neither): `rows` (this file: a program per (sequence, KV
