@@ -13,8 +13,9 @@ Here the plain form of each, K/V already in the pool and q already rotated (the 
 new K/V and normalises and rotates q and k inside; these do neither): `rows` (this file: a program per (sequence, KV
 head, split) over the sequence's R rows, each row's own causal mask, partials merged by a second launch) against
 `per_row` (chapter 09's `paged_decode_attention`, each row a sequence of its own with its context up to its position:
-the package's split rule and merge), for R = 1, 2, 4, 5 rows of one sequence at a few context lengths; each timing one
-CUDA graph of 36 launches (a step's layers) over 36 pools.
+the package's split rule and merge), for R = 1, 2, 4, 5 rows of one sequence at a few context lengths, and beside them
+the package's fused verify call as the verify graph makes it (`fused_verify`); each timing one CUDA graph of 36
+launches (a step's layers) over 36 pools.
 
 Checked under the interpreter against chapter 09's `paged_attention_reference`:
     TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py check
@@ -26,6 +27,7 @@ import sys
 import torch
 
 from forge_engine.kernels.backend import INTERPRETED, tl, triton
+from forge_engine.kernels.elementwise import NormRope
 from forge_engine.kernels.paged_attention import (
     paged_attention_reference,
     paged_decode_attention,
@@ -169,6 +171,41 @@ def per_row_inputs(tables, context_lens, rows: int):
     return tables_rows, (context_lens[:, None] - back[None, :]).reshape(-1)
 
 
+def fused_verify(pool, rows: int, scale: float):
+    """The package's verify attention on one sequence's rows, as the verify graph calls it: q and the rows' new K as the
+    QKV projection leaves them, normalised, rotated and stored inside the launch (`verify`, with `new_kv` and
+    `rope`) -> a function of no arguments that runs it (random norm weights and angles, the pool's dtype)."""
+    q, k_cache, v_cache, tables, ctx = pool
+    tables_rows, ctx_rows = per_row_inputs(tables, ctx, rows)
+    pos = (ctx_rows - 1).long()
+    slots = (
+        tables_rows[torch.arange(len(pos)), pos // BLOCK_SIZE].long() * BLOCK_SIZE
+        + pos % BLOCK_SIZE
+    )
+    gen = torch.Generator(device=q.device).manual_seed(3)
+    dtype, device = q.dtype, q.device
+    new_k, new_v = (
+        torch.randn(len(pos), KV_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
+        for _ in range(2)
+    )
+    angles = pos[:, None].float() * torch.rand(HEAD_DIM // 2, generator=gen, device=device)[None, :]
+    weights = [
+        (torch.rand(HEAD_DIM, generator=gen, device=device) + 0.5).to(dtype) for _ in range(2)
+    ]
+    rope = NormRope(*weights, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
+    return lambda: paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables_rows,
+        ctx_rows,
+        scale,
+        new_kv=(new_k, new_v, slots),
+        rope=rope,
+        verify=True,
+    )
+
+
 def inputs(context_lens: list[int], rows: int, dtype, device, seed=0):
     k_cache, v_cache, tables = random_paged_kv(
         context_lens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=dtype, device=device, seed=seed
@@ -199,6 +236,11 @@ def check():
         print(f"contexts {context_lens}, {rows} rows, splits {splits}: {err:.1e} from the reference; per row "
               f"{(per_row - want).abs().max().item():.1e}")  # fmt: skip
         assert err < 1e-4
+        if (
+            len(context_lens) == 1
+        ):  # the package's fused verify call runs on these inputs (its own checks: chapter 09)
+            fused = fused_verify((q, k_cache.clone(), v_cache.clone(), tables, ctx), rows, scale)()
+            assert fused.shape == q.shape and fused.isfinite().all()
 
 
 def graph_us(fn, launches: int) -> float:
@@ -231,6 +273,8 @@ def time_rows():
             theirs = graph_us(
                 lambda i: paged_decode_attention(*pools[i][:3], *per_row_args[i], scale), layers
             )
+            fused_calls = [fused_verify(p, rows, scale) for p in pools]
+            fused = graph_us(lambda i: fused_calls[i](), layers)
             q, k_cache, v_cache, tables, ctx = pools[0]
             err = (
                 (rows_attention(q, k_cache, v_cache, tables, ctx, scale, rows).float()
@@ -238,10 +282,11 @@ def time_rows():
             )  # fmt: skip
             print(
                 f"context {context}, {rows} rows: rows {mine:5.1f} µs a layer, per row {theirs:5.1f} "
-                f"({theirs / mine:.2f}x); max difference {err:.1e}",
+                f"({theirs / mine:.2f}x), the package's fused verify (store, norm and rotation inside) {fused:5.1f}; "
+                f"max difference rows / per row {err:.1e}",
                 flush=True,
             )
-            pools = per_row_args = None  # (freed before the next shape)
+            pools = per_row_args = fused_calls = None  # (freed before the next shape)
             torch.cuda.empty_cache()
 
 
