@@ -68,6 +68,12 @@ def graphed_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
+def launches_us(fn, launches: int) -> float:
+    """fn(0) .. fn(launches - 1) replayed as one CUDA graph (`graphed_ms`): µs a call. Over as many copies of the
+    weights (or pools) as a step's layers, what a kernel costs inside the step's graph, each launch after the last."""
+    return graphed_ms(lambda: [fn(i) for i in range(launches)]) * 1000 / launches
+
+
 def time_variant(fn, graph: bool) -> tuple[float, str]:
     "(ms, how): graphed when `graph` (the variant reads nothing back to the host), else eager."
     if graph:

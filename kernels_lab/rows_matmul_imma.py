@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from common import launches_us
 from forge_engine.kernels.backend import INTERPRETED, tl, triton
 from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul
 
@@ -236,25 +237,6 @@ def sass():
         )
 
 
-def median_us(fn, launches: int) -> float:
-    "fn(0) .. fn(launches - 1) captured in one CUDA graph (no Python between launches): median of 5 replays, µs a call."
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fn(i)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[2]
-
-
 def time_shapes():
     device = "cuda"
     print(torch.cuda.get_device_name(), flush=True)
@@ -265,10 +247,10 @@ def time_shapes():
         xq, sx = quantize_rows(x)
         out = torch.zeros(ROWS, n, device=device)
         w_bytes = n * k * (1 + 2 / GROUP)
-        export = median_us(
+        export = launches_us(
             lambda i: rows_matmul(x, weights[i % copies][0], scale=weights[i % copies][1]), 50
         )
-        quant = median_us(lambda i: quantize_rows(x), 50)
+        quant = launches_us(lambda i: quantize_rows(x), 50)
         line = f"{name} {n}x{k}: rows_matmul {export:6.1f} µs ({w_bytes / export / 1e6:.2f} TB/s); x quantized {quant:.1f} µs"
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         for tile in TILES:
@@ -276,7 +258,7 @@ def time_shapes():
             line += f"\n  {'/'.join(map(str, tile))} (err {exact:.1e})"
             for per_sm in (4, 8):  # programs an SM (the export: eight for its int8 tile)
                 try:
-                    us = median_us(
+                    us = launches_us(
                         lambda i: imma_rows_matmul(
                             xq, sx, *weights[i % copies], tile, out=out, programs=per_sm * sms
                         ),

@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from common import launches_us
 from forge_engine.kernels.backend import INTERPRETED, tl, triton
 from forge_engine.kernels.elementwise import NormRope
 from forge_engine.kernels.paged_attention import (
@@ -243,25 +244,6 @@ def check():
             assert fused.shape == q.shape and fused.isfinite().all()
 
 
-def graph_us(fn, launches: int) -> float:
-    "fn(0) .. fn(launches - 1) in one CUDA graph: median of 5 replays, µs a call."
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fn(i)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[2]
-
-
 def time_rows():
     print(torch.cuda.get_device_name(), flush=True)
     scale, layers = HEAD_DIM**-0.5, 36
@@ -269,12 +251,12 @@ def time_rows():
         for rows in (1, 2, 4, 5):
             pools = [inputs([context], rows, torch.bfloat16, "cuda", seed=s) for s in range(layers)]
             per_row_args = [per_row_inputs(p[3], p[4], rows) for p in pools]
-            mine = graph_us(lambda i: rows_attention(*pools[i], scale, rows), layers)
-            theirs = graph_us(
+            mine = launches_us(lambda i: rows_attention(*pools[i], scale, rows), layers)
+            theirs = launches_us(
                 lambda i: paged_decode_attention(*pools[i][:3], *per_row_args[i], scale), layers
             )
             fused_calls = [fused_verify(p, rows, scale) for p in pools]
-            fused = graph_us(lambda i: fused_calls[i](), layers)
+            fused = launches_us(lambda i: fused_calls[i](), layers)
             q, k_cache, v_cache, tables, ctx = pools[0]
             err = (
                 (rows_attention(q, k_cache, v_cache, tables, ctx, scale, rows).float()
