@@ -145,22 +145,26 @@ gen = torch.Generator().manual_seed(9)
 #   one bf16x2 subtract of 128 and one bf16x2 FMA, q * scale + minimum.
 #
 # The scale and minimum are rounded to bf16 before they multiply, so a weight is rounded twice
-# where the fp32 path rounds once (within 2% of `dequantized_groups`' product, below). fp16 x keeps
+# where the fp32 path rounds once (within 2% of `dequantized_groups`' product below, 4% for SwiGLU's
+# product of two outputs). fp16 x keeps
 # the fp32 path: a bf16 weight would lose its small values in fp16. Compiled for sm_90, with groups
 # of 32: the int8 loop 326 instructions a step against 402, the int4 loop 378 against 448.
 #
 # **Programs an SM.** With the conversion cheaper, the int8 launches want more programs in flight
 # (`ROWS_MATMUL_INT8_PROGRAMS`: eight an SM, split along K; BF16 and int4 keep
-# `split_k_programs`' four). The 16-sequence decode graph of random Qwen3-4B on one H100
-# (`LAB_PLANES=q8_0|q4_k PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export` before,
-# `... programs=N` for the programs; the bits and the fp32 path in turn):
+# `split_k_programs`' four). The 16-sequence decode graph of random Qwen3-4B on one H100, graph
+# time and S_TG, the exported choice in bold (the bits columns: `LAB_PLANES=q8_0|q4_k PYTHONPATH=.
+# python3 kernels_lab/sixteen_seqs_step.py export,programs=4,programs=8,programs=16`; the fp32
+# columns are the kernel before it took the bits):
 #
-# | layers | fp32 path, 4 an SM | bits, 4 an SM | **bits, int8 at 8 an SM** | fp32 path, 8 an SM | bits, 16 an SM |
+# | layers | fp32, 4 an SM | fp32, 8 an SM | bits, 4 an SM | bits, 8 an SM | bits, 16 an SM |
 # |---|---|---|---|---|---|
-# | Q8_0 planes | 3.133 ms (S_TG 4,981 tok/s) | 3.046 (5,092) | **2.865 (5,330)** | 2.955 (5,289) | 3.457 (4,536) |
-# | Q4_K planes (head Q8_0) | 3.293 (4,690) | 3.095 (5,098) | | | int4 at 8: 3.625 (4,342) |
+# | Q8_0 planes | 3.133 ms (4,981 tok/s) | 2.955 (5,289) | 3.046 (5,092) | **2.865 (5,330)** | 3.457 (4,536) |
+# | Q4_K planes (head Q8_0) | 3.293 (4,690) | | **3.095 (5,098)** | 3.625 (4,342) | |
 #
-# Two programs an SM: 3.338 ms on the Q8_0 planes. At eight an SM the BF16 verify step of 1 + 4
+# In the Q4_K runs the Q8_0 head went through the int8 kernel's fp32 path, at the int4 column's
+# programs an SM: the exported mix (the head through the bits at eight an SM) was not run. Two
+# programs an SM (fp32): 3.338 ms on the Q8_0 planes. At eight an SM the BF16 verify step of 1 + 4
 # rows lost as well (1.225x a decode step, against 1.167-1.177x at four).
 
 # %%
