@@ -262,10 +262,13 @@ def _times_x(
         HALF: tl.constexpr = GROUP // 2
         if x_lo.dtype == tl.bfloat16:
             lo, hi = _nibbles_as_bf16(w, BYTE_ASM)  # 128 + q, exactly
-            s = _per_group(scale, HALF).to(tl.bfloat16)
-            m = _per_group(minimum, HALF).to(tl.bfloat16)
-            acc = _dot(acc, _bf16_scaled(lo, 128.0, s, m, BYTE_ASM), x_lo, UPCAST)
-            acc = _dot(acc, _bf16_scaled(hi, 128.0, s, m, BYTE_ASM), x_hi, UPCAST)
+            # centred: (q - 8) * s + (m + 8 s). A Q4_K minimum is about -7.5 scales, so m rounded to bf16 would
+            # move the whole group by 2^-9 of it; m + 8 s is about one scale, and its rounding an eighth as much
+            s32 = scale.to(tl.float32)
+            s = _per_group(s32, HALF).to(tl.bfloat16)
+            m = _per_group(minimum.to(tl.float32) + 8.0 * s32, HALF).to(tl.bfloat16)
+            acc = _dot(acc, _bf16_scaled(lo, 136.0, s, m, BYTE_ASM), x_lo, UPCAST)
+            acc = _dot(acc, _bf16_scaled(hi, 136.0, s, m, BYTE_ASM), x_hi, UPCAST)
         else:
             lo, hi = _nibbles_to_f32(
                 w, BYTE_ASM

@@ -142,11 +142,22 @@ gen = torch.Generator().manual_seed(9)
 #   or 256 where b < 0); one bf16x2 FMA takes the second from the first, b exactly (every int8 is a
 #   bf16 integer). Then one bf16x2 multiply by the group's scale.
 # - int4 (`_nibbles_as_bf16`): each nibble under 0x4300 in one LOP3 a pair (128 + q, exactly), then
-#   one bf16x2 subtract of 128 and one bf16x2 FMA, q * scale + minimum.
+#   one bf16x2 subtract of 136 and one bf16x2 FMA, centred: (q - 8) * scale + (minimum + 8 scale).
 #
 # The scale and minimum are rounded to bf16 before they multiply, so a weight is rounded twice
 # where the fp32 path rounds once (within 2% of `dequantized_groups`' product below, 4% for SwiGLU's
-# product of two outputs). fp16 x keeps
+# product of two outputs). A rounded scale moves its whole group together. So would a rounded
+# minimum, and a Q4_K minimum is about -7.5 scales: rounded as it is, it tripled the product's
+# error; centred, the added term is about one scale. Gaussian weights quantized as GGUF stores
+# them, 16 rows of bf16 x, the product's error against fp64's (RMS, relative; `PYTHONPATH=.
+# python3 kernels_lab/bf16_dequant_error.py`, on a CPU):
+#
+# | weights | fp32, rounded once (split-K, cuBLAS) | the tile |
+# |---|---|---|
+# | Q8_0 | 1.66e-3 | 2.32e-3 |
+# | Q4_K | 1.66e-3 | 2.51e-3 centred (5.34e-3 with the minimum as stored) |
+#
+# fp16 x keeps
 # the fp32 path: a bf16 weight would lose its small values in fp16. Compiled for sm_90, with groups
 # of 32: the int8 loop 326 instructions a step against 402, the int4 loop 378 against 448.
 #
@@ -403,10 +414,13 @@ def _times_x(
         HALF: tl.constexpr = GROUP // 2
         if x_lo.dtype == tl.bfloat16:
             lo, hi = _nibbles_as_bf16(w, BYTE_ASM)  # 128 + q, exactly
-            s = _per_group(scale, HALF).to(tl.bfloat16)
-            m = _per_group(minimum, HALF).to(tl.bfloat16)
-            acc = _dot(acc, _bf16_scaled(lo, 128.0, s, m, BYTE_ASM), x_lo, UPCAST)
-            acc = _dot(acc, _bf16_scaled(hi, 128.0, s, m, BYTE_ASM), x_hi, UPCAST)
+            # centred: (q - 8) * s + (m + 8 s). A Q4_K minimum is about -7.5 scales, so m rounded to bf16 would
+            # move the whole group by 2^-9 of it; m + 8 s is about one scale, and its rounding an eighth as much
+            s32 = scale.to(tl.float32)
+            s = _per_group(s32, HALF).to(tl.bfloat16)
+            m = _per_group(minimum.to(tl.float32) + 8.0 * s32, HALF).to(tl.bfloat16)
+            acc = _dot(acc, _bf16_scaled(lo, 136.0, s, m, BYTE_ASM), x_lo, UPCAST)
+            acc = _dot(acc, _bf16_scaled(hi, 136.0, s, m, BYTE_ASM), x_hi, UPCAST)
         else:
             lo, hi = _nibbles_to_f32(
                 w, BYTE_ASM
