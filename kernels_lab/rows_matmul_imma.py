@@ -18,7 +18,9 @@ atomically into fp32 (a lab shortcut: the package's tickets would sum them in or
 Compiled for sm_90 offline (`sass`): the loop takes 3.3-5.4 instructions a weight by tile (64/4/4/4 with wgmma 4.9,
 64/4/2/4 swapped 3.25), against the export's 5.1; until x's tile was group-major and the pointers' alignment known,
 Triton loaded x a byte at a time through shared memory (13 a weight). Within 4e-7 of its own inputs' product and
-6e-3 of bf16 x's under the interpreter. Not yet timed on a GPU.
+6e-3 of bf16 x's under the interpreter. Not taken: on an H100 it lost on every matrix once x's own launch is counted
+(µs, best tile of this kernel + x quantized, against rows_matmul as exported): qkv 12.5 + 2.2 against 12.4, o
+10.8 + 3.0 against 11.9, gate-up 30.4 + 2.9 against 24.5, down 16.7 + 3.2 against 17.0.
 
 Printed per Qwen3-4B matrix at 16 rows (µs a launch, weights read a second; each timing one CUDA graph of 50 launches
 over enough copies of the weights to miss L2): `rows_matmul`'s int8 tile as exported, this kernel in each tile, and

@@ -19,7 +19,11 @@ launches (a step's layers) over 36 pools.
 
 Checked under the interpreter against chapter 09's `paged_attention_reference`:
     TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py check
-On a GPU: PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py [time]. Not yet run on a GPU."""
+On a GPU: PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py [time]. On an H100, µs a layer (rows / per row /
+the package's fused verify call, which then took its first tile early up to 4 rows):
+    context 512:  1 row 6.5 / 8.6 / 11.4;  2 rows 7.3 / 9.4 / 13.0;  4 rows 7.5 / 9.4 / 18.1;  5 rows 8.1 / 10.3 / 13.0
+    context 4096: 1 row 15.7 / 16.9 / 20.7; 2 rows 15.8 / 18.0 / 32.1; 4 rows 16.0 / 21.8 / 38.5; 5 rows 17.7 / 22.9 / 26.5
+One program for a sequence's rows reads its keys once: 1.23-1.36x faster than a program per row at 4-5 rows."""
 
 import math
 import sys
