@@ -150,7 +150,6 @@ DECODE = dict(
     QK_NORM=True,
     MERGE=True,
     FENCE=True,
-    SEQUENCE_ROWS=0,
 )
 DECODE_POINTERS = dict(
     tables_ptr="*i32",

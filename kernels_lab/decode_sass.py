@@ -83,7 +83,6 @@ def decode_sass(
         EARLY_TILE=early,
         WAIT_LATE=early,
         UNROLL_MERGE=unroll,
-        SEQUENCE_ROWS=0,
     )
     signature = {
         **POINTERS,

@@ -43,7 +43,10 @@ store and SiLU-mul 270. Those figures stored every verify row's K/V first; with 
 step against 405 + 54 (norm + RoPE) + 52 (K/V store). With the rows through chapter 09's `rows_matmul` as exported,
 on one H100: 1 + 4 rows 1.167x (LAB_GEMV_ROWS=5 LAB_FOLDED=32,128,2,3 LAB_FOLDED_PDL=late: the lab kernel 1.162x);
 with LAB_DECODE_ROWS=2,16 (engines of 16 sequences) and LAB_GEMV_ROWS=1: verify 1 + 4 rows 1.204x against 1.345x on
-cuBLAS, decode graphs of 2 sequences 3.704 ms against 4.200, of 16 sequences 4.035 against 4.450."""
+cuBLAS, decode graphs of 2 sequences 3.704 ms against 4.200, of 16 sequences 4.035 against 4.450. With chapter 09's
+`_verify_kernel` (one program for a sequence's rows; before its chunks), on one H100 (LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1,
+the launcher before it run from a copy of the package on PYTHONPATH in the same call): 1 + 1 rows 1.142x against
+1.189x, 1 + 2 1.140x against 1.206x, 1 + 3 1.143x against 1.214x; 1 + 4 (a 32-row tile) 1.271x against 1.177x."""
 
 import functools
 import json

@@ -314,7 +314,7 @@ DECODE_MAX_WORK_SPLITS = (
     16  # the rule's cap: the merging program reads the splits one after another
 )
 DECODE_SEQUENCE_ROWS = (
-    16  # `verify`: the most rows of one sequence a step may hold (a tile of them: tl.dot takes 16)
+    8  # `verify`: the most rows of one sequence a step may hold (1 + chapter 08c's most drafts)
 )
 DECODE_UNROLL_MERGE = 16  # the merging program's loop over up to this many splits unrolled (0: a loop): measured faster
 
@@ -409,6 +409,118 @@ def _norm_rope_rows(
 
 
 @triton.jit
+def _finish_split(
+    acc,
+    m_i,
+    l_i,
+    out_rows,
+    part,
+    mask,
+    row_mask,
+    offs_d,
+    split,
+    active,
+    counter,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
+    FENCE: tl.constexpr,
+    UNROLL_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """A split's (acc, m, l) for its rows of the output (`out_rows`, `part`: each row's first partial; `active`: the
+    splits that hold keys, `counter`: where they count in): stored normalised when the split is the whole answer, else
+    stored as partials, and the last split of the (rows, KV head) to finish merges them all (MERGE; else
+    `_merge_splits_kernel` does)."""
+    if not SPLIT:
+        _store_normalised(out_rows, acc, l_i, mask)
+    elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
+        _store_partials(
+            part_acc_ptr,
+            part_m_ptr,
+            part_l_ptr,
+            part + split,
+            acc,
+            m_i,
+            l_i,
+            offs_d,
+            mask,
+            row_mask,
+            HEAD_DIM,
+        )
+    else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
+        if active == 1:  # the one split is the whole answer
+            if split == 0:
+                _store_normalised(out_rows, acc, l_i, mask)
+        elif split < active:
+            _store_partials(
+                part_acc_ptr,
+                part_m_ptr,
+                part_l_ptr,
+                part + split,
+                acc,
+                m_i,
+                l_i,
+                offs_d,
+                mask,
+                row_mask,
+                HEAD_DIM,
+            )
+            _fence_gpu(
+                split, FENCE
+            )  # each thread's partials visible GPU-wide before the count says they are there
+            tl.debug_barrier()
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == active - 1:  # the last to finish: every other split's partials are written
+                _fence_gpu(done, FENCE)
+                m_all = tl.zeros_like(m_i) - float("inf")
+                l_all = tl.zeros_like(l_i)
+                acc_all = tl.zeros_like(acc)
+                if (
+                    UNROLL_MERGE > 0
+                ):  # every split's loads in one unrolled run: none waits for the one before
+                    for s in tl.static_range(
+                        UNROLL_MERGE
+                    ):  # (past `active`: masked, they change nothing)
+                        acc_all, m_all, l_all = _merge_split(
+                            acc_all,
+                            m_all,
+                            l_all,
+                            part_acc_ptr,
+                            part_m_ptr,
+                            part_l_ptr,
+                            part + s,
+                            offs_d,
+                            row_mask & (s < active),
+                            mask & (s < active),
+                            HEAD_DIM,
+                        )
+                else:
+                    for s in range(
+                        0, active
+                    ):  # in split order, whoever merges: the bits do not depend on timing
+                        acc_all, m_all, l_all = _merge_split(
+                            acc_all,
+                            m_all,
+                            l_all,
+                            part_acc_ptr,
+                            part_m_ptr,
+                            part_l_ptr,
+                            part + s,
+                            offs_d,
+                            row_mask,
+                            mask,
+                            HEAD_DIM,
+                        )
+                _store_normalised(out_rows, acc_all, l_all, mask)
+                tl.atomic_xchg(
+                    counter, 0, sem="relaxed", scope="gpu"
+                )  # zero again for the next call (graphs replay)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -464,7 +576,6 @@ def _decode_kernel(
     EARLY_TILE: tl.constexpr,
     WAIT_LATE: tl.constexpr,
     UNROLL_MERGE: tl.constexpr,
-    SEQUENCE_ROWS: tl.constexpr,
 ):
     _let_next_start(PDL, WAIT)
     seq, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -481,20 +592,6 @@ def _decode_kernel(
         v_ptr + kv_head * stride_kh,
         tables_ptr + seq * stride_tb,
     )
-    # (with STORE) the rows before this one may be earlier positions of its sequence (a verify step)
-    if SEQUENCE_ROWS > 0:
-        back = tl.arange(0, SEQUENCE_ROWS)
-        # this row and those before it, at the positions before its own
-        earlier, pos = seq - back, ctx - 1 - back
-        maybe = (back <= seq) & (pos >= 0)
-        block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=maybe, other=0).to(tl.int64)
-        # a row of this sequence writes the slot this row's table gives its position: no other row writes it
-        same = maybe & (
-            tl.load(slots_ptr + earlier, mask=maybe, other=-1).to(tl.int64)
-            == block * BLOCK_SIZE + pos % BLOCK_SIZE
-        )
-        # the step's positions of this sequence are read from new_kv below, not from the pool they are stored in
-        end = tl.maximum(tl.minimum(end, ctx - tl.sum(same.to(tl.int32), 0)), start)
     if EARLY_TILE:  # the split's first tile of K/V, written by earlier steps: asked for before waiting for q (WAIT_LATE)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         n0_mask = offs_n0 < end
@@ -557,36 +654,6 @@ def _decode_kernel(
         tl.store(k_head + at, new_k, mask=mine)
         tl.store(v_head + at, new_v, mask=mine)
         tl.debug_barrier()  # every thread of the program sees them
-    # the split of the last position: the sequence's new K/V up to this row, from new_kv
-    if SEQUENCE_ROWS > 0:
-        take = same & ((ctx - 1) // split_len == split)
-        new_mask = take[:, None] & d_mask[None, :]
-        step_k_rows = new_k_ptr + earlier[:, None] * stride_nkb + kv_head * stride_nkh
-        step_k = tl.load(step_k_rows + offs_d[None, :], mask=new_mask, other=0.0)
-        step_v = tl.load(
-            new_v_ptr + earlier[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
-            mask=new_mask,
-            other=0.0,
-        )
-        if ROPE:  # each at its own position's angles
-            step_cos = tl.load(
-                cos_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
-            )
-            step_sin = tl.load(
-                sin_ptr + earlier[:, None] * stride_cos + in_half, mask=new_mask, other=0.0
-            )
-            step_k = _norm_rope_rows(
-                step_k,
-                tl.load(step_k_rows + pair, mask=new_mask, other=0.0),
-                k_w,
-                k_w_pair,
-                step_cos.to(tl.float32),
-                tl.where(offs_d[None, :] < half, -step_sin.to(tl.float32), step_sin.to(tl.float32)),
-                eps,
-                HEAD_DIM,
-                QK_NORM,
-            ).to(step_v.dtype)
-        step_pos = tl.where(take, pos, ctx)  # the rows not taken: past the end, masked
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -643,102 +710,266 @@ def _decode_kernel(
             UPCAST,
             PRECISION,
         )
-    if SEQUENCE_ROWS > 0:
-        p, alpha, m_i, l_i = _softmax_step(
-            q, step_k, step_pos, ctx, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
     mask = row_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     part = (
         seq * num_q_heads + heads
     ) * num_splits  # [BLOCK_G] each head's first partial: [B, Hq, num_splits, (D)]
-    if not SPLIT:
-        _store_normalised(out_rows, acc, l_i, mask)
-    elif not MERGE:  # every split's partials, for `_merge_splits_kernel`
-        _store_partials(
-            part_acc_ptr,
-            part_m_ptr,
-            part_l_ptr,
-            part + split,
-            acc,
-            m_i,
-            l_i,
-            offs_d,
-            mask,
-            row_mask,
-            HEAD_DIM,
+    _finish_split(
+        acc,
+        m_i,
+        l_i,
+        out_rows,
+        part,
+        mask,
+        row_mask,
+        offs_d,
+        split,
+        tl.maximum(tl.cdiv(ctx, split_len), 1),  # (split 0 at least: an empty context gives zeros)
+        count_ptr + seq * (num_q_heads // GROUP) + kv_head,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        SPLIT,
+        MERGE,
+        FENCE,
+        UNROLL_MERGE,
+        HEAD_DIM,
+    )
+
+
+@triton.jit
+def _verify_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    count_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slots_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_tb,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
+    stride_cos,
+    eps,
+    qk_scale,
+    num_rows,
+    num_q_heads,
+    split_len,
+    num_splits,
+    GROUP: tl.constexpr,
+    SEQUENCE_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STEP_KEYS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    FENCE: tl.constexpr,
+    UNROLL_MERGE: tl.constexpr,
+):
+    """A verify step: a sequence's rows (up to SEQUENCE_ROWS consecutive rows at consecutive positions) in chunks
+    of CHUNK, each taken by the program of its first row for KV head program_id(1) and split program_id(2): q tile
+    row i is the chunk's row i // GROUP, query head i % GROUP. The programs of a chunk's later rows have nothing to
+    do. The program whose split holds the sequence's first step position normalises, rotates and stores the chunk's
+    new K/V and attends to the step's K/V up to the chunk's last row from registers (normalising and rotating the
+    earlier chunks' again); the pool is read below that position. The splits merge in the kernel."""
+    _let_next_start(PDL, WAIT)
+    row, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + row).to(tl.int32)  # this row sees ctx keys, its own the last
+    # rows row - b continue into this one where they sit at position ctx - 1 - b and this row's table puts that
+    # position at their slot (no other sequence's table holds it): their count is this row's index in the step
+    b = tl.arange(0, SEQUENCE_ROWS)
+    back_pos = ctx - 1 - b
+    maybe = (b <= row) & (back_pos >= 0)
+    back_block = tl.load(
+        tables_ptr + row * stride_tb + back_pos // BLOCK_SIZE, mask=maybe, other=0
+    ).to(tl.int64)
+    before = (b == 0) | (
+        maybe
+        & (
+            tl.load(slots_ptr + row - b, mask=maybe, other=-1).to(tl.int64)
+            == back_block * BLOCK_SIZE + back_pos % BLOCK_SIZE
         )
-    else:  # the splits that hold keys (split 0 at least: an empty context gives zeros) count in; the last merges
-        active = tl.maximum(tl.cdiv(ctx, split_len), 1)
-        if active == 1:  # the one split is the whole answer
-            if split == 0:
-                _store_normalised(out_rows, acc, l_i, mask)
-        elif split < active:
-            _store_partials(
-                part_acc_ptr,
-                part_m_ptr,
-                part_l_ptr,
-                part + split,
-                acc,
-                m_i,
-                l_i,
-                offs_d,
-                mask,
-                row_mask,
-                HEAD_DIM,
-            )
-            _fence_gpu(
-                split, FENCE
-            )  # each thread's partials visible GPU-wide before the count says they are there
-            tl.debug_barrier()
-            counter = count_ptr + seq * (num_q_heads // GROUP) + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == active - 1:  # the last to finish: every other split's partials are written
-                _fence_gpu(done, FENCE)
-                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
-                acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                if (
-                    UNROLL_MERGE > 0
-                ):  # every split's loads in one unrolled run: none waits for the one before
-                    for s in tl.static_range(
-                        UNROLL_MERGE
-                    ):  # (past `active`: masked, they change nothing)
-                        acc_all, m_all, l_all = _merge_split(
-                            acc_all,
-                            m_all,
-                            l_all,
-                            part_acc_ptr,
-                            part_m_ptr,
-                            part_l_ptr,
-                            part + s,
-                            offs_d,
-                            row_mask & (s < active),
-                            mask & (s < active),
-                            HEAD_DIM,
-                        )
-                else:
-                    for s in range(
-                        0, active
-                    ):  # in split order, whoever merges: the bits do not depend on timing
-                        acc_all, m_all, l_all = _merge_split(
-                            acc_all,
-                            m_all,
-                            l_all,
-                            part_acc_ptr,
-                            part_m_ptr,
-                            part_l_ptr,
-                            part + s,
-                            offs_d,
-                            row_mask,
-                            mask,
-                            HEAD_DIM,
-                        )
-                _store_normalised(out_rows, acc_all, l_all, mask)
-                tl.atomic_xchg(
-                    counter, 0, sem="relaxed", scope="gpu"
-                )  # zero again for the next call (graphs replay)
+    )
+    index = tl.sum(before.to(tl.int32), 0) - 1
+    first_ctx = (
+        ctx - index
+    )  # the sequence's first step row's: the pool holds its first_ctx - 1 earlier keys
+    # the rows row + j (j < CHUNK) that continue this one: at position ctx - 1 + j, with this row's slot where
+    # their table puts position ctx - 1
+    j = tl.arange(0, SEQUENCE_ROWS)
+    later = row + j
+    later_ok = (
+        (j < CHUNK)
+        & (later < num_rows)
+        & (tl.load(context_lens_ptr + later, mask=later < num_rows, other=0) == ctx + j)
+    )
+    later_block = tl.load(
+        tables_ptr + later * stride_tb + (ctx - 1) // BLOCK_SIZE, mask=later_ok, other=0
+    ).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    continues = (j == 0) | (later_ok & (later_block * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE == slot))
+    # a chunk starts at every CHUNK-th row of a sequence
+    rows_here = tl.where(index % CHUNK == 0, tl.sum(continues.to(tl.int32), 0), 0)
+
+    i = tl.arange(0, BLOCK_Q)
+    r, heads = i // GROUP, kv_head * GROUP + i % GROUP
+    row_mask = r < rows_here
+    q_row = row + r
+    row_pos = ctx - 1 + r  # each row's position: it sees the keys up to it
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh
+    start = split * split_len
+    # the pool's keys of this split below the step's first position (none where this program has no rows)
+    end = tl.where(
+        rows_here > 0, tl.maximum(tl.minimum(start + split_len, first_ctx - 1), start), start
+    )
+    # this split holds the step's first position: it attends to the step's K/V from registers, those of the
+    # sequence's rows up to the chunk's last (step_j: a row's index in the step), and stores the chunk's own
+    takes_step = (rows_here > 0) & ((first_ctx - 1) // split_len == split)
+    step_j = tl.arange(0, STEP_KEYS)  # SEQUENCE_ROWS, at least 16: tl.dot's least
+    step_ok = takes_step & (step_j < index + rows_here)
+    step_row = row - index + step_j
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q_at = q_ptr + q_row[:, None] * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_at + offs_d[None, :], mask=q_mask, other=0.0)
+    step_mask = step_ok[:, None] & d_mask[None, :]
+    step_k_at = new_k_ptr + step_row[:, None] * stride_nkb + kv_head * stride_nkh
+    step_k = tl.load(step_k_at + offs_d[None, :], mask=step_mask, other=0.0)
+    step_v = tl.load(
+        new_v_ptr + step_row[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
+        mask=step_mask,
+        other=0.0,
+    )
+    step_slot = tl.load(slots_ptr + step_row, mask=step_ok, other=0).to(tl.int64)
+    if (
+        ROPE
+    ):  # q and the step's K as the QKV projection left them: each row at its own position's angles
+        half: tl.constexpr = HEAD_DIM // 2
+        pair = (offs_d + half) % HEAD_DIM
+        in_half = offs_d % half
+        if half % 8 == 0:  # runs of 8 stay contiguous: vector loads
+            pair = tl.max_contiguous(tl.multiple_of(pair, 8), 8)
+            in_half = tl.max_contiguous(tl.multiple_of(in_half, 8), 8)
+        d_row = d_mask[None, :]
+        sign = tl.where(
+            offs_d[None, :] < half, -1.0, 1.0
+        )  # first half: x1 c - x2 s; second: x2 c + x1 s
+        q_w, q_w_pair = _pair_weights(q_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
+        k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
+        q_angle = q_row[:, None] * stride_cos + in_half[None, :]
+        q = _norm_rope_rows(
+            q,
+            tl.load(q_at + pair[None, :], mask=q_mask, other=0.0),
+            q_w,
+            q_w_pair,
+            tl.load(cos_ptr + q_angle, mask=q_mask, other=0.0).to(tl.float32),
+            tl.load(sin_ptr + q_angle, mask=q_mask, other=0.0).to(tl.float32) * sign,
+            eps,
+            HEAD_DIM,
+            QK_NORM,
+        ).to(q.dtype)
+        k_angle = step_row[:, None] * stride_cos + in_half[None, :]
+        step_k = _norm_rope_rows(
+            step_k,
+            tl.load(step_k_at + pair[None, :], mask=step_mask, other=0.0),
+            k_w,
+            k_w_pair,
+            tl.load(cos_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32),
+            tl.load(sin_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32) * sign,
+            eps,
+            HEAD_DIM,
+            QK_NORM,
+        ).to(step_v.dtype)
+    at = (step_slot // BLOCK_SIZE) * stride_kb + (step_slot % BLOCK_SIZE) * stride_kt
+    mine = step_mask & (step_j >= index)[:, None]
+    tl.store(k_head + at[:, None] + offs_d[None, :], step_k, mask=mine)
+    tl.store(v_head + at[:, None] + offs_d[None, :], step_v, mask=mine)
+
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc, m_i, l_i = _attend_keys(
+        q,
+        row_pos,
+        acc,
+        m_i,
+        l_i,
+        k_head,
+        v_head,
+        tables_ptr + row * stride_tb,
+        start,
+        end,
+        stride_kb,
+        stride_kt,
+        offs_d,
+        d_mask,
+        qk_scale,
+        True,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
+    )
+    # the step's keys, each seen by its own row and the rows after it (none where this split does not take them)
+    step_pos = tl.where(step_ok, first_ctx - 1 + step_j, 2**30)
+    p, alpha, m_i, l_i = _softmax_step(
+        q, step_k, step_pos, 2**30, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
+    )
+    acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
+    out_rows = out_ptr + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    _finish_split(
+        acc,
+        m_i,
+        l_i,
+        out_rows,
+        (q_row * num_q_heads + heads) * num_splits,
+        q_mask,
+        row_mask,
+        offs_d,
+        split,
+        tl.where(
+            rows_here > 0, tl.maximum(tl.cdiv(first_ctx, split_len), 1), 0
+        ),  # (no rows: no split counts in)
+        count_ptr + row * (num_q_heads // GROUP) + kv_head,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        SPLIT,
+        True,
+        FENCE,
+        UNROLL_MERGE,
+        HEAD_DIM,
+    )
 
 
 @triton.jit
@@ -847,14 +1078,15 @@ def paged_decode_attention(
     second launch (measured faster; False: `_merge_splits_kernel` after it); its loop over up to DECODE_UNROLL_MERGE
     splits unrolled, all their loads at once; it counts on `counters`, int32 zeros [>= B x Hkv] that it leaves at
     zero, kept by the caller from call to call (None: fresh zeros each call, one memset more). `early_tile` (default:
-    for at most DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store only): launched as a dependent of the
+    for at most DEPENDENT_LAUNCH_MAX_ROWS sequences; with the fused store only, not in a verify step of several rows): launched as a dependent of the
     kernel before, each program asks for its first K/V tile before it waits for q, and takes the new position's K/V
     from registers. `num_warps`: default 4, 8 with the early tile (at 4
     its K and V spill registers, compiled for an H200). `verify` (with `new_kv`): consecutive rows may be consecutive
     positions of one sequence, up to DECODE_SEQUENCE_ROWS (a verify step, chapter 08c; each row with the table, length
     and slot of its own position): each row attends to its sequence's earlier rows too. Where the kernel stores the
-    new K/V, each row's program takes those rows' K/V from `new_kv` rather than the pool that another program stores
-    them in."""
+    new K/V, one program takes a chunk of a sequence's rows (`_verify_kernel`: as many as their query heads fill a
+    16-row tile, the keys read once for them all), takes the step's K/V from `new_kv` rather than the pool it stores
+    them in, and merges the splits itself (`merge` is then True)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
@@ -890,8 +1122,18 @@ def paged_decode_attention(
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
+    # a verify step's rows: one program takes a chunk of a sequence's rows (`_verify_kernel`), as many as their
+    # query heads fill a 16-row tile, merging in the kernel
+    rows_of_sequences = verify and fused and batch > 1
+    block_q = max(16, _pow2(group))
+    chunk = block_q // group if rows_of_sequences else 1
+    merge = merge or rows_of_sequences
     split_len, num_splits = decode_split_len(
-        block_tables.shape[1], block_size, split_tokens, block_n, batch * kv_heads
+        block_tables.shape[1],
+        block_size,
+        split_tokens,
+        block_n,
+        kv_heads * -(-batch // chunk),  # (the step's chunks: at least this many)
     )
     block_n = min(
         block_n or DECODE_BLOCK_N, split_len
@@ -901,7 +1143,7 @@ def paged_decode_attention(
         early_tile is None
     ):  # (a batch of 256 launched early held SMs that the projection before it needed)
         early_tile = batch <= DEPENDENT_LAUNCH_MAX_ROWS
-    early = early_tile and fused
+    early = early_tile and fused and not rows_of_sequences
     num_warps = num_warps or (8 if early else 4)
     if num_splits > 1:
         part_acc = torch.empty(
@@ -920,6 +1162,25 @@ def paged_decode_attention(
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
+    if rows_of_sequences:
+        _verify_kernel[(batch, kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters,
+            new_k, new_v, slots, q_weight, rope.k_weight if rope.k_weight is not None else q_weight,
+            rope.cos, rope.sin, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope.cos.stride(0),
+            rope.eps, scale * math.log2(math.e), batch, q_heads, split_len, num_splits,
+            GROUP=group, SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS, CHUNK=chunk,
+            STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
+            BLOCK_Q=block_q, HEAD_DIM=head_dim,
+            BLOCK_D=max(16, _pow2(head_dim)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
+            SPLIT=num_splits > 1, UPCAST=INTERPRETED, PRECISION=_dot_precision(q.dtype),
+            **_pdl_args(q.device, rows=batch), ROPE=rope_inside, QK_NORM=rope.q_weight is not None,
+            FENCE=not INTERPRETED,
+            UNROLL_MERGE=_pow2(num_splits) if 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
+            num_warps=num_warps, **_stages(num_stages),
+        )  # fmt: skip
+        return out
     _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
@@ -974,7 +1235,6 @@ def paged_decode_attention(
         EARLY_TILE=early,
         WAIT_LATE=early and pdl_supported(q.device),
         UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
-        SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS if verify and fused else 0,
         num_warps=num_warps,
         **_stages(num_stages),
     )
@@ -1295,12 +1555,28 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # %% [markdown]
 # A verify step (chapter 08c) gives a sequence several rows at consecutive positions, each
 # attending to the rows before it. With the store inside the launch, row j's program could read
-# row i's slot before row i's program stored it. With `verify`, each program finds the rows of
-# its sequence before it (a row of the same sequence writes the slot that this row's table gives
-# the position before: no other row writes it) and takes their K/V, normalised and rotated at
-# their own positions, from the step's inputs; it reads the pool only below the step's first
-# position. Below: a sequence's three rows beside another sequence's one, against storing every
-# row first and attending row by row.
+# row i's slot before row i's program stored it; and each row's program would read the
+# sequence's keys again. With `verify`, `_verify_kernel` gives a sequence's rows one program per
+# (KV head, split): the program of its first row finds the rows after it (a row of the same
+# sequence sits one position further and its table gives the first row's position the first
+# row's slot: no other sequence's table holds that slot) and takes them all, their query heads
+# as the rows of one tile (Qwen3's 4 heads a KV head fill a 16-row tile with 4 positions; the
+# one row of a decode step leaves 12 of 16 as padding). The split that holds the step's first
+# position normalises, rotates and stores the step's K/V and attends to them from registers,
+# each row to its own and those before it; every split reads the pool only below that
+# position; the last split to finish merges. A sequence of more rows than a tile holds (1 + 4
+# for Qwen3-4B) goes in chunks: each chunk's program attends to the step's keys up to its own
+# last row and stores only its own rows' K/V.
+#
+# Measured: the BF16 verify graph of random Qwen3-4B against a decode step on one H100 (`LAB_GEMV_ROWS=5
+# LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`, this launcher against
+# the one before it, the same machine): 1 + 1 rows 1.142x against 1.189x (a program per row), 1 +
+# 2 1.140x against 1.206x, 1 + 3 1.143x against 1.214x. A 32-row tile for five rows (before the
+# chunks) lost: 1 + 4 rows 1.271x against 1.177x; at 4 warps its K and V spilled registers, at 8
+# it took 252 (compiled for an H200). The chunks (a 4-row and a 1-row program for 1 + 4) have not
+# been timed. Below: a sequence's rows beside another sequence's, in several layouts and splits
+# (16-key splits put a sequence's rows across two), against storing every row first and
+# attending row by row.
 
 # %%
 from forge_engine.config import MAX_SPECULATIVE_TOKENS
@@ -1313,47 +1589,57 @@ step_lens = [40, 161]
 k_cache, v_cache, tables = random_paged_kv(
     step_lens, num_kv_heads=2, head_dim=32, block_size=8, seed=2
 )
-rows = [(1, 158), (1, 159), (1, 160), (0, 39)]  # (sequence, position)
-row_tables = tables[[seq for seq, _ in rows]]
-row_lens = torch.tensor([pos + 1 for _, pos in rows])
-slots = torch.tensor([int(tables[seq, pos // 8]) * 8 + pos % 8 for seq, pos in rows])
-q = torch.randn(4, 8, 32, generator=gen)
-new_k, new_v = torch.randn(4, 2, 32, generator=gen), torch.randn(4, 2, 32, generator=gen)
-angles = (
-    torch.tensor([float(pos) for _, pos in rows])[:, None] * torch.rand(16, generator=gen)[None, :]
-)
-for norm_weights in (
-    (torch.rand(32, generator=gen) + 0.5, torch.rand(32, generator=gen) + 0.5),
-    None,
+for rows in (
+    [(1, 158), (1, 159), (1, 160), (0, 39)],  # (sequence, position)
+    [(0, 39), (1, 156), (1, 157), (1, 158), (1, 159), (1, 160)],
+    [(0, 38), (0, 39), (1, 159), (1, 160)],
 ):
-    rope = (
-        None if norm_weights is None else NormRope(*norm_weights, 1e-6, angles.cos(), angles.sin())
+    n = len(rows)
+    row_tables = tables[[seq for seq, _ in rows]]
+    row_lens = torch.tensor([pos + 1 for _, pos in rows])
+    slots = torch.tensor([int(tables[seq, pos // 8]) * 8 + pos % 8 for seq, pos in rows])
+    q = torch.randn(n, 8, 32, generator=gen)
+    new_k, new_v = torch.randn(n, 2, 32, generator=gen), torch.randn(n, 2, 32, generator=gen)
+    angles = (
+        torch.tensor([float(pos) for _, pos in rows])[:, None]
+        * torch.rand(16, generator=gen)[None, :]
     )
-    roped_q, roped_k = (
-        (q, new_k)
-        if rope is None
-        else (
-            norm_rope_reference(x, w, 1e-6, rope.cos, rope.sin)
-            for x, w in ((q, rope.q_weight), (new_k, rope.k_weight))
-        )
-    )
-    by_hand = (k_cache.clone(), v_cache.clone())
-    write_kv_reference(*by_hand, slots, roped_k, new_v)
-    want = paged_attention_reference(
-        roped_q, *by_hand, row_tables, torch.arange(5), row_lens, 32**-0.5
-    )
-    for impl, split_tokens, early in (
-        ("torch", 64, False),
-        ("triton", 16, False),  # splits of 16 keys: the sequence's rows across two (158-159, 160)
-        ("triton", 16, True),
-        ("triton", 64, True),
-        ("triton", 10_000, False),
+    for norm_weights in (
+        (torch.rand(32, generator=gen) + 0.5, torch.rand(32, generator=gen) + 0.5),
+        None,
     ):
-        pools = (k_cache.clone(), v_cache.clone())
-        got = paged_decode_attention(
-            q, *pools, row_tables, row_lens, 32**-0.5, impl=impl, split_tokens=split_tokens, block_n=16,
-            new_kv=(new_k, new_v, slots), rope=rope, early_tile=early, verify=True,
-        )  # fmt: skip
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
-        assert torch.equal(pools[1], by_hand[1]), (impl, split_tokens, early)
+        rope = (
+            None
+            if norm_weights is None
+            else NormRope(*norm_weights, 1e-6, angles.cos(), angles.sin())
+        )
+        roped_q, roped_k = (
+            (q, new_k)
+            if rope is None
+            else (
+                norm_rope_reference(x, w, 1e-6, rope.cos, rope.sin)
+                for x, w in ((q, rope.q_weight), (new_k, rope.k_weight))
+            )
+        )
+        by_hand = (k_cache.clone(), v_cache.clone())
+        write_kv_reference(*by_hand, slots, roped_k, new_v)
+        want = paged_attention_reference(
+            roped_q, *by_hand, row_tables, torch.arange(n + 1), row_lens, 32**-0.5
+        )
+        for impl, split_tokens in (
+            ("torch", 64),
+            ("triton", 16),
+            ("triton", 64),
+            ("triton", 10_000),
+        ):
+            pools = (k_cache.clone(), v_cache.clone())
+            counters = torch.zeros(n * 2, dtype=torch.int32)
+            for call in range(2):  # the second call finds the counters back at zero
+                got = paged_decode_attention(
+                    q, *pools, row_tables, row_lens, 32**-0.5, impl=impl, split_tokens=split_tokens,
+                    block_n=16, new_kv=(new_k, new_v, slots), rope=rope, counters=counters, verify=True,
+                )  # fmt: skip
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(pools[0], by_hand[0], rtol=1e-6, atol=1e-6)
+                assert torch.equal(pools[1], by_hand[1]), (rows, impl, split_tokens)
+                assert not counters.any()
