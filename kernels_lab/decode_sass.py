@@ -10,6 +10,11 @@ stores at 4 warps, none at 8, so the engine launches that variant with 8 warps. 
 commit 942e6c9, compiled here without spills but measured slower; the merge's loop unrolled instead, UNROLL_MERGE,
 108 registers, as the loop.)
 
+The verify kernel (`_verify_kernel`: a chunk of a sequence's verify rows a program): with 4 rows (a 16-row tile)
+at 4 warps 128 registers with 16-key tiles, 168 with 64, 244 with 128, none spilled; 8 rows (a 32-row tile) spilled
+7 values at 4 warps and took 252 registers at 8, and its verify graph of 1 + 4 rows was slower on an H100 (1.271x a decode step
+against 1.177x a program per row), hence chunks of 4.
+
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""
 
@@ -20,7 +25,11 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from gemv_sass import kernel_sass  # noqa: E402
 
-from forge_engine.kernels.paged_attention import _decode_kernel  # noqa: E402
+from forge_engine.kernels.paged_attention import (  # noqa: E402
+    DECODE_SEQUENCE_ROWS,
+    _decode_kernel,
+    _verify_kernel,
+)
 
 POINTERS = dict(
     q_ptr="*bf16",
@@ -94,6 +103,49 @@ def decode_sass(
     return [text for _, text in code], registers
 
 
+def verify_sass(num_warps: int, block_n: int, chunk: int = 4) -> tuple[list[str], int]:
+    """The verify kernel (`_verify_kernel`) as the engine launches it for a verify step of more than 4 rows on an H200:
+    a chunk of `chunk` rows of a sequence (Qwen3-4B: 4 of 4 query heads fill the 16-row tile)."""
+    constexprs = dict(
+        GROUP=4,
+        SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS,
+        CHUNK=chunk,
+        STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
+        BLOCK_Q=max(16, 4 * chunk),
+        HEAD_DIM=128,
+        BLOCK_D=128,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=16,
+        SPLIT=True,
+        UPCAST=False,
+        PRECISION="tf32",
+        PDL=True,
+        WAIT=False,
+        ROPE=True,
+        QK_NORM=True,
+        FENCE=True,
+        UNROLL_MERGE=16,
+    )
+    signature = {
+        **POINTERS,
+        **{name: "i32" for name in INTS},
+        **SCALARS,
+        "num_rows": "i32",
+        **{name: "constexpr" for name in constexprs},
+    }
+    signature = {name: signature[name] for name in _verify_kernel.arg_names}
+    code, registers = kernel_sass(_verify_kernel, signature, constexprs, num_warps, ALIGNED)
+    return [text for _, text in code], registers
+
+
+def spills(code: list[str]) -> int:
+    "Local-memory loads and stores (LDL / STL) in `code`."
+    return sum(
+        text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL")
+        for text in code
+    )
+
+
 def main():
     print(
         "early tile  warps  tile  merge unrolled  instructions  registers  spilling loads/stores (LDL/STL)"
@@ -104,12 +156,17 @@ def main():
         (True, 8, 64, 16),
     ]:  # (W1's: 8 splits)
         code, registers = decode_sass(early, num_warps, block_n, unroll)
-        spills = sum(
-            text.split()[1 if text.startswith("@") else 0].split(".")[0] in ("LDL", "STL")
-            for text in code
-        )
         print(
-            f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {unroll:14d}  {len(code):12d}  {registers:9d}  {spills:6d}"
+            f"{early!s:10s}  {num_warps:5d}  {block_n:4d}  {unroll:14d}  {len(code):12d}  {registers:9d}  "
+            f"{spills(code):6d}"
+        )
+    print(
+        "\nverify kernel: rows a program  warps  tile  instructions  registers  spilling loads/stores"
+    )
+    for chunk, num_warps, block_n in ((4, 4, 16), (4, 4, 64), (4, 4, 128), (8, 4, 64), (8, 8, 64)):
+        code, registers = verify_sass(num_warps, block_n, chunk)
+        print(
+            f"{chunk:30d}  {num_warps:5d}  {block_n:4d}  {len(code):12d}  {registers:9d}  {spills(code):6d}"
         )
 
 

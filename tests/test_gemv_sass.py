@@ -1,5 +1,5 @@
-"""The GEMV loops as compiled for an H200 (Triton and ptxas for sm_90; no GPU needed): what the notebooks, run under
-the interpreter, cannot see. An int8 loop with early weights whose peeled first step has a layout of its own moves
+"""The GEMV loops and the attention kernels as compiled for an H200 (Triton and ptxas for sm_90; no GPU needed): what
+the notebooks, run under the interpreter, cannot see. An int8 loop with early weights whose peeled first step has a layout of its own moves
 every step's weight tile through shared memory; these keep such trips out of the loop.
 
 The kernels are compiled in a fresh process with the interpreter off (CI sets TRITON_INTERPRET=1 for the rest)."""
@@ -230,3 +230,24 @@ def test_the_rows_matmul_tiles_spill_nothing():
     assert len(found) == 6, found
     for case, compiled in found.items():
         assert compiled["spills"] == 0 and compiled["registers"] <= 255, (case, compiled)
+
+
+ATTENTION_SCRIPT = """
+import json, sys
+sys.path.insert(0, "kernels_lab")
+from decode_sass import decode_sass, spills, verify_sass
+found = {"decode, early tile, 8 warps, 64-key tiles": spills(decode_sass(True, 8, 64, 8)[0])}
+for block_n in (16, 64, 128):
+    found[f"verify, 4 rows, 4 warps, {block_n}-key tiles"] = spills(verify_sass(4, block_n, 4)[0])
+print(json.dumps(found))
+"""
+
+
+def test_the_attention_kernels_spill_nothing_as_launched():
+    """Chapter 09's decode attention as batch 1 launches it (the early tile held across the wait for q, 8 warps) and
+    its verify kernel as a verify step launches it for Qwen3-4B (a chunk of 4 rows, 16 query rows a tile, 4 warps) at
+    each key tile the split rule picks, compile for sm_90 with no spills to local memory: a latency-bound kernel
+    cannot hide a local round trip per spilled value (a verify tile of 8 rows spilled at 4 warps)."""
+    found = compiled_offline(ATTENTION_SCRIPT)
+    assert len(found) == 4, found
+    assert all(count == 0 for count in found.values()), found
