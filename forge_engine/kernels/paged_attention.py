@@ -719,9 +719,8 @@ def _verify_kernel(
         )
     )
     index = tl.sum(before.to(tl.int32), 0) - 1
-    first_ctx = (
-        ctx - index
-    )  # the sequence's first step row's: the pool holds its first_ctx - 1 earlier keys
+    # the sequence's first step row's length: the pool holds its first_ctx - 1 earlier keys
+    first_ctx = ctx - index
     # the rows row + j (j < CHUNK) that continue this one: at position ctx - 1 + j, with this row's slot where
     # their table puts position ctx - 1
     j = tl.arange(0, SEQUENCE_ROWS)
@@ -770,9 +769,8 @@ def _verify_kernel(
         other=0.0,
     )
     step_slot = tl.load(slots_ptr + step_row, mask=step_ok, other=0).to(tl.int64)
-    if (
-        ROPE
-    ):  # q and the step's K as the QKV projection left them: each row at its own position's angles
+    # q and the step's K as the QKV projection left them: each row at its own position's angles
+    if ROPE:
         half: tl.constexpr = HEAD_DIM // 2
         pair = (offs_d + half) % HEAD_DIM
         in_half = offs_d % half
@@ -780,9 +778,8 @@ def _verify_kernel(
             pair = tl.max_contiguous(tl.multiple_of(pair, 8), 8)
             in_half = tl.max_contiguous(tl.multiple_of(in_half, 8), 8)
         d_row = d_mask[None, :]
-        sign = tl.where(
-            offs_d[None, :] < half, -1.0, 1.0
-        )  # first half: x1 c - x2 s; second: x2 c + x1 s
+        # first half: x1 c - x2 s; second: x2 c + x1 s
+        sign = tl.where(offs_d[None, :] < half, -1.0, 1.0)
         q_w, q_w_pair = _pair_weights(q_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
         k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
         q_angle = q_row[:, None] * stride_cos + in_half[None, :]
@@ -856,9 +853,8 @@ def _verify_kernel(
         row_mask,
         offs_d,
         split,
-        tl.where(
-            rows_here > 0, tl.maximum(tl.cdiv(first_ctx, split_len), 1), 0
-        ),  # (no rows: no split counts in)
+        # the splits that hold keys (none where this program has no rows)
+        tl.where(rows_here > 0, tl.maximum(tl.cdiv(first_ctx, split_len), 1), 0),
         count_ptr + row * (num_q_heads // GROUP) + kv_head,
         part_acc_ptr,
         part_m_ptr,
