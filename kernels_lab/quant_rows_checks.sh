@@ -11,6 +11,8 @@
 #       products, per Qwen3-4B matrix at 16 rows against the export
 #   bash kernels_lab/quant_rows_checks.sh tiles   # int4's tile on another GPU: the export's (64/128/4/3) against its
 #       neighbours on Q4_K planes (sixteen_seqs_step.py tile4=...)
+#   bash kernels_lab/quant_rows_checks.sh shapes8|shapes4  # rows_matmul_shapes.py: each Qwen3-4B matrix at 16 rows in
+#       a grid of tiles and programs an SM, int8 (Q8_0) or int4 (Q4_K) planes, each matrix's best against the export
 #   bash kernels_lab/quant_rows_checks.sh tiles8  # the int8 tile through bf16's bits at eight programs an SM: the
 #       export's (32/128/2/3) against wider ones on Q8_0 planes (every program reads its x columns again: a tile of 32
 #       rows reads as many bytes of x from L2 as of int8 weights)
@@ -35,12 +37,16 @@ case "${1:-}" in
   tiles8)
     step q8_0 export,tile=64/128/2/3,tile=64/128/4/3 q8_0_tiles
     step q8_0 tile=32/256/2/3,tile=128/128/4/3 q8_0_tiles_wide ;;
+  shapes8|shapes4)
+    kind=int${1#shapes}
+    LAB_KINDS=$kind timeout 560 python3 kernels_lab/rows_matmul_shapes.py time > "$out/shapes_$kind.log" 2>&1
+    grep -v Warn "$out/shapes_$kind.log" ;;
   imma)
     timeout 200 python3 kernels_lab/rows_matmul_imma.py time > "$out/imma.log" 2>&1
     grep -v Warn "$out/imma.log" ;;
   tiles)
     step q4_k export,tile4=32/128/2/3,tile4=64/256/4/3,tile4=128/128/8/3,tile4=64/128/4/4 q4_k_tiles ;;
   *)
-    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|programs|imma|tiles|tiles8" >&2
+    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|programs|shapes8|shapes4|imma|tiles|tiles8" >&2
     exit 2 ;;
 esac

@@ -1,0 +1,170 @@
+"""rows_matmul's quantized tiles per Qwen3-4B matrix at 16 rows: does each matrix want a tile and a split of its own?
+
+Why: at 16 sequences the int8 tile reads gate-up's weights at 2.16 TB/s but qkv's at 1.34, down's at 1.55 and o's at
+0.94 (H100, `rows_matmul_imma.py time`): one tile and one rule for the programs serve the long matrix and leave the
+short ones to their fixed costs. With the int8 tile (32 rows of weights, 128 inputs a step) at eight programs an SM,
+o (2,560 x 4,096) is 80 tiles split 13 ways: each program takes two or three steps of 4 KB, then its partials, its
+ticket and, for the last, the sum. Were qkv, o and down read as fast as gate-up, a layer's four matmuls would take
+49 µs instead of 66, and the 16-sequence step of Q8_0 planes about 2.2 ms instead of 2.86 (3x llama.cpp's S_TG on
+that H100 needs 2.29).
+
+Here each matrix (gate-up with its SwiGLU fold, as the step runs it) through `rows_matmul` with each tile of a grid
+(BLOCK_N, BLOCK_K, warps, stages: narrower tiles give a short matrix more tiles and fewer splits, longer steps fewer
+steps a split) and each number of programs an SM (the split follows: programs // tiles), on random Q8_0 planes (int8,
+a scale a group of 32) and random Q4_K planes (int4 pairs, a scale and a minimum a group of 32); each timing one CUDA
+graph of 50 launches over enough copies of the weights to miss L2 (`common.launches_us`). Printed: µs and weights read
+a second per setting, each matrix's best against the export, and a layer's four matmuls both ways.
+
+Checked under the interpreter (every tile of the grid against `dequantized_groups`' product, small shapes):
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py check
+Compiled for sm_90 offline (registers and spills of each tile):
+    TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py sass
+On a GPU (LAB_KINDS=int8,int4 by default; SPLIT is a constexpr, so each split compiles a kernel of its own: one kind
+a device call): LAB_KINDS=int8 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py [time]
+Not yet run on a GPU."""
+
+import os
+import sys
+
+import torch
+
+from common import launches_us
+import forge_engine.kernels.rows_matmul as rows_module
+from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul
+
+ROWS, GROUP = 16, 32
+SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+TILES = {  # (BLOCK_N, BLOCK_K, warps, stages); the export's first
+    "int8": ((32, 128, 2, 3), (16, 128, 1, 3), (16, 256, 1, 3), (32, 256, 2, 3), (32, 128, 2, 4), (64, 128, 4, 3)),
+    "int4": ((64, 128, 4, 3), (32, 128, 2, 3), (32, 256, 2, 3), (64, 256, 4, 3), (16, 256, 1, 3), (128, 128, 4, 3)),
+}  # fmt: skip
+PER_SM = (4, 8, 12)
+
+
+def planes(kind: str, n: int, k: int, device, gen=None):
+    "Random weights as chapter 10g repacks them: int8 [n, k] or int4 pairs uint8 [n, k / 2]; (weight, scale, minimum)."
+    s = ((torch.rand(n, k // GROUP, generator=gen) + 0.5) / (127 * k**0.5)).half()
+    if kind == "int8":
+        return (
+            torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).to(device),
+            s.to(device),
+            None,
+        )
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    return w.to(device), (s * 17).to(device), (-8.0 * s * 17).half().to(device)
+
+
+def run(x, weight, scale, minimum, tile, split=None, swiglu=False):
+    "rows_matmul with its tile set to `tile` for this launch (the module's constant, restored after)."
+    name = "ROWS_MATMUL_INT4_TILE" if minimum is not None else "ROWS_MATMUL_TILE"
+    exported = getattr(rows_module, name)
+    setattr(rows_module, name, tile)
+    try:
+        return rows_matmul(x, weight, scale=scale, minimum=minimum, split=split, swiglu=swiglu)
+    finally:
+        setattr(rows_module, name, exported)
+
+
+def reference(x, weight, scale, minimum, swiglu=False):
+    y = x.float() @ dequantized_groups(weight, scale, torch.float32, minimum).T
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y
+
+
+def check():
+    gen = torch.Generator().manual_seed(3)
+    for kind, tiles in TILES.items():
+        for tile in tiles:
+            for m, n, k, split, swiglu in ((16, 96, 512, 2, False), (5, 64, 256, None, True)):
+                x = torch.randn(m, k, generator=gen).bfloat16()
+                w = planes(kind, n, k, "cpu", gen)
+                got = run(x, *w, tile, split, swiglu).float()
+                want = reference(x, *w, swiglu)
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                print(f"{kind} {tile} {m}x{k} @ {n} split {split} swiglu {swiglu}: {err:.1e}")
+                assert err < 4e-2, (kind, tile, err)
+
+
+def sass():
+    sys.path.insert(0, os.path.dirname(__file__))
+    from gemv_sass import kernel_sass
+
+    pointers = ["x_ptr", "w_ptr", "scale_ptr", "min_ptr", "b_ptr", "partials_ptr", "tickets_ptr", "out_ptr",
+                "res_ptr", "in_sums_ptr", "out_sums_ptr", "next_g_ptr", "normed_ptr"]  # fmt: skip
+    scalars = [
+        "M",
+        "OUT_N",
+        "K",
+        "k_per_split",
+        "stride_xm",
+        "stride_wn",
+        "stride_sn",
+        "stride_sg",
+        "stride_rm",
+    ]
+    for kind, tiles in TILES.items():
+        signature = {**{p: "*bf16" for p in pointers}, **{s: "i32" for s in scalars}, "eps": "fp32",
+                     "w_ptr": "*i8" if kind == "int8" else "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16",
+                     "partials_ptr": "*fp32", "tickets_ptr": "*i32", "in_sums_ptr": "*fp32", "out_sums_ptr": "*fp32"}  # fmt: skip
+        for block_n, block_k, warps, stages in tiles:
+            flags = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=4, EVEN_K=True, HAS_BIAS=False,
+                         SWIGLU=False, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False, GROUP=GROUP,
+                         INT4=kind == "int4", BYTE_ASM=True, UPCAST=False, PDL=True)  # fmt: skip
+            code, registers = kernel_sass(
+                rows_module._rows_matmul_kernel, signature, flags, warps, num_stages=stages,
+                aligned=("x_ptr", "w_ptr", "partials_ptr", "out_ptr", "stride_xm", "stride_wn", "K", "k_per_split"),
+            )  # fmt: skip
+            spills = sum(("STL" in text) or ("LDL" in text) for _, text in code)
+            print(f"{kind} {block_n}/{block_k}/{warps}/{stages}: {len(code)} instructions, {registers} registers, "
+                  f"{spills} spilled loads / stores")  # fmt: skip
+
+
+def time_shapes():
+    device = "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    print(torch.cuda.get_device_name(), flush=True)
+    for kind in os.environ.get("LAB_KINDS", "int8,int4").split(","):
+        best_sum = export_sum = 0.0
+        for name, (n, k) in SHAPES.items():
+            swiglu = name == "gate_up"
+            bytes_read = n * k * (1 if kind == "int8" else 0.5) + n * k // GROUP * (
+                2 if kind == "int8" else 4
+            )
+            copies = max(2, int(400e6 // bytes_read))  # 400 MB of weights: past L2
+            weights = [planes(kind, n, k, device) for _ in range(copies)]
+            x = torch.randn(ROWS, k, device=device).bfloat16()
+            export = launches_us(
+                lambda i: rows_matmul(x, weights[i % copies][0], scale=weights[i % copies][1],
+                                      minimum=weights[i % copies][2], swiglu=swiglu), 50)  # fmt: skip
+            line, best = (
+                f"{kind} {name} {n}x{k}: export {export:6.1f} µs ({bytes_read / export / 1e6:.2f} TB/s)",
+                (export, "export"),
+            )
+            for tile in TILES[kind]:
+                steps, tiles = -(-k // tile[1]), -(-(n // 2 if swiglu else n) // tile[0])
+                line += f"\n  {'/'.join(map(str, tile))}"
+                for per_sm in PER_SM:
+                    split = max(1, min(steps, per_sm * sms // tiles))
+                    try:
+                        us = launches_us(
+                            lambda i: run(x, *weights[i % copies], tile, split, swiglu), 50
+                        )
+                    except Exception as e:  # a tile that does not compile is reported, not fatal
+                        line += f"; {per_sm} an SM failed: {type(e).__name__}"
+                        continue
+                    line += f"; {per_sm} an SM (split {split}) {us:6.1f} µs ({bytes_read / us / 1e6:.2f} TB/s)"
+                    best = min(best, (us, f"{'/'.join(map(str, tile))} at {per_sm} an SM"))
+            print(line + f"\n  best: {best[1]} {best[0]:.1f} µs", flush=True)
+            best_sum, export_sum = best_sum + best[0], export_sum + export
+            weights = None  # (freed before the next shape)
+            torch.cuda.empty_cache()
+        print(f"{kind}: a layer's four matmuls {export_sum:.1f} µs as exported, {best_sum:.1f} each in its best "
+              f"(x 36 layers: {36 * (export_sum - best_sum) / 1e3:.2f} ms a step)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    {"check": check, "sass": sass, "time": time_shapes}[
+        sys.argv[1] if len(sys.argv) > 1 else "time"
+    ]()
