@@ -561,8 +561,9 @@ for impl in ("torch", "triton"):
 # of the same step write. The fused kernel above stores each row's K/V inside the launch that
 # attends, so a row could read a slot before its writer stored it. A runner given `verify_rows`
 # therefore records graphs of its own for such steps (`run(..., verify=True)`), whose attention
-# is told so (`verify`): chapter 09's kernel then takes the K/V of a row's earlier rows from the
-# step's inputs, not the pool (`attends_step_rows`), and still stores each row's own; an
+# is told so (`verify`): chapter 09's verify kernel then gives a sequence's rows one program,
+# which takes the step's K/V from the step's inputs, not the pool, and stores them
+# (`attends_step_rows`); an
 # attention that cannot has every row's K/V stored through the slots first, the layers rotating
 # q and k themselves. Storing first costs two launches a layer: measured on an H200
 # (`PYTHONPATH=. python3 kernels_lab/verify_step.py`, random Qwen3-4B in BF16, one sequence of
