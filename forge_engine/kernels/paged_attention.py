@@ -671,15 +671,15 @@ def _verify_kernel(
     stride_cos,
     eps,
     qk_scale,
-    num_rows,
     num_q_heads,
     split_len,
     num_splits,
+    num_rows,
     GROUP: tl.constexpr,
     SEQUENCE_ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     STEP_KEYS: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -738,7 +738,7 @@ def _verify_kernel(
     # a chunk starts at every CHUNK-th row of a sequence
     rows_here = tl.where(index % CHUNK == 0, tl.sum(continues.to(tl.int32), 0), 0)
 
-    i = tl.arange(0, BLOCK_Q)
+    i = tl.arange(0, BLOCK_G)
     r, heads = i // GROUP, kv_head * GROUP + i % GROUP
     row_mask = r < rows_here
     q_row = row + r
@@ -811,9 +811,9 @@ def _verify_kernel(
     tl.store(k_head + at[:, None] + offs_d[None, :], step_k, mask=mine)
     tl.store(v_head + at[:, None] + offs_d[None, :], step_v, mask=mine)
 
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc, m_i, l_i = _attend_keys(
         q,
         row_pos,
@@ -1020,8 +1020,8 @@ def paged_decode_attention(
     # a verify step's rows: one program takes a chunk of a sequence's rows (`_verify_kernel`), as many as their
     # query heads fill a 16-row tile, merging in the kernel
     rows_of_sequences = verify and fused and batch > 1
-    block_q = max(16, _pow2(group))
-    chunk = block_q // group if rows_of_sequences else 1
+    block_g = max(16, _pow2(group))  # a tile of query rows: a KV head's query heads, padded
+    chunk = block_g // group if rows_of_sequences else 1
     merge = merge or rows_of_sequences
     split_len, num_splits = decode_split_len(
         block_tables.shape[1],
@@ -1057,63 +1057,17 @@ def paged_decode_attention(
     new_k, new_v, slots = new_kv if fused else (q, q, context_lens)  # (unused without STORE)
     rope = rope if rope_inside else NormRope(None, None, 0.0, q, q)  # (unused without ROPE)
     q_weight = rope.q_weight if rope.q_weight is not None else q
-    if rows_of_sequences:
-        _verify_kernel[(batch, kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters,
-            new_k, new_v, slots, q_weight, rope.k_weight if rope.k_weight is not None else q_weight,
-            rope.cos, rope.sin, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope.cos.stride(0),
-            rope.eps, scale * math.log2(math.e), batch, q_heads, split_len, num_splits,
-            GROUP=group, SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS, CHUNK=chunk,
-            STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
-            BLOCK_Q=block_q, HEAD_DIM=head_dim,
-            BLOCK_D=max(16, _pow2(head_dim)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            SPLIT=num_splits > 1, UPCAST=INTERPRETED, PRECISION=_dot_precision(q.dtype),
-            **_pdl_args(q.device, rows=batch), ROPE=rope_inside, QK_NORM=rope.q_weight is not None,
-            FENCE=not INTERPRETED,
-            UNROLL_MERGE=_pow2(num_splits) if 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
-            num_warps=num_warps, **_stages(num_stages),
-        )  # fmt: skip
-        return out
-    _decode_kernel[(batch, kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        counters,
-        new_k,
-        new_v,
-        slots,
-        q_weight,
-        rope.k_weight if rope.k_weight is not None else q_weight,
-        rope.cos,
-        rope.sin,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        new_k.stride(0),
-        new_k.stride(1),
-        new_v.stride(0),
-        new_v.stride(1),
-        rope.cos.stride(0),
-        rope.eps,
-        scale * math.log2(math.e),
-        q_heads,
-        split_len,
-        num_splits,
+    # what both kernels take: the tensors and strides, then the tile's shape and what the launch does
+    args = (
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters, new_k, new_v,
+        slots, q_weight, rope.k_weight if rope.k_weight is not None else q_weight, rope.cos, rope.sin,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        rope.cos.stride(0), rope.eps, scale * math.log2(math.e), q_heads, split_len, num_splits,
+    )  # fmt: skip
+    constants = dict(
         GROUP=group,
-        BLOCK_G=max(16, _pow2(group)),
+        BLOCK_G=block_g,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, _pow2(head_dim)),
         BLOCK_N=block_n,
@@ -1121,17 +1075,32 @@ def paged_decode_attention(
         SPLIT=num_splits > 1,
         UPCAST=INTERPRETED,
         PRECISION=_dot_precision(q.dtype),
-        **_pdl_args(q.device, early, batch),
-        STORE=fused,
         ROPE=rope_inside,
         QK_NORM=rope.q_weight is not None,
-        MERGE=merge,
         FENCE=not INTERPRETED,
-        EARLY_TILE=early,
-        WAIT_LATE=early and pdl_supported(q.device),
         UNROLL_MERGE=_pow2(num_splits) if merge and 1 < num_splits <= DECODE_UNROLL_MERGE else 0,
         num_warps=num_warps,
         **_stages(num_stages),
+    )
+    if rows_of_sequences:
+        _verify_kernel[(batch, kv_heads, num_splits)](
+            *args,
+            batch,
+            SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS,
+            CHUNK=chunk,
+            STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
+            **_pdl_args(q.device, rows=batch),
+            **constants,
+        )
+        return out
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        *args,
+        **_pdl_args(q.device, early, batch),
+        STORE=fused,
+        MERGE=merge,
+        EARLY_TILE=early,
+        WAIT_LATE=early and pdl_supported(q.device),
+        **constants,
     )
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(batch, q_heads)](
