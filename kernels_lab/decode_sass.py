@@ -67,75 +67,64 @@ ALIGNED = (
 )
 
 
+# what both kernels take at Qwen3-4B's attention on an H200 (dependent launch available)
+QWEN3_4B = dict(
+    GROUP=4,
+    HEAD_DIM=128,
+    BLOCK_D=128,
+    BLOCK_SIZE=16,
+    SPLIT=True,
+    UPCAST=False,
+    PRECISION="tf32",
+    PDL=True,
+    WAIT=False,
+    ROPE=True,
+    QK_NORM=True,
+    FENCE=True,
+)
+
+
+def compiled(kernel, constexprs: dict, num_warps: int) -> tuple[list[str], int]:
+    "`kernel` compiled for sm_90 with `constexprs`, the rest of its arguments as the launchers pass them."
+    types = {**POINTERS, **{name: "i32" for name in INTS}, **SCALARS, "num_rows": "i32"}
+    signature = {
+        name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
+    }
+    code, registers = kernel_sass(kernel, signature, constexprs, num_warps, ALIGNED)
+    return [text for _, text in code], registers
+
+
 def decode_sass(
     early: bool, num_warps: int, block_n: int, unroll: int = 0
 ) -> tuple[list[str], int]:
-    """The kernel as the engine launches it at batch 1 on an H200 (dependent launch available), but for the settings;
-    `unroll`: the merge's loop unrolled over that many splits (UNROLL_MERGE; 0: a loop)."""
+    """The kernel as the engine launches it at batch 1, but for the settings; `unroll`: the merge's loop unrolled over
+    that many splits (UNROLL_MERGE; 0: a loop)."""
     constexprs = dict(
-        GROUP=4,
+        QWEN3_4B,
         BLOCK_G=16,
-        HEAD_DIM=128,
-        BLOCK_D=128,
         BLOCK_N=block_n,
-        BLOCK_SIZE=16,
-        SPLIT=True,
-        UPCAST=False,
-        PRECISION="tf32",
-        PDL=True,
-        WAIT=False,
         STORE=True,
-        ROPE=True,
-        QK_NORM=True,
         MERGE=True,
-        FENCE=True,
         EARLY_TILE=early,
         WAIT_LATE=early,
         UNROLL_MERGE=unroll,
     )
-    signature = {
-        **POINTERS,
-        **{name: "i32" for name in INTS},
-        **SCALARS,
-        **{name: "constexpr" for name in constexprs},
-    }
-    code, registers = kernel_sass(_decode_kernel, signature, constexprs, num_warps, ALIGNED)
-    return [text for _, text in code], registers
+    return compiled(_decode_kernel, constexprs, num_warps)
 
 
 def verify_sass(num_warps: int, block_n: int, chunk: int = 4) -> tuple[list[str], int]:
-    """The verify kernel (`_verify_kernel`) as the engine launches it for a verify step of more than 4 rows on an H200:
-    a chunk of `chunk` rows of a sequence (Qwen3-4B: 4 of 4 query heads fill the 16-row tile)."""
+    """The verify kernel (`_verify_kernel`) as the engine launches it for a verify step of more than 4 rows: a chunk of
+    `chunk` rows of a sequence (Qwen3-4B: 4 of 4 query heads fill the 16-row tile)."""
     constexprs = dict(
-        GROUP=4,
+        QWEN3_4B,
         SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS,
         CHUNK=chunk,
         STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
         BLOCK_G=max(16, 4 * chunk),
-        HEAD_DIM=128,
-        BLOCK_D=128,
         BLOCK_N=block_n,
-        BLOCK_SIZE=16,
-        SPLIT=True,
-        UPCAST=False,
-        PRECISION="tf32",
-        PDL=True,
-        WAIT=False,
-        ROPE=True,
-        QK_NORM=True,
-        FENCE=True,
         UNROLL_MERGE=16,
     )
-    signature = {
-        **POINTERS,
-        **{name: "i32" for name in INTS},
-        **SCALARS,
-        "num_rows": "i32",
-        **{name: "constexpr" for name in constexprs},
-    }
-    signature = {name: signature[name] for name in _verify_kernel.arg_names}
-    code, registers = kernel_sass(_verify_kernel, signature, constexprs, num_warps, ALIGNED)
-    return [text for _, text in code], registers
+    return compiled(_verify_kernel, constexprs, num_warps)
 
 
 def spills(code: list[str]) -> int:

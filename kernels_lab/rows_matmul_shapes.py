@@ -29,11 +29,11 @@ import sys
 import torch
 
 from common import launches_us
+from rows_matmul_imma import GROUP, ROWS, SHAPES
+from rows_matmul_imma import planes as q8_0_planes
 import forge_engine.kernels.rows_matmul as rows_module
 from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul
 
-ROWS, GROUP = 16, 32
-SHAPES = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 TILES = {  # (BLOCK_N, BLOCK_K, warps, stages); the export's first
     "int8": ((32, 128, 2, 3), (16, 128, 1, 3), (16, 256, 1, 3), (32, 256, 2, 3), (32, 128, 2, 4), (64, 128, 4, 3)),
     "int4": ((64, 128, 4, 3), (32, 128, 2, 3), (32, 256, 2, 3), (64, 256, 4, 3), (16, 256, 1, 3), (128, 128, 4, 3)),
@@ -43,13 +43,9 @@ PER_SM = (4, 8, 12)
 
 def planes(kind: str, n: int, k: int, device, gen=None):
     "Random weights as chapter 10g repacks them: int8 [n, k] or int4 pairs uint8 [n, k / 2]; (weight, scale, minimum)."
-    s = ((torch.rand(n, k // GROUP, generator=gen) + 0.5) / (127 * k**0.5)).half()
     if kind == "int8":
-        return (
-            torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).to(device),
-            s.to(device),
-            None,
-        )
+        return (*q8_0_planes(n, k, device, gen), None)
+    s = ((torch.rand(n, k // GROUP, generator=gen) + 0.5) / (127 * k**0.5)).half()
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     return w.to(device), (s * 17).to(device), (-8.0 * s * 17).half().to(device)
 
