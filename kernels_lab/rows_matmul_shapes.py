@@ -21,7 +21,12 @@ Compiled for sm_90 offline (registers and spills of each tile):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py sass
 On a GPU (LAB_KINDS=int8,int4 by default; SPLIT is a constexpr, so each split compiles a kernel of its own: one kind
 a device call): LAB_KINDS=int8 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py [time]
-Not yet run on a GPU."""
+
+On one H100, int8 (each matrix alone, its weights past L2): as exported qkv 12.6 µs (1.33 TB/s), o 11.9 (0.93),
+gate-up 33.2 (1.59), down 17.3 (1.53); the best of the grid qkv 12.6 (the export), o 11.7 (32/128/2/3 at four an SM),
+gate-up 30.1 (the same), down 17.2 (the export): a layer's four matmuls 75.1 µs against 71.6, 0.13 ms a 36-layer
+step. No tile or split of its own pays for a short matrix: what it loses is the launch's ramp and tail, not the tile.
+Kept: one int8 tile for every matrix."""
 
 import os
 import sys
