@@ -44,9 +44,9 @@ step against 405 + 54 (norm + RoPE) + 52 (K/V store). With the rows through chap
 on one H100: 1 + 4 rows 1.167x (LAB_GEMV_ROWS=5 LAB_FOLDED=32,128,2,3 LAB_FOLDED_PDL=late: the lab kernel 1.162x);
 with LAB_DECODE_ROWS=2,16 (engines of 16 sequences) and LAB_GEMV_ROWS=1: verify 1 + 4 rows 1.204x against 1.345x on
 cuBLAS, decode graphs of 2 sequences 3.704 ms against 4.200, of 16 sequences 4.035 against 4.450. With chapter 09's
-`_verify_kernel` (one program for a sequence's rows; before its chunks), on one H100 (LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1,
-the launcher before it run from a copy of the package on PYTHONPATH in the same call): 1 + 1 rows 1.142x against
-1.189x, 1 + 2 1.140x against 1.206x, 1 + 3 1.143x against 1.214x; 1 + 4 (a 32-row tile) 1.271x against 1.177x."""
+`_verify_kernel` (one program for a chunk of a sequence's rows), on one H100 (LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1, the
+launcher before it run from a copy of the package on PYTHONPATH in the same call): 1 + 1 rows 1.133x against 1.175x,
+1 + 2 1.132x against 1.194x, 1 + 3 1.134x against 1.201x, 1 + 4 (two chunks) 1.177x against 1.165x."""
 
 import functools
 import json

@@ -46,7 +46,8 @@
 # 09_kernels_rows_matmul): **1.167×** on an H100 (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=.
 # python3 kernels_lab/verify_step.py bf16`). With a proposer that is always right (`E = 5`) that
 # bounds the speed-up at about 4.3×. The attention's program per sequence then took 1 + 1 to 1 + 3
-# rows from 1.19-1.21× to 1.14× on an H100 (chapter 09_kernels_paged_attention).
+# rows from 1.18-1.20× to 1.13× on an H100; 1 + 4 rows, two chunks, cost 1.177× (chapter
+# 09_kernels_paged_attention).
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed

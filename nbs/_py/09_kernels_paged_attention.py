@@ -1535,13 +1535,12 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 #
 # Measured: the BF16 verify graph of random Qwen3-4B against a decode step on one H100 (`LAB_GEMV_ROWS=5
 # LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`, this launcher against
-# the one before it, the same machine): 1 + 1 rows 1.142x against 1.189x (a program per row), 1 +
-# 2 1.140x against 1.206x, 1 + 3 1.143x against 1.214x. A 32-row tile for five rows (before the
-# chunks) lost: 1 + 4 rows 1.271x against 1.177x; at 4 warps its K and V spilled registers, at 8
-# it took 252 (compiled for an H200). The chunks (a 4-row and a 1-row program for 1 + 4) have not
-# been timed. Below: a sequence's rows beside another sequence's, in several layouts and splits
-# (16-key splits put a sequence's rows across two), against storing every row first and
-# attending row by row.
+# a program per row, the same machine): 1 + 1 rows 1.133x against 1.175x, 1 + 2 1.132x against
+# 1.194x, 1 + 3 1.134x against 1.201x; 1 + 4 (a 4-row and a 1-row chunk) 1.177x against 1.165x.
+# One 32-row tile for five rows lost (1.271x): at 4 warps its K and V spilled registers, at 8 it
+# took 252 (compiled for an H200). Below: a sequence's rows beside another sequence's, in
+# several layouts and splits (16-key splits put a sequence's rows across two), against storing
+# every row first and attending row by row.
 
 # %%
 from forge_engine.config import MAX_SPECULATIVE_TOKENS
