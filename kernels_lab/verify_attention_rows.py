@@ -199,6 +199,8 @@ def fused_verify(pool, rows: int, scale: float):
         (torch.rand(HEAD_DIM, generator=gen, device=device) + 0.5).to(dtype) for _ in range(2)
     ]
     rope = NormRope(*weights, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
+    # the merge counters kept between calls, as the verify graph keeps them (each call leaves them at zero)
+    counters = torch.zeros(len(pos) * KV_HEADS, dtype=torch.int32, device=device)
     return lambda: paged_decode_attention(
         q,
         k_cache,
@@ -208,6 +210,7 @@ def fused_verify(pool, rows: int, scale: float):
         scale,
         new_kv=(new_k, new_v, slots),
         rope=rope,
+        counters=counters,
         verify=True,
     )
 

@@ -1595,6 +1595,7 @@ for rows in (
             ("triton", 16),
             ("triton", 64),
             ("triton", 10_000),
+            ("triton", None),  # splits by the batch (`decode_split_len`'s rule)
         ):
             pools = (k_cache.clone(), v_cache.clone())
             counters = torch.zeros(n * 2, dtype=torch.int32)
