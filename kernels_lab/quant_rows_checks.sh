@@ -16,12 +16,19 @@
 #   bash kernels_lab/quant_rows_checks.sh tiles8  # the int8 tile through bf16's bits at eight programs an SM: the
 #       export's (32/128/2/3) against wider ones on Q8_0 planes (every program reads its x columns again: a tile of 32
 #       rows reads as many bytes of x from L2 as of int8 weights)
+#   bash kernels_lab/quant_rows_checks.sh diff NAME.diff  # a copy of this package with kernels_lab's NAME.diff applied
+#       (`patch -p1`): its GPU tests of rows_matmul and of 2-16-sequence steps, then the 16-sequence step on Q8_0 and
+#       Q4_K planes as exported, this package's and the copy's in turn (sixteen_seqs_step.py export). The diff kept:
+#       rows_matmul_scales_ahead.diff: each step's scales (and int4's minimums) loaded a step ahead. Triton's pipeline
+#       brings the weights and x through shared memory steps ahead, but loads the scales, two bytes a thread, in the
+#       step that uses them (sm_90: LDG.E.U16 before the step's HMMAs), so every step of every program waits once for
+#       global memory; the same registers for int8 (128, 168 with SwiGLU), int4 89-154 against 89-128
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD:$PWD/kernels_lab${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step() {  # LAB_PLANES, variants, log name: the lines that name a variant and the graph's largest kernels
   LAB_PLANES=$1 timeout 170 python3 kernels_lab/sixteen_seqs_step.py "$2" > "$out/$3.log" 2>&1
-  grep -A3 "^\[" "$out/$3.log" | sed "s/^/$1 /"
+  grep -A3 "^\[" "$out/$3.log" | sed "s/^/$3 /"
 }
 case "${1:-}" in
   tests)
@@ -46,7 +53,18 @@ case "${1:-}" in
     grep -v Warn "$out/imma.log" ;;
   tiles)
     step q4_k export,tile4=32/128/2/3,tile4=64/256/4/3,tile4=128/128/8/3,tile4=64/128/4/4 q4_k_tiles ;;
+  diff)
+    copy=$(mktemp -d)
+    cp -r forge_engine "$copy/"
+    patch -s -p1 -d "$copy" < "kernels_lab/${2:?usage: quant_rows_checks.sh diff NAME.diff}" || exit 1
+    (cd "$copy" && PYTHONPATH=$copy:$PYTHONPATH timeout 300 python3 -m pytest -m gpu "$OLDPWD/tests/test_gpu.py" -q \
+      -p no:cacheprovider -k "rows_matmul_on or decode_rows" > "$out/rows_tests_diff.log" 2>&1)
+    tail -1 "$out/rows_tests_diff.log"
+    for planes in q8_0 q4_k; do
+      step $planes export "${planes}_now"
+      PYTHONPATH=$copy:$PYTHONPATH step $planes export "${planes}_diff"
+    done ;;
   *)
-    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|programs|shapes8|shapes4|imma|tiles|tiles8" >&2
+    echo "usage: bash kernels_lab/quant_rows_checks.sh tests|steps|programs|shapes8|shapes4|imma|tiles|tiles8|diff NAME.diff" >&2
     exit 2 ;;
 esac
