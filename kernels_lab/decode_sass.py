@@ -11,9 +11,10 @@ commit 942e6c9, compiled here without spills but measured slower; the merge's lo
 108 registers, as the loop.)
 
 The verify kernel (`_verify_kernel`: a chunk of a sequence's verify rows a program): with 4 rows (a 16-row tile)
-at 4 warps 128 registers with 16-key tiles, 168 with 64, 244 with 128, none spilled; 8 rows (a 32-row tile) spilled
-7 values at 4 warps and took 252 registers at 8, and its verify graph of 1 + 4 rows was slower on an H100 (1.271x a decode step
-against 1.177x a program per row), hence chunks of 4.
+at 4 warps 142 registers with 32-key tiles, 158 with 64, 168 with 128, none spilled. With the step's K/V attended to
+after the pool's keys (held in registers across the loop) it took 156 / 168 / 244. 8 rows (a 32-row tile) now compile
+at 4 warps to 183-222 registers without spills, but the verify graph of 1 + 4 rows in one such tile was slower on an
+H100 (1.277x a decode step against 1.143x in chunks of 4), hence chunks of 4.
 
 Run anywhere from the repository root (no GPU needed; the interpreter must be off):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/decode_sass.py"""

@@ -7,21 +7,13 @@
 #    through rows_matmul up to 5 rows); 3. with BEFORE, a folder holding another forge_engine (`git archive COMMIT
 #    forge_engine | tar -x -C DIR`, carried to the GPU machine), the same graphs from that package, in the same call;
 #    4. the attention alone (verify_attention_rows.py): a program per row against the package's verify call.
-# VARIANTS: for each, a copy of this forge_engine with kernels_lab's diffs applied in turn (`patch -p1`), then its
-# verify tests and its verify graphs, in the same call (about 105 s a variant). The diffs kept here, each checked
-# under the interpreter by chapter 09's tests and compiled for sm_90 (`decode_sass.py`'s verify_sass):
-#   verify_splits_by_length.diff  each sequence spreads its keys over all the launch's splits (64-key tiles), where
-#                                 the splits come from the table's width (a 512-token sequence in a 2K table holds
-#                                 keys in 4 of 16 splits as exported)
-#   verify_early_exit.diff        programs with no rows (a chunk's later rows) or no keys return at once
-#   verify_step_keys_first.diff   only the split that takes the step loads, rotates, stores and attends to the step's
-#                                 K/V, before the pool's keys: a 4-row chunk at 4 warps 182 registers at 128-key
-#                                 tiles against 244, and an 8-row chunk (a 32-row tile) no longer spills
-#   verify_tile_rows.diff         (after verify_step_keys_first.diff) a tile of as many of a sequence's rows as the
-#                                 step holds: 1 + 4 rows in one chunk, the keys read once
-# e.g. VARIANTS="first=verify_step_keys_first.diff
-#   all=verify_splits_by_length.diff+verify_early_exit.diff+verify_step_keys_first.diff
-#   tile=verify_splits_by_length.diff+verify_early_exit.diff+verify_step_keys_first.diff+verify_tile_rows.diff"
+# VARIANTS: for each, a copy of this forge_engine with diffs from kernels_lab applied in turn (`patch -p1`), then its
+# verify tests and its verify graphs, in the same call (about 80 s a variant); a diff is made with `git diff --
+# forge_engine/kernels/paged_attention.py` on a change to the exported module, and kept only until it is measured.
+# Measured this way on an H100 (1 + 1..3 and 1 + 4 rows, each a decode step's multiple): the step's K/V taken first by
+# the split that holds them 1.118-1.132x and 1.169x, with idle programs returning at once as well 1.121-1.128x and
+# 1.143x (both now the package), against 1.144-1.146x and 1.190x; on top of that, splits that follow each sequence's
+# length 1.129-1.152x and 1.180x, and one 32-row tile for 1 + 4 rows 1.277x (not kept).
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1

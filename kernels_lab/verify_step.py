@@ -46,7 +46,10 @@ with LAB_DECODE_ROWS=2,16 (engines of 16 sequences) and LAB_GEMV_ROWS=1: verify 
 cuBLAS, decode graphs of 2 sequences 3.704 ms against 4.200, of 16 sequences 4.035 against 4.450. With chapter 09's
 `_verify_kernel` (one program for a chunk of a sequence's rows), on one H100 (LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1, the
 launcher before it run from a copy of the package on PYTHONPATH in the same call): 1 + 1 rows 1.133x against 1.175x,
-1 + 2 1.132x against 1.194x, 1 + 3 1.134x against 1.201x, 1 + 4 (two chunks) 1.177x against 1.165x."""
+1 + 2 1.132x against 1.194x, 1 + 3 1.134x against 1.201x, 1 + 4 (two chunks) 1.177x against 1.165x. With the step's
+K/V taken first by the one split that holds them and idle programs returning at once (verify_attention_checks.sh,
+another H100, the kernel before from a patched copy in the same call): 1 + 1 to 1 + 3 rows 1.121x, 1.125x, 1.128x and
+1 + 4 rows 1.143x, against 1.145x, 1.144x, 1.146x and 1.190x."""
 
 import functools
 import json

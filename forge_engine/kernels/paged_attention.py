@@ -696,10 +696,11 @@ def _verify_kernel(
 ):
     """A verify step: a sequence's rows (up to SEQUENCE_ROWS consecutive rows at consecutive positions) in chunks
     of CHUNK, each taken by the program of its first row for KV head program_id(1) and split program_id(2): q tile
-    row i is the chunk's row i // GROUP, query head i % GROUP. The programs of a chunk's later rows have nothing to
-    do. The program whose split holds the sequence's first step position normalises, rotates and stores the chunk's
-    new K/V and attends to the step's K/V up to the chunk's last row from registers (normalising and rotating the
-    earlier chunks' again); the pool is read below that position. The splits merge in the kernel."""
+    row i is the chunk's row i // GROUP, query head i % GROUP. The programs of a chunk's later rows, and of splits past
+    the sequence's keys, return at once. The program whose split holds the sequence's first step position first
+    normalises, rotates and stores the chunk's new K/V and attends to the step's K/V up to the chunk's last row from
+    registers (normalising and rotating the earlier chunks' again); then every split reads the pool below that
+    position. The splits merge in the kernel."""
     _let_next_start(PDL, WAIT)
     row, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + row).to(tl.int32)  # this row sees ctx keys, its own the last
@@ -737,6 +738,9 @@ def _verify_kernel(
     continues = (j == 0) | (later_ok & (later_block * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE == slot))
     # a chunk starts at every CHUNK-th row of a sequence
     rows_here = tl.where(index % CHUNK == 0, tl.sum(continues.to(tl.int32), 0), 0)
+    # a chunk's later rows, and splits past the sequence's keys, have nothing to do
+    if (rows_here == 0) | (split * split_len >= first_ctx):
+        return
 
     i = tl.arange(0, BLOCK_G)
     r, heads = i // GROUP, kv_head * GROUP + i % GROUP
@@ -747,29 +751,12 @@ def _verify_kernel(
     d_mask = offs_d < HEAD_DIM
     k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh
     start = split * split_len
-    # the pool's keys of this split below the step's first position (none where this program has no rows)
-    end = tl.where(
-        rows_here > 0, tl.maximum(tl.minimum(start + split_len, first_ctx - 1), start), start
-    )
-    # this split holds the step's first position: it attends to the step's K/V from registers, those of the
-    # sequence's rows up to the chunk's last (step_j: a row's index in the step), and stores the chunk's own
-    takes_step = (rows_here > 0) & ((first_ctx - 1) // split_len == split)
-    step_j = tl.arange(0, STEP_KEYS)  # SEQUENCE_ROWS, at least 16: tl.dot's least
-    step_ok = takes_step & (step_j < index + rows_here)
-    step_row = row - index + step_j
+    # the pool's keys of this split below the step's first position
+    end = tl.maximum(tl.minimum(start + split_len, first_ctx - 1), start)
     q_mask = row_mask[:, None] & d_mask[None, :]
     q_at = q_ptr + q_row[:, None] * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_at + offs_d[None, :], mask=q_mask, other=0.0)
-    step_mask = step_ok[:, None] & d_mask[None, :]
-    step_k_at = new_k_ptr + step_row[:, None] * stride_nkb + kv_head * stride_nkh
-    step_k = tl.load(step_k_at + offs_d[None, :], mask=step_mask, other=0.0)
-    step_v = tl.load(
-        new_v_ptr + step_row[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
-        mask=step_mask,
-        other=0.0,
-    )
-    step_slot = tl.load(slots_ptr + step_row, mask=step_ok, other=0).to(tl.int64)
-    # q and the step's K as the QKV projection left them: each row at its own position's angles
+    # q as the QKV projection left it: each row at its own position's angles
     if ROPE:
         half: tl.constexpr = HEAD_DIM // 2
         pair = (offs_d + half) % HEAD_DIM
@@ -781,7 +768,6 @@ def _verify_kernel(
         # first half: x1 c - x2 s; second: x2 c + x1 s
         sign = tl.where(offs_d[None, :] < half, -1.0, 1.0)
         q_w, q_w_pair = _pair_weights(q_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
-        k_w, k_w_pair = _pair_weights(k_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM)
         q_angle = q_row[:, None] * stride_cos + in_half[None, :]
         q = _norm_rope_rows(
             q,
@@ -794,26 +780,51 @@ def _verify_kernel(
             HEAD_DIM,
             QK_NORM,
         ).to(q.dtype)
-        k_angle = step_row[:, None] * stride_cos + in_half[None, :]
-        step_k = _norm_rope_rows(
-            step_k,
-            tl.load(step_k_at + pair[None, :], mask=step_mask, other=0.0),
-            k_w,
-            k_w_pair,
-            tl.load(cos_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32),
-            tl.load(sin_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32) * sign,
-            eps,
-            HEAD_DIM,
-            QK_NORM,
-        ).to(step_v.dtype)
-    at = (step_slot // BLOCK_SIZE) * stride_kb + (step_slot % BLOCK_SIZE) * stride_kt
-    mine = step_mask & (step_j >= index)[:, None]
-    tl.store(k_head + at[:, None] + offs_d[None, :], step_k, mask=mine)
-    tl.store(v_head + at[:, None] + offs_d[None, :], step_v, mask=mine)
-
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # the split that holds the step's first position takes the step's K/V first (the online softmax takes keys in
+    # any order), those of the sequence's rows up to the chunk's last (step_j: a row's index in the step): it
+    # normalises, rotates and stores the chunk's own and attends to them all from registers; the other splits skip it
+    if (first_ctx - 1) // split_len == split:
+        step_j = tl.arange(0, STEP_KEYS)  # SEQUENCE_ROWS, at least 16: tl.dot's least
+        step_ok = step_j < index + rows_here
+        step_row = row - index + step_j
+        step_mask = step_ok[:, None] & d_mask[None, :]
+        step_k_at = new_k_ptr + step_row[:, None] * stride_nkb + kv_head * stride_nkh
+        step_k = tl.load(step_k_at + offs_d[None, :], mask=step_mask, other=0.0)
+        step_v = tl.load(
+            new_v_ptr + step_row[:, None] * stride_nvb + kv_head * stride_nvh + offs_d[None, :],
+            mask=step_mask,
+            other=0.0,
+        )
+        step_slot = tl.load(slots_ptr + step_row, mask=step_ok, other=0).to(tl.int64)
+        if ROPE:
+            k_w, k_w_pair = _pair_weights(
+                k_norm_ptr, offs_d[None, :], pair[None, :], d_row, QK_NORM
+            )
+            k_angle = step_row[:, None] * stride_cos + in_half[None, :]
+            step_k = _norm_rope_rows(
+                step_k,
+                tl.load(step_k_at + pair[None, :], mask=step_mask, other=0.0),
+                k_w,
+                k_w_pair,
+                tl.load(cos_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32),
+                tl.load(sin_ptr + k_angle, mask=step_mask, other=0.0).to(tl.float32) * sign,
+                eps,
+                HEAD_DIM,
+                QK_NORM,
+            ).to(step_v.dtype)
+        at = (step_slot // BLOCK_SIZE) * stride_kb + (step_slot % BLOCK_SIZE) * stride_kt
+        mine = step_mask & (step_j >= index)[:, None]
+        tl.store(k_head + at[:, None] + offs_d[None, :], step_k, mask=mine)
+        tl.store(v_head + at[:, None] + offs_d[None, :], step_v, mask=mine)
+        # each step key seen by its own row and the rows after it
+        step_pos = tl.where(step_ok, first_ctx - 1 + step_j, 2**30)
+        p, alpha, m_i, l_i = _softmax_step(
+            q, step_k, step_pos, 2**30, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
     acc, m_i, l_i = _attend_keys(
         q,
         row_pos,
@@ -836,12 +847,6 @@ def _verify_kernel(
         UPCAST,
         PRECISION,
     )
-    # the step's keys, each seen by its own row and the rows after it (none where this split does not take them)
-    step_pos = tl.where(step_ok, first_ctx - 1 + step_j, 2**30)
-    p, alpha, m_i, l_i = _softmax_step(
-        q, step_k, step_pos, 2**30, row_pos, m_i, l_i, qk_scale, True, UPCAST, PRECISION
-    )
-    acc = acc * alpha[:, None] + _dot(p.to(step_v.dtype), step_v, UPCAST, PRECISION)
     out_rows = out_ptr + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     _finish_split(
         acc,
@@ -853,8 +858,7 @@ def _verify_kernel(
         row_mask,
         offs_d,
         split,
-        # the splits that hold keys (none where this program has no rows)
-        tl.where(rows_here > 0, tl.maximum(tl.cdiv(first_ctx, split_len), 1), 0),
+        tl.cdiv(first_ctx, split_len),  # the splits that hold keys
         count_ptr + row * (num_q_heads // GROUP) + kv_head,
         part_acc_ptr,
         part_m_ptr,

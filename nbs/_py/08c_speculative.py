@@ -35,19 +35,16 @@
 # give 3.04 tokens a verify step, **1.81× and 1.62×** the tokens per second without speculation;
 # 7 drafts accept 55%, 4.78 tokens a step, 1.62× and 1.36×. The tokens are the same in every run.
 #
-# On a GPU a verify step replays a CUDA graph of its own (chapter 09b; its attention, chapter 09's
-# `_verify_kernel`, gives a sequence's rows one program that reads the keys once for them all and
-# takes the step's own K/V from the step's rows). Its rows cannot take the one-row
-# GEMV. On cuBLAS (measured on an H100, `LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 PYTHONPATH=. python3
-# kernels_lab/verify_step.py bf16`, random Qwen3-4B in BF16, one sequence of 512 tokens) a decode
-# step takes 3.23 ms and a verify step of 1 + 4 rows 4.23 ms, 1.31×: about 0.47 ms of matmuls
-# more (`kernels_lab/few_rows_matmul.py`), and the norms the GEMV folds in become launches of
-# their own. So the rows go to a tensor-core matmul that folds them in as the GEMV does (chapter
-# 09_kernels_rows_matmul): **1.167×** on an H100 (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=.
-# python3 kernels_lab/verify_step.py bf16`). With a proposer that is always right (`E = 5`) that
-# bounds the speed-up at about 4.3×. The attention's program per sequence then took 1 + 1 to 1 + 3
-# rows from 1.18-1.20× to 1.13× on an H100; 1 + 4 rows, two chunks, cost 1.177× (chapter
-# 09_kernels_paged_attention).
+# On a GPU a verify step replays a CUDA graph of its own (chapter 09b). Its rows cannot take the
+# one-row GEMV: on cuBLAS a verify step of 1 + 4 rows cost 1.31× a decode step on an H100, about
+# 0.47 ms of matmuls more (`kernels_lab/few_rows_matmul.py`) and the norms the GEMV folds in as
+# launches of their own. So the rows go to a tensor-core matmul that folds them in as the GEMV
+# does (chapter 09_kernels_rows_matmul), and the attention (chapter 09's `_verify_kernel`) gives a
+# sequence's rows one program that reads the keys once for them all and takes the step's own K/V
+# from registers. Measured on an H100, random Qwen3-4B in BF16, one sequence of 512 tokens
+# (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`): 1 + 1
+# to 1 + 3 rows cost 1.121-1.128× a decode step and 1 + 4 rows **1.143×**. With a proposer that is
+# always right (`E = 5`) that bounds the speed-up at about 4.4×.
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed
