@@ -247,7 +247,8 @@ def test_the_attention_kernels_spill_nothing_as_launched():
     """Chapter 09's decode attention as batch 1 launches it (the early tile held across the wait for q, 8 warps) and
     its verify kernel as a verify step launches it for Qwen3-4B (a chunk of 4 rows, 16 query rows a tile, 4 warps) at
     each key tile the split rule picks, compile for sm_90 with no spills to local memory: a latency-bound kernel
-    cannot hide a local round trip per spilled value (a verify tile of 8 rows spilled at 4 warps)."""
+    cannot hide a local round trip per spilled value (a verify tile of 8 rows with the step's K/V held across the
+    pool's loop spilled at 4 warps)."""
     found = compiled_offline(ATTENTION_SCRIPT)
     assert len(found) == 4, found
     assert all(count == 0 for count in found.values()), found
