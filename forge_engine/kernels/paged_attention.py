@@ -738,8 +738,9 @@ def _verify_kernel(
     continues = (j == 0) | (later_ok & (later_block * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE == slot))
     # a chunk starts at every CHUNK-th row of a sequence
     rows_here = tl.where(index % CHUNK == 0, tl.sum(continues.to(tl.int32), 0), 0)
+    start = split * split_len
     # a chunk's later rows, and splits past the sequence's keys, have nothing to do
-    if (rows_here == 0) | (split * split_len >= first_ctx):
+    if (rows_here == 0) | (start >= first_ctx):
         return
 
     i = tl.arange(0, BLOCK_G)
@@ -750,7 +751,6 @@ def _verify_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh
-    start = split * split_len
     # the pool's keys of this split below the step's first position
     end = tl.maximum(tl.minimum(start + split_len, first_ctx - 1), start)
     q_mask = row_mask[:, None] & d_mask[None, :]
