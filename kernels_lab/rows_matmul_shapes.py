@@ -19,8 +19,16 @@ Checked under the interpreter (every tile of the grid against `dequantized_group
     TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py check
 Compiled for sm_90 offline (registers and spills of each tile):
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py sass
-On a GPU (LAB_KINDS=int8,int4 by default; SPLIT is a constexpr, so each split compiles a kernel of its own: one kind
+On a GPU (LAB_KINDS=int8,int4 by default, LAB_TILES="BN/BK/W/ST,..." and LAB_PER_SM="4,6" in place of the grid; SPLIT is a constexpr, so each split compiles a kernel of its own: one kind
 a device call): LAB_KINDS=int8 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py [time]
+In the hardware's counters (each matrix's exported launch once, under Nsight Compute, as ncu_gemv.py does):
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \\
+        python3 kernels_lab/rows_matmul_shapes.py profile
+On one H100 so (int8, one launch each, caches flushed): qkv 13.4 µs at 38% of DRAM's bandwidth, o 12.1 at 28%,
+gate-up 33.9 at 49%, down 16.8 at 49%; 118-122 registers (gate-up with its SwiGLU pair 168), so 8 programs fit an SM
+(gate-up 6: its 912 programs are 1.15 waves); 2.7-3.7 warps active a scheduler, 0.5 eligible, each issuing every
+8-10 cycles, about half of that waiting on global loads: latency-bound, not short of issue slots or bandwidth.
 
 On one H100, int8 (each matrix alone, its weights past L2): as exported qkv 12.6 µs (1.33 TB/s), o 11.9 (0.93),
 gate-up 33.2 (1.59), down 17.3 (1.53); the best of the grid qkv 12.6 (the export), o 11.7 (32/128/2/3 at four an SM),
@@ -44,6 +52,15 @@ TILES = {  # (BLOCK_N, BLOCK_K, warps, stages); the export's first
     "int4": ((64, 128, 4, 3), (32, 128, 2, 3), (32, 256, 2, 3), (64, 256, 4, 3), (16, 256, 1, 3), (128, 128, 4, 3)),
 }  # fmt: skip
 PER_SM = (4, 8, 12)
+if os.environ.get(
+    "LAB_TILES"
+):  # "BN/BK/W/ST,...": these tiles of the kinds in LAB_KINDS in place of the grid
+    TILES = {
+        kind: tuple(tuple(map(int, t.split("/"))) for t in os.environ["LAB_TILES"].split(","))
+        for kind in TILES
+    }
+if os.environ.get("LAB_PER_SM"):  # "4,6": these programs an SM in place of PER_SM
+    PER_SM = tuple(map(int, os.environ["LAB_PER_SM"].split(",")))
 
 
 def planes(kind: str, n: int, k: int, device, gen=None):
@@ -165,7 +182,26 @@ def time_shapes():
               f"(x 36 layers: {36 * (export_sum - best_sum) / 1e3:.2f} ms a step)", flush=True)  # fmt: skip
 
 
+def profile():
+    "Each matrix's exported launch at 16 rows, once inside an NVTX range `profile` (what ncu's --nvtx-include takes)."
+    for kind in os.environ.get("LAB_KINDS", "int8,int4").split(","):
+        for name, (n, k) in SHAPES.items():
+            swiglu = name == "gate_up"
+            weights = [
+                planes(kind, n, k, "cuda") for _ in range(2)
+            ]  # warmed on one, profiled on the other
+            x = torch.randn(ROWS, k, device="cuda").bfloat16()
+            for w in (weights[0],) * 3:
+                rows_matmul(x, w[0], scale=w[1], minimum=w[2], swiglu=swiglu)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("profile")
+            rows_matmul(x, weights[1][0], scale=weights[1][1], minimum=weights[1][2], swiglu=swiglu)
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            print(f"profiled: {kind} {name} {n}x{k}", flush=True)
+
+
 if __name__ == "__main__":
-    {"check": check, "sass": sass, "time": time_shapes}[
+    {"check": check, "sass": sass, "time": time_shapes, "profile": profile}[
         sys.argv[1] if len(sys.argv) > 1 else "time"
     ]()

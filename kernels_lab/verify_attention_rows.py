@@ -19,10 +19,16 @@ launches (a step's layers) over 36 pools.
 
 Checked under the interpreter against chapter 09's `paged_attention_reference`:
     TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py check
-On a GPU: PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py [time]. On an H100, µs a layer (rows / per row /
-the package's fused verify call, which then took its first tile early up to 4 rows):
-    context 512:  1 row 6.5 / 8.6 / 11.4;  2 rows 7.3 / 9.4 / 13.0;  4 rows 7.5 / 9.4 / 18.1;  5 rows 8.1 / 10.3 / 13.0
-    context 4096: 1 row 15.7 / 16.9 / 20.7; 2 rows 15.8 / 18.0 / 32.1; 4 rows 16.0 / 21.8 / 38.5; 5 rows 17.7 / 22.9 / 26.5
+On a GPU: PYTHONPATH=. python3 kernels_lab/verify_attention_rows.py [time]. In the hardware's counters (`profile`:
+at 512 keys, the fused verify call of 1, 4 and 5 rows and this file's kernel of 5 rows, each launched once inside an
+NVTX range `profile`): ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \\
+    --section WarpStateStats --section LaunchStats python3 kernels_lab/verify_attention_rows.py profile
+On one H100 so (caches flushed): the decode kernel of 1 row 10.6 µs (72 programs of 8 warps); the fused verify call
+of 4 rows 14.6 µs and of 5 rows 14.4 (288 and 360 programs of 4 warps, most of them returning at once), its SMs busy
+a fifth to two fifths of the launch: its time is one program's chain of dependent loads, not its work.
+On an H100, µs a layer (rows / per row / the package's fused verify call as it is now):
+    context 512:  1 row 6.5 / 8.6 / 8.6;  2 rows 7.3 / 9.4 / 12.2;  4 rows 7.4 / 9.5 / 13.0;  5 rows 8.1 / 10.3 / 13.1
+    context 4096: 1 row 15.7 / 17.0 / 15.3; 2 rows 15.8 / 17.9 / 19.9; 4 rows 16.0 / 21.8 / 21.8; 5 rows 17.8 / 23.3 / 22.4
 One program for a sequence's rows reads its keys once: 1.23-1.36x faster than a program per row at 4-5 rows. Taken:
 chapter 09's `_verify_kernel` (with the store, norm and rotation inside, in chunks of a 16-row tile)."""
 
@@ -280,5 +286,28 @@ def time_rows():
             torch.cuda.empty_cache()
 
 
+def profile():
+    "One launch each inside an NVTX range `profile` (ncu's --nvtx-include), after warm-up launches on another pool."
+    scale = HEAD_DIM**-0.5
+    for rows, kind in ((1, "fused"), (4, "fused"), (5, "fused"), (5, "rows")):
+        pools = [inputs([512], rows, torch.bfloat16, "cuda", seed=s) for s in range(2)]
+        calls = [
+            fused_verify(p, rows, scale)
+            if kind == "fused"
+            else lambda p=p: rows_attention(*p, scale, rows)
+            for p in pools
+        ]
+        for _ in range(3):
+            calls[0]()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("profile")
+        calls[1]()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(f"profiled: {kind} {rows} rows, 512 keys", flush=True)
+
+
 if __name__ == "__main__":
-    {"check": check, "time": time_rows}[sys.argv[1] if len(sys.argv) > 1 else "time"]()
+    {"check": check, "time": time_rows, "profile": profile}[
+        sys.argv[1] if len(sys.argv) > 1 else "time"
+    ]()
