@@ -1544,9 +1544,9 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # with nothing to do return at once. Measured: the BF16 verify graph of random Qwen3-4B, one
 # sequence of 512 tokens, against a decode step on one H100 (`OUT=DIR bash
 # kernels_lab/verify_attention_checks.sh`, its step part `LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1
-# PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`): 1 + 1 to 1 + 3 rows 1.121-1.128x, 1 + 4
-# (a 4-row and a 1-row chunk) 1.143x, against 1.144-1.146x and 1.190x with the step's keys last
-# in every split, in the same call. Not kept: one 32-row tile for 1 + 4 rows (1.277x) and splits
+# PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`): 1 + 1 to 1 + 3 rows 1.126-1.133x, 1 + 4
+# (a 4-row and a 1-row chunk) 1.144-1.148x in three runs, against 1.142-1.146x and 1.188x with the
+# step's keys last in every split, in the same call. Not kept: one 32-row tile for 1 + 4 rows (1.277x) and splits
 # that follow each sequence's length rather than the table's width (1.180x). Below: a sequence's
 # rows beside another sequence's, in several layouts and splits (16-key splits put a sequence's
 # rows across two), against storing every row first and attending row by row.
