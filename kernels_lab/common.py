@@ -74,6 +74,19 @@ def launches_us(fn, launches: int) -> float:
     return graphed_ms(lambda: [fn(i) for i in range(launches)]) * 1000 / launches
 
 
+def profiled_launch(warm, call, label: str):
+    """warm() three times, then call() once inside an NVTX range `profile`: the launch ncu's `--nvtx-include
+    "profile/"` takes (warm and call on different copies of the data, so the profiled one reads cold memory)."""
+    for _ in range(3):
+        warm()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    call()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    print(f"profiled: {label}", flush=True)
+
+
 def time_variant(fn, graph: bool) -> tuple[float, str]:
     "(ms, how): graphed when `graph` (the variant reads nothing back to the host), else eager."
     if graph:

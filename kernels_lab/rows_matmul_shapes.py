@@ -41,7 +41,7 @@ import sys
 
 import torch
 
-from common import launches_us
+from common import launches_us, profiled_launch
 from rows_matmul_imma import GROUP, ROWS, SHAPES
 from rows_matmul_imma import planes as q8_0_planes
 import forge_engine.kernels.rows_matmul as rows_module
@@ -191,14 +191,11 @@ def profile():
                 planes(kind, n, k, "cuda") for _ in range(2)
             ]  # warmed on one, profiled on the other
             x = torch.randn(ROWS, k, device="cuda").bfloat16()
-            for w in (weights[0],) * 3:
-                rows_matmul(x, w[0], scale=w[1], minimum=w[2], swiglu=swiglu)
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push("profile")
-            rows_matmul(x, weights[1][0], scale=weights[1][1], minimum=weights[1][2], swiglu=swiglu)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
-            print(f"profiled: {kind} {name} {n}x{k}", flush=True)
+            launch = [
+                lambda w=w: rows_matmul(x, w[0], scale=w[1], minimum=w[2], swiglu=swiglu)
+                for w in weights
+            ]
+            profiled_launch(*launch, f"{kind} {name} {n}x{k}")
 
 
 if __name__ == "__main__":

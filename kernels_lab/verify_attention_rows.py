@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from common import launches_us
+from common import launches_us, profiled_launch
 from forge_engine.kernels.backend import INTERPRETED, tl, triton
 from forge_engine.kernels.elementwise import NormRope
 from forge_engine.kernels.paged_attention import (
@@ -297,14 +297,7 @@ def profile():
             else lambda p=p: rows_attention(*p, scale, rows)
             for p in pools
         ]
-        for _ in range(3):
-            calls[0]()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("profile")
-        calls[1]()
-        torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-        print(f"profiled: {kind} {rows} rows, 512 keys", flush=True)
+        profiled_launch(*calls, f"{kind} {rows} rows, 512 keys")
 
 
 if __name__ == "__main__":
