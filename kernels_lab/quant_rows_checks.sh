@@ -22,10 +22,9 @@
 #       copy's in turn (sixteen_seqs_step.py export). Measured so on an H100: the scales (and int4's minimums) loaded a
 #       step ahead (as compiled, each step loads them outside Triton's pipeline, LDG.E.U16 before its HMMAs): Q8_0
 #       2.854 ms a 16-row step against 2.868, Q4_K 3.202 against 3.202; other warps hide that wait (not kept)
-#       Waiting to be measured: swiglu_programs_4.diff and swiglu_programs_6.diff, the int8 SwiGLU launch (gate-up)
-#       aiming at 4 or 6 programs an SM rather than 8: it holds two weight tiles (168 registers), so 6 fit an SM and
-#       its 912 programs at 8 an SM run as 1.15 waves (ncu on an H100: rows_matmul_shapes.py profile); alone, gate-up
-#       took 30.1 µs at 4 an SM against 33.2 at 8 (rows_matmul_shapes.py time)
+#       The int8 SwiGLU launch (gate-up) at 6 programs an SM rather than 8, so that its 912 programs fit one wave (now
+#       the package): Q8_0 2.802-2.803 ms against 2.862 (two calls), at 4 an SM 2.989; Q4_K unchanged (3.191 against
+#       3.194: int4 keeps its own programs)
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD:$PWD/kernels_lab${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

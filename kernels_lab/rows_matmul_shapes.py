@@ -34,7 +34,12 @@ On one H100, int8 (each matrix alone, its weights past L2): as exported qkv 12.6
 gate-up 33.2 (1.59), down 17.3 (1.53); the best of the grid qkv 12.6 (the export), o 11.7 (32/128/2/3 at four an SM),
 gate-up 30.1 (the same), down 17.2 (the export): a layer's four matmuls 75.1 µs against 71.6, 0.13 ms a 36-layer
 step. No tile or split of its own pays for a short matrix: what it loses is the launch's ramp and tail, not the tile.
-Kept: one int8 tile for every matrix."""
+Kept: one int8 tile for every matrix, and gate-up's SwiGLU launch aimed at six programs an SM so that it fits one wave
+(chapter 09_kernels_rows_matmul's ROWS_MATMUL_INT8_SWIGLU_PROGRAMS). Four warps to a tile (76 registers against 122,
+each weight converted twice: two warps share a row of A) lost on another H100 (LAB_KINDS=int8
+LAB_TILES=32/128/2/3,32/128/4/3,32/128/4/4,64/128/8/3 LAB_PER_SM=4,6,8): qkv 13.6-15.1 µs against 12.1-13.6 for the
+exported tile at the same programs, o 11.3-12.5 against 11.1-11.8, gate-up 33.5-38.1 against 29.6-32.4, down
+18.1-20.4 against 17.0-18.1; 64/128/8/3 0.7-1.1 TB/s."""
 
 import os
 import sys

@@ -14,13 +14,11 @@
 # the split that holds them 1.118-1.132x and 1.169x, with idle programs returning at once as well 1.121-1.128x and
 # 1.143x (both now the package), against 1.144-1.146x and 1.190x; on top of that, splits that follow each sequence's
 # length 1.129-1.152x and 1.180x, and one 32-row tile for 1 + 4 rows 1.277x (not kept).
-# The package as committed, rerun (two calls, one H100): 1 + 1..3 rows 1.126-1.133x, 1 + 4 rows 1.144-1.148x.
-# Waiting to be measured: VARIANTS="late=verify_wait_late.diff", the verify kernel launched as a dependent at every
-# row count (the package does so up to DEPENDENT_LAUNCH_MAX_ROWS, 4: a step of 1 + 4 rows waits for the projection
-# before it to finish before it starts) and waiting for that projection only after its scans of the step's rows and
-# its early return (they read the step's lengths, tables and slots, which the projection does not write); checked
-# with `TRITON_INTERPRET=1 PYTHONPATH=.:kernels_lab python3 kernels_lab/verify_attention_rows.py check`, the same
-# 142 / 158 / 168 registers on sm_90 with no spills.
+# Then rerun (two calls, one H100): 1 + 1..3 rows 1.126-1.133x, 1 + 4 rows 1.144-1.148x. The kernel launched as a
+# dependent at every row count and waiting for the projection only after its scans of the step's rows and its early
+# return (now the package; another H100, two runs in one call): 1 + 1..3 rows 1.117-1.126x, 1 + 4 rows 1.132-1.133x,
+# against 1.127-1.132x and 1.145x; with the step's other small kernels dependents at 5 rows as well
+# (LAB_CONSTANTS="DEPENDENT_LAUNCH_MAX_ROWS=5" to verify_step.py): 1.132x, no gain.
 set -uo pipefail
 out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1

@@ -43,8 +43,8 @@
 # sequence's rows one program that reads the keys once for them all and takes the step's own K/V
 # from registers. Measured on an H100, random Qwen3-4B in BF16, one sequence of 512 tokens
 # (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`): 1 + 1
-# to 1 + 3 rows cost 1.126-1.133× a decode step and 1 + 4 rows **1.144-1.148×** (three runs). With a proposer that is
-# always right (`E = 5`) that bounds the speed-up at about 4.4×.
+# to 1 + 3 rows cost 1.117-1.126× a decode step and 1 + 4 rows **1.132-1.133×** (two runs). With a proposer that
+# is always right (`E = 5`) that bounds the speed-up at about 4.4×.
 #
 # **Proposing by prompt lookup** (n-grams, no extra weights): find the most recent earlier place
 # where the sequence's last `n` tokens occurred (longest `n` first) and propose what followed

@@ -233,7 +233,7 @@ def _pdl_args(device, waits_late: bool = False, rows: int = 1) -> dict:
     """Launch arguments of a small kernel of the decode step (norms, RoPE, K/V store, SiLU-mul, decode attention) over
     `rows` rows: it lets the next kernel start early, and (at most DEPENDENT_LAUNCH_MAX_ROWS rows) is launched early
     itself, waiting for its input. `waits_late`: launched early in any case; the kernel waits itself, further on
-    (the decode attention's early tile)."""
+    (the decode attention's early tile, the verify kernel's scans of its rows)."""
     pdl = pdl_supported(device)
     dependent = pdl and (waits_late or rows <= DEPENDENT_LAUNCH_MAX_ROWS)
     return dict(PDL=pdl, WAIT=dependent and not waits_late, launch_pdl=dependent)

@@ -790,6 +790,7 @@ def _verify_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     WAIT: tl.constexpr,
+    WAIT_LATE: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     FENCE: tl.constexpr,
@@ -843,6 +844,9 @@ def _verify_kernel(
     # a chunk's later rows, and splits past the sequence's keys, have nothing to do
     if (rows_here == 0) | (start >= first_ctx):
         return
+    # launched early (WAIT_LATE): the scans above read only the step's tables, slots and lengths; q and the step's
+    # K/V come from the projection before
+    _wait_for_previous(WAIT_LATE)
 
     i = tl.arange(0, BLOCK_G)
     r, heads = i // GROUP, kv_head * GROUP + i % GROUP
@@ -1194,7 +1198,8 @@ def paged_decode_attention(
             SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS,
             CHUNK=chunk,
             STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
-            **_pdl_args(q.device, rows=batch),
+            **_pdl_args(q.device, waits_late=True, rows=batch),
+            WAIT_LATE=pdl_supported(q.device),
             **constants,
         )
         return out
@@ -1541,13 +1546,18 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # keys (the online softmax takes keys in any order): their registers are free again before the
 # pool's loop (a 4-row chunk at 128-key tiles compiles to 168 registers, against 244 with the
 # step's keys last: `kernels_lab/decode_sass.py`), and the other splits skip that work; programs
-# with nothing to do return at once. Measured: the BF16 verify graph of random Qwen3-4B, one
-# sequence of 512 tokens, against a decode step on one H100 (`OUT=DIR bash
-# kernels_lab/verify_attention_checks.sh`, its step part `LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1
-# PYTHONPATH=. python3 kernels_lab/verify_step.py bf16`): 1 + 1 to 1 + 3 rows 1.126-1.133x, 1 + 4
-# (a 4-row and a 1-row chunk) 1.144-1.148x in three runs, against 1.142-1.146x and 1.188x with the
-# step's keys last in every split, in the same call. Not kept: one 32-row tile for 1 + 4 rows (1.277x) and splits
-# that follow each sequence's length rather than the table's width (1.180x). Below: a sequence's
+# with nothing to do return at once. The launch is a dependent of the projection before it at
+# every row count (`WAIT_LATE`): its programs find their rows and return early before they wait,
+# since the scans read only the step's lengths, tables and slots, which the host writes before
+# the graph's first kernel; q and the step's K/V, which the projection writes, are read after the
+# wait. Measured: the BF16 verify graph of random Qwen3-4B, one sequence of 512 tokens, against a
+# decode step on one H100, two runs in one call (`LAB_GEMV_ROWS=5 LAB_STEPS_ONLY=1 PYTHONPATH=.
+# python3 kernels_lab/verify_step.py bf16`): 1 + 1 to 1 + 3 rows 1.117-1.126x, 1 + 4 (a 4-row and
+# a 1-row chunk) **1.132-1.133x**, against 1.127-1.132x and 1.145x waiting for the projection before
+# the scans (1 + 4 was then not launched early at all: five rows, past
+# `DEPENDENT_LAUNCH_MAX_ROWS`). Earlier, the step's keys last in every split had cost 1.142-1.146x
+# and 1.188x. Not kept: one 32-row tile for 1 + 4 rows (1.277x) and splits that follow each
+# sequence's length rather than the table's width (1.180x). Below: a sequence's
 # rows beside another sequence's, in several layouts and splits (16-key splits put a sequence's
 # rows across two), against storing every row first and attending row by row.
 

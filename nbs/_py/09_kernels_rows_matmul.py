@@ -177,6 +177,15 @@ gen = torch.Generator().manual_seed(9)
 # programs an SM: the exported mix (the head through the bits at eight an SM) was not run. Two
 # programs an SM (fp32): 3.338 ms on the Q8_0 planes. At eight an SM the BF16 verify step of 1 + 4
 # rows lost as well (1.225x a decode step, against 1.167-1.177x at four).
+#
+# **One wave for SwiGLU pairs** (`ROWS_MATMUL_INT8_SWIGLU_PROGRAMS`). A program of the int8 gate-up
+# launch holds two weight tiles: 168 registers, so six fit an SM, not eight. Aimed at eight, its
+# 912 programs ran as 1.15 waves (ncu, `kernels_lab/rows_matmul_shapes.py profile`); aimed at six
+# they run as one. The 16-sequence decode graph on Q8_0 planes, one H100, two runs in two calls
+# (`LAB_PLANES=q8_0 PYTHONPATH=. python3 kernels_lab/sixteen_seqs_step.py export`, the package
+# with SwiGLU at eight, six and four an SM in turn): **2.802-2.803 ms** (S_TG 5,498-5,567 tok/s)
+# at six against 2.862 ms (5,426-5,456) at eight and 2.989 ms (5,212) at four. int4 weights keep
+# their own four an SM.
 
 # %%
 #| export
@@ -197,6 +206,9 @@ ROWS_MATMUL_INT4_TILE = (
 )  # for int4 weights: the 16-sequence step's winner (below; the same BLOCK_K: a step holds the same groups)
 ROWS_MATMUL_INT8_PROGRAMS = (
     8  # an SM, for int8 weights (BF16 and int4: split_k_programs' four); measured below
+)
+ROWS_MATMUL_INT8_SWIGLU_PROGRAMS = (
+    6  # an SM, for int8 SwiGLU pairs: two weight tiles a program, six fit an SM
 )
 
 
@@ -807,7 +819,10 @@ def rows_matmul(
     if split is None:
         int8 = scale is not None and not int4
         programs = (
-            split_k_programs(x.device, ROWS_MATMUL_INT8_PROGRAMS)
+            split_k_programs(
+                x.device,
+                ROWS_MATMUL_INT8_SWIGLU_PROGRAMS if swiglu else ROWS_MATMUL_INT8_PROGRAMS,
+            )
             if int8
             else split_k_programs(x.device)
         )
