@@ -1,4 +1,4 @@
-"""rows_matmul's quantized tiles per Qwen3-4B matrix at 16 rows: does each matrix want a tile and a split of its own?
+"""rows_matmul's tiles per Qwen3-4B matrix (16 rows, or LAB_ROWS): does each matrix want its own tile and split?
 
 Why: at 16 sequences the int8 tile reads gate-up's weights at 2.16 TB/s but qkv's at 1.34, down's at 1.55 and o's at
 0.94 (H100, `rows_matmul_imma.py time`): one tile and one rule for the programs serve the long matrix and leave the
@@ -17,10 +17,17 @@ a second per setting, each matrix's best against the export, and a layer's four 
 
 Checked under the interpreter (every tile of the grid against `dequantized_groups`' product, small shapes):
     TRITON_INTERPRET=1 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py check
-Compiled for sm_90 offline (registers and spills of each tile):
+Compiled for sm_90 offline (registers and spills of each tile, then the export's tile with each matrix's folds; none
+spill): plain, with the norm (qkv), the residual and hand-off (o, down), the norm and SwiGLU pair (gate-up): BF16 80,
+96, 80, 124 registers; int8 122, 126, 126, 168; int4 79, 79, 95, 128:
     TRITON_INTERPRET=0 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py sass
-On a GPU (LAB_KINDS=int8,int4 by default, LAB_TILES="BN/BK/W/ST,..." and LAB_PER_SM="4,6" in place of the grid; SPLIT is a constexpr, so each split compiles a kernel of its own: one kind
-a device call): LAB_KINDS=int8 PYTHONPATH=. python3 kernels_lab/rows_matmul_shapes.py [time]
+On a GPU (LAB_KINDS=int8,int4 by default, LAB_TILES="BN/BK/W/ST,..." and LAB_PER_SM="4,6" in place of the grid; SPLIT
+is a constexpr, so each split compiles a kernel of its own: one kind a device call): LAB_KINDS=int8 PYTHONPATH=.
+python3 kernels_lab/rows_matmul_shapes.py [time]
+LAB_KINDS=bf16 LAB_ROWS=5: the verify step's matmuls (1 + 4 rows of BF16 weights, chapter 08c) in the same grid, each
+matrix also through the one-row GEMV of a decode step on the same weights: where a verify step's excess over a decode
+step lies, matrix by matrix, and at what share of the card's bandwidth each reads (on an H200 the decode step is
+shorter and a latency-bound tile's excess a larger share of it).
 In the hardware's counters (each matrix's exported launch once, under Nsight Compute, as ncu_gemv.py does):
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \\
@@ -50,9 +57,11 @@ from common import launches_us, profiled_launch
 from rows_matmul_imma import GROUP, ROWS, SHAPES
 from rows_matmul_imma import planes as q8_0_planes
 import forge_engine.kernels.rows_matmul as rows_module
+from forge_engine.kernels.gemv import gemv
 from forge_engine.kernels.rows_matmul import dequantized_groups, rows_matmul
 
 TILES = {  # (BLOCK_N, BLOCK_K, warps, stages); the export's first
+    "bf16": ((32, 128, 2, 3), (32, 128, 1, 3), (32, 128, 4, 3), (16, 128, 2, 3), (64, 128, 2, 3), (32, 64, 2, 4)),
     "int8": ((32, 128, 2, 3), (16, 128, 1, 3), (16, 256, 1, 3), (32, 256, 2, 3), (32, 128, 2, 4), (64, 128, 4, 3)),
     "int4": ((64, 128, 4, 3), (32, 128, 2, 3), (32, 256, 2, 3), (64, 256, 4, 3), (16, 256, 1, 3), (128, 128, 4, 3)),
 }  # fmt: skip
@@ -66,10 +75,16 @@ if os.environ.get(
     }
 if os.environ.get("LAB_PER_SM"):  # "4,6": these programs an SM in place of PER_SM
     PER_SM = tuple(map(int, os.environ["LAB_PER_SM"].split(",")))
+TIMED_ROWS = int(
+    os.environ.get("LAB_ROWS", ROWS)
+)  # rows of x timed (5: a verify step of 1 + 4 rows)
 
 
 def planes(kind: str, n: int, k: int, device, gen=None):
-    "Random weights as chapter 10g repacks them: int8 [n, k] or int4 pairs uint8 [n, k / 2]; (weight, scale, minimum)."
+    """Random weights as chapter 10g repacks them: int8 [n, k] or int4 pairs uint8 [n, k / 2]; or BF16 [n, k]
+    (weight, scale, minimum)."""
+    if kind == "bf16":
+        return (torch.randn(n, k, generator=gen) / k**0.5).bfloat16().to(device), None, None
     if kind == "int8":
         return (*q8_0_planes(n, k, device, gen), None)
     s = ((torch.rand(n, k // GROUP, generator=gen) + 0.5) / (127 * k**0.5)).half()
@@ -89,7 +104,12 @@ def run(x, weight, scale, minimum, tile, split=None, swiglu=False):
 
 
 def reference(x, weight, scale, minimum, swiglu=False):
-    y = x.float() @ dequantized_groups(weight, scale, torch.float32, minimum).T
+    dense = (
+        weight.float()
+        if scale is None
+        else dequantized_groups(weight, scale, torch.float32, minimum)
+    )
+    y = x.float() @ dense.T
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
@@ -129,19 +149,27 @@ def sass():
     ]
     for kind, tiles in TILES.items():
         signature = {**{p: "*bf16" for p in pointers}, **{s: "i32" for s in scalars}, "eps": "fp32",
-                     "w_ptr": "*i8" if kind == "int8" else "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16",
+                     "w_ptr": {"int8": "*i8", "int4": "*u8", "bf16": "*bf16"}[kind], "scale_ptr": "*fp16",
+                     "min_ptr": "*fp16",
                      "partials_ptr": "*fp32", "tickets_ptr": "*i32", "in_sums_ptr": "*fp32", "out_sums_ptr": "*fp32"}  # fmt: skip
-        for block_n, block_k, warps, stages in tiles:
+        # each tile without folds, then the export's (the first) with each matrix's folds as a layer runs them
+        folds = {"qkv (norm)": dict(NORM_SUMS=True), "o / down (residual, hand-off)": dict(RESIDUAL=True, HAND_OFF=True),
+                 "gate-up (norm, SwiGLU)": dict(NORM_SUMS=True, SWIGLU=True)}  # fmt: skip
+        settings = [(tile, "", {}) for tile in tiles] + [
+            (tiles[0], f", {n}", f) for n, f in folds.items()
+        ]
+        for (block_n, block_k, warps, stages), label, fold in settings:
             flags = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=ROWS, SPLIT=4, EVEN_K=True, HAS_BIAS=False,
-                         SWIGLU=False, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False, GROUP=GROUP,
+                         SWIGLU=False, RESIDUAL=False, NORM_SUMS=False, HAND_OFF=False,
+                         GROUP=0 if kind == "bf16" else GROUP,
                          INT4=kind == "int4", BYTE_ASM=True, UPCAST=False, PDL=True)  # fmt: skip
             code, registers = kernel_sass(
-                rows_module._rows_matmul_kernel, signature, flags, warps, num_stages=stages,
+                rows_module._rows_matmul_kernel, signature, {**flags, **fold}, warps, num_stages=stages,
                 aligned=("x_ptr", "w_ptr", "partials_ptr", "out_ptr", "stride_xm", "stride_wn", "K", "k_per_split"),
             )  # fmt: skip
             spills = sum(("STL" in text) or ("LDL" in text) for _, text in code)
-            print(f"{kind} {block_n}/{block_k}/{warps}/{stages}: {len(code)} instructions, {registers} registers, "
-                  f"{spills} spilled loads / stores")  # fmt: skip
+            print(f"{kind} {block_n}/{block_k}/{warps}/{stages}{label}: {len(code)} instructions, {registers} "
+                  f"registers, {spills} spilled loads / stores")  # fmt: skip
 
 
 def time_shapes():
@@ -152,19 +180,33 @@ def time_shapes():
         best_sum = export_sum = 0.0
         for name, (n, k) in SHAPES.items():
             swiglu = name == "gate_up"
-            bytes_read = n * k * (1 if kind == "int8" else 0.5) + n * k // GROUP * (
-                2 if kind == "int8" else 4
+            bytes_read = (
+                n * k * {"int8": 1, "int4": 0.5, "bf16": 2}[kind]
+                + n
+                * k
+                // GROUP
+                * {
+                    "int8": 2,
+                    "int4": 4,
+                    "bf16": 0,
+                }[kind]
             )
             copies = max(2, int(400e6 // bytes_read))  # 400 MB of weights: past L2
             weights = [planes(kind, n, k, device) for _ in range(copies)]
-            x = torch.randn(ROWS, k, device=device).bfloat16()
+            x = torch.randn(TIMED_ROWS, k, device=device).bfloat16()
             export = launches_us(
                 lambda i: rows_matmul(x, weights[i % copies][0], scale=weights[i % copies][1],
                                       minimum=weights[i % copies][2], swiglu=swiglu), 50)  # fmt: skip
             line, best = (
-                f"{kind} {name} {n}x{k}: export {export:6.1f} µs ({bytes_read / export / 1e6:.2f} TB/s)",
+                f"{kind} {name} {n}x{k}, {TIMED_ROWS} rows: export {export:6.1f} µs "
+                f"({bytes_read / export / 1e6:.2f} TB/s)",
                 (export, "export"),
             )
+            if kind == "bf16":  # the one-row GEMV of a decode step, on the same weights
+                one = launches_us(lambda i: gemv(x[:1], weights[i % copies][0], swiglu=swiglu), 50)
+                line += (
+                    f"; 1 row through the GEMV {one:6.1f} µs ({bytes_read / one / 1e6:.2f} TB/s)"
+                )
             for tile in TILES[kind]:
                 steps, tiles = -(-k // tile[1]), -(-(n // 2 if swiglu else n) // tile[0])
                 line += f"\n  {'/'.join(map(str, tile))}"
@@ -195,7 +237,7 @@ def profile():
             weights = [
                 planes(kind, n, k, "cuda") for _ in range(2)
             ]  # warmed on one, profiled on the other
-            x = torch.randn(ROWS, k, device="cuda").bfloat16()
+            x = torch.randn(TIMED_ROWS, k, device="cuda").bfloat16()
             launch = [
                 lambda w=w: rows_matmul(x, w[0], scale=w[1], minimum=w[2], swiglu=swiglu)
                 for w in weights

@@ -29,7 +29,7 @@ verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`rout
 and the residual adds folded in); LAB_CONSTANTS="NAME=V,NAME=V;...": part 1 also times the verify graphs with the
 kernels' tuning constants set as each group says (e.g. DECODE_TARGET_PROGRAMS=512: the attention's splits);
 LAB_PROGRAMS="3,6": part 1 also times the verify graphs with chapter 09's rows_matmul launches split along K to that
-many programs an SM; LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
+many programs an SM; LAB_ROWS_TILES="BN,BK,W,ST[;...]": with rows_matmul in each tile (ROWS_MATMUL_TILE); LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
 sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3
 run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's
 GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
@@ -251,6 +251,16 @@ def use_programs(per_sm: int):
     return lambda: setattr(rows_matmul, "split_k_programs", exported)
 
 
+def use_rows_tile(tile: tuple[int, ...]):
+    """chapter 09's `rows_matmul` in `tile` (BLOCK_N, BLOCK_K, warps, stages) for BF16 and int8 weights
+    (ROWS_MATMUL_TILE); returns the function that restores the export's."""
+    import forge_engine.kernels.rows_matmul as rows_matmul
+
+    exported = rows_matmul.ROWS_MATMUL_TILE
+    rows_matmul.ROWS_MATMUL_TILE = tile
+    return lambda: setattr(rows_matmul, "ROWS_MATMUL_TILE", exported)
+
+
 def use_constants(assignments: str):
     """The kernels' tuning constants set as `assignments` says ("NAME=V,NAME=V": decode_step_timeline.py's
     `set_constant`, e.g. DECODE_TARGET_PROGRAMS=512 for the attention's splits); returns the function that restores
@@ -328,6 +338,11 @@ def main(quantization: str) -> None:
         (group, functools.partial(use_constants, group))
         for group in os.environ.get("LAB_CONSTANTS", "").split(";")
         if group
+    ]
+    # LAB_ROWS_TILES="BN,BK,W,ST;...": the exported verify step with rows_matmul in each tile, in turn
+    routes += [
+        (f"rows_matmul {t}", functools.partial(use_rows_tile, t))
+        for t in lab_tiles("LAB_ROWS_TILES")
     ]
     # LAB_PROGRAMS="3,6": the exported verify step with rows_matmul's launches at that many programs an SM, in turn
     routes += [

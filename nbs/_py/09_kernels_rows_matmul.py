@@ -74,10 +74,12 @@ gen = torch.Generator().manual_seed(9)
 # kernel's programs then sit on the SMs waiting while these still stream weights (on an H100 the
 # verify step 1.273x against 1.158x; `kernels_lab/folded_rows_matmul.py`'s `LAB_FOLDED_PDL`).
 #
-# **The tile** (`ROWS_MATMUL_TILE`): 32 weight rows by 128 inputs, 2 warps, 3 stages. Compiled for
-# Hopper it is `mma.sync` fed by plain loads: 255 registers a thread, no spills, four programs an
-# SM. Tiles were chosen in the whole step, not one matrix at a time: the tiles that win a matrix
-# timed alone lose inside the step.
+# **The tile** (`ROWS_MATMUL_TILE`): 32 weight rows by 128 inputs, 2 warps, 3 stages, launched at
+# four programs an SM. Compiled for Hopper, BF16 weights reach `mma.sync` (HMMA) through shared
+# memory that `cp.async` (LDGSTS) fills two steps ahead: 80 registers a thread, 96 with the norm
+# folded in, 124 for gate-up's SwiGLU pair, no spills (`TRITON_INTERPRET=0 PYTHONPATH=. python3
+# kernels_lab/rows_matmul_shapes.py sass`). Tiles were chosen in the whole step, not one matrix
+# at a time: the tiles that win a matrix timed alone lose inside the step.
 #
 # | tile (BLOCK_N, BLOCK_K, warps, stages) | H100, verify 1 + 4 rows ÷ decode step |
 # |---|---|
