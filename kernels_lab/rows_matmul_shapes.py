@@ -27,7 +27,12 @@ python3 kernels_lab/rows_matmul_shapes.py [time]
 LAB_KINDS=bf16 LAB_ROWS=5: the verify step's matmuls (1 + 4 rows of BF16 weights, chapter 08c) in the same grid, each
 matrix also through the one-row GEMV of a decode step on the same weights: where a verify step's excess over a decode
 step lies, matrix by matrix, and at what share of the card's bandwidth each reads (on an H200 the decode step is
-shorter and a latency-bound tile's excess a larger share of it).
+shorter and a latency-bound tile's excess a larger share of it). On one H100, each matrix alone (µs, weights read a
+second), as exported at 5 rows against the one-row GEMV: qkv 16.1 (1.96 TB/s) against 11.6 (2.72), o 13.3 (1.57)
+against 7.9 (2.65), gate-up 35.7 (2.79) against 33.1 (3.01), down 23.0 (2.16) against 18.2 (2.74): a layer's four
+88.2 µs against 70.8, the short matrices 14.7 of the 17.4 more. The best of 16/128/2/3, 32/64/2/4, 32/128/4/3 and
+16/128/1/3 at four or eight an SM: qkv 14.2 (16/128/2/3, four), o 12.9 (32/64/2/4, four), gate-up the export, down
+22.6 (32/128/4/3, four): 85.5 µs, no tile near the GEMV on a short matrix.
 In the hardware's counters (each matrix's exported launch once, under Nsight Compute, as ncu_gemv.py does):
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \\
@@ -230,7 +235,8 @@ def time_shapes():
 
 
 def profile():
-    "Each matrix's exported launch at 16 rows, once inside an NVTX range `profile` (what ncu's --nvtx-include takes)."
+    """Each matrix's exported launch at TIMED_ROWS rows, once inside an NVTX range `profile` (what ncu's --nvtx-include
+    takes); BF16 weights also through the one-row GEMV of a decode step."""
     for kind in os.environ.get("LAB_KINDS", "int8,int4").split(","):
         for name, (n, k) in SHAPES.items():
             swiglu = name == "gate_up"
@@ -242,7 +248,10 @@ def profile():
                 lambda w=w: rows_matmul(x, w[0], scale=w[1], minimum=w[2], swiglu=swiglu)
                 for w in weights
             ]
-            profiled_launch(*launch, f"{kind} {name} {n}x{k}")
+            profiled_launch(*launch, f"{kind} {name} {n}x{k}, {TIMED_ROWS} rows")
+            if kind == "bf16":
+                one = [lambda w=w: gemv(x[:1], w[0], swiglu=swiglu) for w in weights]
+                profiled_launch(*one, f"{kind} {name} {n}x{k}, 1 row through the GEMV")
 
 
 if __name__ == "__main__":
