@@ -155,10 +155,11 @@ def sass():
     for kind, tiles in TILES.items():
         signature = {**{p: "*bf16" for p in pointers}, **{s: "i32" for s in scalars}, "eps": "fp32",
                      "w_ptr": {"int8": "*i8", "int4": "*u8", "bf16": "*bf16"}[kind], "scale_ptr": "*fp16",
-                     "min_ptr": "*fp16",
-                     "partials_ptr": "*fp32", "tickets_ptr": "*i32", "in_sums_ptr": "*fp32", "out_sums_ptr": "*fp32"}  # fmt: skip
+                     "min_ptr": "*fp16", "partials_ptr": "*fp32", "tickets_ptr": "*i32", "in_sums_ptr": "*fp32",
+                     "out_sums_ptr": "*fp32"}  # fmt: skip
         # each tile without folds, then the export's (the first) with each matrix's folds as a layer runs them
-        folds = {"qkv (norm)": dict(NORM_SUMS=True), "o / down (residual, hand-off)": dict(RESIDUAL=True, HAND_OFF=True),
+        folds = {"qkv (norm)": dict(NORM_SUMS=True),
+                 "o / down (residual, hand-off)": dict(RESIDUAL=True, HAND_OFF=True),
                  "gate-up (norm, SwiGLU)": dict(NORM_SUMS=True, SWIGLU=True)}  # fmt: skip
         settings = [(tile, "", {}) for tile in tiles] + [
             (tiles[0], f", {n}", f) for n, f in folds.items()

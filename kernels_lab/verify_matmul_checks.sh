@@ -6,9 +6,9 @@
 #    programs an SM (LAB_PROGRAMS), each in the same process; 2. each Qwen3-4B matrix alone at 5 rows of BF16 weights
 #    in those tiles against the one-row GEMV of a decode step on the same weights (rows_matmul_shapes.py, LAB_KINDS=bf16
 #    LAB_ROWS=5): which matrices hold the verify step's excess, and at what share of the card's bandwidth each reads.
-# Why: on an H100 the verify step of 1 + 4 rows costs 1.132x a decode step; a tile that is latency-bound reads no
-# faster on an H200, whose decode step is shorter, so its excess is a larger share there (the target: 1.15x on an
-# H200). TILES and PROGRAMS in the environment replace the sweep's. Part 2 on one H100 (rows_matmul_shapes.py's
+# Why: on an H100 the verify step of 1 + 4 rows costs 1.132x a decode step; where its tiles gain less than the GEMV
+# from an H200's bandwidth, their excess is a larger share of that card's shorter decode step (the target: 1.15x on
+# an H200). TILES and PROGRAMS in the environment replace the sweep's. Part 2 on one H100 (rows_matmul_shapes.py's
 # docstring): a layer's four matmuls 88.2 µs at 5 rows against 70.8 through the one-row GEMV, 14.7 µs of the excess in
 # qkv, o and down, whose best tiles read 1.6-2.2 TB/s against the GEMV's 2.65-2.74. Part 1 not yet run.
 set -uo pipefail

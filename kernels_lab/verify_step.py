@@ -29,10 +29,11 @@ verify graphs with their BF16 rows through folded_rows_matmul.py's kernel (`rout
 and the residual adds folded in); LAB_CONSTANTS="NAME=V,NAME=V;...": part 1 also times the verify graphs with the
 kernels' tuning constants set as each group says (e.g. DECODE_TARGET_PROGRAMS=512: the attention's splits);
 LAB_PROGRAMS="3,6": part 1 also times the verify graphs with chapter 09's rows_matmul launches split along K to that
-many programs an SM; LAB_ROWS_TILES="BN,BK,W,ST[;...]": with rows_matmul in each tile (ROWS_MATMUL_TILE); LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many
-sequences (a row each) as exported and through each route (the engines then hold that many sequences). Parts 1-3
-run BF16 steps of up to LAB_GEMV_ROWS rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's
-GEMV_ROWS_BF16), and part 1 also times the verify graphs as exported.
+many programs an SM; LAB_ROWS_TILES="BN,BK,W,ST[;...]": with rows_matmul in each tile (ROWS_MATMUL_TILE);
+LAB_DECODE_ROWS="2,4,8,16": part 1 also times decode graphs of that many sequences (a row each) as exported and
+through each route (the engines then hold that many sequences). Parts 1-3 run BF16 steps of up to LAB_GEMV_ROWS
+rows (default 1 + DRAFTS) through chapter 09's rows GEMV (chapter 09a's GEMV_ROWS_BF16), and part 1 also times the
+verify graphs as exported.
 
 On one H100 (LAB_GEMV_ROWS=1 LAB_STEPS_ONLY=1 LAB_SWAP="64,64,4,3"): 1 + 4 rows 4.063 ms = 1.289x a decode step,
 against 4.145 ms = 1.315x as exported (cuBLAS); the tile 128,128,4,4: 1.457x; with LAB_DEPENDENT_ROWS=8 as well:
@@ -53,9 +54,9 @@ another H100, the kernel before from a patched copy in the same call): 1 + 1 to 
 1 + 3 rows 1.126-1.133x, 1 + 4 rows 1.144-1.148x; launched as a dependent at every row count and waiting for the
 projection after its scans (WAIT_LATE; two runs on a fourth H100, the kernel before from a patched copy in the same
 call): 1 + 1 to 1 + 3 rows 1.117x, 1.122x, 1.126x and 1 + 4 rows 1.132-1.133x, against 1.127-1.132x and 1.145x.
-LAB_PROFILE=1's table (serialised under the profiler, so not the
-graph's overlap): the verify step of 1 + 4 rows 3,600 us of rows_matmul and 457 of _verify_kernel; the decode step
-2,943 us of _gemv_kernel, 1,511 of _gemv_rows_kernel and 424 of _decode_kernel."""
+LAB_PROFILE=1's table (serialised under the profiler, so not the graph's overlap): the verify step of 1 + 4 rows
+3,600 us of rows_matmul and 457 of _verify_kernel; the decode step 2,943 us of _gemv_kernel, 1,511 of
+_gemv_rows_kernel and 424 of _decode_kernel."""
 
 import functools
 import json
