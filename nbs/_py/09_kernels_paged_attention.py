@@ -1555,11 +1555,11 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # python3 kernels_lab/verify_step.py bf16`): 1 + 1 to 1 + 3 rows 1.117-1.126x, 1 + 4 (a 4-row and
 # a 1-row chunk) **1.132-1.133x**, against 1.127-1.132x and 1.145x waiting for the projection before
 # the scans (1 + 4 was then not launched early at all: five rows, past
-# `DEPENDENT_LAUNCH_MAX_ROWS`). Earlier, the step's keys last in every split had cost 1.142-1.146x
-# and 1.188x. Not kept: one 32-row tile for 1 + 4 rows (1.277x) and splits that follow each
-# sequence's length rather than the table's width (1.180x). Below: a sequence's
-# rows beside another sequence's, in several layouts and splits (16-key splits put a sequence's
-# rows across two), against storing every row first and attending row by row.
+# `DEPENDENT_LAUNCH_MAX_ROWS`). Slower, in the same kind of run: one 32-row tile for 1 + 4 rows
+# (1.277x) and splits that follow each sequence's length rather than the table's width (1.180x).
+# Below: a sequence's rows beside another sequence's, in several layouts and splits (16-key
+# splits put a sequence's rows across two), against storing every row first and attending row
+# by row.
 
 # %%
 from forge_engine.config import MAX_SPECULATIVE_TOKENS
