@@ -115,11 +115,10 @@ def decode_sass(
 
 def verify_sass(num_warps: int, block_n: int, chunk: int = 4) -> tuple[list[str], int]:
     """The verify kernel (`_verify_kernel`) as the engine launches it for a verify step of more than 4 rows: a chunk of
-    `chunk` rows of a sequence (Qwen3-4B: 4 of 4 query heads fill the 16-row tile), launched as a dependent that waits
-    for the projection before it only after its scans of the step's rows (WAIT_LATE)."""
+    `chunk` rows of a sequence (Qwen3-4B: 4 of 4 query heads fill the 16-row tile), launched as a dependent (PDL)
+    that waits for the projection before it only after its scans of the step's rows."""
     constexprs = dict(
         QWEN3_4B,
-        WAIT_LATE=True,
         SEQUENCE_ROWS=DECODE_SEQUENCE_ROWS,
         CHUNK=chunk,
         STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),

@@ -52,7 +52,7 @@ K/V taken first by the one split that holds them and idle programs returning at 
 another H100, the kernel before from a patched copy in the same call): 1 + 1 to 1 + 3 rows 1.121x, 1.125x, 1.128x and
 1 + 4 rows 1.143x, against 1.145x, 1.144x, 1.146x and 1.190x; as committed (three runs on a third H100): 1 + 1 to
 1 + 3 rows 1.126-1.133x, 1 + 4 rows 1.144-1.148x; launched as a dependent at every row count and waiting for the
-projection after its scans (WAIT_LATE; two runs on a fourth H100, the kernel before from a patched copy in the same
+projection after its scans (two runs on a fourth H100, the kernel before from a patched copy in the same
 call): 1 + 1 to 1 + 3 rows 1.117x, 1.122x, 1.126x and 1 + 4 rows 1.132-1.133x, against 1.127-1.132x and 1.145x.
 LAB_PROFILE=1's table (serialised under the profiler, so not the graph's overlap): the verify step of 1 + 4 rows
 3,600 us of rows_matmul and 457 of _verify_kernel; the decode step 2,943 us of _gemv_kernel, 1,511 of

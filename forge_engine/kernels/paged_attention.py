@@ -689,7 +689,6 @@ def _verify_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     WAIT: tl.constexpr,
-    WAIT_LATE: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     FENCE: tl.constexpr,
@@ -743,9 +742,9 @@ def _verify_kernel(
     # a chunk's later rows, and splits past the sequence's keys, have nothing to do
     if (rows_here == 0) | (start >= first_ctx):
         return
-    # launched early (WAIT_LATE): the scans above read only the step's tables, slots and lengths; q and the step's
-    # K/V come from the projection before
-    _wait_for_previous(WAIT_LATE)
+    # launched as a dependent wherever PDL runs (`_pdl_args(waits_late=True)`): the scans above read only the step's
+    # tables, slots and lengths; q and the step's K/V come from the projection before
+    _wait_for_previous(PDL)
 
     i = tl.arange(0, BLOCK_G)
     r, heads = i // GROUP, kv_head * GROUP + i % GROUP
@@ -1098,7 +1097,6 @@ def paged_decode_attention(
             CHUNK=chunk,
             STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
             **_pdl_args(q.device, waits_late=True, rows=batch),
-            WAIT_LATE=pdl_supported(q.device),
             **constants,
         )
         return out

@@ -790,7 +790,6 @@ def _verify_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     WAIT: tl.constexpr,
-    WAIT_LATE: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     FENCE: tl.constexpr,
@@ -844,9 +843,9 @@ def _verify_kernel(
     # a chunk's later rows, and splits past the sequence's keys, have nothing to do
     if (rows_here == 0) | (start >= first_ctx):
         return
-    # launched early (WAIT_LATE): the scans above read only the step's tables, slots and lengths; q and the step's
-    # K/V come from the projection before
-    _wait_for_previous(WAIT_LATE)
+    # launched as a dependent wherever PDL runs (`_pdl_args(waits_late=True)`): the scans above read only the step's
+    # tables, slots and lengths; q and the step's K/V come from the projection before
+    _wait_for_previous(PDL)
 
     i = tl.arange(0, BLOCK_G)
     r, heads = i // GROUP, kv_head * GROUP + i % GROUP
@@ -1199,7 +1198,6 @@ def paged_decode_attention(
             CHUNK=chunk,
             STEP_KEYS=max(16, DECODE_SEQUENCE_ROWS),
             **_pdl_args(q.device, waits_late=True, rows=batch),
-            WAIT_LATE=pdl_supported(q.device),
             **constants,
         )
         return out
@@ -1547,7 +1545,7 @@ with pytest.raises(ValueError, match="multiple of kv_heads"):
 # pool's loop (a 4-row chunk at 128-key tiles compiles to 168 registers, against 244 with the
 # step's keys last: `kernels_lab/decode_sass.py`), and the other splits skip that work; programs
 # with nothing to do return at once. The launch is a dependent of the projection before it at
-# every row count (`WAIT_LATE`): its programs find their rows and return early before they wait,
+# every row count: its programs find their rows and return early before they wait,
 # since the scans read only the step's lengths, tables and slots, which the host writes before
 # the graph's first kernel; q and the step's K/V, which the projection writes, are read after the
 # wait. Measured: the BF16 verify graph of random Qwen3-4B, one sequence of 512 tokens, against a
